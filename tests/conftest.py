@@ -1,0 +1,37 @@
+"""Test setup: run Triton kernels under the interpreter when there is no GPU.
+
+``TRITON_INTERPRET`` must be set before any module defining a ``@triton.jit``
+kernel is imported, so it is set here, at collection time.
+"""
+
+import os
+
+import pytest
+
+try:
+    import torch
+
+    _HAS_CUDA = torch.cuda.is_available()
+except Exception:  # pragma: no cover - torch is a hard dependency
+    _HAS_CUDA = False
+
+if not _HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# The device the Triton kernels run on in this session: a GPU when there is one,
+# otherwise CPU tensors through the interpreter.
+KERNEL_DEVICE = "cuda" if _HAS_CUDA else "cpu"
+
+
+def pytest_collection_modifyitems(config, items):
+    if _HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def kernel_device():
+    return KERNEL_DEVICE
