@@ -1,0 +1,119 @@
+"""Small argument checks shared by the public functions.
+
+Every check raises ``TypeError`` (wrong kind of object) or ``ValueError`` (right kind,
+wrong value) with a message naming the argument, what was expected and what was given.
+"""
+
+from __future__ import annotations
+
+import math
+from numbers import Real
+
+import torch
+
+__all__ = [
+    "check_tensor",
+    "check_floating",
+    "check_dim",
+    "check_positive_int",
+    "check_alpha",
+    "check_choice",
+]
+
+
+def check_tensor(name: str, x) -> None:
+    """Raise ``TypeError`` unless ``x`` is a ``torch.Tensor``."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+
+
+def check_floating(name: str, x) -> None:
+    """Raise ``TypeError`` unless ``x`` is a floating-point ``torch.Tensor``."""
+    check_tensor(name, x)
+    if not x.dtype.is_floating_point:
+        raise TypeError(
+            f"{name} must be a floating-point tensor (float16, bfloat16, float32 or "
+            f"float64), got dtype {x.dtype}"
+        )
+
+
+def check_dim(name: str, dim, ndim: int) -> int:
+    """Check that ``dim`` is an int in ``[-ndim, ndim)`` and return it as non-negative.
+
+    Args:
+        name: argument name used in the error message.
+        dim: the dimension given by the user.
+        ndim: number of dimensions of the tensor it indexes.
+    """
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"{name} must be an int, got {type(dim).__name__}")
+    if ndim == 0:
+        raise ValueError(f"{name}={dim} cannot index a 0-dimensional tensor; give a tensor with at least 1 dimension")
+    if not -ndim <= dim < ndim:
+        raise ValueError(f"{name} must be in [{-ndim}, {ndim - 1}] for a {ndim}-d tensor, got {dim}")
+    return dim % ndim
+
+
+def check_positive_int(name: str, value, allow_none: bool = False) -> None:
+    """Raise unless ``value`` is an int >= 1 (or ``None`` when ``allow_none``)."""
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        expected = "a positive int or None" if allow_none else "a positive int"
+        raise TypeError(f"{name} must be {expected}, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+
+
+def check_choice(name: str, value, choices) -> None:
+    """Raise ``ValueError`` unless ``value`` is one of ``choices``."""
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {sorted(choices)}, got {value!r}")
+
+
+def check_alpha(name: str, alpha, x: torch.Tensor, dim: int, low: float = 0.0, high: float = math.inf) -> None:
+    """Check an entmax ``alpha``: a real number or a floating tensor broadcastable to ``x``.
+
+    A tensor ``alpha`` must broadcast to ``x.shape`` without growing it and have size 1
+    along ``dim`` (one alpha per row). Every value must be finite and in ``(low, high]``
+    (``low`` excluded). Checking tensor values reads them back to the host.
+
+    Args:
+        name: argument name used in the error message.
+        alpha: float or tensor.
+        x: the input the mapping is applied to.
+        dim: non-negative dimension of ``x`` the mapping normalizes over.
+        low, high: the open lower and closed upper bound on alpha.
+    """
+    if isinstance(alpha, torch.Tensor):
+        if not alpha.dtype.is_floating_point:
+            raise TypeError(f"{name} must be a float or a floating-point tensor, got dtype {alpha.dtype}")
+        if alpha.ndim > x.ndim:
+            raise ValueError(
+                f"{name} must be broadcastable to the input shape {tuple(x.shape)} with size 1 "
+                f"along dim {dim}, got shape {tuple(alpha.shape)}"
+            )
+        shape = (1,) * (x.ndim - alpha.ndim) + tuple(alpha.shape)
+        ok = all(a in (1, s) for a, s in zip(shape, x.shape)) and shape[dim] == 1
+        if not ok:
+            raise ValueError(
+                f"{name} must be broadcastable to the input shape {tuple(x.shape)} with size 1 "
+                f"along dim {dim}, got shape {tuple(alpha.shape)}"
+            )
+        if alpha.device != x.device and alpha.numel() != 1:
+            raise ValueError(f"{name} must be on the input's device {x.device}, got {alpha.device}")
+        if alpha.numel() == 0:
+            return
+        lo_val = float(alpha.detach().min())
+        hi_val = float(alpha.detach().max())
+        bad = not (math.isfinite(lo_val) and math.isfinite(hi_val)) or lo_val <= low or hi_val > high
+        if bad:
+            raise ValueError(
+                f"{name} must be finite and in ({low}, {high}], got values in [{lo_val}, {hi_val}]"
+            )
+        return
+    if isinstance(alpha, bool) or not isinstance(alpha, Real):
+        raise TypeError(f"{name} must be a float or a floating-point tensor, got {type(alpha).__name__}")
+    a = float(alpha)
+    if not math.isfinite(a) or a <= low or a > high:
+        raise ValueError(f"{name} must be finite and in ({low}, {high}], got {a}")
