@@ -91,8 +91,6 @@ def _check_mask(attn_mask, shape, device):
 
 
 def _check_cu_seqlens(cu_q, cu_k, total_q: int, total_k: int, device):
-    if (cu_q is None) != (cu_k is None):
-        raise ValueError("cu_seqlens_q and cu_seqlens_k must be given together")
     if cu_q is None:
         return
     for name, cu, total in (("cu_seqlens_q", cu_q, total_q), ("cu_seqlens_k", cu_k, total_k)):
@@ -172,8 +170,9 @@ def entmax_attention(
         ``out`` of shape ``(B, Hq, Nq, D)`` in the input dtype, or ``(out, stats)``.
         Rows with no key to attend to give zeros (and zero gradients).
     """
-    varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
-    _check_qkv(q, k, v, enable_gqa, varlen)
+    if (cu_seqlens_q is None) != (cu_seqlens_k is None):
+        raise ValueError("cu_seqlens_q and cu_seqlens_k must be given together")
+    _check_qkv(q, k, v, enable_gqa, varlen=cu_seqlens_q is not None)
     alpha = _check_alpha(alpha, q.shape[1], q.device)
     shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
     _check_mask(attn_mask, shape, q.device)
