@@ -286,7 +286,7 @@ def _triton_rows():
     return entmax_rows_triton
 
 
-def _apply(X, alpha, dim, k, max_iter, ensure_sum_one, exact, name):
+def _apply(X, alpha, dim, k, max_iter, ensure_sum_one, exact):
     check_floating("X", X)
     d = check_dim("dim", dim, X.ndim)
     check_alpha("alpha", alpha, X, d)
@@ -332,7 +332,7 @@ def entmax(X: torch.Tensor, alpha=1.5, dim: int = -1) -> torch.Tensor:
         Tensor of ``X``'s shape and dtype, non-negative, summing to 1 along ``dim``
         (rows that are entirely ``-inf`` give zeros).
     """
-    return _apply(X, alpha, dim, None, 100, True, True, "entmax")
+    return _apply(X, alpha, dim, None, 100, True, True)
 
 
 def sparsemax(X: torch.Tensor, dim: int = -1, k: int | None = None) -> torch.Tensor:
@@ -347,7 +347,7 @@ def sparsemax(X: torch.Tensor, dim: int = -1, k: int | None = None) -> torch.Ten
     Returns:
         Tensor of ``X``'s shape and dtype: ``[X - tau]_+`` summing to 1 along ``dim``.
     """
-    return _apply(X, 2.0, dim, k, 100, True, True, "sparsemax")
+    return _apply(X, 2.0, dim, k, 100, True, True)
 
 
 def entmax15(X: torch.Tensor, dim: int = -1, k: int | None = None) -> torch.Tensor:
@@ -361,7 +361,7 @@ def entmax15(X: torch.Tensor, dim: int = -1, k: int | None = None) -> torch.Tens
     Returns:
         Tensor of ``X``'s shape and dtype: ``[X / 2 - tau]_+ ** 2`` summing to 1 along ``dim``.
     """
-    return _apply(X, 1.5, dim, k, 100, True, True, "entmax15")
+    return _apply(X, 1.5, dim, k, 100, True, True)
 
 
 def entmax_bisect(X: torch.Tensor, alpha=1.5, dim: int = -1, n_iter: int = 50,
@@ -384,7 +384,7 @@ def entmax_bisect(X: torch.Tensor, alpha=1.5, dim: int = -1, n_iter: int = 50,
     Returns:
         Tensor of ``X``'s shape and dtype.
     """
-    return _apply(X, alpha, dim, None, n_iter, ensure_sum_one, False, "entmax_bisect")
+    return _apply(X, alpha, dim, None, n_iter, ensure_sum_one, False)
 
 
 class Sparsemax(nn.Module):

@@ -1,0 +1,272 @@
+"""Row-wise mappings against an independent float64 bisection oracle, gradients, edge cases."""
+
+import math
+
+import pytest
+import torch
+
+from sparse_attn.mappings import (
+    Entmax,
+    Entmax15,
+    EntmaxBisect,
+    Sparsemax,
+    entmax,
+    entmax15,
+    entmax_bisect,
+    sparsemax,
+)
+
+EXACT = {
+    "sparsemax": (sparsemax, 2.0),
+    "entmax15": (entmax15, 1.5),
+}
+
+
+def reference_entmax(x: torch.Tensor, alpha, dim: int = -1) -> torch.Tensor:
+    """Textbook alpha-entmax in float64: ``p = [(alpha-1) x - tau]_+^(1/(alpha-1))``.
+
+    ``tau`` by 200 bisection steps on its bracket, all rows at once; alpha = 1 is softmax.
+    ``alpha`` is a float or a tensor broadcastable to ``x`` with size 1 at ``dim``.
+    Rows that are all ``-inf`` give 0.
+    """
+    x = x.to(torch.float64).movedim(dim, -1).contiguous()
+    a = torch.as_tensor(alpha, dtype=torch.float64)
+    a = a.reshape((1,) * (x.ndim - a.ndim) + tuple(a.shape)).movedim(dim, -1)
+    a = torch.broadcast_to(a, x.shape[:-1] + (1,)).reshape(-1, 1)
+    rows = x.reshape(-1, x.shape[-1])
+    finite = rows > -math.inf
+    n = finite.sum(-1, keepdim=True).clamp(min=1).double()
+    e = torch.where(a == 1, torch.ones_like(a), a - 1)
+    z = torch.where(finite, e * rows, torch.zeros_like(rows))
+    zmax = torch.where(finite, z, torch.full_like(z, -math.inf)).amax(-1, keepdim=True)
+    zmin = torch.where(finite, z, torch.full_like(z, math.inf)).amin(-1, keepdim=True)
+    pos = e > 0
+    lo = torch.where(pos, zmax - 1, zmin - n ** (-e))
+    hi = torch.where(pos, zmax - n ** (-e), zmin - 1)
+
+    def probs(tau):
+        base = z - tau
+        p = torch.where(pos, torch.clamp(base, min=0), base.clamp(min=1e-300)) ** (1 / e)
+        return torch.where(finite, p, torch.zeros_like(p))
+
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        big = probs(mid).sum(-1, keepdim=True) > 1
+        go_right = big == pos
+        lo, hi = torch.where(go_right, mid, lo), torch.where(go_right, hi, mid)
+    p = probs(0.5 * (lo + hi))
+    p = p / p.sum(-1, keepdim=True).clamp(min=1e-300)
+    soft = torch.softmax(rows, -1).nan_to_num(0.0)
+    p = torch.where(a == 1, soft, p)
+    p = torch.where(finite.any(-1, keepdim=True), p, torch.zeros_like(p))
+    return p.reshape(x.shape).movedim(-1, dim)
+
+
+def _rand(*shape, dtype=torch.float64, scale=2.0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g, dtype=torch.float64) * scale).to(dtype)
+
+
+@pytest.mark.parametrize("name", list(EXACT))
+@pytest.mark.parametrize("dim", [0, 1, -1, -2])
+def test_exact_paths_match_reference(name, dim):
+    fn, alpha = EXACT[name]
+    x = _rand(5, 7, 6, seed=dim + 3)
+    torch.testing.assert_close(fn(x, dim=dim), reference_entmax(x, alpha, dim), atol=1e-10, rtol=0)
+    torch.testing.assert_close(entmax(x, alpha, dim=dim), reference_entmax(x, alpha, dim), atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("alpha", [0.3, 0.8, 1.0, 1.1, 1.33, 1.5, 1.75, 2.0, 2.5, 4.0])
+def test_bisect_matches_reference(alpha):
+    x = _rand(6, 11, seed=int(alpha * 100))
+    x[0, 3] = -math.inf
+    torch.testing.assert_close(entmax_bisect(x, alpha), reference_entmax(x, alpha), atol=1e-10, rtol=0)
+    torch.testing.assert_close(entmax(x, alpha), reference_entmax(x, alpha), atol=1e-10, rtol=0)
+
+
+def test_per_head_alpha_on_masked_scores():
+    b, h, n = 2, 5, 9
+    s = _rand(b, h, n, n, seed=7)
+    causal = torch.ones(n, n, dtype=torch.bool).triu(1)
+    s = s.masked_fill(causal, -math.inf)
+    s[1, :, 4, :] = -math.inf
+    alpha = torch.tensor([1.0, 1.5, 2.0, 1.25, 1.5], dtype=torch.float64).view(1, h, 1, 1)
+    p = entmax(s, alpha, dim=-1)
+    torch.testing.assert_close(p, reference_entmax(s, alpha, -1), atol=1e-10, rtol=0)
+    assert torch.equal(p[0, 0], torch.softmax(s[0, 0], -1))
+    assert bool((p[causal.expand_as(p)] == 0).all())
+    assert bool((p[1, :, 4] == 0).all())
+
+
+@pytest.mark.parametrize("alpha", [1.5, 2.0])
+def test_exact_vs_iterative_fp32(alpha):
+    x = _rand(64, 50, dtype=torch.float32, seed=11)
+    p_exact = entmax(x, alpha)
+    p_iter = entmax_bisect(x, alpha)
+    assert float(((p_exact - p_iter) ** 2).sum()) < 1e-7
+    p_ref = reference_entmax(x, alpha)
+    assert float(((p_iter.double() - p_ref) ** 2).sum()) < 1e-7
+
+
+@pytest.mark.parametrize("name", list(EXACT))
+@pytest.mark.parametrize("k", [1, 2, 5, 40])
+@pytest.mark.parametrize("dim", [0, -1])
+def test_partial_sort_identical(name, k, dim):
+    fn, _ = EXACT[name]
+    x = _rand(30, 30, dtype=torch.float32, scale=0.3 if k > 2 else 3.0, seed=k)
+    full = fn(x, dim=dim)
+    part = fn(x, dim=dim, k=k)
+    assert torch.equal(full, part)
+
+
+def test_partial_sort_rows_reaching_k_are_redone():
+    x = torch.zeros(3, 20, dtype=torch.float64)
+    x[0, 0] = 10.0
+    for fn, _ in EXACT.values():
+        p = fn(x, k=2)
+        torch.testing.assert_close(p[1], torch.full((20,), 1 / 20, dtype=torch.float64))
+        assert float(p[0, 0]) == 1.0
+
+
+@pytest.mark.parametrize("fn", [sparsemax, entmax15, lambda x: entmax_bisect(x, 1.3), lambda x: entmax_bisect(x, 0.7),
+                                lambda x: entmax_bisect(x, 2.5), lambda x: entmax(x, 1.0)])
+def test_gradcheck_inputs(fn):
+    x = _rand(3, 4, 6, seed=5).requires_grad_()
+    assert torch.autograd.gradcheck(fn, (x,))
+
+
+@pytest.mark.parametrize("values", [[1.0, 1.2, 1.5, 2.0], [0.6, 1.0 + 1e-3, 1.8, 3.0], [1.0 - 1e-4, 1.0 + 1e-4, 1.0, 1.0]])
+def test_gradcheck_alpha_per_row(values):
+    x = _rand(2, 4, 7, seed=9).requires_grad_()
+    alpha = torch.tensor(values, dtype=torch.float64).view(1, 4, 1).requires_grad_()
+    assert torch.autograd.gradcheck(lambda a, b: entmax(a, b), (x, alpha))
+    assert torch.autograd.gradcheck(lambda a, b: entmax_bisect(a, b), (x, alpha))
+
+
+@pytest.mark.parametrize("value", [1.0, 1.37, 2.0])
+def test_gradcheck_alpha_scalar_tensor(value):
+    x = _rand(3, 8, seed=2).requires_grad_()
+    alpha = torch.tensor(value, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, b: entmax(a, b), (x, alpha))
+
+
+@pytest.mark.parametrize("value", [1.0, 1.0 + 1e-5, 1.0 + 1e-3, 1.6])
+def test_alpha_gradient_fp32_matches_fp64(value):
+    x = _rand(4, 12, seed=4)
+    grads = []
+    for dt in (torch.float32, torch.float64):
+        alpha = torch.tensor([[value]], dtype=dt, requires_grad=True)
+        w = _rand(4, 12, dtype=dt, seed=8)
+        (entmax(x.to(dt), alpha) * w).sum().backward()
+        grads.append(alpha.grad.double())
+    torch.testing.assert_close(grads[0], grads[1], atol=2e-4, rtol=2e-3)
+
+
+def test_alpha_to_one_continuity():
+    x = _rand(8, 30, seed=12)
+    soft = torch.softmax(x, -1)
+    for a in (1.0 + 1e-4, 1.0 - 1e-4):
+        for dt in (torch.float32, torch.float64):
+            p = entmax(x.to(dt), a).double()
+            assert float((p - soft).abs().max()) < 1e-3
+            assert float((p - 1 / 30).abs().max()) > 0.05
+    assert torch.equal(entmax(x, 1.0), soft)
+    assert torch.equal(entmax_bisect(x, 1.0), soft)
+
+
+@pytest.mark.parametrize("fn", [sparsemax, entmax15, lambda x: entmax_bisect(x, 1.3), lambda x: entmax(x, 1.0),
+                                lambda x: entmax_bisect(x, 0.5), lambda x: entmax_bisect(x, 3.0)])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
+def test_neg_inf_entries_and_rows(fn, dtype):
+    x = _rand(4, 9, dtype=dtype, seed=1)
+    x[0, [1, 4]] = -math.inf
+    x[2] = -math.inf
+    x.requires_grad_()
+    p = fn(x)
+    assert p.dtype == dtype
+    assert not bool(torch.isnan(p).any())
+    assert bool((p[0, [1, 4]] == 0).all())
+    assert bool((p[2] == 0).all())
+    torch.testing.assert_close(p[[0, 1, 3]].double().sum(-1), torch.ones(3, dtype=torch.float64), atol=1e-2, rtol=0)
+    (p * _rand(4, 9, dtype=dtype, seed=3)).sum().backward()
+    assert not bool(torch.isnan(x.grad).any())
+    assert bool((x.grad[2] == 0).all())
+    assert bool((x.grad[0, [1, 4]] == 0).all())
+
+
+@pytest.mark.parametrize("fn", [sparsemax, entmax15, lambda x: entmax_bisect(x, 1.3), lambda x: entmax(x, 1.0),
+                                lambda x: entmax_bisect(x, 0.5), lambda x: entmax_bisect(x, 2.5)])
+@pytest.mark.parametrize("dtype,scale", [(torch.float16, 1e4), (torch.bfloat16, 1e4), (torch.float32, 1e30)])
+def test_large_magnitudes(fn, dtype, scale):
+    x = (_rand(6, 40, seed=6, scale=1.0) * scale).to(dtype).requires_grad_()
+    p = fn(x)
+    assert bool(torch.isfinite(p).all())
+    torch.testing.assert_close(p.double().sum(-1), torch.ones(6, dtype=torch.float64), atol=1e-2, rtol=0)
+    p.double().pow(2).sum().backward()
+    assert bool(torch.isfinite(x.grad).all())
+
+
+@pytest.mark.parametrize("fn", [sparsemax, entmax15, lambda x: entmax_bisect(x, 1.3), lambda x: entmax(x, 1.0),
+                                lambda x: entmax_bisect(x, 0.6)])
+def test_shift_invariance_and_permutation(fn):
+    x = _rand(5, 13, seed=10)
+    p = fn(x)
+    torch.testing.assert_close(fn(x + 7.25), p, atol=1e-10, rtol=0)
+    perm = torch.randperm(13, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(fn(x[:, perm]), p[:, perm], atol=1e-12, rtol=0)
+
+
+def test_fp16_bf16_match_fp32_reference():
+    x = _rand(8, 33, dtype=torch.float32, seed=13)
+    for dt in (torch.float16, torch.bfloat16):
+        xd = x.to(dt)
+        for a in (1.0, 1.5, 2.0, 1.2):
+            p = entmax(xd, a)
+            assert p.dtype == dt
+            ref = reference_entmax(xd.double(), a)
+            torch.testing.assert_close(p.double(), ref, atol=1e-2, rtol=0)
+
+
+def test_modules_and_learnable_alpha():
+    x = _rand(3, 4, 10, seed=14)
+    torch.testing.assert_close(Sparsemax(dim=1)(x), sparsemax(x, dim=1))
+    torch.testing.assert_close(Entmax15(dim=0, k=2)(x), entmax15(x, dim=0))
+    alpha = torch.nn.Parameter(torch.tensor([[[1.2]], [[1.6]], [[1.9]]], dtype=torch.float64))
+    mod = EntmaxBisect(alpha=alpha, dim=-1)
+    assert any(p is alpha for p in mod.parameters())
+    mod(x).pow(2).sum().backward()
+    assert alpha.grad is not None and bool(torch.isfinite(alpha.grad).all())
+    torch.testing.assert_close(Entmax(alpha=1.5)(x), entmax15(x))
+
+
+def test_errors_name_the_argument():
+    x = _rand(3, 5)
+    with pytest.raises(ValueError, match="alpha"):
+        entmax(x, 0.0)
+    with pytest.raises(ValueError, match="alpha"):
+        entmax_bisect(x, float("nan"))
+    with pytest.raises(ValueError, match="alpha"):
+        entmax(x, torch.tensor([1.5, 0.0, 1.2], dtype=torch.float64).view(3, 1))
+    with pytest.raises(ValueError, match="alpha"):
+        entmax(x, torch.full((3, 5), 1.5, dtype=torch.float64))
+    with pytest.raises(TypeError, match="alpha"):
+        entmax(x, "1.5")
+    with pytest.raises(TypeError, match="X"):
+        sparsemax(torch.ones(3, 5, dtype=torch.int64))
+    with pytest.raises(TypeError, match="X"):
+        entmax15([1.0, 2.0])
+    with pytest.raises(ValueError, match="dim"):
+        entmax15(x, dim=2)
+    with pytest.raises(TypeError, match="dim"):
+        sparsemax(x, dim=1.0)
+    with pytest.raises(ValueError, match="k"):
+        sparsemax(x, k=0)
+    with pytest.raises(ValueError, match="n_iter"):
+        entmax_bisect(x, n_iter=0)
+
+
+def test_empty_and_single_column():
+    assert entmax(torch.empty(0, 4), 1.5).shape == (0, 4)
+    x = _rand(4, 1)
+    for fn in (sparsemax, entmax15, lambda t: entmax_bisect(t, 1.7), lambda t: entmax_bisect(t, 0.5)):
+        assert torch.equal(fn(x), torch.ones_like(x))
