@@ -1,0 +1,209 @@
+"""Fenchel-Young losses of the entmax family.
+
+For a regularizer ``Omega = -H_alpha`` (Tsallis entropy
+``H_alpha(p) = (1 - sum_j p_j ** alpha) / (alpha (alpha - 1))``, Shannon at ``alpha = 1``)
+the loss of logits ``x`` against a target distribution ``y`` is::
+
+    L(x; y) = Omega(y) + Omega*(x) - <x, y> = <p - y, x> + H_alpha(p) - H_alpha(y),
+
+with ``p = alpha-entmax(x)``. It is >= 0, zero iff ``p = y``, and its gradient w.r.t.
+``x`` is ``p - y``. At ``alpha = 2`` it is the sparsemax loss of Martins & Astudillo
+(2016, ``martins2016-softmax-to-sparsemax.txt``), including its multi-label form with
+label-proportion targets; ``alpha = 1.5`` and general alpha are the entmax losses of
+Peters et al. (2019, ``peters2019-sparse-seq2seq-entmax.txt``).
+
+Targets are integer class labels of shape ``(N,)`` (entries equal to ``ignore_index``
+are skipped) or label proportions of shape ``(N, C)`` (non-negative rows summing to 1).
+Logits of shape ``(N, C)``; ``-inf`` logits are allowed and give finite losses as long
+as the target puts no mass on them. ``alpha`` is treated as a constant (no gradient).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from sparse_attn._validation import check_alpha, check_choice, check_floating, check_positive_int, check_tensor
+from sparse_attn.mappings import _compute_dtype, entmax, entmax15, entmax_bisect, sparsemax
+
+__all__ = [
+    "sparsemax_loss",
+    "entmax15_loss",
+    "entmax_bisect_loss",
+    "SparsemaxLoss",
+    "Entmax15Loss",
+    "EntmaxBisectLoss",
+]
+
+_REDUCTIONS = {"none", "sum", "mean", "elementwise_mean"}
+
+
+def _tsallis_entropy(p: torch.Tensor, alpha: torch.Tensor | float) -> torch.Tensor:
+    """Row-wise Tsallis entropy of ``p`` (R, C) with alpha float or (R, 1); Shannon at alpha 1.
+
+    Uses ``H = -sum_j p_j expm1((alpha - 1) log p_j) / ((alpha - 1) alpha)``, which is
+    accurate for alpha close to 1 and equals ``-sum p log p`` at ``alpha = 1``.
+    """
+    support = p > 0
+    log_p = torch.log(torch.where(support, p, torch.ones_like(p)))
+    if not isinstance(alpha, torch.Tensor):
+        alpha = torch.tensor(alpha, dtype=p.dtype, device=p.device)
+    e = alpha - 1
+    e_safe = torch.where(e == 0, torch.ones_like(e), e)
+    term = torch.where(e == 0, log_p, torch.expm1(e * log_p) / e_safe) / alpha
+    return -(torch.where(support, p * term, torch.zeros_like(p))).sum(dim=-1)
+
+
+class _FenchelYoungFunction(torch.autograd.Function):
+    """Loss rows from logits ``x`` (R, C), probabilities ``p`` and targets ``y`` (R, C)."""
+
+    @staticmethod
+    def forward(ctx, x, p, y, alpha):
+        cdt = p.dtype
+        xc = x.detach().to(cdt)
+        xmax = xc.amax(dim=-1, keepdim=True)
+        xmax = torch.where(torch.isfinite(xmax), xmax, torch.zeros_like(xmax))
+        diff = p - y
+        lin = torch.where(diff != 0, diff * (xc - xmax), torch.zeros_like(xc)).sum(dim=-1)
+        loss = lin + _tsallis_entropy(p, alpha) - _tsallis_entropy(y, alpha)
+        loss = torch.clamp(loss, min=0)
+        ctx.save_for_backward(diff)
+        return loss.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (diff,) = ctx.saved_tensors
+        return (grad.to(diff.dtype).unsqueeze(-1) * diff).to(grad.dtype), None, None, None
+
+
+def _fy_loss(X, target, alpha, mapping, ignore_index, reduction):
+    check_floating("X", X)
+    check_tensor("target", target)
+    check_choice("reduction", reduction, _REDUCTIONS)
+    if X.ndim != 2:
+        raise ValueError(f"X must have shape (N, C), got shape {tuple(X.shape)}")
+    check_alpha("alpha", alpha, X, 1)
+    n_rows, n_cls = X.shape
+    cdt = _compute_dtype(X.dtype)
+    keep = None
+    if target.dtype.is_floating_point:
+        if tuple(target.shape) != tuple(X.shape):
+            raise ValueError(
+                f"target with label proportions must have X's shape {tuple(X.shape)}, got {tuple(target.shape)}"
+            )
+        y = target.detach().to(cdt)
+        if y.numel() and (bool((y < 0).any()) or bool(((y.sum(-1) - 1).abs() > 1e-3).any())):
+            raise ValueError("target label proportions must be non-negative and each row must sum to 1")
+    elif target.dtype in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
+        if tuple(target.shape) != (n_rows,):
+            raise ValueError(f"target labels must have shape ({n_rows},), got {tuple(target.shape)}")
+        labels = target.long()
+        keep = labels != ignore_index
+        if bool(((labels[keep] < 0) | (labels[keep] >= n_cls)).any()):
+            raise ValueError(f"target labels must be in [0, {n_cls - 1}] or equal ignore_index={ignore_index}")
+        safe = torch.where(keep, labels, torch.zeros_like(labels))
+        y = torch.zeros(n_rows, n_cls, dtype=cdt, device=X.device)
+        y.scatter_(1, safe.unsqueeze(1), 1.0)
+    else:
+        raise TypeError(f"target must be an integer label tensor or a floating proportion tensor, got dtype {target.dtype}")
+    with torch.no_grad():
+        p = mapping(X.detach()).to(cdt)
+    if isinstance(alpha, torch.Tensor):
+        alpha_rows = alpha.detach().to(cdt).reshape(-1, 1).expand(n_rows, 1)
+    else:
+        alpha_rows = float(alpha)
+    loss = _FenchelYoungFunction.apply(X, p, y, alpha_rows)
+    if keep is not None:
+        loss = loss * keep.to(loss.dtype)
+    if reduction == "none":
+        return loss
+    if reduction == "sum":
+        return loss.sum()
+    count = keep.sum() if keep is not None else torch.tensor(n_rows, device=X.device)
+    return loss.sum() / count.clamp(min=1).to(loss.dtype)
+
+
+def sparsemax_loss(X: torch.Tensor, target: torch.Tensor, k: int | None = None,
+                   ignore_index: int = -100, reduction: str = "none") -> torch.Tensor:
+    """Sparsemax (Fenchel-Young, alpha = 2) loss.
+
+    Args:
+        X: logits ``(N, C)``, floating.
+        target: labels ``(N,)`` (integer) or label proportions ``(N, C)`` (floating).
+        k: partial-sort size for :func:`sparsemax`. Default None.
+        ignore_index: label whose rows give loss 0 and are left out of the mean. Default -100.
+        reduction: ``"none"`` (default, shape ``(N,)``), ``"sum"``, ``"mean"`` or
+            ``"elementwise_mean"`` (both: mean over non-ignored rows, 0 if none).
+
+    Returns:
+        Loss in ``X``'s dtype; gradient w.r.t. ``X`` is ``sparsemax(X) - target``.
+    """
+    check_positive_int("k", k, allow_none=True)
+    return _fy_loss(X, target, 2.0, lambda x: sparsemax(x, dim=-1, k=k), ignore_index, reduction)
+
+
+def entmax15_loss(X: torch.Tensor, target: torch.Tensor, k: int | None = None,
+                  ignore_index: int = -100, reduction: str = "none") -> torch.Tensor:
+    """1.5-entmax (Fenchel-Young, alpha = 1.5) loss; arguments as :func:`sparsemax_loss`."""
+    check_positive_int("k", k, allow_none=True)
+    return _fy_loss(X, target, 1.5, lambda x: entmax15(x, dim=-1, k=k), ignore_index, reduction)
+
+
+def entmax_bisect_loss(X: torch.Tensor, target: torch.Tensor, alpha=1.5, n_iter: int = 50,
+                       ignore_index: int = -100, reduction: str = "none") -> torch.Tensor:
+    """alpha-entmax (Fenchel-Young) loss for any ``alpha > 0``.
+
+    Args:
+        X, target, ignore_index, reduction: as :func:`sparsemax_loss`.
+        alpha: float, or tensor of shape ``()``, ``(1,)``, ``(N, 1)`` or ``(1, 1)``; values
+            > 0. Treated as a constant (no gradient). ``alpha = 1`` is the softmax
+            (cross-entropy) loss. Default 1.5.
+        n_iter: maximum solver iterations. Default 50.
+    """
+    return _fy_loss(X, target, alpha, lambda x: entmax_bisect(x, alpha=alpha, dim=-1, n_iter=n_iter),
+                    ignore_index, reduction)
+
+
+class _LossModule(nn.Module):
+    def __init__(self, ignore_index: int, reduction: str):
+        super().__init__()
+        check_choice("reduction", reduction, _REDUCTIONS)
+        self.ignore_index = ignore_index
+        self.reduction = reduction
+
+
+class SparsemaxLoss(_LossModule):
+    """Module form of :func:`sparsemax_loss` (``k=None, ignore_index=-100, reduction="elementwise_mean"``)."""
+
+    def __init__(self, k: int | None = None, ignore_index: int = -100, reduction: str = "elementwise_mean"):
+        super().__init__(ignore_index, reduction)
+        self.k = k
+
+    def forward(self, X: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return sparsemax_loss(X, target, k=self.k, ignore_index=self.ignore_index, reduction=self.reduction)
+
+
+class Entmax15Loss(_LossModule):
+    """Module form of :func:`entmax15_loss` (``k=None, ignore_index=-100, reduction="elementwise_mean"``)."""
+
+    def __init__(self, k: int | None = None, ignore_index: int = -100, reduction: str = "elementwise_mean"):
+        super().__init__(ignore_index, reduction)
+        self.k = k
+
+    def forward(self, X: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return entmax15_loss(X, target, k=self.k, ignore_index=self.ignore_index, reduction=self.reduction)
+
+
+class EntmaxBisectLoss(_LossModule):
+    """Module form of :func:`entmax_bisect_loss`
+    (``alpha=1.5, n_iter=50, ignore_index=-100, reduction="elementwise_mean"``)."""
+
+    def __init__(self, alpha=1.5, n_iter: int = 50, ignore_index: int = -100,
+                 reduction: str = "elementwise_mean"):
+        super().__init__(ignore_index, reduction)
+        self.alpha = alpha
+        self.n_iter = n_iter
+
+    def forward(self, X: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return entmax_bisect_loss(X, target, alpha=self.alpha, n_iter=self.n_iter,
+                                  ignore_index=self.ignore_index, reduction=self.reduction)

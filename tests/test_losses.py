@@ -1,0 +1,168 @@
+"""Fenchel-Young losses: value vs closed forms, gradient p - target, reductions, edge cases."""
+
+import math
+
+import pytest
+import torch
+
+from sparse_attn.losses import (
+    Entmax15Loss,
+    EntmaxBisectLoss,
+    SparsemaxLoss,
+    entmax15_loss,
+    entmax_bisect_loss,
+    sparsemax_loss,
+)
+from sparse_attn.mappings import entmax15, entmax_bisect, sparsemax
+
+LOSSES = {
+    "sparsemax": (sparsemax_loss, sparsemax),
+    "entmax15": (entmax15_loss, entmax15),
+    "bisect13": (lambda x, t, **kw: entmax_bisect_loss(x, t, alpha=1.3, **kw), lambda x: entmax_bisect(x, 1.3)),
+    "bisect07": (lambda x, t, **kw: entmax_bisect_loss(x, t, alpha=0.7, **kw), lambda x: entmax_bisect(x, 0.7)),
+    "bisect25": (lambda x, t, **kw: entmax_bisect_loss(x, t, alpha=2.5, **kw), lambda x: entmax_bisect(x, 2.5)),
+}
+
+
+def _rand(*shape, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g, dtype=torch.float64) * 2).to(dtype)
+
+
+def _labels(n, c, seed=0):
+    return torch.randint(0, c, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def _proportions(n, c, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    y = torch.rand(n, c, generator=g, dtype=torch.float64) * (torch.rand(n, c, generator=g) > 0.5)
+    y[:, 0] += 0.1
+    return y / y.sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+@pytest.mark.parametrize("kind", ["labels", "proportions"])
+def test_gradcheck_and_gradient_is_p_minus_target(name, kind):
+    loss_fn, mapping = LOSSES[name]
+    x = _rand(5, 7, seed=1).requires_grad_()
+    target = _labels(5, 7, seed=2) if kind == "labels" else _proportions(5, 7, seed=2)
+    assert torch.autograd.gradcheck(lambda t: loss_fn(t, target), (x,))
+    (g,) = torch.autograd.grad(loss_fn(x, target).sum(), x)
+    y = torch.nn.functional.one_hot(target, 7).double() if kind == "labels" else target
+    torch.testing.assert_close(g, mapping(x.detach()) - y, atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_nonnegative_and_zero_at_own_prediction(name):
+    loss_fn, mapping = LOSSES[name]
+    x = _rand(40, 9, seed=3)
+    assert bool((loss_fn(x, _labels(40, 9, seed=4)) >= 0).all())
+    assert bool((loss_fn(x, _proportions(40, 9, seed=5)) >= 0).all())
+    torch.testing.assert_close(loss_fn(x, mapping(x)), torch.zeros(40, dtype=torch.float64), atol=1e-9, rtol=0)
+
+
+def test_alpha_one_is_cross_entropy():
+    x = _rand(6, 10, seed=6)
+    t = _labels(6, 10, seed=7)
+    torch.testing.assert_close(entmax_bisect_loss(x, t, alpha=1.0),
+                               torch.nn.functional.cross_entropy(x, t, reduction="none"))
+    near = entmax_bisect_loss(x, t, alpha=1.0 + 1e-4)
+    torch.testing.assert_close(near, torch.nn.functional.cross_entropy(x, t, reduction="none"), atol=1e-3, rtol=0)
+
+
+def test_sparsemax_loss_closed_form():
+    x = _rand(8, 6, seed=8)
+    t = _labels(8, 6, seed=9)
+    p = sparsemax(x)
+    support = p > 0
+    tau = torch.where(support, x - p, torch.zeros_like(x)).sum(-1) / support.sum(-1)
+    expected = -x.gather(1, t[:, None]).squeeze(1) + 0.5 * (
+        torch.where(support, x ** 2 - tau[:, None] ** 2, torch.zeros_like(x)).sum(-1)) + 0.5
+    torch.testing.assert_close(sparsemax_loss(x, t), expected, atol=1e-12, rtol=0)
+
+
+def test_entmax15_loss_definition():
+    x = _rand(8, 6, seed=10)
+    y = _proportions(8, 6, seed=11)
+    p = entmax15(x)
+
+    def tsallis15(q):
+        return (1 - (q ** 1.5).sum(-1)) / 0.75
+
+    expected = ((p - y) * x).sum(-1) + tsallis15(p) - tsallis15(y)
+    torch.testing.assert_close(entmax15_loss(x, y), expected, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("reduction", ["none", "sum", "mean", "elementwise_mean"])
+def test_ignore_index_and_reductions(reduction):
+    x = _rand(6, 5, seed=12).requires_grad_()
+    t = _labels(6, 5, seed=13)
+    t[[1, 4]] = -100
+    per_row = sparsemax_loss(x, t, reduction="none")
+    assert bool((per_row.detach()[[1, 4]] == 0).all())
+    out = SparsemaxLoss(reduction=reduction)(x, t)
+    expected = {"none": per_row, "sum": per_row.sum(), "mean": per_row.sum() / 4,
+                "elementwise_mean": per_row.sum() / 4}[reduction]
+    torch.testing.assert_close(out, expected)
+    out.sum().backward()
+    assert bool((x.grad[[1, 4]] == 0).all())
+    t_custom = _labels(6, 5, seed=13)
+    t_custom[0] = 3
+    loss = Entmax15Loss(ignore_index=3, reduction="none")(x.detach(), t_custom)
+    assert bool((loss[t_custom == 3] == 0).all())
+
+
+def test_all_ignored_mean_is_zero():
+    x = _rand(3, 4, seed=14)
+    t = torch.full((3,), -100)
+    for mod in (SparsemaxLoss(), Entmax15Loss(), EntmaxBisectLoss(alpha=1.2)):
+        assert float(mod(x, t)) == 0.0
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
+def test_neg_inf_logits_give_finite_losses(name, dtype):
+    loss_fn, _ = LOSSES[name]
+    x = _rand(4, 8, dtype=dtype, seed=15)
+    x[:, :3] = -math.inf
+    x = x.requires_grad_()
+    t = torch.tensor([3, 4, 7, 5])
+    loss = loss_fn(x, t)
+    assert loss.dtype == dtype
+    assert bool(torch.isfinite(loss).all()) and bool((loss >= 0).all())
+    loss.sum().backward()
+    assert bool(torch.isfinite(x.grad).all())
+    assert bool((x.grad[:, :3] == 0).all())
+
+
+def test_module_learnable_alpha_is_accepted():
+    x = _rand(4, 6, seed=16)
+    alpha = torch.nn.Parameter(torch.tensor(1.4, dtype=torch.float64))
+    out = EntmaxBisectLoss(alpha=alpha)(x, _labels(4, 6))
+    torch.testing.assert_close(out, entmax_bisect_loss(x, _labels(4, 6), alpha=1.4, reduction="mean"))
+    per_row_alpha = torch.tensor([[1.2], [1.5], [2.0], [1.0]], dtype=torch.float64)
+    per_row = entmax_bisect_loss(x, _labels(4, 6), alpha=per_row_alpha)
+    for i, a in enumerate((1.2, 1.5, 2.0, 1.0)):
+        torch.testing.assert_close(per_row[i], entmax_bisect_loss(x[i:i + 1], _labels(4, 6)[i:i + 1], alpha=a)[0])
+
+
+def test_errors_name_the_argument():
+    x = _rand(3, 4)
+    with pytest.raises(ValueError, match="reduction"):
+        sparsemax_loss(x, _labels(3, 4), reduction="avg")
+    with pytest.raises(ValueError, match="reduction"):
+        SparsemaxLoss(reduction="batchmean")
+    with pytest.raises(ValueError, match="target"):
+        sparsemax_loss(x, _labels(4, 4))
+    with pytest.raises(ValueError, match="target"):
+        entmax15_loss(x, torch.tensor([0, 1, 4]))
+    with pytest.raises(ValueError, match="target"):
+        entmax15_loss(x, torch.full((3, 4), 0.5, dtype=torch.float64))
+    with pytest.raises(TypeError, match="target"):
+        entmax15_loss(x, torch.ones(3, dtype=torch.bool))
+    with pytest.raises(ValueError, match="alpha"):
+        entmax_bisect_loss(x, _labels(3, 4), alpha=-1.0)
+    with pytest.raises(ValueError, match="X"):
+        sparsemax_loss(x[0], _labels(1, 4))
+    with pytest.raises(TypeError, match="X"):
+        sparsemax_loss(torch.ones(3, 4, dtype=torch.int32), _labels(3, 4))
