@@ -1,0 +1,575 @@
+"""Fused backward of alpha-entmax attention: dQ, dK, dV, d alpha per head and d bias.
+
+Layout ``(batch, heads, seq, head_dim)``. The weights are recomputed tile by tile from the
+forward's per-row statistics (``tau`` in the z-scale, ``lsum``); see ``docs/design.md`` for the
+conventions and ``docs/backward.md`` for the derivation. With ``U = p^(2-alpha)`` on the support:
+
+    dP = dO V^T (times the replayed dropout factor)   delta_i = sum_j U_ij dP_ij / sum_j U_ij
+    dS = U (dP - delta)    dQ = scale dS K    dK = scale dS^T Q    dV = P^T dO    d bias = dS
+
+Two kernels, no atomics, so every gradient is bitwise reproducible:
+
+* ``_entmax_attn_bwd_dq_kernel``, one program per (query tile, batch, q head): sweep 1 over the
+  live key tiles accumulates the row sums (``delta`` and the d alpha terms; skipped for
+  alpha = 1 heads without d alpha, where ``delta = dO . O``), sweep 2 accumulates dQ and writes dS.
+* ``_entmax_attn_bwd_dkdv_kernel``, one program per (key tile, batch, kv head): loops over the q
+  heads of its group and their live query tiles, so dK/dV of GQA are summed in a fixed order.
+
+Alpha is read per head at run time: alpha = 1 uses ``exp2``, alpha = 1.5 and alpha = 2 use
+no transcendental function per score, other values one ``log2`` and one ``exp2``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import dropout_keep, interpreting
+
+_DEFAULT_BLOCK = 64
+
+
+@triton.jit
+def _row_factors(alpha, lsum):
+    """``cu = lsum^(alpha-2)`` and ``cp = lsum^(1-alpha)`` per row ``[BLOCK_M]``; 0 where ``lsum == 0``."""
+    valid = lsum > 0.0
+    lg = tl.log2(tl.where(valid, lsum, 1.0))
+    cu = tl.where(valid, tl.exp2((alpha - 2.0) * lg), 0.0)
+    cp = tl.where(valid, tl.exp2((1.0 - alpha) * lg), 0.0)
+    return cu, cp
+
+
+@triton.jit
+def _weights(s, tau, cu, cp, alpha):
+    """Weights ``p`` and ``U = p^(2-alpha)`` of a score tile ``s [BLOCK_M, BLOCK_N]`` (masked = -inf).
+
+    For alpha > 1, ``r = [(alpha-1) s - tau]_+``, ``U = r^(beta-1) cu`` and ``p = U r cp``
+    (``beta = 1/(alpha-1)``), which equals ``r^beta / lsum``.
+    """
+    if alpha == 1.0:
+        p = tl.exp2((s - tau[:, None]) * 1.4426950408889634)
+        u = p
+    else:
+        r = tl.maximum(s * (alpha - 1.0) - tau[:, None], 0.0)
+        if alpha == 2.0:
+            u = tl.where(r > 0.0, cu[:, None], 0.0)
+        elif alpha == 1.5:
+            u = r * cu[:, None]
+        else:
+            log_r = tl.log2(tl.where(r > 0.0, r, 1.0))
+            u = tl.where(r > 0.0, tl.exp2((1.0 / (alpha - 1.0) - 1.0) * log_r), 0.0) * cu[:, None]
+        p = u * r * cp[:, None]
+    return p, u
+
+
+@triton.jit
+def _dalpha_terms(p, u, alpha):
+    """Elementwise ``p log p`` and ``pg = p (e^x - 1 - x) / (alpha-1)^2`` with ``x = -(alpha-1) log p``.
+
+    ``pg`` uses the Taylor series of ``(e^x - 1 - x) / x^2`` for ``x < 1`` (exact at alpha = 1,
+    where it is ``p log^2 p / 2``) and ``(U - p (1 + x)) / (alpha-1)^2`` otherwise.
+    """
+    eps = alpha - 1.0
+    sup = p > 0.0
+    logp = tl.where(sup, tl.log2(tl.where(sup, p, 1.0)) * 0.6931471805599453, 0.0)
+    x = -eps * logp
+    ser = x * (1.0 / 479001600.0) + 1.0 / 39916800.0
+    ser = ser * x + 1.0 / 3628800.0
+    ser = ser * x + 1.0 / 362880.0
+    ser = ser * x + 1.0 / 40320.0
+    ser = ser * x + 1.0 / 5040.0
+    ser = ser * x + 1.0 / 720.0
+    ser = ser * x + 1.0 / 120.0
+    ser = ser * x + 1.0 / 24.0
+    ser = ser * x + 1.0 / 6.0
+    ser = ser * x + 0.5
+    pg_series = p * logp * logp * ser
+    pg_direct = (u - p * (1.0 + x)) / tl.maximum(eps * eps, 1e-30)
+    pg = tl.where(x < 1.0, pg_series, pg_direct)
+    return p * logp, pg
+
+
+@triton.jit
+def _tile(
+    q, do, k, v, tau, cu, cp, alpha, scale, bias_base, stride_bias_m, stride_bias_n,
+    rows, cols, rows_loc, cols_loc, row_ok, col_ok, causal_shift, seed, bh, n_cols_drop, p_drop,
+    IS_CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Recompute one tile: weights ``p``, ``U``, ``dP`` and the dropped weights ``pd``, all ``[BLOCK_M, BLOCK_N]``."""
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
+    valid = row_ok[:, None] & col_ok[None, :]
+    if HAS_BIAS:
+        b_ptrs = bias_base + rows[:, None].to(tl.int64) * stride_bias_m + cols[None, :].to(tl.int64) * stride_bias_n
+        s += tl.load(b_ptrs, mask=valid, other=0.0).to(tl.float32)
+    if IS_CAUSAL:
+        valid = valid & (cols_loc[None, :] <= rows_loc[:, None] + causal_shift)
+    s = tl.where(valid, s, float("-inf"))
+    p, u = _weights(s, tau, cu, cp, alpha)
+    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+    if HAS_DROPOUT:
+        keep = dropout_keep(seed, bh, rows, cols, n_cols_drop, p_drop)
+        fac = tl.where(keep, 1.0 / (1.0 - p_drop), 0.0)
+        dp = dp * fac
+        pd = p * fac
+    else:
+        pd = p
+    return p, u, dp, pd
+
+
+@triton.jit
+def _live_bit(live_row, kt):
+    """Bit ``kt`` of the liveness words starting at ``live_row``."""
+    word = tl.load(live_row + kt // 32)
+    return (word >> (kt % 32)) & 1
+
+
+@triton.jit
+def _row_sums(
+    q, do, tau, cu, cp, alpha, scale, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
+    bias_base, stride_bias_m, stride_bias_n, live_row, n_kt, k_start, Lk,
+    rows, rows_loc, row_ok, causal_shift, offs_d, d_ok, seed, bh, n_cols_drop, p_drop,
+    IS_CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LIVE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    NEED_DALPHA: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Sweep 1: per-row ``sum U``, ``sum U dP`` and, with ``NEED_DALPHA``, the sums of
+    ``p dP``, ``p log p``, ``pg``, ``pg dP``, ``p log p dP`` (see ``_dalpha_terms``), each ``[BLOCK_M]``."""
+    su = tl.zeros([BLOCK_M], dtype=tl.float32)
+    sud = tl.zeros([BLOCK_M], dtype=tl.float32)
+    spd = tl.zeros([BLOCK_M], dtype=tl.float32)
+    spl = tl.zeros([BLOCK_M], dtype=tl.float32)
+    sg = tl.zeros([BLOCK_M], dtype=tl.float32)
+    sgd = tl.zeros([BLOCK_M], dtype=tl.float32)
+    spld = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for kt in range(0, n_kt):
+        live = 1
+        if HAS_LIVE:
+            live = _live_bit(live_row, kt)
+        if live != 0:
+            cols_loc = kt * BLOCK_N + tl.arange(0, BLOCK_N)
+            cols = k_start + cols_loc
+            col_ok = cols_loc < Lk
+            kv_mask = col_ok[:, None] & d_ok[None, :]
+            k = tl.load(K_base + cols[:, None].to(tl.int64) * stride_kn + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
+            v = tl.load(V_base + cols[:, None].to(tl.int64) * stride_vn + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+            if UPCAST:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            p, u, dp, pd = _tile(
+                q, do, k, v, tau, cu, cp, alpha, scale, bias_base, stride_bias_m, stride_bias_n,
+                rows, cols, rows_loc, cols_loc, row_ok, col_ok, causal_shift, seed, bh, n_cols_drop, p_drop,
+                IS_CAUSAL, HAS_BIAS, HAS_DROPOUT, DOT_PRECISION,
+            )
+            su += tl.sum(u, 1)
+            sud += tl.sum(u * dp, 1)
+            if NEED_DALPHA:
+                plogp, pg = _dalpha_terms(p, u, alpha)
+                spd += tl.sum(p * dp, 1)
+                spl += tl.sum(plogp, 1)
+                sg += tl.sum(pg, 1)
+                sgd += tl.sum(pg * dp, 1)
+                spld += tl.sum(plogp * dp, 1)
+    return su, sud, spd, spl, sg, sgd, spld
+
+
+@triton.jit
+def _entmax_attn_bwd_dq_kernel(
+    Q, K, V, DO, OUT, TAU, LSUM, ALPHA, BIAS, LIVE, CU_Q, CU_K,
+    DQ, DELTA, DALPHA, DBIAS,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_ob, stride_oh, stride_om, stride_od,
+    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+    stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n,
+    stride_live_b, stride_live_h, stride_live_m,
+    n_heads, kv_group, n_q, n_k, scale, p_drop, seed,
+    IS_CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LIVE: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, NEED_DALPHA: tl.constexpr, NEED_DBIAS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    seq = pid_bh // n_heads
+    h = pid_bh % n_heads
+    hk = h // kv_group
+    if IS_VARLEN:
+        q_start = tl.load(CU_Q + seq)
+        Lq = tl.load(CU_Q + seq + 1) - q_start
+        k_start = tl.load(CU_K + seq)
+        Lk = tl.load(CU_K + seq + 1) - k_start
+        b = seq * 0
+    else:
+        q_start = 0
+        Lq = n_q
+        k_start = 0
+        Lk = n_k
+        b = seq
+    if pid_m * BLOCK_M >= Lq:
+        return
+    b64 = b.to(tl.int64)
+    bh = b * n_heads + h
+    rows_loc = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = q_start + rows_loc
+    row_ok = rows_loc < Lq
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    qd_mask = row_ok[:, None] & d_ok[None, :]
+    rows64 = rows.to(tl.int64)
+
+    q = tl.load(Q + b64 * stride_qb + h.to(tl.int64) * stride_qh + rows64[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+                mask=qd_mask, other=0.0)
+    do = tl.load(DO + b64 * stride_dob + h.to(tl.int64) * stride_doh + rows64[:, None] * stride_dom + offs_d[None, :] * stride_dod,
+                 mask=qd_mask, other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+        do = do.to(tl.float32)
+    stat_off = bh.to(tl.int64) * n_q + rows64
+    tau = tl.load(TAU + stat_off, mask=row_ok, other=float("inf"))
+    lsum = tl.load(LSUM + stat_off, mask=row_ok, other=0.0)
+    alpha = tl.load(ALPHA + h)
+    cu, cp = _row_factors(alpha, lsum)
+
+    K_base = K + b64 * stride_kb + hk.to(tl.int64) * stride_kh
+    V_base = V + b64 * stride_vb + hk.to(tl.int64) * stride_vh
+    bias_base = BIAS + b64 * stride_bias_b + h.to(tl.int64) * stride_bias_h
+    live_row = LIVE + seq.to(tl.int64) * stride_live_b + h.to(tl.int64) * stride_live_h + pid_m.to(tl.int64) * stride_live_m
+    causal_shift = Lk - Lq
+    hi = Lk
+    if IS_CAUSAL:
+        hi = tl.minimum(Lk, (pid_m + 1) * BLOCK_M + causal_shift)
+    n_kt = tl.cdiv(tl.maximum(hi, 0), BLOCK_N)
+    n_cols_drop = n_k
+
+    if NEED_DALPHA:
+        su, sud, spd, spl, sg, sgd, spld = _row_sums(
+            q, do, tau, cu, cp, alpha, scale, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
+            bias_base, stride_bias_m, stride_bias_n, live_row, n_kt, k_start, Lk,
+            rows, rows_loc, row_ok, causal_shift, offs_d, d_ok, seed, bh, n_cols_drop, p_drop,
+            IS_CAUSAL, HAS_BIAS, HAS_LIVE, HAS_DROPOUT, True, UPCAST, DOT_PRECISION, BLOCK_M, BLOCK_N,
+        )
+        has_u = su > 0.0
+        su_safe = tl.where(has_u, su, 1.0)
+        delta = tl.where(has_u, sud / su_safe, 0.0)
+        eps = alpha - 1.0
+        dalpha = (sg * spd - sgd) / su_safe + eps * (spl * sgd - sg * spld) / su_safe
+        tl.store(DALPHA + stat_off, tl.where(has_u, dalpha, 0.0), mask=row_ok)
+    else:
+        if alpha == 1.0:
+            o = tl.load(OUT + b64 * stride_ob + h.to(tl.int64) * stride_oh + rows64[:, None] * stride_om + offs_d[None, :] * stride_od,
+                        mask=qd_mask, other=0.0).to(tl.float32)
+            delta = tl.sum(do.to(tl.float32) * o, 1)
+        else:
+            su, sud, spd, spl, sg, sgd, spld = _row_sums(
+                q, do, tau, cu, cp, alpha, scale, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                bias_base, stride_bias_m, stride_bias_n, live_row, n_kt, k_start, Lk,
+                rows, rows_loc, row_ok, causal_shift, offs_d, d_ok, seed, bh, n_cols_drop, p_drop,
+                IS_CAUSAL, HAS_BIAS, HAS_LIVE, HAS_DROPOUT, False, UPCAST, DOT_PRECISION, BLOCK_M, BLOCK_N,
+            )
+            has_u = su > 0.0
+            delta = tl.where(has_u, sud / tl.where(has_u, su, 1.0), 0.0)
+    tl.store(DELTA + stat_off, delta, mask=row_ok)
+
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    dbias_base = DBIAS + bh.to(tl.int64) * n_q * n_k
+    for kt in range(0, n_kt):
+        live = 1
+        if HAS_LIVE:
+            live = _live_bit(live_row, kt)
+        if live != 0:
+            cols_loc = kt * BLOCK_N + tl.arange(0, BLOCK_N)
+            cols = k_start + cols_loc
+            col_ok = cols_loc < Lk
+            kv_mask = col_ok[:, None] & d_ok[None, :]
+            k = tl.load(K_base + cols[:, None].to(tl.int64) * stride_kn + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
+            v = tl.load(V_base + cols[:, None].to(tl.int64) * stride_vn + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+            if UPCAST:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            p, u, dp, pd = _tile(
+                q, do, k, v, tau, cu, cp, alpha, scale, bias_base, stride_bias_m, stride_bias_n,
+                rows, cols, rows_loc, cols_loc, row_ok, col_ok, causal_shift, seed, bh, n_cols_drop, p_drop,
+                IS_CAUSAL, HAS_BIAS, HAS_DROPOUT, DOT_PRECISION,
+            )
+            ds = u * (dp - delta[:, None])
+            dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
+            if NEED_DBIAS:
+                tl.store(dbias_base + rows64[:, None] * n_k + cols[None, :].to(tl.int64), ds,
+                         mask=row_ok[:, None] & col_ok[None, :])
+    dq_ptrs = DQ + b64 * stride_dqb + h.to(tl.int64) * stride_dqh + rows64[:, None] * stride_dqm + offs_d[None, :] * stride_dqd
+    tl.store(dq_ptrs, (dq * scale).to(DQ.dtype.element_ty), mask=qd_mask)
+
+
+@triton.jit
+def _entmax_attn_bwd_dkdv_kernel(
+    Q, K, V, DO, TAU, LSUM, DELTA, ALPHA, BIAS, LIVE, CU_Q, CU_K,
+    DK, DV,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+    stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n,
+    stride_live_b, stride_live_h, stride_live_m,
+    n_heads, n_kv_heads, kv_group, n_q, n_k, scale, p_drop, seed,
+    IS_CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LIVE: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    seq = pid_bh // n_kv_heads
+    hk = pid_bh % n_kv_heads
+    if IS_VARLEN:
+        q_start = tl.load(CU_Q + seq)
+        Lq = tl.load(CU_Q + seq + 1) - q_start
+        k_start = tl.load(CU_K + seq)
+        Lk = tl.load(CU_K + seq + 1) - k_start
+        b = seq * 0
+    else:
+        q_start = 0
+        Lq = n_q
+        k_start = 0
+        Lk = n_k
+        b = seq
+    if pid_n * BLOCK_N >= Lk:
+        return
+    b64 = b.to(tl.int64)
+    cols_loc = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = k_start + cols_loc
+    col_ok = cols_loc < Lk
+    cols64 = cols.to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    kv_mask = col_ok[:, None] & d_ok[None, :]
+    k = tl.load(K + b64 * stride_kb + hk.to(tl.int64) * stride_kh + cols64[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                mask=kv_mask, other=0.0)
+    v = tl.load(V + b64 * stride_vb + hk.to(tl.int64) * stride_vh + cols64[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+                mask=kv_mask, other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    causal_shift = Lk - Lq
+    mt_lo = 0
+    if IS_CAUSAL:
+        mt_lo = tl.maximum(pid_n * BLOCK_N - causal_shift, 0) // BLOCK_M
+    n_mt = tl.cdiv(Lq, BLOCK_M)
+    word = pid_n // 32
+    bit = pid_n % 32
+    for g in range(0, kv_group):
+        h = hk * kv_group + g
+        bh = b * n_heads + h
+        alpha = tl.load(ALPHA + h)
+        Q_base = Q + b64 * stride_qb + h.to(tl.int64) * stride_qh
+        DO_base = DO + b64 * stride_dob + h.to(tl.int64) * stride_doh
+        bias_base = BIAS + b64 * stride_bias_b + h.to(tl.int64) * stride_bias_h
+        live_head = LIVE + seq.to(tl.int64) * stride_live_b + h.to(tl.int64) * stride_live_h + word
+        for mt in range(mt_lo, n_mt):
+            live = 1
+            if HAS_LIVE:
+                live = (tl.load(live_head + mt * stride_live_m) >> bit) & 1
+            if live != 0:
+                rows_loc = mt * BLOCK_M + tl.arange(0, BLOCK_M)
+                rows = q_start + rows_loc
+                row_ok = rows_loc < Lq
+                rows64 = rows.to(tl.int64)
+                qd_mask = row_ok[:, None] & d_ok[None, :]
+                q = tl.load(Q_base + rows64[:, None] * stride_qm + offs_d[None, :] * stride_qd, mask=qd_mask, other=0.0)
+                do = tl.load(DO_base + rows64[:, None] * stride_dom + offs_d[None, :] * stride_dod, mask=qd_mask, other=0.0)
+                if UPCAST:
+                    q = q.to(tl.float32)
+                    do = do.to(tl.float32)
+                stat_off = bh.to(tl.int64) * n_q + rows64
+                tau = tl.load(TAU + stat_off, mask=row_ok, other=float("inf"))
+                lsum = tl.load(LSUM + stat_off, mask=row_ok, other=0.0)
+                delta = tl.load(DELTA + stat_off, mask=row_ok, other=0.0)
+                cu, cp = _row_factors(alpha, lsum)
+                p, u, dp, pd = _tile(
+                    q, do, k, v, tau, cu, cp, alpha, scale, bias_base, stride_bias_m, stride_bias_n,
+                    rows, cols, rows_loc, cols_loc, row_ok, col_ok, causal_shift, seed, bh, n_k, p_drop,
+                    IS_CAUSAL, HAS_BIAS, HAS_DROPOUT, DOT_PRECISION,
+                )
+                ds = u * (dp - delta[:, None])
+                dv += tl.dot(tl.trans(pd).to(do.dtype), do, input_precision=DOT_PRECISION)
+                dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=DOT_PRECISION)
+    dk_ptrs = DK + b64 * stride_dkb + hk.to(tl.int64) * stride_dkh + cols64[:, None] * stride_dkn + offs_d[None, :] * stride_dkd
+    dv_ptrs = DV + b64 * stride_dvb + hk.to(tl.int64) * stride_dvh + cols64[:, None] * stride_dvn + offs_d[None, :] * stride_dvd
+    tl.store(dk_ptrs, (dk * scale).to(DK.dtype.element_ty), mask=kv_mask)
+    tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=kv_mask)
+
+
+def _check_tensor(name, t, ndim, dtypes):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.ndim != ndim:
+        raise ValueError(f"{name}: expected a {ndim}-d tensor, got shape {tuple(t.shape)}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name}: expected dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
+
+
+def bwd_block_sizes(head_dim: int) -> tuple[int, int]:
+    """Default ``(block_m, block_n)`` of the backward when no liveness map fixes them."""
+    return _DEFAULT_BLOCK, _DEFAULT_BLOCK
+
+
+def entmax_attn_bwd(
+    do, q, k, v, out, tau, lsum, alpha, scale, bias=None, is_causal=False, cu_seqlens_q=None,
+    cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, dropout_p=0.0, seed=0,
+    live=None, block_m=None, block_n=None, need_dalpha=False, need_dbias=False,
+):
+    """Gradients of alpha-entmax attention from the forward's per-row statistics.
+
+    Args:
+        do: ``(B, Hq, Nq, D)`` gradient of the output, same dtype as ``q``; any strides.
+        q: ``(B, Hq, Nq, D)`` queries, float16 / bfloat16 / float32; any strides.
+        k, v: ``(B, Hk, Nk, D)`` keys and values, dtype of ``q``; ``Hq % Hk == 0`` (GQA/MQA).
+        out: ``(B, Hq, Nq, D)`` forward output (used for ``delta = dO . O`` on alpha = 1 heads).
+        tau, lsum: float32 ``(B, Hq, Nq)`` forward statistics (``docs/design.md``): for
+            alpha > 1, ``p = [(alpha-1) s - tau]_+^(1/(alpha-1)) / lsum``; for alpha = 1,
+            ``p = exp(s - tau)``. ``lsum == 0`` marks a row with no valid key (zero gradients).
+        alpha: float32 ``(Hq,)`` per-head alpha in ``[1, 2]`` (a Python float is broadcast).
+        scale: float, scores are ``scale * q . k + bias``.
+        bias: optional float tensor broadcastable (zero strides allowed) to ``(B, Hq, Nq, Nk)``;
+            ``-inf`` marks masked pairs. Default None.
+        is_causal: bottom-right aligned causal mask. Default False.
+        cu_seqlens_q, cu_seqlens_k: int32 ``(nseq + 1,)`` for variable length (then ``B == 1``
+            and ``Nq``/``Nk`` are the packed totals). Default None.
+        max_seqlen_q, max_seqlen_k: longest sequences (computed from ``cu_seqlens`` when None).
+        dropout_p, seed: dropout of the forward, replayed with ``kernels._common.dropout_keep``.
+        live: optional int32 ``(B or nseq, Hq, cdiv(max_seqlen_q, block_m), words)`` tile
+            liveness bits of the forward; dead tiles are skipped. Requires ``block_m``/``block_n``.
+        block_m, block_n: tile sizes (powers of two >= 16); default 64.
+        need_dalpha: also return the alpha gradient. Default False.
+        need_dbias: also return the bias gradient. Default False.
+
+    Returns:
+        ``(dq, dk, dv, dalpha, dbias)``: ``dq`` like ``q``, ``dk``/``dv`` like ``k``/``v``
+        (summed over the q heads of each kv group), ``dalpha`` float32 ``(Hq,)`` summed over
+        batch and rows or None, ``dbias`` float32 ``(B, Hq, Nq, Nk)`` (``= dS``) or None.
+    """
+    float_types = (torch.float16, torch.bfloat16, torch.float32)
+    _check_tensor("q", q, 4, float_types)
+    for name, t in (("k", k), ("v", v), ("do", do), ("out", out)):
+        _check_tensor(name, t, 4, (q.dtype,))
+        if t.device != q.device:
+            raise ValueError(f"{name}: expected device {q.device}, got {t.device}")
+    B, Hq, Nq, D = q.shape
+    Hk, Nk = k.shape[1], k.shape[2]
+    if k.shape[0] != B or k.shape[3] != D or v.shape != k.shape:
+        raise ValueError(f"k, v: expected shape ({B}, Hk, Nk, {D}) each, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if do.shape != q.shape or out.shape != q.shape:
+        raise ValueError(f"do, out: expected shape {tuple(q.shape)}, got {tuple(do.shape)} and {tuple(out.shape)}")
+    if Hk == 0 or Hq % Hk != 0:
+        raise ValueError(f"k: number of kv heads must divide the {Hq} query heads, got {Hk}")
+    for name, t in (("tau", tau), ("lsum", lsum)):
+        _check_tensor(name, t, 3, (torch.float32,))
+        if tuple(t.shape) != (B, Hq, Nq):
+            raise ValueError(f"{name}: expected shape {(B, Hq, Nq)}, got {tuple(t.shape)}")
+    if not isinstance(alpha, torch.Tensor):
+        alpha = torch.full((Hq,), float(alpha), dtype=torch.float32, device=q.device)
+    if alpha.shape != (Hq,):
+        raise ValueError(f"alpha: expected shape ({Hq},), got {tuple(alpha.shape)}")
+    alpha = alpha.detach().to(device=q.device, dtype=torch.float32).contiguous()
+    if not bool(((alpha >= 1.0) & (alpha <= 2.0)).all()):
+        raise ValueError(f"alpha: expected values in [1, 2], got {alpha.tolist()}")
+    if not 0.0 <= float(dropout_p) < 1.0:
+        raise ValueError(f"dropout_p: expected a float in [0, 1), got {dropout_p}")
+    if not 16 <= D <= 256:
+        raise ValueError(f"q: expected head dim in [16, 256], got {D}")
+
+    is_varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
+    if is_varlen:
+        if cu_seqlens_q is None or cu_seqlens_k is None:
+            raise ValueError("cu_seqlens_q, cu_seqlens_k: expected both or neither, got only one")
+        if B != 1:
+            raise ValueError(f"q: expected batch 1 with cu_seqlens (packed varlen), got {B}")
+        if cu_seqlens_q.shape != cu_seqlens_k.shape or cu_seqlens_q.ndim != 1:
+            raise ValueError(f"cu_seqlens_q, cu_seqlens_k: expected equal 1-d shapes, got {tuple(cu_seqlens_q.shape)} "
+                             f"and {tuple(cu_seqlens_k.shape)}")
+        cu_q = cu_seqlens_q.to(device=q.device, dtype=torch.int32).contiguous()
+        cu_k = cu_seqlens_k.to(device=q.device, dtype=torch.int32).contiguous()
+        n_seq = cu_q.shape[0] - 1
+        if max_seqlen_q is None:
+            max_seqlen_q = int((cu_q[1:] - cu_q[:-1]).max())
+        if max_seqlen_k is None:
+            max_seqlen_k = int((cu_k[1:] - cu_k[:-1]).max())
+    else:
+        cu_q = cu_k = torch.empty(1, dtype=torch.int32, device=q.device)
+        n_seq = B
+        max_seqlen_q, max_seqlen_k = Nq, Nk
+
+    if live is not None and (block_m is None or block_n is None):
+        raise ValueError("block_m, block_n: required with live (the forward's tile sizes), got None")
+    block_m = _DEFAULT_BLOCK if block_m is None else int(block_m)
+    block_n = _DEFAULT_BLOCK if block_n is None else int(block_n)
+    for name, val in (("block_m", block_m), ("block_n", block_n)):
+        if val < 16 or val & (val - 1):
+            raise ValueError(f"{name}: expected a power of two >= 16, got {val}")
+    n_qt = triton.cdiv(max(max_seqlen_q, 1), block_m)
+    n_words = triton.cdiv(triton.cdiv(max(max_seqlen_k, 1), block_n), 32)
+    if live is not None:
+        _check_tensor("live", live, 4, (torch.int32,))
+        if tuple(live.shape) != (n_seq, Hq, n_qt, n_words):
+            raise ValueError(f"live: expected shape {(n_seq, Hq, n_qt, n_words)}, got {tuple(live.shape)}")
+        live_t = live.contiguous()
+    else:
+        live_t = torch.empty(1, dtype=torch.int32, device=q.device)
+
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor) or not bias.is_floating_point():
+            raise TypeError(f"bias: expected a float tensor, got {getattr(bias, 'dtype', type(bias).__name__)}")
+        try:
+            bias_t = bias.expand(B, Hq, Nq, Nk)
+        except RuntimeError:
+            raise ValueError(f"bias: expected a shape broadcastable to {(B, Hq, Nq, Nk)}, got {tuple(bias.shape)}") from None
+        bias_strides = bias_t.stride()
+    else:
+        bias_t = q
+        bias_strides = (0, 0, 0, 0)
+
+    tau = tau.contiguous()
+    lsum = lsum.contiguous()
+    upcast = interpreting() or q.dtype == torch.float32
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    block_d = max(16, triton.next_power_of_2(D))
+    num_warps = 4 if block_d <= 64 else 8
+
+    dq = torch.empty_like(q)
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    delta = torch.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)
+    dalpha_rows = torch.zeros((B, Hq, Nq), dtype=torch.float32, device=q.device) if need_dalpha else delta
+    dbias = torch.zeros((B, Hq, Nq, Nk), dtype=torch.float32, device=q.device) if need_dbias else delta
+    common = dict(
+        IS_CAUSAL=bool(is_causal), IS_VARLEN=is_varlen, HAS_BIAS=bias is not None, HAS_LIVE=live is not None,
+        HAS_DROPOUT=float(dropout_p) > 0.0, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        UPCAST=upcast, DOT_PRECISION=precision, num_warps=num_warps, num_stages=1,
+    )
+    live_strides = live_t.stride()[:3] if live is not None else (0, 0, 0)
+    seed = int(seed) & 0x7FFFFFFF
+    _entmax_attn_bwd_dq_kernel[(n_qt, n_seq * Hq)](
+        q, k, v, do, out, tau, lsum, alpha, bias_t, live_t, cu_q, cu_k,
+        dq, delta, dalpha_rows, dbias,
+        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *out.stride(), *dq.stride(),
+        *bias_strides, *live_strides,
+        Hq, Hq // Hk, Nq, Nk, float(scale), float(dropout_p), seed,
+        NEED_DALPHA=bool(need_dalpha), NEED_DBIAS=bool(need_dbias), **common,
+    )
+    n_kt = triton.cdiv(max(max_seqlen_k, 1), block_n)
+    _entmax_attn_bwd_dkdv_kernel[(n_kt, n_seq * Hk)](
+        q, k, v, do, tau, lsum, delta, alpha, bias_t, live_t, cu_q, cu_k,
+        dk, dv,
+        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
+        *bias_strides, *live_strides,
+        Hq, Hk, Hq // Hk, Nq, Nk, float(scale), float(dropout_p), seed,
+        **common,
+    )
+    dalpha = dalpha_rows.double().sum(dim=(0, 2)).float() if need_dalpha else None
+    return dq, dk, dv, dalpha, (dbias if need_dbias else None)

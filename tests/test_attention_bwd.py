@@ -1,0 +1,195 @@
+"""The fused Triton backward (``kernels/entmax_attn_bwd.py``) against float64 autograd.
+
+The oracle is ``torch.autograd`` through the materialized float64 reference. The kernel is fed
+the reference's threshold ``tau`` rounded to float32 and the matching renormalizer ``lsum``
+(what the fused forward saves), so it recomputes the reference weights to float32 accuracy.
+"""
+
+import pytest
+import torch
+
+from sparse_attn.kernels._common import dropout_keep_mask
+from sparse_attn.kernels.entmax_attn_bwd import entmax_attn_bwd
+from sparse_attn.reference import entmax_attention_reference
+
+# Max abs error allowed, relative to the largest |reference gradient| of the same tensor.
+TOL = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+
+def _rand(shape, gen, dtype=torch.float64):
+    return torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype).to(torch.float64)
+
+
+def _live_from_weights(p, block_m, block_n):
+    """Tile liveness bits ``(B, H, n_qt, words)`` of a weight tensor ``p (B, H, Nq, Nk)``."""
+    B, H, Nq, Nk = p.shape
+    n_qt, n_kt = -(-Nq // block_m), -(-Nk // block_n)
+    padded = p.new_zeros(B, H, n_qt * block_m, n_kt * block_n)
+    padded[..., :Nq, :Nk] = p
+    tiles = (padded.reshape(B, H, n_qt, block_m, n_kt, block_n) != 0).any(5).any(3)
+    words = torch.zeros(B, H, n_qt, -(-n_kt // 32), dtype=torch.int64)
+    for kt in range(n_kt):
+        words[..., kt // 32] |= tiles[..., kt].long() << (kt % 32)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+class Case:
+    """One random problem: float64 reference gradients and everything the kernel needs."""
+
+    def __init__(self, B=2, Hq=2, Hk=2, Nq=40, Nk=40, D=16, alpha=1.5, dtype=torch.float32, causal=False,
+                 mask=None, dropout_p=0.0, seed=0, cu_q=None, cu_k=None, scale=None, mask_grad=False, data_seed=0):
+        gen = torch.Generator().manual_seed(data_seed)
+        self.dtype, self.causal, self.dropout_p, self.seed = dtype, causal, dropout_p, seed
+        self.scale = D**-0.5 if scale is None else scale
+        self.cu_q = None if cu_q is None else torch.tensor(cu_q, dtype=torch.int32)
+        self.cu_k = None if cu_k is None else torch.tensor(cu_k, dtype=torch.int32)
+        if cu_q is not None:
+            B, Nq, Nk = 1, cu_q[-1], cu_k[-1]
+        q = _rand((B, Hq, Nq, D), gen, dtype).requires_grad_()
+        k = _rand((B, Hk, Nk, D), gen, dtype).requires_grad_()
+        v = _rand((B, Hk, Nk, D), gen, dtype).requires_grad_()
+        do = _rand((B, Hq, Nq, D), gen, dtype)
+        alphas = torch.tensor([alpha] * Hq if isinstance(alpha, float) else alpha, dtype=torch.float64)
+        self.alpha32 = alphas.float()
+        alpha64 = alphas.float().double().requires_grad_()
+        if mask is not None and mask.is_floating_point():
+            mask = mask.double().requires_grad_(mask_grad)
+        self.mask = mask
+        kw = dict(attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=Hq != Hk,
+                  cu_seqlens_q=self.cu_q, cu_seqlens_k=self.cu_k)
+        keep = None
+        if dropout_p > 0:
+            keep = dropout_keep_mask(seed, B * Hq, Nq, Nk, dropout_p, "cpu").reshape(B, Hq, Nq, Nk)
+        out, stats = entmax_attention_reference(q, k, v, alpha64, dropout_p=dropout_p, dropout_mask=keep,
+                                                return_stats=True, **kw)
+        grads = torch.autograd.grad((out * do).sum(), [q, k, v, alpha64] + ([mask] if mask_grad else []))
+        self.ref = dict(zip(["dq", "dk", "dv", "dalpha", "dbias"], grads))
+        with torch.no_grad():
+            eye = torch.eye(Nk, dtype=torch.float64).expand(B, Hk, Nk, Nk)
+            self.p = entmax_attention_reference(q, k, eye, alpha64, **kw)
+        tau64 = stats.tau.double()
+        tau32 = tau64.float()
+        beta = 1.0 / (alphas.view(1, Hq, 1, 1) - 1.0).clamp_min(1e-300)
+        shift = (tau64 - tau32.double()).unsqueeze(-1)
+        r = torch.where(self.p > 0, self.p ** (alphas.view(1, Hq, 1, 1) - 1.0) + shift, torch.zeros_like(self.p))
+        lsum = (r.clamp_min(0) ** beta).sum(-1)
+        lsum = torch.where((alphas == 1.0).view(1, Hq, 1), torch.ones_like(lsum), lsum)
+        valid = stats.n_valid > 0
+        self.tau = torch.where(valid, tau32, torch.full_like(tau32, float("inf")))
+        self.lsum = torch.where(valid, lsum, torch.zeros_like(lsum)).float()
+        self.q, self.k, self.v, self.do = (t.detach().to(dtype) for t in (q, k, v, do))
+        self.out = out.detach().to(dtype)
+        bias = None
+        if mask is not None:
+            bias = mask.detach().float() if mask.is_floating_point() else torch.zeros(mask.shape).masked_fill(~mask, float("-inf"))
+        self.bias = bias
+
+    def run(self, **kw):
+        args = dict(bias=self.bias, is_causal=self.causal, cu_seqlens_q=self.cu_q, cu_seqlens_k=self.cu_k,
+                    dropout_p=self.dropout_p, seed=self.seed, need_dalpha=True)
+        args.update(kw)
+        return entmax_attn_bwd(self.do, self.q, self.k, self.v, self.out, self.tau, self.lsum, self.alpha32,
+                               self.scale, **args)
+
+    def check(self, res, names=("dq", "dk", "dv", "dalpha"), tol=None):
+        tol = TOL[self.dtype] if tol is None else tol
+        got = dict(zip(["dq", "dk", "dv", "dalpha", "dbias"], res))
+        for name in names:
+            ref, val = self.ref[name], got[name]
+            assert val.shape == ref.shape, name
+            assert torch.isfinite(val).all(), name
+            err = (val.double() - ref).abs().max().item()
+            bound = tol * max(ref.abs().max().item(), 1e-3)
+            assert err <= bound, f"{name}: max error {err:.3e} > {bound:.3e}"
+
+
+@pytest.mark.parametrize("alpha", [1.0, 1.01, 1.25, 1.5, 2.0])
+@pytest.mark.parametrize("causal", [False, True])
+def test_grads_match_reference(alpha, causal):
+    case = Case(alpha=alpha, causal=causal, Nq=37, Nk=45, D=24)
+    case.check(case.run(block_m=16, block_n=32))
+
+
+def test_mixed_alpha_gqa_float_mask_dbias():
+    gen = torch.Generator().manual_seed(5)
+    mask = torch.randn(2, 4, 33, 50, generator=gen)
+    mask[0, 1, 3, :] = float("-inf")
+    mask[1, :, :, 7] = float("-inf")
+    case = Case(Hq=4, Hk=2, Nq=33, Nk=50, alpha=[1.0, 1.3, 1.5, 2.0], mask=mask, mask_grad=True, causal=True)
+    res = case.run(block_m=16, block_n=16, need_dbias=True)
+    case.check(res, names=("dq", "dk", "dv", "dalpha", "dbias"))
+    assert torch.equal(res[4][0, 1, 3], torch.zeros(50))
+
+
+def test_mqa_bool_mask_fully_masked_rows():
+    mask = torch.rand(1, 1, 30, 41, generator=torch.Generator().manual_seed(2)) > 0.4
+    mask[..., 4, :] = False
+    mask[..., 20:23, :] = False
+    case = Case(B=1, Hq=3, Hk=1, Nq=30, Nk=41, alpha=[1.75, 1.0, 1.5], mask=mask)
+    dq, dk, dv, dalpha, _ = case.run(block_m=16, block_n=16)
+    case.check((dq, dk, dv, dalpha))
+    assert torch.equal(dq[:, :, 4], torch.zeros_like(dq[:, :, 4]))
+    assert torch.equal(dq[:, :, 20:23], torch.zeros_like(dq[:, :, 20:23]))
+
+
+def test_varlen_causal_cross_lengths():
+    cu_q, cu_k = [0, 5, 5, 27, 36, 40], [0, 9, 12, 28, 37, 37]
+    case = Case(Hq=2, Hk=1, alpha=[1.5, 1.2], cu_q=cu_q, cu_k=cu_k, causal=True)
+    dq, dk, dv, dalpha, _ = case.run(block_m=16, block_n=16, max_seqlen_q=22, max_seqlen_k=16)
+    case.check((dq, dk, dv, dalpha))
+    assert torch.equal(dq[:, :, 36:], torch.zeros_like(dq[:, :, 36:]))
+
+
+@pytest.mark.parametrize("alpha", [1.0, 1.5, 2.0])
+def test_dropout_replays_forward_mask(alpha):
+    case = Case(alpha=alpha, dropout_p=0.3, seed=1234, Nq=21, Nk=35, Hq=2, Hk=1)
+    case.check(case.run(block_m=16, block_n=16))
+
+
+@pytest.mark.parametrize("alpha", [1.0, 1.0001, 1.001, 1.01])
+def test_dalpha_near_one(alpha):
+    case = Case(alpha=alpha, B=1, Nq=24, Nk=40, scale=1.0)
+    res = case.run(block_m=16, block_n=32)
+    case.check(res, names=("dalpha",), tol=2e-5)
+
+
+def test_fp16_grads():
+    case = Case(alpha=[1.0, 1.5], dtype=torch.float16, causal=True, Nq=33, Nk=33)
+    res = case.run(block_m=16, block_n=16)
+    assert all(t.dtype == torch.float16 for t in res[:3])
+    case.check(res)
+
+
+def test_live_bitmap_skips_dead_tiles():
+    mask = torch.ones(2, 1, 48, 64, dtype=torch.bool)
+    mask[:, :, :16, 32:] = False
+    mask[:, :, 32:, :16] = False
+    case = Case(alpha=2.0, mask=mask, Nq=48, Nk=64, scale=2.0)
+    live = _live_from_weights(case.p, 16, 16)
+    assert (live != 2**4 - 1).any(), "the test needs dead tiles"
+    full = case.run(block_m=16, block_n=16, need_dbias=True)
+    skipped = case.run(block_m=16, block_n=16, need_dbias=True, live=live)
+    for a, b in zip(full, skipped):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    dead = case.run(block_m=16, block_n=16, live=torch.zeros_like(live))
+    assert all(torch.equal(t, torch.zeros_like(t)) for t in dead)
+
+
+def test_deterministic():
+    case = Case(Hq=4, Hk=2, alpha=[1.0, 1.1, 1.5, 2.0], causal=True, Nq=40, Nk=40)
+    a = case.run(block_m=16, block_n=16, need_dbias=True)
+    b = case.run(block_m=16, block_n=16, need_dbias=True)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_bad_arguments():
+    case = Case(B=1, Hq=2, Hk=2, Nq=16, Nk=16)
+    with pytest.raises(ValueError, match="alpha"):
+        entmax_attn_bwd(case.do, case.q, case.k, case.v, case.out, case.tau, case.lsum,
+                        torch.tensor([0.5, 1.5]), 1.0)
+    with pytest.raises(ValueError, match="block_m"):
+        case.run(live=torch.zeros(1, 2, 1, 1, dtype=torch.int32))
+    with pytest.raises(TypeError, match="k"):
+        entmax_attn_bwd(case.do, case.q, case.k.half(), case.v, case.out, case.tau, case.lsum, case.alpha32, 1.0)
+    with pytest.raises(ValueError, match="tau"):
+        entmax_attn_bwd(case.do, case.q, case.k, case.v, case.out, case.tau[:, :, :3], case.lsum, case.alpha32, 1.0)
