@@ -126,31 +126,30 @@ def _exact_rows(x: torch.Tensor, alpha_value: float, k: int | None) -> torch.Ten
     return torch.clamp(z - tau, min=0) ** 2
 
 
-def _rows_at(x: torch.Tensor, e: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """``p = [1 + e (x - t)]_+ ** (1 / e)`` evaluated as ``exp(log1p(y) / e)``."""
-    y = torch.clamp(e * (x - t), min=-1.0)
-    return torch.exp(torch.log1p(y) / e)
-
-
 def _solve_rows(x: torch.Tensor, alpha: torch.Tensor, max_iter: int, ensure_sum_one: bool) -> torch.Tensor:
     """Iterative alpha-entmax on shifted rows ``x`` (max 0) with ``alpha != 1`` per row.
 
-    Safeguarded Newton on the Tsallis norm ``phi(t) = f(t) ** (alpha - 1) - 1``,
-    ``f(t) = sum_j p_j(t)``, started from the left bracket end ``t = max x = 0`` where
-    ``f >= 1``; the bracket ``[0, (1 - n ** (1 - alpha)) / (alpha - 1)]`` is kept and a
-    step leaving it is replaced by bisection (needed for alpha outside [1, 2]).
-    Stops when ``|f - 1| <= tol`` on every row, when no row moves, or after
-    ``max_iter`` steps, then divides by ``f``.
+    With ``e = alpha - 1`` and ``y_j = max(e (x_j - t), -1)``, ``p_j = exp(log1p(y_j) / e)``
+    and ``U_j = p_j ** (2 - alpha) = exp(log1p(y_j) (1 / e - 1))`` (``-dp_j / dt``).
+    Safeguarded Newton on the Tsallis norm ``phi(t) = f(t) ** e - 1``, ``f = sum_j p_j``,
+    started from the left bracket end ``t = max x = 0`` where ``f >= 1``; the bracket
+    ``[0, (1 - n ** -e) / e]`` is kept and a step leaving it is replaced by bisection
+    (needed for alpha outside [1, 2]). Stops when ``|f - 1| <= tol`` on every row, when
+    no row moves, or after ``max_iter`` steps, then divides by ``f``.
     """
     e = alpha - 1
+    inv_e = 1.0 / e
     n_valid = (x > -math.inf).sum(dim=-1, keepdim=True).clamp(min=1).to(x.dtype)
-    x = torch.where(e > 0, torch.maximum(x, -1.0 / e.clamp(min=1e-30) - 1.0), x)
+    x = torch.where(e > 0, torch.maximum(x, -inv_e.clamp(min=0) - 1.0), x)
+    ex = e * x
+    mask_u = bool((e > 1).any())
     lo = torch.zeros_like(e)
-    hi = -torch.expm1(-e * torch.log(n_valid)) / e
+    hi = -torch.expm1(-e * torch.log(n_valid)) * inv_e
     t = lo.clone()
     tol = _solver_tol(x.dtype, x.shape[-1])
     active = torch.ones_like(e, dtype=torch.bool)
-    p = _rows_at(x, e, t)
+    log_base = torch.log1p(torch.clamp(ex - e * t, min=-1.0))
+    p = torch.exp(log_base * inv_e)
     for _ in range(max_iter):
         f = p.sum(dim=-1, keepdim=True)
         active = active & ((f - 1).abs() > tol)
@@ -158,17 +157,19 @@ def _solve_rows(x: torch.Tensor, alpha: torch.Tensor, max_iter: int, ensure_sum_
             break
         lo = torch.where(active & (f > 1), t, lo)
         hi = torch.where(active & (f < 1), t, hi)
-        u = torch.where(p > 0, p / (1 + e * (x - t)), torch.zeros_like(p))
+        u = torch.exp(log_base * (inv_e - 1))
+        if mask_u:
+            u = torch.where(p > 0, u, torch.zeros_like(u))
         s = u.sum(dim=-1, keepdim=True)
         log_f = torch.log(f)
-        step = torch.expm1(e * log_f) / e * torch.exp((1 - e) * log_f) / s
+        step = torch.expm1(e * log_f) * inv_e * torch.exp((1 - e) * log_f) / s
         t_new = t + step
         outside = ~((t_new > lo) & (t_new < hi)) | ~torch.isfinite(t_new)
         t_new = torch.where(outside, 0.5 * (lo + hi), t_new)
-        moved = t_new != t
-        active = active & moved
+        active = active & (t_new != t)
         t = torch.where(active, t_new, t)
-        p = _rows_at(x, e, t)
+        log_base = torch.log1p(torch.clamp(ex - e * t, min=-1.0))
+        p = torch.exp(log_base * inv_e)
     if ensure_sum_one:
         f = p.sum(dim=-1, keepdim=True)
         p = p / f.clamp(min=torch.finfo(p.dtype).tiny)
