@@ -71,7 +71,8 @@ def check_choice(name: str, value, choices) -> None:
         raise ValueError(f"{name} must be one of {sorted(choices)}, got {value!r}")
 
 
-def check_alpha(name: str, alpha, x: torch.Tensor, dim: int, low: float = 0.0, high: float = math.inf) -> None:
+def check_alpha(name: str, alpha, x: torch.Tensor, dim: int, low: float = 0.0,
+                high: float = math.inf) -> tuple[float, float]:
     """Check an entmax ``alpha``: a real number or a floating tensor broadcastable to ``x``.
 
     A tensor ``alpha`` must broadcast to ``x.shape`` without growing it and have size 1
@@ -84,6 +85,9 @@ def check_alpha(name: str, alpha, x: torch.Tensor, dim: int, low: float = 0.0, h
         x: the input the mapping is applied to.
         dim: non-negative dimension of ``x`` the mapping normalizes over.
         low, high: the open lower and closed upper bound on alpha.
+
+    Returns:
+        ``(min, max)`` of the alpha values (``(nan, nan)`` for an empty tensor).
     """
     if isinstance(alpha, torch.Tensor):
         if not alpha.dtype.is_floating_point:
@@ -103,7 +107,7 @@ def check_alpha(name: str, alpha, x: torch.Tensor, dim: int, low: float = 0.0, h
         if alpha.device != x.device and alpha.numel() != 1:
             raise ValueError(f"{name} must be on the input's device {x.device}, got {alpha.device}")
         if alpha.numel() == 0:
-            return
+            return math.nan, math.nan
         lo_val = float(alpha.detach().min())
         hi_val = float(alpha.detach().max())
         bad = not (math.isfinite(lo_val) and math.isfinite(hi_val)) or lo_val <= low or hi_val > high
@@ -111,9 +115,10 @@ def check_alpha(name: str, alpha, x: torch.Tensor, dim: int, low: float = 0.0, h
             raise ValueError(
                 f"{name} must be finite and in ({low}, {high}], got values in [{lo_val}, {hi_val}]"
             )
-        return
+        return lo_val, hi_val
     if isinstance(alpha, bool) or not isinstance(alpha, Real):
         raise TypeError(f"{name} must be a float or a floating-point tensor, got {type(alpha).__name__}")
     a = float(alpha)
     if not math.isfinite(a) or a <= low or a > high:
         raise ValueError(f"{name} must be finite and in ({low}, {high}], got {a}")
+    return a, a

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from sparse_attn._validation import check_alpha, check_choice, check_floating, check_positive_int, check_tensor
-from sparse_attn.mappings import _compute_dtype, entmax, entmax15, entmax_bisect, sparsemax
+from sparse_attn.mappings import _compute_dtype, entmax15, entmax_bisect, sparsemax
 
 __all__ = [
     "sparsemax_loss",

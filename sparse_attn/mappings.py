@@ -22,8 +22,9 @@ backward: with ``U = p ** (2 - alpha)`` on the support,
 
 fp16/bf16 inputs are computed in float32 and returned in their own dtype; float64 is
 computed in float64. ``-inf`` entries get exactly 0; a row that is entirely ``-inf``
-gives zeros and a zero gradient. CUDA tensors with rows of at least
-``TRITON_MIN_ROW`` entries go to the Triton row kernels of ``sparse_attn._triton_rows``.
+gives zeros and a zero gradient. CUDA fp16/bf16/fp32 tensors with rows of at least
+``TRITON_MIN_ROW`` entries and alpha in [1, 2] go to the Triton row kernels of
+``sparse_attn._triton_rows``.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ __all__ = [
 TRITON_MIN_ROW = 1024
 """Rows at least this long on CUDA go to the Triton row kernels."""
 
+_TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _BASE_TOL = {torch.float64: 1e-12, torch.float32: 1e-6}
 _SERIES_TERMS = 14
 _SERIES_RADIUS = 0.5
@@ -290,7 +292,7 @@ def _triton_rows():
 def _apply(X, alpha, dim, k, max_iter, ensure_sum_one, exact):
     check_floating("X", X)
     d = check_dim("dim", dim, X.ndim)
-    check_alpha("alpha", alpha, X, d)
+    alpha_min, alpha_max = check_alpha("alpha", alpha, X, d)
     check_positive_int("k", k, allow_none=True)
     check_positive_int("n_iter", max_iter)
     if isinstance(alpha, torch.Tensor) and alpha.numel() == 1 and not alpha.requires_grad:
@@ -298,7 +300,7 @@ def _apply(X, alpha, dim, k, max_iter, ensure_sum_one, exact):
     if X.numel() == 0:
         return X.clone()
     n = X.shape[d]
-    if X.is_cuda and n >= TRITON_MIN_ROW:
+    if X.is_cuda and n >= TRITON_MIN_ROW and X.dtype in _TRITON_DTYPES and 1.0 <= alpha_min and alpha_max <= 2.0:
         kernel = _triton_rows()
         if kernel is not None:
             return kernel(X, alpha, d)

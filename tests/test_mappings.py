@@ -137,7 +137,7 @@ def test_gradcheck_inputs(fn):
 
 @pytest.mark.parametrize("values", [[1.0, 1.2, 1.5, 2.0], [0.6, 1.0 + 1e-3, 1.8, 3.0], [1.0 - 1e-4, 1.0 + 1e-4, 1.0, 1.0]])
 def test_gradcheck_alpha_per_row(values):
-    x = _rand(2, 4, 7, seed=9).requires_grad_()
+    x = _rand(1, 4, 6, seed=9).requires_grad_()
     alpha = torch.tensor(values, dtype=torch.float64).view(1, 4, 1).requires_grad_()
     assert torch.autograd.gradcheck(lambda a, b: entmax(a, b), (x, alpha))
     assert torch.autograd.gradcheck(lambda a, b: entmax_bisect(a, b), (x, alpha))
@@ -270,3 +270,23 @@ def test_empty_and_single_column():
     x = _rand(4, 1)
     for fn in (sparsemax, entmax15, lambda t: entmax_bisect(t, 1.7), lambda t: entmax_bisect(t, 0.5)):
         assert torch.equal(fn(x), torch.ones_like(x))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_long_rows_match_cpu_path(dtype):
+    x = _rand(6, 4096, dtype=torch.float32, seed=17).to(dtype)
+    alpha = torch.tensor([1.0, 1.2, 1.5, 1.5, 1.8, 2.0]).view(6, 1)
+    xc = x.cuda().requires_grad_()
+    ac = alpha.cuda().requires_grad_()
+    xh = x.clone().requires_grad_()
+    ah = alpha.clone().requires_grad_()
+    w = _rand(6, 4096, dtype=torch.float32, seed=18)
+    pc = entmax(xc, ac)
+    ph = entmax(xh, ah)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(pc.cpu().float(), ph.float(), atol=tol, rtol=0)
+    (pc.float() * w.cuda()).sum().backward()
+    (ph.float() * w).sum().backward()
+    torch.testing.assert_close(xc.grad.cpu().float(), xh.grad.float(), atol=10 * tol, rtol=0)
+    torch.testing.assert_close(ac.grad.cpu(), ah.grad, atol=10 * tol, rtol=1e-2)
