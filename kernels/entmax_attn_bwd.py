@@ -45,20 +45,30 @@ def _weights(s, tau, cu, cp, alpha):
     """Weights ``p`` and ``U = p^(2-alpha)`` of a score tile ``s [BLOCK_M, BLOCK_N]`` (masked = -inf).
 
     For alpha > 1, ``r = [(alpha-1) s - tau]_+``, ``U = r^(beta-1) cu`` and ``p = U r cp``
-    (``beta = 1/(alpha-1)``), which equals ``r^beta / lsum``.
+    (``beta = 1/(alpha-1)``), which is ``r^beta / L`` when ``cu = L^(alpha-2)``, ``cp = L^(1-alpha)``.
+    For a general alpha, ``log r = log1p(w)`` with ``w = (alpha-1) s - (tau + 1)``: near alpha = 1
+    ``r`` is within O(alpha-1) of 1, and rounding ``r`` itself would cost ``beta`` ulps in ``p``.
     """
     if alpha == 1.0:
         p = tl.exp2((s - tau[:, None]) * 1.4426950408889634)
         u = p
+    elif alpha == 2.0:
+        r = tl.maximum(s - tau[:, None], 0.0)
+        u = tl.where(r > 0.0, cu[:, None], 0.0)
+        p = r * cp[:, None]
+    elif alpha == 1.5:
+        r = tl.maximum(s * 0.5 - tau[:, None], 0.0)
+        u = r * cu[:, None]
+        p = u * r * cp[:, None]
     else:
-        r = tl.maximum(s * (alpha - 1.0) - tau[:, None], 0.0)
-        if alpha == 2.0:
-            u = tl.where(r > 0.0, cu[:, None], 0.0)
-        elif alpha == 1.5:
-            u = r * cu[:, None]
-        else:
-            log_r = tl.log2(tl.where(r > 0.0, r, 1.0))
-            u = tl.where(r > 0.0, tl.exp2((1.0 / (alpha - 1.0) - 1.0) * log_r), 0.0) * cu[:, None]
+        w = s * (alpha - 1.0) - (tau[:, None] + 1.0)
+        r = 1.0 + w
+        sup = r > 0.0
+        r = tl.where(sup, r, 0.0)
+        exact = sup & (r != 1.0)
+        log_r = tl.where(exact, tl.log(tl.where(exact, r, 2.0)) * (w / tl.where(exact, r - 1.0, 1.0)), w)
+        u = tl.where(sup, tl.exp2((1.0 / (alpha - 1.0) - 1.0) * 1.4426950408889634 * tl.where(sup, log_r, 0.0)), 0.0)
+        u = u * cu[:, None]
         p = u * r * cp[:, None]
     return p, u
 
@@ -125,23 +135,28 @@ def _live_bit(live_row, kt):
 
 
 @triton.jit
+def _load_rows(base, idx, offs_d, stride_n, stride_d, ok, d_ok, UPCAST: tl.constexpr):
+    """Rows ``idx [BLOCK]`` of a ``(seq, head_dim)`` slice as ``[BLOCK, BLOCK_D]`` (0 outside ``ok``)."""
+    x = tl.load(base + idx[:, None].to(tl.int64) * stride_n + offs_d[None, :] * stride_d,
+                mask=ok[:, None] & d_ok[None, :], other=0.0)
+    if UPCAST:
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
 def _row_sums(
-    q, do, tau, cu, cp, alpha, scale, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
+    q, do, tau, valid, alpha, scale, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
     bias_base, stride_bias_m, stride_bias_n, live_row, n_kt, k_start, Lk,
     rows, rows_loc, row_ok, causal_shift, offs_d, d_ok, seed, bh, n_cols_drop, p_drop,
     IS_CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LIVE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    NEED_DALPHA: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """Sweep 1: per-row ``sum U``, ``sum U dP`` and, with ``NEED_DALPHA``, the sums of
-    ``p dP``, ``p log p``, ``pg``, ``pg dP``, ``p log p dP`` (see ``_dalpha_terms``), each ``[BLOCK_M]``."""
+    """Sweep 1 (alpha > 1): per-row ``L = sum r^beta``, ``sum r^(beta-1)`` and ``sum r^(beta-1) dP``,
+    each ``[BLOCK_M]``; ``valid`` is 1 for rows with a key, else 0."""
+    l_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     su = tl.zeros([BLOCK_M], dtype=tl.float32)
     sud = tl.zeros([BLOCK_M], dtype=tl.float32)
-    spd = tl.zeros([BLOCK_M], dtype=tl.float32)
-    spl = tl.zeros([BLOCK_M], dtype=tl.float32)
-    sg = tl.zeros([BLOCK_M], dtype=tl.float32)
-    sgd = tl.zeros([BLOCK_M], dtype=tl.float32)
-    spld = tl.zeros([BLOCK_M], dtype=tl.float32)
     for kt in range(0, n_kt):
         live = 1
         if HAS_LIVE:
@@ -150,33 +165,23 @@ def _row_sums(
             cols_loc = kt * BLOCK_N + tl.arange(0, BLOCK_N)
             cols = k_start + cols_loc
             col_ok = cols_loc < Lk
-            kv_mask = col_ok[:, None] & d_ok[None, :]
-            k = tl.load(K_base + cols[:, None].to(tl.int64) * stride_kn + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
-            v = tl.load(V_base + cols[:, None].to(tl.int64) * stride_vn + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
-            if UPCAST:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
+            k = _load_rows(K_base, cols, offs_d, stride_kn, stride_kd, col_ok, d_ok, UPCAST)
+            v = _load_rows(V_base, cols, offs_d, stride_vn, stride_vd, col_ok, d_ok, UPCAST)
             p, u, dp, pd = _tile(
-                q, do, k, v, tau, cu, cp, alpha, scale, bias_base, stride_bias_m, stride_bias_n,
+                q, do, k, v, tau, valid, valid, alpha, scale, bias_base, stride_bias_m, stride_bias_n,
                 rows, cols, rows_loc, cols_loc, row_ok, col_ok, causal_shift, seed, bh, n_cols_drop, p_drop,
                 IS_CAUSAL, HAS_BIAS, HAS_DROPOUT, DOT_PRECISION,
             )
+            l_sum += tl.sum(p, 1)
             su += tl.sum(u, 1)
             sud += tl.sum(u * dp, 1)
-            if NEED_DALPHA:
-                plogp, pg = _dalpha_terms(p, u, alpha)
-                spd += tl.sum(p * dp, 1)
-                spl += tl.sum(plogp, 1)
-                sg += tl.sum(pg, 1)
-                sgd += tl.sum(pg * dp, 1)
-                spld += tl.sum(plogp * dp, 1)
-    return su, sud, spd, spl, sg, sgd, spld
+    return l_sum, su, sud
 
 
 @triton.jit
 def _entmax_attn_bwd_dq_kernel(
     Q, K, V, DO, OUT, TAU, LSUM, ALPHA, BIAS, LIVE, CU_Q, CU_K,
-    DQ, DELTA, DALPHA, DBIAS,
+    DQ, DELTA, NORM, DALPHA, DBIAS,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -211,32 +216,26 @@ def _entmax_attn_bwd_dq_kernel(
     if pid_m * BLOCK_M >= Lq:
         return
     b64 = b.to(tl.int64)
+    h64 = h.to(tl.int64)
     bh = b * n_heads + h
     rows_loc = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rows = q_start + rows_loc
     row_ok = rows_loc < Lq
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
-    qd_mask = row_ok[:, None] & d_ok[None, :]
     rows64 = rows.to(tl.int64)
 
-    q = tl.load(Q + b64 * stride_qb + h.to(tl.int64) * stride_qh + rows64[:, None] * stride_qm + offs_d[None, :] * stride_qd,
-                mask=qd_mask, other=0.0)
-    do = tl.load(DO + b64 * stride_dob + h.to(tl.int64) * stride_doh + rows64[:, None] * stride_dom + offs_d[None, :] * stride_dod,
-                 mask=qd_mask, other=0.0)
-    if UPCAST:
-        q = q.to(tl.float32)
-        do = do.to(tl.float32)
+    q = _load_rows(Q + b64 * stride_qb + h64 * stride_qh, rows, offs_d, stride_qm, stride_qd, row_ok, d_ok, UPCAST)
+    do = _load_rows(DO + b64 * stride_dob + h64 * stride_doh, rows, offs_d, stride_dom, stride_dod, row_ok, d_ok, UPCAST)
     stat_off = bh.to(tl.int64) * n_q + rows64
     tau = tl.load(TAU + stat_off, mask=row_ok, other=float("inf"))
     lsum = tl.load(LSUM + stat_off, mask=row_ok, other=0.0)
     alpha = tl.load(ALPHA + h)
-    cu, cp = _row_factors(alpha, lsum)
 
     K_base = K + b64 * stride_kb + hk.to(tl.int64) * stride_kh
     V_base = V + b64 * stride_vb + hk.to(tl.int64) * stride_vh
-    bias_base = BIAS + b64 * stride_bias_b + h.to(tl.int64) * stride_bias_h
-    live_row = LIVE + seq.to(tl.int64) * stride_live_b + h.to(tl.int64) * stride_live_h + pid_m.to(tl.int64) * stride_live_m
+    bias_base = BIAS + b64 * stride_bias_b + h64 * stride_bias_h
+    live_row = LIVE + seq.to(tl.int64) * stride_live_b + h64 * stride_live_h + pid_m.to(tl.int64) * stride_live_m
     causal_shift = Lk - Lq
     hi = Lk
     if IS_CAUSAL:
@@ -244,36 +243,31 @@ def _entmax_attn_bwd_dq_kernel(
     n_kt = tl.cdiv(tl.maximum(hi, 0), BLOCK_N)
     n_cols_drop = n_k
 
-    if NEED_DALPHA:
-        su, sud, spd, spl, sg, sgd, spld = _row_sums(
-            q, do, tau, cu, cp, alpha, scale, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
-            bias_base, stride_bias_m, stride_bias_n, live_row, n_kt, k_start, Lk,
+    if alpha == 1.0:
+        norm = lsum
+        o = _load_rows(OUT + b64 * stride_ob + h64 * stride_oh, rows, offs_d, stride_om, stride_od, row_ok, d_ok, False)
+        delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+    else:
+        # the row's own normalizer makes the weights sum to 1 in this kernel's arithmetic
+        norm, su, sud = _row_sums(
+            q, do, tau, tl.where(lsum > 0.0, 1.0, 0.0), alpha, scale, K_base, V_base, stride_kn, stride_kd,
+            stride_vn, stride_vd, bias_base, stride_bias_m, stride_bias_n, live_row, n_kt, k_start, Lk,
             rows, rows_loc, row_ok, causal_shift, offs_d, d_ok, seed, bh, n_cols_drop, p_drop,
-            IS_CAUSAL, HAS_BIAS, HAS_LIVE, HAS_DROPOUT, True, UPCAST, DOT_PRECISION, BLOCK_M, BLOCK_N,
+            IS_CAUSAL, HAS_BIAS, HAS_LIVE, HAS_DROPOUT, UPCAST, DOT_PRECISION, BLOCK_M, BLOCK_N,
         )
         has_u = su > 0.0
-        su_safe = tl.where(has_u, su, 1.0)
-        delta = tl.where(has_u, sud / su_safe, 0.0)
-        eps = alpha - 1.0
-        dalpha = (sg * spd - sgd) / su_safe + eps * (spl * sgd - sg * spld) / su_safe
-        tl.store(DALPHA + stat_off, tl.where(has_u, dalpha, 0.0), mask=row_ok)
-    else:
-        if alpha == 1.0:
-            o = tl.load(OUT + b64 * stride_ob + h.to(tl.int64) * stride_oh + rows64[:, None] * stride_om + offs_d[None, :] * stride_od,
-                        mask=qd_mask, other=0.0).to(tl.float32)
-            delta = tl.sum(do.to(tl.float32) * o, 1)
-        else:
-            su, sud, spd, spl, sg, sgd, spld = _row_sums(
-                q, do, tau, cu, cp, alpha, scale, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                bias_base, stride_bias_m, stride_bias_n, live_row, n_kt, k_start, Lk,
-                rows, rows_loc, row_ok, causal_shift, offs_d, d_ok, seed, bh, n_cols_drop, p_drop,
-                IS_CAUSAL, HAS_BIAS, HAS_LIVE, HAS_DROPOUT, False, UPCAST, DOT_PRECISION, BLOCK_M, BLOCK_N,
-            )
-            has_u = su > 0.0
-            delta = tl.where(has_u, sud / tl.where(has_u, su, 1.0), 0.0)
+        delta = tl.where(has_u, sud / tl.where(has_u, su, 1.0), 0.0)
     tl.store(DELTA + stat_off, delta, mask=row_ok)
+    tl.store(NORM + stat_off, norm, mask=row_ok)
+    cu, cp = _row_factors(alpha, norm)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    s_u = tl.zeros([BLOCK_M], dtype=tl.float32)
+    s_pd = tl.zeros([BLOCK_M], dtype=tl.float32)
+    s_pl = tl.zeros([BLOCK_M], dtype=tl.float32)
+    s_g = tl.zeros([BLOCK_M], dtype=tl.float32)
+    s_gd = tl.zeros([BLOCK_M], dtype=tl.float32)
+    s_pld = tl.zeros([BLOCK_M], dtype=tl.float32)
     dbias_base = DBIAS + bh.to(tl.int64) * n_q * n_k
     for kt in range(0, n_kt):
         live = 1
@@ -283,12 +277,8 @@ def _entmax_attn_bwd_dq_kernel(
             cols_loc = kt * BLOCK_N + tl.arange(0, BLOCK_N)
             cols = k_start + cols_loc
             col_ok = cols_loc < Lk
-            kv_mask = col_ok[:, None] & d_ok[None, :]
-            k = tl.load(K_base + cols[:, None].to(tl.int64) * stride_kn + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
-            v = tl.load(V_base + cols[:, None].to(tl.int64) * stride_vn + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
-            if UPCAST:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
+            k = _load_rows(K_base, cols, offs_d, stride_kn, stride_kd, col_ok, d_ok, UPCAST)
+            v = _load_rows(V_base, cols, offs_d, stride_vn, stride_vd, col_ok, d_ok, UPCAST)
             p, u, dp, pd = _tile(
                 q, do, k, v, tau, cu, cp, alpha, scale, bias_base, stride_bias_m, stride_bias_n,
                 rows, cols, rows_loc, cols_loc, row_ok, col_ok, causal_shift, seed, bh, n_cols_drop, p_drop,
@@ -299,13 +289,27 @@ def _entmax_attn_bwd_dq_kernel(
             if NEED_DBIAS:
                 tl.store(dbias_base + rows64[:, None] * n_k + cols[None, :].to(tl.int64), ds,
                          mask=row_ok[:, None] & col_ok[None, :])
-    dq_ptrs = DQ + b64 * stride_dqb + h.to(tl.int64) * stride_dqh + rows64[:, None] * stride_dqm + offs_d[None, :] * stride_dqd
-    tl.store(dq_ptrs, (dq * scale).to(DQ.dtype.element_ty), mask=qd_mask)
+            if NEED_DALPHA:
+                plogp, pg = _dalpha_terms(p, u, alpha)
+                s_u += tl.sum(u, 1)
+                s_pd += tl.sum(p * dp, 1)
+                s_pl += tl.sum(plogp, 1)
+                s_g += tl.sum(pg, 1)
+                s_gd += tl.sum(pg * dp, 1)
+                s_pld += tl.sum(plogp * dp, 1)
+    dq_ptrs = DQ + b64 * stride_dqb + h64 * stride_dqh + rows64[:, None] * stride_dqm + offs_d[None, :] * stride_dqd
+    tl.store(dq_ptrs, (dq * scale).to(DQ.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    if NEED_DALPHA:
+        # sum_j dP_j dp_j/dalpha written with the row sums (docs/backward.md): no 1/(alpha-1) blow-up
+        has_u = s_u > 0.0
+        s_u = tl.where(has_u, s_u, 1.0)
+        dalpha = (s_g * s_pd - s_gd) / s_u + (alpha - 1.0) * (s_pl * s_gd - s_g * s_pld) / s_u
+        tl.store(DALPHA + stat_off, tl.where(has_u, dalpha, 0.0), mask=row_ok)
 
 
 @triton.jit
 def _entmax_attn_bwd_dkdv_kernel(
-    Q, K, V, DO, TAU, LSUM, DELTA, ALPHA, BIAS, LIVE, CU_Q, CU_K,
+    Q, K, V, DO, TAU, NORM, DELTA, ALPHA, BIAS, LIVE, CU_Q, CU_K,
     DK, DV,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
@@ -347,13 +351,9 @@ def _entmax_attn_bwd_dkdv_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     kv_mask = col_ok[:, None] & d_ok[None, :]
-    k = tl.load(K + b64 * stride_kb + hk.to(tl.int64) * stride_kh + cols64[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-                mask=kv_mask, other=0.0)
-    v = tl.load(V + b64 * stride_vb + hk.to(tl.int64) * stride_vh + cols64[:, None] * stride_vn + offs_d[None, :] * stride_vd,
-                mask=kv_mask, other=0.0)
-    if UPCAST:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
+    hk64 = hk.to(tl.int64)
+    k = _load_rows(K + b64 * stride_kb + hk64 * stride_kh, cols, offs_d, stride_kn, stride_kd, col_ok, d_ok, UPCAST)
+    v = _load_rows(V + b64 * stride_vb + hk64 * stride_vh, cols, offs_d, stride_vn, stride_vd, col_ok, d_ok, UPCAST)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     causal_shift = Lk - Lq
@@ -367,10 +367,11 @@ def _entmax_attn_bwd_dkdv_kernel(
         h = hk * kv_group + g
         bh = b * n_heads + h
         alpha = tl.load(ALPHA + h)
-        Q_base = Q + b64 * stride_qb + h.to(tl.int64) * stride_qh
-        DO_base = DO + b64 * stride_dob + h.to(tl.int64) * stride_doh
-        bias_base = BIAS + b64 * stride_bias_b + h.to(tl.int64) * stride_bias_h
-        live_head = LIVE + seq.to(tl.int64) * stride_live_b + h.to(tl.int64) * stride_live_h + word
+        h64 = h.to(tl.int64)
+        Q_base = Q + b64 * stride_qb + h64 * stride_qh
+        DO_base = DO + b64 * stride_dob + h64 * stride_doh
+        bias_base = BIAS + b64 * stride_bias_b + h64 * stride_bias_h
+        live_head = LIVE + seq.to(tl.int64) * stride_live_b + h64 * stride_live_h + word
         for mt in range(mt_lo, n_mt):
             live = 1
             if HAS_LIVE:
@@ -379,18 +380,13 @@ def _entmax_attn_bwd_dkdv_kernel(
                 rows_loc = mt * BLOCK_M + tl.arange(0, BLOCK_M)
                 rows = q_start + rows_loc
                 row_ok = rows_loc < Lq
-                rows64 = rows.to(tl.int64)
-                qd_mask = row_ok[:, None] & d_ok[None, :]
-                q = tl.load(Q_base + rows64[:, None] * stride_qm + offs_d[None, :] * stride_qd, mask=qd_mask, other=0.0)
-                do = tl.load(DO_base + rows64[:, None] * stride_dom + offs_d[None, :] * stride_dod, mask=qd_mask, other=0.0)
-                if UPCAST:
-                    q = q.to(tl.float32)
-                    do = do.to(tl.float32)
-                stat_off = bh.to(tl.int64) * n_q + rows64
+                q = _load_rows(Q_base, rows, offs_d, stride_qm, stride_qd, row_ok, d_ok, UPCAST)
+                do = _load_rows(DO_base, rows, offs_d, stride_dom, stride_dod, row_ok, d_ok, UPCAST)
+                stat_off = bh.to(tl.int64) * n_q + rows.to(tl.int64)
                 tau = tl.load(TAU + stat_off, mask=row_ok, other=float("inf"))
-                lsum = tl.load(LSUM + stat_off, mask=row_ok, other=0.0)
+                norm = tl.load(NORM + stat_off, mask=row_ok, other=0.0)
                 delta = tl.load(DELTA + stat_off, mask=row_ok, other=0.0)
-                cu, cp = _row_factors(alpha, lsum)
+                cu, cp = _row_factors(alpha, norm)
                 p, u, dp, pd = _tile(
                     q, do, k, v, tau, cu, cp, alpha, scale, bias_base, stride_bias_m, stride_bias_n,
                     rows, cols, rows_loc, cols_loc, row_ok, col_ok, causal_shift, seed, bh, n_k, p_drop,
@@ -399,8 +395,8 @@ def _entmax_attn_bwd_dkdv_kernel(
                 ds = u * (dp - delta[:, None])
                 dv += tl.dot(tl.trans(pd).to(do.dtype), do, input_precision=DOT_PRECISION)
                 dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=DOT_PRECISION)
-    dk_ptrs = DK + b64 * stride_dkb + hk.to(tl.int64) * stride_dkh + cols64[:, None] * stride_dkn + offs_d[None, :] * stride_dkd
-    dv_ptrs = DV + b64 * stride_dvb + hk.to(tl.int64) * stride_dvh + cols64[:, None] * stride_dvn + offs_d[None, :] * stride_dvd
+    dk_ptrs = DK + b64 * stride_dkb + hk64 * stride_dkh + cols64[:, None] * stride_dkn + offs_d[None, :] * stride_dkd
+    dv_ptrs = DV + b64 * stride_dvb + hk64 * stride_dvh + cols64[:, None] * stride_dvn + offs_d[None, :] * stride_dvd
     tl.store(dk_ptrs, (dk * scale).to(DK.dtype.element_ty), mask=kv_mask)
     tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=kv_mask)
 
@@ -541,10 +537,10 @@ def entmax_attn_bwd(
     block_d = max(16, triton.next_power_of_2(D))
     num_warps = 4 if block_d <= 64 else 8
 
-    dq = torch.empty_like(q)
-    dk = torch.empty_like(k)
-    dv = torch.empty_like(v)
+    alloc = torch.zeros_like if is_varlen else torch.empty_like
+    dq, dk, dv = alloc(q), alloc(k), alloc(v)
     delta = torch.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)
+    norm = torch.empty_like(delta)
     dalpha_rows = torch.zeros((B, Hq, Nq), dtype=torch.float32, device=q.device) if need_dalpha else delta
     dbias = torch.zeros((B, Hq, Nq, Nk), dtype=torch.float32, device=q.device) if need_dbias else delta
     common = dict(
@@ -556,7 +552,7 @@ def entmax_attn_bwd(
     seed = int(seed) & 0x7FFFFFFF
     _entmax_attn_bwd_dq_kernel[(n_qt, n_seq * Hq)](
         q, k, v, do, out, tau, lsum, alpha, bias_t, live_t, cu_q, cu_k,
-        dq, delta, dalpha_rows, dbias,
+        dq, delta, norm, dalpha_rows, dbias,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *out.stride(), *dq.stride(),
         *bias_strides, *live_strides,
         Hq, Hq // Hk, Nq, Nk, float(scale), float(dropout_p), seed,
@@ -564,7 +560,7 @@ def entmax_attn_bwd(
     )
     n_kt = triton.cdiv(max(max_seqlen_k, 1), block_n)
     _entmax_attn_bwd_dkdv_kernel[(n_kt, n_seq * Hk)](
-        q, k, v, do, tau, lsum, delta, alpha, bias_t, live_t, cu_q, cu_k,
+        q, k, v, do, tau, norm, delta, alpha, bias_t, live_t, cu_q, cu_k,
         dk, dv,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
         *bias_strides, *live_strides,
