@@ -1,0 +1,480 @@
+"""Drop-in entmax multi-head attention and helpers to swap it into existing models.
+
+:class:`EntmaxMultiheadAttention` has the constructor, parameters, state dict and forward of
+:class:`torch.nn.MultiheadAttention`; only the attention weights change, from softmax to
+alpha-entmax (``alpha = 1`` is softmax, ``alpha = 2`` sparsemax), with one alpha per head that
+may be learned as in ``correia2019-adaptively-sparse-transformers.txt``:
+``alpha = alpha_min + (alpha_max - alpha_min) * sigmoid(alpha_logit)``.
+:func:`swap_attention` replaces every ``nn.MultiheadAttention`` of a model in place.
+"""
+
+from __future__ import annotations
+
+import math
+from numbers import Real
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from sparse_attn.attention import entmax_attention
+from sparse_attn.mappings import entmax
+
+__all__ = ["EntmaxMultiheadAttention", "swap_attention"]
+
+
+def _check_unit_interval(name: str, value, low: float = 1.0, high: float = 2.0) -> float:
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
+    if not math.isfinite(value) or not low <= value <= high:
+        raise ValueError(f"{name} must be finite and in [{low}, {high}], got {value}")
+    return float(value)
+
+
+def _per_head(name: str, value, num_heads: int, low: float, high: float) -> Tensor:
+    """``value`` (float, or tensor of shape () or (num_heads,)) as a float64 CPU tensor (num_heads,)."""
+    if isinstance(value, Tensor):
+        if not value.is_floating_point():
+            raise TypeError(f"{name} must be a float or a floating-point tensor, got dtype {value.dtype}")
+        if value.dim() > 1 or value.numel() not in (1, num_heads):
+            raise ValueError(f"{name} must be a float or a tensor of shape () or ({num_heads},), got shape {tuple(value.shape)}")
+        vals = value.detach().to("cpu", torch.float64).reshape(-1).expand(num_heads).clone()
+    else:
+        vals = torch.full((num_heads,), _check_unit_interval(name, value, low, high), dtype=torch.float64)
+    if not torch.isfinite(vals).all() or (vals < low).any() or (vals > high).any():
+        raise ValueError(f"{name} must be finite and in [{low}, {high}], got {vals.tolist()}")
+    return vals
+
+
+def _check_mask_dtype(name: str, mask: Tensor | None) -> None:
+    if mask is None:
+        return
+    if not isinstance(mask, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(mask).__name__}")
+    if mask.dtype != torch.bool and not mask.is_floating_point():
+        raise TypeError(f"{name} must be boolean (True = not allowed to attend) or floating (additive), got {mask.dtype}")
+
+
+def _as_keep_or_bias(mask: Tensor, n_extra: int) -> Tensor:
+    """MHA convention (bool True = masked, float additive) to entmax_attention's (bool True = attend).
+
+    ``n_extra`` always-visible key columns are appended (``add_bias_kv`` / ``add_zero_attn``).
+    """
+    if mask.dtype == torch.bool:
+        mask = ~mask
+        return F.pad(mask, (0, n_extra), value=True) if n_extra else mask
+    return F.pad(mask, (0, n_extra), value=0.0) if n_extra else mask
+
+
+def _combine(a: Tensor | None, b: Tensor | None) -> Tensor | None:
+    """Intersect two masks in entmax_attention's convention (bool keep or float additive)."""
+    if a is None or b is None:
+        return a if b is None else b
+    if a.dtype == torch.bool and b.dtype == torch.bool:
+        return a & b
+    if a.dtype == torch.bool:
+        a, b = b, a
+    if b.dtype == torch.bool:
+        b = torch.zeros(b.shape, dtype=a.dtype, device=a.device).masked_fill(~b, float("-inf"))
+    return a + b
+
+
+def _materialized_attention(q: Tensor, k: Tensor, v: Tensor, alpha, mask: Tensor | None, dropout_p: float):
+    """Dense entmax attention that also returns the weights.
+
+    q: (B, H, Nq, D); k, v: (B, H, Nk, D); mask: bool keep or float additive, broadcastable to
+    (B, H, Nq, Nk). Returns ``out`` (B, H, Nq, D), the weights after dropout and before dropout
+    (B, H, Nq, Nk), and the per-row support size and number of valid keys (B, H, Nq), int32.
+    """
+    scores = torch.matmul(q, k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        else:
+            scores = scores + mask.to(scores.dtype)
+    a = alpha if not isinstance(alpha, Tensor) else alpha.to(scores.dtype).reshape(1, -1, 1, 1)
+    p = entmax(scores, a, dim=-1)
+    nnz = (p > 0).sum(-1, dtype=torch.int32)
+    n_valid = (scores > float("-inf")).sum(-1, dtype=torch.int32)
+    dropped = F.dropout(p, dropout_p) if dropout_p > 0 else p
+    return torch.matmul(dropped, v), dropped, p, nnz, n_valid
+
+
+class EntmaxMultiheadAttention(nn.MultiheadAttention):
+    """Multi-head attention with alpha-entmax weights, a drop-in for :class:`torch.nn.MultiheadAttention`.
+
+    The constructor arguments up to ``dtype``, the parameter names (``in_proj_weight`` or
+    ``q_proj_weight``/``k_proj_weight``/``v_proj_weight`` when ``kdim``/``vdim`` differ,
+    ``in_proj_bias``, ``out_proj``, ``bias_k``, ``bias_v``) and the forward signature and mask
+    conventions are those of ``nn.MultiheadAttention``, so ``load_state_dict(mha.state_dict())``
+    works as is (a learnable alpha keeps its current value when the state dict has none).
+    It is an ``nn.MultiheadAttention`` subclass so that code checking ``isinstance`` (e.g.
+    ``nn.TransformerEncoderLayer``) accepts it; PyTorch's fused softmax fast paths are always
+    declined (``_qkv_same_embed_dim`` reads False), so every call goes through this module.
+
+    Args:
+        embed_dim, num_heads, dropout, bias, add_bias_kv, add_zero_attn, kdim, vdim, batch_first,
+            device, dtype: as ``nn.MultiheadAttention`` (``dropout`` applies to the attention
+            weights after the entmax, in training mode).
+        alpha: float in [1, 2] or a tensor of shape ``(num_heads,)``: the fixed alpha of each head
+            (1 = softmax, 1.5 = 1.5-entmax, 2 = sparsemax). Default 1.5.
+        learnable_alpha: learn one alpha per head through the parameter ``alpha_logit``
+            ``(num_heads,)``, ``alpha = alpha_min + (alpha_max - alpha_min) * sigmoid(alpha_logit)``.
+            Default False.
+        alpha_min, alpha_max: range of a learnable alpha, ``1 <= alpha_min < alpha_max <= 2``.
+            Default (1, 2) as in the adaptively sparse Transformer.
+        alpha_init: initial learnable alpha (float or ``(num_heads,)`` tensor strictly inside
+            ``(alpha_min, alpha_max)``); default ``alpha``.
+        backend: ``"auto"``, ``"triton"`` or ``"reference"``, passed to
+            :func:`sparse_attn.entmax_attention`. Default ``"auto"``.
+
+    Forward: ``(query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
+    average_attn_weights=True, is_causal=False) -> (out, weights or None)`` with the shapes of
+    ``nn.MultiheadAttention``: query ``(L, N, E)`` (``(N, L, E)`` if ``batch_first``, ``(L, E)``
+    unbatched), key ``(S, N, kdim)``, value ``(S, N, vdim)``; boolean masks are True where
+    attention is NOT allowed, float masks are added to the scores; ``key_padding_mask`` ``(N, S)``;
+    ``attn_mask`` ``(L, S)`` or ``(N * num_heads, L, S)``. ``is_causal`` is a hint that
+    ``attn_mask`` is the causal mask; without ``attn_mask`` it applies the causal mask
+    ``j <= i``. ``need_weights=True`` computes the attention densely and returns the (sparse)
+    weights ``(N, L, S)`` averaged over heads, or ``(N, num_heads, L, S)``. Unlike softmax, a
+    query with no key to attend to gives zeros instead of NaN.
+    """
+
+    _records_head_stats = True
+    _head_stats_sink = None
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        dropout: float = 0.0,
+        bias: bool = True,
+        add_bias_kv: bool = False,
+        add_zero_attn: bool = False,
+        kdim: int | None = None,
+        vdim: int | None = None,
+        batch_first: bool = False,
+        device=None,
+        dtype=None,
+        *,
+        alpha: float | Tensor = 1.5,
+        learnable_alpha: bool = False,
+        alpha_min: float = 1.0,
+        alpha_max: float = 2.0,
+        alpha_init: float | Tensor | None = None,
+        backend: str = "auto",
+    ) -> None:
+        nn.Module.__init__(self)
+        for name, val in (("embed_dim", embed_dim), ("num_heads", num_heads), ("kdim", kdim), ("vdim", vdim)):
+            if val is None and name in ("kdim", "vdim"):
+                continue
+            if isinstance(val, bool) or not isinstance(val, int) or val <= 0:
+                raise ValueError(f"{name} must be a positive int, got {val!r}")
+        if embed_dim % num_heads:
+            raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
+        if isinstance(dropout, bool) or not isinstance(dropout, Real) or not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be a number in [0, 1), got {dropout!r}")
+        if backend not in ("auto", "triton", "reference"):
+            raise ValueError(f"backend must be one of ('auto', 'triton', 'reference'), got {backend!r}")
+        factory = {"device": device, "dtype": dtype}
+        self.embed_dim = embed_dim
+        self.kdim = kdim if kdim is not None else embed_dim
+        self.vdim = vdim if vdim is not None else embed_dim
+        self._packed_in_proj = self.kdim == embed_dim and self.vdim == embed_dim
+        self.num_heads = num_heads
+        self.dropout = float(dropout)
+        self.batch_first = batch_first
+        self.head_dim = embed_dim // num_heads
+        self.add_zero_attn = add_zero_attn
+        self.backend = backend
+        if self._packed_in_proj:
+            self.in_proj_weight = nn.Parameter(torch.empty(3 * embed_dim, embed_dim, **factory))
+            for name in ("q_proj_weight", "k_proj_weight", "v_proj_weight"):
+                self.register_parameter(name, None)
+        else:
+            self.register_parameter("in_proj_weight", None)
+            self.q_proj_weight = nn.Parameter(torch.empty(embed_dim, embed_dim, **factory))
+            self.k_proj_weight = nn.Parameter(torch.empty(embed_dim, self.kdim, **factory))
+            self.v_proj_weight = nn.Parameter(torch.empty(embed_dim, self.vdim, **factory))
+        if bias:
+            self.in_proj_bias = nn.Parameter(torch.empty(3 * embed_dim, **factory))
+        else:
+            self.register_parameter("in_proj_bias", None)
+        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
+        if add_bias_kv:
+            self.bias_k = nn.Parameter(torch.empty(1, 1, embed_dim, **factory))
+            self.bias_v = nn.Parameter(torch.empty(1, 1, embed_dim, **factory))
+        else:
+            self.bias_k = self.bias_v = None
+        self._init_alpha(alpha, learnable_alpha, alpha_min, alpha_max, alpha_init, device, dtype)
+        self._reset_parameters()
+
+    def _init_alpha(self, alpha, learnable, alpha_min, alpha_max, alpha_init, device, dtype) -> None:
+        alpha_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+        self._alpha_float = None
+        self.alpha_min = _check_unit_interval("alpha_min", alpha_min)
+        self.alpha_max = _check_unit_interval("alpha_max", alpha_max)
+        if not learnable:
+            self.register_parameter("alpha_logit", None)
+            if isinstance(alpha, Tensor):
+                vals = _per_head("alpha", alpha, self.num_heads, 1.0, 2.0)
+                self.register_buffer("alpha_fixed", vals.to(device=device, dtype=alpha_dtype), persistent=False)
+            else:
+                self._alpha_float = _check_unit_interval("alpha", alpha)
+                self.register_buffer("alpha_fixed", None, persistent=False)
+            return
+        if self.alpha_min >= self.alpha_max:
+            raise ValueError(f"alpha_min must be < alpha_max, got alpha_min={self.alpha_min}, alpha_max={self.alpha_max}")
+        init = _per_head("alpha_init" if alpha_init is not None else "alpha",
+                         alpha if alpha_init is None else alpha_init, self.num_heads, 1.0, 2.0)
+        if (init <= self.alpha_min).any() or (init >= self.alpha_max).any():
+            raise ValueError(
+                f"the initial learnable alpha (alpha_init, or alpha when alpha_init is None) must lie strictly "
+                f"between alpha_min={self.alpha_min} and alpha_max={self.alpha_max}, got {init.tolist()}"
+            )
+        frac = (init - self.alpha_min) / (self.alpha_max - self.alpha_min)
+        self.alpha_logit = nn.Parameter(torch.logit(frac).to(device=device, dtype=alpha_dtype))
+        self.register_buffer("alpha_fixed", None, persistent=False)
+
+    @property
+    def _qkv_same_embed_dim(self) -> bool:
+        """Always False, so that PyTorch's fused softmax fast paths never bypass this module."""
+        return False
+
+    def _reset_parameters(self) -> None:
+        if self._packed_in_proj:
+            nn.init.xavier_uniform_(self.in_proj_weight)
+        else:
+            for w in (self.q_proj_weight, self.k_proj_weight, self.v_proj_weight):
+                nn.init.xavier_uniform_(w)
+        if self.in_proj_bias is not None:
+            nn.init.zeros_(self.in_proj_bias)
+            nn.init.zeros_(self.out_proj.bias)
+        if self.bias_k is not None:
+            nn.init.xavier_normal_(self.bias_k)
+            nn.init.xavier_normal_(self.bias_v)
+
+    @property
+    def learnable_alpha(self) -> bool:
+        """Whether alpha is learned (through the parameter ``alpha_logit``)."""
+        return self.alpha_logit is not None
+
+    @property
+    def alpha(self) -> Tensor:
+        """Current alpha of each head, shape ``(num_heads,)``, float32 (float64 for a float64 module).
+
+        Differentiable with respect to ``alpha_logit`` when alpha is learnable.
+        """
+        if self.alpha_logit is not None:
+            logit = self.alpha_logit if self.alpha_logit.dtype == torch.float64 else self.alpha_logit.float()
+            return self.alpha_min + (self.alpha_max - self.alpha_min) * torch.sigmoid(logit)
+        if self.alpha_fixed is not None:
+            return self.alpha_fixed
+        return torch.full((self.num_heads,), self._alpha_float, dtype=torch.float32, device=self.out_proj.weight.device)
+
+    def _alpha_arg(self):
+        """alpha as given to entmax_attention: a Python float when it is one fixed value."""
+        return self._alpha_float if self._alpha_float is not None else self.alpha
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        key = prefix + "alpha_logit"
+        if self.alpha_logit is not None and key not in state_dict:
+            state_dict[key] = self.alpha_logit.detach().clone()
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+
+    def extra_repr(self) -> str:
+        if self.alpha_logit is not None:
+            alpha = f"learnable in [{self.alpha_min}, {self.alpha_max}]"
+        elif self._alpha_float is not None:
+            alpha = str(self._alpha_float)
+        else:
+            alpha = str([round(a, 4) for a in self.alpha_fixed.tolist()])
+        return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, alpha={alpha}, dropout={self.dropout}, "
+                f"batch_first={self.batch_first}")
+
+    @classmethod
+    def from_mha(cls, mha: nn.MultiheadAttention, **kwargs) -> EntmaxMultiheadAttention:
+        """A new module with the configuration and a copy of the weights of ``mha``.
+
+        Args:
+            mha: the ``nn.MultiheadAttention`` to copy (kept unchanged).
+            **kwargs: keyword-only arguments of the constructor (``alpha``, ``learnable_alpha``,
+                ``alpha_min``, ``alpha_max``, ``alpha_init``, ``backend``).
+        """
+        if not isinstance(mha, nn.MultiheadAttention):
+            raise TypeError(f"mha must be an nn.MultiheadAttention, got {type(mha).__name__}")
+        ref = mha.out_proj.weight
+        new = cls(
+            mha.embed_dim, mha.num_heads, dropout=mha.dropout, bias=mha.in_proj_bias is not None,
+            add_bias_kv=mha.bias_k is not None, add_zero_attn=mha.add_zero_attn, kdim=mha.kdim, vdim=mha.vdim,
+            batch_first=mha.batch_first, device=ref.device, dtype=ref.dtype, **kwargs,
+        )
+        new.load_state_dict(mha.state_dict(), strict=not isinstance(mha, EntmaxMultiheadAttention))
+        new.train(mha.training)
+        return new
+
+    def _project(self, query: Tensor, key: Tensor, value: Tensor, self_attn: bool):
+        """Input projections of (N, L, E), (N, S, kdim), (N, S, vdim) to (N, L|S, E) each."""
+        b = self.in_proj_bias
+        bq, bk, bv = b.chunk(3) if b is not None else (None, None, None)
+        if not self._packed_in_proj:
+            return (F.linear(query, self.q_proj_weight, bq), F.linear(key, self.k_proj_weight, bk),
+                    F.linear(value, self.v_proj_weight, bv))
+        if self_attn:
+            return F.linear(query, self.in_proj_weight, b).chunk(3, dim=-1)
+        wq, wk, wv = self.in_proj_weight.chunk(3)
+        return F.linear(query, wq, bq), F.linear(key, wk, bk), F.linear(value, wv, bv)
+
+    def _check_inputs(self, query, key, value):
+        for name, t in (("query", query), ("key", key), ("value", value)):
+            if not isinstance(t, Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.is_nested:
+                raise ValueError(f"{name} is a nested tensor; EntmaxMultiheadAttention takes padded tensors and key_padding_mask")
+        if query.dim() not in (2, 3) or key.dim() != query.dim() or value.dim() != query.dim():
+            raise ValueError(
+                "query, key and value must all be 3-D (batched) or all 2-D (unbatched), got shapes "
+                f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}"
+            )
+        for name, t, dim in (("query", query, self.embed_dim), ("key", key, self.kdim), ("value", value, self.vdim)):
+            if t.shape[-1] != dim:
+                raise ValueError(f"{name} must have {dim} features in its last dimension, got shape {tuple(t.shape)}")
+        if key.shape[:-1] != value.shape[:-1]:
+            raise ValueError(f"key and value must agree in sequence and batch sizes, got {tuple(key.shape)} and {tuple(value.shape)}")
+
+    def _masks(self, attn_mask, key_padding_mask, n: int, l_q: int, s: int, n_extra: int):
+        """Merge MHA-convention masks into one mask broadcastable to (N, H, L, S + n_extra)."""
+        _check_mask_dtype("attn_mask", attn_mask)
+        _check_mask_dtype("key_padding_mask", key_padding_mask)
+        kpm = am = None
+        if key_padding_mask is not None:
+            if tuple(key_padding_mask.shape) != (n, s):
+                raise ValueError(f"key_padding_mask must have shape (batch, src_len) = {(n, s)}, got {tuple(key_padding_mask.shape)}")
+            kpm = _as_keep_or_bias(key_padding_mask, n_extra)[:, None, None, :]
+        if attn_mask is not None:
+            if attn_mask.dim() == 2 and tuple(attn_mask.shape) == (l_q, s):
+                am = _as_keep_or_bias(attn_mask, n_extra)[None, None]
+            elif attn_mask.dim() == 3 and tuple(attn_mask.shape) == (n * self.num_heads, l_q, s):
+                am = _as_keep_or_bias(attn_mask, n_extra).reshape(n, self.num_heads, l_q, s + n_extra)
+            else:
+                raise ValueError(
+                    f"attn_mask must have shape (tgt_len, src_len) = {(l_q, s)} or (batch * num_heads, tgt_len, src_len) = "
+                    f"{(n * self.num_heads, l_q, s)}, got {tuple(attn_mask.shape)}"
+                )
+        return _combine(am, kpm)
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        key_padding_mask: Tensor | None = None,
+        need_weights: bool = True,
+        attn_mask: Tensor | None = None,
+        average_attn_weights: bool = True,
+        is_causal: bool = False,
+    ) -> tuple[Tensor, Tensor | None]:
+        """Attend; arguments, shapes and mask conventions as :meth:`torch.nn.MultiheadAttention.forward`.
+
+        Returns ``(out, weights)``: ``out`` shaped like ``query`` (with ``embed_dim`` features);
+        ``weights`` ``(N, L, S)`` (or ``(N, num_heads, L, S)`` when ``average_attn_weights`` is
+        False; without the batch dimension for unbatched input) when ``need_weights``, else None.
+        """
+        self._check_inputs(query, key, value)
+        self_attn = query is key and key is value
+        batched = query.dim() == 3
+        if not batched:
+            query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
+            if key_padding_mask is not None and key_padding_mask.dim() == 1:
+                key_padding_mask = key_padding_mask.unsqueeze(0)
+        elif not self.batch_first:
+            query, key, value = query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1)
+        n, l_q, s = query.shape[0], query.shape[1], key.shape[1]
+        if key.shape[0] != n:
+            raise ValueError(f"query and key must have the same batch size, got {n} and {key.shape[0]}")
+        q, k, v = self._project(query, key, value, self_attn)
+        if self.bias_k is not None:
+            k = torch.cat([k, self.bias_k.to(k.dtype).expand(n, 1, self.embed_dim)], dim=1)
+            v = torch.cat([v, self.bias_v.to(v.dtype).expand(n, 1, self.embed_dim)], dim=1)
+        heads = (self.num_heads, self.head_dim)
+        q, k, v = (t.unflatten(-1, heads).transpose(1, 2) for t in (q, k, v))
+        if self.add_zero_attn:
+            k = torch.cat([k, k.new_zeros(n, self.num_heads, 1, self.head_dim)], dim=2)
+            v = torch.cat([v, v.new_zeros(n, self.num_heads, 1, self.head_dim)], dim=2)
+        n_extra = int(self.bias_k is not None) + int(self.add_zero_attn)
+
+        sink = self._head_stats_sink
+        dense = need_weights or (sink is not None and sink.wants_weights)
+        kernel_causal = is_causal and not dense and n_extra == 0 and l_q == s
+        if kernel_causal:
+            attn_mask = None
+        elif is_causal and attn_mask is None:
+            attn_mask = torch.ones(l_q, s, dtype=torch.bool, device=q.device).tril().logical_not()
+        mask = self._masks(attn_mask, key_padding_mask, n, l_q, s, n_extra)
+        dropout_p = self.dropout if self.training else 0.0
+        alpha = self._alpha_arg()
+
+        weights = None
+        if dense:
+            out, weights, p, nnz, n_valid = _materialized_attention(q, k, v, alpha, mask, dropout_p)
+            if sink is not None:
+                sink(nnz, n_valid, self.alpha, p)
+        elif sink is not None:
+            out, stats = entmax_attention(q, k, v, alpha, attn_mask=mask, is_causal=kernel_causal,
+                                          dropout_p=dropout_p, return_stats=True, backend=self.backend)
+            sink(stats.nnz, stats.n_valid, self.alpha, None)
+        else:
+            out = entmax_attention(q, k, v, alpha, attn_mask=mask, is_causal=kernel_causal,
+                                   dropout_p=dropout_p, backend=self.backend)
+        out = self.out_proj(out.transpose(1, 2).reshape(n, l_q, self.embed_dim))
+        if not batched:
+            out = out.squeeze(0)
+        elif not self.batch_first:
+            out = out.transpose(0, 1)
+        if not need_weights:
+            return out, None
+        if average_attn_weights:
+            weights = weights.mean(dim=1)
+        return out, weights.squeeze(0) if not batched else weights
+
+
+def swap_attention(model: nn.Module, alpha: float | Tensor = 1.5, learnable: bool = False, **kw) -> list[tuple[str, nn.MultiheadAttention]]:
+    """Replace every ``nn.MultiheadAttention`` inside ``model`` by an :class:`EntmaxMultiheadAttention`, in place.
+
+    Weights, configuration and train/eval mode are kept. A module shared by several parents is
+    replaced by one shared new module. ``nn.TransformerEncoder`` instances get
+    ``use_nested_tensor = False`` (their nested-tensor fast path would bypass the new modules).
+
+    Args:
+        model: any ``nn.Module`` (not itself an ``nn.MultiheadAttention``: use
+            :meth:`EntmaxMultiheadAttention.from_mha` for that).
+        alpha: fixed alpha (float or ``(num_heads,)`` tensor), or the initial alpha when
+            ``learnable``. Default 1.5.
+        learnable: learn one alpha per head (``alpha_logit`` parameters). Default False.
+        **kw: other keyword-only arguments of :class:`EntmaxMultiheadAttention`
+            (``alpha_min``, ``alpha_max``, ``alpha_init``, ``backend``).
+
+    Returns:
+        ``[(qualified_name, replaced_module), ...]`` in model order (one entry per replaced module).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if isinstance(model, nn.MultiheadAttention):
+        raise ValueError("model is itself an nn.MultiheadAttention; use EntmaxMultiheadAttention.from_mha(model) instead")
+    targets = []
+    for parent_name, parent in model.named_modules(remove_duplicate=False):
+        for child_name, child in parent.named_children():
+            if isinstance(child, nn.MultiheadAttention) and not isinstance(child, EntmaxMultiheadAttention):
+                targets.append((parent, child_name, f"{parent_name}.{child_name}" if parent_name else child_name, child))
+    new_of: dict[int, EntmaxMultiheadAttention] = {}
+    replaced = []
+    for parent, child_name, full_name, child in targets:
+        if id(child) not in new_of:
+            new_of[id(child)] = EntmaxMultiheadAttention.from_mha(child, alpha=alpha, learnable_alpha=learnable, **kw)
+            replaced.append((full_name, child))
+        setattr(parent, child_name, new_of[id(child)])
+    if replaced:
+        for m in model.modules():
+            if isinstance(m, nn.TransformerEncoder):
+                m.use_nested_tensor = False
+    return replaced

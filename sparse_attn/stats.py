@@ -1,0 +1,252 @@
+"""Per-head attention statistics: density, alpha and Jensen-Shannon head diversity.
+
+``with record_head_stats(model) as rec: model(x)`` makes every entmax attention layer of
+``model`` (:class:`sparse_attn.modules.EntmaxMultiheadAttention`, and Hugging Face attention
+modules prepared by :mod:`sparse_attn.integrations.hf`) report, on each call, the per-row support
+size and number of valid keys computed by the attention itself (the weights are not
+materialized). The recorder accumulates, per layer and head:
+
+* density: mean over query rows with at least one valid key of ``nnz / n_valid``, the fraction
+  of the keys a query may attend to that receive a nonzero weight (1 for softmax);
+* alpha: the head's alpha at the last recorded call;
+* with ``diversity=True``, the Jensen-Shannon head diversity of
+  ``correia2019-adaptively-sparse-transformers.txt`` (eq. 11),
+  ``JS = H(mean_h p_h) - mean_h H(p_h)``, Shannon entropies in base ``n`` (the number of valid
+  keys of the row, so ``0 <= JS <= 1``), averaged over the query rows with ``n >= 2``. This
+  needs the weights, so those calls take the dense (materialized) path.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["HeadStatsRecorder", "record_head_stats"]
+
+
+def _is_recordable(module: nn.Module) -> bool:
+    return bool(getattr(module, "_records_head_stats", False))
+
+
+def _entropy(p: Tensor) -> Tensor:
+    """Shannon entropy (natural log) along the last dimension, with 0 log 0 = 0."""
+    return -torch.special.xlogy(p, p).sum(-1)
+
+
+def js_head_diversity(p: Tensor, n_valid: Tensor) -> tuple[Tensor, Tensor]:
+    """Sum over rows of the Jensen-Shannon head diversity (eq. 11) and the number of rows counted.
+
+    Args:
+        p: attention weights ``(B, H, Nq, Nk)``, rows summing to 1 (or 0 for empty rows).
+        n_valid: ``(B, H, Nq)`` number of keys each row may attend to.
+
+    Returns:
+        ``(js_sum, count)`` float64 scalars; rows whose largest ``n_valid`` over heads is < 2
+        are left out (their entropy base is undefined).
+    """
+    p = p.detach().to(torch.float64)
+    n = n_valid.amax(dim=1).to(torch.float64)
+    js = _entropy(p.mean(dim=1)) - _entropy(p).mean(dim=1)
+    rows = n >= 2
+    js = torch.where(rows, js / torch.log(n.clamp_min(2)), torch.zeros_like(js))
+    return js.sum(), rows.sum().to(torch.float64)
+
+
+class _LayerSink:
+    """Accumulator one layer reports to (called by the layer's forward)."""
+
+    def __init__(self, wants_weights: bool):
+        self.wants_weights = wants_weights
+        self.reset()
+
+    def reset(self) -> None:
+        self.density_sum = None
+        self.rows = None
+        self.alpha = None
+        self.js_sum = None
+        self.js_rows = None
+        self.calls = 0
+
+    def __call__(self, nnz: Tensor, n_valid: Tensor, alpha: Tensor, weights: Tensor | None) -> None:
+        with torch.no_grad():
+            valid = n_valid > 0
+            frac = torch.where(valid, nnz.to(torch.float64) / n_valid.clamp_min(1).to(torch.float64), 0.0)
+            dims = [d for d in range(frac.dim()) if d != 1]
+            dens, cnt = frac.sum(dims), valid.sum(dims).to(torch.float64)
+            self.density_sum = dens if self.density_sum is None else self.density_sum + dens
+            self.rows = cnt if self.rows is None else self.rows + cnt
+            self.alpha = alpha.detach().reshape(-1).expand(frac.shape[1])
+            if self.wants_weights and weights is not None:
+                js, rows = js_head_diversity(weights, n_valid)
+                self.js_sum = js if self.js_sum is None else self.js_sum + js
+                self.js_rows = rows if self.js_rows is None else self.js_rows + rows
+            self.calls += 1
+
+
+class HeadStatsRecorder:
+    """Context manager recording per-head attention statistics of a model (see module docstring).
+
+    Args:
+        model: the model; every entmax attention layer inside it is recorded.
+        diversity: also record the Jensen-Shannon head diversity (dense weights on those calls).
+            Default False.
+
+    Attributes:
+        layer_names: qualified names of the recorded layers, in model order.
+    """
+
+    def __init__(self, model: nn.Module, diversity: bool = False):
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        if not isinstance(diversity, bool):
+            raise TypeError(f"diversity must be a bool, got {type(diversity).__name__}")
+        self.model = model
+        self.with_diversity = diversity
+        self._layers = [(name, m) for name, m in model.named_modules() if _is_recordable(m)]
+        if not self._layers:
+            raise ValueError(
+                "model contains no entmax attention layer to record (EntmaxMultiheadAttention, or a Hugging Face "
+                "model loaded with attn_implementation='entmax'); use sparse_attn.swap_attention first"
+            )
+        self.layer_names = [name for name, _ in self._layers]
+        self._sinks = [_LayerSink(diversity) for _ in self._layers]
+        self._active = False
+
+    def __enter__(self) -> HeadStatsRecorder:
+        if self._active:
+            raise RuntimeError("this HeadStatsRecorder is already active")
+        for name, m in self._layers:
+            if m.__dict__.get("_head_stats_sink") is not None:
+                raise RuntimeError(f"layer {name!r} is already being recorded by another HeadStatsRecorder")
+        for (_, m), sink in zip(self._layers, self._sinks):
+            m._head_stats_sink = sink
+        self._active = True
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for _, m in self._layers:
+            m.__dict__.pop("_head_stats_sink", None)
+        self._active = False
+
+    def reset(self) -> None:
+        """Forget everything recorded so far."""
+        for sink in self._sinks:
+            sink.reset()
+
+    def _n_heads(self) -> int:
+        return max(self._heads_of(i) for i in range(len(self._layers)))
+
+    def _heads_of(self, i: int) -> int:
+        sink, (_, m) = self._sinks[i], self._layers[i]
+        if sink.rows is not None:
+            return sink.rows.numel()
+        return int(self._module_alpha(m).numel())
+
+    @staticmethod
+    def _module_alpha(m: nn.Module) -> Tensor:
+        alpha = m.alpha if not callable(getattr(m, "entmax_alpha", None)) else m.entmax_alpha()
+        return alpha.detach().reshape(-1)
+
+    def density(self) -> Tensor:
+        """Mean density per layer and head, float64 ``(n_layers, n_heads)``; NaN where nothing was recorded."""
+        out = torch.full((len(self._layers), self._n_heads()), math.nan, dtype=torch.float64)
+        for i, sink in enumerate(self._sinks):
+            if sink.rows is not None:
+                d = sink.density_sum.cpu() / sink.rows.cpu()
+                out[i, : d.numel()] = torch.where(sink.rows.cpu() > 0, d, math.nan)
+        return out
+
+    def alphas(self) -> Tensor:
+        """alpha per layer and head at the last recorded call (the current alpha if none), float64 ``(n_layers, n_heads)``."""
+        out = torch.full((len(self._layers), self._n_heads()), math.nan, dtype=torch.float64)
+        for i, (sink, (_, m)) in enumerate(zip(self._sinks, self._layers)):
+            a = sink.alpha if sink.alpha is not None else self._module_alpha(m)
+            a = a.detach().to("cpu", torch.float64)
+            out[i, : a.numel()] = a
+        return out
+
+    def diversity(self) -> dict[str, float]:
+        """Jensen-Shannon head diversity per layer name (NaN for a layer with no eligible row)."""
+        if not self.with_diversity:
+            raise RuntimeError("head diversity was not recorded: use record_head_stats(model, diversity=True)")
+        out = {}
+        for name, sink in zip(self.layer_names, self._sinks):
+            if sink.js_rows is None or float(sink.js_rows) == 0:
+                out[name] = math.nan
+            else:
+                out[name] = float(sink.js_sum / sink.js_rows)
+        return out
+
+    def rows(self) -> list[dict]:
+        """One dict per layer and head: ``{"layer", "head", "alpha", "density"}`` (floats)."""
+        dens, alph = self.density(), self.alphas()
+        out = []
+        for i, name in enumerate(self.layer_names):
+            for h in range(self._heads_of(i)):
+                out.append({"layer": name, "head": h, "alpha": float(alph[i, h]), "density": float(dens[i, h])})
+        return out
+
+    def table(self) -> str:
+        """The statistics as a plain-text table (one line per layer and head)."""
+        rows = self.rows()
+        div = self.diversity() if self.with_diversity else None
+        width = max([len("layer")] + [len(r["layer"]) for r in rows])
+        header = f"{'layer':<{width}}  head   alpha  density" + ("  diversity" if div is not None else "")
+        lines = [header, "-" * len(header)]
+        for r in rows:
+            line = f"{r['layer']:<{width}}  {r['head']:>4}  {r['alpha']:6.3f}  {r['density']:7.3f}"
+            if div is not None:
+                line += f"  {div[r['layer']]:9.3f}" if r["head"] == 0 else ""
+            lines.append(line)
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def plot(self, path=None, ax=None):
+        """Heat map of the density per layer (rows) and head (columns), each cell labelled with its alpha.
+
+        Args:
+            path: if given, save the figure there. Default None.
+            ax: a matplotlib ``Axes`` to draw into; a new figure when None.
+
+        Returns:
+            The matplotlib ``Figure``. Needs matplotlib (``pip install sparse_attn[plot]``).
+        """
+        try:
+            import matplotlib
+            if ax is None and path is not None:
+                matplotlib.use("Agg", force=False)
+            import matplotlib.pyplot as plt
+        except ImportError as exc:
+            raise ImportError("HeadStatsRecorder.plot needs matplotlib: pip install 'sparse_attn[plot]' (or matplotlib)") from exc
+        dens, alph = self.density().numpy(), self.alphas().numpy()
+        if ax is None:
+            fig, ax = plt.subplots(figsize=(1.0 + 0.7 * dens.shape[1], 1.0 + 0.5 * dens.shape[0]))
+        else:
+            fig = ax.figure
+        im = ax.imshow(dens, vmin=0.0, vmax=1.0, cmap="viridis", aspect="auto")
+        for i in range(dens.shape[0]):
+            for h in range(dens.shape[1]):
+                if not math.isnan(alph[i, h]):
+                    ax.text(h, i, f"{alph[i, h]:.2f}", ha="center", va="center", fontsize=7, color="w")
+        ax.set_xticks(range(dens.shape[1]))
+        ax.set_yticks(range(dens.shape[0]), labels=self.layer_names, fontsize=7)
+        ax.set_xlabel("head (cell text: alpha)")
+        ax.set_title("attention density")
+        fig.colorbar(im, ax=ax)
+        if path is not None:
+            fig.savefig(path, bbox_inches="tight")
+        return fig
+
+
+def record_head_stats(model: nn.Module, diversity: bool = False) -> HeadStatsRecorder:
+    """A :class:`HeadStatsRecorder` for ``model``; use it as ``with record_head_stats(model) as rec:``.
+
+    Args:
+        model: model containing entmax attention layers.
+        diversity: also record the Jensen-Shannon head diversity (eq. 11). Default False.
+    """
+    return HeadStatsRecorder(model, diversity=diversity)

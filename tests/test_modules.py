@@ -1,0 +1,417 @@
+"""EntmaxMultiheadAttention against nn.MultiheadAttention (alpha = 1) and a float64 oracle, and swap_attention."""
+
+import itertools
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from sparse_attn.modules import EntmaxMultiheadAttention, swap_attention
+
+E, H = 16, 4
+
+
+def _bisect_entmax(scores: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+    """Independent float64 alpha-entmax along the last dim by plain bisection on tau (alpha > 1).
+
+    scores (..., n) with -inf for masked entries; alpha broadcastable to scores[..., :1].
+    """
+    z = (alpha - 1) * scores
+    zmax = z.amax(-1, keepdim=True)
+    lo, hi = zmax - 1, zmax
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        f = torch.clamp(z - mid, min=0).pow(1 / (alpha - 1)).sum(-1, keepdim=True)
+        lo, hi = torch.where(f >= 1, mid, lo), torch.where(f >= 1, hi, mid)
+    p = torch.clamp(z - lo, min=0).pow(1 / (alpha - 1))
+    return p / p.sum(-1, keepdim=True)
+
+
+def _pair(alpha=1.0, seed=0, **kw):
+    torch.manual_seed(seed)
+    mha = nn.MultiheadAttention(E, H, **kw).double()
+    ent = EntmaxMultiheadAttention(E, H, alpha=alpha, **kw).double()
+    ent.load_state_dict(mha.state_dict())
+    return mha, ent
+
+
+def _inputs(n, l_q, s, kdim, vdim, batch_first, batched=True):
+    def mk(length, dim):
+        if not batched:
+            return torch.randn(length, dim, dtype=torch.float64)
+        return torch.randn(n, length, dim, dtype=torch.float64) if batch_first else torch.randn(length, n, dim, dtype=torch.float64)
+
+    return mk(l_q, E), mk(s, kdim), mk(s, vdim)
+
+
+def _masks(kind, n, l_q, s):
+    """(key_padding_mask, attn_mask) in nn.MultiheadAttention's convention; no row fully masked."""
+    kpm = am = None
+    if "kpm_bool" in kind:
+        kpm = torch.zeros(n, s, dtype=torch.bool)
+        kpm[0, -2:] = True
+    if "kpm_float" in kind:
+        kpm = torch.randn(n, s, dtype=torch.float64)
+        kpm[-1, 1] = float("-inf")
+    if "am_bool2" in kind:
+        am = torch.rand(l_q, s) < 0.4
+        am[:, 0] = False
+    if "am_float3" in kind:
+        am = torch.randn(n * H, l_q, s, dtype=torch.float64)
+        am[:, :, 2] = float("-inf")
+    if "am_bool3" in kind:
+        am = torch.rand(n * H, l_q, s) < 0.4
+        am[..., 0] = False
+    return kpm, am
+
+
+MASK_KINDS = ["none", "kpm_bool", "kpm_float", "am_bool2", "am_float3", "am_bool3+kpm_bool", "am_float3+kpm_float", "am_bool2+kpm_float"]
+STRUCTURES = list(itertools.product([False, True], [None, (6, 5)], [True, False], [False, True], [False, True]))
+
+
+@pytest.mark.parametrize("case", range(len(STRUCTURES)))
+def test_matches_mha_at_alpha_one(case):
+    batch_first, kv, bias, add_bias_kv, add_zero_attn = STRUCTURES[case]
+    kdim, vdim = kv if kv else (E, E)
+    mha, ent = _pair(batch_first=batch_first, kdim=kdim, vdim=vdim, bias=bias,
+                     add_bias_kv=add_bias_kv, add_zero_attn=add_zero_attn)
+    n, l_q, s = 3, 5, 7
+    for kind in MASK_KINDS[case % 2::2]:
+        q, k, v = _inputs(n, l_q, s, kdim, vdim, batch_first)
+        kpm, am = _masks(kind, n, l_q, s)
+        for need_weights, average in ((False, True), (True, True), (True, False)):
+            args = dict(key_padding_mask=kpm, attn_mask=am, need_weights=need_weights, average_attn_weights=average)
+            with pytest.warns(UserWarning) if (kpm is not None and am is not None and kpm.dtype != am.dtype) else _no_warn():
+                o_ref, w_ref = mha(q, k, v, **args)
+            o, w = ent(q, k, v, **args)
+            torch.testing.assert_close(o, o_ref, atol=1e-12, rtol=1e-10, msg=f"{kind} need_weights={need_weights}")
+            if need_weights:
+                torch.testing.assert_close(w, w_ref, atol=1e-12, rtol=1e-10)
+            else:
+                assert w is None
+
+
+class _no_warn:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_self_attention_unbatched_and_causal_match_mha(batch_first):
+    mha, ent = _pair(batch_first=batch_first)
+    x = _inputs(2, 6, 6, E, E, batch_first)[0]
+    causal = nn.Transformer.generate_square_subsequent_mask(6, dtype=torch.float64)
+    causal_bool = torch.ones(6, 6, dtype=torch.bool).triu(1)
+    kpm = torch.zeros(2, 6, dtype=torch.bool)
+    kpm[1, 3] = True
+    for mask, need_weights, pad in itertools.product([causal, causal_bool], [False, True], [None, kpm]):
+        o_ref, w_ref = mha(x, x, x, attn_mask=mask, is_causal=True, need_weights=need_weights, key_padding_mask=pad)
+        o, w = ent(x, x, x, attn_mask=mask, is_causal=True, need_weights=need_weights, key_padding_mask=pad)
+        torch.testing.assert_close(o, o_ref, atol=1e-12, rtol=1e-10)
+        if need_weights:
+            torch.testing.assert_close(w, w_ref, atol=1e-12, rtol=1e-10)
+    o_ref, _ = mha(x, x, x, attn_mask=causal, need_weights=False)
+    o, _ = ent(x, x, x, is_causal=True, need_weights=False)
+    torch.testing.assert_close(o, o_ref, atol=1e-12, rtol=1e-10)
+    xu = torch.randn(5, E, dtype=torch.float64)
+    ku = torch.randn(7, E, dtype=torch.float64)
+    kpm_u = torch.tensor([False, False, True, False, False, False, True])
+    am_u = torch.randn(H, 5, 7, dtype=torch.float64)
+    for average in (True, False):
+        o_ref, w_ref = mha(xu, ku, ku, key_padding_mask=kpm_u, attn_mask=am_u, average_attn_weights=average)
+        o, w = ent(xu, ku, ku, key_padding_mask=kpm_u, attn_mask=am_u, average_attn_weights=average)
+        torch.testing.assert_close(o, o_ref, atol=1e-12, rtol=1e-10)
+        torch.testing.assert_close(w, w_ref, atol=1e-12, rtol=1e-10)
+
+
+def _oracle(ent, q_in, k_in, v_in, alpha, keep):
+    """float64 materialized forward of ent (batch_first inputs (N, L, E)) with the bisection entmax."""
+    w = ent.in_proj_weight.chunk(3)
+    b = ent.in_proj_bias.chunk(3)
+    n, l_q, s = q_in.shape[0], q_in.shape[1], k_in.shape[1]
+    split = lambda t: t.reshape(t.shape[0], t.shape[1], H, E // H).transpose(1, 2)  # noqa: E731
+    q, k, v = (split(x @ wi.T + bi) for x, wi, bi in zip((q_in, k_in, v_in), w, b))
+    scores = q @ k.transpose(-1, -2) / math.sqrt(E // H)
+    scores = scores.masked_fill(~keep, float("-inf"))
+    p = _bisect_entmax(scores, alpha.reshape(1, H, 1, 1))
+    out = (p @ v).transpose(1, 2).reshape(n, l_q, E)
+    return out @ ent.out_proj.weight.T + ent.out_proj.bias, p
+
+
+@pytest.mark.parametrize("alpha", [1.5, 2.0, "per_head", "learnable"])
+def test_sparse_alpha_matches_float64_oracle(alpha):
+    torch.manual_seed(1)
+    if alpha == "per_head":
+        ent = EntmaxMultiheadAttention(E, H, batch_first=True, alpha=torch.tensor([1.1, 1.5, 1.8, 2.0]), dtype=torch.float64)
+    elif alpha == "learnable":
+        ent = EntmaxMultiheadAttention(E, H, batch_first=True, learnable_alpha=True,
+                                       alpha_init=torch.tensor([1.2, 1.4, 1.6, 1.9]), dtype=torch.float64)
+    else:
+        ent = EntmaxMultiheadAttention(E, H, batch_first=True, alpha=alpha, dtype=torch.float64)
+    nn.init.normal_(ent.in_proj_bias)
+    n, l_q, s = 2, 5, 9
+    q = torch.randn(n, l_q, E, dtype=torch.float64) * 2
+    k = torch.randn(n, s, E, dtype=torch.float64) * 2
+    kpm = torch.zeros(n, s, dtype=torch.bool)
+    kpm[1, -3:] = True
+    keep = ~kpm[:, None, None, :]
+    ref, p_ref = _oracle(ent, q, k, k, ent.alpha.detach(), keep)
+    out, _ = ent(q, k, k, key_padding_mask=kpm, need_weights=False)
+    out_w, w = ent(q, k, k, key_padding_mask=kpm, average_attn_weights=False)
+    torch.testing.assert_close(out, ref, atol=1e-10, rtol=1e-8)
+    torch.testing.assert_close(out_w, ref, atol=1e-10, rtol=1e-8)
+    torch.testing.assert_close(w, p_ref, atol=1e-10, rtol=1e-8)
+    if alpha != "per_head" and alpha != 1.5:
+        assert (w == 0).any(), "expected some exactly-zero weights"
+
+
+def test_learnable_alpha_gradient_matches_finite_differences():
+    torch.manual_seed(2)
+    ent = EntmaxMultiheadAttention(E, H, learnable_alpha=True, alpha_init=torch.tensor([1.2, 1.45, 1.7, 1.9]),
+                                   dtype=torch.float64)
+    x = torch.randn(6, 2, E, dtype=torch.float64) * 2
+    for need_weights in (False, True):
+        ent.zero_grad()
+        loss = ent(x, x, x, need_weights=need_weights)[0].square().sum()
+        loss.backward()
+        g = ent.alpha_logit.grad.clone()
+        assert torch.isfinite(g).all() and g.abs().sum() > 0
+        eps = 1e-6
+        fd = torch.empty(H, dtype=torch.float64)
+        with torch.no_grad():
+            for h in range(H):
+                ent.alpha_logit[h] += eps
+                up = ent(x, x, x, need_weights=False)[0].square().sum()
+                ent.alpha_logit[h] -= 2 * eps
+                down = ent(x, x, x, need_weights=False)[0].square().sum()
+                ent.alpha_logit[h] += eps
+                fd[h] = (up - down) / (2 * eps)
+        torch.testing.assert_close(g, fd, atol=1e-5, rtol=1e-4)
+
+
+def test_alpha_property_state_dict_and_repr():
+    mha = nn.MultiheadAttention(E, H)
+    ent = EntmaxMultiheadAttention(E, H, learnable_alpha=True, alpha_init=1.3, alpha_min=1.1, alpha_max=1.9)
+    torch.testing.assert_close(ent.alpha, torch.full((H,), 1.3), atol=1e-6, rtol=0)
+    ent.load_state_dict(mha.state_dict())
+    torch.testing.assert_close(ent.alpha, torch.full((H,), 1.3), atol=1e-6, rtol=0)
+    for name, p in mha.state_dict().items():
+        assert torch.equal(ent.state_dict()[name], p)
+    with torch.no_grad():
+        ent.alpha_logit.copy_(torch.tensor([-3.0, 0.0, 1.0, 5.0]))
+    expected = 1.1 + 0.8 * torch.sigmoid(torch.tensor([-3.0, 0.0, 1.0, 5.0]))
+    torch.testing.assert_close(ent.alpha, expected)
+    other = EntmaxMultiheadAttention(E, H, learnable_alpha=True)
+    other.load_state_dict(ent.state_dict())
+    torch.testing.assert_close(other.alpha_logit, ent.alpha_logit)
+    assert "alpha_logit" in ent.state_dict()
+    fixed = EntmaxMultiheadAttention(E, H, alpha=torch.tensor([1.0, 1.5, 2.0, 1.2]))
+    assert "alpha_fixed" not in fixed.state_dict()
+    fixed.load_state_dict(mha.state_dict())
+    torch.testing.assert_close(fixed.alpha, torch.tensor([1.0, 1.5, 2.0, 1.2]))
+    assert torch.equal(EntmaxMultiheadAttention(E, H, alpha=1.7).alpha, torch.full((H,), 1.7))
+    with pytest.raises(AttributeError):
+        ent.alpha = torch.ones(H)
+    assert "learnable" in repr(ent) and "1.7" in repr(EntmaxMultiheadAttention(E, H, alpha=1.7))
+    assert isinstance(ent, nn.MultiheadAttention)
+
+
+def test_double_and_device_moves_keep_alpha():
+    ent = EntmaxMultiheadAttention(E, H, learnable_alpha=True, alpha_init=1.4).double()
+    assert ent.alpha.dtype == torch.float64
+    x = torch.randn(3, 2, E, dtype=torch.float64)
+    out, _ = ent(x, x, x)
+    assert out.dtype == torch.float64
+    fixed = EntmaxMultiheadAttention(E, H, alpha=torch.tensor([1.0, 1.5, 2.0, 1.2])).half()
+    assert fixed.alpha.dtype == torch.float16
+
+
+def test_empty_rows_give_zeros_not_nan():
+    _, ent = _pair(alpha=1.5)
+    x = torch.randn(4, 2, E, dtype=torch.float64, requires_grad=True)
+    am = torch.zeros(4, 4, dtype=torch.bool)
+    am[1] = True
+    for need_weights in (False, True):
+        out, w = ent(x, x, x, attn_mask=am, need_weights=need_weights)
+        assert torch.isfinite(out).all()
+        proj_bias = ent.out_proj.bias
+        torch.testing.assert_close(out[1], proj_bias.expand(2, E).detach(), atol=1e-12, rtol=0)
+        if need_weights:
+            assert torch.equal(w[:, 1], torch.zeros_like(w[:, 1]))
+        out.sum().backward()
+        assert torch.isfinite(x.grad).all()
+        x.grad = None
+
+
+def test_dropout_on_weights():
+    _, ent = _pair(alpha=1.5, dropout=0.5)
+    x = torch.randn(6, 2, E, dtype=torch.float64)
+    ent.eval()
+    out_eval, w_eval = ent(x, x, x, average_attn_weights=False)
+    torch.testing.assert_close(ent(x, x, x, need_weights=False)[0], out_eval)
+    ent.train()
+    torch.manual_seed(3)
+    _, w_train = ent(x, x, x, average_attn_weights=False)
+    kept = w_train != 0
+    torch.testing.assert_close(w_train[kept], 2 * w_eval[kept])
+    assert (w_eval[~kept] != 0).any()
+    out_a = ent(x, x, x, need_weights=False)[0]
+    out_b = ent(x, x, x, need_weights=False)[0]
+    assert not torch.allclose(out_a, out_b)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(alpha=0.5), "alpha must be finite and in"),
+        (dict(alpha=torch.ones(3)), r"alpha must be a float or a tensor of shape"),
+        (dict(alpha=torch.ones(H, dtype=torch.int64)), "floating-point"),
+        (dict(alpha="1.5"), "alpha must be a float"),
+        (dict(learnable_alpha=True, alpha_init=1.0), "strictly between"),
+        (dict(learnable_alpha=True, alpha_min=1.6, alpha_max=1.4), "alpha_min must be < alpha_max"),
+        (dict(alpha_max=2.5), "alpha_max must be finite"),
+        (dict(backend="cuda"), "backend must be one of"),
+        (dict(dropout=1.0), "dropout must be"),
+    ],
+)
+def test_constructor_errors(kwargs, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        EntmaxMultiheadAttention(E, H, **kwargs)
+
+
+def test_constructor_shape_errors():
+    with pytest.raises(ValueError, match="divisible"):
+        EntmaxMultiheadAttention(10, 4)
+    with pytest.raises(ValueError, match="embed_dim must be a positive int"):
+        EntmaxMultiheadAttention(0, 4)
+
+
+def test_forward_errors():
+    ent = EntmaxMultiheadAttention(E, H)
+    x = torch.randn(5, 2, E)
+    with pytest.raises(ValueError, match="key_padding_mask must have shape"):
+        ent(x, x, x, key_padding_mask=torch.zeros(2, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match="attn_mask must have shape"):
+        ent(x, x, x, attn_mask=torch.zeros(4, 5, dtype=torch.bool))
+    with pytest.raises(TypeError, match="attn_mask must be boolean"):
+        ent(x, x, x, attn_mask=torch.zeros(5, 5, dtype=torch.int64))
+    with pytest.raises(ValueError, match="query must have 16 features"):
+        ent(torch.randn(5, 2, 8), x, x)
+    with pytest.raises(ValueError, match="all be 3-D"):
+        ent(x, x[:, 0], x)
+    with pytest.raises(ValueError, match="same batch size"):
+        ent(x, torch.randn(5, 3, E), torch.randn(5, 3, E))
+    with pytest.raises(TypeError, match="query must be a torch.Tensor"):
+        ent([1.0], x, x)
+
+
+def test_autocast_bf16_cpu():
+    torch.manual_seed(4)
+    ent = EntmaxMultiheadAttention(E, H, alpha=1.5, batch_first=True)
+    x = torch.randn(2, 9, E)
+    ref = ent(x, x, x, need_weights=False)[0]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _ = ent(x, x, x, need_weights=False)
+        out_w, w = ent(x, x, x)
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    torch.testing.assert_close(out.float(), ref, atol=0.1, rtol=0.05)
+    torch.testing.assert_close(out_w.float(), ref, atol=0.1, rtol=0.05)
+    torch.testing.assert_close(w.float().sum(-1), torch.ones(2, 9), atol=0.02, rtol=0)
+
+
+def _tiny_transformer(batch_first=True):
+    torch.manual_seed(5)
+    return nn.Transformer(E, H, num_encoder_layers=2, num_decoder_layers=1, dim_feedforward=32, dropout=0.0,
+                          batch_first=batch_first)
+
+
+def test_swap_attention_keeps_weights_and_defeats_fast_paths():
+    model = _tiny_transformer().eval()
+    src, tgt = torch.randn(3, 7, E), torch.randn(3, 5, E)
+    pad = torch.zeros(3, 7, dtype=torch.bool)
+    pad[1, -2:] = True
+    tgt_mask = nn.Transformer.generate_square_subsequent_mask(5)
+    with torch.no_grad():
+        ref = model(src, tgt, src_key_padding_mask=pad, memory_key_padding_mask=pad, tgt_mask=tgt_mask, tgt_is_causal=True)
+    old = {n: m for n, m in model.named_modules() if isinstance(m, nn.MultiheadAttention)}
+    replaced = swap_attention(model, alpha=1.0)
+    assert [n for n, _ in replaced] == list(old)
+    assert all(m is old[n] for n, m in replaced)
+    assert all(isinstance(model.get_submodule(n), EntmaxMultiheadAttention) for n in old)
+    assert not model.encoder.use_nested_tensor
+    assert not model.training
+    with torch.no_grad():
+        out = model(src, tgt, src_key_padding_mask=pad, memory_key_padding_mask=pad, tgt_mask=tgt_mask, tgt_is_causal=True)
+    valid = ~pad[:, :, None].expand(-1, -1, E)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert valid.any()
+    for m in model.modules():
+        if isinstance(m, EntmaxMultiheadAttention):
+            m._alpha_float = 2.0
+    with torch.no_grad():
+        sparse = model(src, tgt, src_key_padding_mask=pad, memory_key_padding_mask=pad)
+    assert not torch.allclose(sparse, ref, atol=1e-3)
+
+
+def test_encoder_layer_fast_path_is_bypassed():
+    torch.manual_seed(6)
+    layer = nn.TransformerEncoderLayer(E, H, dim_feedforward=32, dropout=0.0, batch_first=True).eval()
+    x = torch.randn(2, 6, E)
+    with torch.no_grad():
+        ref = layer(x)
+    layer.self_attn = EntmaxMultiheadAttention.from_mha(layer.self_attn, alpha=1.0)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), ref, atol=1e-5, rtol=1e-5)
+        layer.self_attn._alpha_float = 2.0
+        manual = layer.norm2(_ff(layer, layer.norm1(x + layer.self_attn(x, x, x, need_weights=False)[0])))
+        torch.testing.assert_close(layer(x), manual, atol=1e-6, rtol=1e-6)
+
+
+def _ff(layer, x):
+    return x + layer.linear2(layer.activation(layer.linear1(x)))
+
+
+def test_swap_shared_module_and_errors():
+    shared = nn.MultiheadAttention(E, H)
+    model = nn.ModuleDict({"a": shared, "b": nn.Sequential(shared)})
+    replaced = swap_attention(model, alpha=1.5, learnable=True, alpha_max=1.9)
+    assert len(replaced) == 1
+    assert model["a"] is model["b"][0]
+    assert model["a"].learnable_alpha and model["a"].alpha_max == 1.9
+    assert swap_attention(model) == []
+    with pytest.raises(ValueError, match="from_mha"):
+        swap_attention(nn.MultiheadAttention(E, H))
+    with pytest.raises(TypeError, match="model must be an nn.Module"):
+        swap_attention("model")
+    with pytest.raises(TypeError, match="mha must be an nn.MultiheadAttention"):
+        EntmaxMultiheadAttention.from_mha(nn.Linear(2, 2))
+
+
+def test_swapped_transformer_trains_and_alphas_move():
+    torch.manual_seed(7)
+    model = nn.Transformer(E, H, num_encoder_layers=1, num_decoder_layers=1, dim_feedforward=32, dropout=0.0,
+                           batch_first=True)
+    swap_attention(model, alpha=1.5, learnable=True)
+    head = nn.Linear(E, 8)
+    emb = nn.Embedding(8, E)
+    params = list(model.parameters()) + list(head.parameters()) + list(emb.parameters())
+    opt = torch.optim.Adam(params, lr=1e-2)
+    alpha0 = [m.alpha.detach().clone() for m in model.modules() if isinstance(m, EntmaxMultiheadAttention)]
+    tgt_mask = nn.Transformer.generate_square_subsequent_mask(6)
+    losses = []
+    for _ in range(40):
+        seq = torch.randint(0, 8, (16, 6))
+        logits = head(model(emb(seq), emb(seq), tgt_mask=tgt_mask, tgt_is_causal=True))
+        loss = nn.functional.cross_entropy(logits.reshape(-1, 8), seq.reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert sum(losses[-5:]) / 5 < 0.5 * sum(losses[:5]) / 5
+    alpha1 = [m.alpha.detach() for m in model.modules() if isinstance(m, EntmaxMultiheadAttention)]
+    assert len(alpha1) == 3
+    assert all((a1 - a0).abs().max() > 1e-3 for a0, a1 in zip(alpha0, alpha1))

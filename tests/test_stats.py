@@ -1,0 +1,184 @@
+"""Head statistics against densities and Jensen-Shannon diversity computed from materialized weights."""
+
+import math
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import sparse_attn.modules as modules_mod
+from sparse_attn.modules import EntmaxMultiheadAttention
+from sparse_attn.stats import HeadStatsRecorder, js_head_diversity, record_head_stats
+
+E, H = 16, 4
+
+
+class TwoLayers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.self_attn = EntmaxMultiheadAttention(E, H, batch_first=True, learnable_alpha=True,
+                                                  alpha_init=torch.tensor([1.2, 1.5, 1.8, 1.95]), dtype=torch.float64)
+        self.cross = EntmaxMultiheadAttention(E, H, batch_first=True, alpha=torch.tensor([1.0, 1.5, 2.0, 2.0]),
+                                              dtype=torch.float64)
+        for m in (self.self_attn, self.cross):
+            nn.init.normal_(m.in_proj_weight, std=0.6)
+
+    def forward(self, x, mem, kpm, need_weights=False):
+        y, w1 = self.self_attn(x, x, x, is_causal=True, need_weights=need_weights, average_attn_weights=False)
+        z, w2 = self.cross(y, mem, mem, key_padding_mask=kpm, need_weights=need_weights, average_attn_weights=False)
+        return z, (w1, w2)
+
+
+def _batch(seed, n=2, l_q=6, s=9):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, l_q, E, generator=g, dtype=torch.float64)
+    mem = torch.randn(n, s, E, generator=g, dtype=torch.float64)
+    kpm = torch.zeros(n, s, dtype=torch.bool)
+    kpm[0, -4:] = True
+    return x, mem, kpm
+
+
+def _valid_keys(l_q, s, kpm):
+    causal = torch.ones(l_q, l_q, dtype=torch.bool).tril()
+    return causal.expand(kpm.shape[0], H, l_q, l_q), (~kpm)[:, None, None, :].expand(-1, H, l_q, s)
+
+
+def _entropy(d):
+    return -sum(float(x) * math.log(float(x)) for x in d if x > 0)
+
+
+def _js_rows(p, n_keys):
+    """Per-row JS diversity by a direct loop: p (B, H, L, S), n_keys (B, L)."""
+    vals = []
+    for b in range(p.shape[0]):
+        for i in range(p.shape[2]):
+            n = int(n_keys[b, i])
+            if n < 2:
+                continue
+            heads = p[b, :, i]
+            mean = heads.mean(0)
+            vals.append((_entropy(mean) - sum(_entropy(h) for h in heads) / heads.shape[0]) / math.log(n))
+    return vals
+
+
+def test_density_alpha_and_diversity_match_materialized_weights():
+    model = TwoLayers()
+    batches = [_batch(1), _batch(2, n=3, l_q=4, s=5)]
+    dens_num = torch.zeros(2, H, dtype=torch.float64)
+    dens_den = torch.zeros(2, H, dtype=torch.float64)
+    js_vals = [[], []]
+    with torch.no_grad():
+        for x, mem, kpm in batches:
+            _, weights = model(x, mem, kpm, need_weights=True)
+            valids = _valid_keys(x.shape[1], mem.shape[1], kpm)
+            for layer, (w, valid) in enumerate(zip(weights, valids)):
+                assert (w[~valid] == 0).all()
+                frac = (w > 0).sum(-1).double() / valid.sum(-1).double()
+                dens_num[layer] += frac.sum((0, 2))
+                dens_den[layer] += frac.shape[0] * frac.shape[2]
+                js_vals[layer] += _js_rows(w, valid[:, 0].sum(-1))
+    expected = dens_num / dens_den
+    assert (expected < 1).any() and (expected[1, 0] == 1)
+    with record_head_stats(model, diversity=True) as rec:
+        for x, mem, kpm in batches:
+            model(x, mem, kpm)
+    assert rec.layer_names == ["self_attn", "cross"]
+    torch.testing.assert_close(rec.density(), expected, atol=1e-12, rtol=0)
+    torch.testing.assert_close(rec.alphas(), torch.stack([model.self_attn.alpha, model.cross.alpha]).detach().double())
+    div = rec.diversity()
+    for layer, name in enumerate(rec.layer_names):
+        assert div[name] == pytest.approx(sum(js_vals[layer]) / len(js_vals[layer]), abs=1e-10)
+        assert 0 < div[name] < 1
+
+    with record_head_stats(model) as fast:
+        for x, mem, kpm in batches:
+            model(x, mem, kpm)
+    torch.testing.assert_close(fast.density(), expected, atol=1e-12, rtol=0)
+    with pytest.raises(RuntimeError, match="diversity=True"):
+        fast.diversity()
+
+
+def test_density_path_does_not_materialize(monkeypatch):
+    model = TwoLayers()
+
+    def boom(*a, **k):
+        raise AssertionError("weights were materialized")
+
+    monkeypatch.setattr(modules_mod, "_materialized_attention", boom)
+    with record_head_stats(model) as rec:
+        model(*_batch(3))
+    assert torch.isfinite(rec.density()).all()
+    with record_head_stats(model, diversity=True), pytest.raises(AssertionError, match="materialized"):
+        model(*_batch(3))
+
+
+def test_softmax_density_is_one_and_sink_removed_on_exit():
+    mha = EntmaxMultiheadAttention(E, H, alpha=1.0)
+    model = nn.Sequential()
+    model.add_module("attn", mha)
+    x = torch.randn(5, 2, E)
+    with record_head_stats(model) as rec:
+        mha(x, x, x, need_weights=False)
+    torch.testing.assert_close(rec.density(), torch.ones(1, H, dtype=torch.float64))
+    assert mha._head_stats_sink is None
+    mha(x, x, x, need_weights=False)
+    assert rec.rows()[0] == {"layer": "attn", "head": 0, "alpha": 1.0, "density": 1.0}
+    rec.reset()
+    assert torch.isnan(rec.density()).all()
+    torch.testing.assert_close(rec.alphas(), torch.ones(1, H, dtype=torch.float64))
+
+
+def test_js_head_diversity_extremes():
+    n = 4
+    same = torch.softmax(torch.randn(1, 1, 3, n), -1).expand(1, n, 3, n)
+    distinct = torch.eye(n).reshape(1, n, 1, n).expand(1, n, 3, n)
+    valid = torch.full((1, n, 3), n)
+    js, rows = js_head_diversity(same, valid)
+    assert rows == 3 and abs(float(js)) < 1e-12
+    js, rows = js_head_diversity(distinct, valid)
+    assert float(js) / float(rows) == pytest.approx(1.0)
+    js, rows = js_head_diversity(distinct, torch.ones(1, n, 3, dtype=torch.int64))
+    assert rows == 0 and js == 0
+
+
+def test_table_rows_and_plot(tmp_path):
+    model = TwoLayers()
+    with record_head_stats(model, diversity=True) as rec:
+        model(*_batch(4))
+    text = str(rec)
+    assert text == rec.table()
+    lines = text.splitlines()
+    assert lines[0].split() == ["layer", "head", "alpha", "density", "diversity"]
+    assert len(lines) == 2 + 2 * H
+    assert len(rec.rows()) == 2 * H and set(rec.rows()[0]) == {"layer", "head", "alpha", "density"}
+    pytest.importorskip("matplotlib")
+    fig = rec.plot(tmp_path / "heads.png")
+    assert (tmp_path / "heads.png").stat().st_size > 0
+    assert fig is not None
+
+
+def test_plot_without_matplotlib(monkeypatch):
+    model = TwoLayers()
+    rec = record_head_stats(model)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(ImportError, match="needs matplotlib"):
+        rec.plot()
+
+
+def test_recorder_errors():
+    with pytest.raises(ValueError, match="no entmax attention layer"):
+        record_head_stats(nn.Linear(2, 2))
+    with pytest.raises(TypeError, match="model must be an nn.Module"):
+        record_head_stats("model")
+    with pytest.raises(TypeError, match="diversity must be a bool"):
+        HeadStatsRecorder(TwoLayers(), diversity=1)
+    model = TwoLayers()
+    with record_head_stats(model) as outer:
+        inner = HeadStatsRecorder(nn.ModuleDict({"c": model.cross, "s": model.self_attn}))
+        with pytest.raises(RuntimeError, match="already being recorded"):
+            inner.__enter__()
+        model(*_batch(5))
+    assert torch.isfinite(outer.density()).all()
+    assert model.self_attn._head_stats_sink is None
