@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# The one script a GPU session runs: the gpu-marked tests, then the full benchmark grid.
+#
+#   bash benchmarks/gpu_run.sh [OUT_DIR]
+#
+# OUT_DIR defaults to $OUT (the device tool's return folder), else benchmarks/results/<gpu-name>/.
+# It receives pytest_gpu.log, bench.log, results.md, results.csv and three plot_*.png (7 files).
+# Environment knobs:
+#   PYTHON          interpreter holding a CUDA torch (default python3)
+#   TOTAL_S         wall-clock budget of the whole script in seconds (default 570, under a 600 s call)
+#   TEST_TIMEOUT_S  cap on the gpu-marked tests (default 200); SKIP_TESTS=1 skips them
+#   PYTEST_WORKERS  pytest-xdist workers for the tests (default 4)
+#   BENCH_ARGS      extra arguments for benchmarks/bench_attention.py (e.g. "--groups flash")
+#   RESUME_FROM     results.csv of a run cut short by the budget: its rows are kept, the rest is run
+#   BENCH_COMMIT    commit to stamp when the copy has no .git (e.g. the output of git rev-parse HEAD)
+# Wheels found in .whl/ (entmax, adasplash; see benchmarks/README.md) are installed to /tmp first.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+START=$SECONDS
+PY=${PYTHON:-python3}
+TOTAL_S=${TOTAL_S:-570}
+export PYTHONUNBUFFERED=1
+
+if compgen -G ".whl/*.whl" >/dev/null; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/bench_site .whl/*.whl \
+    && export PYTHONPATH=/tmp/bench_site${PYTHONPATH:+:$PYTHONPATH}
+fi
+if ! "$PY" -c "import sparse_attn.kernels" 2>/dev/null; then
+  "$PY" -m pip install -q --no-index --no-deps --no-build-isolation -e . \
+    || echo "gpu_run: editable install failed; the harness imports the checkout directly, the tests may not"
+fi
+
+OUT_DIR=${1:-${OUT:-}}
+if [ -z "$OUT_DIR" ]; then
+  slug=$("$PY" -c "import re, torch; print(re.sub('[^a-z0-9]+', '-', torch.cuda.get_device_name().lower()).strip('-'))")
+  OUT_DIR=benchmarks/results/$slug
+fi
+mkdir -p "$OUT_DIR"
+
+if [ "${SKIP_TESTS:-0}" != "1" ]; then
+  timeout "${TEST_TIMEOUT_S:-200}" "$PY" -m pytest -m gpu -q -n "${PYTEST_WORKERS:-4}" -p no:cacheprovider tests \
+    2>&1 | tee "$OUT_DIR/pytest_gpu.log"
+  echo "gpu_run: pytest exit status ${PIPESTATUS[0]} (124 = hit TEST_TIMEOUT_S)" | tee -a "$OUT_DIR/pytest_gpu.log"
+fi
+
+left=$(( TOTAL_S - (SECONDS - START) ))
+budget=$(( left - 90 ))
+if [ "$budget" -lt 30 ]; then
+  echo "gpu_run: only ${left}s left, not starting the benchmark" | tee "$OUT_DIR/bench.log"
+  exit 1
+fi
+resume=()
+if [ -n "${RESUME_FROM:-}" ]; then
+  resume=(--resume-from "$RESUME_FROM")
+fi
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
+  # shellcheck disable=SC2086
+  timeout $(( left - 10 )) "$PY" benchmarks/bench_attention.py --out "$OUT_DIR" --budget-s "$budget" "${resume[@]}" ${BENCH_ARGS:-}
+  echo "gpu_run: benchmark exit status $?"
+} 2>&1 | tee "$OUT_DIR/bench.log"
