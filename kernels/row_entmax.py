@@ -33,6 +33,8 @@ broken under the interpreter) and the output is stored in the input dtype.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -136,13 +138,13 @@ def _softmax_row(x_row, y_row, n_cols, n_chunks, m, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _entmax_row(x_row, y_row, cmax_row, n_cols, n_chunks, m, eps, tol, max_iter,
+def _entmax_row(x_row, y_row, cmax_row, n_cols, n_chunks, log2_n, m, eps, tol, max_iter,
                 POW: tl.constexpr, BLOCK: tl.constexpr):
     """Solve one row for ``s`` (Newton on the Tsallis norm) and store ``p``; ``eps = alpha - 1 > 0``."""
     offs = tl.arange(0, BLOCK)
     beta = 1.0 / eps
     # The bracket s* >= n ** (1 - alpha) (GUIDE section 2) keeps every iterate positive.
-    s_lo = tl.exp2(-eps * tl.log2(n_cols.to(tl.float32)))
+    s_lo = tl.exp2(-eps * log2_n)
     s = eps * 0.0 + 1.0
     g = eps * 0.0
     it = 0
@@ -189,7 +191,8 @@ def _entmax_row(x_row, y_row, cmax_row, n_cols, n_chunks, m, eps, tol, max_iter,
 
 
 @triton.jit
-def _entmax_rows_fwd_kernel(X, Y, Alpha, Cmax, n_cols, n_chunks, stride_x, stride_y, stride_alpha, tol, max_iter,
+def _entmax_rows_fwd_kernel(X, Y, Alpha, Cmax, n_cols, n_chunks, log2_n, stride_x, stride_y, stride_alpha, tol,
+                            max_iter,
                             MODE: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     x_row = X + row * stride_x
@@ -210,18 +213,18 @@ def _entmax_rows_fwd_kernel(X, Y, Alpha, Cmax, n_cols, n_chunks, stride_x, strid
     elif MODE == 0:
         _softmax_row(x_row, y_row, n_cols, n_chunks, m, BLOCK)
     elif MODE == 1:
-        _entmax_row(x_row, y_row, cmax_row, n_cols, n_chunks, m, eps, tol, max_iter, 1, BLOCK)
+        _entmax_row(x_row, y_row, cmax_row, n_cols, n_chunks, log2_n, m, eps, tol, max_iter, 1, BLOCK)
     elif MODE == 2:
-        _entmax_row(x_row, y_row, cmax_row, n_cols, n_chunks, m, eps, tol, max_iter, 2, BLOCK)
+        _entmax_row(x_row, y_row, cmax_row, n_cols, n_chunks, log2_n, m, eps, tol, max_iter, 2, BLOCK)
     else:
         if eps == 0.0:
             _softmax_row(x_row, y_row, n_cols, n_chunks, m, BLOCK)
         elif eps == 1.0:
-            _entmax_row(x_row, y_row, cmax_row, n_cols, n_chunks, m, eps, tol, max_iter, 1, BLOCK)
+            _entmax_row(x_row, y_row, cmax_row, n_cols, n_chunks, log2_n, m, eps, tol, max_iter, 1, BLOCK)
         elif eps == 0.5:
-            _entmax_row(x_row, y_row, cmax_row, n_cols, n_chunks, m, eps, tol, max_iter, 2, BLOCK)
+            _entmax_row(x_row, y_row, cmax_row, n_cols, n_chunks, log2_n, m, eps, tol, max_iter, 2, BLOCK)
         else:
-            _entmax_row(x_row, y_row, cmax_row, n_cols, n_chunks, m, eps, tol, max_iter, 3, BLOCK)
+            _entmax_row(x_row, y_row, cmax_row, n_cols, n_chunks, log2_n, m, eps, tol, max_iter, 3, BLOCK)
 
 
 @triton.jit
@@ -341,7 +344,7 @@ def entmax_rows_fwd(x: torch.Tensor, alpha, mode: int, tol: float = 1e-6, max_it
     cmax = torch.empty((n_rows, n_chunks), dtype=torch.float32, device=x.device)
     alpha_t, stride_alpha = _alpha_rows(alpha, n_rows, x.device)
     _entmax_rows_fwd_kernel[(n_rows,)](
-        x, y, alpha_t, cmax, n_cols, n_chunks, x.stride(0), y.stride(0), stride_alpha, float(tol), int(max_iter),
+        x, y, alpha_t, cmax, n_cols, n_chunks, math.log2(max(n_cols, 1)), x.stride(0), y.stride(0), stride_alpha, float(tol), int(max_iter),
         MODE=mode, BLOCK=block, num_warps=num_warps,
     )
     return y

@@ -8,6 +8,7 @@ are described in ``kernels/row_entmax.py`` and ``docs/readme/row_kernels.md``.
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from sparse_attn._validation import check_alpha, check_dim, check_tensor
 from sparse_attn.kernels._common import interpreting
@@ -23,7 +24,8 @@ class EntmaxRowsTritonFunction(torch.autograd.Function):
 
     ``forward(x, alpha_rows, alpha_value)``: ``alpha_rows`` is a float32 ``(n_rows,)``
     tensor (differentiable) or ``None``, in which case the Python float ``alpha_value``
-    applies to every row. The backward recomputes nothing: it reads the saved output.
+    applies to every row. The backward recomputes nothing: it reads the saved output
+    (first-order gradients only).
     """
 
     @staticmethod
@@ -39,6 +41,7 @@ class EntmaxRowsTritonFunction(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dy):
         y, alpha_rows = ctx.saved_tensors
         alpha = ctx.alpha_value if alpha_rows is None else alpha_rows
