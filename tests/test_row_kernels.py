@@ -129,6 +129,21 @@ def test_per_row_alpha_mixed(dtype, kernel_device):
     _check_against_ref(x, dy, alpha, dtype)
 
 
+def test_continuous_at_alpha_one(kernel_device):
+    """alpha = 1 + 1e-6 (general solver) is within O(1e-6) of alpha = 1 (softmax), values and alpha-gradients."""
+    x, dy = _inputs(3, 900, torch.float32, kernel_device, scale=4.0, seed=9)
+    grads = []
+    outs = []
+    for a in (1.0, 1.0 + 1e-6):
+        ak = torch.full((3, 1), a, device=kernel_device, requires_grad=True)
+        y = entmax_rows_triton(x, ak)
+        y.backward(dy)
+        outs.append(y.detach())
+        grads.append(ak.grad.view(-1))
+    assert _max_abs_err(outs[1], outs[0]) <= 1e-5
+    assert _scaled_err(grads[1], grads[0]) <= 1e-4
+
+
 def test_rows_sum_to_one_and_support_matches(kernel_device):
     alpha = torch.tensor([1.2, 1.5, 1.75, 2.0], dtype=torch.float64)
     x, _ = _inputs(4, 1500, torch.float32, kernel_device, scale=3.0, seed=3)
