@@ -13,7 +13,11 @@ from sparse_attn.kernels.entmax_attn_bwd import entmax_attn_bwd
 from sparse_attn.reference import entmax_attention_reference
 
 # Max abs error allowed, relative to the largest |reference gradient| of the same tensor.
-TOL = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+# Measured on CPU (interpreter): float32 <= 2e-6 for every alpha in [1, 2] (alpha = 1.0001
+# included), float16 <= 5e-4 (inputs and gradients rounded to float16, arithmetic in float32).
+# On a GPU float16/bfloat16 products run in that dtype (P and dS rounded as in FlashAttention).
+TOL = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 3e-2}
+GPU_TOL = {torch.float32: 2e-5, torch.float16: 1e-2, torch.bfloat16: 5e-2}
 
 
 def _rand(shape, gen, dtype=torch.float64):
@@ -84,6 +88,13 @@ class Case:
             bias = mask.detach().float() if mask.is_floating_point() else torch.zeros(mask.shape).masked_fill(~mask, float("-inf"))
         self.bias = bias
 
+    def to(self, device):
+        for name in ("q", "k", "v", "do", "out", "tau", "lsum", "alpha32", "bias", "cu_q", "cu_k"):
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, t.to(device))
+        return self
+
     def run(self, **kw):
         args = dict(bias=self.bias, is_causal=self.causal, cu_seqlens_q=self.cu_q, cu_seqlens_k=self.cu_k,
                     dropout_p=self.dropout_p, seed=self.seed, need_dalpha=True)
@@ -91,11 +102,25 @@ class Case:
         return entmax_attn_bwd(self.do, self.q, self.k, self.v, self.out, self.tau, self.lsum, self.alpha32,
                                self.scale, **args)
 
+    def run_after_forward(self, **kw):
+        """The fused forward's out/tau/lsum/live fed to the backward (the autograd path)."""
+        from sparse_attn.kernels.entmax_attn_fwd import entmax_attn_fwd
+
+        bias = None if self.bias is None else self.bias.expand(*self.q.shape[:3], self.k.shape[2])
+        fwd = entmax_attn_fwd(self.q, self.k, self.v, self.alpha32, self.scale, bias=bias, is_causal=self.causal,
+                              cu_seqlens_q=self.cu_q, cu_seqlens_k=self.cu_k, dropout_p=self.dropout_p, seed=self.seed)
+        args = dict(bias=self.bias, is_causal=self.causal, cu_seqlens_q=self.cu_q, cu_seqlens_k=self.cu_k,
+                    dropout_p=self.dropout_p, seed=self.seed, need_dalpha=True, live=fwd.live,
+                    block_m=fwd.block_m, block_n=fwd.block_n)
+        args.update(kw)
+        return entmax_attn_bwd(self.do, self.q, self.k, self.v, fwd.out, fwd.tau, fwd.lsum, self.alpha32,
+                               self.scale, **args)
+
     def check(self, res, names=("dq", "dk", "dv", "dalpha"), tol=None):
         tol = TOL[self.dtype] if tol is None else tol
         got = dict(zip(["dq", "dk", "dv", "dalpha", "dbias"], res))
         for name in names:
-            ref, val = self.ref[name], got[name]
+            ref, val = self.ref[name], got[name].cpu()
             assert val.shape == ref.shape, name
             assert torch.isfinite(val).all(), name
             err = (val.double() - ref).abs().max().item()
@@ -147,10 +172,11 @@ def test_dropout_replays_forward_mask(alpha):
 
 
 @pytest.mark.parametrize("alpha", [1.0, 1.0001, 1.001, 1.01])
-def test_dalpha_near_one(alpha):
+def test_near_alpha_one(alpha):
+    # the naive d alpha formula loses all digits at alpha = 1.0001 in float32 (docs/backward.md)
     case = Case(alpha=alpha, B=1, Nq=24, Nk=40, scale=1.0)
     res = case.run(block_m=16, block_n=32)
-    case.check(res, names=("dalpha",), tol=2e-5)
+    case.check(res)
 
 
 def test_fp16_grads():
@@ -175,11 +201,23 @@ def test_live_bitmap_skips_dead_tiles():
     assert all(torch.equal(t, torch.zeros_like(t)) for t in dead if t is not None)
 
 
-def test_deterministic():
+def test_deterministic_and_layout_independent():
     case = Case(Hq=4, Hk=2, alpha=[1.0, 1.1, 1.5, 2.0], causal=True, Nq=40, Nk=40)
     a = case.run(block_m=16, block_n=16, need_dbias=True)
     b = case.run(block_m=16, block_n=16, need_dbias=True)
     assert all(torch.equal(x, y) for x, y in zip(a, b))
+    for name in ("q", "k", "v", "do", "out"):
+        t = getattr(case, name)
+        setattr(case, name, t.transpose(1, 2).contiguous().transpose(1, 2))
+    c = case.run(block_m=16, block_n=16, need_dbias=True)
+    assert all(torch.equal(x, y) for x, y in zip(a, c))
+
+
+@pytest.mark.parametrize("alpha, causal, dropout_p", [([1.0, 1.5], True, 0.0), ([2.0, 1.25], False, 0.2)])
+def test_after_fused_forward(alpha, causal, dropout_p):
+    mask = torch.randn(1, 2, 40, 48, generator=torch.Generator().manual_seed(3))
+    case = Case(Hq=2, Hk=1, alpha=alpha, causal=causal, Nq=40, Nk=48, mask=mask, dropout_p=dropout_p, seed=11)
+    case.check(case.run_after_forward())
 
 
 def test_bad_arguments():
@@ -193,3 +231,23 @@ def test_bad_arguments():
         entmax_attn_bwd(case.do, case.q, case.k.half(), case.v, case.out, case.tau, case.lsum, case.alpha32, 1.0)
     with pytest.raises(ValueError, match="tau"):
         entmax_attn_bwd(case.do, case.q, case.k, case.v, case.out, case.tau[:, :, :3], case.lsum, case.alpha32, 1.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_after_fused_forward(dtype, causal):
+    case = Case(B=2, Hq=4, Hk=2, Nq=300, Nk=333, D=64, alpha=[1.0, 1.2, 1.5, 2.0], dtype=dtype, causal=causal)
+    case.to("cuda")
+    case.check(case.run_after_forward(), tol=GPU_TOL[dtype])
+
+
+@pytest.mark.gpu
+def test_gpu_varlen_gqa_dropout_dbias():
+    mask = torch.randn(1, 4, 700, 650, generator=torch.Generator().manual_seed(9))
+    case = Case(Hq=4, Hk=1, alpha=[1.0, 1.05, 1.5, 2.0], D=128, cu_q=[0, 200, 201, 700], cu_k=[0, 150, 400, 650],
+                causal=True, dropout_p=0.1, seed=3, mask=mask, mask_grad=True).to("cuda")
+    res = case.run_after_forward(need_dbias=True)
+    case.check(res, names=("dq", "dk", "dv", "dalpha", "dbias"), tol=GPU_TOL[torch.float32])
+    again = case.run_after_forward(need_dbias=True)
+    assert all(torch.equal(x, y) for x, y in zip(res, again))
