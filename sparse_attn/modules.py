@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from sparse_attn.attention import entmax_attention
 from sparse_attn.mappings import entmax
 
-__all__ = ["EntmaxMultiheadAttention", "swap_attention"]
+__all__ = ["EntmaxAlpha", "EntmaxMultiheadAttention", "swap_attention"]
 
 
 def _check_unit_interval(name: str, value, low: float = 1.0, high: float = 2.0) -> float:
@@ -100,7 +100,103 @@ def _materialized_attention(q: Tensor, k: Tensor, v: Tensor, alpha, mask: Tensor
     return torch.matmul(dropped, v), dropped, p, nnz, n_valid
 
 
-class EntmaxMultiheadAttention(nn.MultiheadAttention):
+class _HeadAlphaMixin:
+    """Per-head alpha shared by the modules: fixed (a float or a buffer) or learnable (``alpha_logit``).
+
+    Needs ``num_heads`` set before :meth:`_init_alpha` is called.
+    """
+
+    def _init_alpha(self, alpha, learnable, alpha_min, alpha_max, alpha_init, device, dtype) -> None:
+        alpha_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+        self._alpha_float = None
+        self.alpha_min = _check_unit_interval("alpha_min", alpha_min)
+        self.alpha_max = _check_unit_interval("alpha_max", alpha_max)
+        if not isinstance(learnable, bool):
+            raise TypeError(f"learnable_alpha must be a bool, got {type(learnable).__name__}")
+        if not learnable:
+            self.register_parameter("alpha_logit", None)
+            if isinstance(alpha, Tensor):
+                vals = _per_head("alpha", alpha, self.num_heads, 1.0, 2.0)
+                self.register_buffer("alpha_fixed", vals.to(device=device, dtype=alpha_dtype), persistent=False)
+            else:
+                self._alpha_float = _check_unit_interval("alpha", alpha)
+                self.register_buffer("alpha_fixed", None, persistent=False)
+            return
+        if self.alpha_min >= self.alpha_max:
+            raise ValueError(f"alpha_min must be < alpha_max, got alpha_min={self.alpha_min}, alpha_max={self.alpha_max}")
+        init = _per_head("alpha_init" if alpha_init is not None else "alpha",
+                         alpha if alpha_init is None else alpha_init, self.num_heads, 1.0, 2.0)
+        if (init <= self.alpha_min).any() or (init >= self.alpha_max).any():
+            raise ValueError(
+                f"the initial learnable alpha (alpha_init, or alpha when alpha_init is None) must lie strictly "
+                f"between alpha_min={self.alpha_min} and alpha_max={self.alpha_max}, got {init.tolist()}"
+            )
+        frac = (init - self.alpha_min) / (self.alpha_max - self.alpha_min)
+        self.alpha_logit = nn.Parameter(torch.logit(frac).to(device=device, dtype=alpha_dtype))
+        self.register_buffer("alpha_fixed", None, persistent=False)
+
+    @property
+    def learnable_alpha(self) -> bool:
+        """Whether alpha is learned (through the parameter ``alpha_logit``)."""
+        return self.alpha_logit is not None
+
+    @property
+    def alpha(self) -> Tensor:
+        """Current alpha of each head, shape ``(num_heads,)``, float32 (float64 for a float64 module).
+
+        Differentiable with respect to ``alpha_logit`` when alpha is learnable.
+        """
+        if self.alpha_logit is not None:
+            logit = self.alpha_logit if self.alpha_logit.dtype == torch.float64 else self.alpha_logit.float()
+            return self.alpha_min + (self.alpha_max - self.alpha_min) * torch.sigmoid(logit)
+        if self.alpha_fixed is not None:
+            return self.alpha_fixed
+        ref = next(self.parameters(), None)
+        return torch.full((self.num_heads,), self._alpha_float, dtype=torch.float32,
+                          device=ref.device if ref is not None else None)
+
+    def _alpha_arg(self):
+        """alpha as given to entmax_attention: a Python float when it is one fixed value."""
+        return self._alpha_float if self._alpha_float is not None else self.alpha
+
+    def _alpha_repr(self) -> str:
+        if self.alpha_logit is not None:
+            return f"learnable in [{self.alpha_min}, {self.alpha_max}]"
+        if self._alpha_float is not None:
+            return str(self._alpha_float)
+        return str([round(a, 4) for a in self.alpha_fixed.tolist()])
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        key = prefix + "alpha_logit"
+        if self.alpha_logit is not None and key not in state_dict:
+            state_dict[key] = self.alpha_logit.detach().clone()
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+
+
+class EntmaxAlpha(_HeadAlphaMixin, nn.Module):
+    """Holder of one alpha per head, for attention layers that are not :class:`EntmaxMultiheadAttention`.
+
+    Calling it returns the current alpha ``(num_heads,)``. Arguments as the alpha arguments of
+    :class:`EntmaxMultiheadAttention` (``learnable`` for ``learnable_alpha``); a learnable alpha
+    is the parameter ``alpha_logit`` (saved in the state dict), a fixed one is not saved.
+    """
+
+    def __init__(self, num_heads: int, alpha: float | Tensor = 1.5, learnable: bool = False, alpha_min: float = 1.0,
+                 alpha_max: float = 2.0, alpha_init: float | Tensor | None = None, device=None, dtype=None):
+        super().__init__()
+        if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads <= 0:
+            raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
+        self.num_heads = num_heads
+        self._init_alpha(alpha, learnable, alpha_min, alpha_max, alpha_init, device, dtype)
+
+    def forward(self) -> Tensor:
+        return self.alpha
+
+    def extra_repr(self) -> str:
+        return f"num_heads={self.num_heads}, alpha={self._alpha_repr()}"
+
+
+class EntmaxMultiheadAttention(_HeadAlphaMixin, nn.MultiheadAttention):
     """Multi-head attention with alpha-entmax weights, a drop-in for :class:`torch.nn.MultiheadAttention`.
 
     The constructor arguments up to ``dtype``, the parameter names (``in_proj_weight`` or
@@ -209,33 +305,6 @@ class EntmaxMultiheadAttention(nn.MultiheadAttention):
         self._init_alpha(alpha, learnable_alpha, alpha_min, alpha_max, alpha_init, device, dtype)
         self._reset_parameters()
 
-    def _init_alpha(self, alpha, learnable, alpha_min, alpha_max, alpha_init, device, dtype) -> None:
-        alpha_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-        self._alpha_float = None
-        self.alpha_min = _check_unit_interval("alpha_min", alpha_min)
-        self.alpha_max = _check_unit_interval("alpha_max", alpha_max)
-        if not learnable:
-            self.register_parameter("alpha_logit", None)
-            if isinstance(alpha, Tensor):
-                vals = _per_head("alpha", alpha, self.num_heads, 1.0, 2.0)
-                self.register_buffer("alpha_fixed", vals.to(device=device, dtype=alpha_dtype), persistent=False)
-            else:
-                self._alpha_float = _check_unit_interval("alpha", alpha)
-                self.register_buffer("alpha_fixed", None, persistent=False)
-            return
-        if self.alpha_min >= self.alpha_max:
-            raise ValueError(f"alpha_min must be < alpha_max, got alpha_min={self.alpha_min}, alpha_max={self.alpha_max}")
-        init = _per_head("alpha_init" if alpha_init is not None else "alpha",
-                         alpha if alpha_init is None else alpha_init, self.num_heads, 1.0, 2.0)
-        if (init <= self.alpha_min).any() or (init >= self.alpha_max).any():
-            raise ValueError(
-                f"the initial learnable alpha (alpha_init, or alpha when alpha_init is None) must lie strictly "
-                f"between alpha_min={self.alpha_min} and alpha_max={self.alpha_max}, got {init.tolist()}"
-            )
-        frac = (init - self.alpha_min) / (self.alpha_max - self.alpha_min)
-        self.alpha_logit = nn.Parameter(torch.logit(frac).to(device=device, dtype=alpha_dtype))
-        self.register_buffer("alpha_fixed", None, persistent=False)
-
     @property
     def _qkv_same_embed_dim(self) -> bool:
         """Always False, so that PyTorch's fused softmax fast paths never bypass this module."""
@@ -254,43 +323,9 @@ class EntmaxMultiheadAttention(nn.MultiheadAttention):
             nn.init.xavier_normal_(self.bias_k)
             nn.init.xavier_normal_(self.bias_v)
 
-    @property
-    def learnable_alpha(self) -> bool:
-        """Whether alpha is learned (through the parameter ``alpha_logit``)."""
-        return self.alpha_logit is not None
-
-    @property
-    def alpha(self) -> Tensor:
-        """Current alpha of each head, shape ``(num_heads,)``, float32 (float64 for a float64 module).
-
-        Differentiable with respect to ``alpha_logit`` when alpha is learnable.
-        """
-        if self.alpha_logit is not None:
-            logit = self.alpha_logit if self.alpha_logit.dtype == torch.float64 else self.alpha_logit.float()
-            return self.alpha_min + (self.alpha_max - self.alpha_min) * torch.sigmoid(logit)
-        if self.alpha_fixed is not None:
-            return self.alpha_fixed
-        return torch.full((self.num_heads,), self._alpha_float, dtype=torch.float32, device=self.out_proj.weight.device)
-
-    def _alpha_arg(self):
-        """alpha as given to entmax_attention: a Python float when it is one fixed value."""
-        return self._alpha_float if self._alpha_float is not None else self.alpha
-
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
-        key = prefix + "alpha_logit"
-        if self.alpha_logit is not None and key not in state_dict:
-            state_dict[key] = self.alpha_logit.detach().clone()
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
-
     def extra_repr(self) -> str:
-        if self.alpha_logit is not None:
-            alpha = f"learnable in [{self.alpha_min}, {self.alpha_max}]"
-        elif self._alpha_float is not None:
-            alpha = str(self._alpha_float)
-        else:
-            alpha = str([round(a, 4) for a in self.alpha_fixed.tolist()])
-        return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, alpha={alpha}, dropout={self.dropout}, "
-                f"batch_first={self.batch_first}")
+        return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, alpha={self._alpha_repr()}, "
+                f"dropout={self.dropout}, batch_first={self.batch_first}")
 
     @classmethod
     def from_mha(cls, mha: nn.MultiheadAttention, **kwargs) -> EntmaxMultiheadAttention:

@@ -309,15 +309,16 @@ def test_forward_errors():
         ent([1.0], x, x)
 
 
-def test_autocast_bf16_cpu():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_autocast_cpu(dtype):
     torch.manual_seed(4)
     ent = EntmaxMultiheadAttention(E, H, alpha=1.5, batch_first=True)
     x = torch.randn(2, 9, E)
     ref = ent(x, x, x, need_weights=False)[0]
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast("cpu", dtype=dtype):
         out, _ = ent(x, x, x, need_weights=False)
         out_w, w = ent(x, x, x)
-    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    assert out.dtype == dtype and torch.isfinite(out).all()
     torch.testing.assert_close(out.float(), ref, atol=0.1, rtol=0.05)
     torch.testing.assert_close(out_w.float(), ref, atol=0.1, rtol=0.05)
     torch.testing.assert_close(w.float().sum(-1), torch.ones(2, 9), atol=0.02, rtol=0)
@@ -415,3 +416,22 @@ def test_swapped_transformer_trains_and_alphas_move():
     alpha1 = [m.alpha.detach() for m in model.modules() if isinstance(m, EntmaxMultiheadAttention)]
     assert len(alpha1) == 3
     assert all((a1 - a0).abs().max() > 1e-3 for a0, a1 in zip(alpha0, alpha1))
+
+
+def test_no_shared_state_between_copies():
+    import copy
+    import io
+
+    a = EntmaxMultiheadAttention(E, H, learnable_alpha=True, alpha_init=1.3)
+    b = copy.deepcopy(a)
+    with torch.no_grad():
+        b.alpha_logit.add_(1.0)
+    assert not torch.allclose(a.alpha, b.alpha)
+    buf = io.BytesIO()
+    torch.save(a, buf)
+    buf.seek(0)
+    c = torch.load(buf, weights_only=False)
+    torch.testing.assert_close(c.alpha, a.alpha)
+    x = torch.randn(5, 2, E)
+    torch.testing.assert_close(c(x, x, x)[0], a(x, x, x)[0])
+    assert c._qkv_same_embed_dim is False

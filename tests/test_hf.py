@@ -1,0 +1,165 @@
+"""Hugging Face integration: tiny Llama-style (causal, GQA, padding, KV cache) and BERT-style models from configs."""
+
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from transformers import BertConfig, BertModel, LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+import sparse_attn.integrations.hf as entmax_hf  # noqa: E402
+from sparse_attn.modules import EntmaxAlpha  # noqa: E402
+from sparse_attn.stats import record_head_stats  # noqa: E402
+
+H, H_KV = 4, 2
+
+
+def _llama_config():
+    return LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=H,
+                       num_key_value_heads=H_KV, max_position_embeddings=64, pad_token_id=0, bos_token_id=1,
+                       eos_token_id=2)
+
+
+def _sharpen(model):
+    """Larger query/key weights than the default init, so that entmax weights are actually sparse."""
+    torch.manual_seed(11)
+    for name, p in model.named_parameters():
+        if any(s in name for s in ("q_proj.weight", "k_proj.weight", "query.weight", "key.weight")):
+            torch.nn.init.normal_(p, std=0.5)
+
+
+def _pair(model_cls, config, **kw):
+    """(eager model, entmax model) with the same weights; configs are copied so they do not share state."""
+    torch.manual_seed(0)
+    eager = model_cls._from_config(copy.deepcopy(config), attn_implementation="eager", **kw).eval()
+    _sharpen(eager)
+    ent = model_cls._from_config(copy.deepcopy(config), attn_implementation="entmax", **kw).eval()
+    ent.load_state_dict(eager.state_dict())
+    return eager, ent
+
+
+def _ids_and_padding():
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, 64, (2, 9), generator=g)
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[1, :3] = 0
+    ids[1, :3] = 0
+    return ids, mask
+
+
+def test_registration():
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    assert "entmax" in AttentionInterface._global_mapping
+    assert "entmax" in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
+    with pytest.raises(ValueError, match="name must be a non-empty string"):
+        entmax_hf.register_entmax_attention("")
+
+
+def test_llama_alpha_one_matches_eager_with_gqa_and_padding():
+    eager, ent = _pair(LlamaForCausalLM, _llama_config())
+    assert ent.config._attn_implementation == "entmax"
+    names = entmax_hf.attach_entmax_alpha(ent, alpha=1.0, learnable=False)
+    assert names == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+    ids, mask = _ids_and_padding()
+    with torch.no_grad():
+        ref = eager(ids, attention_mask=mask, output_attentions=True)
+        out = ent(ids, attention_mask=mask, output_attentions=True)
+    valid = mask.bool()
+    torch.testing.assert_close(out.logits[valid], ref.logits[valid], atol=1e-5, rtol=1e-5)
+    for a_ref, a in zip(ref.attentions, out.attentions):
+        torch.testing.assert_close(a[0], a_ref[0], atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(a[1][:, 3:], a_ref[1][:, 3:], atol=1e-6, rtol=1e-5)
+    with torch.no_grad():
+        torch.testing.assert_close(ent(ids).logits, eager(ids).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_llama_sparse_cache_consistency_and_generate():
+    _, ent = _pair(LlamaForCausalLM, _llama_config())
+    entmax_hf.attach_entmax_alpha(ent, alpha=[1.3, 1.5, 1.8, 1.95], learnable=True)
+    ids, mask = _ids_and_padding()
+    with torch.no_grad():
+        full = ent(ids, attention_mask=mask, output_attentions=True)
+        pre = ent(ids[:, :6], attention_mask=mask[:, :6], use_cache=True)
+        step = ent(ids[:, 6:], attention_mask=mask, past_key_values=pre.past_key_values, use_cache=True)
+    assert any((a[mask.bool()[:, None, :, None].expand_as(a)] == 0).any() for a in full.attentions)
+    valid = mask.bool()[:, 6:]
+    torch.testing.assert_close(step.logits[valid], full.logits[:, 6:][valid], atol=1e-5, rtol=1e-5)
+
+    gen = ent.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, use_cache=True)
+    assert gen.shape == (2, 13)
+    seq, m = ids, mask
+    with torch.no_grad():
+        for _ in range(4):
+            nxt = ent(seq, attention_mask=m, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
+            seq = torch.cat([seq, nxt], dim=1)
+            m = torch.cat([m, torch.ones_like(nxt)], dim=1)
+    assert torch.equal(gen, seq)
+
+
+def test_llama_learnable_alpha_trains_saves_and_reloads(tmp_path):
+    _, ent = _pair(LlamaForCausalLM, _llama_config())
+    ent.train()
+    entmax_hf.attach_entmax_alpha(ent, alpha=1.5, learnable=True)
+    holders = [m.entmax_alpha for m in ent.modules() if isinstance(getattr(m, "entmax_alpha", None), EntmaxAlpha)]
+    assert len(holders) == 2
+    logits = [n for n, _ in ent.named_parameters() if n.endswith("entmax_alpha.alpha_logit")]
+    assert len(logits) == 2
+    ids, mask = _ids_and_padding()
+    loss = ent(ids, attention_mask=mask, labels=ids).loss
+    loss.backward()
+    for h in holders:
+        assert h.alpha_logit.grad is not None and h.alpha_logit.grad.abs().sum() > 0
+    with torch.no_grad():
+        for i, h in enumerate(holders):
+            h.alpha_logit.copy_(torch.linspace(-1.0, 1.0, H) * (i + 1))
+    ent.eval()
+    ent.save_pretrained(tmp_path)
+    loaded = entmax_hf.from_pretrained(LlamaForCausalLM, str(tmp_path))
+    assert loaded.config._attn_implementation == "entmax"
+    for name, p in ent.named_parameters():
+        torch.testing.assert_close(dict(loaded.named_parameters())[name], p)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids, attention_mask=mask).logits, ent(ids, attention_mask=mask).logits)
+    with pytest.raises(ValueError, match="local directory"):
+        entmax_hf.from_pretrained(LlamaForCausalLM, str(tmp_path / "missing"))
+
+
+def _bert_config():
+    return BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=H, intermediate_size=48,
+                      max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+
+
+def test_bert_alpha_one_matches_eager_and_sparse_stats():
+    eager, ent = _pair(BertModel, _bert_config(), add_pooling_layer=False)
+    ids, mask = _ids_and_padding()
+    entmax_hf.attach_entmax_alpha(ent, alpha=1.0, learnable=False)
+    with torch.no_grad():
+        ref = eager(ids, attention_mask=mask).last_hidden_state
+        out = ent(ids, attention_mask=mask).last_hidden_state
+    torch.testing.assert_close(out[mask.bool()], ref[mask.bool()], atol=1e-5, rtol=1e-5)
+    entmax_hf.attach_entmax_alpha(ent, alpha=torch.tensor([1.25, 1.5, 1.75, 1.9]), learnable=True)
+    with record_head_stats(ent) as rec, torch.no_grad():
+        ent(ids, attention_mask=mask)
+    with torch.no_grad():
+        attn = ent(ids, attention_mask=mask, output_attentions=True).attentions
+    keys = mask.bool()[:, None, None, :]
+    for layer, a in enumerate(attn):
+        assert (a[~keys.expand_as(a)] == 0).all()
+        expected = ((a > 0).sum(-1).double() / keys.sum(-1).double()).mean((0, 2))
+        torch.testing.assert_close(rec.density()[layer], expected, atol=1e-12, rtol=0)
+    assert (rec.density() < 1).any()
+    torch.testing.assert_close(rec.alphas()[0], torch.tensor([1.25, 1.5, 1.75, 1.9], dtype=torch.float64), atol=1e-6, rtol=0)
+
+
+def test_attach_errors():
+    with pytest.raises(ValueError, match="no attention module"):
+        entmax_hf.attach_entmax_alpha(torch.nn.Linear(2, 2))
+    with pytest.raises(TypeError, match="model must be an nn.Module"):
+        entmax_hf.attention_modules(None)
+    model = LlamaForCausalLM._from_config(_llama_config(), attn_implementation="entmax")
+    with pytest.raises(ValueError, match="strictly between"):
+        entmax_hf.attach_entmax_alpha(model, alpha=2.0, learnable=True)
