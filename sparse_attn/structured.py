@@ -12,7 +12,13 @@ All follow Niculae & Blondel 2017 (``niculae2017-regularized-sparse-structured-a
 * ``oscarmax``: ``Omega = |y|^2 / 2 + lam * sum_{i<j} max(|y_i|, |y_j|)``; ``P_OSC`` is the prox
   of an ordered weighted l1 norm (weights ``lam * (n - k)`` on the k-th largest magnitude):
   sort magnitudes, subtract the weights, non-increasing isotonic regression (pool adjacent
-  violators, vectorized over rows), clip at 0, restore order and signs.
+  violators, vectorized over rows), clip at 0, restore order and signs. Composed literally,
+  ``P_simplex(P_OSC(x))`` is *not* the minimizer when entries of ``x`` are negative enough
+  to be clipped or to outrank positive ones by magnitude (a slow solver of the constrained
+  problem finds a lower objective). The constrained problem is invariant to shifting
+  ``x`` by a constant, and for a large enough shift the composition is exact; that shifted
+  prox is the isotonic step on the *values* sorted in decreasing order, without absolute
+  values or clipping, which is what ``oscarmax`` computes (Prop. 3 then has all signs +).
 * ``sq_pnorm_max``: ``Omega = |y|_p^2 / 2`` with ``p in (1, 2]``. Forward: the optimality
   conditions give ``y ∝ [x - tau]_+^(1/(p-1))`` with a scalar ``tau`` that is the unique
   root of a monotone equation, found by bisection to machine precision. Backward: the
@@ -281,33 +287,47 @@ def _isotonic_nonincreasing(v: torch.Tensor) -> torch.Tensor:
 
 
 class _OscarProxFunction(torch.autograd.Function):
-    """``P_OSC`` on rows ``x`` (R, n) restricted to the ``valid`` entries (others give 0)."""
+    """OSCAR prox on rows ``x`` (R, n) restricted to the ``valid`` entries (others give 0).
+
+    ``on_simplex=False``: the prox itself (magnitudes sorted, clipped at 0, signs restored;
+    Jacobian with signs, Prop. 3). ``on_simplex=True``: the prox of ``x + c`` for a constant
+    ``c`` large enough that every entry stays positive, minus ``c`` (values sorted, no
+    clipping, all signs +); followed by the simplex projection this is the exact oscarmax
+    for any ``x``, because the constrained problem is invariant to shifting ``x``.
+    """
 
     @staticmethod
-    def forward(ctx, x, valid, lam):
-        rows, n = x.shape
+    def forward(ctx, x, valid, lam, on_simplex):
+        n = x.shape[1]
         n_valid = valid.sum(dim=1, keepdim=True)
-        mag = torch.where(valid, x.abs(), torch.full_like(x, -1.0))
-        mag_sorted, order = torch.sort(mag, dim=1, descending=True)
+        key = x if on_simplex else x.abs()
+        key = torch.where(valid, key, torch.full_like(x, -math.inf))
+        key_sorted, order = torch.sort(key, dim=1, descending=True)
         pos = torch.arange(n, device=x.device)
         in_row = pos < n_valid
         weights = lam * (n_valid - 1 - pos).clamp(min=0).to(x.dtype)
-        v = torch.where(in_row, mag_sorted - weights, torch.full_like(x, -math.inf))
-        z_sorted = torch.where(in_row, _isotonic_nonincreasing(v).clamp(min=0), torch.zeros_like(x))
+        v = torch.where(in_row, key_sorted - weights, torch.full_like(x, -math.inf))
+        z_sorted = _isotonic_nonincreasing(v)
+        if not on_simplex:
+            z_sorted = z_sorted.clamp(min=0)
+        z_sorted = torch.where(in_row, z_sorted, torch.zeros_like(x))
         boundary = torch.ones_like(in_row)
         boundary[:, 1:] = z_sorted[:, 1:] != z_sorted[:, :-1]
         boundary = boundary | ~in_row
         gid_sorted = boundary.to(torch.int64).cumsum(dim=1) - 1
-        z_abs = torch.zeros_like(x).scatter_(1, order, z_sorted)
+        z_mag = torch.zeros_like(x).scatter_(1, order, z_sorted)
         gid = torch.zeros_like(order).scatter_(1, order, gid_sorted)
-        sign = torch.where(valid & (z_abs > 0), torch.sign(x), torch.zeros_like(x))
+        if on_simplex:
+            sign = valid.to(x.dtype)
+        else:
+            sign = torch.where(valid & (z_mag > 0), torch.sign(x), torch.zeros_like(x))
         ctx.save_for_backward(gid, sign)
-        return sign * z_abs
+        return sign * z_mag
 
     @staticmethod
     def backward(ctx, grad):
         gid, sign = ctx.saved_tensors
-        return sign * _group_mean(sign * grad, gid), None, None
+        return sign * _group_mean(sign * grad, gid), None, None, None
 
 
 def _prepare(X, dim, mask, lengths, gamma, name_x="X"):
@@ -381,7 +401,7 @@ def oscar_prox(X: torch.Tensor, lam: float = 0.01, dim: int = -1, mask=None, len
     """
     d, x, valid = _prepare(X, dim, mask, lengths, 1.0)
     lam = _check_real("lam", lam, 0.0, False)
-    return _from_rows(_OscarProxFunction.apply(x, valid, lam).to(X.dtype), X, d)
+    return _from_rows(_OscarProxFunction.apply(x, valid, lam, False).to(X.dtype), X, d)
 
 
 def gamma_sparsemax(X: torch.Tensor, gamma: float = 1.0, dim: int = -1, mask=None, lengths=None) -> torch.Tensor:
@@ -432,7 +452,9 @@ def oscarmax(X: torch.Tensor, lam: float = 0.01, dim: int = -1, gamma: float = 1
              lengths=None) -> torch.Tensor:
     """Oscarmax: ``P_simplex(P_OSC(X / gamma))`` along ``dim`` (Niculae & Blondel 2017, Prop. 2).
 
-    Clusters weights into groups of equal value regardless of position.
+    Clusters weights into groups of equal value regardless of position. Computed as
+    ``P_simplex(P_OSC(X / gamma + c))`` for a shift ``c`` that keeps every entry positive
+    (exact for any input; see the module docstring).
 
     Args:
         X: floating tensor of any shape.
@@ -445,7 +467,7 @@ def oscarmax(X: torch.Tensor, lam: float = 0.01, dim: int = -1, gamma: float = 1
     """
     d, x, valid = _prepare(X, dim, mask, lengths, gamma)
     lam = _check_real("lam", lam, 0.0, False)
-    return _finish(_OscarProxFunction.apply(x, valid, lam), valid, X, d)
+    return _finish(_OscarProxFunction.apply(x, valid, lam, True), valid, X, d)
 
 
 def _pnorm_terms(s: torch.Tensor, p: float):

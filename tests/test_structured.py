@@ -1,0 +1,420 @@
+"""Tests of fusedmax, oscarmax, sq-pnorm-max, sparsemax with temperature and the TV/OSCAR proxes.
+
+Forward passes are checked against slow solvers written here (projected gradient on the
+dual in float64), Jacobians against matrices built explicitly from Prop. 1 and Prop. 3 of
+``niculae2017-regularized-sparse-structured-attention.txt``, and the Triton TV kernel
+(under the interpreter on CPU) against the PyTorch path.
+"""
+
+import math
+
+import pytest
+import torch
+from torch.autograd import gradcheck
+from torch.autograd.functional import jacobian, jvp
+
+from sparse_attn.kernels.structured import tv_prox_rows
+from sparse_attn.mappings import sparsemax
+from sparse_attn.structured import (
+    Fusedmax,
+    Oscarmax,
+    _TVProxFunction,
+    _tv_prox_torch,
+    fusedmax,
+    gamma_sparsemax,
+    oscar_prox,
+    oscarmax,
+    sq_pnorm_max,
+    tv_prox,
+)
+
+F64 = torch.float64
+# Absolute tolerances, one table: solver agreement in float64, and low-precision outputs
+# against the float64 result on the same (rounded) inputs.
+TOL = {
+    "slow_solver": 1e-9,
+    "same_algorithm_f64": 1e-12,
+    "jacobian": 1e-10,
+    torch.float32: 1e-5,
+    torch.float16: 2e-3,
+    torch.bfloat16: 1.6e-2,
+}
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _simplex(v):
+    """Euclidean projection of the rows of ``v`` onto the simplex (sort-based, for the tests)."""
+    s, _ = torch.sort(v, dim=-1, descending=True)
+    k = torch.arange(1, v.shape[-1] + 1, dtype=v.dtype)
+    cs = s.cumsum(-1) - 1
+    supp = (s - cs / k > 0).sum(-1, keepdim=True)
+    tau = cs.gather(-1, supp - 1) / supp
+    return (v - tau).clamp(min=0)
+
+
+def _slow_solver(x, E, lam, simplex, tol=1e-14, max_iter=20000):
+    """``argmin_y |y - x|^2 / 2 + lam |E y|_1`` (over the simplex when ``simplex``), rows of ``x``.
+
+    Projected gradient ascent on the dual ``max_{|w| <= lam} min_y |y - x|^2/2 + w.E y``,
+    whose gradient is ``E y(w)`` with ``y(w) = P(x - E^T w)``; stops when ``y`` moves less
+    than ``tol`` over 50 iterations.
+    """
+    step = 1.0 / torch.linalg.matrix_norm(E, ord=2) ** 2
+    w = torch.zeros(x.shape[0], E.shape[0], dtype=x.dtype)
+    y_prev = None
+    for it in range(max_iter):
+        v = x - w @ E
+        y = _simplex(v) if simplex else v
+        if it % 50 == 0:
+            if y_prev is not None and (y - y_prev).abs().max() < tol:
+                return y
+            y_prev = y
+        w = (w + step * (y @ E.T)).clamp(-lam, lam)
+    raise AssertionError("slow solver did not converge")
+
+
+def _tv_matrix(d):
+    E = torch.zeros(d - 1, d, dtype=F64)
+    for i in range(d - 1):
+        E[i, i], E[i, i + 1] = -1.0, 1.0
+    return E
+
+
+def _oscar_matrix(d):
+    """Rows such that ``|E y|_1 = sum_{i<j} max(|y_i|, |y_j|)`` (``max(|a|,|b|) = (|a+b| + |a-b|)/2``)."""
+    rows = []
+    for i in range(d):
+        for j in range(i + 1, d):
+            for s in (1.0, -1.0):
+                r = torch.zeros(d, dtype=F64)
+                r[i], r[j] = 0.5, 0.5 * s
+                rows.append(r)
+    return torch.stack(rows)
+
+
+def _groups(z, contiguous, tol=1e-9):
+    """Group matrix ``G`` (d, d): 1 where two entries belong to the same group of equal values."""
+    d = z.shape[0]
+    same = (z[:, None] - z[None, :]).abs() < tol
+    if not contiguous:
+        return same.to(F64)
+    G = torch.zeros(d, d, dtype=F64)
+    for i in range(d):
+        for j in range(d):
+            lo, hi = min(i, j), max(i, j)
+            G[i, j] = float(all(abs(z[k] - z[lo]) < tol for k in range(lo, hi + 1)))
+    return G
+
+
+def _sparsemax_jacobian(p):
+    s = (p > 1e-9).to(F64)
+    return torch.diag(s) - torch.outer(s, s) / s.sum()
+
+
+# ---------------------------------------------------------------- forward vs slow solvers
+
+
+@pytest.mark.parametrize("lam", [0.05, 0.3, 1.0])
+def test_fusedmax_and_tv_prox_match_slow_solver(lam):
+    d = 7
+    x = 1.5 * torch.randn(10, d, generator=_gen(1), dtype=F64)
+    E = _tv_matrix(d)
+    torch.testing.assert_close(fusedmax(x, lam=lam), _slow_solver(x, E, lam, True), atol=TOL["slow_solver"], rtol=0)
+    torch.testing.assert_close(tv_prox(x, lam=lam), _slow_solver(x, E, lam, False), atol=TOL["slow_solver"], rtol=0)
+    gamma = 0.5
+    torch.testing.assert_close(fusedmax(x, lam=lam, gamma=gamma), _slow_solver(x / gamma, E, lam, True),
+                               atol=TOL["slow_solver"], rtol=0)
+
+
+@pytest.mark.parametrize("lam", [0.02, 0.3])
+def test_oscarmax_and_oscar_prox_match_slow_solver(lam):
+    d = 6
+    x = 1.5 * torch.randn(10, d, generator=_gen(2), dtype=F64)
+    x[0] = torch.tensor([-2.3, -0.4, -1.1, 1.0, -0.9, -1.3], dtype=F64)
+    E = _oscar_matrix(d)
+    torch.testing.assert_close(oscarmax(x, lam=lam), _slow_solver(x, E, lam, True), atol=TOL["slow_solver"], rtol=0)
+    torch.testing.assert_close(oscar_prox(x, lam=lam), _slow_solver(x, E, lam, False), atol=TOL["slow_solver"], rtol=0)
+
+
+def test_sq_pnorm_max_is_optimal():
+    """Fixed point of projected gradient (an optimality certificate) and the objective."""
+    x = torch.randn(8, 6, generator=_gen(3), dtype=F64)
+    for p, gamma in [(1.5, 1.0), (1.2, 0.5), (1.8, 2.0)]:
+        y = sq_pnorm_max(x, p=p, gamma=gamma)
+        assert (y >= 0).all()
+        torch.testing.assert_close(y.sum(-1), torch.ones(8, dtype=F64), atol=1e-12, rtol=0)
+        norm = (y ** p).sum(-1, keepdim=True) ** (1 / p)
+        grad = gamma * y ** (p - 1) / norm ** (p - 2) - x
+        for eta in (0.05, 0.5):
+            torch.testing.assert_close(_simplex(y - eta * grad), y, atol=TOL["slow_solver"], rtol=0)
+
+        def objective(v):
+            return 0.5 * gamma * ((v ** p).sum(-1) ** (2 / p)) - (v * x).sum(-1)
+
+        others = _simplex(y + 0.05 * torch.randn(50, 8, 6, generator=_gen(4), dtype=F64))
+        assert (objective(others) >= objective(y) - 1e-12).all()
+
+
+# ---------------------------------------------------------------- Triton kernel (interpreter on CPU)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_triton_tv_kernel_matches_torch(kernel_device, dtype):
+    n = 20
+    x = torch.randn(6, n, generator=_gen(5), dtype=dtype)
+    x[1] = torch.linspace(-1, 1, n, dtype=dtype)
+    x[2, ::2] += 2.0
+    lengths = torch.tensor([n, n, n, 1, 0, 13])
+    for lam in (0.01, 0.4):
+        ref = _tv_prox_torch(x.to(F64), lengths, lam)
+        out = tv_prox_rows(x.to(kernel_device), lengths.to(kernel_device), lam).cpu()
+        valid = torch.arange(n) < lengths[:, None]
+        assert torch.isnan(out[~valid]).all()
+        tol = TOL["same_algorithm_f64"] if dtype == F64 else TOL[torch.float32]
+        torch.testing.assert_close(out[valid].to(F64), ref[valid], atol=tol, rtol=0)
+
+
+def test_tv_autograd_triton_path_matches_torch_path():
+    x = torch.randn(4, 12, generator=_gen(6), dtype=F64)
+    lengths = torch.tensor([12, 7, 0, 3])
+    xa = x.clone().requires_grad_()
+    xb = x.clone().requires_grad_()
+    ya = _TVProxFunction.apply(xa, lengths, 0.3, True)
+    yb = _TVProxFunction.apply(xb, lengths, 0.3, False)
+    torch.testing.assert_close(ya, yb, atol=TOL["same_algorithm_f64"], rtol=0)
+    g = torch.randn(4, 12, generator=_gen(7), dtype=F64)
+    ya.backward(g)
+    yb.backward(g)
+    torch.testing.assert_close(xa.grad, xb.grad, atol=TOL["same_algorithm_f64"], rtol=0)
+
+
+# ---------------------------------------------------------------- gradients
+
+
+def test_gradcheck_all_mappings():
+    x = torch.randn(3, 7, generator=_gen(8), dtype=F64, requires_grad=True)
+    mask = torch.ones(3, 7, dtype=torch.bool)
+    mask[1, 2] = False
+    mask[2, 4:] = False
+    fns = [
+        lambda a: fusedmax(a, lam=0.2),
+        lambda a: fusedmax(a, lam=0.2, gamma=0.7, mask=mask),
+        lambda a: oscarmax(a, lam=0.05),
+        lambda a: oscarmax(a, lam=0.05, mask=mask),
+        lambda a: tv_prox(a, lam=0.2, mask=mask),
+        lambda a: oscar_prox(a, lam=0.1),
+        lambda a: sq_pnorm_max(a, p=1.5),
+        lambda a: sq_pnorm_max(a, p=1.3, gamma=0.5, mask=mask),
+        lambda a: gamma_sparsemax(a, gamma=0.5, mask=mask),
+    ]
+    for fn in fns:
+        assert gradcheck(fn, (x,), eps=1e-7, atol=1e-6)
+
+
+def test_fusedmax_jacobian_matches_prop3():
+    d, lam = 8, 0.25
+    x = torch.randn(4, d, generator=_gen(9), dtype=F64)
+    z = _slow_solver(x, _tv_matrix(d), lam, False)
+    for r in range(4):
+        G = _groups(z[r], contiguous=True)
+        J_tv = G / G.sum(1, keepdim=True)
+        J = _sparsemax_jacobian(_simplex(z[r:r + 1])[0]) @ J_tv
+        torch.testing.assert_close(jacobian(lambda a: fusedmax(a, lam=lam), x[r]), J, atol=TOL["jacobian"], rtol=0)
+        v = torch.randn(d, generator=_gen(10 + r), dtype=F64)
+        _, jv = jvp(lambda a: fusedmax(a, lam=lam), x[r], v)
+        torch.testing.assert_close(jv, J @ v, atol=TOL["jacobian"], rtol=0)
+        torch.testing.assert_close(jacobian(lambda a: tv_prox(a, lam=lam), x[r]), J_tv, atol=TOL["jacobian"], rtol=0)
+
+
+def test_oscar_jacobians_match_prop3():
+    d, lam = 6, 0.15
+    x = torch.randn(4, d, generator=_gen(11), dtype=F64)
+    z = _slow_solver(x, _oscar_matrix(d), lam, False)
+    y = _slow_solver(x, _oscar_matrix(d), lam, True)
+    for r in range(4):
+        G = _groups(z[r].abs(), contiguous=False)
+        sgn = torch.sign(z[r])
+        J_osc = G * torch.outer(sgn, sgn) / G.sum(1, keepdim=True)
+        torch.testing.assert_close(jacobian(lambda a: oscar_prox(a, lam=lam), x[r]), J_osc, atol=TOL["jacobian"], rtol=0)
+        # oscarmax: prox of the shifted input, all groups positive (see structured.py)
+        zs = _slow_solver(x[r:r + 1] + 10.0, _oscar_matrix(d), lam, False)[0]
+        Gs = _groups(zs, contiguous=False)
+        J = _sparsemax_jacobian(y[r]) @ (Gs / Gs.sum(1, keepdim=True))
+        v = torch.randn(d, generator=_gen(12 + r), dtype=F64)
+        _, jv = jvp(lambda a: oscarmax(a, lam=lam), x[r], v)
+        torch.testing.assert_close(jv, J @ v, atol=TOL["jacobian"], rtol=0)
+
+
+def test_sq_pnorm_jacobian_matches_prop1_system():
+    d = 7
+    x = torch.randn(3, d, generator=_gen(13), dtype=F64)
+    for p, gamma in [(1.5, 1.0), (1.25, 0.6)]:
+        for r in range(3):
+            y = sq_pnorm_max(x[r], p=p, gamma=gamma)
+            S = y > 0
+            ys = y[S]
+            k = ys.numel()
+            norm = (ys ** p).sum() ** (1 / p)
+            H = torch.diag((p - 1) * ys ** (p - 2) / norm ** (p - 2))
+            uvec = math.sqrt(2 - p) * ys ** (p - 1) / norm ** (p - 1)
+            B = gamma * (H + torch.outer(uvec, uvec))
+            A = torch.eye(k, dtype=F64) - torch.ones(k, k, dtype=F64) / k
+            J_S = torch.linalg.solve(torch.eye(k, dtype=F64) + A @ (B - torch.eye(k, dtype=F64)), A)
+            J = torch.zeros(d, d, dtype=F64)
+            J[S.nonzero()[:, 0][:, None], S.nonzero()[:, 0][None, :]] = J_S
+            Jt = jacobian(lambda a: sq_pnorm_max(a, p=p, gamma=gamma), x[r])
+            torch.testing.assert_close(Jt, J, atol=TOL["jacobian"], rtol=0)
+            v = torch.randn(d, generator=_gen(14 + r), dtype=F64)
+            _, jv = jvp(lambda a: sq_pnorm_max(a, p=p, gamma=gamma), x[r], v)
+            torch.testing.assert_close(jv, J @ v, atol=TOL["jacobian"], rtol=0)
+
+
+# ---------------------------------------------------------------- limits and structure
+
+
+def test_limits_equal_sparsemax():
+    x = torch.randn(5, 9, generator=_gen(15), dtype=F64)
+    sp = sparsemax(x)
+    for lam in (0.0, 1e-12):
+        torch.testing.assert_close(fusedmax(x, lam=lam), sp, atol=1e-10, rtol=0)
+        torch.testing.assert_close(oscarmax(x, lam=lam), sp, atol=1e-10, rtol=0)
+    torch.testing.assert_close(sq_pnorm_max(x, p=2.0), sp, atol=1e-12, rtol=0)
+    torch.testing.assert_close(sq_pnorm_max(x, p=2.0, gamma=0.3), sparsemax(x / 0.3), atol=1e-12, rtol=0)
+    torch.testing.assert_close(gamma_sparsemax(x, gamma=2.5), sparsemax(x / 2.5), atol=1e-14, rtol=0)
+    torch.testing.assert_close(fusedmax(x, lam=0.0, gamma=2.5), sparsemax(x / 2.5), atol=1e-14, rtol=0)
+
+
+def test_fusedmax_equal_weights_on_contiguous_segment():
+    noise = 0.05 * torch.randn(4, 12, generator=_gen(16), dtype=F64)
+    x = noise.clone()
+    x[:, 3:7] += 1.0
+    p = fusedmax(x, lam=0.2)
+    for r in range(4):
+        support = (p[r] > 0).nonzero()[:, 0].tolist()
+        assert support == [3, 4, 5, 6]
+        assert torch.all(p[r, 3:7] == p[r, 3])
+        torch.testing.assert_close(p[r, 3:7], torch.full((4,), 0.25, dtype=F64), atol=1e-12, rtol=0)
+    sp = sparsemax(x)
+    assert not all(torch.all(sp[r, 3:7] == sp[r, 3]) for r in range(4))
+    # on random scores, nonzero weights form runs of equal values: each value occurs in one run
+    y = fusedmax(torch.randn(20, 15, generator=_gen(17), dtype=F64), lam=0.3)
+    for row in y:
+        vals = row[row > 0]
+        idx = (row > 0).nonzero()[:, 0]
+        for v in vals.unique():
+            pos = idx[vals == v]
+            assert pos.max() - pos.min() + 1 == pos.numel()
+
+
+def test_oscarmax_groups_equal_weights():
+    x = torch.tensor([[1.0, 0.2, 1.02, -0.5, 0.98, 0.1]], dtype=F64)
+    p = oscarmax(x, lam=0.05)
+    assert p[0, 0] == p[0, 2] == p[0, 4] > 0
+    torch.testing.assert_close(p.sum(), torch.tensor(1.0, dtype=F64))
+
+
+# ---------------------------------------------------------------- masks, lengths, shapes, dtypes
+
+
+@pytest.mark.parametrize("fn", [lambda a, **k: fusedmax(a, lam=0.3, **k), lambda a, **k: oscarmax(a, lam=0.05, **k),
+                                lambda a, **k: sq_pnorm_max(a, p=1.5, **k)])
+def test_lengths_and_mask_equal_compressed_rows(fn):
+    x = torch.randn(4, 10, generator=_gen(18), dtype=F64)
+    lengths = torch.tensor([10, 6, 1, 0])
+    out = fn(x, lengths=lengths)
+    for r, n in enumerate(lengths.tolist()):
+        if n:
+            torch.testing.assert_close(out[r, :n], fn(x[r:r + 1, :n])[0], atol=1e-12, rtol=0)
+        assert (out[r, n:] == 0).all()
+    mask = torch.rand(4, 10, generator=_gen(19)) > 0.4
+    mask[3] = False
+    out = fn(x, mask=mask)
+    for r in range(3):
+        torch.testing.assert_close(out[r][mask[r]], fn(x[r:r + 1][:, mask[r]])[0], atol=1e-12, rtol=0)
+    assert (out[~mask] == 0).all()
+    xi = x.masked_fill(~mask, -math.inf)
+    torch.testing.assert_close(fn(xi), out, atol=0, rtol=0)
+    xr = x.clone().requires_grad_()
+    fn(xr, mask=mask).mul(torch.randn(4, 10, generator=_gen(20), dtype=F64)).sum().backward()
+    assert torch.isfinite(xr.grad).all()
+    assert (xr.grad[~mask] == 0).all()
+
+
+def test_empty_and_tiny_rows():
+    x = torch.full((2, 5), -math.inf, dtype=F64, requires_grad=True)
+    for fn in (fusedmax, oscarmax, sq_pnorm_max, gamma_sparsemax):
+        y = fn(x)
+        assert (y == 0).all()
+        y.sum().backward()
+        assert (x.grad == 0).all()
+        x.grad = None
+    one = torch.randn(3, 1, dtype=F64)
+    for fn in (fusedmax, oscarmax, sq_pnorm_max):
+        assert (fn(one) == 1).all()
+    assert fusedmax(torch.empty(0, 4)).shape == (0, 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_low_precision_against_float64(dtype):
+    x = (2 * torch.randn(4, 3, 11, generator=_gen(21))).to(dtype)
+    for fn in (lambda a: fusedmax(a, lam=0.1), lambda a: oscarmax(a, lam=0.02), lambda a: sq_pnorm_max(a)):
+        y = fn(x)
+        assert y.dtype == dtype and torch.isfinite(y).all()
+        torch.testing.assert_close(y.to(F64), fn(x.to(F64)), atol=TOL[dtype], rtol=0)
+
+
+def test_dim_and_batch_shapes():
+    x = torch.randn(2, 3, 6, 5, generator=_gen(22), dtype=F64)
+    for fn in (lambda a, d: fusedmax(a, lam=0.2, dim=d), lambda a, d: oscarmax(a, dim=d),
+               lambda a, d: sq_pnorm_max(a, dim=d)):
+        ref = fn(x, -1)
+        torch.testing.assert_close(fn(x.transpose(-1, 1), 1).transpose(-1, 1), ref, atol=1e-14, rtol=0)
+        torch.testing.assert_close(fn(x.movedim(-1, 0), 0).movedim(0, -1), ref, atol=1e-14, rtol=0)
+    lengths = torch.tensor([[5, 2, 0], [1, 3, 4]]).unsqueeze(-1).expand(2, 3, 6)
+    out = fusedmax(x, lam=0.2, lengths=lengths)
+    assert (out[1, 0, :, 1:] == 0).all() and (out[0, 2] == 0).all()
+
+
+def test_modules():
+    x = torch.randn(2, 4, 7, generator=_gen(23), dtype=F64)
+    mask = torch.rand(2, 4, 7, generator=_gen(24)) > 0.3
+    m = Fusedmax(lam=0.2, gamma=0.5)
+    torch.testing.assert_close(m(x, mask=mask), fusedmax(x, lam=0.2, gamma=0.5, mask=mask), atol=0, rtol=0)
+    o = Oscarmax(lam=0.03, dim=1)
+    torch.testing.assert_close(o(x), oscarmax(x, lam=0.03, dim=1), atol=0, rtol=0)
+    assert "lam=0.2" in repr(m)
+
+
+def test_errors():
+    x = torch.randn(3, 4)
+    with pytest.raises(TypeError, match="X must be"):
+        fusedmax([1.0, 2.0])
+    with pytest.raises(TypeError, match="X must be a floating"):
+        oscarmax(torch.ones(3, 4, dtype=torch.int64))
+    with pytest.raises(ValueError, match="lam must be"):
+        fusedmax(x, lam=-0.1)
+    with pytest.raises(TypeError, match="lam must be a real"):
+        oscarmax(x, lam="big")
+    with pytest.raises(ValueError, match="gamma must be"):
+        fusedmax(x, gamma=0.0)
+    with pytest.raises(ValueError, match="p must be"):
+        sq_pnorm_max(x, p=1.0)
+    with pytest.raises(ValueError, match="p must be"):
+        sq_pnorm_max(x, p=2.5)
+    with pytest.raises(ValueError, match="dim must be"):
+        fusedmax(x, dim=2)
+    with pytest.raises(TypeError, match="mask must be a boolean"):
+        fusedmax(x, mask=torch.ones(3, 4))
+    with pytest.raises(ValueError, match="mask must be broadcastable"):
+        fusedmax(x, mask=torch.ones(5, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match="lengths must be in"):
+        fusedmax(x, lengths=torch.tensor([1, 2, 5]))
+    with pytest.raises(TypeError, match="lengths must be an integer"):
+        oscarmax(x, lengths=torch.tensor([1.0, 2.0, 3.0]))
+    with pytest.raises(ValueError, match="lengths must be broadcastable"):
+        fusedmax(x, lengths=torch.tensor([1, 2]))
+    with pytest.raises(ValueError, match="lam must be"):
+        Fusedmax(lam=math.inf)
