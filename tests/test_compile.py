@@ -8,17 +8,6 @@ from sparse_attn.attention import entmax_attention
 from sparse_attn.modules import EntmaxMultiheadAttention
 
 
-def _fused_ops_missing():
-    try:
-        import sparse_attn._attn_autograd  # noqa: F401
-    except Exception as exc:  # noqa: BLE001 - any failure means the fused path is not usable here
-        return f"fused kernels / custom ops not importable yet ({exc!r})"
-    return None
-
-
-FUSED_MISSING = _fused_ops_missing()
-
-
 def _compiled(fn, fullgraph=True):
     torch._dynamo.reset()
     return torch.compile(fn, fullgraph=fullgraph, backend="aot_eager")
@@ -84,8 +73,9 @@ def test_module_learnable_alpha_compiles_on_reference():
     torch.testing.assert_close(g, g_ref, atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.skipif(FUSED_MISSING is not None, reason=str(FUSED_MISSING))
 def test_functional_and_module_fullgraph_fused(kernel_device):
+    pytest.importorskip("sparse_attn._attn_autograd", reason="fused kernels / custom ops not importable yet",
+                        exc_type=ImportError)
     q, k, v = (t.detach().to(kernel_device).requires_grad_() for t in _qkv(b=1, h=2, h_kv=1, n_q=20, n_k=40))
     alpha = torch.tensor([1.3, 2.0], device=kernel_device, requires_grad=True)
 

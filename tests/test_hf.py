@@ -98,6 +98,10 @@ def test_llama_sparse_cache_consistency_and_generate():
             seq = torch.cat([seq, nxt], dim=1)
             m = torch.cat([m, torch.ones_like(nxt)], dim=1)
     assert torch.equal(gen, seq)
+    static = ent.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, cache_implementation="static")
+    assert torch.equal(static, gen)
+    no_pad = ent.generate(ids[:1], max_new_tokens=3, do_sample=False)
+    assert torch.equal(ent.generate(ids[:1], max_new_tokens=3, do_sample=False, cache_implementation="static"), no_pad)
 
 
 def test_llama_learnable_alpha_trains_saves_and_reloads(tmp_path):

@@ -182,3 +182,26 @@ def test_recorder_errors():
         model(*_batch(5))
     assert torch.isfinite(outer.density()).all()
     assert model.self_attn._head_stats_sink is None
+
+
+def test_density_from_fused_kernel_counts(kernel_device):
+    pytest.importorskip("sparse_attn._attn_autograd", reason="fused kernels / custom ops not importable yet",
+                        exc_type=ImportError)
+    torch.manual_seed(8)
+    mod = EntmaxMultiheadAttention(32, 2, batch_first=True, alpha=torch.tensor([1.5, 2.0]), backend="triton",
+                                   device=kernel_device)
+    nn.init.normal_(mod.in_proj_weight, std=0.6)
+    model = nn.ModuleDict({"attn": mod})
+    x = torch.randn(2, 20, 32, device=kernel_device)
+    pad = torch.zeros(2, 20, dtype=torch.bool, device=kernel_device)
+    pad[1, -6:] = True
+    with torch.no_grad(), record_head_stats(model) as rec:
+        mod(x, x, x, key_padding_mask=pad, need_weights=False, is_causal=True)
+    with torch.no_grad():
+        _, w = mod(x, x, x, key_padding_mask=pad, is_causal=True, average_attn_weights=False)
+    keep = torch.ones(20, 20, dtype=torch.bool, device=kernel_device).tril() & ~pad[:, None, None, :]
+    n_valid = keep.sum(-1).double()
+    frac = (w > 0).sum(-1).double() / n_valid.clamp_min(1)
+    rows = (n_valid > 0).expand_as(frac)
+    expected = (frac * rows).sum((0, 2)) / rows.sum((0, 2))
+    torch.testing.assert_close(rec.density()[0], expected.cpu(), atol=1e-12, rtol=0)
