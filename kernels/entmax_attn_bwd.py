@@ -135,6 +135,16 @@ def _live_bit(live_row, kt):
 
 
 @triton.jit
+def _seq_bounds(CU_Q, CU_K, seq, n_q, n_k, IS_VARLEN: tl.constexpr):
+    """``(batch index, first row, rows, first key, keys)`` of sequence ``seq`` (a batch entry unless varlen)."""
+    if IS_VARLEN:
+        q_start = tl.load(CU_Q + seq)
+        k_start = tl.load(CU_K + seq)
+        return seq * 0, q_start, tl.load(CU_Q + seq + 1) - q_start, k_start, tl.load(CU_K + seq + 1) - k_start
+    return seq, seq * 0, n_q, seq * 0, n_k
+
+
+@triton.jit
 def _load_rows(base, idx, offs_d, stride_n, stride_d, ok, d_ok, UPCAST: tl.constexpr):
     """Rows ``idx [BLOCK]`` of a ``(seq, head_dim)`` slice as ``[BLOCK, BLOCK_D]`` (0 outside ``ok``)."""
     x = tl.load(base + idx[:, None].to(tl.int64) * stride_n + offs_d[None, :] * stride_d,
@@ -201,18 +211,7 @@ def _entmax_attn_bwd_dq_kernel(
     seq = pid_bh // n_heads
     h = pid_bh % n_heads
     hk = h // kv_group
-    if IS_VARLEN:
-        q_start = tl.load(CU_Q + seq)
-        Lq = tl.load(CU_Q + seq + 1) - q_start
-        k_start = tl.load(CU_K + seq)
-        Lk = tl.load(CU_K + seq + 1) - k_start
-        b = seq * 0
-    else:
-        q_start = 0
-        Lq = n_q
-        k_start = 0
-        Lk = n_k
-        b = seq
+    b, q_start, Lq, k_start, Lk = _seq_bounds(CU_Q, CU_K, seq, n_q, n_k, IS_VARLEN)
     if pid_m * BLOCK_M >= Lq:
         return
     b64 = b.to(tl.int64)
@@ -329,18 +328,7 @@ def _entmax_attn_bwd_dkdv_kernel(
     pid_bh = tl.program_id(1)
     seq = pid_bh // n_kv_heads
     hk = pid_bh % n_kv_heads
-    if IS_VARLEN:
-        q_start = tl.load(CU_Q + seq)
-        Lq = tl.load(CU_Q + seq + 1) - q_start
-        k_start = tl.load(CU_K + seq)
-        Lk = tl.load(CU_K + seq + 1) - k_start
-        b = seq * 0
-    else:
-        q_start = 0
-        Lq = n_q
-        k_start = 0
-        Lk = n_k
-        b = seq
+    b, q_start, Lq, k_start, Lk = _seq_bounds(CU_Q, CU_K, seq, n_q, n_k, IS_VARLEN)
     if pid_n * BLOCK_N >= Lk:
         return
     b64 = b.to(tl.int64)

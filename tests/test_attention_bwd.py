@@ -165,6 +165,11 @@ def test_varlen_causal_cross_lengths():
     assert torch.equal(dq[:, :, 36:], torch.zeros_like(dq[:, :, 36:]))
 
 
+def test_single_query_row_causal():
+    case = Case(B=1, Hq=2, Hk=1, Nq=1, Nk=37, alpha=[1.0, 1.5], causal=True, D=20)
+    case.check(case.run(block_m=16, block_n=16))
+
+
 @pytest.mark.parametrize("alpha", [1.0, 1.5, 2.0])
 def test_dropout_replays_forward_mask(alpha):
     case = Case(alpha=alpha, dropout_p=0.3, seed=1234, Nq=21, Nk=35, Hq=2, Hk=1)
