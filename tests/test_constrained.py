@@ -1,0 +1,363 @@
+"""Tests of csoftmax, csparsemax and fertility-constrained attention.
+
+Forward passes are checked against a float64 bisection on the threshold written here
+(independent of the sort-based algorithms), Jacobians against matrices built from
+Eq. 13-14 of ``malaviya2018-sparse-constrained-attention.txt`` (csparsemax) and from the
+closed form of the constrained softmax, and decoding against the fertility invariant.
+"""
+
+import math
+
+import pytest
+import torch
+from torch.autograd import gradcheck
+from torch.autograd.functional import jacobian, jvp
+
+from sparse_attn.constrained import FertilityAttention, FertilityPredictor, csoftmax, csparsemax
+from sparse_attn.mappings import sparsemax
+
+F64 = torch.float64
+TOL = {
+    "slow_solver": 1e-9,
+    "jacobian": 1e-12,
+    "invariant": 1e-6,
+    torch.float32: 1e-5,
+    torch.float16: 2e-3,
+    torch.bfloat16: 1.6e-2,
+}
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _bisect(z, u, kind, valid=None):
+    """Slow reference: ``a = min(u, max(z - tau, 0))`` or ``min(u, exp(z - tau))`` with ``sum a = 1``."""
+    if valid is None:
+        valid = torch.ones_like(z, dtype=torch.bool)
+    lo = torch.full(z.shape[:-1] + (1,), -60.0, dtype=F64)
+    hi = torch.full(z.shape[:-1] + (1,), 60.0, dtype=F64)
+
+    def at(t):
+        a = torch.clamp(z - t, min=0) if kind == "sparse" else torch.exp(z - t)
+        return torch.where(valid, torch.minimum(a, u), torch.zeros_like(a))
+
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        big = at(mid).sum(-1, keepdim=True) > 1
+        lo = torch.where(big, mid, lo)
+        hi = torch.where(big, hi, mid)
+    return at(0.5 * (lo + hi))
+
+
+def _bounds(shape, seed, scale=0.45):
+    return scale * torch.rand(shape, generator=_gen(seed), dtype=F64) + 0.02
+
+
+# ---------------------------------------------------------------- forward
+
+
+@pytest.mark.parametrize("fn,kind", [(csparsemax, "sparse"), (csoftmax, "soft")])
+def test_forward_matches_bisection(fn, kind):
+    z = 2 * torch.randn(40, 9, generator=_gen(1), dtype=F64)
+    u = _bounds((40, 9), 2)
+    u[:5, 0] = math.inf
+    u[5:10, 3] = 0.0
+    a = fn(z, u)
+    torch.testing.assert_close(a, _bisect(z, u, kind), atol=TOL["slow_solver"], rtol=0)
+    assert (a <= u).all() and (a >= 0).all()
+    torch.testing.assert_close(a.sum(-1), torch.ones(40, dtype=F64), atol=1e-12, rtol=0)
+    assert (a[5:10, 3] == 0).all()
+    tight = torch.full((3, 9), 1.0 / 9, dtype=F64)
+    torch.testing.assert_close(fn(z[:3], tight), tight, atol=1e-15, rtol=0)
+
+
+@pytest.mark.parametrize("fn,kind", [(csparsemax, "sparse"), (csoftmax, "soft")])
+def test_masks_lengths_and_empty_rows(fn, kind):
+    z = torch.randn(5, 8, generator=_gen(3), dtype=F64)
+    u = _bounds((5, 8), 4, scale=0.8)
+    mask = torch.rand(5, 8, generator=_gen(5)) > 0.3
+    mask[:, 0] = True
+    mask[:, 1] = True
+    u = torch.where(mask, u, torch.zeros_like(u))
+    u[:, :2] = 1.0
+    mask[4] = False
+    a = fn(z, u, mask=mask)
+    torch.testing.assert_close(a, _bisect(z, u, kind, mask), atol=TOL["slow_solver"], rtol=0)
+    assert (a[4] == 0).all() and (a[~mask] == 0).all()
+    torch.testing.assert_close(fn(z.masked_fill(~mask, -math.inf), u), a, atol=0, rtol=0)
+    lengths = torch.tensor([8, 5, 2, 1, 0])
+    b = fn(z, torch.ones_like(u), lengths=lengths)
+    for r, n in enumerate(lengths.tolist()):
+        assert (b[r, n:] == 0).all()
+        if n:
+            torch.testing.assert_close(b[r, :n], fn(z[r, :n], torch.ones(n, dtype=F64)), atol=1e-14, rtol=0)
+    zr = z.clone().requires_grad_()
+    ur = u.clone().requires_grad_()
+    fn(zr, ur, mask=mask).mul(torch.randn(5, 8, generator=_gen(6), dtype=F64)).sum().backward()
+    assert torch.isfinite(zr.grad).all() and torch.isfinite(ur.grad).all()
+    assert (zr.grad[~mask] == 0).all() and (ur.grad[~mask] == 0).all()
+
+
+def test_loose_bounds_limits():
+    z = 3 * torch.randn(6, 10, generator=_gen(7), dtype=F64)
+    loose = torch.full_like(z, 1.5)
+    torch.testing.assert_close(csparsemax(z, loose), sparsemax(z), atol=1e-14, rtol=0)
+    torch.testing.assert_close(csoftmax(z, loose), torch.softmax(z, -1), atol=1e-14, rtol=0)
+    inf = torch.full_like(z, math.inf)
+    torch.testing.assert_close(csparsemax(z, inf), sparsemax(z), atol=1e-14, rtol=0)
+    torch.testing.assert_close(csoftmax(z, inf), torch.softmax(z, -1), atol=1e-14, rtol=0)
+
+
+def test_extreme_scores_stay_finite():
+    z = torch.tensor([[1000.0, 0.0, -1000.0, 5.0], [-800.0, -800.5, -2000.0, -801.0]], dtype=F64)
+    u = torch.tensor([[0.1, 0.2, 0.9, 0.3], [0.5, 0.5, 0.5, 0.5]], dtype=F64)
+    for fn, kind in ((csoftmax, "soft"), (csparsemax, "sparse")):
+        a = fn(z, u)
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a.sum(-1), torch.ones(2, dtype=F64), atol=1e-12, rtol=0)
+    torch.testing.assert_close(csoftmax(z, u)[0], torch.tensor([0.1, 0.2, 0.4, 0.3], dtype=F64), atol=1e-12, rtol=0)
+
+
+# ---------------------------------------------------------------- gradients
+
+
+def test_gradcheck_z_and_u():
+    z = torch.randn(4, 7, generator=_gen(8), dtype=F64, requires_grad=True)
+    u = _bounds((4, 7), 9, scale=0.5).requires_grad_()
+    mask = torch.ones(4, 7, dtype=torch.bool)
+    mask[2, 5:] = False
+    for fn in (csparsemax, csoftmax):
+        assert gradcheck(lambda a, b: fn(a, b), (z, u), eps=1e-7, atol=1e-6)
+        assert gradcheck(lambda a, b: fn(a, b, mask=mask), (z, u), eps=1e-7, atol=1e-6)
+    u_row = _bounds((1, 7), 10, scale=0.5).requires_grad_()
+    for fn in (csparsemax, csoftmax):
+        assert gradcheck(lambda a, b: fn(a, b, dim=-1), (z, u_row), eps=1e-7, atol=1e-6)
+    zt = z.detach().t().contiguous().requires_grad_()
+    ut = u.detach().t().contiguous().requires_grad_()
+    assert gradcheck(lambda a, b: csparsemax(a, b, dim=0), (zt, ut), eps=1e-7, atol=1e-6)
+
+
+def _csparsemax_jacobians(a, u):
+    """Eq. 13-14: dA/dz and dA/du built entry by entry from the sets A and A_R."""
+    d = a.shape[0]
+    free = [(0 < a[i] < u[i]) for i in range(d)]
+    upper = [bool(a[i] == u[i] and a[i] > 0) for i in range(d)]
+    n_free = sum(free)
+    Jz = torch.zeros(d, d, dtype=F64)
+    Ju = torch.zeros(d, d, dtype=F64)
+    for i in range(d):
+        for j in range(d):
+            if free[i] and free[j]:
+                Jz[i, j] = (1.0 if i == j else 0.0) - 1.0 / n_free
+            if upper[j]:
+                if i == j:
+                    Ju[i, j] = 1.0
+                elif free[i]:
+                    Ju[i, j] = -1.0 / n_free
+    return Jz, Ju
+
+
+def _csoftmax_jacobians(a, u):
+    """Free set F (a < u): a_i = exp(z_i) (1 - sum_C u) / sum_F exp(z); clipped C: a_i = u_i."""
+    d = a.shape[0]
+    free = a < u
+    mass = a[free].sum()
+    Jz = torch.zeros(d, d, dtype=F64)
+    Ju = torch.zeros(d, d, dtype=F64)
+    for i in range(d):
+        for j in range(d):
+            if free[i] and free[j]:
+                Jz[i, j] = a[i] * ((1.0 if i == j else 0.0) - a[j] / mass)
+            if not free[j]:
+                Ju[i, j] = 1.0 if i == j else (-a[i] / mass if free[i] else 0.0)
+    return Jz, Ju
+
+
+@pytest.mark.parametrize("fn,build", [(csparsemax, _csparsemax_jacobians), (csoftmax, _csoftmax_jacobians)])
+def test_jacobians_and_jvps_match_closed_forms(fn, build):
+    d = 7
+    z = torch.randn(4, d, generator=_gen(11), dtype=F64)
+    u = _bounds((4, d), 12, scale=0.4)
+    for r in range(4):
+        a = fn(z[r], u[r])
+        Jz, Ju = build(a, u[r])
+        assert Ju.abs().sum() > 0
+        Jz_t, Ju_t = jacobian(lambda x, b: fn(x, b), (z[r], u[r]))
+        torch.testing.assert_close(Jz_t, Jz, atol=TOL["jacobian"], rtol=0)
+        torch.testing.assert_close(Ju_t, Ju, atol=TOL["jacobian"], rtol=0)
+        vz = torch.randn(d, generator=_gen(20 + r), dtype=F64)
+        vu = torch.randn(d, generator=_gen(30 + r), dtype=F64)
+        _, jv = jvp(lambda x, b: fn(x, b), (z[r], u[r]), (vz, vu))
+        torch.testing.assert_close(jv, Jz @ vz + Ju @ vu, atol=TOL["jacobian"], rtol=0)
+
+
+# ---------------------------------------------------------------- infeasible bounds, dtypes, errors
+
+
+@pytest.mark.parametrize("fn", [csparsemax, csoftmax])
+def test_infeasible_bounds_raise(fn):
+    z = torch.randn(3, 4, dtype=F64)
+    u = torch.full((3, 4), 0.3, dtype=F64)
+    u[1] = 0.2
+    with pytest.raises(ValueError, match="u must sum to at least 1"):
+        fn(z, u)
+    mask = torch.ones(3, 4, dtype=torch.bool)
+    mask[0, 0] = False
+    with pytest.raises(ValueError, match="u must sum to at least 1"):
+        fn(z, torch.full((3, 4), 0.3, dtype=F64), mask=mask)
+    u[1] = 0.3
+    a = fn(z, u)
+    assert (a <= u).all()
+    empty = torch.zeros(3, 4, dtype=torch.bool)
+    assert (fn(z, torch.zeros(3, 4, dtype=F64), mask=empty) == 0).all()
+    exact = torch.full((2, 4), 0.25, dtype=torch.float32)
+    torch.testing.assert_close(fn(z[:2].float(), exact), exact, atol=1e-7, rtol=0)
+    with pytest.raises(ValueError, match="u must be >= 0"):
+        fn(z, torch.tensor([-0.1, 0.5, 0.5, 0.5], dtype=F64))
+    with pytest.raises(ValueError, match="u must be >= 0"):
+        fn(z, torch.tensor([math.nan, 0.5, 0.5, 0.5], dtype=F64))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_low_precision_against_float64(dtype):
+    z = (2 * torch.randn(4, 3, 12, generator=_gen(13))).to(dtype)
+    u = (0.3 * torch.rand(4, 3, 12, generator=_gen(14)) + 0.05).to(dtype)
+    for fn in (csparsemax, csoftmax):
+        a = fn(z, u)
+        assert a.dtype == dtype and torch.isfinite(a).all()
+        torch.testing.assert_close(a.to(F64), fn(z.to(F64), u.to(F64)), atol=TOL[dtype], rtol=0)
+
+
+def test_errors():
+    z = torch.randn(3, 4)
+    u = torch.ones(3, 4)
+    with pytest.raises(TypeError, match="z must be"):
+        csparsemax([1.0], u)
+    with pytest.raises(TypeError, match="u must be a torch.Tensor"):
+        csoftmax(z, 1.0)
+    with pytest.raises(TypeError, match="u must be a floating"):
+        csparsemax(z, torch.ones(3, 4, dtype=torch.int64))
+    with pytest.raises(ValueError, match="u must be broadcastable"):
+        csparsemax(z, torch.ones(2, 4))
+    with pytest.raises(ValueError, match="u must be broadcastable"):
+        csoftmax(z, torch.ones(2, 3, 4))
+    with pytest.raises(ValueError, match="dim must be"):
+        csparsemax(z, u, dim=3)
+    with pytest.raises(TypeError, match="mask must be a boolean"):
+        csoftmax(z, u, mask=torch.ones(3, 4, dtype=torch.int64))
+
+
+# ---------------------------------------------------------------- fertility-constrained attention
+
+
+def _decode_inputs(seed, batch=3, tgt=9, src=6):
+    scores = 2 * torch.randn(batch, tgt, src, generator=_gen(seed), dtype=F64)
+    lengths = torch.tensor([src, 4, 2])[:batch]
+    return scores, lengths
+
+
+@pytest.mark.parametrize("transform", ["csparsemax", "csoftmax"])
+def test_decode_never_exceeds_fertility(transform):
+    scores, lengths = _decode_inputs(15)
+    per_word = 0.3 + 1.5 * torch.rand(3, 6, generator=_gen(16), dtype=F64)
+    predictor = FertilityPredictor(5, max_fertility=2.0, hidden_dim=8).double()
+    enc = torch.randn(3, 6, 5, generator=_gen(17), dtype=F64)
+    cases = [
+        (FertilityAttention(transform, fertility=1.0, exhaustion=0.2), {}),
+        (FertilityAttention(transform, fertility=None, exhaustion=0.5), {"fertility": per_word}),
+        (FertilityAttention(transform, fertility=None, predictor=predictor), {"encoder_states": enc}),
+    ]
+    for module, kwargs in cases:
+        attn, state = module(scores, src_lengths=lengths, **kwargs)
+        assert attn.shape == (3, 9, 7)
+        torch.testing.assert_close(attn.sum(-1), torch.ones(3, 9, dtype=F64), atol=1e-12, rtol=0)
+        total = attn.sum(1)[:, :6]
+        fert = state.fertility[:, :6]
+        assert (total <= fert + TOL["invariant"]).all()
+        torch.testing.assert_close(total, state.cumulative[:, :6], atol=1e-12, rtol=0)
+        valid = torch.arange(6) < lengths[:, None]
+        assert (attn[:, :, :6][~valid[:, None, :].expand(3, 9, 6)] == 0).all()
+        assert torch.isinf(state.fertility[:, 6]).all()
+    long_scores = torch.randn(2, 20, 4, generator=_gen(18), dtype=F64)
+    attn, _ = FertilityAttention(transform, fertility=1.0)(long_scores)
+    assert (attn.sum(1)[:, :4] <= 1.0 + TOL["invariant"]).all()
+    assert (attn[:, -8:, 4] == 1).all()
+
+
+def test_incremental_equals_whole_target_and_exhaustion():
+    scores, lengths = _decode_inputs(19)
+    module = FertilityAttention("csparsemax", fertility=1.5, exhaustion=0.3)
+    whole, final = module(scores, src_lengths=lengths)
+    state = None
+    steps = []
+    for t in range(scores.shape[1]):
+        kwargs = {"src_lengths": lengths} if state is None else {}
+        a, state = module.step(scores[:, t], state, **kwargs)
+        steps.append(a)
+    torch.testing.assert_close(torch.stack(steps, 1), whole, atol=0, rtol=0)
+    torch.testing.assert_close(state.cumulative, final.cumulative, atol=0, rtol=0)
+    first = module.step(scores[:, 0], src_lengths=lengths)[0]
+    valid = torch.arange(6) < lengths[:, None]
+    u = torch.cat([torch.where(valid, 1.5, 0.0).to(F64), torch.full((3, 1), math.inf, dtype=F64)], -1)
+    z = torch.cat([scores[:, 0] + 0.3 * u[:, :6], torch.zeros(3, 1, dtype=F64)], -1)
+    torch.testing.assert_close(first, csparsemax(z, u, mask=torch.cat([valid, torch.ones(3, 1, dtype=torch.bool)], -1)),
+                               atol=0, rtol=0)
+    plain = FertilityAttention("csparsemax", fertility=1.5, exhaustion=0.0).step(scores[:, 0], src_lengths=lengths)[0]
+    assert not torch.allclose(plain, first)
+
+
+def test_target_mask_and_multihead_shapes():
+    scores = torch.randn(2, 3, 5, 4, generator=_gen(20), dtype=F64)
+    tgt_mask = torch.tensor([[True] * 5, [True, True, True, False, False]])[:, None, :].expand(2, 3, 5)
+    fert = torch.tensor([[1.0, 2.0, 0.5, 1.0], [0.2, 0.2, 3.0, 1.0]], dtype=F64)[:, None, :]
+    module = FertilityAttention("csoftmax", fertility=None)
+    attn, state = module(scores, tgt_mask=tgt_mask, fertility=fert)
+    assert attn.shape == (2, 3, 5, 5)
+    assert (attn[1, :, 3:] == 0).all()
+    assert (attn.sum(2)[..., :4] <= fert + TOL["invariant"]).all()
+
+
+def test_decode_without_sink_raises_when_fertility_runs_out():
+    scores = torch.randn(2, 5, 3, generator=_gen(21), dtype=F64)
+    module = FertilityAttention("csparsemax", fertility=1.0, sink=False)
+    attn, _ = module(scores[:, :3])
+    assert attn.shape == (2, 3, 3)
+    with pytest.raises(ValueError, match="u must sum to at least 1"):
+        module(scores)
+
+
+def test_decode_gradients():
+    scores = torch.randn(2, 4, 3, generator=_gen(22), dtype=F64, requires_grad=True)
+    fert = (0.5 + torch.rand(2, 3, generator=_gen(23), dtype=F64)).requires_grad_()
+    for transform in ("csparsemax", "csoftmax"):
+        module = FertilityAttention(transform, fertility=None).double()
+        assert gradcheck(lambda s, f: module(s, fertility=f)[0], (scores, fert), eps=1e-7, atol=1e-6)
+    predictor = FertilityPredictor(4, max_fertility=2.0).double()
+    module = FertilityAttention("csparsemax", fertility=None, predictor=predictor).double()
+    enc = torch.randn(2, 3, 4, generator=_gen(24), dtype=F64)
+    attn, _ = module(scores, encoder_states=enc)
+    (attn * torch.randn(attn.shape, generator=_gen(25), dtype=F64)).sum().backward()
+    assert module.sink_score.grad is not None and torch.isfinite(module.sink_score.grad)
+    assert all(p.grad is not None for p in predictor.parameters())
+
+
+def test_fertility_module_errors():
+    with pytest.raises(ValueError, match="transform must be one of"):
+        FertilityAttention("softmax")
+    with pytest.raises(ValueError, match="fertility must be"):
+        FertilityAttention(fertility=-1.0)
+    with pytest.raises(ValueError, match="fertility is unknown"):
+        FertilityAttention(fertility=None)(torch.randn(2, 3, 4))
+    module = FertilityAttention(fertility=1.0)
+    _, state = module(torch.randn(2, 3, 4))
+    with pytest.raises(ValueError, match="scores must have 4 source positions"):
+        module.step(torch.randn(2, 5), state)
+    with pytest.raises(ValueError, match="only accepted with state=None"):
+        module.step(torch.randn(2, 4), state, src_lengths=torch.tensor([4, 4]))
+    with pytest.raises(ValueError, match="fertility must be >= 0"):
+        module(torch.randn(2, 3, 4), fertility=torch.full((2, 4), -1.0))
+    with pytest.raises(TypeError, match="src_mask must be a boolean"):
+        module(torch.randn(2, 3, 4), src_mask=torch.ones(2, 4))
+    with pytest.raises(ValueError, match="scores must have shape"):
+        module(torch.randn(4))
