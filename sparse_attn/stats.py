@@ -14,6 +14,11 @@ materialized). The recorder accumulates, per layer and head:
   ``JS = H(mean_h p_h) - mean_h H(p_h)``, Shannon entropies in base ``n`` (the number of valid
   keys of the row, so ``0 <= JS <= 1``), averaged over the query rows with ``n >= 2``. This
   needs the weights, so those calls take the dense (materialized) path.
+
+The recorder attaches a callback to each layer (an instance attribute, removed on exit); nothing
+is global. Accumulators stay on the device until read. Recording also works in code compiled
+with ``torch.compile(fullgraph=True)``: the callback is traced (entering or leaving a recorder
+triggers a recompilation).
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ import torch._dynamo
 
 from sparse_attn.attention import entmax_attention
 from sparse_attn.modules import EntmaxMultiheadAttention
+from sparse_attn.stats import record_head_stats
 
 
 def _compiled(fn, fullgraph=True):
@@ -54,6 +55,26 @@ def test_module_fullgraph_fixed_alpha(need_weights):
         return mod(x, x, x, key_padding_mask=pad, need_weights=need_weights)[0]
 
     _check_fwd_bwd(fn, _compiled(fn), (x,))
+
+
+def test_head_stats_recorded_inside_fullgraph():
+    torch.manual_seed(5)
+    mod = EntmaxMultiheadAttention(32, 4, alpha=2.0)
+    model = torch.nn.ModuleDict({"attn": mod})
+    x = torch.randn(9, 2, 32)
+
+    def fn(x):
+        return mod(x, x, x, need_weights=False, is_causal=True)[0]
+
+    with record_head_stats(model) as eager_rec:
+        fn(x)
+    compiled = _compiled(fn)
+    with record_head_stats(model) as rec:
+        compiled(x)
+        compiled(x)
+    torch.testing.assert_close(rec.density(), eager_rec.density())
+    assert (rec.density() < 1).any()
+    assert rec._sinks[0].calls == 2
 
 
 def test_module_learnable_alpha_compiles_on_reference():
