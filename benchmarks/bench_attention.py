@@ -28,8 +28,10 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime as _dt
+import functools
 import gc
 import importlib
+import importlib.util
 import io
 import math
 import os
@@ -104,6 +106,7 @@ _import_sparse_attn()
 
 from sparse_attn.attention import entmax_attention  # noqa: E402
 from sparse_attn import mappings as _mappings  # noqa: E402
+from sparse_attn.reference import causal_keep  # noqa: E402
 
 
 def _optional(module: str):
@@ -113,15 +116,21 @@ def _optional(module: str):
         return None, f"{type(exc).__name__}: {exc}"
 
 
+FUSED_MODULES = ("sparse_attn.kernels.entmax_attn_fwd", "sparse_attn.kernels.entmax_attn_bwd",
+                 "sparse_attn._attn_autograd")
+
+
 def fused_forward_launcher():
-    """Return ``(entmax_attn_fwd, "")`` or ``(None, reason)`` when the fused kernels are missing."""
-    fwd_mod, why = _optional("sparse_attn.kernels.entmax_attn_fwd")
-    if fwd_mod is None:
-        return None, f"fused forward kernel module missing ({why})"
-    wiring, why = _optional("sparse_attn._attn_autograd")
-    if wiring is None:
-        return None, f"fused kernel wiring missing ({why})"
-    return fwd_mod.entmax_attn_fwd, ""
+    """Return ``(entmax_attn_fwd, "")``, or ``(None, reason)`` when a fused-kernel module does not exist.
+
+    A module that exists but fails to import is not a reason to skip: the ``sparse_attn`` rows
+    then run and report the error.
+    """
+    for name in FUSED_MODULES:
+        if importlib.util.find_spec(name) is None:
+            return None, f"fused kernel module {name} missing"
+    fwd_mod, _ = _optional(FUSED_MODULES[0])
+    return getattr(fwd_mod, "entmax_attn_fwd", None), ""
 
 
 @dataclass(frozen=True)
@@ -137,7 +146,7 @@ class Case:
     causal: bool
     dtype: str
     score_mult: float = 1.0
-    target_density: float = float("nan")
+    target_density: float | None = None
     alpha: str = ""
 
     def fields(self) -> dict:
@@ -203,16 +212,15 @@ def count_live_tiles(live: torch.Tensor, n_key_tiles: int) -> int:
     return int((bits * (kt < n_key_tiles)).sum().item())
 
 
-def tile_stats(fwd, inputs: Inputs, alpha: torch.Tensor, scale: float) -> dict:
-    """Fraction of visitable tiles the fused forward marks dead, and its Newton sweeps per query tile."""
-    q, k, v = inputs.q, inputs.k, inputs.v
-    with torch.no_grad():
-        res = fwd(q.detach(), k.detach(), v.detach(), alpha.detach().float().reshape(-1).expand(q.shape[1]).contiguous(),
-                  scale, is_causal=inputs.causal)
-    block_m, block_n = int(res.block_m), int(res.block_n)
-    n_kt = -(-k.shape[2] // block_n)
-    visit = visitable_tiles(q.shape[2], k.shape[2], block_m, block_n, inputs.causal) * q.shape[0] * q.shape[1]
-    live = count_live_tiles(res.live, n_kt)
+def tile_stats(res, seq_q: int, seq_k: int, causal: bool, batch_heads: int, blocks: tuple[int, int]) -> dict:
+    """Fraction of visitable tiles a fused forward result marks dead, and its Newton sweeps per query tile.
+
+    ``res`` is what :func:`sparse_attn.kernels.entmax_attn_fwd.entmax_attn_fwd` returns (``live``,
+    ``n_sweeps``); ``blocks`` its ``(block_m, block_n)``.
+    """
+    block_m, block_n = blocks
+    visit = visitable_tiles(seq_q, seq_k, block_m, block_n, causal) * batch_heads
+    live = count_live_tiles(res.live, -(-seq_k // block_n))
     sweeps = res.n_sweeps.float()
     return {
         "tiles_skipped": 1.0 - live / visit if visit else float("nan"),
@@ -330,20 +338,12 @@ def recipe_method(alpha: str) -> Method:
         scale = q.shape[-1] ** -0.5
         a = _alpha_arg(alpha, inputs)
         if isinstance(a, torch.Tensor):
-            a_view = a.reshape(1, -1, 1, 1)
-            mapping = lambda s: general(s, alpha=a_view, dim=-1)  # noqa: E731
-        elif a == 1.0:
-            mapping = lambda s: torch.softmax(s, dim=-1)  # noqa: E731
-        elif a == 1.5:
-            mapping = lambda s: entmax15(s, dim=-1)  # noqa: E731
-        elif a == 2.0:
-            mapping = lambda s: sparsemax(s, dim=-1)  # noqa: E731
+            mapping = functools.partial(general, alpha=a.reshape(1, -1, 1, 1), dim=-1)
+        elif a in (1.0, 1.5, 2.0):
+            mapping = functools.partial({1.0: torch.softmax, 1.5: entmax15, 2.0: sparsemax}[a], dim=-1)
         else:
-            mapping = lambda s: general(s, alpha=a, dim=-1)  # noqa: E731
-        keep = None
-        if inputs.causal:
-            n_q, n_k = q.shape[2], k.shape[2]
-            keep = torch.arange(n_k, device=q.device)[None, :] <= torch.arange(n_q, device=q.device)[:, None] + (n_k - n_q)
+            mapping = functools.partial(general, alpha=a, dim=-1)
+        keep = causal_keep(q.shape[2], k.shape[2], q.device) if inputs.causal else None
 
         def run():
             s = torch.matmul(q, k.transpose(-2, -1)).float() * scale
@@ -353,11 +353,6 @@ def recipe_method(alpha: str) -> Method:
         return run
 
     return Method("torch_recipe", impl, alpha, build)
-
-
-def _sync(device: str):
-    if device == "cuda":
-        torch.cuda.synchronize()
 
 
 def _free(device: str, collect: bool = False):
@@ -424,47 +419,58 @@ class Timing:
         return float(med), float(q20), float(q80), ""
 
 
-def measure(build_fwd: Callable[[], torch.Tensor], mode: str, dout: torch.Tensor, grads: list, timing: Timing) -> dict:
+def measure(build_fwd: Callable[[], torch.Tensor], mode: str, dout: torch.Tensor, grads: list, timing: Timing,
+            saved: list | None = None) -> dict:
     """Time one mode of one method; returns ``status``, ``note``, ``ms``, quantiles and ``peak_mem_mib``.
 
-    A first untimed call measures the peak memory (CUDA) and serves as warm-up. Out-of-memory
+    On CUDA a first untimed call measures the peak memory and serves as warm-up. Out-of-memory
     gives ``status="OOM"`` (memory is freed before returning); :class:`Unavailable`
     ``"unavailable"``; any other exception ``"error"`` with its first line as ``note``.
+    ``saved`` is a one-item list shared by the modes of one method: ``fwd`` leaves its last output
+    there (with its graph), ``bwd`` times the backward of that graph instead of running another
+    forward, and later modes keep only the detached output (used for the error check).
     """
     device = timing.device
     out = call = None
+    saved = saved if saved is not None else [None]
     try:
         if mode == "fwd":
-            call = build_fwd
+            def call():
+                saved[0] = build_fwd()
         elif mode == "bwd":
-            out = build_fwd()
+            out = saved[0] if saved[0] is not None and saved[0].grad_fn is not None else build_fwd()
+            saved[0] = None
 
             def call():
                 out.backward(dout, retain_graph=True)
         else:
+            saved[0] = saved[0].detach() if saved[0] is not None else None
+
             def call():
                 build_fwd().backward(dout)
-        peak = float("nan")
-        _sync(device)
+        peak, first_ms = None, float("nan")
         if device == "cuda":
+            torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-        begin = time.perf_counter()
-        call()
-        _sync(device)
-        first_ms = (time.perf_counter() - begin) * 1e3
-        if device == "cuda":
+            begin = time.perf_counter()
+            call()
+            torch.cuda.synchronize()
+            first_ms = (time.perf_counter() - begin) * 1e3
             peak = torch.cuda.max_memory_allocated() / 2**20
         ms, q20, q80, note = timing.bench(call, grads, first_ms)
+        if out is not None:
+            saved[0] = out.detach()
         return {"status": OK, "note": note, "ms": ms, "ms_q20": q20, "ms_q80": q80, "peak_mem_mib": peak}
     except _OOM_ERRORS as exc:
         note = str(exc).splitlines()[0][:120] if str(exc) else "out of memory"
-        out = call = None
+        out = call = saved[0] = None
         _free(device, collect=True)
         return {"status": OOM, "note": note}
     except Unavailable as exc:
         return {"status": UNAVAILABLE, "note": str(exc)}
     except Exception as exc:  # a failing method is reported, the run goes on
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        saved[0] = None
         return {"status": ERROR, "note": f"{type(exc).__name__}: {first}"[:160]}
     finally:
         out = call = None
@@ -606,15 +612,16 @@ def gpu_slug(name: str) -> str:
 
 
 def _fmt(value, digits: int = 3) -> str:
-    if value is None or value == "":
+    """Cell text: ``""`` for a value not measured (None), ``"nan"`` for a measured NaN."""
+    if value is None:
         return ""
-    if isinstance(value, bool):
-        return str(value)
-    if isinstance(value, float):
-        if math.isnan(value):
-            return ""
+    if isinstance(value, float) and not math.isnan(value):
         return f"{value:.{digits}g}"
     return str(value)
+
+
+def _num(value) -> float:
+    return float("nan") if value is None else float(value)
 
 
 def write_csv(path: Path, stamp: dict, notes: list[str], rows: list[dict]):
@@ -627,7 +634,7 @@ def write_csv(path: Path, stamp: dict, notes: list[str], rows: list[dict]):
     writer = csv.DictWriter(buf, fieldnames=COLUMNS, lineterminator="\n")
     writer.writeheader()
     for row in rows:
-        writer.writerow({c: _fmt(row.get(c), 6) if isinstance(row.get(c), float) else row.get(c, "") for c in COLUMNS})
+        writer.writerow({c: _fmt(row.get(c), 6) for c in COLUMNS})
     path.write_text(buf.getvalue())
 
 
@@ -638,7 +645,7 @@ def read_csv(path: Path) -> list[dict]:
     for raw in csv.DictReader(lines):
         row = dict(raw)
         for c in FLOAT_COLUMNS:
-            row[c] = float(row[c]) if row.get(c) not in (None, "") else float("nan")
+            row[c] = float(row[c]) if row.get(c) not in (None, "") else None
         for c in INT_COLUMNS:
             row[c] = int(row[c])
         row["causal"] = row["causal"] == "True"
@@ -748,12 +755,13 @@ def write_plots(out: Path, stamp: dict, rows: list[dict]) -> list[Path]:
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     for mode in MODES:
         for alpha in sorted({r["alpha"] for r in sweep if r["method"] == "sparse_attn"}):
-            sel = sorted((r["density"], r["time_vs_sdpa_flash"]) for r in sweep
+            sel = sorted((_num(r["density"]), _num(r["time_vs_sdpa_flash"])) for r in sweep
                          if r["method"] == "sparse_attn" and r["alpha"] == alpha and r["mode"] == mode)
             axes[0].plot([p[0] for p in sel], [p[1] for p in sel], marker="o", label=f"{mode} α={alpha}")
     fwd_rows = [r for r in sweep if r["method"] == "sparse_attn" and r["mode"] == "fwd"]
     for alpha in sorted({r["alpha"] for r in fwd_rows}):
-        sel = sorted((r["density"], r["tiles_skipped"], r["sweeps_mean"]) for r in fwd_rows if r["alpha"] == alpha)
+        sel = sorted((_num(r["density"]), _num(r["tiles_skipped"]), _num(r["sweeps_mean"]))
+                     for r in fwd_rows if r["alpha"] == alpha)
         axes[1].plot([p[0] for p in sel], [p[1] for p in sel], marker="o", label=f"α={alpha}")
         axes[2].plot([p[0] for p in sel], [p[2] for p in sel], marker="o", label=f"α={alpha}")
     for ax, ylabel in zip(axes, ("time / SDPA flash", "fraction of tiles skipped", "Newton sweeps (mean per q tile)")):
@@ -804,7 +812,7 @@ def add_ratios(rows: list[dict]):
              for r in rows if r["method"] == "sdpa" and r["backend"] == "flash" and r["status"] == OK}
     for r in rows:
         if r["status"] != OK:
-            r["tflops"] = r["time_vs_sdpa_flash"] = float("nan")
+            r["tflops"] = r["time_vs_sdpa_flash"] = None
             continue
         r["tflops"] = dense_flops(r["batch"], r["heads"], r["seq_q"], r["seq_k"], r["head_dim"], r["causal"],
                                   r["mode"]) / (r["ms"] * 1e-3) / 1e12
@@ -813,7 +821,7 @@ def add_ratios(rows: list[dict]):
 
 
 def _row_key(row: dict) -> tuple:
-    return tuple(_fmt(row[c], 6) if isinstance(row[c], float) else str(row[c]) for c in ROW_KEY_COLUMNS)
+    return tuple(_fmt(row[c], 6) for c in ROW_KEY_COLUMNS)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -828,7 +836,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=None, help="heads * head_dim (default 2048)")
     p.add_argument("--seqs", default=None, help="comma list (default 512,...,32768)")
     p.add_argument("--head-dims", default=None, help="comma list (default 64,128)")
-    p.add_argument("--causal", default="false,true", help="comma list of false/true")
+    p.add_argument("--causal", default=None, help="causal values of the flash grid (default false,true; false with --smoke)")
     p.add_argument("--alphas", default="1,1.5,2,1.25", help="sparse_attn alphas on the flash grid")
     p.add_argument("--recipe-alphas", default=None,
                    help="materialized-recipe alphas on the flash grid (default 1.5; 1,1.5,2,1.25 with --smoke)")
@@ -861,6 +869,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     def ints(s):
         return [int(x) for x in s.split(",") if x.strip()]
 
+    def _bools(s):
+        return [x.strip().lower() in ("1", "true", "yes") for x in s.split(",") if x.strip()]
+
     smoke = args.smoke
     args.groups = [g.strip() for g in args.groups.split(",") if g.strip()]
     for g in args.groups:
@@ -871,23 +882,22 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         if m not in MODES:
             p.error(f"--modes takes {', '.join(MODES)}; got {m!r}")
     args.dtype = args.dtype or ("fp32" if smoke else "bf16")
-    args.tokens = args.tokens or (128 if smoke else 16384)
-    args.hidden = args.hidden or (64 if smoke else 2048)
+    args.tokens = args.tokens or (64 if smoke else 16384)
+    args.hidden = args.hidden or (32 if smoke else 2048)
     args.seqs = ints(args.seqs or ("64" if smoke else "512,1024,2048,4096,8192,16384,32768"))
     args.head_dims = ints(args.head_dims or ("32" if smoke else "64,128"))
-    args.causal = [c.strip().lower() in ("1", "true", "yes") for c in args.causal.split(",") if c.strip()]
+    args.causal = _bools(args.causal or ("false" if smoke else "false,true"))
     args.alphas = floats(args.alphas)
     args.recipe_alphas = floats(args.recipe_alphas or ("1,1.5,2,1.25" if smoke else "1.5"))
     args.sdpa_backends = [b.strip() for b in args.sdpa_backends.split(",") if b.strip()]
     if "flash" not in args.sdpa_backends:
         args.sdpa_backends.insert(0, "flash")
-    args.sweep_seq = args.sweep_seq or (128 if smoke else 8192)
+    args.sweep_seq = args.sweep_seq or (64 if smoke else 8192)
     args.sweep_head_dim = args.sweep_head_dim or (32 if smoke else 128)
     args.sweep_alphas = floats(args.sweep_alphas or ("1.5" if smoke else "1.5,2,1.25"))
     args.sweep_targets = floats(args.sweep_targets or ("4,0.9" if smoke else "4,0.01,0.05,0.2,0.5,0.9"))
-    args.mixed_seq = args.mixed_seq or (64 if smoke else 4096)
-    args.mixed_causal = [c.strip().lower() in ("1", "true", "yes")
-                         for c in (args.mixed_causal or ("true" if smoke else "false,true")).split(",") if c.strip()]
+    args.mixed_seq = args.mixed_seq or (32 if smoke else 4096)
+    args.mixed_causal = _bools(args.mixed_causal or ("true" if smoke else "false,true"))
     args.mixed_head_dims = ints(args.mixed_head_dims or ("16" if smoke else "64,128"))
     if smoke:
         args.check_max_elems = max(args.check_max_elems, 2**22)
@@ -970,20 +980,28 @@ def run(argv: list[str] | None = None) -> Path:
                 continue
             if inputs is None:
                 inputs = make_inputs(case, device)
-            extra = {}
+            extra = None
+            saved: list = [None]
             for row in todo:
                 key = series + (row["mode"],)
                 if key in oom_at and oom_at[key] < case.seq_q:
                     rows.append({**row, "status": SKIPPED, "note": f"OOM at seq {oom_at[key]}"})
                     continue
                 grads = [inputs.q, inputs.k, inputs.v] + method.extra_grads(inputs)
-                result = measure(method.build(inputs), row["mode"], inputs.dout, grads, timing)
+                result = measure(method.build(inputs), row["mode"], inputs.dout, grads, timing, saved)
                 if result["status"] == OOM:
                     oom_at[key] = case.seq_q
-                if result["status"] == OK and not extra:
-                    extra = case_extras(method, inputs, fwd, args, ref_cache, device)
-                rows.append({**row, **result, **extra})
+                rows.append({**row, **result})
                 print(_progress(rows[-1]), flush=True)
+                if result["status"] == OK and extra is None:
+                    extra = {}
+            if extra is not None:
+                extra = case_extras(method, inputs, fwd, args, ref_cache, device, saved[0])
+                mine = [r for r in rows[-len(todo):] if r["status"] == OK]
+                for r in mine:
+                    note = "; ".join(n for n in (r["note"], extra.get("note", "")) if n)
+                    r.update({**extra, "note": note})
+            saved[0] = None
         inputs = None
         _free(device)
         flush()
@@ -995,20 +1013,49 @@ def run(argv: list[str] | None = None) -> Path:
     return out
 
 
-def case_extras(method: Method, inputs: Inputs, fwd, args, ref_cache: dict, device: str) -> dict:
-    """Untimed per-(case, method) numbers: max error vs the float64 reference, realized density, tiles, sweeps."""
+def fused_blocks(res, head_dim: int) -> tuple[int, int]:
+    """``(block_m, block_n)`` of a fused forward result, else from the module's ``fwd_block_sizes(head_dim)``."""
+    if getattr(res, "block_m", None) is not None:
+        return int(res.block_m), int(res.block_n)
+    module = importlib.import_module(FUSED_MODULES[0])
+    block_m, block_n = module.fwd_block_sizes(head_dim)[:2]
+    return int(block_m), int(block_n)
+
+
+def visible_pairs(batch: int, heads: int, seq_q: int, seq_k: int, causal: bool) -> int:
+    """Number of unmasked (query, key) pairs; causal is bottom-right aligned."""
+    if not causal:
+        return batch * heads * seq_q * seq_k
+    per_row = (torch.arange(seq_q) + seq_k - seq_q + 1).clamp(0, seq_k)
+    return batch * heads * int(per_row.sum().item())
+
+
+def case_extras(method: Method, inputs: Inputs, fwd, args, ref_cache: dict, device: str,
+                out: torch.Tensor | None = None) -> dict:
+    """Untimed per-(case, method) numbers: max error vs the float64 reference and, for ``sparse_attn``,
+    realized density, fraction of tiles skipped and Newton sweeps (one call of the fused forward).
+
+    ``out`` is the output of a timed forward when there was one (else the method runs once more).
+    """
     extra = {}
     try:
         a = _alpha_arg(method.alpha, inputs)
         with torch.no_grad():
             if method.method == "sparse_attn":
-                out, stats = entmax_attention(inputs.q, inputs.k, inputs.v, a, is_causal=inputs.causal,
-                                              return_stats=True, backend="triton")
-                extra["density"] = float(stats.nnz.double().sum() / stats.n_valid.double().sum().clamp_min(1))
-                extra.update(tile_stats(fwd, inputs, method.fused_alpha(inputs), inputs.q.shape[-1] ** -0.5))
-            else:
+                q, k = inputs.q, inputs.k
+                alpha_t = method.fused_alpha(inputs).detach().float().reshape(-1).expand(q.shape[1]).contiguous()
+                res = fwd(q.detach(), k.detach(), inputs.v.detach(), alpha_t, q.shape[-1] ** -0.5,
+                          is_causal=inputs.causal)
+                pairs = visible_pairs(q.shape[0], q.shape[1], q.shape[2], k.shape[2], inputs.causal)
+                extra["density"] = float(res.nnz.double().sum().item()) / max(1, pairs)
+                extra.update(tile_stats(res, q.shape[2], k.shape[2], inputs.causal, q.shape[0] * q.shape[1],
+                                        fused_blocks(res, q.shape[-1])))
+                out = res.out if out is None else out
+            elif out is None:
                 out = method.build(inputs)()
             extra["max_abs_err"] = reference_error(out, inputs, a, args.check_max_elems, ref_cache)
+            if not bool(torch.isfinite(out).all()):
+                extra["note"] = "output has NaN/inf"
     except _OOM_ERRORS:
         _free(device, collect=True)
     except Exception as exc:  # the timing stands even if the untimed extras fail
