@@ -14,6 +14,17 @@ import triton.language as tl
 
 
 @triton.jit
+def _write_segment(y_row, k0, end, value):
+    """Store ``value`` at ``y_row[k0 .. max(k0, end)]``; return the index after the segment."""
+    tl.store(y_row + k0, value)
+    k0 += 1
+    while k0 <= end:
+        tl.store(y_row + k0, value)
+        k0 += 1
+    return k0
+
+
+@triton.jit
 def _tv_prox_kernel(X, Y, Lengths, Lam, stride_x, stride_y, IS_FP64: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     n = tl.load(Lengths + row).to(tl.int64)
@@ -38,20 +49,14 @@ def _tv_prox_kernel(X, Y, Lengths, Lam, stride_x, stride_y, IS_FP64: tl.constexp
     while done == 0:
         if k == n - 1:
             if u_min < 0.0:
-                end = tl.maximum(k_minus, k0)
-                while k0 <= end:
-                    tl.store(y_row + k0, v_min.to(Y.dtype.element_ty))
-                    k0 += 1
+                k0 = _write_segment(y_row, k0, k_minus, v_min.to(Y.dtype.element_ty))
                 k = k0
                 k_minus = k0
                 v_min = tl.load(x_row + k0).to(v_min.dtype)
                 u_min = lam
                 u_max = v_min + u_min - v_max
             elif u_max > 0.0:
-                end = tl.maximum(k_plus, k0)
-                while k0 <= end:
-                    tl.store(y_row + k0, v_max.to(Y.dtype.element_ty))
-                    k0 += 1
+                k0 = _write_segment(y_row, k0, k_plus, v_max.to(Y.dtype.element_ty))
                 k = k0
                 k_plus = k0
                 v_max = tl.load(x_row + k0).to(v_max.dtype)
@@ -59,18 +64,13 @@ def _tv_prox_kernel(X, Y, Lengths, Lam, stride_x, stride_y, IS_FP64: tl.constexp
                 u_min = v_max + u_max - v_min
             else:
                 v_min = v_min + u_min / (k - k0 + 1).to(v_min.dtype)
-                while k0 <= k:
-                    tl.store(y_row + k0, v_min.to(Y.dtype.element_ty))
-                    k0 += 1
+                k0 = _write_segment(y_row, k0, k, v_min.to(Y.dtype.element_ty))
                 done = done + 1
         else:
             x_next = tl.load(x_row + k + 1).to(v_min.dtype)
             u_min = u_min + x_next - v_min
             if u_min < -lam:
-                end = tl.maximum(k_minus, k0)
-                while k0 <= end:
-                    tl.store(y_row + k0, v_min.to(Y.dtype.element_ty))
-                    k0 += 1
+                k0 = _write_segment(y_row, k0, k_minus, v_min.to(Y.dtype.element_ty))
                 k = k0
                 k_minus = k0
                 k_plus = k0
@@ -81,10 +81,7 @@ def _tv_prox_kernel(X, Y, Lengths, Lam, stride_x, stride_y, IS_FP64: tl.constexp
             else:
                 u_max = u_max + x_next - v_max
                 if u_max > lam:
-                    end = tl.maximum(k_plus, k0)
-                    while k0 <= end:
-                        tl.store(y_row + k0, v_max.to(Y.dtype.element_ty))
-                        k0 += 1
+                    k0 = _write_segment(y_row, k0, k_plus, v_max.to(Y.dtype.element_ty))
                     k = k0
                     k_minus = k0
                     k_plus = k0

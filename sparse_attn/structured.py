@@ -576,33 +576,32 @@ def sq_pnorm_max(X: torch.Tensor, p: float = 1.5, dim: int = -1, gamma: float = 
     return _from_rows(y.to(X.dtype), X, d)
 
 
-class Fusedmax(nn.Module):
+class _StructuredMax(nn.Module):
+    """Shared module form of a ``fn(X, lam, dim, gamma, mask, lengths)`` mapping."""
+
+    def __init__(self, fn, lam: float, dim: int, gamma: float):
+        super().__init__()
+        self.fn = fn
+        self.lam = _check_real("lam", lam, 0.0, False)
+        self.gamma = _check_real("gamma", gamma, 0.0, True)
+        self.dim = dim
+
+    def forward(self, X: torch.Tensor, mask=None, lengths=None) -> torch.Tensor:
+        return self.fn(X, lam=self.lam, dim=self.dim, gamma=self.gamma, mask=mask, lengths=lengths)
+
+    def extra_repr(self) -> str:
+        return f"lam={self.lam}, dim={self.dim}, gamma={self.gamma}"
+
+
+class Fusedmax(_StructuredMax):
     """Module form of :func:`fusedmax`; ``forward(X, mask=None, lengths=None)``."""
 
     def __init__(self, lam: float = 0.1, dim: int = -1, gamma: float = 1.0):
-        super().__init__()
-        self.lam = _check_real("lam", lam, 0.0, False)
-        self.gamma = _check_real("gamma", gamma, 0.0, True)
-        self.dim = dim
-
-    def forward(self, X: torch.Tensor, mask=None, lengths=None) -> torch.Tensor:
-        return fusedmax(X, lam=self.lam, dim=self.dim, gamma=self.gamma, mask=mask, lengths=lengths)
-
-    def extra_repr(self) -> str:
-        return f"lam={self.lam}, dim={self.dim}, gamma={self.gamma}"
+        super().__init__(fusedmax, lam, dim, gamma)
 
 
-class Oscarmax(nn.Module):
+class Oscarmax(_StructuredMax):
     """Module form of :func:`oscarmax`; ``forward(X, mask=None, lengths=None)``."""
 
     def __init__(self, lam: float = 0.01, dim: int = -1, gamma: float = 1.0):
-        super().__init__()
-        self.lam = _check_real("lam", lam, 0.0, False)
-        self.gamma = _check_real("gamma", gamma, 0.0, True)
-        self.dim = dim
-
-    def forward(self, X: torch.Tensor, mask=None, lengths=None) -> torch.Tensor:
-        return oscarmax(X, lam=self.lam, dim=self.dim, gamma=self.gamma, mask=mask, lengths=lengths)
-
-    def extra_repr(self) -> str:
-        return f"lam={self.lam}, dim={self.dim}, gamma={self.gamma}"
+        super().__init__(oscarmax, lam, dim, gamma)

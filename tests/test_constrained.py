@@ -15,20 +15,9 @@ from torch.autograd.functional import jacobian, jvp
 
 from sparse_attn.constrained import FertilityAttention, FertilityPredictor, csoftmax, csparsemax
 from sparse_attn.mappings import sparsemax
+from test_structured import TOL, _gen
 
 F64 = torch.float64
-TOL = {
-    "slow_solver": 1e-9,
-    "jacobian": 1e-12,
-    "invariant": 1e-6,
-    torch.float32: 1e-5,
-    torch.float16: 2e-3,
-    torch.bfloat16: 1.6e-2,
-}
-
-
-def _gen(seed):
-    return torch.Generator().manual_seed(seed)
 
 
 def _bisect(z, u, kind, valid=None):
@@ -229,23 +218,23 @@ def test_low_precision_against_float64(dtype):
         torch.testing.assert_close(a.to(F64), fn(z.to(F64), u.to(F64)), atol=TOL[dtype], rtol=0)
 
 
-def test_errors():
-    z = torch.randn(3, 4)
-    u = torch.ones(3, 4)
-    with pytest.raises(TypeError, match="z must be"):
-        csparsemax([1.0], u)
-    with pytest.raises(TypeError, match="u must be a torch.Tensor"):
-        csoftmax(z, 1.0)
-    with pytest.raises(TypeError, match="u must be a floating"):
-        csparsemax(z, torch.ones(3, 4, dtype=torch.int64))
-    with pytest.raises(ValueError, match="u must be broadcastable"):
-        csparsemax(z, torch.ones(2, 4))
-    with pytest.raises(ValueError, match="u must be broadcastable"):
-        csoftmax(z, torch.ones(2, 3, 4))
-    with pytest.raises(ValueError, match="dim must be"):
-        csparsemax(z, u, dim=3)
-    with pytest.raises(TypeError, match="mask must be a boolean"):
-        csoftmax(z, u, mask=torch.ones(3, 4, dtype=torch.int64))
+_Z = torch.randn(3, 4)
+_U = torch.ones(3, 4)
+_BAD_CALLS = [
+    (lambda: csparsemax([1.0], _U), TypeError, "z must be"),
+    (lambda: csoftmax(_Z, 1.0), TypeError, "u must be a torch.Tensor"),
+    (lambda: csparsemax(_Z, torch.ones(3, 4, dtype=torch.int64)), TypeError, "u must be a floating"),
+    (lambda: csparsemax(_Z, torch.ones(2, 4)), ValueError, "u must be broadcastable"),
+    (lambda: csoftmax(_Z, torch.ones(2, 3, 4)), ValueError, "u must be broadcastable"),
+    (lambda: csparsemax(_Z, _U, dim=3), ValueError, "dim must be"),
+    (lambda: csoftmax(_Z, _U, mask=torch.ones(3, 4, dtype=torch.int64)), TypeError, "mask must be a boolean"),
+]
+
+
+@pytest.mark.parametrize("call,exc,match", _BAD_CALLS)
+def test_errors(call, exc, match):
+    with pytest.raises(exc, match=match):
+        call()
 
 
 # ---------------------------------------------------------------- fertility-constrained attention
