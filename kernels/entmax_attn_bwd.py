@@ -138,10 +138,18 @@ def _live_bit(live_row, kt):
 def _seq_bounds(CU_Q, CU_K, seq, n_q, n_k, IS_VARLEN: tl.constexpr):
     """``(batch index, first row, rows, first key, keys)`` of sequence ``seq`` (a batch entry unless varlen)."""
     if IS_VARLEN:
+        b = seq * 0
         q_start = tl.load(CU_Q + seq)
+        n_rows = tl.load(CU_Q + seq + 1) - q_start
         k_start = tl.load(CU_K + seq)
-        return seq * 0, q_start, tl.load(CU_Q + seq + 1) - q_start, k_start, tl.load(CU_K + seq + 1) - k_start
-    return seq, seq * 0, n_q, seq * 0, n_k
+        n_keys = tl.load(CU_K + seq + 1) - k_start
+    else:
+        b = seq
+        q_start = seq * 0
+        n_rows = n_q
+        k_start = seq * 0
+        n_keys = n_k
+    return b, q_start, n_rows, k_start, n_keys
 
 
 @triton.jit
@@ -418,7 +426,10 @@ def entmax_attn_bwd(
         tau, lsum: float32 ``(B, Hq, Nq)`` forward statistics (``docs/design.md``): for
             alpha > 1, ``p = [(alpha-1) s - tau]_+^(1/(alpha-1)) / lsum``; for alpha = 1,
             ``p = exp(s - tau)``. ``lsum == 0`` marks a row with no valid key (zero gradients).
-        alpha: float32 ``(Hq,)`` per-head alpha in ``[1, 2]`` (a Python float is broadcast).
+            For alpha > 1 the kernel renormalizes with its own ``sum_j r^beta`` (docs/backward.md),
+            so ``lsum`` is only read as that flag.
+        alpha: float32 ``(Hq,)`` per-head alpha in ``[1, 2]`` (a Python float is broadcast); the range is
+            checked here for CPU tensors only (no device sync), the public API checks it first.
         scale: float, scores are ``scale * q . k + bias``.
         bias: optional float tensor broadcastable (zero strides allowed) to ``(B, Hq, Nq, Nk)``;
             ``-inf`` marks masked pairs. Default None.
@@ -461,7 +472,7 @@ def entmax_attn_bwd(
     if alpha.shape != (Hq,):
         raise ValueError(f"alpha: expected shape ({Hq},), got {tuple(alpha.shape)}")
     alpha = alpha.detach().to(device=q.device, dtype=torch.float32).contiguous()
-    if not bool(((alpha >= 1.0) & (alpha <= 2.0)).all()):
+    if alpha.device.type == "cpu" and not bool(((alpha >= 1.0) & (alpha <= 2.0)).all()):
         raise ValueError(f"alpha: expected values in [1, 2], got {alpha.tolist()}")
     if not 0.0 <= float(dropout_p) < 1.0:
         raise ValueError(f"dropout_p: expected a float in [0, 1), got {dropout_p}")

@@ -256,3 +256,18 @@ def test_gpu_varlen_gqa_dropout_dbias():
     case.check(res, names=("dq", "dk", "dv", "dalpha", "dbias"), tol=GPU_TOL[torch.float32])
     again = case.run_after_forward(need_dbias=True)
     assert all(torch.equal(x, y) for x, y in zip(res, again))
+
+
+def test_dalpha_matches_finite_differences_of_fused_forward():
+    from sparse_attn.kernels.entmax_attn_fwd import entmax_attn_fwd
+
+    case = Case(B=1, Hq=4, Hk=2, Nq=24, Nk=40, alpha=[1.05, 1.3, 1.5, 1.9], causal=True)
+    step = 1e-3
+
+    def head_losses(alpha):
+        out = entmax_attn_fwd(case.q, case.k, case.v, alpha, case.scale, is_causal=True, tol=1e-6).out
+        return (out.double() * case.do.double()).sum(dim=(0, 2, 3))
+
+    fd = (head_losses(case.alpha32 + step) - head_losses(case.alpha32 - step)) / (2 * step)
+    dalpha = case.run_after_forward()[3].double()
+    assert (dalpha - fd).abs().max() <= 2e-3 * fd.abs().max()
