@@ -423,7 +423,8 @@ def measure(build_fwd: Callable[[], torch.Tensor], mode: str, dout: torch.Tensor
             saved: list | None = None) -> dict:
     """Time one mode of one method; returns ``status``, ``note``, ``ms``, quantiles and ``peak_mem_mib``.
 
-    On CUDA a first untimed call measures the peak memory and serves as warm-up. Out-of-memory
+    On CUDA a first untimed call compiles / autotunes, a second measures the peak memory and
+    decides between ``do_bench`` and the slow-call timer. Out-of-memory
     gives ``status="OOM"`` (memory is freed before returning); :class:`Unavailable`
     ``"unavailable"``; any other exception ``"error"`` with its first line as ``note``.
     ``saved`` is a one-item list shared by the modes of one method: ``fwd`` leaves its last output
@@ -450,6 +451,7 @@ def measure(build_fwd: Callable[[], torch.Tensor], mode: str, dout: torch.Tensor
                 build_fwd().backward(dout)
         peak, first_ms = None, float("nan")
         if device == "cuda":
+            call()
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             begin = time.perf_counter()
@@ -959,17 +961,19 @@ def run(argv: list[str] | None = None) -> Path:
                 budget_hit = True
                 notes.append(f"incomplete: time budget of {args.budget_s:g} s reached; rows left are 'skipped'")
             base = {**case.fields(), "method": method.method, "backend": method.backend, "alpha": method.alpha}
+            series = (case.group, method.method, method.backend, method.alpha, case.head_dim, case.causal)
             todo = []
             for mode in args.modes:
                 row = {**base, "mode": mode}
                 kept = previous.get(_row_key(row))
-                if kept is not None:
-                    rows.append(kept)
-                else:
+                if kept is None:
                     todo.append(row)
+                    continue
+                rows.append(kept)
+                if kept["status"] == OOM:
+                    oom_at.setdefault(series + (mode,), case.seq_q)
             if not todo:
                 continue
-            series = (case.group, method.method, method.backend, method.alpha, case.head_dim, case.causal)
             reason = ""
             if budget_hit:
                 reason = "time budget reached"
@@ -1002,6 +1006,7 @@ def run(argv: list[str] | None = None) -> Path:
                     note = "; ".join(n for n in (r["note"], extra.get("note", "")) if n)
                     r.update({**extra, "note": note})
             saved[0] = None
+            flush()
         inputs = None
         _free(device)
         flush()
