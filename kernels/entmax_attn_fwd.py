@@ -1,0 +1,527 @@
+"""Fused forward of alpha-entmax attention: every sweep over K in one Triton launch.
+
+One program owns one query tile of one (batch or sequence, head). It computes, tile by tile
+and without storing the scores:
+
+1. a first sweep for the row maximum ``m`` of ``z = (alpha - 1) * s`` and the number of valid
+   keys (alpha == 1 instead runs the whole flash-style online softmax in this single sweep);
+2. Newton sweeps on the Tsallis norm ``f(tau)^(1/beta) - 1`` from ``tau = m - 1``, which are
+   monotone from the left, so key tiles found with ``z <= tau`` for every row are marked dead in
+   the liveness bitmap and skipped from then on; they stop once every row of the tile has
+   ``|f(tau) - 1| <= tol`` (then one last Newton update is applied);
+3. a value sweep over the live tiles accumulating ``sum_j p_ij v_j`` and ``sum_j p_ij``, divided
+   at the end so that every row sums to one.
+
+The derivation, the stopping rule and the cost model are in ``docs/kernels.md``; the
+conventions (statistics, bitmap layout, varlen, causal alignment, GQA, dropout) in
+``docs/design.md``.
+"""
+
+from typing import NamedTuple, Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import dropout_keep, interpreting
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+DEFAULT_TOL = 1e-4
+DEFAULT_MAX_SWEEPS = 32
+
+POW_ONE = 1
+POW_TWO = 2
+POW_GENERAL = 0
+
+
+class EntmaxAttnFwdResult(NamedTuple):
+    """What :func:`entmax_attn_fwd` returns.
+
+    out:      ``(B, Hq, Nq, D)`` in ``q.dtype``.
+    tau:      float32 ``(B, Hq, Nq)``, threshold in the z-scale (logsumexp of the scores at alpha == 1),
+              ``+inf`` for rows with no valid key.
+    lsum:     float32 ``(B, Hq, Nq)``, ``sum_j [z_ij - tau_i]_+^beta`` (1 at alpha == 1, 0 for empty rows).
+    nnz:      int32 ``(B, Hq, Nq)``, support size (number of valid keys at alpha == 1).
+    n_valid:  int32 ``(B, Hq, Nq)``, number of keys the row may attend to (not masked).
+    live:     int32 ``(B_or_nseq, Hq, cdiv(max_seqlen_q, block_m), cdiv(cdiv(max_seqlen_k, block_n), 32))``
+              tile liveness bitmap (docs/design.md).
+    n_sweeps: int32 ``(B_or_nseq, Hq, cdiv(max_seqlen_q, block_m))``, Newton sweeps done per query tile
+              (0 at alpha == 1); the kernel makes ``n_sweeps + 2`` passes over K when alpha > 1, one otherwise.
+    block_m, block_n: the tile sizes used (the backward must use the same).
+    """
+
+    out: torch.Tensor
+    tau: torch.Tensor
+    lsum: torch.Tensor
+    nnz: torch.Tensor
+    n_valid: torch.Tensor
+    live: torch.Tensor
+    n_sweeps: torch.Tensor
+    block_m: int
+    block_n: int
+
+
+@triton.jit
+def _score_tile(q, k_base, bias_base, rows, cols, seqlen_q, seqlen_k, causal_off,
+                stride_kn, stride_kd, stride_bm, stride_bn, z_scale, b_scale,
+                HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HAS_BIAS: tl.constexpr,
+                IS_CAUSAL: tl.constexpr, INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Scores ``z_scale * q.k + b_scale * bias`` of one tile, ``-inf`` where masked. [BLOCK_M, BLOCK_N]"""
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    col_ok = cols < seqlen_k
+    k_ptrs = k_base + cols.to(tl.int64)[None, :] * stride_kn + offs_d.to(tl.int64)[:, None] * stride_kd
+    k = tl.load(k_ptrs, mask=col_ok[None, :] & (offs_d[:, None] < HEAD_DIM), other=0.0)  # [HEAD_DIM_PAD, BLOCK_N]
+    if INTERPRET:
+        k = k.to(tl.float32)
+    z = tl.dot(q, k, input_precision=DOT_PRECISION) * z_scale
+    ok = (rows[:, None] < seqlen_q) & col_ok[None, :]
+    if IS_CAUSAL:
+        ok = ok & (cols[None, :] <= rows[:, None] + causal_off)
+    if HAS_BIAS:
+        b_ptrs = bias_base + rows.to(tl.int64)[:, None] * stride_bm + cols.to(tl.int64)[None, :] * stride_bn
+        bias = tl.load(b_ptrs, mask=ok, other=0.0).to(tl.float32)
+        z = z + bias * b_scale
+    return tl.where(ok, z, float("-inf"))
+
+
+@triton.jit
+def _value_tile(v_base, cols, seqlen_k, stride_vn, stride_vd,
+                HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, INTERPRET: tl.constexpr):
+    """Value rows of one key tile. [BLOCK_N, HEAD_DIM_PAD]"""
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    v_ptrs = v_base + cols.to(tl.int64)[:, None] * stride_vn + offs_d.to(tl.int64)[None, :] * stride_vd
+    v = tl.load(v_ptrs, mask=(cols[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    if INTERPRET:
+        v = v.to(tl.float32)
+    return v
+
+
+@triton.jit
+def _apply_dropout(p, seed, bh, rows_global, cols_global, n_cols, dropout_p, inv_keep, HAS_DROPOUT: tl.constexpr):
+    """Weights after dropout (kept ones scaled by ``inv_keep``). [BLOCK_M, BLOCK_N]"""
+    if HAS_DROPOUT:
+        keep = dropout_keep(seed, bh, rows_global, cols_global, n_cols, dropout_p)
+        p = tl.where(keep, p * inv_keep, 0.0)
+    return p
+
+
+@triton.jit
+def _tsallis_terms(x, beta, POW: tl.constexpr):
+    """``[x]_+^beta``, ``[x]_+^(beta - 1)`` and ``x > 0`` for ``x = z - tau``; no transcendentals for POW 1, 2."""
+    pos = x > 0
+    xp = tl.where(pos, x, 0.0)
+    if POW == 1:
+        g = pos.to(tl.float32)
+        p = xp
+    elif POW == 2:
+        g = xp
+        p = xp * xp
+    else:
+        g = tl.where(pos, tl.exp2((beta - 1.0) * tl.log2(tl.where(pos, x, 1.0))), 0.0)
+        p = g * xp
+    return p, g, pos
+
+
+@triton.jit
+def _tsallis_power(x, beta, POW: tl.constexpr):
+    """``[x]_+^beta``. [BLOCK_M, BLOCK_N]"""
+    pos = x > 0
+    xp = tl.where(pos, x, 0.0)
+    if POW == 1:
+        p = xp
+    elif POW == 2:
+        p = xp * xp
+    else:
+        p = tl.where(pos, tl.exp2(beta * tl.log2(tl.where(pos, x, 1.0))), 0.0)
+    return p
+
+
+@triton.jit
+def _newton_step(f, g, beta, POW: tl.constexpr):
+    """Newton step on ``f^(1/beta) - 1`` given ``f = sum [z - tau]_+^beta``, ``g = sum [z - tau]_+^(beta-1)``."""
+    f_safe = tl.where(f > 0, f, 1.0)
+    if POW == 1:
+        root = tl.full(f.shape, 1.0, tl.float32)
+    elif POW == 2:
+        root = tl.sqrt(f_safe)
+    else:
+        root = tl.exp2((1.0 - 1.0 / beta) * tl.log2(f_safe))
+    return tl.where(g > 0, (f - root) / tl.where(g > 0, g, 1.0), 0.0)
+
+
+@triton.jit
+def _softmax_forward(q, k_base, v_base, bias_base, o_ptrs, o_mask, rows, seqlen_q, seqlen_k, causal_off,
+                     n_kt, n_words, live_base, stat_offs, Tau, Lsum, Nnz, NValid, sweep_ptr, scale,
+                     seed, bh, q_start, k_start, n_cols_total, dropout_p, inv_keep,
+                     stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                     HEAD_DIM_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                     HAS_DROPOUT: tl.constexpr, INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """alpha == 1: one online-softmax sweep (base-2 exponentials); writes out, stats and the bitmap."""
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_sum = tl.zeros([BLOCK_M], tl.float32)
+    n_valid = tl.zeros([BLOCK_M], tl.int32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+    for w in range(0, n_words):
+        word = tl.zeros([], tl.int32)
+        for kt in range(w * 32, tl.minimum(w * 32 + 32, n_kt)):
+            cols = kt * BLOCK_N + tl.arange(0, BLOCK_N)
+            s = _score_tile(q, k_base, bias_base, rows, cols, seqlen_q, seqlen_k, causal_off,
+                            stride_kn, stride_kd, stride_bm, stride_bn, scale * 1.4426950408889634,
+                            1.4426950408889634, HEAD_DIM, HEAD_DIM_PAD, HAS_BIAS, IS_CAUSAL, INTERPRET,
+                            DOT_PRECISION)
+            ok = s > float("-inf")
+            m_new = tl.maximum(m, tl.max(s, 1))
+            m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
+            corr = tl.exp2(m - m_safe)
+            p = tl.exp2(s - m_safe[:, None])
+            l_sum = l_sum * corr + tl.sum(p, 1)
+            n_valid += tl.sum(ok.to(tl.int32), 1)
+            word = word | (tl.max(ok.to(tl.int32)) << (kt - w * 32))
+            p = _apply_dropout(p, seed, bh, q_start + rows, k_start + cols, n_cols_total, dropout_p, inv_keep,
+                               HAS_DROPOUT)
+            v = _value_tile(v_base, cols, seqlen_k, stride_vn, stride_vd, HEAD_DIM, HEAD_DIM_PAD, INTERPRET)
+            acc = acc * corr[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            m = m_new
+        tl.store(live_base + w, word)
+    valid = n_valid > 0
+    l_safe = tl.where(valid, l_sum, 1.0)
+    out = acc / l_safe[:, None]
+    row_ok = rows < seqlen_q
+    tl.store(o_ptrs, out.to(o_ptrs.dtype.element_ty), mask=o_mask)
+    tl.store(Tau + stat_offs, tl.where(valid, (m + tl.log2(l_safe)) * 0.6931471805599453, float("inf")),
+             mask=row_ok)
+    tl.store(Lsum + stat_offs, tl.where(valid, 1.0, 0.0), mask=row_ok)
+    tl.store(Nnz + stat_offs, n_valid, mask=row_ok)
+    tl.store(NValid + stat_offs, n_valid, mask=row_ok)
+    tl.store(sweep_ptr, 0)
+
+
+@triton.jit
+def _entmax_forward(q, k_base, v_base, bias_base, o_ptrs, o_mask, rows, seqlen_q, seqlen_k, causal_off,
+                    n_kt, n_words, live_base, stat_offs, Tau, Lsum, Nnz, NValid, sweep_ptr, scale, alpha, tol, max_sweeps,
+                    seed, bh, q_start, k_start, n_cols_total, dropout_p, inv_keep,
+                    stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn,
+                    POW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    HEAD_DIM_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                    HAS_DROPOUT: tl.constexpr, INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """alpha in (1, 2]: max sweep, Newton sweeps on the Tsallis norm, value sweep; writes everything."""
+    am1 = alpha - 1.0
+    beta = 1.0 / am1
+    z_scale = scale * am1
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    n_valid = tl.zeros([BLOCK_M], tl.int32)
+    for w in range(0, n_words):
+        word = tl.zeros([], tl.int32)
+        for kt in range(w * 32, tl.minimum(w * 32 + 32, n_kt)):
+            cols = kt * BLOCK_N + tl.arange(0, BLOCK_N)
+            z = _score_tile(q, k_base, bias_base, rows, cols, seqlen_q, seqlen_k, causal_off,
+                            stride_kn, stride_kd, stride_bm, stride_bn, z_scale, am1,
+                            HEAD_DIM, HEAD_DIM_PAD, HAS_BIAS, IS_CAUSAL, INTERPRET, DOT_PRECISION)
+            ok = z > float("-inf")
+            m = tl.maximum(m, tl.max(z, 1))
+            n_valid += tl.sum(ok.to(tl.int32), 1)
+            word = word | (tl.max(ok.to(tl.int32)) << (kt - w * 32))
+        tl.store(live_base + w, word)
+    tl.debug_barrier()
+    valid = n_valid > 0
+    tau = tl.where(valid, m - 1.0, 0.0)
+    n_live_words = tl.cdiv(n_kt, 32)
+    n_sweeps = tl.zeros([], tl.int32)
+    go = (tl.max(valid.to(tl.int32)) > 0) & (n_sweeps < max_sweeps)
+    while go:
+        f = tl.zeros([BLOCK_M], tl.float32)
+        g = tl.zeros([BLOCK_M], tl.float32)
+        for w in range(0, n_live_words):
+            word = tl.load(live_base + w)
+            new_word = tl.zeros([], tl.int32)
+            for kt in range(w * 32, tl.minimum(w * 32 + 32, n_kt)):
+                bit = kt - w * 32
+                if ((word >> bit) & 1) != 0:
+                    cols = kt * BLOCK_N + tl.arange(0, BLOCK_N)
+                    z = _score_tile(q, k_base, bias_base, rows, cols, seqlen_q, seqlen_k, causal_off,
+                                    stride_kn, stride_kd, stride_bm, stride_bn, z_scale, am1,
+                                    HEAD_DIM, HEAD_DIM_PAD, HAS_BIAS, IS_CAUSAL, INTERPRET, DOT_PRECISION)
+                    p, gp, pos = _tsallis_terms(z - tau[:, None], beta, POW)
+                    f += tl.sum(p, 1)
+                    g += tl.sum(gp, 1)
+                    new_word = new_word | (tl.max(pos.to(tl.int32)) << bit)
+            tl.store(live_base + w, new_word)
+        tl.debug_barrier()
+        err = tl.where(valid, tl.abs(f - 1.0), 0.0)
+        tau = tl.where(valid, tau + _newton_step(f, g, beta, POW), tau)
+        n_sweeps += 1
+        go = (tl.max(err) > tol) & (n_sweeps < max_sweeps)
+    l_sum = tl.zeros([BLOCK_M], tl.float32)
+    nnz = tl.zeros([BLOCK_M], tl.int32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+    for w in range(0, n_live_words):
+        word = tl.load(live_base + w)
+        new_word = tl.zeros([], tl.int32)
+        for kt in range(w * 32, tl.minimum(w * 32 + 32, n_kt)):
+            bit = kt - w * 32
+            if ((word >> bit) & 1) != 0:
+                cols = kt * BLOCK_N + tl.arange(0, BLOCK_N)
+                z = _score_tile(q, k_base, bias_base, rows, cols, seqlen_q, seqlen_k, causal_off,
+                                stride_kn, stride_kd, stride_bm, stride_bn, z_scale, am1,
+                                HEAD_DIM, HEAD_DIM_PAD, HAS_BIAS, IS_CAUSAL, INTERPRET, DOT_PRECISION)
+                x = z - tau[:, None]
+                pos = x > 0
+                p = _tsallis_power(x, beta, POW)
+                l_sum += tl.sum(p, 1)
+                nnz += tl.sum(pos.to(tl.int32), 1)
+                new_word = new_word | (tl.max(pos.to(tl.int32)) << bit)
+                p = _apply_dropout(p, seed, bh, q_start + rows, k_start + cols, n_cols_total, dropout_p, inv_keep,
+                                   HAS_DROPOUT)
+                v = _value_tile(v_base, cols, seqlen_k, stride_vn, stride_vd, HEAD_DIM, HEAD_DIM_PAD, INTERPRET)
+                acc += tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        tl.store(live_base + w, new_word)
+    valid = valid & (l_sum > 0)
+    l_safe = tl.where(valid, l_sum, 1.0)
+    out = tl.where(valid[:, None], acc / l_safe[:, None], 0.0)
+    row_ok = rows < seqlen_q
+    tl.store(o_ptrs, out.to(o_ptrs.dtype.element_ty), mask=o_mask)
+    tl.store(Tau + stat_offs, tl.where(valid, tau, float("inf")), mask=row_ok)
+    tl.store(Lsum + stat_offs, tl.where(valid, l_sum, 0.0), mask=row_ok)
+    tl.store(Nnz + stat_offs, tl.where(valid, nnz, 0), mask=row_ok)
+    tl.store(NValid + stat_offs, n_valid, mask=row_ok)
+    tl.store(sweep_ptr, n_sweeps)
+
+
+@triton.jit
+def _entmax_attn_fwd_kernel(
+    Q, K, V, Out, Bias, Alpha, Tau, Lsum, Nnz, NValid, Live, NSweeps, CuSeqQ, CuSeqK,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_ob, stride_oh, stride_om, stride_od,
+    stride_bb, stride_bh, stride_bm, stride_bn,
+    n_heads, kv_group, seqlen_q_total, seqlen_k_total, n_q_tiles, n_words,
+    scale, tol, max_sweeps, seed, dropout_p, inv_keep,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    if IS_VARLEN:
+        q_start = tl.load(CuSeqQ + b)
+        seqlen_q = tl.load(CuSeqQ + b + 1) - q_start
+        k_start = tl.load(CuSeqK + b)
+        seqlen_k = tl.load(CuSeqK + b + 1) - k_start
+        batch = b * 0
+    else:
+        q_start = b * 0
+        seqlen_q = seqlen_q_total
+        k_start = b * 0
+        seqlen_k = seqlen_k_total
+        batch = b
+    kv_h = h // kv_group
+    bh = batch * n_heads + h
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    row_ok = rows < seqlen_q
+    rows_global = (q_start + rows).to(tl.int64)
+
+    q_ptrs = (Q + batch.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+              + rows_global[:, None] * stride_qm + offs_d.to(tl.int64)[None, :] * stride_qd)
+    q_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+    q = tl.load(q_ptrs, mask=q_mask, other=0.0)  # [BLOCK_M, HEAD_DIM_PAD]
+    if INTERPRET:
+        q = q.to(tl.float32)
+    o_ptrs = (Out + batch.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
+              + rows_global[:, None] * stride_om + offs_d.to(tl.int64)[None, :] * stride_od)
+    k_base = K + batch.to(tl.int64) * stride_kb + kv_h.to(tl.int64) * stride_kh + k_start.to(tl.int64) * stride_kn
+    v_base = V + batch.to(tl.int64) * stride_vb + kv_h.to(tl.int64) * stride_vh + k_start.to(tl.int64) * stride_vn
+    bias_base = Bias
+    if HAS_BIAS:
+        bias_base = (Bias + batch.to(tl.int64) * stride_bb + h.to(tl.int64) * stride_bh
+                     + q_start.to(tl.int64) * stride_bm + k_start.to(tl.int64) * stride_bn)
+    stat_offs = bh.to(tl.int64) * seqlen_q_total + rows_global
+    tile_id = (b.to(tl.int64) * n_heads + h) * n_q_tiles + pid_m
+    live_base = Live + tile_id * n_words
+    sweep_ptr = NSweeps + tile_id
+
+    causal_off = seqlen_k - seqlen_q
+    k_limit = seqlen_k
+    if IS_CAUSAL:
+        last_row = tl.minimum(pid_m * BLOCK_M + BLOCK_M, seqlen_q) - 1
+        k_limit = tl.maximum(tl.minimum(last_row + causal_off + 1, seqlen_k), 0)
+    k_limit = tl.where(pid_m * BLOCK_M < seqlen_q, k_limit, 0)
+    n_kt = tl.cdiv(k_limit, BLOCK_N)
+
+    alpha = tl.load(Alpha + h)
+    if alpha == 1.0:
+        _softmax_forward(q, k_base, v_base, bias_base, o_ptrs, q_mask, rows, seqlen_q, seqlen_k, causal_off,
+                         n_kt, n_words, live_base, stat_offs, Tau, Lsum, Nnz, NValid, sweep_ptr, scale,
+                         seed, bh, q_start, k_start, seqlen_k_total, dropout_p, inv_keep,
+                         stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn,
+                         BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, HAS_BIAS, IS_CAUSAL, HAS_DROPOUT, INTERPRET,
+                         DOT_PRECISION)
+    elif alpha == 2.0:
+        _entmax_forward(q, k_base, v_base, bias_base, o_ptrs, q_mask, rows, seqlen_q, seqlen_k, causal_off,
+                        n_kt, n_words, live_base, stat_offs, Tau, Lsum, Nnz, NValid, sweep_ptr, scale, alpha, tol,
+                        max_sweeps, seed, bh, q_start, k_start, seqlen_k_total, dropout_p, inv_keep,
+                        stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn,
+                        1, BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, HAS_BIAS, IS_CAUSAL, HAS_DROPOUT, INTERPRET,
+                        DOT_PRECISION)
+    elif alpha == 1.5:
+        _entmax_forward(q, k_base, v_base, bias_base, o_ptrs, q_mask, rows, seqlen_q, seqlen_k, causal_off,
+                        n_kt, n_words, live_base, stat_offs, Tau, Lsum, Nnz, NValid, sweep_ptr, scale, alpha, tol,
+                        max_sweeps, seed, bh, q_start, k_start, seqlen_k_total, dropout_p, inv_keep,
+                        stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn,
+                        2, BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, HAS_BIAS, IS_CAUSAL, HAS_DROPOUT, INTERPRET,
+                        DOT_PRECISION)
+    else:
+        _entmax_forward(q, k_base, v_base, bias_base, o_ptrs, q_mask, rows, seqlen_q, seqlen_k, causal_off,
+                        n_kt, n_words, live_base, stat_offs, Tau, Lsum, Nnz, NValid, sweep_ptr, scale, alpha, tol,
+                        max_sweeps, seed, bh, q_start, k_start, seqlen_k_total, dropout_p, inv_keep,
+                        stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn,
+                        0, BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, HAS_BIAS, IS_CAUSAL, HAS_DROPOUT, INTERPRET,
+                        DOT_PRECISION)
+
+
+def _new_output(shape, dtype, device) -> torch.Tensor:
+    """Allocate an output the kernel fully overwrites (tests replace this to poison the memory)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _pick_config(head_dim: int, interpret: bool):
+    """``(block_m, block_n, num_warps, num_stages)``: one pinned config per head dim."""
+    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+    if interpret:
+        return 32, 32, 4, 1
+    if head_dim_pad <= 64:
+        return 64, 64, 4, 2
+    if head_dim_pad <= 128:
+        return 64, 64, 4, 2
+    return 64, 32, 8, 1
+
+
+def _dot_precision(dtype, interpret: bool) -> str:
+    """fp32 inputs keep fp32 accuracy on tensor cores (3xTF32); fp16/bf16 ignore the setting."""
+    if interpret:
+        return "ieee"
+    return "tf32x3" if dtype == torch.float32 else "tf32"
+
+
+def fwd_block_sizes(head_dim: int) -> tuple:
+    """Default ``(block_m, block_n)`` of :func:`entmax_attn_fwd` for this head dim (the liveness map's tiles)."""
+    block_m, block_n, _, _ = _pick_config(head_dim, interpreting())
+    return block_m, block_n
+
+
+def entmax_attn_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    alpha: torch.Tensor,
+    scale: float,
+    bias: Optional[torch.Tensor] = None,
+    is_causal: bool = False,
+    cu_seqlens_q: Optional[torch.Tensor] = None,
+    cu_seqlens_k: Optional[torch.Tensor] = None,
+    max_seqlen_q: Optional[int] = None,
+    max_seqlen_k: Optional[int] = None,
+    dropout_p: float = 0.0,
+    seed: int = 0,
+    tol: Optional[float] = None,
+    max_sweeps: Optional[int] = None,
+    *,
+    block_m: Optional[int] = None,
+    block_n: Optional[int] = None,
+) -> EntmaxAttnFwdResult:
+    """Fused entmax attention forward (one kernel launch). Inputs are assumed validated by the caller.
+
+    Args:
+        q: ``(B, Hq, Nq, D)``, fp16/bf16/fp32, any strides; with varlen ``(1, Hq, total_q, D)``.
+        k, v: ``(B, Hk, Nk, D)`` (``Hq % Hk == 0``, q head ``h`` reads kv head ``h // (Hq // Hk)``),
+            same dtype and device as ``q``; with varlen ``(1, Hk, total_k, D)``. ``16 <= D <= 256``.
+        alpha: float32 ``(Hq,)`` on the device of ``q``, each in ``[1, 2]`` (mixed per head).
+        scale: float multiplying ``q . k``.
+        bias: None or a float tensor expanded to ``(B, Hq, Nq, Nk)`` (zero strides allowed; ``-inf``
+            masks), added to the scaled scores. Default None.
+        is_causal: bottom-right aligned causal mask (key ``j`` visible to row ``i`` iff
+            ``j <= i + Nk - Nq``, per sequence). Default False.
+        cu_seqlens_q, cu_seqlens_k: int32 ``(nseq + 1,)`` packed-sequence offsets (then ``B == 1``).
+        max_seqlen_q, max_seqlen_k: longest sequences; computed from ``cu_seqlens`` when None.
+        dropout_p: probability of dropping a weight after the entmax (kept ones scaled by
+            ``1 / (1 - dropout_p)``), drawn by ``kernels._common.dropout_keep``. Default 0.
+        seed: int RNG seed of the dropout. Default 0.
+        tol: stop the Newton sweeps once every row of a query tile has ``|sum_j [z - tau]_+^beta - 1| <= tol``
+            (default 1e-4).
+        max_sweeps: cap on the Newton sweeps (default 32).
+        block_m, block_n: tile sizes (powers of two >= 16); default by head dim.
+
+    Returns:
+        :class:`EntmaxAttnFwdResult` ``(out, tau, lsum, nnz, n_valid, live, n_sweeps, block_m, block_n)``.
+    """
+    batch, n_heads, seqlen_q_total, head_dim = q.shape
+    n_kv_heads, seqlen_k_total = k.shape[1], k.shape[2]
+    varlen = cu_seqlens_q is not None
+    if varlen:
+        n_seq = cu_seqlens_q.numel() - 1
+        if max_seqlen_q is None:
+            max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item()) if n_seq > 0 else 0
+        if max_seqlen_k is None:
+            max_seqlen_k = int((cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max().item()) if n_seq > 0 else 0
+        grid_b = n_seq
+    else:
+        max_seqlen_q, max_seqlen_k = seqlen_q_total, seqlen_k_total
+        grid_b = batch
+    if head_dim < 16 or head_dim > 256:
+        raise ValueError(f"q: head dim must be in [16, 256], got {head_dim}")
+    interpret = interpreting()
+    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+    bm, bn, num_warps, num_stages = _pick_config(head_dim, interpret)
+    block_m = bm if block_m is None else block_m
+    block_n = bn if block_n is None else block_n
+    for name, val in (("block_m", block_m), ("block_n", block_n)):
+        if val < 16 or val & (val - 1):
+            raise ValueError(f"{name}: expected a power of two >= 16, got {val}")
+    tol = DEFAULT_TOL if tol is None else float(tol)
+    max_sweeps = DEFAULT_MAX_SWEEPS if max_sweeps is None else int(max_sweeps)
+
+    device = q.device
+    out = _new_output((batch, n_heads, seqlen_q_total, head_dim), q.dtype, device)
+    tau = _new_output((batch, n_heads, seqlen_q_total), torch.float32, device)
+    lsum = _new_output((batch, n_heads, seqlen_q_total), torch.float32, device)
+    nnz = _new_output((batch, n_heads, seqlen_q_total), torch.int32, device)
+    n_valid = _new_output((batch, n_heads, seqlen_q_total), torch.int32, device)
+    n_q_tiles = triton.cdiv(max_seqlen_q, block_m)
+    n_words = triton.cdiv(triton.cdiv(max_seqlen_k, block_n), 32)
+    live = _new_output((grid_b, n_heads, n_q_tiles, n_words), torch.int32, device)
+    n_sweeps = _new_output((grid_b, n_heads, n_q_tiles), torch.int32, device)
+    if varlen and out.numel() > 0:
+        out.zero_()
+        tau.fill_(float("inf"))
+        lsum.zero_()
+        nnz.zero_()
+        n_valid.zero_()
+    if n_q_tiles == 0 or grid_b == 0 or n_heads == 0:
+        return EntmaxAttnFwdResult(out, tau, lsum, nnz, n_valid, live, n_sweeps, block_m, block_n)
+
+    alpha = alpha.to(device=device, dtype=torch.float32).contiguous()
+    if bias is not None:
+        bias_strides = bias.stride()
+        bias_arg = bias
+    else:
+        bias_strides = (0, 0, 0, 0)
+        bias_arg = q
+    cu_q = cu_seqlens_q if varlen else q
+    cu_k = cu_seqlens_k if varlen else q
+    dropout_p = float(dropout_p)
+    grid = (n_q_tiles, n_heads, grid_b)
+    _entmax_attn_fwd_kernel[grid](
+        q, k, v, out, bias_arg, alpha, tau, lsum, nnz, n_valid, live, n_sweeps, cu_q, cu_k,
+        *q.stride(), *k.stride(), *v.stride(), *out.stride(), *bias_strides,
+        n_heads, n_heads // n_kv_heads, seqlen_q_total, seqlen_k_total, n_q_tiles, n_words,
+        float(scale), tol, max_sweeps, int(seed), dropout_p, 1.0 / (1.0 - dropout_p) if dropout_p < 1 else 0.0,
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_M=block_m, BLOCK_N=block_n,
+        IS_CAUSAL=bool(is_causal), HAS_BIAS=bias is not None, IS_VARLEN=varlen, HAS_DROPOUT=dropout_p > 0,
+        INTERPRET=interpret, DOT_PRECISION=_dot_precision(q.dtype, interpret),
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return EntmaxAttnFwdResult(out, tau, lsum, nnz, n_valid, live, n_sweeps, block_m, block_n)

@@ -1,0 +1,303 @@
+"""The fused Triton forward (``kernels/entmax_attn_fwd.py``) against the float64 reference.
+
+Every kernel output is allocated poisoned (NaN / a sentinel) by an autouse fixture, so a value
+the kernel fails to write shows up as a mismatch. Errors follow GUIDE §4:
+``err(kernel) <= 2 * err(reference run in the kernel's dtype) + EPS[dtype]``, both measured
+against the reference on float64 copies of the same (dtype-rounded) inputs.
+"""
+
+import math
+
+import pytest
+import torch
+
+import sparse_attn.kernels.entmax_attn_fwd as fwd_mod
+from sparse_attn.kernels._common import dropout_keep_mask
+from sparse_attn.kernels.entmax_attn_fwd import entmax_attn_fwd
+from sparse_attn.reference import entmax_attention_reference
+
+# Absolute slack added to twice the reference's own error in the kernel dtype. Measured on CPU
+# (interpreter, float32 arithmetic): float32 outputs within 6e-6 of float64 at the default tol.
+EPS = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+# Keys whose float64 z is within this of the float64 tau count as ties for the support check.
+TIE_MARGIN = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
+# A tile may be marked dead only if every reference weight in it is below this.
+DEAD_WEIGHT = 1e-6
+ALPHAS4 = [1.0, 1.25, 1.5, 2.0]
+POISON_INT = -12345
+
+
+@pytest.fixture(autouse=True)
+def poison_outputs(monkeypatch):
+    """Allocate every kernel output filled with NaN (floats) or a sentinel (ints)."""
+
+    def poisoned(shape, dtype, device):
+        fill = float("nan") if dtype.is_floating_point else POISON_INT
+        return torch.full(shape, fill, dtype=dtype, device=device)
+
+    monkeypatch.setattr(fwd_mod, "_new_output", poisoned)
+
+
+def _rand(shape, gen, dtype, layout="bhnd", mult=1.0):
+    """Random ``(B, H, N, D)`` tensor in ``dtype``; ``layout="bnhd"`` returns a transposed view."""
+    B, H, N, D = shape
+    x = torch.randn(B, N, H, D, generator=gen, dtype=torch.float64) * mult
+    x = x.to(dtype)
+    return x.transpose(1, 2) if layout == "bnhd" else x.transpose(1, 2).contiguous()
+
+
+def _max_err(a, b):
+    return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
+
+
+def _check_close(name, got, want64, ref_lowp, dtype):
+    """GUIDE §4 tolerance rule; ``want64``/``ref_lowp`` are the reference in float64 / in ``dtype``."""
+    err = _max_err(got, want64)
+    err_ref = _max_err(ref_lowp, want64)
+    bound = 2 * err_ref + EPS[dtype]
+    assert err <= bound, f"{name}: max err {err:.3g} > {bound:.3g} (reference in {dtype}: {err_ref:.3g})"
+
+
+def _scores64(q, k, scale, bias, causal, cu_q=None, cu_k=None):
+    """Float64 scores ``(B, Hq, Nq, Nk)`` with -inf where masked (varlen: block diagonal)."""
+    q, k = q.double(), k.double()
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    s = q @ k.transpose(-1, -2) * scale
+    if bias is not None:
+        s = s + bias.double()
+    Nq, Nk = s.shape[-2:]
+    keep = torch.zeros(Nq, Nk, dtype=torch.bool)
+    bounds = [(0, Nq, 0, Nk)] if cu_q is None else list(zip(cu_q[:-1].tolist(), cu_q[1:].tolist(),
+                                                            cu_k[:-1].tolist(), cu_k[1:].tolist()))
+    for q0, q1, k0, k1 in bounds:
+        rows = torch.arange(q1 - q0)[:, None]
+        cols = torch.arange(k1 - k0)[None, :]
+        block = torch.ones(q1 - q0, k1 - k0, dtype=torch.bool)
+        if causal:
+            block = cols <= rows + (k1 - k0) - (q1 - q0)
+        keep[q0:q1, k0:k1] = block
+    return s.masked_fill(~keep, float("-inf"))
+
+
+def _weights64(s, alpha, tau):
+    """Float64 weights from scores and the reference threshold (z-scale; logsumexp at alpha == 1)."""
+    a = alpha.double().view(1, -1, 1, 1)
+    t = tau.double()[..., None]
+    soft = torch.exp(s - t)
+    z = (a - 1) * s
+    beta = 1 / (a - 1).clamp_min(1e-30)
+    ent = (z - t).clamp_min(0) ** beta
+    ent = ent / ent.sum(-1, keepdim=True).clamp_min(1e-300)
+    p = torch.where(a == 1, soft, ent)
+    return torch.where(torch.isfinite(t), p, torch.zeros_like(p)).nan_to_num(0.0)
+
+
+def _run_case(B=1, Hq=4, Hk=2, Nq=33, Nk=33, D=16, alphas=ALPHAS4, dtype=torch.float32, causal=False,
+              bias=None, layout="bhnd", mult=1.0, cu_q=None, cu_k=None, dropout_p=0.0, seed=0, seed_data=0,
+              v_ones=False, **kw):
+    """Run kernel and reference on one random problem; check out, tau, lsum, nnz, n_valid, live."""
+    gen = torch.Generator().manual_seed(seed_data)
+    if cu_q is not None:
+        cu_q, cu_k = torch.tensor(cu_q, dtype=torch.int32), torch.tensor(cu_k, dtype=torch.int32)
+        B, Nq, Nk = 1, int(cu_q[-1]), int(cu_k[-1])
+    q = _rand((B, Hq, Nq, D), gen, dtype, layout, mult)
+    k = _rand((B, Hk, Nk, D), gen, dtype, layout, mult)
+    v = torch.ones(B, Hk, Nk, D, dtype=dtype) if v_ones else _rand((B, Hk, Nk, D), gen, dtype, layout)
+    alpha = torch.tensor(alphas, dtype=torch.float32)
+    bias_k = None if bias is None else bias(B, Hq, Nq, Nk, gen)
+    scale = D**-0.5
+    res = entmax_attn_fwd(q, k, v, alpha, scale, bias=bias_k, is_causal=causal, cu_seqlens_q=cu_q,
+                          cu_seqlens_k=cu_k, dropout_p=dropout_p, seed=seed, **kw)
+
+    drop_mask = None
+    if dropout_p > 0:
+        drop_mask = dropout_keep_mask(seed, B * Hq, Nq, Nk, dropout_p, q.device).view(B, Hq, Nq, Nk)
+    ref_kw = dict(is_causal=causal, scale=scale, dropout_p=dropout_p, dropout_mask=drop_mask,
+                  cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, return_stats=True)
+    alpha64 = alpha.double()
+    out64, st64 = entmax_attention_reference(q.double(), k.double(), v.double(), alpha64,
+                                             attn_mask=None if bias_k is None else bias_k.double(), **ref_kw)
+    low = torch.float32 if dtype == torch.bfloat16 else dtype
+    out_lp, st_lp = entmax_attention_reference(q.to(low), k.to(low), v.to(low), alpha.to(low),
+                                               attn_mask=None if bias_k is None else bias_k.to(low), **ref_kw)
+
+    assert res.out.shape == q.shape and res.out.dtype == dtype
+    assert not torch.isnan(res.out).any()
+    _check_close("out", res.out, out64, out_lp, dtype)
+    valid = st64.n_valid > 0
+    assert torch.equal(res.n_valid, st64.n_valid)
+    assert torch.equal(valid, torch.isfinite(res.tau))
+    tau_want = torch.where(valid, st64.tau, torch.zeros_like(st64.tau))
+    tau_lp = torch.where(valid, st_lp.tau.double(), torch.zeros_like(st64.tau))
+    _check_close("tau", torch.where(valid, res.tau.double(), torch.zeros_like(st64.tau)), tau_want, tau_lp, dtype)
+    empty = ~valid
+    assert (res.out[empty.unsqueeze(-1).expand_as(res.out)] == 0).all()
+    assert (res.lsum[empty] == 0).all() and (res.nnz[empty] == 0).all()
+    assert (res.lsum[valid] > 0).all()
+    soft = (alpha == 1).view(1, -1, 1).expand_as(valid)
+    assert (res.lsum[valid & soft] == 1).all()
+    assert torch.equal(res.nnz[soft], res.n_valid[soft])
+
+    s64 = _scores64(q, k, scale, bias_k, causal, cu_q, cu_k)
+    z = (alpha64.view(1, -1, 1, 1) - 1) * s64
+    gap = z - st64.tau[..., None]
+    margin = TIE_MARGIN[dtype]
+    lo = (gap > margin).sum(-1)
+    hi = (gap > -margin).sum(-1)
+    ent = ~soft & valid
+    assert ((res.nnz >= lo) & (res.nnz <= hi))[ent].all(), "support differs from the reference away from ties"
+
+    p64 = _weights64(s64, alpha, st64.tau)
+    _check_live(res, p64, cu_q, cu_k)
+    assert (res.n_sweeps >= 0).all() and (res.n_sweeps <= (kw.get("max_sweeps") or 32)).all()
+    assert (res.n_sweeps[:, alpha == 1] == 0).all()
+    return res, p64, valid
+
+
+def _check_live(res, p64, cu_q, cu_k):
+    """No tile holding a reference weight above DEAD_WEIGHT is marked dead; every word is written."""
+    bm, bn = res.block_m, res.block_n
+    assert not (res.live == POISON_INT).any()
+    live = res.live.long() & 0xFFFFFFFF
+    Nq = p64.shape[2]
+    for s in range(live.shape[0]):
+        if cu_q is None:
+            b, q0, q1, k0 = s, 0, Nq, 0
+        else:
+            b, q0, q1, k0 = 0, int(cu_q[s]), int(cu_q[s + 1]), int(cu_k[s])
+        h, i, j = torch.nonzero(p64[b, :, q0:q1] > DEAD_WEIGHT, as_tuple=True)
+        qt, kt = i // bm, (j - k0) // bn
+        bits = (live[s, h, qt, kt // 32] >> (kt % 32)) & 1
+        assert bits.all(), "a tile holding a nonzero reference weight is marked dead"
+        assert (live[s, :, -(-(q1 - q0) // bm):] == 0).all()
+
+
+def _alibi_bias(B, H, Nq, Nk, gen):
+    """ALiBi-like float bias broadcast over the batch (zero stride), a few -inf entries."""
+    dist = (torch.arange(Nk)[None, :] - torch.arange(Nq)[:, None]).abs().double()
+    slopes = torch.tensor([2.0 ** -(h + 1) for h in range(H)], dtype=torch.float64)
+    bias = -slopes.view(1, H, 1, 1) * dist
+    bias = bias.masked_fill(torch.rand(1, 1, Nq, Nk, generator=gen) < 0.1, float("-inf"))
+    return bias.float().expand(B, H, Nq, Nk)
+
+
+def _padding_bias(B, H, Nq, Nk, gen):
+    """Boolean key-padding mask converted to 0/-inf, plus a few fully masked rows."""
+    keep = torch.ones(B, 1, Nq, Nk, dtype=torch.bool)
+    keep[0, :, :, Nk // 2:] = False
+    keep[:, :, 1::5, :] = False
+    return torch.zeros(B, 1, Nq, Nk).masked_fill(~keep, float("-inf")).expand(B, H, Nq, Nk)
+
+
+@pytest.mark.parametrize(
+    "B,Hq,Hk,Nq,Nk,D,causal",
+    [
+        (2, 4, 4, 63, 63, 16, False),
+        (1, 4, 2, 97, 130, 40, True),
+        (1, 4, 1, 130, 97, 80, True),
+        (1, 4, 4, 17, 1, 64, False),
+        (1, 4, 2, 1, 17, 64, True),
+    ],
+)
+def test_matches_reference_mixed_alpha(B, Hq, Hk, Nq, Nk, D, causal):
+    _run_case(B=B, Hq=Hq, Hk=Hk, Nq=Nq, Nk=Nk, D=D, causal=causal)
+
+
+@pytest.mark.parametrize("alpha", [1.0, 1.25, 1.5, 2.0])
+def test_single_alpha_small_tiles(alpha):
+    _run_case(Hq=2, Hk=1, Nq=40, Nk=70, D=16, alphas=[alpha, alpha], causal=alpha > 1.3, block_m=16, block_n=16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_low_precision(dtype):
+    _run_case(Nq=63, Nk=97, D=64, dtype=dtype, causal=True)
+
+
+def test_transposed_layout_and_odd_head_dim():
+    _run_case(B=2, Nq=17, Nk=45, D=96, layout="bnhd", alphas=[1.5, 1.1, 2.0, 1.0])
+
+
+def test_float_bias_and_mask():
+    _run_case(B=2, Nq=40, Nk=50, D=16, bias=_alibi_bias, causal=True)
+    _run_case(B=2, Nq=40, Nk=50, D=16, bias=_padding_bias)
+
+
+def test_scores_scaled_100():
+    res, _, valid = _run_case(Nq=33, Nk=65, D=16, mult=10.0, alphas=[1.0, 1.25, 1.5, 2.0])
+    assert torch.isfinite(res.out).all()
+
+
+def test_rows_sum_to_one():
+    res, _, valid = _run_case(Nq=50, Nk=70, D=16, v_ones=True, causal=True, bias=_padding_bias, tol=1e-2)
+    rows = res.out[..., 0].double()
+    assert torch.allclose(rows[valid], torch.ones_like(rows[valid]), atol=1e-6)
+    assert (rows[~valid] == 0).all()
+
+
+def test_fully_masked_and_empty():
+    """Causal with Nq > Nk leaves the first rows without keys; a -inf bias masks whole rows."""
+    res, _, valid = _run_case(Nq=40, Nk=8, D=16, causal=True, bias=_padding_bias)
+    assert (~valid).any()
+    assert torch.isinf(res.tau[~valid]).all() and (res.tau[~valid] > 0).all()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen(causal):
+    _run_case(cu_q=[0, 5, 5, 38, 55], cu_k=[0, 7, 10, 50, 50], D=16, causal=causal, block_m=16, block_n=16)
+
+
+def test_dropout_matches_replayed_mask():
+    _run_case(B=2, Nq=33, Nk=40, D=16, dropout_p=0.3, seed=1234, causal=True)
+
+
+def test_dropout_varlen():
+    _run_case(cu_q=[0, 20, 45], cu_k=[0, 30, 47], D=16, dropout_p=0.25, seed=7)
+
+
+def test_dead_tiles_are_skipped_and_bitmap_words():
+    """Sharp sparsemax over 40 key tiles (two bitmap words): many tiles die, none wrongly."""
+    res, p64, _ = _run_case(Hq=2, Hk=1, Nq=16, Nk=640, D=16, alphas=[2.0, 1.5], mult=2.0, block_m=16, block_n=16)
+    assert res.live.shape[-1] == 2
+    n_live = sum(bin(int(w) & 0xFFFFFFFF).count("1") for w in res.live.flatten().tolist())
+    assert n_live < 2 * 40
+
+
+def test_sweep_cap_still_normalized():
+    """With one Newton sweep the threshold is approximate but every row still sums to one."""
+    gen = torch.Generator().manual_seed(3)
+    q, k = torch.randn(1, 2, 40, 16, generator=gen), torch.randn(1, 2, 60, 16, generator=gen)
+    v = torch.ones(1, 2, 60, 16)
+    res = entmax_attn_fwd(q, k, v, torch.tensor([1.5, 1.2]), 1.0, max_sweeps=1)
+    assert (res.n_sweeps == 1).all()
+    assert torch.allclose(res.out.double(), torch.ones_like(res.out.double()), atol=1e-6)
+
+
+def test_tighter_tol_is_at_least_as_accurate():
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 2, 40, 16, generator=gen) for _ in range(3))
+    alpha = torch.tensor([1.5, 1.3])
+    out64 = entmax_attention_reference(q.double(), k.double(), v.double(), alpha.double(), scale=1.0)
+    loose = entmax_attn_fwd(q, k, v, alpha, 1.0, tol=1e-1)
+    tight = entmax_attn_fwd(q, k, v, alpha, 1.0, tol=1e-6)
+    assert (tight.n_sweeps >= loose.n_sweeps).all()
+    assert _max_err(tight.out, out64) <= 2e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("D", [64, 128, 256])
+def test_gpu_large(dtype, D):
+    dev = "cuda"
+    gen = torch.Generator(device=dev).manual_seed(0)
+    B, Hq, Hk, Nq, Nk = 2, 4, 2, 1000, 1500
+    q = torch.randn(B, Hq, Nq, D, device=dev, generator=gen).to(dtype)
+    k = torch.randn(B, Hk, Nk, D, device=dev, generator=gen).to(dtype)
+    v = torch.randn(B, Hk, Nk, D, device=dev, generator=gen).to(dtype)
+    alpha = torch.tensor(ALPHAS4, device=dev)
+    for causal in (False, True):
+        res = entmax_attn_fwd(q, k, v, alpha, D**-0.5, is_causal=causal)
+        kw = dict(is_causal=causal, scale=D**-0.5)
+        out64 = entmax_attention_reference(q.double(), k.double(), v.double(), alpha.double(), **kw)
+        low = torch.float32 if dtype == torch.bfloat16 else dtype
+        out_lp = entmax_attention_reference(q.to(low), k.to(low), v.to(low), alpha.to(low), **kw)
+        _check_close("out", res.out, out64, out_lp, dtype)
