@@ -404,15 +404,15 @@ def test_swapped_transformer_trains_and_alphas_move():
     alpha0 = [m.alpha.detach().clone() for m in model.modules() if isinstance(m, EntmaxMultiheadAttention)]
     tgt_mask = nn.Transformer.generate_square_subsequent_mask(6)
     losses = []
-    for _ in range(40):
-        seq = torch.randint(0, 8, (16, 6))
+    for _ in range(25):
+        seq = torch.randint(0, 8, (8, 6))
         logits = head(model(emb(seq), emb(seq), tgt_mask=tgt_mask, tgt_is_causal=True))
         loss = nn.functional.cross_entropy(logits.reshape(-1, 8), seq.reshape(-1))
         opt.zero_grad()
         loss.backward()
         opt.step()
         losses.append(loss.item())
-    assert sum(losses[-5:]) / 5 < 0.5 * sum(losses[:5]) / 5
+    assert sum(losses[-3:]) / 3 < 0.5 * sum(losses[:3]) / 3
     alpha1 = [m.alpha.detach() for m in model.modules() if isinstance(m, EntmaxMultiheadAttention)]
     assert len(alpha1) == 3
     assert all((a1 - a0).abs().max() > 1e-3 for a0, a1 in zip(alpha0, alpha1))
