@@ -59,6 +59,8 @@ MODES = ("fwd", "bwd", "fwd+bwd")
 MODE_FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}
 OK, OOM, UNAVAILABLE, ERROR, SKIPPED = "ok", "OOM", "unavailable", "error", "skipped"
 MIXED, LEARNABLE = "mixed", "learnable"
+SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
+                 "math": "MATH"}
 
 COLUMNS = (
     "group", "method", "backend", "alpha", "mode", "dtype", "batch", "heads", "seq_q", "seq_k",
@@ -278,8 +280,7 @@ def sparse_attn_method(alpha: str) -> Method:
 def sdpa_method(backend: str) -> Method:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    pinned = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
-              "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[backend]
+    pinned = getattr(SDPBackend, SDPA_BACKENDS[backend])
 
     def build(inputs: Inputs):
         def run():
@@ -827,22 +828,21 @@ def _row_key(row: dict) -> tuple:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--smoke", action="store_true", help="tiny float32 shapes (CPU + Triton interpreter without CUDA)")
     p.add_argument("--out", type=Path, default=None, help="output folder (default benchmarks/results/<gpu-name>/)")
-    p.add_argument("--groups", default="flash,sparsity,mixed", help="comma list of flash, sparsity, mixed")
-    p.add_argument("--modes", default=",".join(MODES), help="comma list of fwd, bwd, fwd+bwd")
+    p.add_argument("--groups", default="flash,sparsity,mixed", help="comma list of flash, sparsity, mixed (default all)")
+    p.add_argument("--modes", default=",".join(MODES), help="comma list of fwd, bwd, fwd+bwd (default all)")
     p.add_argument("--dtype", default=None, choices=("bf16", "fp16", "fp32"), help="default bf16 (fp32 with --smoke)")
     p.add_argument("--tokens", type=int, default=None, help="batch * seq (default 16384)")
     p.add_argument("--hidden", type=int, default=None, help="heads * head_dim (default 2048)")
     p.add_argument("--seqs", default=None, help="comma list (default 512,...,32768)")
     p.add_argument("--head-dims", default=None, help="comma list (default 64,128)")
     p.add_argument("--causal", default=None, help="causal values of the flash grid (default false,true; false with --smoke)")
-    p.add_argument("--alphas", default="1,1.5,2,1.25", help="sparse_attn alphas on the flash grid")
+    p.add_argument("--alphas", default="1,1.5,2,1.25", help="sparse_attn alphas on the flash grid (default 1,1.5,2,1.25)")
     p.add_argument("--recipe-alphas", default=None,
                    help="materialized-recipe alphas on the flash grid (default 1.5; 1,1.5,2,1.25 with --smoke)")
-    p.add_argument("--sdpa-backends", default="flash,cudnn", help="pinned SDPA backends (flash,cudnn,efficient,math)")
+    p.add_argument("--sdpa-backends", default="flash,cudnn", help="pinned SDPA backends among flash, cudnn, efficient, math (default flash,cudnn; flash always runs)")
     p.add_argument("--sweep-seq", type=int, default=None, help="sequence length of the sparsity sweep (default 8192)")
     p.add_argument("--sweep-head-dim", type=int, default=None, help="head dim of the sparsity sweep (default 128)")
     p.add_argument("--sweep-alphas", default=None, help="alphas of the sweep (default 1.5,2,1.25)")
@@ -851,16 +851,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--mixed-seq", type=int, default=None, help="sequence length of the mixed-alpha case (default 4096)")
     p.add_argument("--mixed-head-dims", default=None, help="head dims of the mixed-alpha case (default 64,128)")
     p.add_argument("--mixed-causal", default=None, help="causal values of the mixed-alpha case (default false,true)")
-    p.add_argument("--warmup-ms", type=float, default=10.0, help="do_bench warm-up (CUDA)")
-    p.add_argument("--rep-ms", type=float, default=50.0, help="do_bench measuring time (CUDA)")
+    p.add_argument("--warmup-ms", type=float, default=10.0, help="do_bench warm-up in ms (default 10)")
+    p.add_argument("--rep-ms", type=float, default=50.0, help="do_bench measuring time in ms (default 50)")
     p.add_argument("--slow-ms", type=float, default=200.0,
-                   help="calls slower than this are timed by --slow-reps CUDA-event runs instead of do_bench")
-    p.add_argument("--slow-reps", type=int, default=3, help="timed runs of a slow call")
-    p.add_argument("--cpu-reps", type=int, default=1, help="timed calls per measurement on CPU")
+                   help="calls slower than this many ms are timed by --slow-reps CUDA-event runs instead of do_bench (default 200)")
+    p.add_argument("--slow-reps", type=int, default=3, help="timed runs of a slow call (default 3)")
+    p.add_argument("--cpu-reps", type=int, default=1, help="timed calls per measurement on CPU (default 1)")
     p.add_argument("--check-max-elems", type=int, default=2**26,
-                   help="cap on the float64 reference scores used for the max_abs_err column")
+                   help="cap on the float64 reference scores used for the max_abs_err column (default 2**26)")
     p.add_argument("--budget-s", type=float, default=None,
-                   help="stop starting new cases after this many seconds (rows left are 'skipped'); files are complete")
+                   help="start no new method after this many seconds (rows left are 'skipped'); the files stay complete")
     p.add_argument("--resume-from", type=Path, default=None,
                    help="results.csv of an earlier run: its rows are kept and not run again")
     args = p.parse_args(argv)
@@ -892,11 +892,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.alphas = floats(args.alphas)
     args.recipe_alphas = floats(args.recipe_alphas or ("1,1.5,2,1.25" if smoke else "1.5"))
     args.sdpa_backends = [b.strip() for b in args.sdpa_backends.split(",") if b.strip()]
+    for b in args.sdpa_backends:
+        if b not in SDPA_BACKENDS:
+            p.error(f"--sdpa-backends takes {', '.join(SDPA_BACKENDS)}; got {b!r}")
     if "flash" not in args.sdpa_backends:
         args.sdpa_backends.insert(0, "flash")
     args.sweep_seq = args.sweep_seq or (64 if smoke else 8192)
     args.sweep_head_dim = args.sweep_head_dim or (32 if smoke else 128)
     args.sweep_alphas = floats(args.sweep_alphas or ("1.5" if smoke else "1.5,2,1.25"))
+    for name in ("alphas", "recipe_alphas", "sweep_alphas"):
+        bad = [a for a in getattr(args, name) if not 1.0 <= a <= 2.0]
+        if bad:
+            p.error(f"--{name.replace('_', '-')} takes alphas in [1, 2]; got {bad}")
     args.sweep_targets = floats(args.sweep_targets or ("4,0.9" if smoke else "4,0.01,0.05,0.2,0.5,0.9"))
     args.mixed_seq = args.mixed_seq or (32 if smoke else 4096)
     args.mixed_causal = _bools(args.mixed_causal or ("true" if smoke else "false,true"))
