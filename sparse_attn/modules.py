@@ -329,7 +329,7 @@ class EntmaxMultiheadAttention(_HeadAlphaMixin, nn.MultiheadAttention):
 
     @classmethod
     def from_mha(cls, mha: nn.MultiheadAttention, **kwargs) -> EntmaxMultiheadAttention:
-        """A new module with the configuration and a copy of the weights of ``mha``.
+        """A new module with the configuration, a copy of the weights (and their ``requires_grad``) of ``mha``.
 
         Args:
             mha: the ``nn.MultiheadAttention`` to copy (kept unchanged).
@@ -345,6 +345,10 @@ class EntmaxMultiheadAttention(_HeadAlphaMixin, nn.MultiheadAttention):
             batch_first=mha.batch_first, device=ref.device, dtype=ref.dtype, **kwargs,
         )
         new.load_state_dict(mha.state_dict(), strict=not isinstance(mha, EntmaxMultiheadAttention))
+        new_params = dict(new.named_parameters())
+        for name, p in mha.named_parameters():
+            if name in new_params:
+                new_params[name].requires_grad_(p.requires_grad)
         new.train(mha.training)
         return new
 

@@ -167,3 +167,23 @@ def test_attach_errors():
     model = LlamaForCausalLM._from_config(_llama_config(), attn_implementation="entmax")
     with pytest.raises(ValueError, match="strictly between"):
         entmax_hf.attach_entmax_alpha(model, alpha=2.0, learnable=True)
+
+
+def test_llama_fused_backend_matches_reference():
+    pytest.importorskip("sparse_attn._attn_autograd", reason="fused kernels / custom ops not importable yet",
+                        exc_type=ImportError)
+    _, ent = _pair(LlamaForCausalLM, _llama_config())
+    entmax_hf.attach_entmax_alpha(ent, alpha=[1.3, 1.5, 1.8, 1.95], learnable=True)
+    ids, mask = _ids_and_padding()
+    with torch.no_grad():
+        ref = ent(ids, attention_mask=mask).logits
+        ref_plain = ent(ids[:1]).logits
+        ent.config.entmax_backend = "triton"
+        out = ent(ids, attention_mask=mask).logits
+        out_plain = ent(ids[:1]).logits
+    valid = mask.bool()
+    torch.testing.assert_close(out[valid], ref[valid], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out_plain, ref_plain, atol=1e-4, rtol=1e-4)
+    gen = ent.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False)
+    ent.config.entmax_backend = "reference"
+    assert torch.equal(gen, ent.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False))

@@ -378,11 +378,13 @@ def _ff(layer, x):
 
 def test_swap_shared_module_and_errors():
     shared = nn.MultiheadAttention(E, H)
+    shared.in_proj_weight.requires_grad_(False)
     model = nn.ModuleDict({"a": shared, "b": nn.Sequential(shared)})
     replaced = swap_attention(model, alpha=1.5, learnable=True, alpha_max=1.9)
     assert len(replaced) == 1
     assert model["a"] is model["b"][0]
     assert model["a"].learnable_alpha and model["a"].alpha_max == 1.9
+    assert not model["a"].in_proj_weight.requires_grad and model["a"].out_proj.weight.requires_grad
     assert swap_attention(model) == []
     with pytest.raises(ValueError, match="from_mha"):
         swap_attention(nn.MultiheadAttention(E, H))

@@ -9,7 +9,9 @@ attention interface (Llama, Mistral, Qwen, BERT, ...) then runs entmax attention
     model = AutoModelForCausalLM.from_config(config, attn_implementation="entmax")
     entmax_hf.attach_entmax_alpha(model, alpha=1.5, learnable=True)   # per-head alpha parameters
 
-Without :func:`attach_entmax_alpha` every head uses ``config.entmax_alpha`` if set, else 1.5.
+Without :func:`attach_entmax_alpha` every head uses ``config.entmax_alpha`` if set, else 1.5;
+``config.entmax_backend`` (``"auto"``, ``"triton"`` or ``"reference"``) picks the backend of
+:func:`sparse_attn.entmax_attention` (default ``"auto"``: Triton on CUDA).
 Attached alphas are submodules ``<attention module>.entmax_alpha`` (:class:`sparse_attn.modules.EntmaxAlpha`),
 so a learnable alpha is trained with the model and saved by ``save_pretrained``; the settings go
 to ``config.entmax``, and :func:`from_pretrained` rebuilds them when loading.
@@ -78,7 +80,7 @@ def entmax_attention_forward(
 
     Args:
         module: the calling attention module (its ``entmax_alpha``, ``is_causal`` and
-            ``config`` are read).
+            ``config.entmax_alpha`` / ``config.entmax_backend`` are read).
         query: ``(B, Hq, Nq, D)``; key, value: ``(B, Hk, Nk, D)``, ``Hq % Hk == 0``.
         attention_mask: boolean ``(B, 1|Hq, Nq, Nk)`` (True = attend) or additive float, or None.
         dropout: dropout on the weights (the caller passes 0 in eval mode). Default 0.
@@ -129,9 +131,11 @@ def entmax_attention_forward(
         if sink is not None:
             sink(nnz, n_valid, _alpha_tensor(alpha, n_heads, query.device), p)
     else:
+        config = getattr(module, "config", None)
         res = entmax_attention(
             query, key, value, alpha, attn_mask=mask, is_causal=causal, scale=scaling, dropout_p=dropout,
             enable_gqa=n_kv != n_heads, return_stats=sink is not None,
+            backend=getattr(config, "entmax_backend", None) or "auto",
         )
         if sink is not None:
             out, stats = res
