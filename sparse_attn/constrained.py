@@ -75,7 +75,7 @@ def _sort_valid_first(key: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 
 def _csoftmax_rows(z: torch.Tensor, u: torch.Tensor, valid: torch.Tensor):
     """Constrained softmax of rows ``z`` (R, n) under bounds ``u``; returns (a, clipped)."""
-    rows, n = z.shape
+    n = z.shape[1]
     neg_inf = torch.full_like(z, -math.inf)
     zv = torch.where(valid, z, neg_inf)
     m = zv.amax(dim=1, keepdim=True)
@@ -129,7 +129,6 @@ _SET_NONE, _SET_FREE, _SET_UPPER = 0, 1, 2
 
 def _csparsemax_rows(z: torch.Tensor, u: torch.Tensor, valid: torch.Tensor):
     """Constrained sparsemax of rows ``z`` (R, n) under bounds ``u``; returns (a, sets)."""
-    rows, n = z.shape
     neg_inf = torch.full_like(z, -math.inf)
     hi = torch.where(valid, z, neg_inf)
     lo = torch.where(valid, z - u, neg_inf)
@@ -193,6 +192,8 @@ def _constrained(fn, z, u, dim, mask, lengths):
     if zb.shape != z.shape:
         raise ValueError(f"u must be broadcastable to z's shape {tuple(z.shape)} without growing it, got shape {tuple(u.shape)}")
     valid = _valid_rows(z, d, mask, lengths)
+    if z.numel() == 0:
+        return z.clone()
     cdt = _compute_dtype(z.dtype)
     zr = _to_rows(zb, d).to(cdt)
     ur = _to_rows(ub, d).to(cdt)

@@ -114,11 +114,12 @@ def _valid_rows(X: torch.Tensor, d: int, mask, lengths) -> torch.Tensor:
                 raise ValueError(f"lengths must be in [0, {n}] (the size of dim {d}), got values in [{lo}, {hi}]")
         pos = torch.arange(n, device=X.device)
         valid = valid & (pos < lens.unsqueeze(-1)).movedim(-1, d)
-    return valid.movedim(d, -1).reshape(-1, n)
+    return _to_rows(valid, d)
 
 
 def _to_rows(X: torch.Tensor, d: int) -> torch.Tensor:
-    return X.movedim(d, -1).reshape(-1, X.shape[d])
+    """``X`` with ``dim`` moved last and the other dims flattened: ``(R, n)`` (also when n = 0)."""
+    return X.movedim(d, -1).reshape(math.prod(X.shape[:d] + X.shape[d + 1:]), X.shape[d])
 
 
 def _from_rows(rows: torch.Tensor, X: torch.Tensor, d: int) -> torch.Tensor:
@@ -380,6 +381,8 @@ def tv_prox(X: torch.Tensor, lam: float = 0.1, dim: int = -1, mask=None, lengths
         Tensor of ``X``'s shape and dtype; invalid entries are 0.
     """
     d, x, valid = _prepare(X, dim, mask, lengths, 1.0)
+    if X.numel() == 0:
+        return X.clone()
     lam = _check_real("lam", lam, 0.0, False)
     return _from_rows(_tv_prox_valid(x, valid, lam).to(X.dtype), X, d)
 
@@ -400,6 +403,8 @@ def oscar_prox(X: torch.Tensor, lam: float = 0.01, dim: int = -1, mask=None, len
         Tensor of ``X``'s shape and dtype; invalid entries are 0.
     """
     d, x, valid = _prepare(X, dim, mask, lengths, 1.0)
+    if X.numel() == 0:
+        return X.clone()
     lam = _check_real("lam", lam, 0.0, False)
     return _from_rows(_OscarProxFunction.apply(x, valid, lam, False).to(X.dtype), X, d)
 
@@ -419,6 +424,8 @@ def gamma_sparsemax(X: torch.Tensor, gamma: float = 1.0, dim: int = -1, mask=Non
         (rows with no valid entry give zeros).
     """
     d, x, valid = _prepare(X, dim, mask, lengths, gamma)
+    if X.numel() == 0:
+        return X.clone()
     return _finish(x, valid, X, d)
 
 
@@ -444,6 +451,8 @@ def fusedmax(X: torch.Tensor, lam: float = 0.1, dim: int = -1, gamma: float = 1.
         entries of each row (rows with no valid entry give zeros).
     """
     d, x, valid = _prepare(X, dim, mask, lengths, gamma)
+    if X.numel() == 0:
+        return X.clone()
     lam = _check_real("lam", lam, 0.0, False)
     return _finish(_tv_prox_valid(x, valid, lam), valid, X, d)
 
@@ -466,6 +475,8 @@ def oscarmax(X: torch.Tensor, lam: float = 0.01, dim: int = -1, gamma: float = 1
         entries of each row (rows with no valid entry give zeros).
     """
     d, x, valid = _prepare(X, dim, mask, lengths, gamma)
+    if X.numel() == 0:
+        return X.clone()
     lam = _check_real("lam", lam, 0.0, False)
     return _finish(_OscarProxFunction.apply(x, valid, lam, True), valid, X, d)
 
@@ -571,6 +582,8 @@ def sq_pnorm_max(X: torch.Tensor, p: float = 1.5, dim: int = -1, gamma: float = 
     check_floating("X", X)
     p = _check_real("p", p, 1.0, True, 2.0)
     d, x, valid = _prepare(X, dim, mask, lengths, 1.0)
+    if X.numel() == 0:
+        return X.clone()
     gamma = _check_real("gamma", gamma, 0.0, True)
     y = _SqPnormFunction.apply(x, valid, p, gamma)
     return _from_rows(y.to(X.dtype), X, d)

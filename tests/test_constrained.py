@@ -200,6 +200,8 @@ def test_infeasible_bounds_raise(fn):
     assert (a <= u).all()
     empty = torch.zeros(3, 4, dtype=torch.bool)
     assert (fn(z, torch.zeros(3, 4, dtype=F64), mask=empty) == 0).all()
+    assert fn(torch.empty(0, 4), torch.ones(0, 4)).shape == (0, 4)
+    assert fn(torch.empty(3, 0), torch.ones(3, 0)).shape == (3, 0)
     exact = torch.full((2, 4), 0.25, dtype=torch.float32)
     torch.testing.assert_close(fn(z[:2].float(), exact), exact, atol=1e-7, rtol=0)
     with pytest.raises(ValueError, match="u must be >= 0"):

@@ -235,14 +235,14 @@ def test_oscar_jacobians_match_prop3():
     x = torch.randn(4, d, generator=_gen(11), dtype=F64)
     z = _slow_solver(x, _oscar_matrix(d), lam, False)
     y = _slow_solver(x, _oscar_matrix(d), lam, True)
+    shifted = _slow_solver(x + 10.0, _oscar_matrix(d), lam, False)
     for r in range(4):
         G = _groups(z[r].abs(), contiguous=False)
         sgn = torch.sign(z[r])
         J_osc = G * torch.outer(sgn, sgn) / G.sum(1, keepdim=True)
         torch.testing.assert_close(jacobian(lambda a: oscar_prox(a, lam=lam), x[r]), J_osc, atol=TOL["jacobian"], rtol=0)
         # oscarmax: prox of the shifted input, all groups positive (see structured.py)
-        zs = _slow_solver(x[r:r + 1] + 10.0, _oscar_matrix(d), lam, False)[0]
-        Gs = _groups(zs, contiguous=False)
+        Gs = _groups(shifted[r], contiguous=False)
         J = _sparsemax_jacobian(y[r]) @ (Gs / Gs.sum(1, keepdim=True))
         v = torch.randn(d, generator=_gen(12 + r), dtype=F64)
         _, jv = jvp(lambda a: oscarmax(a, lam=lam), x[r], v)
@@ -355,7 +355,9 @@ def test_empty_and_tiny_rows():
     one = torch.randn(3, 1, dtype=F64)
     for fn in (fusedmax, oscarmax, sq_pnorm_max):
         assert (fn(one) == 1).all()
-    assert fusedmax(torch.empty(0, 4)).shape == (0, 4)
+    for fn in (fusedmax, oscarmax, sq_pnorm_max, gamma_sparsemax, tv_prox, oscar_prox):
+        assert fn(torch.empty(0, 4)).shape == (0, 4)
+        assert fn(torch.empty(3, 0)).shape == (3, 0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
