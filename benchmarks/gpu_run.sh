@@ -26,8 +26,11 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     && export PYTHONPATH=/tmp/bench_site${PYTHONPATH:+:$PYTHONPATH}
 fi
 if ! "$PY" -c "import sparse_attn.kernels" 2>/dev/null; then
-  "$PY" -m pip install -q --no-index --no-deps --no-build-isolation -e . \
-    || echo "gpu_run: editable install failed; the harness imports the checkout directly, the tests may not"
+  "$PY" -m pip install -q --no-index --no-deps --no-build-isolation -e . || echo "gpu_run: editable install failed"
+fi
+if ! "$PY" -c "import sparse_attn.kernels" 2>/dev/null; then
+  # this machine's copy of the checkout only: make the package-dir mapping a real subpackage
+  ln -sfn ../kernels sparse_attn/kernels && echo "gpu_run: linked sparse_attn/kernels -> kernels"
 fi
 
 OUT_DIR=${1:-${OUT:-}}
