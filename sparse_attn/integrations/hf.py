@@ -169,9 +169,10 @@ def _calls_attention_interface(module: nn.Module) -> bool:
     if cls not in _INTERFACE_CALLERS:
         try:
             src = inspect.getsource(cls.forward)
+            calls = "_attn_implementation" in src and "attention_interface" in src
         except (OSError, TypeError):
-            src = ""
-        _INTERFACE_CALLERS[cls] = "_attn_implementation" in src and "attention_interface" in src
+            calls = cls.__name__.endswith("Attention") and hasattr(module, "config") and hasattr(module, "is_causal")
+        _INTERFACE_CALLERS[cls] = calls
     return _INTERFACE_CALLERS[cls]
 
 
