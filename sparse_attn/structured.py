@@ -331,8 +331,8 @@ class _OscarProxFunction(torch.autograd.Function):
         return sign * _group_mean(sign * grad, gid), None, None, None
 
 
-def _prepare(X, dim, mask, lengths, gamma, name_x="X"):
-    check_floating(name_x, X)
+def _prepare(X, dim, mask, lengths, gamma):
+    check_floating("X", X)
     d = check_dim("dim", dim, X.ndim)
     gamma = _check_real("gamma", gamma, 0.0, True)
     valid = _valid_rows(X, d, mask, lengths)
@@ -380,10 +380,10 @@ def tv_prox(X: torch.Tensor, lam: float = 0.1, dim: int = -1, mask=None, lengths
     Returns:
         Tensor of ``X``'s shape and dtype; invalid entries are 0.
     """
+    lam = _check_real("lam", lam, 0.0, False)
     d, x, valid = _prepare(X, dim, mask, lengths, 1.0)
     if X.numel() == 0:
         return X.clone()
-    lam = _check_real("lam", lam, 0.0, False)
     return _from_rows(_tv_prox_valid(x, valid, lam).to(X.dtype), X, d)
 
 
@@ -402,10 +402,10 @@ def oscar_prox(X: torch.Tensor, lam: float = 0.01, dim: int = -1, mask=None, len
     Returns:
         Tensor of ``X``'s shape and dtype; invalid entries are 0.
     """
+    lam = _check_real("lam", lam, 0.0, False)
     d, x, valid = _prepare(X, dim, mask, lengths, 1.0)
     if X.numel() == 0:
         return X.clone()
-    lam = _check_real("lam", lam, 0.0, False)
     return _from_rows(_OscarProxFunction.apply(x, valid, lam, False).to(X.dtype), X, d)
 
 
@@ -450,10 +450,10 @@ def fusedmax(X: torch.Tensor, lam: float = 0.1, dim: int = -1, gamma: float = 1.
         Tensor of ``X``'s shape and dtype, non-negative, summing to 1 over the valid
         entries of each row (rows with no valid entry give zeros).
     """
+    lam = _check_real("lam", lam, 0.0, False)
     d, x, valid = _prepare(X, dim, mask, lengths, gamma)
     if X.numel() == 0:
         return X.clone()
-    lam = _check_real("lam", lam, 0.0, False)
     return _finish(_tv_prox_valid(x, valid, lam), valid, X, d)
 
 
@@ -474,10 +474,10 @@ def oscarmax(X: torch.Tensor, lam: float = 0.01, dim: int = -1, gamma: float = 1
         Tensor of ``X``'s shape and dtype, non-negative, summing to 1 over the valid
         entries of each row (rows with no valid entry give zeros).
     """
+    lam = _check_real("lam", lam, 0.0, False)
     d, x, valid = _prepare(X, dim, mask, lengths, gamma)
     if X.numel() == 0:
         return X.clone()
-    lam = _check_real("lam", lam, 0.0, False)
     return _finish(_OscarProxFunction.apply(x, valid, lam, True), valid, X, d)
 
 
@@ -548,16 +548,16 @@ def _sq_pnorm_jvp(y: torch.Tensor, v: torch.Tensor, p: float) -> torch.Tensor:
 
 class _SqPnormFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, valid, p, gamma):
-        y = _sq_pnorm_forward(x / gamma, valid, p)
-        ctx.p, ctx.gamma = p, gamma
+    def forward(ctx, x, valid, p):
+        y = _sq_pnorm_forward(x, valid, p)
+        ctx.p = p
         ctx.save_for_backward(y)
         return y
 
     @staticmethod
     def backward(ctx, grad):
         (y,) = ctx.saved_tensors
-        return _sq_pnorm_jvp(y, grad, ctx.p) / ctx.gamma, None, None, None
+        return _sq_pnorm_jvp(y, grad, ctx.p), None, None
 
 
 def sq_pnorm_max(X: torch.Tensor, p: float = 1.5, dim: int = -1, gamma: float = 1.0, mask=None,
@@ -579,13 +579,11 @@ def sq_pnorm_max(X: torch.Tensor, p: float = 1.5, dim: int = -1, gamma: float = 
         Tensor of ``X``'s shape and dtype, non-negative, summing to 1 over the valid
         entries of each row (rows with no valid entry give zeros).
     """
-    check_floating("X", X)
     p = _check_real("p", p, 1.0, True, 2.0)
-    d, x, valid = _prepare(X, dim, mask, lengths, 1.0)
+    d, x, valid = _prepare(X, dim, mask, lengths, gamma)
     if X.numel() == 0:
         return X.clone()
-    gamma = _check_real("gamma", gamma, 0.0, True)
-    y = _SqPnormFunction.apply(x, valid, p, gamma)
+    y = _SqPnormFunction.apply(x, valid, p)
     return _from_rows(y.to(X.dtype), X, d)
 
 
