@@ -348,6 +348,27 @@ def _finish(y_rows, valid, X, d):
     return _from_rows(p.to(X.dtype), X, d)
 
 
+def _run(X, dim, mask, lengths, gamma, lam, prox, project):
+    """Validate, apply ``prox(rows, valid, lam)`` (or nothing) to ``X / gamma``, optionally project."""
+    if lam is not None:
+        lam = _check_real("lam", lam, 0.0, False)
+    d, x, valid = _prepare(X, dim, mask, lengths, gamma)
+    if X.numel() == 0:
+        return X.clone()
+    y = x if prox is None else prox(x, valid, lam)
+    if project:
+        return _finish(y, valid, X, d)
+    return _from_rows(y.to(X.dtype), X, d)
+
+
+def _oscar_valid(x, valid, lam):
+    return _OscarProxFunction.apply(x, valid, lam, False)
+
+
+def _oscar_on_simplex(x, valid, lam):
+    return _OscarProxFunction.apply(x, valid, lam, True)
+
+
 def _pack(valid: torch.Tensor):
     """Order that moves the valid entries of each row to the front (stable), its inverse, lengths."""
     order = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)
@@ -380,11 +401,7 @@ def tv_prox(X: torch.Tensor, lam: float = 0.1, dim: int = -1, mask=None, lengths
     Returns:
         Tensor of ``X``'s shape and dtype; invalid entries are 0.
     """
-    lam = _check_real("lam", lam, 0.0, False)
-    d, x, valid = _prepare(X, dim, mask, lengths, 1.0)
-    if X.numel() == 0:
-        return X.clone()
-    return _from_rows(_tv_prox_valid(x, valid, lam).to(X.dtype), X, d)
+    return _run(X, dim, mask, lengths, 1.0, lam, _tv_prox_valid, False)
 
 
 def oscar_prox(X: torch.Tensor, lam: float = 0.01, dim: int = -1, mask=None, lengths=None) -> torch.Tensor:
@@ -402,11 +419,7 @@ def oscar_prox(X: torch.Tensor, lam: float = 0.01, dim: int = -1, mask=None, len
     Returns:
         Tensor of ``X``'s shape and dtype; invalid entries are 0.
     """
-    lam = _check_real("lam", lam, 0.0, False)
-    d, x, valid = _prepare(X, dim, mask, lengths, 1.0)
-    if X.numel() == 0:
-        return X.clone()
-    return _from_rows(_OscarProxFunction.apply(x, valid, lam, False).to(X.dtype), X, d)
+    return _run(X, dim, mask, lengths, 1.0, lam, _oscar_valid, False)
 
 
 def gamma_sparsemax(X: torch.Tensor, gamma: float = 1.0, dim: int = -1, mask=None, lengths=None) -> torch.Tensor:
@@ -423,10 +436,7 @@ def gamma_sparsemax(X: torch.Tensor, gamma: float = 1.0, dim: int = -1, mask=Non
         Tensor of ``X``'s shape and dtype, summing to 1 over the valid entries of each row
         (rows with no valid entry give zeros).
     """
-    d, x, valid = _prepare(X, dim, mask, lengths, gamma)
-    if X.numel() == 0:
-        return X.clone()
-    return _finish(x, valid, X, d)
+    return _run(X, dim, mask, lengths, gamma, None, None, True)
 
 
 def fusedmax(X: torch.Tensor, lam: float = 0.1, dim: int = -1, gamma: float = 1.0, mask=None,
@@ -450,11 +460,7 @@ def fusedmax(X: torch.Tensor, lam: float = 0.1, dim: int = -1, gamma: float = 1.
         Tensor of ``X``'s shape and dtype, non-negative, summing to 1 over the valid
         entries of each row (rows with no valid entry give zeros).
     """
-    lam = _check_real("lam", lam, 0.0, False)
-    d, x, valid = _prepare(X, dim, mask, lengths, gamma)
-    if X.numel() == 0:
-        return X.clone()
-    return _finish(_tv_prox_valid(x, valid, lam), valid, X, d)
+    return _run(X, dim, mask, lengths, gamma, lam, _tv_prox_valid, True)
 
 
 def oscarmax(X: torch.Tensor, lam: float = 0.01, dim: int = -1, gamma: float = 1.0, mask=None,
@@ -474,11 +480,7 @@ def oscarmax(X: torch.Tensor, lam: float = 0.01, dim: int = -1, gamma: float = 1
         Tensor of ``X``'s shape and dtype, non-negative, summing to 1 over the valid
         entries of each row (rows with no valid entry give zeros).
     """
-    lam = _check_real("lam", lam, 0.0, False)
-    d, x, valid = _prepare(X, dim, mask, lengths, gamma)
-    if X.numel() == 0:
-        return X.clone()
-    return _finish(_OscarProxFunction.apply(x, valid, lam, True), valid, X, d)
+    return _run(X, dim, mask, lengths, gamma, lam, _oscar_on_simplex, True)
 
 
 def _pnorm_terms(s: torch.Tensor, p: float):
