@@ -105,8 +105,8 @@ def tv_prox_rows(x: torch.Tensor, lengths: torch.Tensor, lam: float) -> torch.Te
     """Prox of ``lam * sum_i |y_{i+1} - y_i|`` on the first ``lengths[r]`` entries of each row.
 
     Args:
-        x: ``(R, N)`` float32 or float64 tensor (contiguous rows are not required; the
-            last dimension must have stride 1).
+        x: ``(R, N)`` float32 or float64 tensor; rows may be strided (a copy is made only
+            when the last dimension is not contiguous).
         lengths: ``(R,)`` integer tensor, entries in ``[0, N]``.
         lam: the TV weight, a float ``>= 0``.
 
