@@ -10,6 +10,7 @@
 #   TOTAL_S         wall-clock budget of the whole script in seconds (default 570, under a 600 s call)
 #   TEST_TIMEOUT_S  cap on the gpu-marked tests (default 200); SKIP_TESTS=1 skips them
 #   PYTEST_WORKERS  pytest-xdist workers for the tests (default 4)
+#   PYTEST_SELECT   what pytest runs (default "-m gpu tests"; "tests" runs the whole suite on the GPU)
 #   BENCH_ARGS      extra arguments for benchmarks/bench_attention.py (e.g. "--groups flash")
 #   RESUME_FROM     results.csv of a run cut short by the budget: its rows are kept, the rest is run
 #   BENCH_COMMIT    commit to stamp when the copy has no .git (e.g. the output of git rev-parse HEAD)
@@ -41,7 +42,8 @@ fi
 mkdir -p "$OUT_DIR"
 
 if [ "${SKIP_TESTS:-0}" != "1" ]; then
-  timeout "${TEST_TIMEOUT_S:-200}" "$PY" -m pytest -m gpu -q -n "${PYTEST_WORKERS:-4}" -p no:cacheprovider tests \
+  # shellcheck disable=SC2086
+  timeout "${TEST_TIMEOUT_S:-200}" "$PY" -m pytest -q -n "${PYTEST_WORKERS:-4}" -p no:cacheprovider ${PYTEST_SELECT:--m gpu tests} \
     2>&1 | tee "$OUT_DIR/pytest_gpu.log"
   echo "gpu_run: pytest exit status ${PIPESTATUS[0]} (124 = hit TEST_TIMEOUT_S)" | tee -a "$OUT_DIR/pytest_gpu.log"
 fi
