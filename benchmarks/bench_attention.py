@@ -679,12 +679,39 @@ def _mode_cells(row: dict | None) -> list[str]:
             _fmt(row["time_vs_sdpa_flash"]), _fmt(row["peak_mem_mib"], 4)]
 
 
+def summary_lines(rows: list[dict], modes=MODES) -> list[str]:
+    """Flash-grid summary: per mode, ``time / SDPA flash`` of every other method, one line per shape."""
+    grid = [r for r in rows if r["group"] == "flash"]
+    series = list(dict.fromkeys(_series_label(r) for r in grid if not (r["method"] == "sdpa" and r["backend"] == "flash")))
+    if not series:
+        return []
+    lines = ["## Summary: time / SDPA flash on the FlashAttention grid (below 1 = faster than flash)", ""]
+    for mode in modes:
+        by_shape: dict[tuple, dict] = {}
+        for r in grid:
+            if r["mode"] == mode:
+                by_shape.setdefault((r["head_dim"], r["causal"], r["seq_q"]), {})[_series_label(r)] = r
+        if not by_shape:
+            continue
+        lines += [f"### {mode}", "", "| D | causal | N | " + " | ".join(series) + " |", "|" + "---|" * (3 + len(series))]
+        for (hd, causal, seq), cells in by_shape.items():
+            vals = []
+            for label in series:
+                r = cells.get(label)
+                vals.append("" if r is None else _fmt(r["time_vs_sdpa_flash"]) if r["status"] == OK else r["status"])
+            lines.append(f"| {hd} | {causal} | {seq} | " + " | ".join(vals) + " |")
+        lines.append("")
+    return lines
+
+
 def write_markdown(path: Path, stamp: dict, notes: list[str], rows: list[dict], modes=MODES):
-    """Tables, one per group, one line per (case, method) and four cells per mode (see benchmarks/README.md)."""
+    """Stamp, notes, the flash-grid summary, then tables, one per group, one line per (case, method)
+    and four cells per mode (see benchmarks/README.md)."""
     lines = ["# Attention benchmark", ""]
     lines += [f"- **{key}**: `{stamp[key]}`" for key in STAMP_KEYS]
     lines += [f"- note: {n}" for n in notes]
     lines.append("")
+    lines += summary_lines(rows, modes)
     header = [h for _, h in MD_CASE_COLUMNS]
     for mode in modes:
         header += [f"{mode} ms (q20–q80)", f"{mode} TFLOP/s", f"{mode} / SDPA flash", f"{mode} peak MiB"]

@@ -58,6 +58,7 @@ def check_files_stamp_and_columns(bench, out, rows):
         assert f"**{key}**" in md
     for title in bench.GROUP_TITLES.values():
         assert f"## {title}" in md
+    assert "## Summary: time / SDPA flash" in md and "sparse_attn α=1.5" in md
     assert {r["group"] for r in rows} == {"flash", "sparsity", "mixed"}
 
 
