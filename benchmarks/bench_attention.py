@@ -750,8 +750,11 @@ def _series_label(r: dict) -> str:
 
 def write_plots(out: Path, stamp: dict, rows: list[dict]) -> list[Path]:
     """``plot_grid.png`` (TFLOP/s vs seq), ``plot_sparsity.png`` (time ratio, skipped tiles, sweeps vs density), ``plot_mixed.png``."""
-    import matplotlib
-
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib is not installed: no plots (pip install matplotlib)", flush=True)
+        return []
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
