@@ -374,6 +374,11 @@ def cpu_bench(fn: Callable[[], object], grad_to_none, warmup: int, reps: int) ->
         fn()
         if i >= warmup:
             times.append((time.perf_counter() - start) * 1e3)
+    return median_q20_q80(times)
+
+
+def median_q20_q80(times: list[float]) -> tuple[float, float, float]:
+    """Median and 20% / 80% quantiles (linear interpolation) of a list of timings."""
     if len(times) == 1:
         return times[0], times[0], times[0]
     q = statistics.quantiles(times, n=10, method="inclusive")
@@ -392,8 +397,7 @@ def cuda_event_bench(fn: Callable[[], object], grad_to_none, reps: int) -> tuple
         end.record()
         torch.cuda.synchronize()
         times.append(begin.elapsed_time(end))
-    q = statistics.quantiles(times, n=10, method="inclusive") if len(times) > 1 else [times[0]] * 9
-    return statistics.median(times), q[1], q[7]
+    return median_q20_q80(times)
 
 
 @dataclass

@@ -196,3 +196,12 @@ def test_measure_reports_oom_unavailable_and_errors(bench):
     assert bad == {"status": "error", "note": "ValueError: q must be 4-d"}
     good = bench.measure(lambda: (x * 2).sum(), "fwd+bwd", torch.ones(()), [x], timing)
     assert good["status"] == "ok" and good["ms"] > 0 and x.grad is None
+
+
+def test_median_and_quantiles_match_numpy(bench):
+    np = pytest.importorskip("numpy")
+    gen = torch.Generator().manual_seed(5)
+    for n in (1, 2, 3, 7, 20):
+        times = (torch.rand(n, generator=gen, dtype=torch.float64) * 10).tolist()
+        med, q20, q80 = bench.median_q20_q80(times)
+        assert (med, q20, q80) == pytest.approx((np.median(times), *np.quantile(times, [0.2, 0.8])), rel=1e-12)
