@@ -532,7 +532,7 @@ def entmax_attn_bwd(
     tau = tau.contiguous()
     lsum = lsum.contiguous()
     upcast = interpreting() or q.dtype == torch.float32
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    precision = "tf32x3" if q.dtype == torch.float32 else "tf32"
     block_d = max(16, triton.next_power_of_2(D))
     num_warps = 4 if block_d <= 64 else 8
 
