@@ -233,7 +233,8 @@ def _entmax_attn_bwd_dq_kernel(
     rows64 = rows.to(tl.int64)
 
     q = _load_rows(Q + b64 * stride_qb + h64 * stride_qh, rows, offs_d, stride_qm, stride_qd, row_ok, d_ok, UPCAST)
-    do = _load_rows(DO + b64 * stride_dob + h64 * stride_doh, rows, offs_d, stride_dom, stride_dod, row_ok, d_ok, UPCAST)
+    do = _load_rows(DO + b64 * stride_dob + h64 * stride_doh, rows, offs_d, stride_dom, stride_dod, row_ok, d_ok,
+                    UPCAST)
     stat_off = bh.to(tl.int64) * n_q + rows64
     tau = tl.load(TAU + stat_off, mask=row_ok, other=float("inf"))
     lsum = tl.load(LSUM + stat_off, mask=row_ok, other=0.0)
@@ -471,9 +472,9 @@ def entmax_attn_bwd(
         alpha = torch.full((Hq,), float(alpha), dtype=torch.float32, device=q.device)
     if alpha.shape != (Hq,):
         raise ValueError(f"alpha: expected shape ({Hq},), got {tuple(alpha.shape)}")
-    alpha = alpha.detach().to(device=q.device, dtype=torch.float32).contiguous()
     if alpha.device.type == "cpu" and not bool(((alpha >= 1.0) & (alpha <= 2.0)).all()):
         raise ValueError(f"alpha: expected values in [1, 2], got {alpha.tolist()}")
+    alpha = alpha.detach().to(device=q.device, dtype=torch.float32).contiguous()
     if not 0.0 <= float(dropout_p) < 1.0:
         raise ValueError(f"dropout_p: expected a float in [0, 1), got {dropout_p}")
     if not 16 <= D <= 256:
@@ -523,7 +524,9 @@ def entmax_attn_bwd(
         try:
             bias_t = bias.expand(B, Hq, Nq, Nk)
         except RuntimeError:
-            raise ValueError(f"bias: expected a shape broadcastable to {(B, Hq, Nq, Nk)}, got {tuple(bias.shape)}") from None
+            raise ValueError(
+                f"bias: expected a shape broadcastable to {(B, Hq, Nq, Nk)}, got {tuple(bias.shape)}"
+            ) from None
         bias_strides = bias_t.stride()
     else:
         bias_t = q

@@ -41,7 +41,8 @@ class Case:
     """One random problem: float64 reference gradients and everything the kernel needs."""
 
     def __init__(self, B=2, Hq=2, Hk=2, Nq=40, Nk=40, D=16, alpha=1.5, dtype=torch.float32, causal=False,
-                 mask=None, dropout_p=0.0, seed=0, cu_q=None, cu_k=None, scale=None, mask_grad=False, data_seed=0):
+                 mask=None, dropout_p=0.0, seed=0, cu_q=None, cu_k=None, scale=None, mask_grad=False, data_seed=0,
+                 device="cpu"):
         gen = torch.Generator().manual_seed(data_seed)
         self.dtype, self.causal, self.dropout_p, self.seed = dtype, causal, dropout_p, seed
         self.scale = D**-0.5 if scale is None else scale
@@ -63,7 +64,7 @@ class Case:
                   cu_seqlens_q=self.cu_q, cu_seqlens_k=self.cu_k)
         keep = None
         if dropout_p > 0:
-            keep = dropout_keep_mask(seed, B * Hq, Nq, Nk, dropout_p, "cpu").reshape(B, Hq, Nq, Nk)
+            keep = dropout_keep_mask(seed, B * Hq, Nq, Nk, dropout_p, device).cpu().reshape(B, Hq, Nq, Nk)
         out, stats = entmax_attention_reference(q, k, v, alpha64, dropout_p=dropout_p, dropout_mask=keep,
                                                 return_stats=True, **kw)
         grads = torch.autograd.grad((out * do).sum(), [q, k, v, alpha64] + ([mask] if mask_grad else []))
@@ -85,8 +86,12 @@ class Case:
         self.out = out.detach().to(dtype)
         bias = None
         if mask is not None:
-            bias = mask.detach().float() if mask.is_floating_point() else torch.zeros(mask.shape).masked_fill(~mask, float("-inf"))
+            bias = mask.detach().float()
+            if not mask.is_floating_point():
+                bias = torch.zeros(mask.shape).masked_fill(~mask, float("-inf"))
         self.bias = bias
+        self.device = device
+        self.to(device)
 
     def to(self, device):
         for name in ("q", "k", "v", "do", "out", "tau", "lsum", "alpha32", "bias", "cu_q", "cu_k"):
@@ -117,7 +122,7 @@ class Case:
                                self.scale, **args)
 
     def check(self, res, names=("dq", "dk", "dv", "dalpha"), tol=None):
-        tol = TOL[self.dtype] if tol is None else tol
+        tol = (GPU_TOL if self.device == "cuda" else TOL)[self.dtype] if tol is None else tol
         got = dict(zip(["dq", "dk", "dv", "dalpha", "dbias"], res))
         for name in names:
             ref, val = self.ref[name], got[name].cpu()
@@ -130,73 +135,74 @@ class Case:
 
 @pytest.mark.parametrize("alpha", [1.0, 1.01, 1.25, 1.5, 2.0])
 @pytest.mark.parametrize("causal", [False, True])
-def test_grads_match_reference(alpha, causal):
-    case = Case(alpha=alpha, causal=causal, Nq=37, Nk=45, D=24)
+def test_grads_match_reference(alpha, causal, kernel_device):
+    case = Case(device=kernel_device, alpha=alpha, causal=causal, Nq=37, Nk=45, D=24)
     case.check(case.run(block_m=16, block_n=32))
 
 
-def test_mixed_alpha_gqa_float_mask_dbias():
+def test_mixed_alpha_gqa_float_mask_dbias(kernel_device):
     gen = torch.Generator().manual_seed(5)
     mask = torch.randn(2, 4, 33, 50, generator=gen)
     mask[0, 1, 3, :] = float("-inf")
     mask[1, :, :, 7] = float("-inf")
-    case = Case(Hq=4, Hk=2, Nq=33, Nk=50, alpha=[1.0, 1.3, 1.5, 2.0], mask=mask, mask_grad=True, causal=True)
+    case = Case(device=kernel_device, Hq=4, Hk=2, Nq=33, Nk=50, alpha=[1.0, 1.3, 1.5, 2.0], mask=mask, mask_grad=True,
+                causal=True)
     res = case.run(block_m=16, block_n=16, need_dbias=True)
     case.check(res, names=("dq", "dk", "dv", "dalpha", "dbias"))
-    assert torch.equal(res[4][0, 1, 3], torch.zeros(50))
+    assert torch.equal(res[4][0, 1, 3].cpu(), torch.zeros(50))
 
 
-def test_mqa_bool_mask_fully_masked_rows():
+def test_mqa_bool_mask_fully_masked_rows(kernel_device):
     mask = torch.rand(1, 1, 30, 41, generator=torch.Generator().manual_seed(2)) > 0.4
     mask[..., 4, :] = False
     mask[..., 20:23, :] = False
-    case = Case(B=1, Hq=3, Hk=1, Nq=30, Nk=41, alpha=[1.75, 1.0, 1.5], mask=mask)
+    case = Case(device=kernel_device, B=1, Hq=3, Hk=1, Nq=30, Nk=41, alpha=[1.75, 1.0, 1.5], mask=mask)
     dq, dk, dv, dalpha, _ = case.run(block_m=16, block_n=16)
     case.check((dq, dk, dv, dalpha))
     assert torch.equal(dq[:, :, 4], torch.zeros_like(dq[:, :, 4]))
     assert torch.equal(dq[:, :, 20:23], torch.zeros_like(dq[:, :, 20:23]))
 
 
-def test_varlen_causal_cross_lengths():
+def test_varlen_causal_cross_lengths(kernel_device):
     cu_q, cu_k = [0, 5, 5, 27, 36, 40], [0, 9, 12, 28, 37, 37]
-    case = Case(Hq=2, Hk=1, alpha=[1.5, 1.2], cu_q=cu_q, cu_k=cu_k, causal=True)
+    case = Case(device=kernel_device, Hq=2, Hk=1, alpha=[1.5, 1.2], cu_q=cu_q, cu_k=cu_k, causal=True)
     dq, dk, dv, dalpha, _ = case.run(block_m=16, block_n=16, max_seqlen_q=22, max_seqlen_k=16)
     case.check((dq, dk, dv, dalpha))
     assert torch.equal(dq[:, :, 36:], torch.zeros_like(dq[:, :, 36:]))
 
 
-def test_single_query_row_causal():
-    case = Case(B=1, Hq=2, Hk=1, Nq=1, Nk=37, alpha=[1.0, 1.5], causal=True, D=20)
+def test_single_query_row_causal(kernel_device):
+    case = Case(device=kernel_device, B=1, Hq=2, Hk=1, Nq=1, Nk=37, alpha=[1.0, 1.5], causal=True, D=20)
     case.check(case.run(block_m=16, block_n=16))
 
 
 @pytest.mark.parametrize("alpha", [1.0, 1.5, 2.0])
-def test_dropout_replays_forward_mask(alpha):
-    case = Case(alpha=alpha, dropout_p=0.3, seed=1234, Nq=21, Nk=35, Hq=2, Hk=1)
+def test_dropout_replays_forward_mask(alpha, kernel_device):
+    case = Case(device=kernel_device, alpha=alpha, dropout_p=0.3, seed=1234, Nq=21, Nk=35, Hq=2, Hk=1)
     case.check(case.run(block_m=16, block_n=16))
 
 
 @pytest.mark.parametrize("alpha", [1.0, 1.0001, 1.001, 1.01])
-def test_near_alpha_one(alpha):
+def test_near_alpha_one(alpha, kernel_device):
     # the naive d alpha formula loses all digits at alpha = 1.0001 in float32 (docs/backward.md)
-    case = Case(alpha=alpha, B=1, Nq=24, Nk=40, scale=1.0)
+    case = Case(device=kernel_device, alpha=alpha, B=1, Nq=24, Nk=40, scale=1.0)
     res = case.run(block_m=16, block_n=32)
     case.check(res)
 
 
-def test_fp16_grads():
-    case = Case(alpha=[1.0, 1.5], dtype=torch.float16, causal=True, Nq=33, Nk=33)
+def test_fp16_grads(kernel_device):
+    case = Case(device=kernel_device, alpha=[1.0, 1.5], dtype=torch.float16, causal=True, Nq=33, Nk=33)
     res = case.run(block_m=16, block_n=16)
     assert all(t.dtype == torch.float16 for t in res[:3])
     case.check(res)
 
 
-def test_live_bitmap_skips_dead_tiles():
+def test_live_bitmap_skips_dead_tiles(kernel_device):
     mask = torch.ones(2, 1, 48, 64, dtype=torch.bool)
     mask[:, :, :16, 32:] = False
     mask[:, :, 32:, :16] = False
-    case = Case(alpha=2.0, mask=mask, Nq=48, Nk=64, scale=2.0)
-    live = _live_from_weights(case.p, 16, 16)
+    case = Case(device=kernel_device, alpha=2.0, mask=mask, Nq=48, Nk=64, scale=2.0)
+    live = _live_from_weights(case.p, 16, 16).to(kernel_device)
     assert (live != 2**4 - 1).any(), "the test needs dead tiles"
     full = case.run(block_m=16, block_n=16, need_dbias=True)
     skipped = case.run(block_m=16, block_n=16, need_dbias=True, live=live)
@@ -206,8 +212,8 @@ def test_live_bitmap_skips_dead_tiles():
     assert all(torch.equal(t, torch.zeros_like(t)) for t in dead if t is not None)
 
 
-def test_deterministic_and_layout_independent():
-    case = Case(Hq=4, Hk=2, alpha=[1.0, 1.1, 1.5, 2.0], causal=True, Nq=40, Nk=40)
+def test_deterministic_and_layout_independent(kernel_device):
+    case = Case(device=kernel_device, Hq=4, Hk=2, alpha=[1.0, 1.1, 1.5, 2.0], causal=True, Nq=40, Nk=40)
     a = case.run(block_m=16, block_n=16, need_dbias=True)
     b = case.run(block_m=16, block_n=16, need_dbias=True)
     assert all(torch.equal(x, y) for x, y in zip(a, b))
@@ -219,14 +225,15 @@ def test_deterministic_and_layout_independent():
 
 
 @pytest.mark.parametrize("alpha, causal, dropout_p", [([1.0, 1.5], True, 0.0), ([2.0, 1.25], False, 0.2)])
-def test_after_fused_forward(alpha, causal, dropout_p):
+def test_after_fused_forward(alpha, causal, dropout_p, kernel_device):
     mask = torch.randn(1, 2, 40, 48, generator=torch.Generator().manual_seed(3))
-    case = Case(Hq=2, Hk=1, alpha=alpha, causal=causal, Nq=40, Nk=48, mask=mask, dropout_p=dropout_p, seed=11)
+    case = Case(device=kernel_device, Hq=2, Hk=1, alpha=alpha, causal=causal, Nq=40, Nk=48, mask=mask,
+                dropout_p=dropout_p, seed=11)
     case.check(case.run_after_forward())
 
 
-def test_bad_arguments():
-    case = Case(B=1, Hq=2, Hk=2, Nq=16, Nk=16)
+def test_bad_arguments(kernel_device):
+    case = Case(device=kernel_device, B=1, Hq=2, Hk=2, Nq=16, Nk=16)
     with pytest.raises(ValueError, match="alpha"):
         entmax_attn_bwd(case.do, case.q, case.k, case.v, case.out, case.tau, case.lsum,
                         torch.tensor([0.5, 1.5]), 1.0)
@@ -242,26 +249,26 @@ def test_bad_arguments():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("causal", [False, True])
 def test_gpu_after_fused_forward(dtype, causal):
-    case = Case(B=2, Hq=4, Hk=2, Nq=300, Nk=333, D=64, alpha=[1.0, 1.2, 1.5, 2.0], dtype=dtype, causal=causal)
-    case.to("cuda")
+    case = Case(device="cuda", B=2, Hq=4, Hk=2, Nq=300, Nk=333, D=64, alpha=[1.0, 1.2, 1.5, 2.0], dtype=dtype,
+                causal=causal)
     case.check(case.run_after_forward(), tol=GPU_TOL[dtype])
 
 
 @pytest.mark.gpu
 def test_gpu_varlen_gqa_dropout_dbias():
     mask = torch.randn(1, 4, 700, 650, generator=torch.Generator().manual_seed(9))
-    case = Case(Hq=4, Hk=1, alpha=[1.0, 1.05, 1.5, 2.0], D=128, cu_q=[0, 200, 201, 700], cu_k=[0, 150, 400, 650],
-                causal=True, dropout_p=0.1, seed=3, mask=mask, mask_grad=True).to("cuda")
+    case = Case(device="cuda", Hq=4, Hk=1, alpha=[1.0, 1.05, 1.5, 2.0], D=128, cu_q=[0, 200, 201, 700],
+                cu_k=[0, 150, 400, 650], causal=True, dropout_p=0.1, seed=3, mask=mask, mask_grad=True)
     res = case.run_after_forward(need_dbias=True)
     case.check(res, names=("dq", "dk", "dv", "dalpha", "dbias"), tol=GPU_TOL[torch.float32])
     again = case.run_after_forward(need_dbias=True)
     assert all(torch.equal(x, y) for x, y in zip(res, again))
 
 
-def test_dalpha_matches_finite_differences_of_fused_forward():
+def test_dalpha_matches_finite_differences_of_fused_forward(kernel_device):
     from sparse_attn.kernels.entmax_attn_fwd import entmax_attn_fwd
 
-    case = Case(B=1, Hq=4, Hk=2, Nq=24, Nk=40, alpha=[1.05, 1.3, 1.5, 1.9], causal=True)
+    case = Case(device=kernel_device, B=1, Hq=4, Hk=2, Nq=24, Nk=40, alpha=[1.05, 1.3, 1.5, 1.9], causal=True)
     step = 1e-3
 
     def head_losses(alpha):
