@@ -480,6 +480,11 @@ def entmax_attn_bwd(
     if not 16 <= D <= 256:
         raise ValueError(f"q: expected head dim in [16, 256], got {D}")
 
+    if B * Hq * Nq == 0 or Nk == 0:
+        dalpha = torch.zeros(Hq, dtype=torch.float32, device=q.device) if need_dalpha else None
+        dbias = torch.zeros((B, Hq, Nq, Nk), dtype=torch.float32, device=q.device) if need_dbias else None
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), dalpha, dbias
+
     is_varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
     if is_varlen:
         if cu_seqlens_q is None or cu_seqlens_k is None:

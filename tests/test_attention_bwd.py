@@ -278,3 +278,13 @@ def test_dalpha_matches_finite_differences_of_fused_forward(kernel_device):
     fd = (head_losses(case.alpha32 + step) - head_losses(case.alpha32 - step)) / (2 * step)
     dalpha = case.run_after_forward()[3].double()
     assert (dalpha - fd).abs().max() <= 2e-3 * fd.abs().max()
+
+
+def test_empty_inputs(kernel_device):
+    q = torch.randn(1, 2, 5, 16, device=kernel_device)
+    k = torch.randn(1, 2, 0, 16, device=kernel_device)
+    stats = torch.zeros(1, 2, 5, device=kernel_device)
+    dq, dk, dv, dalpha, dbias = entmax_attn_bwd(q, q, k, k, q, stats, stats, 1.5, 1.0, need_dalpha=True,
+                                                need_dbias=True)
+    assert torch.equal(dq, torch.zeros_like(q)) and dk.shape == k.shape and dbias.shape == (1, 2, 5, 0)
+    assert torch.equal(dalpha, torch.zeros_like(dalpha))
