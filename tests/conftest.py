@@ -17,6 +17,8 @@ except Exception:  # pragma: no cover - torch is a hard dependency
 
 if not _HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    # Tests use tiny tensors: one thread per (xdist) worker avoids oversubscribing the cores.
+    torch.set_num_threads(1)
 
 # The device the Triton kernels run on in this session: a GPU when there is one,
 # otherwise CPU tensors through the interpreter.

@@ -1,0 +1,147 @@
+"""Autograd wiring of the fused kernels as ``torch.library`` custom ops.
+
+``sparse_attn::entmax_attn_fwd`` and ``sparse_attn::entmax_attn_bwd`` wrap the Triton launchers;
+their fake implementations give output shapes, so ``torch.compile(fullgraph=True)`` traces
+through them, and ``register_autograd`` connects the handwritten backward.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from sparse_attn.kernels.entmax_attn_bwd import entmax_attn_bwd
+from sparse_attn.kernels.entmax_attn_fwd import entmax_attn_fwd, fwd_block_sizes
+from sparse_attn.reference import AttentionStats
+
+def _live_shape(q: Tensor, k: Tensor, cu_seqlens_q, max_seqlen_q: int, max_seqlen_k: int):
+    block_m, block_n = fwd_block_sizes(q.shape[-1])
+    n_seq = q.shape[0] if cu_seqlens_q is None else cu_seqlens_q.shape[0] - 1
+    n_qt = -(-max_seqlen_q // block_m)
+    n_words = -(-(-(-max_seqlen_k // block_n)) // 32)
+    return (n_seq, q.shape[1], n_qt, n_words), (n_seq, q.shape[1], n_qt)
+
+
+@torch.library.custom_op("sparse_attn::entmax_attn_fwd", mutates_args=())
+def _fwd_op(
+    q: Tensor, k: Tensor, v: Tensor, alpha: Tensor, bias: Tensor | None,
+    cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None, scale: float, is_causal: bool,
+    max_seqlen_q: int, max_seqlen_k: int, dropout_p: float, seed: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    res = entmax_attn_fwd(
+        q, k, v, alpha, scale, bias=bias, is_causal=is_causal, cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+        dropout_p=dropout_p, seed=seed,
+    )
+    return res.out, res.tau, res.lsum, res.nnz, res.n_valid, res.live, res.n_sweeps
+
+
+@_fwd_op.register_fake
+def _fwd_fake(q, k, v, alpha, bias, cu_seqlens_q, cu_seqlens_k, scale, is_causal, max_seqlen_q, max_seqlen_k, dropout_p, seed):
+    rows = q.shape[:3]
+    live_shape, sweep_shape = _live_shape(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
+    return (
+        torch.empty(q.shape, dtype=q.dtype, device=q.device),
+        q.new_empty(rows, dtype=torch.float32),
+        q.new_empty(rows, dtype=torch.float32),
+        q.new_empty(rows, dtype=torch.int32),
+        q.new_empty(rows, dtype=torch.int32),
+        q.new_empty(live_shape, dtype=torch.int32),
+        q.new_empty(sweep_shape, dtype=torch.int32),
+    )
+
+
+@torch.library.custom_op("sparse_attn::entmax_attn_bwd", mutates_args=())
+def _bwd_op(
+    do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, tau: Tensor, lsum: Tensor,
+    alpha: Tensor, bias: Tensor | None, cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None,
+    live: Tensor, scale: float, is_causal: bool, max_seqlen_q: int, max_seqlen_k: int,
+    dropout_p: float, seed: int, need_dalpha: bool, need_dbias: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    block_m, block_n = fwd_block_sizes(q.shape[-1])
+    dq, dk, dv, dalpha, dbias = entmax_attn_bwd(
+        do, q, k, v, out, tau, lsum, alpha, scale, bias=bias, is_causal=is_causal,
+        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k, dropout_p=dropout_p, seed=seed, live=live,
+        block_m=block_m, block_n=block_n, need_dalpha=need_dalpha, need_dbias=need_dbias,
+    )
+    if dalpha is None:
+        dalpha = alpha.new_zeros(0)
+    if dbias is None:
+        dbias = q.new_zeros(0, dtype=torch.float32)
+    return dq, dk, dv, dalpha, dbias
+
+
+@_bwd_op.register_fake
+def _bwd_fake(do, q, k, v, out, tau, lsum, alpha, bias, cu_seqlens_q, cu_seqlens_k, live, scale, is_causal,
+              max_seqlen_q, max_seqlen_k, dropout_p, seed, need_dalpha, need_dbias):
+    dbias_shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2]) if need_dbias else (0,)
+    return (
+        torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+        alpha.new_empty((alpha.shape[0],) if need_dalpha else (0,)),
+        q.new_empty(dbias_shape, dtype=torch.float32),
+    )
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, alpha, bias, cu_q, cu_k, scale, is_causal, max_q, max_k, dropout_p, seed = inputs
+    out, tau, lsum, _, _, live, _ = output
+    ctx.save_for_backward(q, k, v, out, tau, lsum, alpha, bias, cu_q, cu_k, live)
+    ctx.args = (scale, is_causal, max_q, max_k, dropout_p, seed)
+
+
+def _backward(ctx, d_out, *_unused):
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            "entmax_attention's fused backward is not differentiable: double backward "
+            "(create_graph=True) is not supported; use backend='reference' for higher-order gradients"
+        )
+    q, k, v, out, tau, lsum, alpha, bias, cu_q, cu_k, live = ctx.saved_tensors
+    scale, is_causal, max_q, max_k, dropout_p, seed = ctx.args
+    need_dalpha = ctx.needs_input_grad[3]
+    need_dbias = bias is not None and ctx.needs_input_grad[4]
+    dq, dk, dv, dalpha, dbias = _bwd_op(
+        d_out.contiguous(), q, k, v, out, tau, lsum, alpha, bias, cu_q, cu_k, live, scale,
+        is_causal, max_q, max_k, dropout_p, seed, need_dalpha, need_dbias,
+    )
+    return (
+        dq, dk, dv, dalpha if need_dalpha else None, dbias if need_dbias else None,
+        None, None, None, None, None, None, None, None,
+    )
+
+
+_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _seqlen_max(cu: Tensor | None, n: int) -> int:
+    if cu is None:
+        return n
+    return int((cu[1:] - cu[:-1]).max().item()) if cu.numel() > 1 else 0
+
+
+def fused_entmax_attention(q, k, v, alpha, *, attn_mask, is_causal, scale, dropout_p, cu_seqlens_q, cu_seqlens_k, return_stats):
+    """Run the fused kernels on validated arguments (see :func:`sparse_attn.entmax_attention`)."""
+    n_heads = q.shape[1]
+    if isinstance(alpha, Tensor):
+        alpha_t = alpha.to(device=q.device, dtype=torch.float32).reshape(-1).expand(n_heads)
+    else:
+        alpha_t = torch.full((n_heads,), alpha, dtype=torch.float32, device=q.device)
+    bias = None
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            bias = torch.zeros(attn_mask.shape, dtype=torch.float32, device=q.device).masked_fill(~attn_mask, float("-inf"))
+        else:
+            bias = attn_mask
+        bias = bias.expand(q.shape[0], n_heads, q.shape[2], k.shape[2])
+    if cu_seqlens_q is not None:
+        cu_seqlens_q = cu_seqlens_q.to(torch.int32)
+        cu_seqlens_k = cu_seqlens_k.to(torch.int32)
+    max_q = _seqlen_max(cu_seqlens_q, q.shape[2])
+    max_k = _seqlen_max(cu_seqlens_k, k.shape[2])
+    seed = int(torch.randint(0, 2**31 - 1, (1,)).item()) if dropout_p > 0 else 0
+    out, tau, lsum, nnz, n_valid, _, _ = _fwd_op(
+        q, k, v, alpha_t, bias, cu_seqlens_q, cu_seqlens_k, scale, is_causal, max_q, max_k, dropout_p, seed,
+    )
+    if return_stats:
+        return out, AttentionStats(nnz=nnz, tau=tau.detach(), n_valid=n_valid)
+    return out

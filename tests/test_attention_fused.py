@@ -1,0 +1,218 @@
+"""End to end: ``entmax_attention(..., backend="triton")`` (custom ops + autograd) vs the float64 reference.
+
+The kernels themselves are tested in test_attention_fwd.py / test_attention_bwd.py; here the
+public function is exercised as a user would, forward and backward through ``torch.autograd``,
+on CPU tensors under the Triton interpreter (on a GPU, on CUDA tensors).
+"""
+
+import pytest
+import torch
+
+from sparse_attn import entmax_attention
+from sparse_attn._attn_autograd import _fwd_op
+from sparse_attn.kernels._common import dropout_keep_mask
+from sparse_attn.reference import entmax_attention_reference
+
+# Max abs error relative to the largest |float64 value| of the same tensor (fp32 kernels,
+# fp32 inputs): see the measured errors in test_attention_fwd.py / test_attention_bwd.py.
+REL_TOL = {"out": 2e-5, "grad": 5e-5, "dalpha": 5e-4}
+
+
+def _close(got, ref, tol, name):
+    got, ref = got.double(), ref.double()
+    err = (got - ref).abs().max().item()
+    scale = max(ref.abs().max().item(), 1e-6)
+    assert err <= tol * scale, f"{name}: max abs error {err:.3e} > {tol:.0e} * {scale:.3e}"
+
+
+def _leaves(shapes, gen):
+    return [torch.randn(*s, generator=gen).requires_grad_() for s in shapes]
+
+
+def _run_both(q, k, v, alpha, mask=None, **kw):
+    """Fused (fp32) and float64-reference outputs and gradients for one random cotangent."""
+    gen = torch.Generator().manual_seed(123)
+    inputs = [q, k, v] + ([alpha] if isinstance(alpha, torch.Tensor) else []) + ([mask] if mask is not None and mask.requires_grad else [])
+    out = entmax_attention(q, k, v, alpha, attn_mask=mask, backend="triton", **kw)
+    do = torch.randn(out.shape, generator=gen)
+    grads = torch.autograd.grad((out * do).sum(), inputs)
+    inputs64 = [t.detach().double().requires_grad_() for t in inputs]
+    q64, k64, v64 = inputs64[:3]
+    rest = iter(inputs64[3:])
+    a64 = next(rest) if isinstance(alpha, torch.Tensor) else alpha
+    m64 = next(rest) if mask is not None and mask.requires_grad else (mask.double() if mask is not None and mask.is_floating_point() else mask)
+    out64 = entmax_attention(q64, k64, v64, a64, attn_mask=m64, backend="reference", **kw)
+    grads64 = torch.autograd.grad((out64 * do.double()).sum(), inputs64)
+    return out, out64, grads, grads64
+
+
+CASES = {
+    "softmax": dict(alpha=1.0),
+    "alpha1.01": dict(alpha=1.01),
+    "alpha1.25_causal": dict(alpha=1.25, is_causal=True),
+    "entmax15_cross": dict(alpha=1.5, nk=37),
+    "sparsemax_causal_cross": dict(alpha=2.0, nk=29, is_causal=True),
+    "mixed_gqa": dict(alpha=[1.0, 1.3, 1.5, 2.0], hk=2, enable_gqa=True),
+    "mixed_mqa_causal": dict(alpha=[1.7, 1.1, 2.0, 1.5], hk=1, enable_gqa=True, is_causal=True),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_fused_matches_reference_forward_and_backward(name):
+    c = dict(CASES[name])
+    gen = torch.Generator().manual_seed(hash(name) % 2**31)
+    nq, nk, hq, hk, d = 33, c.pop("nk", 33), 4, c.pop("hk", 4), 16
+    q, k, v = _leaves([(2, hq, nq, d), (2, hk, nk, d), (2, hk, nk, d)], gen)
+    a = c.pop("alpha")
+    alpha = torch.tensor(a, requires_grad=True) if isinstance(a, list) else torch.tensor(a).requires_grad_()
+    out, out64, grads, grads64 = _run_both(q, k, v, alpha, **c)
+    _close(out, out64, REL_TOL["out"], "out")
+    for g, g64, gname in zip(grads, grads64, ["dq", "dk", "dv", "dalpha"]):
+        _close(g, g64, REL_TOL["dalpha" if gname == "dalpha" else "grad"], gname)
+
+
+def test_fused_masks_bias_gradient_and_fully_masked_rows():
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = _leaves([(2, 2, 21, 16), (2, 2, 26, 16), (2, 2, 26, 16)], gen)
+    bias = (0.5 * torch.randn(1, 2, 21, 26, generator=gen)).requires_grad_()
+    with torch.no_grad():
+        bias[0, :, 3] = float("-inf")
+    alpha = torch.tensor([1.5, 1.2], requires_grad=True)
+    out, out64, grads, grads64 = _run_both(q, k, v, alpha, mask=bias)
+    assert torch.isfinite(out).all() and (out[:, :, 3] == 0).all()
+    _close(out, out64, REL_TOL["out"], "out")
+    for g, g64, gname in zip(grads, grads64, ["dq", "dk", "dv", "dalpha", "dbias"]):
+        assert torch.isfinite(g).all(), gname
+        _close(g, g64, REL_TOL["dalpha" if gname == "dalpha" else "grad"], gname)
+    assert grads[-1].shape == bias.shape
+
+
+def test_fused_bool_padding_mask_and_stats():
+    gen = torch.Generator().manual_seed(8)
+    q, k, v = _leaves([(2, 2, 19, 16), (2, 2, 19, 16), (2, 2, 19, 16)], gen)
+    keep = torch.ones(2, 1, 1, 19, dtype=torch.bool)
+    keep[1, ..., 11:] = False
+    alpha = torch.tensor([1.5, 2.0])
+    out, st = entmax_attention(q, k, v, alpha, attn_mask=keep, is_causal=True, backend="triton", return_stats=True)
+    out64, st64 = entmax_attention(q.double(), k.double(), v.double(), alpha.double(), attn_mask=keep, is_causal=True, return_stats=True)
+    _close(out, out64, REL_TOL["out"], "out")
+    assert torch.equal(st.n_valid, st64.n_valid)
+    assert (st.nnz - st64.nnz).abs().max() <= 1
+    assert not st.tau.requires_grad
+    finite = torch.isfinite(st64.tau)
+    torch.testing.assert_close(st.tau[finite].double(), st64.tau[finite], rtol=0, atol=1e-4)
+
+
+def test_fused_varlen_forward_and_backward():
+    gen = torch.Generator().manual_seed(9)
+    cu_q = torch.tensor([0, 17, 17, 40], dtype=torch.int32)
+    cu_k = torch.tensor([0, 20, 25, 50], dtype=torch.int32)
+    q, k, v = _leaves([(1, 2, 40, 16), (1, 2, 50, 16), (1, 2, 50, 16)], gen)
+    alpha = torch.tensor([1.5, 1.0], requires_grad=True)
+    out, out64, grads, grads64 = _run_both(q, k, v, alpha, is_causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    _close(out, out64, REL_TOL["out"], "out")
+    for g, g64, gname in zip(grads, grads64, ["dq", "dk", "dv", "dalpha"]):
+        _close(g, g64, REL_TOL["dalpha" if gname == "dalpha" else "grad"], gname)
+
+
+def test_fused_fp16_within_twice_the_reference_error():
+    gen = torch.Generator().manual_seed(10)
+    q, k, v = (t.half() for t in _leaves([(1, 2, 40, 16)] * 3, gen))
+    out = entmax_attention(q, k, v, 1.5, backend="triton")
+    exact = entmax_attention(q.double(), k.double(), v.double(), 1.5)
+    ref16 = entmax_attention_reference(q.float(), k.float(), v.float(), 1.5).half()
+    assert out.dtype == torch.float16
+    err, err_ref = (out.double() - exact).abs().max(), (ref16.double() - exact).abs().max()
+    assert err <= 2 * err_ref + 1e-3
+
+
+def test_fused_gradients_are_deterministic():
+    gen = torch.Generator().manual_seed(11)
+    q, k, v = _leaves([(1, 4, 40, 16), (1, 2, 40, 16), (1, 2, 40, 16)], gen)
+    alpha = torch.tensor([1.5, 1.2, 2.0, 1.0], requires_grad=True)
+    runs = []
+    for _ in range(2):
+        out = entmax_attention(q, k, v, alpha, enable_gqa=True, is_causal=True, backend="triton")
+        runs.append(torch.autograd.grad(out.square().sum(), [q, k, v, alpha]))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+def test_double_backward_raises_clear_error():
+    gen = torch.Generator().manual_seed(12)
+    q, k, v = _leaves([(1, 1, 16, 16)] * 3, gen)
+    out = entmax_attention(q, k, v, 1.5, backend="triton")
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(out.sum(), q, create_graph=True)
+
+
+def test_fused_dropout_replays_the_forward_mask():
+    gen = torch.Generator().manual_seed(13)
+    q, k, v = _leaves([(1, 2, 24, 16)] * 3, gen)
+    alpha = torch.tensor([1.5, 1.0], requires_grad=True)
+    seed, p_drop, scale = 1234, 0.3, 0.25
+    out = _fwd_op(q, k, v, alpha, None, None, None, scale, False, 24, 24, p_drop, seed)[0]
+    do = torch.randn(out.shape, generator=gen)
+    grads = torch.autograd.grad((out * do).sum(), [q, k, v, alpha])
+    keep = dropout_keep_mask(seed, 2, 24, 24, p_drop, "cpu").reshape(1, 2, 24, 24)
+    leaves64 = [t.detach().double().requires_grad_() for t in (q, k, v, alpha)]
+    out64 = entmax_attention_reference(*leaves64, scale=scale, dropout_p=p_drop, dropout_mask=keep)
+    grads64 = torch.autograd.grad((out64 * do.double()).sum(), leaves64)
+    _close(out, out64, REL_TOL["out"], "out")
+    for g, g64, gname in zip(grads, grads64, ["dq", "dk", "dv", "dalpha"]):
+        _close(g, g64, REL_TOL["dalpha" if gname == "dalpha" else "grad"], gname)
+
+
+def test_fused_public_dropout_is_seeded_by_torch_rng():
+    gen = torch.Generator().manual_seed(14)
+    q, k, v = _leaves([(1, 2, 16, 16)] * 3, gen)
+    torch.manual_seed(5)
+    a = entmax_attention(q, k, v, 1.5, dropout_p=0.5, backend="triton")
+    torch.manual_seed(5)
+    b = entmax_attention(q, k, v, 1.5, dropout_p=0.5, backend="triton")
+    c = entmax_attention(q, k, v, 1.5, dropout_p=0.5, backend="triton")
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+@pytest.mark.parametrize("alpha0", [1.2, 1.5, 1.8])
+def test_fused_dalpha_matches_finite_differences_float32(alpha0):
+    gen = torch.Generator().manual_seed(15)
+    q, k, v = (t.detach() for t in _leaves([(1, 1, 24, 16)] * 3, gen))
+    do = torch.randn(1, 1, 24, 16, generator=gen)
+    alpha = torch.tensor([alpha0], requires_grad=True)
+    out = entmax_attention(q, k, v, alpha, backend="triton", scale=1.0)
+    (dalpha,) = torch.autograd.grad((out * do).sum(), alpha)
+    h = 1e-3
+
+    def loss(a):
+        return (entmax_attention(q.double(), k.double(), v.double(), a, scale=1.0) * do.double()).sum().item()
+
+    fd = (loss(alpha0 + h) - loss(alpha0 - h)) / (2 * h)
+    with torch.no_grad():
+        fused_fd = ((entmax_attention(q, k, v, alpha0 + h, backend="triton", scale=1.0)
+                     - entmax_attention(q, k, v, alpha0 - h, backend="triton", scale=1.0)) * do).sum().item() / (2 * h)
+    assert abs(dalpha.item() - fd) <= 2e-3 * max(1.0, abs(fd))
+    assert abs(fused_fd - fd) <= 2e-2 * max(1.0, abs(fd))
+
+
+def test_training_learnable_per_head_alpha_on_fused_path():
+    """A toy reversal task: position i must copy the value at position n - 1 - i."""
+    gen = torch.Generator().manual_seed(16)
+    n, d, heads = 16, 16, 2
+    pos_q = torch.nn.Parameter(torch.randn(heads, n, d, generator=gen))
+    pos_k = torch.nn.Parameter(torch.randn(heads, n, d, generator=gen))
+    raw_alpha = torch.zeros(heads, requires_grad=True)
+    opt = torch.optim.Adam([pos_q, pos_k, raw_alpha], lr=0.1)
+    losses = []
+    for _ in range(12):
+        x = torch.randn(4, n, d, generator=gen)
+        alpha = 1 + torch.sigmoid(raw_alpha)
+        v = x.unsqueeze(1).expand(4, heads, n, d)
+        out = entmax_attention(pos_q.expand(4, -1, -1, -1), pos_k.expand(4, -1, -1, -1), v, alpha, backend="triton")
+        loss = (out.mean(1) - x.flip(1)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert sum(losses[-3:]) < 0.6 * sum(losses[:3])
+    assert (1 + torch.sigmoid(raw_alpha) - 1.5).abs().max() > 2e-2
