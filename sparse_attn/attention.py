@@ -69,6 +69,8 @@ def _check_alpha(alpha, n_heads: int, device):
         return alpha
     if isinstance(alpha, bool) or not isinstance(alpha, Real):
         raise TypeError(f"alpha must be a float or a tensor, got {type(alpha).__name__}")
+    if torch.compiler.is_compiling():
+        return alpha
     if not math.isfinite(alpha) or not 1.0 <= alpha <= 2.0:
         raise ValueError(f"alpha must be finite and in [1, 2], got {alpha}")
     return float(alpha)
@@ -114,7 +116,8 @@ def _resolve_backend(backend: str, q: torch.Tensor) -> str:
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
     if backend == "auto":
-        return "triton" if q.is_cuda and q.dtype in _KERNEL_DTYPES else "reference"
+        fits = q.dtype in _KERNEL_DTYPES and MIN_HEAD_DIM <= q.shape[-1] <= MAX_HEAD_DIM
+        return "triton" if q.is_cuda and fits else "reference"
     if backend == "triton":
         if q.dtype not in _KERNEL_DTYPES:
             raise TypeError(f"the triton backend takes float16, bfloat16 or float32 inputs, got {q.dtype}")
@@ -164,7 +167,8 @@ def entmax_attention(
             ``(1, Hk, total_k, D)``, and sequence ``s`` attends only within itself.
         return_stats: also return :class:`AttentionStats` (per-row support size, threshold and
             number of valid keys, each ``(B, Hq, Nq)``) without materializing the weights.
-        backend: ``"auto"`` (Triton on CUDA, the reference elsewhere), ``"triton"`` or ``"reference"``.
+        backend: ``"auto"`` (Triton for CUDA fp16/bf16/fp32 tensors with ``16 <= D <= 256``, the
+            reference otherwise), ``"triton"`` or ``"reference"``.
 
     Returns:
         ``out`` of shape ``(B, Hq, Nq, D)`` in the input dtype, or ``(out, stats)``.
