@@ -5,6 +5,7 @@ Layout everywhere: ``(batch, heads, seq, head_dim)``.
 
 from sparse_attn._version import __version__
 from sparse_attn.attention import AttentionStats, entmax_attention
+from sparse_attn.constrained import FertilityAttention, FertilityPredictor, FertilityState, csoftmax, csparsemax
 from sparse_attn.losses import (
     Entmax15Loss,
     EntmaxBisectLoss,
@@ -22,6 +23,18 @@ from sparse_attn.mappings import (
     entmax15,
     entmax_bisect,
     sparsemax,
+)
+from sparse_attn.modules import EntmaxAlpha, EntmaxMultiheadAttention, swap_attention
+from sparse_attn.stats import HeadStatsRecorder, record_head_stats
+from sparse_attn.structured import (
+    Fusedmax,
+    Oscarmax,
+    fusedmax,
+    gamma_sparsemax,
+    oscar_prox,
+    oscarmax,
+    sq_pnorm_max,
+    tv_prox,
 )
 
 __all__ = [
@@ -42,4 +55,22 @@ __all__ = [
     "SparsemaxLoss",
     "Entmax15Loss",
     "EntmaxBisectLoss",
+    "EntmaxMultiheadAttention",
+    "EntmaxAlpha",
+    "swap_attention",
+    "record_head_stats",
+    "HeadStatsRecorder",
+    "fusedmax",
+    "oscarmax",
+    "sq_pnorm_max",
+    "gamma_sparsemax",
+    "tv_prox",
+    "oscar_prox",
+    "Fusedmax",
+    "Oscarmax",
+    "csoftmax",
+    "csparsemax",
+    "FertilityAttention",
+    "FertilityPredictor",
+    "FertilityState",
 ]
