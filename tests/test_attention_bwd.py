@@ -288,3 +288,25 @@ def test_empty_inputs(kernel_device):
                                                 need_dbias=True)
     assert torch.equal(dq, torch.zeros_like(q)) and dk.shape == k.shape and dbias.shape == (1, 2, 5, 0)
     assert torch.equal(dalpha, torch.zeros_like(dalpha))
+
+
+def test_learnable_alpha_training_loop_on_fused_path(kernel_device):
+    from sparse_attn.attention import entmax_attention
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 16, 16, generator=gen, dtype=torch.float64) for _ in range(3))
+    target = entmax_attention_reference(q, k, v, torch.tensor([1.1, 1.9], dtype=torch.float64), scale=1.0).float()
+    q, k, v, target = (t.float().to(kernel_device) for t in (q, k, v, target))
+    alpha = torch.tensor([1.5, 1.5], device=kernel_device, requires_grad=True)
+    opt = torch.optim.Adam([alpha], lr=0.1)
+    losses = []
+    for _ in range(12):
+        loss = (entmax_attention(q, k, v, alpha, scale=1.0, backend="triton") - target).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        with torch.no_grad():
+            alpha.clamp_(1.0, 2.0)
+        losses.append(loss.item())
+    assert losses[-1] < 0.1 * losses[0]
+    assert alpha[0].item() < 1.35 and alpha[1].item() > 1.7
