@@ -407,11 +407,6 @@ def _check_tensor(name, t, ndim, dtypes):
         raise TypeError(f"{name}: expected dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
 
 
-def bwd_block_sizes(head_dim: int) -> tuple[int, int]:
-    """Default ``(block_m, block_n)`` of the backward when no liveness map fixes them."""
-    return _DEFAULT_BLOCK, _DEFAULT_BLOCK
-
-
 def entmax_attn_bwd(
     do, q, k, v, out, tau, lsum, alpha, scale, bias=None, is_causal=False, cu_seqlens_q=None,
     cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, dropout_p=0.0, seed=0,
