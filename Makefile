@@ -27,3 +27,9 @@ test-gpu: $(VENV)/.installed
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
+
+bench-smoke: $(VENV)/.installed
+	$(PY) benchmarks/bench_attention.py --smoke --out benchmarks/results/cpu-smoke
+
+bench: $(VENV)/.installed
+	$(PY) benchmarks/bench_attention.py
