@@ -137,6 +137,10 @@ class _Layer(nn.Module):
         self.drop = nn.Dropout(dropout)
 
     def forward(self, x, memory=None, causal_mask=None, need_weights=False):
+        """x ``(B, T, d_model)``, memory ``(B, S, d_model)`` or None, causal_mask bool ``(T, T)`` (True = masked).
+
+        Returns ``(x, [weights of each attention])``; weights ``(B, heads, T, T_or_S)`` or None.
+        """
         weights = []
         h = self.norm1(x)
         a, w = self.self_attn(h, h, h, attn_mask=causal_mask, is_causal=causal_mask is not None,
@@ -225,6 +229,7 @@ def block_of(name: str) -> str:
 
 
 def resolve_device(device: str) -> torch.device:
+    """``"auto"`` -> CUDA when available, else CPU; other names are checked and passed through."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -233,6 +238,7 @@ def resolve_device(device: str) -> torch.device:
 
 
 def build_model(cfg: Config) -> SparseSeq2SeqTransformer:
+    """A freshly initialised model for ``cfg`` (seeded by ``cfg.seed``) on ``cfg.device``."""
     torch.manual_seed(cfg.seed)
     return SparseSeq2SeqTransformer(cfg).to(cfg.device)
 
@@ -293,7 +299,7 @@ def evaluate(model, cfg: Config, batches, head_stats: bool = False, hist_sentenc
             "density": recorder.density().tolist(),
             "alpha": recorder.alphas().tolist(),
             "diversity": [div[name] for name in names],
-            "sentence_density": np.stack(per_sentence).tolist(),
+            "sentence_density": np.stack(per_sentence).round(5).tolist(),
         }
     model.train()
     return out
