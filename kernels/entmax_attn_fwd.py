@@ -108,7 +108,7 @@ def _apply_dropout(p, seed, bh, rows_global, cols_global, n_cols, dropout_p, inv
 
 @triton.jit
 def _tsallis_terms(x, beta, POW: tl.constexpr):
-    """``[x]_+^beta``, ``[x]_+^(beta - 1)`` and ``x > 0`` for ``x = z - tau``; no transcendentals for POW 1, 2."""
+    """``[x]_+^beta`` and ``[x]_+^(beta - 1)`` for ``x = z - tau``; no transcendentals for POW 1, 2."""
     pos = x > 0
     xp = tl.where(pos, x, 0.0)
     if POW == 1:
@@ -120,21 +120,7 @@ def _tsallis_terms(x, beta, POW: tl.constexpr):
     else:
         g = tl.where(pos, tl.exp2((beta - 1.0) * tl.log2(tl.where(pos, x, 1.0))), 0.0)
         p = g * xp
-    return p, g, pos
-
-
-@triton.jit
-def _tsallis_power(x, beta, POW: tl.constexpr):
-    """``[x]_+^beta``. [BLOCK_M, BLOCK_N]"""
-    pos = x > 0
-    xp = tl.where(pos, x, 0.0)
-    if POW == 1:
-        p = xp
-    elif POW == 2:
-        p = xp * xp
-    else:
-        p = tl.where(pos, tl.exp2(beta * tl.log2(tl.where(pos, x, 1.0))), 0.0)
-    return p
+    return p, g
 
 
 @triton.jit
@@ -199,6 +185,53 @@ def _softmax_forward(q, k_base, v_base, bias_base, o_ptrs, o_mask, rows, seqlen_
 
 
 @triton.jit
+def _live_sweep(q, tau, beta, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, causal_off, n_kt, live_base,
+                z_scale, b_scale, seed, bh, q_start, k_start, n_cols_total, dropout_p, inv_keep,
+                stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn,
+                VALUES: tl.constexpr, POW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                HAS_DROPOUT: tl.constexpr, INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One pass over the live key tiles at threshold ``tau``, re-marking tiles with no ``z > tau`` dead.
+
+    Returns ``(f, g, nnz, acc)``: ``f = sum [z - tau]_+^beta`` [BLOCK_M]; with VALUES also
+    ``nnz`` [BLOCK_M] and ``acc = sum p v`` [BLOCK_M, HEAD_DIM_PAD] (dropout applied), else
+    ``g = sum [z - tau]_+^(beta-1)`` for the Newton step.
+    """
+    f = tl.zeros([BLOCK_M], tl.float32)
+    g = tl.zeros([BLOCK_M], tl.float32)
+    nnz = tl.zeros([BLOCK_M], tl.int32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+    for w in range(0, tl.cdiv(n_kt, 32)):
+        word = tl.load(live_base + w)
+        new_word = tl.zeros([], tl.int32)
+        for kt in range(w * 32, tl.minimum(w * 32 + 32, n_kt)):
+            bit = kt - w * 32
+            if ((word >> bit) & 1) != 0:
+                cols = kt * BLOCK_N + tl.arange(0, BLOCK_N)
+                z = _score_tile(q, k_base, bias_base, rows, cols, seqlen_q, seqlen_k, causal_off,
+                                stride_kn, stride_kd, stride_bm, stride_bn, z_scale, b_scale,
+                                HEAD_DIM, HEAD_DIM_PAD, HAS_BIAS, IS_CAUSAL, INTERPRET, DOT_PRECISION)
+                x = z - tau[:, None]
+                pos = x > 0
+                new_word = new_word | (tl.max(pos.to(tl.int32)) << bit)
+                if VALUES:
+                    p, _ = _tsallis_terms(x, beta, POW)
+                    f += tl.sum(p, 1)
+                    nnz += tl.sum(pos.to(tl.int32), 1)
+                    p = _apply_dropout(p, seed, bh, q_start + rows, k_start + cols, n_cols_total, dropout_p,
+                                       inv_keep, HAS_DROPOUT)
+                    v = _value_tile(v_base, cols, seqlen_k, stride_vn, stride_vd, HEAD_DIM, HEAD_DIM_PAD, INTERPRET)
+                    acc += tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+                else:
+                    p, gp = _tsallis_terms(x, beta, POW)
+                    f += tl.sum(p, 1)
+                    g += tl.sum(gp, 1)
+        tl.store(live_base + w, new_word)
+    tl.debug_barrier()
+    return f, g, nnz, acc
+
+
+@triton.jit
 def _entmax_forward(q, k_base, v_base, bias_base, o_ptrs, o_mask, rows, seqlen_q, seqlen_k, causal_off,
                     n_kt, n_words, live_base, stat_offs, Tau, Lsum, Nnz, NValid, sweep_ptr, scale, alpha, tol, max_sweeps,
                     seed, bh, q_start, k_start, n_cols_total, dropout_p, inv_keep,
@@ -227,56 +260,25 @@ def _entmax_forward(q, k_base, v_base, bias_base, o_ptrs, o_mask, rows, seqlen_q
     tl.debug_barrier()
     valid = n_valid > 0
     tau = tl.where(valid, m - 1.0, 0.0)
-    n_live_words = tl.cdiv(n_kt, 32)
     n_sweeps = tl.zeros([], tl.int32)
     go = (tl.max(valid.to(tl.int32)) > 0) & (n_sweeps < max_sweeps)
     while go:
-        f = tl.zeros([BLOCK_M], tl.float32)
-        g = tl.zeros([BLOCK_M], tl.float32)
-        for w in range(0, n_live_words):
-            word = tl.load(live_base + w)
-            new_word = tl.zeros([], tl.int32)
-            for kt in range(w * 32, tl.minimum(w * 32 + 32, n_kt)):
-                bit = kt - w * 32
-                if ((word >> bit) & 1) != 0:
-                    cols = kt * BLOCK_N + tl.arange(0, BLOCK_N)
-                    z = _score_tile(q, k_base, bias_base, rows, cols, seqlen_q, seqlen_k, causal_off,
-                                    stride_kn, stride_kd, stride_bm, stride_bn, z_scale, am1,
-                                    HEAD_DIM, HEAD_DIM_PAD, HAS_BIAS, IS_CAUSAL, INTERPRET, DOT_PRECISION)
-                    p, gp, pos = _tsallis_terms(z - tau[:, None], beta, POW)
-                    f += tl.sum(p, 1)
-                    g += tl.sum(gp, 1)
-                    new_word = new_word | (tl.max(pos.to(tl.int32)) << bit)
-            tl.store(live_base + w, new_word)
-        tl.debug_barrier()
+        f, g, _, _ = _live_sweep(
+            q, tau, beta, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, causal_off, n_kt, live_base,
+            z_scale, am1, seed, bh, q_start, k_start, n_cols_total, dropout_p, inv_keep,
+            stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn,
+            False, POW, BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, HAS_BIAS, IS_CAUSAL, HAS_DROPOUT, INTERPRET,
+            DOT_PRECISION)
         err = tl.where(valid, tl.abs(f - 1.0), 0.0)
         tau = tl.where(valid, tau + _newton_step(f, g, beta, POW), tau)
         n_sweeps += 1
         go = (tl.max(err) > tol) & (n_sweeps < max_sweeps)
-    l_sum = tl.zeros([BLOCK_M], tl.float32)
-    nnz = tl.zeros([BLOCK_M], tl.int32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
-    for w in range(0, n_live_words):
-        word = tl.load(live_base + w)
-        new_word = tl.zeros([], tl.int32)
-        for kt in range(w * 32, tl.minimum(w * 32 + 32, n_kt)):
-            bit = kt - w * 32
-            if ((word >> bit) & 1) != 0:
-                cols = kt * BLOCK_N + tl.arange(0, BLOCK_N)
-                z = _score_tile(q, k_base, bias_base, rows, cols, seqlen_q, seqlen_k, causal_off,
-                                stride_kn, stride_kd, stride_bm, stride_bn, z_scale, am1,
-                                HEAD_DIM, HEAD_DIM_PAD, HAS_BIAS, IS_CAUSAL, INTERPRET, DOT_PRECISION)
-                x = z - tau[:, None]
-                pos = x > 0
-                p = _tsallis_power(x, beta, POW)
-                l_sum += tl.sum(p, 1)
-                nnz += tl.sum(pos.to(tl.int32), 1)
-                new_word = new_word | (tl.max(pos.to(tl.int32)) << bit)
-                p = _apply_dropout(p, seed, bh, q_start + rows, k_start + cols, n_cols_total, dropout_p, inv_keep,
-                                   HAS_DROPOUT)
-                v = _value_tile(v_base, cols, seqlen_k, stride_vn, stride_vd, HEAD_DIM, HEAD_DIM_PAD, INTERPRET)
-                acc += tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        tl.store(live_base + w, new_word)
+    l_sum, _, nnz, acc = _live_sweep(
+        q, tau, beta, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, causal_off, n_kt, live_base,
+        z_scale, am1, seed, bh, q_start, k_start, n_cols_total, dropout_p, inv_keep,
+        stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn,
+        True, POW, BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, HAS_BIAS, IS_CAUSAL, HAS_DROPOUT, INTERPRET,
+        DOT_PRECISION)
     valid = valid & (l_sum > 0)
     l_safe = tl.where(valid, l_sum, 1.0)
     out = tl.where(valid[:, None], acc / l_safe[:, None], 0.0)
