@@ -30,9 +30,6 @@ LN2 = 0.6931471805599453
 DEFAULT_TOL = 1e-3
 DEFAULT_MAX_SWEEPS = 32
 
-POW_ONE = 1
-POW_TWO = 2
-POW_GENERAL = 0
 
 
 class EntmaxAttnFwdResult(NamedTuple):
@@ -107,14 +104,14 @@ def _apply_dropout(p, seed, bh, rows_global, cols_global, n_cols, dropout_p, inv
 
 
 @triton.jit
-def _tsallis_terms(x, beta, POW: tl.constexpr):
-    """``[x]_+^beta`` and ``[x]_+^(beta - 1)`` for ``x = z - tau``; no transcendentals for POW 1, 2."""
+def _tsallis_terms(x, beta, pow_kind):
+    """``[x]_+^beta`` and ``[x]_+^(beta - 1)`` for ``x = z - tau``; no transcendentals for ``pow_kind`` 1 (beta = 1) and 2 (beta = 2)."""
     pos = x > 0
     xp = tl.where(pos, x, 0.0)
-    if POW == 1:
+    if pow_kind == 1:
         g = pos.to(tl.float32)
         p = xp
-    elif POW == 2:
+    elif pow_kind == 2:
         g = xp
         p = xp * xp
     else:
@@ -124,12 +121,12 @@ def _tsallis_terms(x, beta, POW: tl.constexpr):
 
 
 @triton.jit
-def _newton_step(f, g, beta, POW: tl.constexpr):
+def _newton_step(f, g, beta, pow_kind):
     """Newton step on ``f^(1/beta) - 1`` given ``f = sum [z - tau]_+^beta``, ``g = sum [z - tau]_+^(beta-1)``."""
     f_safe = tl.where(f > 0, f, 1.0)
-    if POW == 1:
+    if pow_kind == 1:
         root = tl.full(f.shape, 1.0, tl.float32)
-    elif POW == 2:
+    elif pow_kind == 2:
         root = tl.sqrt(f_safe)
     else:
         root = tl.exp2((1.0 - 1.0 / beta) * tl.log2(f_safe))
@@ -186,9 +183,9 @@ def _softmax_forward(q, k_base, v_base, bias_base, o_ptrs, o_mask, rows, seqlen_
 
 @triton.jit
 def _live_sweep(q, tau, beta, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, causal_off, n_kt, live_base,
-                z_scale, b_scale, seed, bh, q_start, k_start, n_cols_total, dropout_p, inv_keep,
+                z_scale, b_scale, pow_kind, seed, bh, q_start, k_start, n_cols_total, dropout_p, inv_keep,
                 stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn,
-                VALUES: tl.constexpr, POW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                VALUES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, IS_CAUSAL: tl.constexpr,
                 HAS_DROPOUT: tl.constexpr, INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """One pass over the live key tiles at threshold ``tau``, re-marking tiles with no ``z > tau`` dead.
@@ -215,7 +212,7 @@ def _live_sweep(q, tau, beta, k_base, v_base, bias_base, rows, seqlen_q, seqlen_
                 pos = x > 0
                 new_word = new_word | (tl.max(pos.to(tl.int32)) << bit)
                 if VALUES:
-                    p, _ = _tsallis_terms(x, beta, POW)
+                    p, _ = _tsallis_terms(x, beta, pow_kind)
                     f += tl.sum(p, 1)
                     nnz += tl.sum(pos.to(tl.int32), 1)
                     p = _apply_dropout(p, seed, bh, q_start + rows, k_start + cols, n_cols_total, dropout_p,
@@ -223,7 +220,7 @@ def _live_sweep(q, tau, beta, k_base, v_base, bias_base, rows, seqlen_q, seqlen_
                     v = _value_tile(v_base, cols, seqlen_k, stride_vn, stride_vd, HEAD_DIM, HEAD_DIM_PAD, INTERPRET)
                     acc += tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
                 else:
-                    p, gp = _tsallis_terms(x, beta, POW)
+                    p, gp = _tsallis_terms(x, beta, pow_kind)
                     f += tl.sum(p, 1)
                     g += tl.sum(gp, 1)
         tl.store(live_base + w, new_word)
@@ -236,12 +233,13 @@ def _entmax_forward(q, k_base, v_base, bias_base, o_ptrs, o_mask, rows, seqlen_q
                     n_kt, n_words, live_base, stat_offs, Tau, Lsum, Nnz, NValid, sweep_ptr, scale, alpha, tol, max_sweeps,
                     seed, bh, q_start, k_start, n_cols_total, dropout_p, inv_keep,
                     stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn,
-                    POW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
                     HEAD_DIM_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, IS_CAUSAL: tl.constexpr,
                     HAS_DROPOUT: tl.constexpr, INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """alpha in (1, 2]: max sweep, Newton sweeps on the Tsallis norm, value sweep; writes everything."""
     am1 = alpha - 1.0
     beta = 1.0 / am1
+    pow_kind = tl.where(alpha == 2.0, 1, tl.where(alpha == 1.5, 2, 0))
     z_scale = scale * am1
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     n_valid = tl.zeros([BLOCK_M], tl.int32)
@@ -265,19 +263,19 @@ def _entmax_forward(q, k_base, v_base, bias_base, o_ptrs, o_mask, rows, seqlen_q
     while go:
         f, g, _, _ = _live_sweep(
             q, tau, beta, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, causal_off, n_kt, live_base,
-            z_scale, am1, seed, bh, q_start, k_start, n_cols_total, dropout_p, inv_keep,
+            z_scale, am1, pow_kind, seed, bh, q_start, k_start, n_cols_total, dropout_p, inv_keep,
             stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn,
-            False, POW, BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, HAS_BIAS, IS_CAUSAL, HAS_DROPOUT, INTERPRET,
+            False, BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, HAS_BIAS, IS_CAUSAL, HAS_DROPOUT, INTERPRET,
             DOT_PRECISION)
         err = tl.where(valid, tl.abs(f - 1.0), 0.0)
-        tau = tl.where(valid, tau + _newton_step(f, g, beta, POW), tau)
+        tau = tl.where(valid, tau + _newton_step(f, g, beta, pow_kind), tau)
         n_sweeps += 1
         go = (tl.max(err) > tol) & (n_sweeps < max_sweeps)
     l_sum, _, nnz, acc = _live_sweep(
         q, tau, beta, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, causal_off, n_kt, live_base,
-        z_scale, am1, seed, bh, q_start, k_start, n_cols_total, dropout_p, inv_keep,
+        z_scale, am1, pow_kind, seed, bh, q_start, k_start, n_cols_total, dropout_p, inv_keep,
         stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn,
-        True, POW, BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, HAS_BIAS, IS_CAUSAL, HAS_DROPOUT, INTERPRET,
+        True, BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, HAS_BIAS, IS_CAUSAL, HAS_DROPOUT, INTERPRET,
         DOT_PRECISION)
     valid = valid & (l_sum > 0)
     l_safe = tl.where(valid, l_sum, 1.0)
@@ -362,26 +360,12 @@ def _entmax_attn_fwd_kernel(
                          stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn,
                          BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, HAS_BIAS, IS_CAUSAL, HAS_DROPOUT, INTERPRET,
                          DOT_PRECISION)
-    elif alpha == 2.0:
-        _entmax_forward(q, k_base, v_base, bias_base, o_ptrs, q_mask, rows, seqlen_q, seqlen_k, causal_off,
-                        n_kt, n_words, live_base, stat_offs, Tau, Lsum, Nnz, NValid, sweep_ptr, scale, alpha, tol,
-                        max_sweeps, seed, bh, q_start, k_start, seqlen_k_total, dropout_p, inv_keep,
-                        stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn,
-                        1, BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, HAS_BIAS, IS_CAUSAL, HAS_DROPOUT, INTERPRET,
-                        DOT_PRECISION)
-    elif alpha == 1.5:
-        _entmax_forward(q, k_base, v_base, bias_base, o_ptrs, q_mask, rows, seqlen_q, seqlen_k, causal_off,
-                        n_kt, n_words, live_base, stat_offs, Tau, Lsum, Nnz, NValid, sweep_ptr, scale, alpha, tol,
-                        max_sweeps, seed, bh, q_start, k_start, seqlen_k_total, dropout_p, inv_keep,
-                        stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn,
-                        2, BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, HAS_BIAS, IS_CAUSAL, HAS_DROPOUT, INTERPRET,
-                        DOT_PRECISION)
     else:
         _entmax_forward(q, k_base, v_base, bias_base, o_ptrs, q_mask, rows, seqlen_q, seqlen_k, causal_off,
                         n_kt, n_words, live_base, stat_offs, Tau, Lsum, Nnz, NValid, sweep_ptr, scale, alpha, tol,
                         max_sweeps, seed, bh, q_start, k_start, seqlen_k_total, dropout_p, inv_keep,
                         stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn,
-                        0, BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, HAS_BIAS, IS_CAUSAL, HAS_DROPOUT, INTERPRET,
+                        BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, HAS_BIAS, IS_CAUSAL, HAS_DROPOUT, INTERPRET,
                         DOT_PRECISION)
 
 
