@@ -25,8 +25,8 @@ import triton.language as tl
 
 from ._common import dropout_keep, interpreting
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
 DEFAULT_TOL = 1e-3
 DEFAULT_MAX_SWEEPS = 32
 
@@ -151,8 +151,8 @@ def _softmax_forward(q, k_base, v_base, bias_base, o_ptrs, o_mask, rows, seqlen_
         for kt in range(w * 32, tl.minimum(w * 32 + 32, n_kt)):
             cols = kt * BLOCK_N + tl.arange(0, BLOCK_N)
             s = _score_tile(q, k_base, bias_base, rows, cols, seqlen_q, seqlen_k, causal_off,
-                            stride_kn, stride_kd, stride_bm, stride_bn, scale * 1.4426950408889634,
-                            1.4426950408889634, HEAD_DIM, HEAD_DIM_PAD, HAS_BIAS, IS_CAUSAL, INTERPRET,
+                            stride_kn, stride_kd, stride_bm, stride_bn, scale * LOG2E,
+                            LOG2E, HEAD_DIM, HEAD_DIM_PAD, HAS_BIAS, IS_CAUSAL, INTERPRET,
                             DOT_PRECISION)
             ok = s > float("-inf")
             m_new = tl.maximum(m, tl.max(s, 1))
@@ -173,7 +173,7 @@ def _softmax_forward(q, k_base, v_base, bias_base, o_ptrs, o_mask, rows, seqlen_
     out = acc / l_safe[:, None]
     row_ok = rows < seqlen_q
     tl.store(o_ptrs, out.to(o_ptrs.dtype.element_ty), mask=o_mask)
-    tl.store(Tau + stat_offs, tl.where(valid, (m + tl.log2(l_safe)) * 0.6931471805599453, float("inf")),
+    tl.store(Tau + stat_offs, tl.where(valid, (m + tl.log2(l_safe)) * LN2, float("inf")),
              mask=row_ok)
     tl.store(Lsum + stat_offs, tl.where(valid, 1.0, 0.0), mask=row_ok)
     tl.store(Nnz + stat_offs, n_valid, mask=row_ok)
