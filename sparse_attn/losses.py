@@ -15,7 +15,12 @@ Peters et al. (2019, ``peters2019-sparse-seq2seq-entmax.txt``).
 Targets are integer class labels of shape ``(N,)`` (entries equal to ``ignore_index``
 are skipped) or label proportions of shape ``(N, C)`` (non-negative rows summing to 1).
 Logits of shape ``(N, C)``; ``-inf`` logits are allowed and give finite losses as long
-as the target puts no mass on them. ``alpha`` is treated as a constant (no gradient).
+as the target puts no mass on them; ignored rows give loss 0 and gradient 0 whatever their
+logits. ``alpha`` is treated as a constant (no gradient).
+
+Losses are returned in the compute dtype: float32 for float16/bfloat16 (and float32)
+logits, float64 for float64 ones, because a loss of half-precision logits of magnitude
+``1e4`` can exceed the float16 range. Gradients w.r.t. the logits are in their dtype.
 """
 
 from __future__ import annotations
@@ -55,7 +60,11 @@ def _tsallis_entropy(p: torch.Tensor, alpha: torch.Tensor | float) -> torch.Tens
 
 
 class _FenchelYoungFunction(torch.autograd.Function):
-    """Loss rows from logits ``x`` (R, C), probabilities ``p`` and targets ``y`` (R, C)."""
+    """Loss rows ``(R,)`` in ``p``'s dtype from logits ``x`` (R, C), probabilities ``p`` and targets ``y`` (R, C).
+
+    The gradient w.r.t. ``x`` is ``p - y`` in ``x``'s dtype; rows with ``y = p`` give loss 0
+    and gradient 0 exactly.
+    """
 
     @staticmethod
     def forward(ctx, x, p, y, alpha):
@@ -67,13 +76,14 @@ class _FenchelYoungFunction(torch.autograd.Function):
         lin = torch.where(diff != 0, diff * (xc - xmax), torch.zeros_like(xc)).sum(dim=-1)
         loss = lin + _tsallis_entropy(p, alpha) - _tsallis_entropy(y, alpha)
         loss = torch.clamp(loss, min=0)
+        ctx.x_dtype = x.dtype
         ctx.save_for_backward(diff)
-        return loss.to(x.dtype)
+        return loss
 
     @staticmethod
     def backward(ctx, grad):
         (diff,) = ctx.saved_tensors
-        return (grad.to(diff.dtype).unsqueeze(-1) * diff).to(grad.dtype), None, None, None
+        return (grad.to(diff.dtype).unsqueeze(-1) * diff).to(ctx.x_dtype), None, None, None
 
 
 def _fy_loss(X, target, alpha, mapping, ignore_index, reduction):
@@ -105,16 +115,20 @@ def _fy_loss(X, target, alpha, mapping, ignore_index, reduction):
         y = torch.zeros(n_rows, n_cls, dtype=cdt, device=X.device)
         y.scatter_(1, safe.unsqueeze(1), 1.0)
     else:
-        raise TypeError(f"target must be an integer label tensor or a floating proportion tensor, got dtype {target.dtype}")
+        raise TypeError(
+            f"target must be an integer label tensor or a floating proportion tensor, got dtype {target.dtype}"
+        )
     with torch.no_grad():
-        p = mapping(X.detach()).to(cdt)
+        p = mapping(X.detach().to(cdt))
+    if keep is not None:
+        y = torch.where(keep.unsqueeze(1), y, p)
     if isinstance(alpha, torch.Tensor):
         alpha_rows = alpha.detach().to(cdt).reshape(-1, 1).expand(n_rows, 1)
     else:
         alpha_rows = float(alpha)
     loss = _FenchelYoungFunction.apply(X, p, y, alpha_rows)
     if keep is not None:
-        loss = loss * keep.to(loss.dtype)
+        loss = torch.where(keep, loss, torch.zeros_like(loss))
     if reduction == "none":
         return loss
     if reduction == "sum":
@@ -136,7 +150,9 @@ def sparsemax_loss(X: torch.Tensor, target: torch.Tensor, k: int | None = None,
             ``"elementwise_mean"`` (both: mean over non-ignored rows, 0 if none).
 
     Returns:
-        Loss in ``X``'s dtype; gradient w.r.t. ``X`` is ``sparsemax(X) - target``.
+        Loss in float32 for float16/bfloat16/float32 ``X`` and float64 for float64 ``X``
+        (half-precision losses can exceed the fp16 range); the gradient w.r.t. ``X`` is
+        ``sparsemax(X) - target`` in ``X``'s dtype, exactly 0 on ignored rows.
     """
     check_positive_int("k", k, allow_none=True)
     return _fy_loss(X, target, 2.0, lambda x: sparsemax(x, dim=-1, k=k), ignore_index, reduction)

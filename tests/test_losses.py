@@ -128,11 +128,87 @@ def test_neg_inf_logits_give_finite_losses(name, dtype):
     x = x.requires_grad_()
     t = torch.tensor([3, 4, 7, 5])
     loss = loss_fn(x, t)
-    assert loss.dtype == dtype
+    assert loss.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
     assert bool(torch.isfinite(loss).all()) and bool((loss >= 0).all())
     loss.sum().backward()
     assert bool(torch.isfinite(x.grad).all())
     assert bool((x.grad[:, :3] == 0).all())
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+@pytest.mark.parametrize("reduction", ["none", "sum", "mean", "elementwise_mean"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16])
+def test_ignored_rows_with_neg_inf_logits(name, reduction, dtype):
+    loss_fn, mapping = LOSSES[name]
+    x = _rand(5, 6, seed=17)
+    x[1] = -math.inf
+    x[3, [0, 2, 5]] = -math.inf
+    x[4, 1] = -math.inf
+    x = x.to(dtype).requires_grad_()
+    t = torch.tensor([2, -100, 4, -100, 0])
+    keep = t != -100
+    out = loss_fn(x, t, reduction=reduction)
+    assert out.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    assert bool(torch.isfinite(out).all())
+    kept = loss_fn(x.detach()[keep].double(), t[keep])
+    expected = {"none": torch.zeros(5, dtype=torch.float64).index_put((keep,), kept), "sum": kept.sum(),
+                "mean": kept.mean(), "elementwise_mean": kept.mean()}[reduction]
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
+    out.sum().backward()
+    assert bool(torch.isfinite(x.grad).all())
+    assert bool((x.grad[~keep] == 0).all())
+    scale = 1.0 / int(keep.sum()) if reduction in ("mean", "elementwise_mean") else 1.0
+    xk = x.detach()[keep].double()
+    expected_grad = (mapping(xk) - torch.nn.functional.one_hot(t[keep], 6).double()) * scale
+    torch.testing.assert_close(x.grad[keep].double(), expected_grad, atol=1e-12 if dtype == torch.float64 else 1e-3,
+                               rtol=0)
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_neg_inf_logits_with_zero_target_mass(name):
+    loss_fn, mapping = LOSSES[name]
+    x = _rand(4, 7, seed=18)
+    y = _proportions(4, 7, seed=19)
+    dead = torch.zeros(4, 7, dtype=torch.bool)
+    dead[0, [1, 3]] = True
+    dead[2, [0, 4, 5, 6]] = True
+    dead[3, 6] = True
+    y = torch.where(dead, torch.zeros_like(y), y)
+    y = y / y.sum(-1, keepdim=True)
+    x = x.masked_fill(dead, -math.inf).requires_grad_()
+    for reduction in ("none", "sum", "mean"):
+        assert bool(torch.isfinite(loss_fn(x, y, reduction=reduction)).all())
+    loss = loss_fn(x, y)
+    (g,) = torch.autograd.grad(loss.sum(), x)
+    assert bool(torch.isfinite(g).all()) and bool((g[dead] == 0).all())
+    for i in range(4):
+        live = ~dead[i]
+        xi = x.detach()[i, live][None]
+        torch.testing.assert_close(loss[i], loss_fn(xi, y[i, live][None])[0], atol=1e-12, rtol=0)
+        torch.testing.assert_close(g[i, live], mapping(xi)[0] - y[i, live], atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_large_logits_give_finite_float32_losses(name, dtype):
+    loss_fn, _ = LOSSES[name]
+    x = _rand(64, 50, seed=20) * 5e3
+    x[0, :2] = torch.tensor([6e4, -6e4])
+    x = x.to(dtype).requires_grad_()
+    assert bool(torch.isfinite(x).all())
+    t = _labels(64, 50, seed=21)
+    t[0] = 1
+    loss = loss_fn(x, t)
+    assert loss.dtype == torch.float32
+    assert float(loss[0].detach()) > torch.finfo(torch.float16).max
+    ref = loss_fn(x.detach().double(), t)
+    torch.testing.assert_close(loss.double(), ref, atol=0, rtol=1e-6)
+    for reduction in ("sum", "mean"):
+        out = loss_fn(x, t, reduction=reduction)
+        assert out.dtype == torch.float32 and bool(torch.isfinite(out))
+    loss.sum().backward()
+    assert x.grad.dtype == dtype and bool(torch.isfinite(x.grad).all())
 
 
 def test_module_learnable_alpha_is_accepted():

@@ -5,6 +5,8 @@ import math
 import pytest
 import torch
 
+import sparse_attn._triton_rows as triton_rows
+import sparse_attn.mappings as mappings
 from sparse_attn.mappings import (
     Entmax,
     Entmax15,
@@ -20,6 +22,24 @@ EXACT = {
     "sparsemax": (sparsemax, 2.0),
     "entmax15": (entmax15, 1.5),
 }
+
+# Tolerances. SUM_TOL bounds |sum p - 1|: float64/float32 outputs are renormalized in their
+# dtype; rounding a sum-one float32 row to fp16/bf16 moves each entry by at most eps/2 of
+# itself, hence the sum by at most eps/2; the table allows eps (measured 2.9e-4 fp16,
+# 2.4e-3 bf16, 1.7e-7 fp32, 8.9e-16 fp64). ROUNDING_EPS is the slack of the GUIDE section 4 rule
+# err(output) <= 2 * err(float64 reference rounded to the output dtype) + eps, for outputs
+# computed in float32 (measured ratio 1.0 for fp16/bf16).
+SUM_TOL = {
+    torch.float64: 1e-13,
+    torch.float32: 1e-6,
+    torch.float16: torch.finfo(torch.float16).eps,
+    torch.bfloat16: torch.finfo(torch.bfloat16).eps,
+}
+ROUNDING_EPS = 1e-6
+# Triton row kernels vs the PyTorch path on the same input, (p, dX, dalpha) abs. tolerances:
+# about 2x the largest difference measured over 6 seeds (fp32: 1.8e-7, 4.8e-7, 2.9e-6;
+# fp16: 0 and 4.9e-4 = 1 ulp; fp16 outputs may differ by 1 ulp).
+KERNEL_TOL = {torch.float32: (4e-7, 1e-6, 6e-6), torch.float16: (1e-3, 1e-3, None)}
 
 
 def reference_entmax(x: torch.Tensor, alpha, dim: int = -1) -> torch.Tensor:
@@ -65,6 +85,13 @@ def reference_entmax(x: torch.Tensor, alpha, dim: int = -1) -> torch.Tensor:
 def _rand(*shape, dtype=torch.float64, scale=2.0, seed=0):
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(*shape, generator=g, dtype=torch.float64) * scale).to(dtype)
+
+
+def _assert_within_rounding(out: torch.Tensor, ref: torch.Tensor):
+    """``max |out - ref| <= 2 max |ref rounded to out.dtype - ref| + ROUNDING_EPS`` (ref float64)."""
+    err = float((out.detach().double() - ref).abs().max())
+    ref_err = float((ref.to(out.dtype).double() - ref).abs().max())
+    assert err <= 2 * ref_err + ROUNDING_EPS, f"error {err:.3g} vs rounding error {ref_err:.3g} in {out.dtype}"
 
 
 @pytest.mark.parametrize("name", list(EXACT))
@@ -187,23 +214,34 @@ def test_neg_inf_entries_and_rows(fn, dtype):
     assert not bool(torch.isnan(p).any())
     assert bool((p[0, [1, 4]] == 0).all())
     assert bool((p[2] == 0).all())
-    torch.testing.assert_close(p[[0, 1, 3]].double().sum(-1), torch.ones(3, dtype=torch.float64), atol=1e-2, rtol=0)
+    torch.testing.assert_close(p[[0, 1, 3]].double().sum(-1), torch.ones(3, dtype=torch.float64),
+                               atol=SUM_TOL[dtype], rtol=0)
     (p * _rand(4, 9, dtype=dtype, seed=3)).sum().backward()
     assert not bool(torch.isnan(x.grad).any())
     assert bool((x.grad[2] == 0).all())
     assert bool((x.grad[0, [1, 4]] == 0).all())
 
 
-@pytest.mark.parametrize("fn", [sparsemax, entmax15, lambda x: entmax_bisect(x, 1.3), lambda x: entmax(x, 1.0),
-                                lambda x: entmax_bisect(x, 0.5), lambda x: entmax_bisect(x, 2.5)])
+@pytest.mark.parametrize("fn,alpha", [(sparsemax, 2.0), (entmax15, 1.5), (lambda x: entmax_bisect(x, 1.3), 1.3),
+                                      (lambda x: entmax(x, 1.0), 1.0), (lambda x: entmax_bisect(x, 0.5), 0.5),
+                                      (lambda x: entmax_bisect(x, 2.5), 2.5)])
 @pytest.mark.parametrize("dtype,scale", [(torch.float16, 1e4), (torch.bfloat16, 1e4), (torch.float32, 1e30)])
-def test_large_magnitudes(fn, dtype, scale):
-    x = (_rand(6, 40, seed=6, scale=1.0) * scale).to(dtype).requires_grad_()
+def test_large_magnitudes(fn, alpha, dtype, scale):
+    x = (_rand(6, 40, seed=6, scale=1.0) * scale).to(dtype)
+    x[0, 5:9] = x[0].max()
+    x[1, 10:12] = x[1].max()
+    x.requires_grad_()
     p = fn(x)
     assert bool(torch.isfinite(p).all())
-    torch.testing.assert_close(p.double().sum(-1), torch.ones(6, dtype=torch.float64), atol=1e-2, rtol=0)
-    p.double().pow(2).sum().backward()
+    torch.testing.assert_close(p.double().sum(-1), torch.ones(6, dtype=torch.float64), atol=SUM_TOL[dtype], rtol=0)
+    shifted = x.detach().double()
+    shifted = (shifted - shifted.amax(-1, keepdim=True)).requires_grad_()
+    _assert_within_rounding(p, reference_entmax(shifted.detach(), alpha))
+    w = _rand(6, 40, seed=9)
+    (p.double() * w).sum().backward()
+    (fn(shifted) * w.to(dtype).double()).sum().backward()
     assert bool(torch.isfinite(x.grad).all())
+    _assert_within_rounding(x.grad, shifted.grad)
 
 
 @pytest.mark.parametrize("fn", [sparsemax, entmax15, lambda x: entmax_bisect(x, 1.3), lambda x: entmax(x, 1.0),
@@ -223,8 +261,7 @@ def test_fp16_bf16_match_fp32_reference():
         for a in (1.0, 1.5, 2.0, 1.2):
             p = entmax(xd, a)
             assert p.dtype == dt
-            ref = reference_entmax(xd.double(), a)
-            torch.testing.assert_close(p.double(), ref, atol=1e-2, rtol=0)
+            _assert_within_rounding(p, reference_entmax(xd.double(), a))
 
 
 def test_modules_and_learnable_alpha():
@@ -270,6 +307,60 @@ def test_empty_and_single_column():
     x = _rand(4, 1)
     for fn in (sparsemax, entmax15, lambda t: entmax_bisect(t, 1.7), lambda t: entmax_bisect(t, 0.5)):
         assert torch.equal(fn(x), torch.ones_like(x))
+
+
+class _ReportsCuda(torch.Tensor):
+    """CPU tensor whose ``is_cuda`` is True, so the public mappings dispatch it to Triton.
+
+    Operations on it return plain tensors (``__torch_function__`` disabled); under
+    ``TRITON_INTERPRET=1`` the row kernels then run on the CPU.
+    """
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @property
+    def is_cuda(self):
+        return True
+
+
+@pytest.mark.parametrize("dtype,dim,per_row", [(torch.float32, -1, True), (torch.float16, 0, False)])
+def test_triton_dispatch_matches_pytorch_path(dtype, dim, per_row, monkeypatch, kernel_device):
+    if kernel_device != "cpu":
+        pytest.skip("covered on CUDA by test_cuda_long_rows_match_cpu_path")
+    calls = []
+    kernel = triton_rows.entmax_rows_triton
+
+    def spy(*args, **kwargs):
+        calls.append(type(args[0]))
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(triton_rows, "entmax_rows_triton", spy)
+    monkeypatch.setattr(mappings, "TRITON_MIN_ROW", 32)
+    rows = _rand(5, 40, dtype=torch.float32, seed=19)
+    rows[1, [3, 7]] = -math.inf
+    rows[3] = -math.inf
+    x = rows.to(dtype).movedim(-1, dim).contiguous()
+    alpha = torch.tensor([1.0, 1.25, 1.5, 1.8, 2.0]).view(5, 1).movedim(-1, dim) if per_row else 1.5
+    w = _rand(*x.shape, seed=20)
+    results = []
+    for to_triton in (True, False):
+        xi = x.clone().as_subclass(_ReportsCuda) if to_triton else x.clone()
+        xi.requires_grad_()
+        ai = alpha.clone().requires_grad_() if per_row else alpha
+        p = entmax(xi, ai, dim=dim)
+        (p.double() * w).sum().backward()
+        results.append((p, xi.grad, ai.grad if per_row else None))
+    assert calls == [_ReportsCuda]
+    (pk, gk, ak), (pt, gt, at) = results
+    assert pk.dtype == pt.dtype == dtype and gk.dtype == gt.dtype == dtype
+    p_tol, grad_tol, alpha_tol = KERNEL_TOL[dtype]
+    torch.testing.assert_close(pk.double(), pt.double(), atol=p_tol, rtol=0)
+    torch.testing.assert_close(gk.double(), gt.double(), atol=grad_tol, rtol=0)
+    if per_row:
+        torch.testing.assert_close(ak.double(), at.double(), atol=alpha_tol, rtol=0)
+    pk_rows = pk.movedim(dim, -1)
+    assert bool((pk_rows[1, [3, 7]] == 0).all()) and bool((pk_rows[3] == 0).all())
+    assert bool((gk.movedim(dim, -1)[3] == 0).all())
 
 
 @pytest.mark.gpu
