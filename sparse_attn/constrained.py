@@ -55,7 +55,7 @@ def _check_bounds(u: torch.Tensor, valid: torch.Tensor) -> None:
         raise ValueError(f"u must be >= 0 (or +inf) on the valid entries, got a minimum of {lo}")
     total = torch.where(valid, u, torch.zeros_like(u)).sum(dim=1)
     nonempty = valid.any(dim=1)
-    tol = _FEASIBILITY_ULPS * torch.finfo(u.dtype).eps * max(1, u.shape[1])
+    tol = _bound_tolerance(u)
     short = nonempty & (total < 1.0 - tol)
     if bool(short.any()):
         worst = float(total[short].min())
@@ -66,15 +66,55 @@ def _check_bounds(u: torch.Tensor, valid: torch.Tensor) -> None:
         )
 
 
-def _sort_valid_first(key: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """Order sorting each row by ``key`` (decreasing) with all valid entries before invalid ones."""
-    order = torch.argsort(key, dim=1, descending=True, stable=True)
+def _bound_tolerance(u: torch.Tensor) -> float:
+    return _FEASIBILITY_ULPS * torch.finfo(u.dtype).eps * max(1, u.shape[1])
+
+
+def _check_reached(found: torch.Tensor, u: torch.Tensor, valid: torch.Tensor) -> None:
+    """Raise if a row with bounds summing to more than 1 found no threshold (csparsemax).
+
+    ``found`` is ``(R, 1)``. Only rows whose bounds sum to 1 within the feasibility
+    tolerance may legitimately end with every entry at its bound.
+    """
+    total = torch.where(valid, u, torch.zeros_like(u)).sum(dim=1, keepdim=True)
+    lost = ~found & (total > 1.0 + _bound_tolerance(u))
+    if bool(lost.any()):
+        raise ValueError(
+            f"csparsemax cannot resolve the bounds u in {u.dtype}: z - u rounds to z for the entries "
+            f"that must carry the mass (a row's bounds sum to {float(total[lost].max()):.6g} > 1, yet no "
+            "threshold reaches 1); u must not be below the spacing of z. Rescale z, raise u or use float64"
+        )
+
+
+def _sort_valid_first(keys, valid: torch.Tensor) -> torch.Tensor:
+    """Order sorting each row by ``keys`` (decreasing; later keys break ties of earlier ones)
+    with all valid entries before invalid ones."""
+    order = torch.arange(valid.shape[1], device=valid.device).expand(valid.shape)
+    for key in reversed(keys):
+        order = order.gather(1, torch.argsort(key.gather(1, order), dim=1, descending=True, stable=True))
     inval = (~valid).gather(1, order).to(torch.int8)
     return order.gather(1, torch.argsort(inval, dim=1, stable=True))
 
 
 def _csoftmax_rows(z: torch.Tensor, u: torch.Tensor, valid: torch.Tensor):
-    """Constrained softmax of rows ``z`` (R, n) under bounds ``u``; returns (a, clipped)."""
+    """Constrained softmax of rows ``z`` (R, n) under bounds ``u``; returns (a, clipped).
+
+    Large scores: a shift by the row max ``m`` keeps the differences between the entries
+    near ``m`` exactly but rounds the entries far below it to the same value; the unshifted
+    scores keep those but lose the differences near a large ``m``. Both are used: the
+    entries are sorted by ``z - log u`` (one rounding, so the order is never inverted) with
+    ties broken by ``z - m - log u`` and then by ``u`` (equal scores), and each prefix test
+    ``log softmax_r(z[r:]) <= log u_r - log(free mass)`` uses the form whose suffix max
+    ``M_r`` is better resolved (``|M_r - m|`` or ``|M_r|``, whichever is smaller). float32
+    rows select in float64, where the difference of two float32 scores is exact unless their
+    magnitudes differ by more than ``2^29``. Left unresolved: a tie of several entries whose
+    max ``M_r`` is both above ``~1e14`` in magnitude and more than ``~1e14`` below ``m``
+    (the tie's ``log k`` is below the float64 spacing in both frames). The free entries get
+    ``(1 - clipped mass) * softmax`` over the free set, shifted by the max of that set.
+    """
+    out_dtype = z.dtype
+    if z.dtype == torch.float32:
+        z, u = z.double(), u.double()
     n = z.shape[1]
     neg_inf = torch.full_like(z, -math.inf)
     zv = torch.where(valid, z, neg_inf)
@@ -82,26 +122,37 @@ def _csoftmax_rows(z: torch.Tensor, u: torch.Tensor, valid: torch.Tensor):
     m = torch.where(m == -math.inf, torch.zeros_like(m), m)
     zs = zv - m
     uv = torch.where(valid, u, torch.zeros_like(u))
-    key = torch.where(valid, zs - torch.log(uv), neg_inf)
-    order = _sort_valid_first(key, valid)
-    zs_s, u_s, key_s, valid_s = zs.gather(1, order), uv.gather(1, order), key.gather(1, order), valid.gather(1, order)
+    log_u = torch.log(uv)
+    key_raw = torch.where(valid, zv - log_u, neg_inf)
+    key_shift = torch.where(valid, zs - log_u, neg_inf)
+    order = _sort_valid_first((key_raw, key_shift, -log_u), valid)
+    zv_s, zs_s, u_s, log_u_s, valid_s = (t.gather(1, order) for t in (zv, zs, uv, log_u, valid))
     u_fin = torch.where(torch.isinf(u_s), torch.zeros_like(u_s), u_s)
     clipped_mass = u_fin.cumsum(dim=1) - u_fin
     free_mass = 1.0 - clipped_mass
-    log_rest = torch.logcumsumexp(zs_s.flip(1), dim=1).flip(1)
+    suffix_max = zv_s.flip(1).cummax(dim=1).values.flip(1)
+    share_raw = zv_s - torch.logcumsumexp(zv_s.flip(1), dim=1).flip(1)
+    share_shift = zs_s - torch.logcumsumexp(zs_s.flip(1), dim=1).flip(1)
+    use_shift = (suffix_max - m).abs() <= suffix_max.abs()
+    log_share = torch.where(valid_s, torch.where(use_shift, share_shift, share_raw), torch.zeros_like(zv_s))
     safe_mass = torch.where(free_mass > 0, free_mass, torch.ones_like(free_mass))
-    tau_r = log_rest - torch.log(safe_mass)
-    ok = ~valid_s | ((free_mass > 0) & (key_s <= tau_r))
+    ok = ~valid_s | ((free_mass > 0) & (log_share <= log_u_s - torch.log(safe_mass)))
     ok = torch.cat([ok, torch.ones_like(ok[:, :1])], dim=1)
     r_star = ok.to(torch.int8).argmax(dim=1, keepdim=True)
     pos = torch.arange(n, device=z.device)
     clipped_s = valid_s & (pos < r_star)
-    tau = torch.cat([tau_r, torch.zeros_like(tau_r[:, :1])], dim=1).gather(1, r_star)
     free_s = valid_s & ~clipped_s
-    a_s = torch.where(clipped_s, u_s, torch.where(free_s, torch.exp(zs_s - tau), torch.zeros_like(zs_s)))
+    mass = torch.cat([free_mass, torch.zeros_like(free_mass[:, :1])], dim=1).gather(1, r_star)
+    zf = torch.where(free_s, zv_s, neg_inf)
+    mf = zf.amax(dim=1, keepdim=True)
+    mf = torch.where(mf == -math.inf, torch.zeros_like(mf), mf)
+    e = torch.exp(zf - mf)
+    total = e.sum(dim=1, keepdim=True)
+    share = e / torch.where(total > 0, total, torch.ones_like(total))
+    a_s = torch.where(clipped_s, u_s, torch.where(free_s, mass.clamp(min=0) * share, torch.zeros_like(zv_s)))
     a = torch.zeros_like(z).scatter_(1, order, a_s)
     clipped = torch.zeros_like(valid).scatter_(1, order, clipped_s)
-    return a, clipped
+    return a.to(out_dtype), clipped
 
 
 class _CSoftmaxFunction(torch.autograd.Function):
@@ -128,8 +179,16 @@ _SET_NONE, _SET_FREE, _SET_UPPER = 0, 1, 2
 
 
 def _csparsemax_rows(z: torch.Tensor, u: torch.Tensor, valid: torch.Tensor):
-    """Constrained sparsemax of rows ``z`` (R, n) under bounds ``u``; returns (a, sets)."""
+    """Constrained sparsemax of rows ``z`` (R, n) under bounds ``u``; returns (a, sets).
+
+    ``z`` is shifted by its max over the valid entries first (the result is invariant), so
+    that ``z - u`` keeps the resolution of the bounds near the top of the row. A feasible
+    row whose breakpoints still cannot reach ``f = 1`` (bounds below the spacing of ``z``
+    in the working precision) raises ``ValueError`` instead of returning a wrong result.
+    """
     neg_inf = torch.full_like(z, -math.inf)
+    m = torch.where(valid, z, neg_inf).amax(dim=1, keepdim=True)
+    z = z - torch.where(m == -math.inf, torch.zeros_like(m), m)
     hi = torch.where(valid, z, neg_inf)
     lo = torch.where(valid, z - u, neg_inf)
     bp = torch.cat([hi, lo], dim=1)
@@ -154,6 +213,7 @@ def _csparsemax_rows(z: torch.Tensor, u: torch.Tensor, valid: torch.Tensor):
     num = torch.where(free, z, torch.zeros_like(z)).sum(dim=1, keepdim=True) + u_up.sum(dim=1, keepdim=True) - 1.0
     tau = num / n_free.clamp(min=1).to(z.dtype)
     a = torch.minimum(torch.clamp(z - tau, min=0), u)
+    _check_reached(found, u, valid)
     all_upper = valid & ~found
     a = torch.where(all_upper, u, torch.where(valid & found, a, torch.zeros_like(a)))
     sets = torch.where(free, _SET_FREE, torch.where(at_upper | (all_upper & (u > 0)), _SET_UPPER, _SET_NONE))
@@ -240,6 +300,23 @@ def csparsemax(z: torch.Tensor, u: torch.Tensor, dim: int = -1, mask=None, lengt
         entries (rows with no valid entry give zeros).
     """
     return _constrained(_CSparsemaxFunction, z, u, dim, mask, lengths)
+
+
+def _broadcast_exact(name: str, x: torch.Tensor, shape) -> torch.Tensor:
+    """``x`` broadcast to ``shape`` without growing it (``ValueError`` naming ``name`` otherwise)."""
+    shape = tuple(shape)
+    try:
+        return torch.broadcast_to(x, shape)
+    except RuntimeError:
+        raise ValueError(f"{name} must be broadcastable to {shape}, got shape {tuple(x.shape)}") from None
+
+
+def _check_mask_arg(name: str, mask, shape, meaning: str) -> torch.Tensor:
+    """A boolean ``mask`` broadcast to ``shape`` (``TypeError``/``ValueError`` naming ``name``)."""
+    check_tensor(name, mask)
+    if mask.dtype != torch.bool:
+        raise TypeError(f"{name} must be a boolean tensor {meaning}, got dtype {mask.dtype}")
+    return _broadcast_exact(name, mask, shape)
 
 
 class FertilityPredictor(nn.Module):
@@ -346,18 +423,18 @@ class FertilityAttention(nn.Module):
         shape = tuple(batch_shape) + (src_len,)
         valid = torch.ones(shape, dtype=torch.bool, device=device)
         if src_mask is not None:
-            check_tensor("src_mask", src_mask)
-            if src_mask.dtype != torch.bool:
-                raise TypeError(f"src_mask must be a boolean tensor (True = real word), got dtype {src_mask.dtype}")
-            valid = valid & src_mask.to(device)
-            if valid.shape != shape:
-                raise ValueError(f"src_mask must be broadcastable to {shape}, got shape {tuple(src_mask.shape)}")
+            valid = valid & _check_mask_arg("src_mask", src_mask, shape, "(True = real word)").to(device)
         if src_lengths is not None:
             check_tensor("src_lengths", src_lengths)
-            if src_lengths.dtype.is_floating_point or src_lengths.dtype == torch.bool:
+            if src_lengths.dtype.is_floating_point or src_lengths.dtype == torch.bool or src_lengths.is_complex():
                 raise TypeError(f"src_lengths must be an integer tensor, got dtype {src_lengths.dtype}")
+            lens = _broadcast_exact("src_lengths", src_lengths.to(device), shape[:-1])
+            if lens.numel() > 0:
+                lo, hi = int(lens.min()), int(lens.max())
+                if lo < 0 or hi > src_len:
+                    raise ValueError(f"src_lengths must be in [0, {src_len}] (src_len), got values in [{lo}, {hi}]")
             pos = torch.arange(src_len, device=device)
-            valid = valid & (pos < src_lengths.to(device).unsqueeze(-1))
+            valid = valid & (pos < lens.unsqueeze(-1))
         fert = self._resolve_fertility(shape, fertility, encoder_states, device, dtype)
         fert = torch.where(valid, fert, torch.zeros_like(fert))
         if self.sink:
@@ -423,8 +500,8 @@ class FertilityAttention(nn.Module):
         z = z + self.exhaustion * finite_credit
         valid = state.valid
         if step_mask is not None:
-            check_tensor("step_mask", step_mask)
-            valid = valid & step_mask.to(valid.device).unsqueeze(-1)
+            step_valid = _check_mask_arg("step_mask", step_mask, scores.shape[:-1], "(False = padded target position)")
+            valid = valid & step_valid.to(valid.device).unsqueeze(-1)
         fn = csparsemax if self.transform == "csparsemax" else csoftmax
         attn = fn(z, credit, dim=-1, mask=valid.expand(z.shape))
         return attn, FertilityState(state.fertility, state.cumulative + attn, state.valid)
@@ -450,6 +527,8 @@ class FertilityAttention(nn.Module):
                                     **init_kwargs)
         elif init_kwargs:
             raise ValueError(f"init arguments {sorted(init_kwargs)} are only accepted with state=None")
+        if tgt_mask is not None:
+            tgt_mask = _check_mask_arg("tgt_mask", tgt_mask, scores.shape[:-1], "(False = padded target position)")
         outs = []
         for t in range(scores.shape[-2]):
             step_mask = None if tgt_mask is None else tgt_mask[..., t]

@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from sparse_attn._validation import check_dim, check_floating, check_tensor
-from sparse_attn.mappings import sparsemax
+from sparse_attn.mappings import _compute_dtype, sparsemax
 
 __all__ = [
     "fusedmax",
@@ -55,10 +55,6 @@ __all__ = [
     "Fusedmax",
     "Oscarmax",
 ]
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _check_real(name: str, value, low: float, low_open: bool, high: float = math.inf) -> float:
@@ -220,7 +216,8 @@ def _tv_prox_rows(x: torch.Tensor, lengths: torch.Tensor, lam: float, use_triton
         from sparse_attn.kernels.structured import tv_prox_rows
 
         y = tv_prox_rows(x, lengths, lam)
-        return torch.nan_to_num(y, nan=0.0)
+        pos = torch.arange(x.shape[1], device=x.device)
+        return torch.where(pos < lengths.unsqueeze(1), y, torch.zeros_like(y))
     return _tv_prox_torch(x, lengths, lam)
 
 
@@ -254,36 +251,39 @@ class _TVProxFunction(torch.autograd.Function):
 def _isotonic_nonincreasing(v: torch.Tensor) -> torch.Tensor:
     """Least-squares non-increasing fit of each row of ``v`` (R, n) by pool adjacent violators.
 
-    A stack of blocks (sum, count) per row; one position is pushed for all rows at a time
-    and violating top blocks are merged while any row has one. ``-inf`` entries (padding at
-    the end of a row) never merge with finite blocks.
+    A stack of blocks (mean, count) per row; one position is pushed for all rows at a time
+    and violating top blocks are merged while any row has one. A merge moves the lower
+    mean towards the upper one by a fraction of their difference, so values near the
+    floating-point limit do not overflow as a block sum would. ``-inf`` entries (padding at
+    the end of a row) never merge.
     """
     rows, n = v.shape
-    sums = torch.zeros_like(v)
+    means = torch.zeros_like(v)
     counts = torch.zeros_like(v)
     top = torch.full((rows,), -1, dtype=torch.int64, device=v.device)
     r = torch.arange(rows, device=v.device)
     for i in range(n):
         top = top + 1
-        sums[r, top] = v[:, i]
+        means[r, top] = v[:, i]
         counts[r, top] = 1
         while True:
             prev = (top - 1).clamp(min=0)
-            m_top = sums[r, top] / counts[r, top]
-            m_prev = sums[r, prev] / counts[r, prev]
-            viol = (top > 0) & (m_prev <= m_top)
+            m_top = means[r, top]
+            m_prev = means[r, prev]
+            viol = (top > 0) & (m_prev <= m_top) & (m_top > -math.inf)
             if not bool(viol.any()):
                 break
             rv, pv, tv = r[viol], prev[viol], top[viol]
-            sums[rv, pv] += sums[rv, tv]
-            counts[rv, pv] += counts[rv, tv]
+            c_top = counts[rv, tv]
+            c_new = counts[rv, pv] + c_top
+            means[rv, pv] += (means[rv, tv] - means[rv, pv]) * (c_top / c_new)
+            counts[rv, pv] = c_new
             counts[rv, tv] = 0
             top = torch.where(viol, top - 1, top)
     starts = (counts.cumsum(dim=1) - counts).to(torch.int64)
     marks = torch.zeros((rows, n + 1), dtype=torch.int64, device=v.device)
     marks.scatter_(1, torch.where(counts > 0, starts, torch.full_like(starts, n)), 1)
     block = marks[:, :n].cumsum(dim=1) - 1
-    means = sums / counts.clamp(min=1)
     return means.gather(1, block.clamp(min=0))
 
 
@@ -342,6 +342,18 @@ def _prepare(X, dim, mask, lengths, gamma):
     return d, x, valid
 
 
+def _shift_valid(x: torch.Tensor, valid: torch.Tensor):
+    """``(x - m, m)`` with ``m`` (R, 1) the max of the valid entries of each row of ``x``, detached.
+
+    Rows with no valid entry get ``m = 0``. Used before the mappings onto the simplex, which
+    are invariant to a shift (so ``m`` carries no gradient): near the top of the row, where
+    the support is, the differences between large scores are kept exactly.
+    """
+    m = torch.where(valid, x, torch.full_like(x, -math.inf)).amax(dim=1, keepdim=True).detach()
+    m = torch.where(m == -math.inf, torch.zeros_like(m), m)
+    return torch.where(valid, x - m, torch.zeros_like(x)), m
+
+
 def _finish(y_rows, valid, X, d):
     y = torch.where(valid, y_rows, torch.full_like(y_rows, -math.inf))
     p = sparsemax(y, dim=-1)
@@ -355,6 +367,8 @@ def _run(X, dim, mask, lengths, gamma, lam, prox, project):
     d, x, valid = _prepare(X, dim, mask, lengths, gamma)
     if X.numel() == 0:
         return X.clone()
+    if project:
+        x, _ = _shift_valid(x, valid)
     y = x if prox is None else prox(x, valid, lam)
     if project:
         return _finish(y, valid, X, d)
@@ -500,12 +514,9 @@ def _sq_pnorm_forward(x: torch.Tensor, valid: torch.Tensor, p: float) -> torch.T
     (strong convexity) and lies in ``[max x - 1, max x]``. Bisection halves this bracket
     until it stops shrinking in the working precision.
     """
-    neg = torch.full_like(x, -math.inf)
-    xv = torch.where(valid, x, neg)
-    m = xv.amax(dim=1, keepdim=True)
-    empty = m == -math.inf
-    m = torch.where(empty, torch.zeros_like(m), m)
-    lo, hi = m - 1.0, m.clone()
+    empty = ~valid.any(dim=1, keepdim=True)
+    x, _ = _shift_valid(x, valid)
+    lo, hi = torch.full_like(x[:, :1], -1.0), torch.zeros_like(x[:, :1])
     bits = 64 if x.dtype == torch.float64 else 32
     for _ in range(bits + 8):
         mid = 0.5 * (lo + hi)

@@ -108,6 +108,65 @@ def test_extreme_scores_stay_finite():
     torch.testing.assert_close(csoftmax(z, u)[0], torch.tensor([0.1, 0.2, 0.4, 0.3], dtype=F64), atol=1e-12, rtol=0)
 
 
+def _offset_rows(offset, seed, rows=40, n=9):
+    """float32 scores ``offset + k * spacing`` (integers ``|k| <= 6``, exact in float32) and
+    their float64 differences from the row max (exact; a well-conditioned float64 reference)."""
+    spacing = float(torch.finfo(torch.float32).eps) * 2.0 ** math.frexp(abs(offset))[1]
+    k = torch.randint(-6, 7, (rows, n), generator=_gen(seed)).to(F64)
+    z = (offset + spacing * k).float()
+    return z, (k - k.amax(-1, keepdim=True)) * spacing
+
+
+def test_csoftmax_large_scores_against_float64():
+    z = torch.tensor([[1e8, 0.0, 0.3, 5.0]])
+    u = torch.full((1, 4), 0.4)
+    rest = 0.6 * _bisect(torch.tensor([[0.0, 0.3, 5.0]], dtype=F64), torch.full((1, 3), 0.4 / 0.6, dtype=F64), "soft")
+    expected = torch.cat([torch.full((1, 1), 0.4, dtype=F64), rest], dim=1)
+    torch.testing.assert_close(csoftmax(z, u).to(F64), expected, atol=TOL[torch.float32], rtol=0)
+    torch.testing.assert_close(csoftmax(z.to(F64), torch.full((1, 4), 0.4, dtype=F64)), expected,
+                               atol=TOL["slow_solver"], rtol=0)
+    u_rows = 0.05 + 0.3 * torch.rand(40, 9, generator=_gen(40), dtype=F64)
+    u_rows[:, 0] = 1.0
+    uf = u_rows.float()
+    for offset in (2.0 ** 25, -3e7, 1e30, -1e30):
+        zz, shifted = _offset_rows(offset, 41)
+        a = csoftmax(zz, uf)
+        assert (a <= uf).all()
+        ref = csoftmax(shifted, uf.to(F64))
+        torch.testing.assert_close(a.to(F64), ref, atol=TOL[torch.float32], rtol=0)
+    top_u = u_rows.clone()
+    top_u[:, :3] = 0.2
+    small = 2 * torch.randn(40, 6, generator=_gen(42), dtype=F64)
+    for offset in (1e30, 2.0 ** 25):
+        for dtype in (torch.float32, F64):
+            mixed = torch.cat([torch.full((40, 3), offset, dtype=F64), small], dim=1).to(dtype)
+            a = csoftmax(mixed, top_u.to(dtype)).to(F64)
+            ref = 0.4 * _bisect(mixed[:, 3:].to(F64), top_u[:, 3:].to(dtype).to(F64) / 0.4, "soft")
+            torch.testing.assert_close(a[:, 3:], ref, atol=TOL[torch.float32], rtol=0)
+            torch.testing.assert_close(a[:, :3], torch.full((40, 3), 0.2, dtype=F64), atol=TOL[torch.float32], rtol=0)
+    ties = torch.full((2, 4), 1e30)
+    torch.testing.assert_close(csoftmax(ties, torch.full((2, 4), 0.3)), torch.full((2, 4), 0.25), atol=1e-7, rtol=0)
+
+
+def test_csparsemax_large_scores_against_float64():
+    z = torch.tensor([[3e7, 3e7 - 2, 3e7 - 4, 0.0]])
+    u = torch.full((1, 4), 0.9)
+    expected = torch.tensor([[0.9, 0.1, 0.0, 0.0]], dtype=F64)
+    torch.testing.assert_close(csparsemax(z, u).to(F64), expected, atol=TOL[torch.float32], rtol=0)
+    torch.testing.assert_close(csparsemax(z.to(F64), torch.full((1, 4), 0.9, dtype=F64)), expected, atol=1e-12,
+                               rtol=0)
+    huge = torch.tensor([[1e30, 1e30 - 2, 1e30 - 4, 0.0]], dtype=F64)
+    torch.testing.assert_close(csparsemax(huge, torch.full((1, 4), 0.9, dtype=F64)), torch.tensor([[1 / 3, 1 / 3, 1 / 3, 0.0]], dtype=F64),
+                               atol=1e-12, rtol=0)
+    u_rows = (0.1 + 0.4 * torch.rand(40, 9, generator=_gen(43), dtype=F64)).float()
+    for offset in (2.0 ** 22, -3e6):
+        zz, shifted = _offset_rows(offset, 44)
+        a = csparsemax(zz, u_rows)
+        torch.testing.assert_close(a.to(F64), _bisect(shifted, u_rows.to(F64), "sparse"), atol=TOL[torch.float32], rtol=0)
+    with pytest.raises(ValueError, match="cannot resolve the bounds"):
+        csparsemax(torch.tensor([[0.0, -1e8, -2e8]]), torch.full((1, 3), 0.5))
+
+
 # ---------------------------------------------------------------- gradients
 
 
@@ -273,7 +332,7 @@ def test_decode_never_exceeds_fertility(transform):
     long_scores = torch.randn(2, 20, 4, generator=_gen(18), dtype=F64)
     attn, _ = FertilityAttention(transform, fertility=1.0)(long_scores)
     assert (attn.sum(1)[:, :4] <= 1.0 + TOL["invariant"]).all()
-    assert (attn[:, -8:, 4] == 1).all()
+    torch.testing.assert_close(attn[:, -8:, 4], torch.ones(2, 8, dtype=F64), atol=1e-12, rtol=0)
 
 
 def test_incremental_equals_whole_target_and_exhaustion():
@@ -352,3 +411,35 @@ def test_fertility_module_errors():
         module(torch.randn(2, 3, 4), src_mask=torch.ones(2, 4))
     with pytest.raises(ValueError, match="scores must have shape"):
         module(torch.randn(4))
+
+
+_SCORES = torch.randn(3, 4, 5)
+_BAD_FERTILITY_INPUTS = [
+    (dict(src_lengths=torch.tensor([[5], [3], [2]])), ValueError, r"src_lengths must be broadcastable to \(3,\), got shape \(3, 1\)"),
+    (dict(src_lengths=torch.tensor([5, 3])), ValueError, r"src_lengths must be broadcastable to \(3,\), got shape \(2,\)"),
+    (dict(src_lengths=torch.tensor([6, 3, 2])), ValueError, r"src_lengths must be in \[0, 5\].*\[2, 6\]"),
+    (dict(src_lengths=torch.tensor([-1, 3, 2])), ValueError, r"src_lengths must be in \[0, 5\].*\[-1, 3\]"),
+    (dict(src_lengths=torch.tensor([5.0, 3.0, 2.0])), TypeError, "src_lengths must be an integer tensor"),
+    (dict(src_mask=torch.ones(2, 5, dtype=torch.bool)), ValueError, r"src_mask must be broadcastable to \(3, 5\), got shape \(2, 5\)"),
+    (dict(tgt_mask=torch.ones(3, 4)), TypeError, "tgt_mask must be a boolean tensor.*float32"),
+    (dict(tgt_mask=torch.ones(3, 5, dtype=torch.bool)), ValueError, r"tgt_mask must be broadcastable to \(3, 4\), got shape \(3, 5\)"),
+    (dict(tgt_mask=[True] * 4), TypeError, "tgt_mask must be a torch.Tensor"),
+]
+
+
+@pytest.mark.parametrize("kwargs,exc,match", _BAD_FERTILITY_INPUTS)
+def test_fertility_input_errors(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        FertilityAttention(fertility=1.0)(_SCORES, **kwargs)
+
+
+def test_fertility_step_mask_errors_and_broadcast_lengths():
+    module = FertilityAttention(fertility=1.0)
+    with pytest.raises(ValueError, match=r"step_mask must be broadcastable to \(3,\), got shape \(4,\)"):
+        module.step(_SCORES[:, 0], step_mask=torch.ones(4, dtype=torch.bool))
+    with pytest.raises(TypeError, match="step_mask must be a boolean tensor"):
+        module.step(_SCORES[:, 0], step_mask=torch.ones(3, dtype=torch.int64))
+    attn, _ = module(_SCORES, src_lengths=torch.tensor(3))
+    assert attn.shape == (3, 4, 6) and (attn[..., 3:5] == 0).all()
+    mh, _ = module(torch.randn(2, 3, 4, 5), src_lengths=torch.tensor([[5], [2]]))
+    assert mh.shape == (2, 3, 4, 6) and (mh[1, :, :, 2:5] == 0).all()

@@ -369,6 +369,49 @@ def test_low_precision_against_float64(dtype):
         torch.testing.assert_close(y.to(F64), fn(x.to(F64)), atol=TOL[dtype], rtol=0)
 
 
+def _offset_rows(offset, dtype, seed, rows=12, n=9):
+    """Scores ``offset + k * spacing`` (integers ``|k| <= 6``, exact in ``dtype``), the spacing (a
+    power of two) and the exact float64 differences from the row max."""
+    spacing = float(torch.finfo(dtype).eps) * 2.0 ** math.frexp(abs(offset))[1]
+    k = torch.randint(-6, 7, (rows, n), generator=_gen(seed)).to(F64)
+    return (offset + spacing * k).to(dtype), spacing, (k - k.amax(-1, keepdim=True)) * spacing
+
+
+@pytest.mark.parametrize("dtype,offset", [(torch.float32, 2.0 ** 25), (torch.float32, 1e30), (torch.float32, -1e30),
+                                          (torch.float16, 1e4), (torch.bfloat16, -1e30)])
+def test_large_scores_against_float64(dtype, offset):
+    """Shift-invariant mappings of scores far from 0 equal float64 on the (exact) differences."""
+    x, spacing, shifted = _offset_rows(offset, dtype, 25)
+    fns = (lambda a, g: fusedmax(a, lam=0.3, gamma=g), lambda a, g: oscarmax(a, lam=0.05, gamma=g),
+           lambda a, g: gamma_sparsemax(a, gamma=g), lambda a, g: sq_pnorm_max(a, gamma=g))
+    for fn in fns:
+        y = fn(x, spacing)
+        assert y.dtype == dtype and torch.isfinite(y).all()
+        torch.testing.assert_close(y.to(F64), fn(shifted, spacing), atol=TOL[dtype], rtol=0)
+    big = torch.tensor([[3e7, 3e7 - 0.5, 0.0]])
+    torch.testing.assert_close(sq_pnorm_max(big), torch.tensor([[0.5, 0.5, 0.0]]), atol=TOL[torch.float32], rtol=0)
+
+
+def test_prox_large_magnitudes_against_float64():
+    x = 1e30 * torch.randn(6, 9, generator=_gen(26))
+    x[0] = torch.tensor([3e38, -3e38, 0.0, 3e38, 1e38, -2e38, 5.0, -3e38, 3e38])
+    for fn in (lambda a: tv_prox(a, lam=3e29), lambda a: oscar_prox(a, lam=2e28), lambda a: oscar_prox(a, lam=0.01)):
+        y = fn(x)
+        assert torch.isfinite(y).all()
+        torch.testing.assert_close(y.to(F64), fn(x.to(F64)), atol=1e30 * TOL[torch.float32], rtol=TOL[torch.float32])
+
+
+def test_triton_tv_path_keeps_nan_inside_rows():
+    """Positions past ``lengths`` give 0; a NaN inside a row is not hidden."""
+    x = torch.randn(3, 6, generator=_gen(27), dtype=F64)
+    x[0, 2] = math.nan
+    lengths = torch.tensor([6, 4, 0])
+    y = _TVProxFunction.apply(x, lengths, 0.2, True)
+    valid = torch.arange(6) < lengths[:, None]
+    assert (y[~valid] == 0).all()
+    assert torch.isnan(y[0]).any() and torch.isfinite(y[1]).all()
+
+
 def test_dim_and_batch_shapes():
     x = torch.randn(2, 3, 6, 5, generator=_gen(22), dtype=F64)
     for fn in (lambda a, d: fusedmax(a, lam=0.2, dim=d), lambda a, d: oscarmax(a, dim=d),
