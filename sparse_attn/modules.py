@@ -92,7 +92,7 @@ def _materialized_attention(q: Tensor, k: Tensor, v: Tensor, alpha, mask: Tensor
             scores = scores.masked_fill(~mask, float("-inf"))
         else:
             scores = scores + mask.to(scores.dtype)
-    a = alpha if not isinstance(alpha, Tensor) else alpha.to(scores.dtype).reshape(1, -1, 1, 1)
+    a = alpha if not isinstance(alpha, Tensor) else alpha.reshape(1, -1, 1, 1)
     p = entmax(scores, a, dim=-1)
     nnz = (p > 0).sum(-1, dtype=torch.int32)
     n_valid = (scores > float("-inf")).sum(-1, dtype=torch.int32)
@@ -103,7 +103,10 @@ def _materialized_attention(q: Tensor, k: Tensor, v: Tensor, alpha, mask: Tensor
 class _HeadAlphaMixin:
     """Per-head alpha shared by the modules: fixed (a float or a buffer) or learnable (``alpha_logit``).
 
-    Needs ``num_heads`` set before :meth:`_init_alpha` is called.
+    The alpha tensors are float32, or float64 in a float64 module: module casts to float16 or
+    bfloat16 (``.half()``, ``.to(torch.bfloat16)``) move them but keep them float32, recomputed
+    from their values before the cast, so that ``alpha = 1.2`` stays 1.2 and the learnable
+    logits keep full precision. Needs ``num_heads`` set before :meth:`_init_alpha` is called.
     """
 
     def _init_alpha(self, alpha, learnable, alpha_min, alpha_max, alpha_init, device, dtype) -> None:
@@ -144,7 +147,9 @@ class _HeadAlphaMixin:
     def alpha(self) -> Tensor:
         """Current alpha of each head, shape ``(num_heads,)``, float32 (float64 for a float64 module).
 
-        Differentiable with respect to ``alpha_logit`` when alpha is learnable.
+        Float32 also in a float16/bfloat16 module. Differentiable with respect to ``alpha_logit``
+        when alpha is learnable; in range by construction, so computing it reads nothing back
+        to the host.
         """
         if self.alpha_logit is not None:
             logit = self.alpha_logit if self.alpha_logit.dtype == torch.float64 else self.alpha_logit.float()
@@ -165,6 +170,24 @@ class _HeadAlphaMixin:
         if self._alpha_float is not None:
             return str(self._alpha_float)
         return str([round(a, 4) for a in self.alpha_fixed.tolist()])
+
+    def _apply(self, fn, recurse=True):
+        """``nn.Module._apply``, then alpha tensors cast below float32 are restored as float32 (see class)."""
+        before = {name: (t.detach(), None if t.grad is None else t.grad.detach())
+                  for name in ("alpha_logit", "alpha_fixed") if (t := getattr(self, name)) is not None}
+        super()._apply(fn, recurse)
+        for name, (old, old_grad) in before.items():
+            new = getattr(self, name)
+            if new.dtype in (torch.float32, torch.float64):
+                continue
+            kept = old.to(device=new.device, dtype=torch.float32)
+            if isinstance(new, nn.Parameter):
+                new.data = kept
+                if new.grad is not None:
+                    new.grad = old_grad.to(device=new.device, dtype=torch.float32)
+            else:
+                self._buffers[name] = kept
+        return self
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         key = prefix + "alpha_logit"

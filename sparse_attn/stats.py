@@ -1,10 +1,11 @@
 """Per-head attention statistics: density, alpha and Jensen-Shannon head diversity.
 
 ``with record_head_stats(model) as rec: model(x)`` makes every entmax attention layer of
-``model`` (:class:`sparse_attn.modules.EntmaxMultiheadAttention`, and Hugging Face attention
-modules prepared by :mod:`sparse_attn.integrations.hf`) report, on each call, the per-row support
-size and number of valid keys computed by the attention itself (the weights are not
-materialized). The recorder accumulates, per layer and head:
+``model`` (:class:`sparse_attn.modules.EntmaxMultiheadAttention`, and the attention modules of
+a Hugging Face model running ``attn_implementation="entmax"`` of
+:mod:`sparse_attn.integrations.hf`, with or without attached alphas) report, on each call, the
+per-row support size and number of valid keys computed by the attention itself (the weights are
+not materialized). The recorder accumulates, per layer and head:
 
 * density: mean over query rows with at least one valid key of ``nnz / n_valid``, the fraction
   of the keys a query may attend to that receive a nonzero weight (1 for softmax);
@@ -24,6 +25,7 @@ triggers a recompilation).
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 from torch import Tensor, nn
@@ -31,8 +33,21 @@ from torch import Tensor, nn
 __all__ = ["HeadStatsRecorder", "record_head_stats"]
 
 
+_HF_MODULE = "sparse_attn.integrations.hf"
+
+
 def _is_recordable(module: nn.Module) -> bool:
-    return bool(getattr(module, "_records_head_stats", False))
+    if getattr(module, "_records_head_stats", False):
+        return True
+    hf = sys.modules.get(_HF_MODULE)
+    return hf is not None and hf._uses_entmax(module)
+
+
+def _current_alpha(module: nn.Module) -> Tensor:
+    """alpha ``(num_heads,)`` of a recordable layer, detached."""
+    if getattr(module, "_records_head_stats", False):
+        return module.alpha.detach().reshape(-1)
+    return sys.modules[_HF_MODULE]._head_alpha(module).detach().reshape(-1)
 
 
 def _entropy(p: Tensor) -> Tensor:
@@ -112,8 +127,10 @@ class HeadStatsRecorder:
         self._layers = [(name, m) for name, m in model.named_modules() if _is_recordable(m)]
         if not self._layers:
             raise ValueError(
-                "model contains no entmax attention layer to record (EntmaxMultiheadAttention, or a Hugging Face "
-                "model loaded with attn_implementation='entmax'); use sparse_attn.swap_attention first"
+                f"{type(model).__name__} contains no entmax attention layer to record: replace its "
+                "nn.MultiheadAttention layers with sparse_attn.swap_attention(model), or for a Hugging Face model "
+                "import sparse_attn.integrations.hf and load or build it with attn_implementation='entmax' "
+                "(or call model.set_attn_implementation('entmax'))"
             )
         self.layer_names = [name for name, _ in self._layers]
         self._sinks = [_LayerSink(diversity) for _ in self._layers]
@@ -147,12 +164,7 @@ class HeadStatsRecorder:
         sink, (_, m) = self._sinks[i], self._layers[i]
         if sink.rows is not None:
             return sink.rows.numel()
-        return int(self._module_alpha(m).numel())
-
-    @staticmethod
-    def _module_alpha(m: nn.Module) -> Tensor:
-        alpha = m.alpha if not callable(getattr(m, "entmax_alpha", None)) else m.entmax_alpha()
-        return alpha.detach().reshape(-1)
+        return int(_current_alpha(m).numel())
 
     def density(self) -> Tensor:
         """Mean density per layer and head, float64 ``(n_layers, n_heads)``; NaN where nothing was recorded."""
@@ -167,7 +179,7 @@ class HeadStatsRecorder:
         """alpha per layer and head at the last recorded call (the current alpha if none), float64 ``(n_layers, n_heads)``."""
         out = torch.full((len(self._layers), self._n_heads()), math.nan, dtype=torch.float64)
         for i, (sink, (_, m)) in enumerate(zip(self._sinks, self._layers)):
-            a = sink.alpha if sink.alpha is not None else self._module_alpha(m)
+            a = sink.alpha if sink.alpha is not None else _current_alpha(m)
             a = a.detach().to("cpu", torch.float64)
             out[i, : a.numel()] = a
         return out

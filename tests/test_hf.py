@@ -12,14 +12,15 @@ from transformers import BertConfig, BertModel, LlamaConfig, LlamaForCausalLM  #
 import sparse_attn.integrations.hf as entmax_hf  # noqa: E402
 from sparse_attn.modules import EntmaxAlpha  # noqa: E402
 from sparse_attn.stats import record_head_stats  # noqa: E402
+from test_modules import OpLog, host_reads_outside  # noqa: E402
 
 H, H_KV = 4, 2
 
 
-def _llama_config():
-    return LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=H,
-                       num_key_value_heads=H_KV, max_position_embeddings=64, pad_token_id=0, bos_token_id=1,
-                       eos_token_id=2)
+def _llama_config(**overrides):
+    kw = dict(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=H,
+              num_key_value_heads=H_KV, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return LlamaConfig(**{**kw, **overrides})
 
 
 def _sharpen(model):
@@ -132,6 +133,89 @@ def test_llama_learnable_alpha_trains_saves_and_reloads(tmp_path):
         entmax_hf.from_pretrained(LlamaForCausalLM, str(tmp_path / "missing"))
 
 
+ATTACH_OPTIONS = [
+    dict(alpha=1.0, learnable=True, alpha_init=1.3),
+    dict(alpha=[1.2, 1.4, 1.6, 1.8], learnable=True, alpha_min=1.1, alpha_max=1.9,
+         alpha_init=torch.tensor([1.15, 1.3, 1.5, 1.85])),
+    dict(alpha=torch.tensor([1.0, 1.25, 1.5, 2.0]), learnable=False),
+    dict(alpha=1.7, learnable=False, alpha_min=1.2),
+]
+
+
+@pytest.mark.parametrize("options", range(len(ATTACH_OPTIONS)))
+def test_save_and_reload_round_trip_every_attach_option(tmp_path, options):
+    kw = ATTACH_OPTIONS[options]
+    _, ent = _pair(LlamaForCausalLM, _llama_config(num_hidden_layers=1))
+    entmax_hf.attach_entmax_alpha(ent, **kw)
+    holder = ent.model.layers[0].self_attn.entmax_alpha
+    if kw["learnable"]:
+        with torch.no_grad():
+            holder.alpha_logit.add_(torch.linspace(-0.5, 0.5, H))
+    ent.save_pretrained(tmp_path)
+    loaded = entmax_hf.from_pretrained(LlamaForCausalLM, str(tmp_path))
+    assert loaded.config.entmax == ent.config.entmax
+    loaded_holder = loaded.model.layers[0].self_attn.entmax_alpha
+    assert loaded_holder.learnable_alpha == kw["learnable"]
+    assert (loaded_holder.alpha_min, loaded_holder.alpha_max) == (holder.alpha_min, holder.alpha_max)
+    assert torch.equal(loaded_holder.alpha, holder.alpha)
+    ids, mask = _ids_and_padding()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids, attention_mask=mask).logits, ent(ids, attention_mask=mask).logits,
+                                   atol=0, rtol=0)
+
+
+def test_record_stats_without_attached_alpha():
+    """A model loaded with attn_implementation='entmax' alone is recorded with config.entmax_alpha."""
+    config = _llama_config(num_hidden_layers=1)
+    eager, ent = _pair(LlamaForCausalLM, config)
+    ent.config.entmax_alpha = 1.6
+    ids = _ids_and_padding()[0]
+    with record_head_stats(ent) as rec, torch.no_grad():
+        ent(ids)
+    with torch.no_grad():
+        weights = ent(ids, output_attentions=True).attentions[0]
+    assert rec.layer_names == ["model.layers.0.self_attn"]
+    n_valid = torch.arange(1, ids.shape[1] + 1, dtype=torch.float64)
+    expected = ((weights > 0).sum(-1).double() / n_valid).mean((0, 2))
+    torch.testing.assert_close(rec.density()[0], expected, atol=1e-12, rtol=0)
+    assert (rec.density() < 1).any()
+    torch.testing.assert_close(rec.alphas(), torch.full((1, H), 1.6, dtype=torch.float64))
+    assert "1.600" in rec.table()
+
+    with pytest.raises(ValueError, match=r"LlamaForCausalLM contains no entmax attention layer.*attn_implementation='entmax'"):
+        record_head_stats(eager)
+    entmax_hf.attach_entmax_alpha(eager, alpha=1.5)
+    with pytest.raises(ValueError, match="no entmax attention layer"):
+        record_head_stats(eager)
+    eager.set_attn_implementation("entmax")
+    with record_head_stats(eager) as rec, torch.no_grad():
+        eager(ids)
+    assert torch.isfinite(rec.density()).all()
+    torch.testing.assert_close(rec.alphas(), torch.full((1, H), 1.5, dtype=torch.float64))
+
+
+def test_attention_forward_adds_no_host_sync(monkeypatch):
+    """Learnable alphas add no host read to the attention call (entmax_attention keeps its own alpha check)."""
+    _, ent = _pair(LlamaForCausalLM, _llama_config(num_hidden_layers=1))
+    entmax_hf.attach_entmax_alpha(ent, alpha=[1.3, 1.5, 1.8, 1.95], learnable=True)
+    attn = ent.model.layers[0].self_attn
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, H, 5, 16, generator=g, requires_grad=True)
+    k, v = (torch.randn(2, H_KV, 5, 16, generator=g, requires_grad=True) for _ in range(2))
+    keep = torch.ones(2, 1, 5, 5, dtype=torch.bool).tril()
+    keep[1, ..., :2] = False
+
+    def step():
+        for mask in (None, keep):
+            out, _ = entmax_hf.entmax_attention_forward(attn, q, k, v, mask, is_causal=True)
+            out.sum().backward()
+
+    assert host_reads_outside(monkeypatch, entmax_hf, "entmax_attention", step) == []
+    with record_head_stats(ent):
+        assert host_reads_outside(monkeypatch, entmax_hf, "entmax_attention", step) == []
+    assert attn.entmax_alpha.alpha_logit.grad.abs().sum() > 0
+
+
 def _bert_config():
     return BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=H, intermediate_size=48,
                       max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
@@ -169,21 +253,38 @@ def test_attach_errors():
         entmax_hf.attach_entmax_alpha(model, alpha=2.0, learnable=True)
 
 
-def test_llama_fused_backend_matches_reference():
+def test_llama_fused_backend_matches_reference(kernel_device):
+    """The fused custom ops through the attention interface: padded forward and backward (GQA, learnable
+    per-head alpha), a mask-free causal forward and one cached decoding step, against the reference backend.
+    One layer, two heads sharing one key/value head, one sequence: a few kernel launches under the interpreter."""
     pytest.importorskip("sparse_attn._attn_autograd", reason="fused kernels / custom ops not importable yet",
                         exc_type=ImportError)
-    _, ent = _pair(LlamaForCausalLM, _llama_config())
-    entmax_hf.attach_entmax_alpha(ent, alpha=[1.3, 1.5, 1.8, 1.95], learnable=True)
-    ids, mask = _ids_and_padding()
-    with torch.no_grad():
-        ref = ent(ids, attention_mask=mask).logits
-        ref_plain = ent(ids[:1]).logits
-        ent.config.entmax_backend = "triton"
-        out = ent(ids, attention_mask=mask).logits
-        out_plain = ent(ids[:1]).logits
+    config = _llama_config(hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                           num_key_value_heads=1)
+    _, ent = _pair(LlamaForCausalLM, config)
+    ent.to(kernel_device)
+    entmax_hf.attach_entmax_alpha(ent, alpha=[1.3, 1.8], learnable=True)
+    ids, mask = (t[1:].to(kernel_device) for t in _ids_and_padding())
     valid = mask.bool()
-    torch.testing.assert_close(out[valid], ref[valid], atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(out_plain, ref_plain, atol=1e-4, rtol=1e-4)
-    gen = ent.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False)
-    ent.config.entmax_backend = "reference"
-    assert torch.equal(gen, ent.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False))
+    params = [ent.model.layers[0].self_attn.q_proj.weight, ent.model.layers[0].self_attn.entmax_alpha.alpha_logit]
+    results = {}
+    for backend in ("reference", "triton"):
+        ent.config.entmax_backend = backend
+        ent.zero_grad()
+        log = OpLog()
+        with log:
+            logits = ent(ids, attention_mask=mask).logits
+            logits[valid].square().sum().backward()
+        with torch.no_grad():
+            plain = ent(ids[:, 3:]).logits
+            pre = ent(ids[:, :-1], attention_mask=mask[:, :-1], use_cache=True)
+            step = ent(ids[:, -1:], attention_mask=mask, past_key_values=pre.past_key_values, use_cache=True).logits
+        fused_ops = {op for op in log.ops if op.startswith("sparse_attn::")}
+        assert fused_ops == ({"sparse_attn::entmax_attn_fwd", "sparse_attn::entmax_attn_bwd"} if backend == "triton" else set())
+        results[backend] = (logits[valid].detach(), plain, step, [p.grad.clone() for p in params])
+    ref, out = results["reference"], results["triton"]
+    for o, r in zip(out[:3], ref[:3]):
+        torch.testing.assert_close(o, r, atol=1e-4, rtol=1e-4)
+    for g_f, g_r in zip(out[3], ref[3]):
+        assert g_r.abs().sum() > 0
+        torch.testing.assert_close(g_f, g_r, atol=1e-3, rtol=1e-3)

@@ -10,6 +10,7 @@ from torch import nn
 import sparse_attn.modules as modules_mod
 from sparse_attn.modules import EntmaxMultiheadAttention
 from sparse_attn.stats import HeadStatsRecorder, js_head_diversity, record_head_stats
+from test_modules import host_reads_outside
 
 E, H = 16, 4
 
@@ -114,6 +115,15 @@ def test_density_path_does_not_materialize(monkeypatch):
         model(*_batch(3))
 
 
+def test_recording_adds_no_host_sync(monkeypatch):
+    """The per-layer accumulators stay on the device: recording reads nothing back during the forward."""
+    model = TwoLayers()
+    x, mem, kpm = _batch(6)
+    with record_head_stats(model) as rec:
+        assert host_reads_outside(monkeypatch, modules_mod, "entmax_attention", lambda: model(x, mem, kpm)) == []
+    assert torch.isfinite(rec.density()).all()
+
+
 def test_softmax_density_is_one_and_sink_removed_on_exit():
     mha = EntmaxMultiheadAttention(E, H, alpha=1.0)
     model = nn.Sequential()
@@ -168,7 +178,7 @@ def test_plot_without_matplotlib(monkeypatch):
 
 
 def test_recorder_errors():
-    with pytest.raises(ValueError, match="no entmax attention layer"):
+    with pytest.raises(ValueError, match=r"Linear contains no entmax attention layer.*swap_attention.*attn_implementation"):
         record_head_stats(nn.Linear(2, 2))
     with pytest.raises(TypeError, match="model must be an nn.Module"):
         record_head_stats("model")

@@ -15,6 +15,8 @@ Without :func:`attach_entmax_alpha` every head uses ``config.entmax_alpha`` if s
 Attached alphas are submodules ``<attention module>.entmax_alpha`` (:class:`sparse_attn.modules.EntmaxAlpha`),
 so a learnable alpha is trained with the model and saved by ``save_pretrained``; the settings go
 to ``config.entmax``, and :func:`from_pretrained` rebuilds them when loading.
+:func:`sparse_attn.record_head_stats` records every attention module of a model whose
+configuration uses entmax attention, with or without attached alphas.
 Query and key/value heads may differ (GQA/MQA); causal masks are bottom-right aligned, so
 ``generate()`` with a KV cache works. Needs ``transformers`` (``pip install 'sparse_attn[hf]'``).
 """
@@ -153,6 +155,20 @@ def _alpha_tensor(alpha, n_heads: int, device) -> Tensor:
     return torch.full((n_heads,), float(alpha), device=device)
 
 
+def _uses_entmax(module: nn.Module) -> bool:
+    """Whether ``module`` calls the attention interface with an implementation registered to entmax."""
+    impl = getattr(getattr(module, "config", None), "_attn_implementation", None)
+    return (isinstance(impl, str) and AttentionInterface().get(impl) is entmax_attention_forward
+            and _calls_attention_interface(module))
+
+
+def _head_alpha(module: nn.Module) -> Tensor:
+    """Current alpha of each query head of an attention module, ``(num_heads,)`` (for the head statistics)."""
+    n_heads = _num_heads(module)
+    ref = next(module.parameters(), None)
+    return _alpha_tensor(_module_alpha(module, n_heads), n_heads, ref.device if ref is not None else None)
+
+
 def register_entmax_attention(name: str = IMPLEMENTATION) -> None:
     """Register :func:`entmax_attention_forward` and its mask builder in transformers under ``name``.
 
@@ -217,13 +233,13 @@ def attach_entmax_alpha(
         alpha: initial (or fixed) alpha: float, or a per-head list/tensor. Default 1.5.
         learnable: learn the alphas. Default True.
         alpha_min, alpha_max: range of a learnable alpha. Default (1, 2).
-        alpha_init: initial learnable alpha, default ``alpha``.
+        alpha_init: initial learnable alpha (float, or a per-head list/tensor), default ``alpha``.
 
     Returns:
         The names of the modules that received an alpha.
     """
-    if isinstance(alpha, (list, tuple)):
-        alpha = torch.tensor(alpha, dtype=torch.float64)
+    alpha, alpha_init = (torch.tensor(a, dtype=torch.float64) if isinstance(a, (list, tuple)) else a
+                         for a in (alpha, alpha_init))
     mods = attention_modules(model)
     if not mods:
         raise ValueError(f"{type(model).__name__} has no attention module that uses transformers' attention interface")
@@ -232,16 +248,21 @@ def attach_entmax_alpha(
         m.entmax_alpha = EntmaxAlpha(_num_heads(m), alpha=alpha, learnable=learnable, alpha_min=alpha_min,
                                      alpha_max=alpha_max, alpha_init=alpha_init,
                                      device=ref.device if ref is not None else None)
-        m._records_head_stats = True
     config = getattr(model, "config", None)
     if config is not None:
         config.entmax = {
-            "alpha": alpha.tolist() if isinstance(alpha, Tensor) else float(alpha),
+            "alpha": _jsonable(alpha),
             "learnable": bool(learnable),
             "alpha_min": float(alpha_min),
             "alpha_max": float(alpha_max),
+            "alpha_init": None if alpha_init is None else _jsonable(alpha_init),
         }
     return [name for name, _ in mods]
+
+
+def _jsonable(value) -> float | list[float]:
+    """A float or per-head tensor as stored in ``config.entmax`` (JSON)."""
+    return value.detach().reshape(-1).tolist() if isinstance(value, Tensor) else float(value)
 
 
 def _checkpoint_tensors(path: str) -> dict[str, Tensor]:
