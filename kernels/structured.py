@@ -1,11 +1,15 @@
-"""Triton kernel for the proximal operator of 1-d total variation (one program per row).
+"""Triton kernels for the sequential proximal operators of fusedmax and oscarmax (one program per row).
 
-Condat's direct algorithm (Condat 2013, cited in
-``niculae2017-regularized-sparse-structured-attention.txt``) is sequential within a row: a
-scan with occasional backtracking to the start of the current segment. Each program
-runs it on one row with scalar state; rows are independent, so the grid is the number of
-rows. The PyTorch path in ``sparse_attn.structured`` runs the same state machine
-vectorized over rows and is the reference these results are tested against.
+* ``tv_prox_rows``: Condat's direct algorithm for 1-d total variation (Condat 2013, cited in
+  ``niculae2017-regularized-sparse-structured-attention.txt``), a scan with occasional
+  backtracking to the start of the current segment.
+* ``isotonic_nonincreasing_rows``: pool adjacent violators for the least-squares
+  non-increasing fit, the core of the OSCAR prox (sorted input). The block stack lives in a
+  per-row scratch in global memory; the top block is kept in registers.
+
+Each program runs one row with scalar state; rows are independent, so the grid is the
+number of rows. The PyTorch paths in ``sparse_attn.structured`` (vectorized over rows) are
+the references these results are tested against.
 """
 
 import torch
@@ -123,4 +127,76 @@ def tv_prox_rows(x: torch.Tensor, lengths: torch.Tensor, lam: float) -> torch.Te
     lam_t = torch.tensor([lam], dtype=x.dtype, device=x.device)
     is_fp64 = x.dtype == torch.float64
     _tv_prox_kernel[(rows,)](x, y, lens, lam_t, x.stride(0), y.stride(0), IS_FP64=is_fp64)
+    return y
+
+
+@triton.jit
+def _isotonic_kernel(V, Y, Means, Counts, Lengths, stride_v, stride_y, stride_s, IS_FP64: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    n = tl.load(Lengths + row).to(tl.int64)
+    v_row = V + row * stride_v
+    y_row = Y + row * stride_y
+    m_row = Means + row * stride_s
+    c_row = Counts + row * stride_s
+    if IS_FP64:
+        mean = n.to(tl.float64) * 0.0
+    else:
+        mean = n.to(tl.float32) * 0.0
+    cnt = mean
+    top = n * 0 - 1
+    i = n * 0
+    while i < n:
+        mean = tl.load(v_row + i).to(mean.dtype)
+        cnt = mean * 0.0 + 1.0
+        merging = 1
+        while merging == 1:
+            merging = 0
+            if top >= 0:
+                m_prev = tl.load(m_row + top)
+                if m_prev <= mean:
+                    c_new = tl.load(c_row + top) + cnt
+                    mean = m_prev + (mean - m_prev) * (cnt / c_new)
+                    cnt = c_new
+                    top -= 1
+                    merging = 1
+        top += 1
+        tl.store(m_row + top, mean)
+        tl.store(c_row + top, cnt)
+        i += 1
+    pos = n * 0
+    b = n * 0
+    while b <= top:
+        mean = tl.load(m_row + b)
+        end = pos + tl.load(c_row + b).to(tl.int64)
+        while pos < end:
+            tl.store(y_row + pos, mean.to(Y.dtype.element_ty))
+            pos += 1
+        b += 1
+
+
+def isotonic_nonincreasing_rows(v: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Least-squares non-increasing fit of the first ``lengths[r]`` entries of each row of ``v``.
+
+    Pool adjacent violators; a merge moves the lower block mean towards the upper one by a
+    fraction of their difference (the update of the PyTorch path), so it does not overflow.
+
+    Args:
+        v: ``(R, N)`` float32 or float64 tensor; rows may be strided (a copy is made only
+            when the last dimension is not contiguous).
+        lengths: ``(R,)`` integer tensor, entries in ``[0, N]``.
+
+    Returns:
+        ``(R, N)`` tensor of ``v``'s dtype; entries at positions ``>= lengths[r]`` are NaN.
+    """
+    if v.stride(-1) != 1:
+        v = v.contiguous()
+    rows, n = v.shape
+    y = torch.full_like(v, float("nan"))
+    if rows == 0 or n == 0:
+        return y
+    lens = lengths.to(device=v.device, dtype=torch.int64).contiguous()
+    means = torch.empty((rows, n), dtype=v.dtype, device=v.device)
+    counts = torch.empty((rows, n), dtype=v.dtype, device=v.device)
+    _isotonic_kernel[(rows,)](v, y, means, counts, lens, v.stride(0), y.stride(0), means.stride(0),
+                              IS_FP64=v.dtype == torch.float64)
     return y

@@ -12,7 +12,8 @@ All follow Niculae & Blondel 2017 (``niculae2017-regularized-sparse-structured-a
 * ``oscarmax``: ``Omega = |y|^2 / 2 + lam * sum_{i<j} max(|y_i|, |y_j|)``; ``P_OSC`` is the prox
   of an ordered weighted l1 norm (weights ``lam * (n - k)`` on the k-th largest magnitude):
   sort magnitudes, subtract the weights, non-increasing isotonic regression (pool adjacent
-  violators, vectorized over rows), clip at 0, restore order and signs. Composed literally,
+  violators, vectorized over rows here, one Triton program per row on CUDA), clip at 0,
+  restore order and signs. Composed literally,
   ``P_simplex(P_OSC(x))`` is *not* the minimizer when entries of ``x`` are negative enough
   to be clipped or to outrank positive ones by magnitude (a slow solver of the constrained
   problem finds a lower objective). The constrained problem is invariant to shifting
@@ -295,10 +296,12 @@ class _OscarProxFunction(torch.autograd.Function):
     ``c`` large enough that every entry stays positive, minus ``c`` (values sorted, no
     clipping, all signs +); followed by the simplex projection this is the exact oscarmax
     for any ``x``, because the constrained problem is invariant to shifting ``x``.
+    ``use_triton``: run the isotonic regression in the Triton kernel (CUDA tensors, or CPU
+    tensors under ``TRITON_INTERPRET=1``).
     """
 
     @staticmethod
-    def forward(ctx, x, valid, lam, on_simplex):
+    def forward(ctx, x, valid, lam, on_simplex, use_triton):
         n = x.shape[1]
         n_valid = valid.sum(dim=1, keepdim=True)
         key = x if on_simplex else x.abs()
@@ -308,7 +311,12 @@ class _OscarProxFunction(torch.autograd.Function):
         in_row = pos < n_valid
         weights = lam * (n_valid - 1 - pos).clamp(min=0).to(x.dtype)
         v = torch.where(in_row, key_sorted - weights, torch.full_like(x, -math.inf))
-        z_sorted = _isotonic_nonincreasing(v)
+        if use_triton:
+            from sparse_attn.kernels.structured import isotonic_nonincreasing_rows
+
+            z_sorted = isotonic_nonincreasing_rows(v, n_valid.squeeze(1))
+        else:
+            z_sorted = _isotonic_nonincreasing(v)
         if not on_simplex:
             z_sorted = z_sorted.clamp(min=0)
         z_sorted = torch.where(in_row, z_sorted, torch.zeros_like(x))
@@ -328,7 +336,7 @@ class _OscarProxFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         gid, sign = ctx.saved_tensors
-        return sign * _group_mean(sign * grad, gid), None, None, None
+        return sign * _group_mean(sign * grad, gid), None, None, None, None
 
 
 def _prepare(X, dim, mask, lengths, gamma):
@@ -376,11 +384,11 @@ def _run(X, dim, mask, lengths, gamma, lam, prox, project):
 
 
 def _oscar_valid(x, valid, lam):
-    return _OscarProxFunction.apply(x, valid, lam, False)
+    return _OscarProxFunction.apply(x, valid, lam, False, x.is_cuda)
 
 
 def _oscar_on_simplex(x, valid, lam):
-    return _OscarProxFunction.apply(x, valid, lam, True)
+    return _OscarProxFunction.apply(x, valid, lam, True, x.is_cuda)
 
 
 def _pack(valid: torch.Tensor):

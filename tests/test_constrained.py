@@ -156,13 +156,14 @@ def test_csparsemax_large_scores_against_float64():
     torch.testing.assert_close(csparsemax(z.to(F64), torch.full((1, 4), 0.9, dtype=F64)), expected, atol=1e-12,
                                rtol=0)
     huge = torch.tensor([[1e30, 1e30 - 2, 1e30 - 4, 0.0]], dtype=F64)
-    torch.testing.assert_close(csparsemax(huge, torch.full((1, 4), 0.9, dtype=F64)), torch.tensor([[1 / 3, 1 / 3, 1 / 3, 0.0]], dtype=F64),
-                               atol=1e-12, rtol=0)
+    third = torch.tensor([[1 / 3, 1 / 3, 1 / 3, 0.0]], dtype=F64)
+    torch.testing.assert_close(csparsemax(huge, torch.full((1, 4), 0.9, dtype=F64)), third, atol=1e-12, rtol=0)
     u_rows = (0.1 + 0.4 * torch.rand(40, 9, generator=_gen(43), dtype=F64)).float()
     for offset in (2.0 ** 22, -3e6):
         zz, shifted = _offset_rows(offset, 44)
         a = csparsemax(zz, u_rows)
-        torch.testing.assert_close(a.to(F64), _bisect(shifted, u_rows.to(F64), "sparse"), atol=TOL[torch.float32], rtol=0)
+        ref = _bisect(shifted, u_rows.to(F64), "sparse")
+        torch.testing.assert_close(a.to(F64), ref, atol=TOL[torch.float32], rtol=0)
     with pytest.raises(ValueError, match="cannot resolve the bounds"):
         csparsemax(torch.tensor([[0.0, -1e8, -2e8]]), torch.full((1, 3), 0.5))
 
@@ -415,14 +416,18 @@ def test_fertility_module_errors():
 
 _SCORES = torch.randn(3, 4, 5)
 _BAD_FERTILITY_INPUTS = [
-    (dict(src_lengths=torch.tensor([[5], [3], [2]])), ValueError, r"src_lengths must be broadcastable to \(3,\), got shape \(3, 1\)"),
-    (dict(src_lengths=torch.tensor([5, 3])), ValueError, r"src_lengths must be broadcastable to \(3,\), got shape \(2,\)"),
+    (dict(src_lengths=torch.tensor([[5], [3], [2]])), ValueError,
+     r"src_lengths must be broadcastable to \(3,\), got shape \(3, 1\)"),
+    (dict(src_lengths=torch.tensor([5, 3])), ValueError,
+     r"src_lengths must be broadcastable to \(3,\), got shape \(2,\)"),
     (dict(src_lengths=torch.tensor([6, 3, 2])), ValueError, r"src_lengths must be in \[0, 5\].*\[2, 6\]"),
     (dict(src_lengths=torch.tensor([-1, 3, 2])), ValueError, r"src_lengths must be in \[0, 5\].*\[-1, 3\]"),
     (dict(src_lengths=torch.tensor([5.0, 3.0, 2.0])), TypeError, "src_lengths must be an integer tensor"),
-    (dict(src_mask=torch.ones(2, 5, dtype=torch.bool)), ValueError, r"src_mask must be broadcastable to \(3, 5\), got shape \(2, 5\)"),
+    (dict(src_mask=torch.ones(2, 5, dtype=torch.bool)), ValueError,
+     r"src_mask must be broadcastable to \(3, 5\), got shape \(2, 5\)"),
     (dict(tgt_mask=torch.ones(3, 4)), TypeError, "tgt_mask must be a boolean tensor.*float32"),
-    (dict(tgt_mask=torch.ones(3, 5, dtype=torch.bool)), ValueError, r"tgt_mask must be broadcastable to \(3, 4\), got shape \(3, 5\)"),
+    (dict(tgt_mask=torch.ones(3, 5, dtype=torch.bool)), ValueError,
+     r"tgt_mask must be broadcastable to \(3, 4\), got shape \(3, 5\)"),
     (dict(tgt_mask=[True] * 4), TypeError, "tgt_mask must be a torch.Tensor"),
 ]
 

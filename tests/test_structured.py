@@ -13,11 +13,13 @@ import torch
 from torch.autograd import gradcheck
 from torch.autograd.functional import jacobian, jvp
 
-from sparse_attn.kernels.structured import tv_prox_rows
+from sparse_attn.kernels.structured import isotonic_nonincreasing_rows, tv_prox_rows
 from sparse_attn.mappings import sparsemax
 from sparse_attn.structured import (
     Fusedmax,
     Oscarmax,
+    _isotonic_nonincreasing,
+    _OscarProxFunction,
     _TVProxFunction,
     _tv_prox_torch,
     fusedmax,
@@ -187,6 +189,40 @@ def test_tv_autograd_triton_path_matches_torch_path():
     yb = _TVProxFunction.apply(xb, lengths, 0.3, False)
     torch.testing.assert_close(ya, yb, atol=TOL["same_algorithm_f64"], rtol=0)
     g = torch.randn(4, 12, generator=_gen(7), dtype=F64)
+    ya.backward(g)
+    yb.backward(g)
+    torch.testing.assert_close(xa.grad, xb.grad, atol=TOL["same_algorithm_f64"], rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_triton_isotonic_kernel_matches_torch(kernel_device, dtype):
+    n = 14
+    v = torch.randn(7, n, generator=_gen(30), dtype=dtype)
+    v[1] = torch.linspace(-1, 1, n, dtype=dtype)
+    v[2] = torch.round(2 * v[2])
+    v[6] = torch.tensor([3e38, 3e38, -1.0] + [3e38] * (n - 3), dtype=dtype)
+    lengths = torch.tensor([n, n, n, 5, 0, 1, n])
+    valid = torch.arange(n) < lengths[:, None]
+    ref = _isotonic_nonincreasing(torch.where(valid, v, torch.full_like(v, -math.inf)).to(F64))
+    out = isotonic_nonincreasing_rows(v.to(kernel_device), lengths.to(kernel_device)).cpu()
+    assert torch.isnan(out[~valid]).all() and torch.isfinite(out[valid]).all()
+    assert ((out[:, 1:] <= out[:, :-1]) | ~valid[:, 1:]).all()
+    tol = TOL["same_algorithm_f64"] if dtype == F64 else TOL[torch.float32]
+    torch.testing.assert_close(out[valid].to(F64), ref[valid], atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("on_simplex", [False, True])
+def test_oscar_autograd_triton_path_matches_torch_path(on_simplex):
+    x = torch.randn(5, 9, generator=_gen(31), dtype=F64)
+    x[1, 3:6] = x[1, 2]
+    valid = torch.rand(5, 9, generator=_gen(32)) > 0.25
+    valid[4] = False
+    xa = x.clone().requires_grad_()
+    xb = x.clone().requires_grad_()
+    ya = _OscarProxFunction.apply(xa, valid, 0.2, on_simplex, True)
+    yb = _OscarProxFunction.apply(xb, valid, 0.2, on_simplex, False)
+    torch.testing.assert_close(ya, yb, atol=TOL["same_algorithm_f64"], rtol=0)
+    g = torch.randn(5, 9, generator=_gen(33), dtype=F64)
     ya.backward(g)
     yb.backward(g)
     torch.testing.assert_close(xa.grad, xb.grad, atol=TOL["same_algorithm_f64"], rtol=0)
