@@ -77,7 +77,9 @@ def check_alpha(name: str, alpha, x: torch.Tensor, dim: int, low: float = 0.0,
 
     A tensor ``alpha`` must broadcast to ``x.shape`` without growing it and have size 1
     along ``dim`` (one alpha per row). Every value must be finite and in ``(low, high]``
-    (``low`` excluded). Checking tensor values reads them back to the host.
+    (``low`` excluded). Checking tensor values reads them back to the host, so under
+    ``torch.compile`` the values of a tensor alpha are not checked (only its type, shape and
+    device) and ``(nan, nan)`` is returned.
 
     Args:
         name: argument name used in the error message.
@@ -87,7 +89,8 @@ def check_alpha(name: str, alpha, x: torch.Tensor, dim: int, low: float = 0.0,
         low, high: the open lower and closed upper bound on alpha.
 
     Returns:
-        ``(min, max)`` of the alpha values (``(nan, nan)`` for an empty tensor).
+        ``(min, max)`` of the alpha values (``(nan, nan)`` for an empty tensor or while
+        compiling).
     """
     if isinstance(alpha, torch.Tensor):
         if not alpha.dtype.is_floating_point:
@@ -106,7 +109,7 @@ def check_alpha(name: str, alpha, x: torch.Tensor, dim: int, low: float = 0.0,
             )
         if alpha.device != x.device and alpha.numel() != 1:
             raise ValueError(f"{name} must be on the input's device {x.device}, got {alpha.device}")
-        if alpha.numel() == 0:
+        if alpha.numel() == 0 or torch.compiler.is_compiling():
             return math.nan, math.nan
         lo_val = float(alpha.detach().min())
         hi_val = float(alpha.detach().max())

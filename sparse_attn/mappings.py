@@ -25,6 +25,13 @@ computed in float64. ``-inf`` entries get exactly 0; a row that is entirely ``-i
 gives zeros and a zero gradient. CUDA fp16/bf16/fp32 tensors with rows of at least
 ``TRITON_MIN_ROW`` entries and alpha in [1, 2] go to the Triton row kernels of
 ``sparse_attn._triton_rows``.
+
+Under ``torch.compile`` (``fullgraph=True`` works) the PyTorch path is traced without
+reading tensor values: alpha values are not checked, the Triton row kernels are not used,
+the solver's early exit becomes a ``while_loop`` with the same stopping rule (so compiled
+and eager results agree to rounding), rows of a tensor alpha are routed with ``torch.where``
+(every row is computed by the solver and by each exact path, then selected), and ``k`` is
+ignored (full sort).
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ import warnings
 
 import torch
 from torch import nn
+from torch._higher_order_ops import while_loop
 
 from sparse_attn._validation import check_alpha, check_dim, check_floating, check_positive_int
 
@@ -83,7 +91,7 @@ def _sort_threshold(z: torch.Tensor, beta2: bool, k: int | None):
     with a full sort. Returns ``tau`` of shape ``(R, 1)``.
     """
     n = z.shape[-1]
-    if k is None or k >= n:
+    if k is None or k >= n or torch.compiler.is_compiling():
         zs = torch.sort(z, dim=-1, descending=True).values
         tau, supp = _threshold_from_sorted(zs, beta2)
         return tau
@@ -137,26 +145,32 @@ def _solve_rows(x: torch.Tensor, alpha: torch.Tensor, max_iter: int, ensure_sum_
     started from the left bracket end ``t = max x = 0`` where ``f >= 1``; the bracket
     ``[0, (1 - n ** -e) / e]`` is kept and a step leaving it is replaced by bisection
     (needed for alpha outside [1, 2]). Stops when ``|f - 1| <= tol`` on every row, when
-    no row moves, or after ``max_iter`` steps, then divides by ``f``.
+    no row moves, or after ``max_iter`` steps, then divides by ``f``. While compiling the
+    loop is a ``torch._higher_order_ops.while_loop`` with the same condition and step.
     """
+    compiling = torch.compiler.is_compiling()
     e = alpha - 1
     inv_e = 1.0 / e
     n_valid = (x > -math.inf).sum(dim=-1, keepdim=True).clamp(min=1).to(x.dtype)
     x = torch.where(e > 0, torch.maximum(x, -inv_e.clamp(min=0) - 1.0), x)
     ex = e * x
-    mask_u = bool((e > 1).any())
+    mask_u = compiling or bool((e >= 1).any())
+    tol = _solver_tol(x.dtype, x.shape[-1])
     lo = torch.zeros_like(e)
     hi = -torch.expm1(-e * torch.log(n_valid)) * inv_e
     t = lo.clone()
-    tol = _solver_tol(x.dtype, x.shape[-1])
-    active = torch.ones_like(e, dtype=torch.bool)
     log_base = torch.log1p(torch.clamp(ex - e * t, min=-1.0))
-    p = torch.exp(log_base * inv_e)
-    for _ in range(max_iter):
-        f = p.sum(dim=-1, keepdim=True)
-        active = active & ((f - 1).abs() > tol)
-        if not bool(active.any()):
-            break
+    state = (t, lo, hi, torch.ones_like(e, dtype=torch.bool), log_base, torch.exp(log_base * inv_e))
+
+    def row_sum(state):
+        return state[5].sum(dim=-1, keepdim=True)
+
+    def still_active(state, f):
+        return state[3] & ((f - 1).abs() > tol)
+
+    def step(state, f):
+        t, lo, hi, _, log_base, p = state
+        active = still_active(state, f)
         lo = torch.where(active & (f > 1), t, lo)
         hi = torch.where(active & (f < 1), t, hi)
         u = torch.exp(log_base * (inv_e - 1))
@@ -164,17 +178,48 @@ def _solve_rows(x: torch.Tensor, alpha: torch.Tensor, max_iter: int, ensure_sum_
             u = torch.where(p > 0, u, torch.zeros_like(u))
         s = u.sum(dim=-1, keepdim=True)
         log_f = torch.log(f)
-        step = torch.expm1(e * log_f) * inv_e * torch.exp((1 - e) * log_f) / s
-        t_new = t + step
+        t_new = t + torch.expm1(e * log_f) * inv_e * torch.exp((1 - e) * log_f) / s
         outside = ~((t_new > lo) & (t_new < hi)) | ~torch.isfinite(t_new)
         t_new = torch.where(outside, 0.5 * (lo + hi), t_new)
         active = active & (t_new != t)
         t = torch.where(active, t_new, t)
         log_base = torch.log1p(torch.clamp(ex - e * t, min=-1.0))
-        p = torch.exp(log_base * inv_e)
+        return t, lo, hi, active, log_base, torch.exp(log_base * inv_e)
+
+    if compiling:
+        def cond(i, *state):
+            return (i < max_iter) & still_active(state, row_sum(state)).any()
+
+        def body(i, *state):
+            return (i + 1, *step(state, row_sum(state)))
+
+        state = while_loop(cond, body, (torch.zeros((), dtype=torch.int64, device=x.device), *state))[1:]
+    else:
+        for _ in range(max_iter):
+            f = row_sum(state)
+            if not bool(still_active(state, f).any()):
+                break
+            state = step(state, f)
+    p = state[5]
     if ensure_sum_one:
         f = p.sum(dim=-1, keepdim=True)
         p = p / f.clamp(min=torch.finfo(p.dtype).tiny)
+    return p
+
+
+def _select_rows(x: torch.Tensor, alpha: torch.Tensor, k: int | None, max_iter: int,
+                 ensure_sum_one: bool, exact: bool) -> torch.Tensor:
+    """Branch-free form of the per-row routing of :func:`_forward_rows`, used while compiling.
+
+    Every row goes through the solver (alpha = 1 rows with a stand-in alpha of 2) and through
+    each exact path; ``torch.where`` then keeps, per row, what the eager routing would compute.
+    """
+    is_one = alpha == 1.0
+    p = _solve_rows(x, torch.where(is_one, torch.full_like(alpha, 2.0), alpha), max_iter, ensure_sum_one)
+    p = torch.where(is_one, torch.softmax(x, dim=-1), p)
+    if exact:
+        for value in (1.5, 2.0):
+            p = torch.where(alpha == value, _exact_rows(x, value, k), p)
     return p
 
 
@@ -190,6 +235,8 @@ def _forward_rows(x: torch.Tensor, alpha_rows: torch.Tensor | float, k: int | No
         else:
             a = torch.full((x.shape[0], 1), alpha_rows, dtype=x.dtype, device=x.device)
             p = _solve_rows(xs, a, max_iter, ensure_sum_one)
+    elif torch.compiler.is_compiling():
+        p = _select_rows(xs, alpha_rows, k, max_iter, ensure_sum_one, exact)
     else:
         p = torch.empty_like(xs)
         alpha_flat = alpha_rows.squeeze(-1)
@@ -295,12 +342,13 @@ def _apply(X, alpha, dim, k, max_iter, ensure_sum_one, exact):
     alpha_min, alpha_max = check_alpha("alpha", alpha, X, d)
     check_positive_int("k", k, allow_none=True)
     check_positive_int("n_iter", max_iter)
-    if isinstance(alpha, torch.Tensor) and alpha.numel() == 1 and not alpha.requires_grad:
+    compiling = torch.compiler.is_compiling()
+    if isinstance(alpha, torch.Tensor) and alpha.numel() == 1 and not alpha.requires_grad and not compiling:
         alpha = float(alpha)
     if X.numel() == 0:
         return X.clone()
     n = X.shape[d]
-    if X.is_cuda and n >= TRITON_MIN_ROW and X.dtype in _TRITON_DTYPES and 1.0 <= alpha_min and alpha_max <= 2.0:
+    if not compiling and X.is_cuda and n >= TRITON_MIN_ROW and X.dtype in _TRITON_DTYPES and 1.0 <= alpha_min and alpha_max <= 2.0:
         kernel = _triton_rows()
         if kernel is not None:
             return kernel(X, alpha, d)

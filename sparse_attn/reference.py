@@ -4,7 +4,10 @@ It builds the full ``(B, H, Nq, Nk)`` score matrix, applies the row-wise mapping
 :func:`sparse_attn.mappings.entmax` and aggregates the values. It uses only PyTorch, supports
 every option of :func:`sparse_attn.entmax_attention`, is differentiable (inputs, ``alpha``,
 float masks) and computes in the dtype it is given, so float64 inputs give a float64 oracle.
-Its memory is O(N^2): it is for tests, CPU tensors and small problems.
+Its memory is O(N^2): it is for tests, CPU tensors and small problems. It traces under
+``torch.compile(fullgraph=True)`` for any alpha (float, per-head or learnable tensor) except
+with ``cu_seqlens_q``/``cu_seqlens_k``: the packed-sequence loop reads the offsets to the host
+and runs eagerly only (shapes depend on them; not traceable with ``fullgraph=True``).
 """
 
 from __future__ import annotations
