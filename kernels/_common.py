@@ -1,4 +1,6 @@
-"""Helpers shared by the attention kernels: interpreter detection and the dropout RNG.
+"""Helpers shared by the Triton kernels: interpreter detection, the dropout RNG, the
+varlen sequence bounds and two accurate elementwise functions (``log2(1 + v)`` and the
+series of ``(e^y - 1 - y) / y^2``).
 
 The dropout keep-mask is a pure function of (seed, batch-head, row, column), so the
 backward replays exactly the mask the forward drew without storing it.
@@ -9,6 +11,9 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
 
 
 def interpreting() -> bool:
@@ -26,6 +31,57 @@ def dropout_keep(seed, bh, rows, cols, n_cols, p_drop):
     key = (seed + bh * 40503) & 0x7FFFFFFF
     offs = rows[:, None] * n_cols + cols[None, :]
     return tl.rand(key, offs) >= p_drop
+
+
+@triton.jit
+def seq_bounds(CU_Q, CU_K, seq, n_q, n_k, IS_VARLEN: tl.constexpr):
+    """``(batch index, first row, rows, first key, keys)`` of sequence ``seq`` (a batch entry unless varlen).
+
+    With ``IS_VARLEN`` sequence ``seq`` owns rows ``[CU_Q[seq], CU_Q[seq + 1])`` and keys
+    ``[CU_K[seq], CU_K[seq + 1])`` of batch entry 0; otherwise it is batch entry ``seq`` with
+    ``n_q`` rows and ``n_k`` keys starting at 0.
+    """
+    if IS_VARLEN:
+        b = seq * 0
+        q_start = tl.load(CU_Q + seq)
+        n_rows = tl.load(CU_Q + seq + 1) - q_start
+        k_start = tl.load(CU_K + seq)
+        n_keys = tl.load(CU_K + seq + 1) - k_start
+    else:
+        b = seq
+        q_start = seq * 0
+        n_rows = n_q
+        k_start = seq * 0
+        n_keys = n_k
+    return b, q_start, n_rows, k_start, n_keys
+
+
+@triton.jit
+def log2_1p(v):
+    """``log2(1 + v)`` for ``v > -1``, accurate to float32 relative precision for small ``|v|``.
+
+    Goldberg's trick (tl has no ``log1p``): with ``u = fl(1 + v)``, ``log2(u) * v / (u - 1)``
+    corrects the rounding of ``u``; ``u == 1`` gives the first-order term ``v log2(e)``.
+    """
+    u = 1.0 + v
+    u_m1 = u - 1.0
+    exact = u_m1 != 0.0
+    return tl.where(exact, tl.log2(u) * (v / tl.where(exact, u_m1, 1.0)), v * LOG2E)
+
+
+@triton.jit
+def expm1mx_series(y):
+    """``(e^y - 1 - y) / y^2`` by its Taylor series to ``y^10 / 12!``: relative error below 1e-8 for ``|y| < 1``."""
+    r = y * (1.0 / 479001600.0) + 1.0 / 39916800.0
+    r = r * y + 1.0 / 3628800.0
+    r = r * y + 1.0 / 362880.0
+    r = r * y + 1.0 / 40320.0
+    r = r * y + 1.0 / 5040.0
+    r = r * y + 1.0 / 720.0
+    r = r * y + 1.0 / 120.0
+    r = r * y + 1.0 / 24.0
+    r = r * y + 1.0 / 6.0
+    return r * y + 0.5
 
 
 @triton.jit

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import dropout_keep, interpreting
+from ._common import LN2, LOG2E, dropout_keep, expm1mx_series, interpreting, log2_1p, seq_bounds
 
 _DEFAULT_BLOCK = 64
 
@@ -50,7 +50,7 @@ def _weights(s, tau, cu, cp, alpha):
     ``r`` is within O(alpha-1) of 1, and rounding ``r`` itself would cost ``beta`` ulps in ``p``.
     """
     if alpha == 1.0:
-        p = tl.exp2((s - tau[:, None]) * 1.4426950408889634)
+        p = tl.exp2((s - tau[:, None]) * LOG2E)
         u = p
     elif alpha == 2.0:
         r = tl.maximum(s - tau[:, None], 0.0)
@@ -62,14 +62,11 @@ def _weights(s, tau, cu, cp, alpha):
         p = u * r * cp[:, None]
     else:
         w = s * (alpha - 1.0) - (tau[:, None] + 1.0)
-        r = 1.0 + w
-        sup = r > 0.0
-        r = tl.where(sup, r, 0.0)
-        exact = sup & (r != 1.0)
-        log_r = tl.where(exact, tl.log(tl.where(exact, r, 2.0)) * (w / tl.where(exact, r - 1.0, 1.0)), w)
-        u = tl.where(sup, tl.exp2((1.0 / (alpha - 1.0) - 1.0) * 1.4426950408889634 * tl.where(sup, log_r, 0.0)), 0.0)
+        sup = w > -1.0
+        w = tl.where(sup, w, 0.0)
+        u = tl.where(sup, tl.exp2((1.0 / (alpha - 1.0) - 1.0) * log2_1p(w)), 0.0)
         u = u * cu[:, None]
-        p = u * r * cp[:, None]
+        p = u * (1.0 + w) * cp[:, None]
     return p, u
 
 
@@ -82,19 +79,9 @@ def _dalpha_terms(p, u, alpha):
     """
     eps = alpha - 1.0
     sup = p > 0.0
-    logp = tl.where(sup, tl.log2(tl.where(sup, p, 1.0)) * 0.6931471805599453, 0.0)
+    logp = tl.where(sup, tl.log2(tl.where(sup, p, 1.0)) * LN2, 0.0)
     x = -eps * logp
-    ser = x * (1.0 / 479001600.0) + 1.0 / 39916800.0
-    ser = ser * x + 1.0 / 3628800.0
-    ser = ser * x + 1.0 / 362880.0
-    ser = ser * x + 1.0 / 40320.0
-    ser = ser * x + 1.0 / 5040.0
-    ser = ser * x + 1.0 / 720.0
-    ser = ser * x + 1.0 / 120.0
-    ser = ser * x + 1.0 / 24.0
-    ser = ser * x + 1.0 / 6.0
-    ser = ser * x + 0.5
-    pg_series = p * logp * logp * ser
+    pg_series = p * logp * logp * expm1mx_series(x)
     pg_direct = (u - p * (1.0 + x)) / tl.maximum(eps * eps, 1e-30)
     pg = tl.where(x < 1.0, pg_series, pg_direct)
     return p * logp, pg
@@ -132,24 +119,6 @@ def _live_bit(live_row, kt):
     """Bit ``kt`` of the liveness words starting at ``live_row``."""
     word = tl.load(live_row + kt // 32)
     return (word >> (kt % 32)) & 1
-
-
-@triton.jit
-def _seq_bounds(CU_Q, CU_K, seq, n_q, n_k, IS_VARLEN: tl.constexpr):
-    """``(batch index, first row, rows, first key, keys)`` of sequence ``seq`` (a batch entry unless varlen)."""
-    if IS_VARLEN:
-        b = seq * 0
-        q_start = tl.load(CU_Q + seq)
-        n_rows = tl.load(CU_Q + seq + 1) - q_start
-        k_start = tl.load(CU_K + seq)
-        n_keys = tl.load(CU_K + seq + 1) - k_start
-    else:
-        b = seq
-        q_start = seq * 0
-        n_rows = n_q
-        k_start = seq * 0
-        n_keys = n_k
-    return b, q_start, n_rows, k_start, n_keys
 
 
 @triton.jit
@@ -219,7 +188,7 @@ def _entmax_attn_bwd_dq_kernel(
     seq = pid_bh // n_heads
     h = pid_bh % n_heads
     hk = h // kv_group
-    b, q_start, Lq, k_start, Lk = _seq_bounds(CU_Q, CU_K, seq, n_q, n_k, IS_VARLEN)
+    b, q_start, Lq, k_start, Lk = seq_bounds(CU_Q, CU_K, seq, n_q, n_k, IS_VARLEN)
     if pid_m * BLOCK_M >= Lq:
         return
     b64 = b.to(tl.int64)
@@ -337,7 +306,7 @@ def _entmax_attn_bwd_dkdv_kernel(
     pid_bh = tl.program_id(1)
     seq = pid_bh // n_kv_heads
     hk = pid_bh % n_kv_heads
-    b, q_start, Lq, k_start, Lk = _seq_bounds(CU_Q, CU_K, seq, n_q, n_k, IS_VARLEN)
+    b, q_start, Lq, k_start, Lk = seq_bounds(CU_Q, CU_K, seq, n_q, n_k, IS_VARLEN)
     if pid_n * BLOCK_N >= Lk:
         return
     b64 = b.to(tl.int64)

@@ -23,13 +23,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import dropout_keep, interpreting
+from ._common import LN2, LOG2E, dropout_keep, interpreting, log2_1p, seq_bounds
 
-LOG2E = tl.constexpr(1.4426950408889634)
-LN2 = tl.constexpr(0.6931471805599453)
 DEFAULT_TOL = 1e-3
 DEFAULT_MAX_SWEEPS = 32
-
 
 
 class EntmaxAttnFwdResult(NamedTuple):
@@ -105,19 +102,26 @@ def _apply_dropout(p, seed, bh, rows_global, cols_global, n_cols, dropout_p, inv
 
 @triton.jit
 def _tsallis_terms(x, beta, pow_kind):
-    """``[x]_+^beta`` and ``[x]_+^(beta - 1)`` for ``x = z - tau``; no transcendentals for ``pow_kind`` 1 (beta = 1) and 2 (beta = 2)."""
-    pos = x > 0
-    xp = tl.where(pos, x, 0.0)
+    """``[r]_+^beta``, ``[r]_+^(beta - 1)`` and ``r > 0`` for ``r = z - tau``. [BLOCK_M, BLOCK_N] each
+
+    ``pow_kind`` 1 (beta = 1) and 2 (beta = 2) take ``x = r`` and use no transcendental function.
+    The general path takes ``x = r - 1 = z - (tau + 1)`` and forms ``log r = log1p(x)``: near
+    alpha = 1, ``r`` is within O(alpha - 1) of 1 and rounding it would cost ``beta`` ulps in ``p``.
+    """
     if pow_kind == 1:
+        pos = x > 0
+        p = tl.where(pos, x, 0.0)
         g = pos.to(tl.float32)
-        p = xp
     elif pow_kind == 2:
-        g = xp
-        p = xp * xp
+        pos = x > 0
+        g = tl.where(pos, x, 0.0)
+        p = g * g
     else:
-        g = tl.where(pos, tl.exp2((beta - 1.0) * tl.log2(tl.where(pos, x, 1.0))), 0.0)
-        p = g * xp
-    return p, g
+        pos = x > -1.0
+        w = tl.where(pos, x, 0.0)
+        g = tl.where(pos, tl.exp2((beta - 1.0) * log2_1p(w)), 0.0)
+        p = g * (1.0 + w)
+    return p, g, pos
 
 
 @triton.jit
@@ -190,6 +194,8 @@ def _live_sweep(q, tau, beta, k_base, v_base, bias_base, rows, seqlen_q, seqlen_
                 HAS_DROPOUT: tl.constexpr, INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """One pass over the live key tiles at threshold ``tau``, re-marking tiles with no ``z > tau`` dead.
 
+    ``tau`` [BLOCK_M] is shifted by +1 on the general-beta path (``pow_kind`` 0), see ``_tsallis_terms``.
+
     Returns ``(f, g, nnz, acc)``: ``f = sum [z - tau]_+^beta`` [BLOCK_M]; with VALUES also
     ``nnz`` [BLOCK_M] and ``acc = sum p v`` [BLOCK_M, HEAD_DIM_PAD] (dropout applied), else
     ``g = sum [z - tau]_+^(beta-1)`` for the Newton step.
@@ -208,11 +214,9 @@ def _live_sweep(q, tau, beta, k_base, v_base, bias_base, rows, seqlen_q, seqlen_
                 z = _score_tile(q, k_base, bias_base, rows, cols, seqlen_q, seqlen_k, causal_off,
                                 stride_kn, stride_kd, stride_bm, stride_bn, z_scale, b_scale,
                                 HEAD_DIM, HEAD_DIM_PAD, HAS_BIAS, IS_CAUSAL, INTERPRET, DOT_PRECISION)
-                x = z - tau[:, None]
-                pos = x > 0
+                p, gp, pos = _tsallis_terms(z - tau[:, None], beta, pow_kind)
                 new_word = new_word | (tl.max(pos.to(tl.int32)) << bit)
                 if VALUES:
-                    p, _ = _tsallis_terms(x, beta, pow_kind)
                     f += tl.sum(p, 1)
                     nnz += tl.sum(pos.to(tl.int32), 1)
                     p = _apply_dropout(p, seed, bh, q_start + rows, k_start + cols, n_cols_total, dropout_p,
@@ -220,7 +224,6 @@ def _live_sweep(q, tau, beta, k_base, v_base, bias_base, rows, seqlen_q, seqlen_
                     v = _value_tile(v_base, cols, seqlen_k, stride_vn, stride_vd, HEAD_DIM, HEAD_DIM_PAD, INTERPRET)
                     acc += tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
                 else:
-                    p, gp = _tsallis_terms(x, beta, pow_kind)
                     f += tl.sum(p, 1)
                     g += tl.sum(gp, 1)
         tl.store(live_base + w, new_word)
@@ -257,7 +260,9 @@ def _entmax_forward(q, k_base, v_base, bias_base, o_ptrs, o_mask, rows, seqlen_q
         tl.store(live_base + w, word)
     tl.debug_barrier()
     valid = n_valid > 0
-    tau = tl.where(valid, m - 1.0, 0.0)
+    # the general path iterates on tau + 1 (two small numbers near alpha = 1, see _tsallis_terms)
+    shift = tl.where(pow_kind == 0, 1.0, 0.0)
+    tau = tl.where(valid, m - (1.0 - shift), 0.0)
     n_sweeps = tl.zeros([], tl.int32)
     go = (tl.max(valid.to(tl.int32)) > 0) & (n_sweeps < max_sweeps)
     while go:
@@ -271,6 +276,9 @@ def _entmax_forward(q, k_base, v_base, bias_base, o_ptrs, o_mask, rows, seqlen_q
         tau = tl.where(valid, tau + _newton_step(f, g, beta, pow_kind), tau)
         n_sweeps += 1
         go = (tl.max(err) > tol) & (n_sweeps < max_sweeps)
+    # round to the saved tau so that lsum and the backward's (tau + 1) see the same threshold
+    tau_saved = tau - shift
+    tau = tau_saved + shift
     l_sum, _, nnz, acc = _live_sweep(
         q, tau, beta, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, causal_off, n_kt, live_base,
         z_scale, am1, pow_kind, seed, bh, q_start, k_start, n_cols_total, dropout_p, inv_keep,
@@ -282,7 +290,7 @@ def _entmax_forward(q, k_base, v_base, bias_base, o_ptrs, o_mask, rows, seqlen_q
     out = tl.where(valid[:, None], acc / l_safe[:, None], 0.0)
     row_ok = rows < seqlen_q
     tl.store(o_ptrs, out.to(o_ptrs.dtype.element_ty), mask=o_mask)
-    tl.store(Tau + stat_offs, tl.where(valid, tau, float("inf")), mask=row_ok)
+    tl.store(Tau + stat_offs, tl.where(valid, tau_saved, float("inf")), mask=row_ok)
     tl.store(Lsum + stat_offs, tl.where(valid, l_sum, 0.0), mask=row_ok)
     tl.store(Nnz + stat_offs, tl.where(valid, nnz, 0), mask=row_ok)
     tl.store(NValid + stat_offs, n_valid, mask=row_ok)
@@ -306,18 +314,8 @@ def _entmax_attn_fwd_kernel(
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2)
-    if IS_VARLEN:
-        q_start = tl.load(CuSeqQ + b)
-        seqlen_q = tl.load(CuSeqQ + b + 1) - q_start
-        k_start = tl.load(CuSeqK + b)
-        seqlen_k = tl.load(CuSeqK + b + 1) - k_start
-        batch = b * 0
-    else:
-        q_start = b * 0
-        seqlen_q = seqlen_q_total
-        k_start = b * 0
-        seqlen_k = seqlen_k_total
-        batch = b
+    batch, q_start, seqlen_q, k_start, seqlen_k = seq_bounds(CuSeqQ, CuSeqK, b, seqlen_q_total, seqlen_k_total,
+                                                             IS_VARLEN)
     kv_h = h // kv_group
     bh = batch * n_heads + h
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)

@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sparse_attn.kernels._common import interpreting
+from sparse_attn.kernels._common import LN2, LOG2E, expm1mx_series, interpreting, log2_1p
 
 __all__ = [
     "MODE_SOFTMAX",
@@ -57,8 +57,6 @@ MODE_ENTMAX15 = 2
 MODE_GENERAL = 3
 """Kernel specializations: alpha == 1, 2, 1.5 for the whole launch, or any alpha in [1, 2] per row."""
 
-_LOG2E = tl.constexpr(1.4426950408889634)
-_LN2 = tl.constexpr(0.6931471805599453)
 # Newton steps below this fraction of s (2**-21) are float32 noise: the solve has converged.
 _STALL = tl.constexpr(4.76837158203125e-07)
 
@@ -75,15 +73,6 @@ def row_mode(alpha: float) -> int:
 
 
 @triton.jit
-def _log2_1p(v):
-    """``log2(1 + v)`` for ``v > -1``, accurate for small ``|v|`` (no ``log1p`` in tl)."""
-    u = 1.0 + v
-    u_m1 = u - 1.0
-    safe = tl.where(u_m1 == 0.0, 1.0, u_m1)
-    return tl.where(u_m1 == 0.0, v * _LOG2E, tl.log2(u) * (v / safe))
-
-
-@triton.jit
 def _tsallis_pow(v, beta, POW: tl.constexpr):
     """``[1 + v]_+ ** beta`` and ``[1 + v]_+ ** (beta - 1)``; ``POW`` 1 / 2 pin beta to 1 / 2."""
     w = 1.0 + v
@@ -96,7 +85,7 @@ def _tsallis_pow(v, beta, POW: tl.constexpr):
         pw = pw1 * pw1
     else:
         vs = tl.where(live, v, 0.0)
-        pw = tl.where(live, tl.exp2(beta * _log2_1p(vs)), 0.0)
+        pw = tl.where(live, tl.exp2(beta * log2_1p(vs)), 0.0)
         pw1 = tl.where(live, pw / tl.where(live, w, 1.0), 0.0)
     return pw, pw1
 
@@ -128,12 +117,12 @@ def _softmax_row(x_row, y_row, n_cols, n_chunks, m, BLOCK: tl.constexpr):
     for c in range(0, n_chunks):
         cols = c * BLOCK + offs
         x = tl.load(x_row + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
-        acc += tl.exp2((x - m) * _LOG2E)
+        acc += tl.exp2((x - m) * LOG2E)
     inv = 1.0 / tl.sum(acc, axis=0)
     for c in range(0, n_chunks):
         cols = c * BLOCK + offs
         x = tl.load(x_row + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
-        p = tl.exp2((x - m) * _LOG2E) * inv
+        p = tl.exp2((x - m) * LOG2E) * inv
         tl.store(y_row + cols, p.to(y_row.dtype.element_ty), mask=cols < n_cols)
 
 
@@ -228,19 +217,6 @@ def _entmax_rows_fwd_kernel(X, Y, Alpha, Cmax, n_cols, n_chunks, log2_n, stride_
 
 
 @triton.jit
-def _phi_series(y):
-    """``(exp(y) - 1 - y) / y**2`` by its Taylor series (error < 1e-8 for ``|y| < 0.5``)."""
-    r = 1.0 / 362880.0
-    r = r * y + 1.0 / 40320.0
-    r = r * y + 1.0 / 5040.0
-    r = r * y + 1.0 / 720.0
-    r = r * y + 1.0 / 120.0
-    r = r * y + 1.0 / 24.0
-    r = r * y + 1.0 / 6.0
-    return r * y + 0.5
-
-
-@triton.jit
 def _bwd_terms(p, eps, MODE: tl.constexpr, NEED_DALPHA: tl.constexpr):
     """``U = p ** (2 - alpha)`` and ``k = p * d(log p)/d(alpha)`` at a fixed threshold (0 off the support)."""
     live = p > 0.0
@@ -254,10 +230,10 @@ def _bwd_terms(p, eps, MODE: tl.constexpr, NEED_DALPHA: tl.constexpr):
         lp2 = tl.log2(tl.where(live, p, 1.0))
         u = tl.where(live, tl.exp2((1.0 - eps) * lp2), 0.0)
     if NEED_DALPHA:
-        lp = tl.log2(tl.where(live, p, 1.0)) * _LN2
+        lp = tl.log2(tl.where(live, p, 1.0)) * LN2
         y = -eps * lp
         small = y < 0.5
-        series = p * lp * lp * _phi_series(tl.where(small, y, 0.0))
+        series = p * lp * lp * expm1mx_series(tl.where(small, y, 0.0))
         eps2 = tl.maximum(eps * eps, 1e-30)
         direct = (u - p - p * y) / eps2
         k = tl.where(live, -tl.where(small, series, direct), 0.0)
