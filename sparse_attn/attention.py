@@ -13,6 +13,7 @@ from numbers import Real
 
 import torch
 
+from sparse_attn.kernels._common import interpreting
 from sparse_attn.reference import AttentionStats, entmax_attention_reference
 
 __all__ = ["entmax_attention", "AttentionStats"]
@@ -85,6 +86,9 @@ def _check_mask(attn_mask, shape, device):
         raise TypeError(f"attn_mask must be boolean (True = attend) or floating (additive), got {attn_mask.dtype}")
     if attn_mask.device != device:
         raise ValueError(f"attn_mask must be on the device of q ({device}), got {attn_mask.device}")
+    if attn_mask.is_floating_point() and not torch.compiler.is_compiling():
+        if bool((torch.isnan(attn_mask) | (attn_mask == float("inf"))).any()):
+            raise ValueError("a float attn_mask must be finite or -inf (masked), got NaN or +inf entries")
     try:
         if attn_mask.dim() > 4 or torch.broadcast_shapes(attn_mask.shape, shape) != torch.Size(shape):
             raise RuntimeError
@@ -119,6 +123,11 @@ def _resolve_backend(backend: str, q: torch.Tensor) -> str:
         fits = q.dtype in _KERNEL_DTYPES and MIN_HEAD_DIM <= q.shape[-1] <= MAX_HEAD_DIM
         return "triton" if q.is_cuda and fits else "reference"
     if backend == "triton":
+        if not q.is_cuda and not interpreting():
+            raise ValueError(
+                f"backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 set before import, for testing), "
+                f"got tensors on {q.device}; use backend='auto' or 'reference'"
+            )
         if q.dtype not in _KERNEL_DTYPES:
             raise TypeError(f"the triton backend takes float16, bfloat16 or float32 inputs, got {q.dtype}")
         if not MIN_HEAD_DIM <= q.shape[-1] <= MAX_HEAD_DIM:
@@ -174,6 +183,9 @@ def entmax_attention(
         ``out`` of shape ``(B, Hq, Nq, D)`` in the input dtype, or ``(out, stats)``.
         Rows with no key to attend to give zeros (and zero gradients).
     """
+    for name, flag in (("is_causal", is_causal), ("enable_gqa", enable_gqa), ("return_stats", return_stats)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
     if (cu_seqlens_q is None) != (cu_seqlens_k is None):
         raise ValueError("cu_seqlens_q and cu_seqlens_k must be given together")
     _check_qkv(q, k, v, enable_gqa, varlen=cu_seqlens_q is not None)
@@ -181,12 +193,12 @@ def entmax_attention(
     shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
     _check_mask(attn_mask, shape, q.device)
     _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q.shape[2], k.shape[2], q.device)
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, Real) or not math.isfinite(scale)):
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, Real)):
+        raise TypeError(f"scale must be None or a Python number, got {type(scale).__name__}")
+    if scale is not None and not math.isfinite(scale):
         raise ValueError(f"scale must be None or a finite number, got {scale!r}")
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, Real) or not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}")
-    if not isinstance(is_causal, bool):
-        raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
     backend = _resolve_backend(backend, q)
     if scale is None:
         scale = q.shape[-1] ** -0.5

@@ -44,7 +44,8 @@ def causal_keep(n_q: int, n_k: int, device) -> torch.Tensor:
 
 def _alpha_view(alpha, n_heads: int, like: torch.Tensor):
     if isinstance(alpha, torch.Tensor):
-        return alpha.to(like.dtype).reshape(1, n_heads, 1, 1) if alpha.numel() > 1 else alpha.to(like.dtype).reshape(())
+        alpha = alpha.to(device=like.device, dtype=like.dtype)
+        return alpha.reshape(1, n_heads, 1, 1) if alpha.numel() > 1 else alpha.reshape(())
     return float(alpha)
 
 
@@ -66,7 +67,20 @@ def _row_threshold(scores: torch.Tensor, p: torch.Tensor, alpha) -> torch.Tensor
     return torch.where(valid, tau, torch.full_like(tau, float("inf")))
 
 
-def _attend(q, k, v, alpha, bias, keep, scale, dropout_p, dropout_mask, generator):
+def _stats(scores: torch.Tensor, p: torch.Tensor, alpha) -> AttentionStats:
+    """Per-row statistics of one dense block (see AttentionStats); at alpha = 1 every valid key counts."""
+    n_valid = torch.isfinite(scores).sum(-1, dtype=torch.int32)
+    if scores.shape[-1] == 0:
+        return AttentionStats(n_valid, torch.full(n_valid.shape, float("inf"), dtype=scores.dtype, device=scores.device), n_valid)
+    nnz = (p > 0).sum(-1, dtype=torch.int32)
+    if isinstance(alpha, torch.Tensor):
+        is_softmax = (alpha.squeeze(-1) if alpha.dim() == 4 else alpha) == 1
+    else:
+        is_softmax = torch.tensor(alpha == 1.0, device=scores.device)
+    return AttentionStats(torch.where(is_softmax, n_valid, nnz), _row_threshold(scores, p, alpha), n_valid)
+
+
+def _attend(q, k, v, alpha, bias, keep, scale, dropout_p, dropout_mask, generator, want_stats):
     """One dense block: q (B,H,Nq,D), k/v (B,H,Nk,D), bias/keep broadcastable to (B,H,Nq,Nk)."""
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
     if bias is not None:
@@ -74,13 +88,12 @@ def _attend(q, k, v, alpha, bias, keep, scale, dropout_p, dropout_mask, generato
     if keep is not None:
         scores = scores.masked_fill(~keep, float("-inf"))
     a = _alpha_view(alpha, q.shape[1], scores)
-    p = entmax(scores, a, dim=-1)
-    with torch.no_grad():
-        stats = AttentionStats(
-            nnz=(p > 0).sum(-1, dtype=torch.int32),
-            tau=_row_threshold(scores.detach(), p.detach(), a),
-            n_valid=torch.isfinite(scores).sum(-1, dtype=torch.int32),
-        )
+    # no key at all: the (empty) weights still connect the zero output to the inputs
+    p = scores * 0 if scores.shape[-1] == 0 else entmax(scores, a, dim=-1)
+    stats = None
+    if want_stats:
+        with torch.no_grad():
+            stats = _stats(scores.detach(), p.detach(), a)
     if dropout_mask is not None:
         p = p * dropout_mask.to(p.dtype) / (1.0 - dropout_p)
     elif dropout_p > 0:
@@ -139,7 +152,7 @@ def entmax_attention_reference(
         if is_causal:
             c = causal_keep(q.shape[2], k.shape[2], q.device)
             keep = c if keep is None else keep & c
-        out, stats = _attend(q, k, v, alpha, bias, keep, scale, dropout_p, dropout_mask, generator)
+        out, stats = _attend(q, k, v, alpha, bias, keep, scale, dropout_p, dropout_mask, generator, return_stats)
     else:
         outs, all_stats = [], []
         bounds_q, bounds_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
@@ -153,16 +166,12 @@ def entmax_attention_reference(
                 c = causal_keep(q1 - q0, k1 - k0, q.device)
                 kp = c if kp is None else kp & c
             dm = dropout_mask[sl] if dropout_mask is not None else None
-            if k1 == k0:
-                o = q.new_zeros(q.shape[0], n_heads, q1 - q0, v.shape[-1])
-                z = torch.zeros(q.shape[0], n_heads, q1 - q0, dtype=torch.int32, device=q.device)
-                st = AttentionStats(z, torch.full(z.shape, float("inf"), dtype=q.dtype, device=q.device), z)
-            else:
-                o, st = _attend(q[sl[:3]], k[:, :, k0:k1], v[:, :, k0:k1], alpha, b, kp, scale, dropout_p, dm, generator)
+            o, st = _attend(q[sl[:3]], k[:, :, k0:k1], v[:, :, k0:k1], alpha, b, kp, scale, dropout_p, dm,
+                            generator, return_stats)
             outs.append(o)
             all_stats.append(st)
         out = torch.cat(outs, dim=2)
-        stats = AttentionStats(*(torch.cat(t, dim=2) for t in zip(*all_stats)))
+        stats = AttentionStats(*(torch.cat(t, dim=2) for t in zip(*all_stats))) if return_stats else None
     if return_stats:
         return out, stats
     return out

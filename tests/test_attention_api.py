@@ -127,10 +127,59 @@ def test_transposed_layout_is_accepted():
     torch.testing.assert_close(entmax_attention(qt, k, v), entmax_attention(q, k, v))
 
 
-def test_backend_auto_on_cpu_uses_reference_and_float64():
-    q, k, v = _qkv()
+def test_backend_auto_on_cpu_uses_reference(monkeypatch):
+    import sparse_attn._attn_autograd as fused
+
+    def fail(*args, **kwargs):
+        raise AssertionError("backend='auto' on CPU tensors must not take the fused path")
+
+    monkeypatch.setattr(fused, "fused_entmax_attention", fail)
+    q, k, v = (t.float() for t in _qkv())
     out = entmax_attention(q, k, v, backend="auto")
-    assert out.dtype == torch.float64
+    torch.testing.assert_close(out, entmax_attention(q, k, v, backend="reference"), rtol=0, atol=0)
+    assert out.dtype == torch.float32
+
+
+def test_backend_triton_on_cpu_without_interpreter_raises(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    q, k, v = (t.float() for t in _qkv(d=16))
+    with pytest.raises(ValueError, match="backend='triton' needs CUDA tensors"):
+        entmax_attention(q, k, v, backend="triton")
+
+
+@pytest.mark.parametrize("alpha", [1.0, 1.5, 2.0, 1.3])
+def test_reference_without_keys_gives_zeros_and_gradients(alpha):
+    q = torch.randn(1, 2, 4, 8, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, 2, 0, 8, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, 2, 0, 8, dtype=torch.float64, requires_grad=True)
+    out, stats = entmax_attention(q, k, v, alpha, return_stats=True)
+    assert out.shape == (1, 2, 4, 8) and (out == 0).all()
+    assert (stats.nnz == 0).all() and (stats.n_valid == 0).all() and torch.isinf(stats.tau).all()
+    out.sum().backward()
+    assert (q.grad == 0).all()
+    # packed sequences that all have no keys
+    q1 = torch.randn(1, 2, 4, 8, dtype=torch.float64, requires_grad=True)
+    cu_q, cu_k = torch.tensor([0, 1, 4], dtype=torch.int32), torch.tensor([0, 0, 0], dtype=torch.int32)
+    out = entmax_attention(q1, k, v, alpha, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    out.sum().backward()
+    assert (out == 0).all() and (q1.grad == 0).all()
+
+
+def test_reference_softmax_support_counts_every_valid_key():
+    q, k, v = _qkv(hq=2, hk=2, nq=3, nk=6)
+    q = q * 60  # exp underflows for most keys, yet softmax gives each of them a positive weight
+    mask = torch.ones(3, 6, dtype=torch.bool)
+    mask[:, 4:] = False
+    _, stats = entmax_attention(q, k, v, torch.tensor([1.0, 2.0], dtype=torch.float64), attn_mask=mask, return_stats=True)
+    assert (stats.nnz[:, 0] == 4).all() and (stats.n_valid == 4).all()
+    assert (stats.nnz[:, 1] < 4).any()
+
+
+def test_alpha_tensor_dtype_and_shape_variants():
+    q, k, v = _qkv(hq=4, hk=4)
+    base = entmax_attention(q, k, v, 1.5)
+    for alpha in (torch.tensor(1.5), torch.tensor([1.5]), torch.full((4,), 1.5, dtype=torch.float16)):
+        torch.testing.assert_close(entmax_attention(q, k, v, alpha), base)
 
 
 _BAD = [
@@ -155,6 +204,12 @@ _BAD = [
     (dict(attn_mask=[[True]]), TypeError, "attn_mask must be a torch.Tensor"),
     (dict(dropout_p=1.0), ValueError, "dropout_p must be a number in \\[0, 1\\)"),
     (dict(scale=float("inf")), ValueError, "scale must be None or a finite number"),
+    (dict(scale=torch.tensor(0.5)), TypeError, "scale must be None or a Python number"),
+    (dict(enable_gqa="no"), TypeError, "enable_gqa must be a bool"),
+    (dict(return_stats=1), TypeError, "return_stats must be a bool"),
+    (dict(is_causal=None), TypeError, "is_causal must be a bool"),
+    (dict(attn_mask=torch.zeros(9, 11, dtype=torch.float64).index_fill(1, torch.tensor([3]), float("nan"))), ValueError, "float attn_mask must be finite or -inf"),
+    (dict(attn_mask=torch.zeros(9, 11, dtype=torch.float64).index_fill(1, torch.tensor([3]), float("inf"))), ValueError, "float attn_mask must be finite or -inf"),
     (dict(backend="cuda"), ValueError, "backend must be one of"),
     (dict(backend="triton"), TypeError, "the triton backend takes float16"),
     (dict(cu_seqlens_q=torch.tensor([0, 9], dtype=torch.int32)), ValueError, "must be given together"),

@@ -122,8 +122,6 @@ def test_module_learnable_alpha_compiles_on_reference():
 
 
 def test_functional_and_module_fullgraph_fused(kernel_device):
-    pytest.importorskip("sparse_attn._attn_autograd", reason="fused kernels / custom ops not importable yet",
-                        exc_type=ImportError)
     q, k, v = (t.detach().to(kernel_device).requires_grad_() for t in _qkv(b=1, h=2, h_kv=1, n_q=20, n_k=40))
     alpha = torch.tensor([1.3, 2.0], device=kernel_device, requires_grad=True)
 

@@ -542,8 +542,6 @@ def test_no_shared_state_between_copies():
 
 
 def test_fused_backend_matches_reference(kernel_device):
-    pytest.importorskip("sparse_attn._attn_autograd", reason="fused kernels / custom ops not importable yet",
-                        exc_type=ImportError)
     torch.manual_seed(9)
     ref = EntmaxMultiheadAttention(32, 2, learnable_alpha=True, alpha_init=torch.tensor([1.3, 1.9]), batch_first=True,
                                    backend="reference", device=kernel_device)
