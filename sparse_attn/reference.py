@@ -22,7 +22,8 @@ from sparse_attn.mappings import entmax
 class AttentionStats(NamedTuple):
     """Per-row statistics of an attention call, each of shape ``(B, Hq, Nq)``.
 
-    nnz:     int32, number of keys with a nonzero weight (support size).
+    nnz:     int32, number of keys with a nonzero weight (support size); at alpha == 1 every
+             valid key (softmax's support, whatever the floating-point underflow).
     tau:     float32 (the input dtype on the reference), the threshold: for alpha > 1 the
              entmax threshold in the z = (alpha - 1) * score scale, so that
              ``p = [z - tau]_+^(1 / (alpha - 1))``; for alpha == 1 the row's logsumexp.
