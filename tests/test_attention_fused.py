@@ -25,8 +25,9 @@ def _close(got, ref, tol, name):
     assert err <= tol * scale, f"{name}: max abs error {err:.3e} > {tol:.0e} * {scale:.3e}"
 
 
-def _leaves(shapes, gen):
-    return [torch.randn(*s, generator=gen).requires_grad_() for s in shapes]
+def _leaves(shapes, gen, device):
+    """float32 leaf tensors drawn on CPU (reproducible on every device), moved to ``device``."""
+    return [torch.randn(*s, generator=gen).to(device).requires_grad_() for s in shapes]
 
 
 def _run_both(q, k, v, alpha, mask=None, **kw):
@@ -34,7 +35,7 @@ def _run_both(q, k, v, alpha, mask=None, **kw):
     gen = torch.Generator().manual_seed(123)
     inputs = [q, k, v] + ([alpha] if isinstance(alpha, torch.Tensor) else []) + ([mask] if mask is not None and mask.requires_grad else [])
     out = entmax_attention(q, k, v, alpha, attn_mask=mask, backend="triton", **kw)
-    do = torch.randn(out.shape, generator=gen)
+    do = torch.randn(out.shape, generator=gen).to(out.device)
     grads = torch.autograd.grad((out * do).sum(), inputs)
     inputs64 = [t.detach().double().requires_grad_() for t in inputs]
     q64, k64, v64 = inputs64[:3]
@@ -58,26 +59,26 @@ CASES = {
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_fused_matches_reference_forward_and_backward(name):
+def test_fused_matches_reference_forward_and_backward(name, kernel_device):
     c = dict(CASES[name])
     gen = torch.Generator().manual_seed(hash(name) % 2**31)
     nq, nk, hq, hk, d = 33, c.pop("nk", 33), 4, c.pop("hk", 4), 16
-    q, k, v = _leaves([(2, hq, nq, d), (2, hk, nk, d), (2, hk, nk, d)], gen)
+    q, k, v = _leaves([(2, hq, nq, d), (2, hk, nk, d), (2, hk, nk, d)], gen, kernel_device)
     a = c.pop("alpha")
-    alpha = torch.tensor(a, requires_grad=True) if isinstance(a, list) else torch.tensor(a).requires_grad_()
+    alpha = torch.tensor(a, device=kernel_device, requires_grad=True)
     out, out64, grads, grads64 = _run_both(q, k, v, alpha, **c)
     _close(out, out64, REL_TOL["out"], "out")
     for g, g64, gname in zip(grads, grads64, ["dq", "dk", "dv", "dalpha"]):
         _close(g, g64, REL_TOL["dalpha" if gname == "dalpha" else "grad"], gname)
 
 
-def test_fused_masks_bias_gradient_and_fully_masked_rows():
+def test_fused_masks_bias_gradient_and_fully_masked_rows(kernel_device):
     gen = torch.Generator().manual_seed(7)
-    q, k, v = _leaves([(2, 2, 21, 16), (2, 2, 26, 16), (2, 2, 26, 16)], gen)
-    bias = (0.5 * torch.randn(1, 2, 21, 26, generator=gen)).requires_grad_()
+    q, k, v = _leaves([(2, 2, 21, 16), (2, 2, 26, 16), (2, 2, 26, 16)], gen, kernel_device)
+    bias = (0.5 * torch.randn(1, 2, 21, 26, generator=gen)).to(kernel_device).requires_grad_()
     with torch.no_grad():
         bias[0, :, 3] = float("-inf")
-    alpha = torch.tensor([1.5, 1.2], requires_grad=True)
+    alpha = torch.tensor([1.5, 1.2], device=kernel_device, requires_grad=True)
     out, out64, grads, grads64 = _run_both(q, k, v, alpha, mask=bias)
     assert torch.isfinite(out).all() and (out[:, :, 3] == 0).all()
     _close(out, out64, REL_TOL["out"], "out")
@@ -87,14 +88,15 @@ def test_fused_masks_bias_gradient_and_fully_masked_rows():
     assert grads[-1].shape == bias.shape
 
 
-def test_fused_bool_padding_mask_and_stats():
+def test_fused_bool_padding_mask_and_stats(kernel_device):
     gen = torch.Generator().manual_seed(8)
-    q, k, v = _leaves([(2, 2, 19, 16), (2, 2, 19, 16), (2, 2, 19, 16)], gen)
+    q, k, v = _leaves([(2, 2, 19, 16), (2, 2, 19, 16), (2, 2, 19, 16)], gen, kernel_device)
     keep = torch.ones(2, 1, 1, 19, dtype=torch.bool)
     keep[1, ..., 11:] = False
-    alpha = torch.tensor([1.5, 2.0])
+    keep = keep.to(kernel_device)
+    alpha = torch.tensor([1.5, 2.0], device=kernel_device)
     out, st = entmax_attention(q, k, v, alpha, attn_mask=keep, is_causal=True, backend="triton", return_stats=True)
-    out64, st64 = entmax_attention(q.double(), k.double(), v.double(), alpha.double(), attn_mask=keep, is_causal=True, return_stats=True)
+    out64, st64 = entmax_attention(q.double(), k.double(), v.double(), alpha.double(), attn_mask=keep, is_causal=True, return_stats=True, backend="reference")
     _close(out, out64, REL_TOL["out"], "out")
     assert torch.equal(st.n_valid, st64.n_valid)
     assert (st.nnz - st64.nnz).abs().max() <= 1
@@ -103,33 +105,33 @@ def test_fused_bool_padding_mask_and_stats():
     torch.testing.assert_close(st.tau[finite].double(), st64.tau[finite], rtol=0, atol=1e-4)
 
 
-def test_fused_varlen_forward_and_backward():
+def test_fused_varlen_forward_and_backward(kernel_device):
     gen = torch.Generator().manual_seed(9)
-    cu_q = torch.tensor([0, 17, 17, 40], dtype=torch.int32)
-    cu_k = torch.tensor([0, 20, 25, 50], dtype=torch.int32)
-    q, k, v = _leaves([(1, 2, 40, 16), (1, 2, 50, 16), (1, 2, 50, 16)], gen)
-    alpha = torch.tensor([1.5, 1.0], requires_grad=True)
+    cu_q = torch.tensor([0, 17, 17, 40], dtype=torch.int32, device=kernel_device)
+    cu_k = torch.tensor([0, 20, 25, 50], dtype=torch.int32, device=kernel_device)
+    q, k, v = _leaves([(1, 2, 40, 16), (1, 2, 50, 16), (1, 2, 50, 16)], gen, kernel_device)
+    alpha = torch.tensor([1.5, 1.0], device=kernel_device, requires_grad=True)
     out, out64, grads, grads64 = _run_both(q, k, v, alpha, is_causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
     _close(out, out64, REL_TOL["out"], "out")
     for g, g64, gname in zip(grads, grads64, ["dq", "dk", "dv", "dalpha"]):
         _close(g, g64, REL_TOL["dalpha" if gname == "dalpha" else "grad"], gname)
 
 
-def test_fused_fp16_within_twice_the_reference_error():
+def test_fused_fp16_within_twice_the_reference_error(kernel_device):
     gen = torch.Generator().manual_seed(10)
-    q, k, v = (t.half() for t in _leaves([(1, 2, 40, 16)] * 3, gen))
+    q, k, v = (t.half() for t in _leaves([(1, 2, 40, 16)] * 3, gen, kernel_device))
     out = entmax_attention(q, k, v, 1.5, backend="triton")
-    exact = entmax_attention(q.double(), k.double(), v.double(), 1.5)
+    exact = entmax_attention(q.double(), k.double(), v.double(), 1.5, backend="reference")
     ref16 = entmax_attention_reference(q.float(), k.float(), v.float(), 1.5).half()
     assert out.dtype == torch.float16
     err, err_ref = (out.double() - exact).abs().max(), (ref16.double() - exact).abs().max()
     assert err <= 2 * err_ref + 1e-3
 
 
-def test_fused_gradients_are_deterministic():
+def test_fused_gradients_are_deterministic(kernel_device):
     gen = torch.Generator().manual_seed(11)
-    q, k, v = _leaves([(1, 4, 40, 16), (1, 2, 40, 16), (1, 2, 40, 16)], gen)
-    alpha = torch.tensor([1.5, 1.2, 2.0, 1.0], requires_grad=True)
+    q, k, v = _leaves([(1, 4, 40, 16), (1, 2, 40, 16), (1, 2, 40, 16)], gen, kernel_device)
+    alpha = torch.tensor([1.5, 1.2, 2.0, 1.0], device=kernel_device, requires_grad=True)
     runs = []
     for _ in range(2):
         out = entmax_attention(q, k, v, alpha, enable_gqa=True, is_causal=True, backend="triton")
@@ -138,23 +140,23 @@ def test_fused_gradients_are_deterministic():
         assert torch.equal(a, b)
 
 
-def test_double_backward_raises_clear_error():
+def test_double_backward_raises_clear_error(kernel_device):
     gen = torch.Generator().manual_seed(12)
-    q, k, v = _leaves([(1, 1, 16, 16)] * 3, gen)
+    q, k, v = _leaves([(1, 1, 16, 16)] * 3, gen, kernel_device)
     out = entmax_attention(q, k, v, 1.5, backend="triton")
     with pytest.raises(RuntimeError, match="double backward"):
         torch.autograd.grad(out.sum(), q, create_graph=True)
 
 
-def test_fused_dropout_replays_the_forward_mask():
+def test_fused_dropout_replays_the_forward_mask(kernel_device):
     gen = torch.Generator().manual_seed(13)
-    q, k, v = _leaves([(1, 2, 24, 16)] * 3, gen)
-    alpha = torch.tensor([1.5, 1.0], requires_grad=True)
+    q, k, v = _leaves([(1, 2, 24, 16)] * 3, gen, kernel_device)
+    alpha = torch.tensor([1.5, 1.0], device=kernel_device, requires_grad=True)
     seed, p_drop, scale = 1234, 0.3, 0.25
     out = _fwd_op(q, k, v, alpha, None, None, None, scale, False, 24, 24, p_drop, seed)[0]
-    do = torch.randn(out.shape, generator=gen)
+    do = torch.randn(out.shape, generator=gen).to(kernel_device)
     grads = torch.autograd.grad((out * do).sum(), [q, k, v, alpha])
-    keep = dropout_keep_mask(seed, 2, 24, 24, p_drop, "cpu").reshape(1, 2, 24, 24)
+    keep = dropout_keep_mask(seed, 2, 24, 24, p_drop, kernel_device).reshape(1, 2, 24, 24)
     leaves64 = [t.detach().double().requires_grad_() for t in (q, k, v, alpha)]
     out64 = entmax_attention_reference(*leaves64, scale=scale, dropout_p=p_drop, dropout_mask=keep)
     grads64 = torch.autograd.grad((out64 * do.double()).sum(), leaves64)
@@ -163,9 +165,9 @@ def test_fused_dropout_replays_the_forward_mask():
         _close(g, g64, REL_TOL["dalpha" if gname == "dalpha" else "grad"], gname)
 
 
-def test_fused_public_dropout_is_seeded_by_torch_rng():
+def test_fused_public_dropout_is_seeded_by_torch_rng(kernel_device):
     gen = torch.Generator().manual_seed(14)
-    q, k, v = _leaves([(1, 2, 16, 16)] * 3, gen)
+    q, k, v = _leaves([(1, 2, 16, 16)] * 3, gen, kernel_device)
     torch.manual_seed(5)
     a = entmax_attention(q, k, v, 1.5, dropout_p=0.5, backend="triton")
     torch.manual_seed(5)
@@ -175,17 +177,17 @@ def test_fused_public_dropout_is_seeded_by_torch_rng():
 
 
 @pytest.mark.parametrize("alpha0", [1.2, 1.5, 1.8])
-def test_fused_dalpha_matches_finite_differences_float32(alpha0):
+def test_fused_dalpha_matches_finite_differences_float32(alpha0, kernel_device):
     gen = torch.Generator().manual_seed(15)
-    q, k, v = (t.detach() for t in _leaves([(1, 1, 24, 16)] * 3, gen))
-    do = torch.randn(1, 1, 24, 16, generator=gen)
-    alpha = torch.tensor([alpha0], requires_grad=True)
+    q, k, v = (t.detach() for t in _leaves([(1, 1, 24, 16)] * 3, gen, kernel_device))
+    do = torch.randn(1, 1, 24, 16, generator=gen).to(kernel_device)
+    alpha = torch.tensor([alpha0], device=kernel_device, requires_grad=True)
     out = entmax_attention(q, k, v, alpha, backend="triton", scale=1.0)
     (dalpha,) = torch.autograd.grad((out * do).sum(), alpha)
     h = 1e-3
 
     def loss(a):
-        return (entmax_attention(q.double(), k.double(), v.double(), a, scale=1.0) * do.double()).sum().item()
+        return (entmax_attention(q.double(), k.double(), v.double(), a, scale=1.0, backend="reference") * do.double()).sum().item()
 
     fd = (loss(alpha0 + h) - loss(alpha0 - h)) / (2 * h)
     with torch.no_grad():
@@ -195,17 +197,17 @@ def test_fused_dalpha_matches_finite_differences_float32(alpha0):
     assert abs(fused_fd - fd) <= 2e-2 * max(1.0, abs(fd))
 
 
-def test_training_learnable_per_head_alpha_on_fused_path():
+def test_training_learnable_per_head_alpha_on_fused_path(kernel_device):
     """A toy reversal task: position i must copy the value at position n - 1 - i."""
     gen = torch.Generator().manual_seed(16)
     n, d, heads = 16, 16, 2
-    pos_q = torch.nn.Parameter(torch.randn(heads, n, d, generator=gen))
-    pos_k = torch.nn.Parameter(torch.randn(heads, n, d, generator=gen))
-    raw_alpha = torch.zeros(heads, requires_grad=True)
+    pos_q = torch.nn.Parameter(torch.randn(heads, n, d, generator=gen).to(kernel_device))
+    pos_k = torch.nn.Parameter(torch.randn(heads, n, d, generator=gen).to(kernel_device))
+    raw_alpha = torch.zeros(heads, device=kernel_device, requires_grad=True)
     opt = torch.optim.Adam([pos_q, pos_k, raw_alpha], lr=0.1)
     losses = []
     for _ in range(12):
-        x = torch.randn(4, n, d, generator=gen)
+        x = torch.randn(4, n, d, generator=gen).to(kernel_device)
         alpha = 1 + torch.sigmoid(raw_alpha)
         v = x.unsqueeze(1).expand(4, heads, n, d)
         out = entmax_attention(pos_q.expand(4, -1, -1, -1), pos_k.expand(4, -1, -1, -1), v, alpha, backend="triton")
@@ -216,3 +218,39 @@ def test_training_learnable_per_head_alpha_on_fused_path():
         losses.append(loss.item())
     assert sum(losses[-3:]) < 0.6 * sum(losses[:3])
     assert (1 + torch.sigmoid(raw_alpha) - 1.5).abs().max() > 2e-2
+
+
+# Absolute slack (relative to the largest |float64 value|) added to twice the error of the reference
+# run in the kernel's dtype (GUIDE §4): fp16/bf16 products on the GPU round P and dS to that dtype.
+LOWP_EPS = {torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_public_autograd_low_precision(dtype):
+    """entmax_attention(backend="triton") forward + backward on CUDA in fp16/bf16 at a moderate shape."""
+    gen = torch.Generator().manual_seed(17)
+    B, Hq, Hk, Nq, Nk, D = 2, 4, 2, 300, 357, 64
+    shapes = [(B, Hq, Nq, D), (B, Hk, Nk, D), (B, Hk, Nk, D)]
+    base = [torch.randn(*s, generator=gen).to(dtype).cuda() for s in shapes]
+    do = torch.randn(B, Hq, Nq, D, generator=gen).to(dtype).cuda()
+    alpha = torch.tensor([1.0, 1.25, 1.5, 2.0], device="cuda", requires_grad=True)
+    kw = dict(is_causal=True, enable_gqa=True)
+
+    def run(dt, backend):
+        leaves = [t.detach().to(dt).requires_grad_() for t in base]
+        a = alpha.detach().to(torch.float64 if dt == torch.float64 else torch.float32).requires_grad_()
+        out = entmax_attention(*leaves, a, backend=backend, **kw)
+        grads = torch.autograd.grad((out.double() * do.double()).sum(), leaves + [a])
+        return [out] + list(grads)
+
+    got = run(dtype, "triton")
+    exact = run(torch.float64, "reference")
+    lowp = run(dtype, "reference")
+    for name, g, e, r in zip(["out", "dq", "dk", "dv", "dalpha"], got, exact, lowp):
+        assert g.dtype == (torch.float32 if name == "dalpha" else dtype), name
+        assert torch.isfinite(g).all(), name
+        scale = e.abs().max().item()
+        err = (g.double() - e).abs().max().item()
+        err_ref = (r.double() - e).abs().max().item()
+        assert err <= 2 * err_ref + LOWP_EPS[dtype] * scale, f"{name}: {err:.3e} vs reference {err_ref:.3e}"
