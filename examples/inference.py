@@ -51,7 +51,7 @@ def plot_attention_map(weights: np.ndarray, alphas, row_labels, col_labels, titl
             continue
         w = weights[h]
         image = ax.imshow(np.ma.masked_where(w == 0, w), cmap=cmap, vmin=0.0, vmax=1.0, interpolation="nearest")
-        ax.set_title(f"head {h + 1}: alpha {alphas[h]:.2f}, {100 * (w == 0).mean():.0f}% zeros", fontsize=9)
+        ax.set_title(f"head {h}: alpha {alphas[h]:.2f}, {100 * (w == 0).mean():.0f}% zeros", fontsize=9)
         ax.set_xticks(range(len(col_labels)), col_labels, fontsize=7)
         ax.set_yticks(range(len(row_labels)), row_labels, fontsize=7)
         ax.set_xlabel("key", fontsize=8)

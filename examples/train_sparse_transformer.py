@@ -21,6 +21,10 @@ Every variant writes ``<out>/<variant>/checkpoint.pt``; the run writes its repor
 ``head_stats.csv`` (alpha, density per head), ``alpha_trajectories.csv`` and the figures
 ``fig2_alpha_trajectories.png`` ... ``fig6_head_diversity.png`` (the paper's Figs. 2-6),
 ``training_loss.png`` and ``summary.txt`` (also printed).
+Layers and heads are counted from 0 everywhere (as in the module names ``decoder.1.cross_attn``
+and in :meth:`sparse_attn.stats.HeadStatsRecorder.table`); ``metrics.json`` is strict JSON, with
+null where a value is undefined (the JS diversity of length-1 sequences, which has no row with
+two keys).
 
 Usage::
 
@@ -327,6 +331,14 @@ class RunResult:
     checkpoint: str = ""
 
 
+def validation_batches(cfg: Config, device="cpu") -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The validation set of ``cfg`` (seed ``cfg.seed + 1_000_003``) as ``(src, tgt_in, tgt_out)`` batches of
+    at most 256 examples, int64 ``(B, cfg.length)`` each, on ``device`` (default ``"cpu"``)."""
+    gen = torch.Generator().manual_seed(cfg.seed + 1_000_003)
+    return [tuple(t.to(device) for t in make_batch(cfg.task, min(256, cfg.val_size - i), cfg.length, cfg.vocab, gen))
+            for i in range(0, cfg.val_size, 256)]
+
+
 def train_variant(cfg: Config, out_dir: Path, progress: bool = True) -> RunResult:
     """Train one variant, evaluate it and save ``out_dir/<variant>/checkpoint.pt``."""
     device = torch.device(cfg.device)
@@ -337,9 +349,7 @@ def train_variant(cfg: Config, out_dir: Path, progress: bool = True) -> RunResul
     groups = [{"params": other, "lr_mult": 1.0}] + ([{"params": alpha_params, "lr_mult": cfg.alpha_lr_mult}] if alpha_params else [])
     opt = torch.optim.Adam(groups, lr=cfg.lr, betas=(0.9, 0.98))
     train_gen = torch.Generator().manual_seed(cfg.seed)
-    val_gen = torch.Generator().manual_seed(cfg.seed + 1_000_003)
-    val = [tuple(t.to(device) for t in make_batch(cfg.task, min(256, cfg.val_size - i), cfg.length, cfg.vocab, val_gen))
-           for i in range(0, cfg.val_size, 256)]
+    val = validation_batches(cfg, device)
     names = [name for name, _, _, _ in model.attention_modules()]
     res = RunResult(variant=cfg.variant, metrics={}, module_names=names)
     res.alpha_steps.append(0)
@@ -404,7 +414,7 @@ def _head_rows(res: RunResult):
         divs = by_block(h["names"], h["diversity"])[block]
         for layer in range(dens.shape[0]):
             for head in range(dens.shape[1]):
-                yield {"variant": res.variant, "block": block, "layer": layer + 1, "head": head + 1,
+                yield {"variant": res.variant, "block": block, "layer": layer, "head": head,
                        "alpha": round(float(alphas[layer, head]), 6), "density": round(float(dens[layer, head]), 6),
                        "layer_js_diversity": round(float(divs[layer]), 6)}
 
@@ -446,7 +456,7 @@ def summary_text(cfg: Config, results: list[RunResult], out_dir: Path) -> str:
         h = r.metrics["heads"]
         dens, alph = np.asarray(h["density"]), np.asarray(h["alpha"])
         lo, hi = np.unravel_index(dens.argmin(), dens.shape), np.unravel_index(dens.argmax(), dens.shape)
-        desc = lambda ij: f"{h['names'][ij[0]]} head {ij[1] + 1} (alpha {alph[ij]:.2f}, density {dens[ij]:.2f})"  # noqa: E731
+        desc = lambda ij: f"{h['names'][ij[0]]} head {ij[1]} (alpha {alph[ij]:.2f}, density {dens[ij]:.2f})"  # noqa: E731
         lines += [
             "",
             f"adaptive: alpha moved from init mean {first.mean():.2f} (range {first.min():.2f}-{first.max():.2f}) "
@@ -460,6 +470,17 @@ def summary_text(cfg: Config, results: list[RunResult], out_dir: Path) -> str:
     return "\n".join(lines)
 
 
+def _nan_to_none(obj):
+    """``obj`` (nested dicts, lists, tuples, scalars) with every non-finite float replaced by None (JSON null)."""
+    if isinstance(obj, dict):
+        return {k: _nan_to_none(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_nan_to_none(v) for v in obj]
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    return obj
+
+
 def write_reports(cfg: Config, results: list[RunResult], out_dir: Path, figures: bool = True) -> str:
     """Write metrics.json/.csv, head_stats.csv, alpha_trajectories.csv, the figures and summary.txt.
 
@@ -469,8 +490,8 @@ def write_reports(cfg: Config, results: list[RunResult], out_dir: Path, figures:
     metrics = {r.variant: {k: v for k, v in r.metrics.items() if k != "heads"} | {"checkpoint": r.checkpoint}
                for r in results}
     with open(out_dir / "metrics.json", "w") as f:
-        json.dump({"config": asdict(cfg) | {"variant": [r.variant for r in results]}, "variants": metrics,
-                   "heads": {r.variant: r.metrics["heads"] for r in results}}, f, indent=1)
+        json.dump(_nan_to_none({"config": asdict(cfg) | {"variant": [r.variant for r in results]}, "variants": metrics,
+                                "heads": {r.variant: r.metrics["heads"] for r in results}}), f, indent=1, allow_nan=False)
     _write_csv(out_dir / "metrics.csv", [{"variant": v} | {k: m[k] for k in
                ("val_loss", "token_acc", "seq_acc", "train_loss_first", "train_loss_last", "steps", "train_seconds")}
                for v, m in metrics.items()])
@@ -481,7 +502,7 @@ def write_reports(cfg: Config, results: list[RunResult], out_dir: Path, figures:
             for name, row in zip(r.module_names, alphas):
                 for head, a in enumerate(row):
                     traj.append({"variant": r.variant, "step": step, "block": block_of(name),
-                                 "layer": int(name.split(".")[1]) + 1, "head": head + 1, "alpha": round(a, 6)})
+                                 "layer": int(name.split(".")[1]), "head": head, "alpha": round(a, 6)})
     _write_csv(out_dir / "alpha_trajectories.csv", traj)
     if figures:
         plot_figures(results, out_dir)
@@ -530,7 +551,7 @@ def plot_figures(results: list[RunResult], out_dir: Path) -> list[Path]:
             for layer in range(arr.shape[0]):
                 for head in range(arr.shape[2]):
                     ax.plot(steps, arr[layer, :, head], color=cmap(head % 10), lw=1.4,
-                            ls=("-", "--", ":", "-.")[layer % 4], label=f"L{layer + 1} H{head + 1}")
+                            ls=("-", "--", ":", "-.")[layer % 4], label=f"L{layer} H{head}")
             ax.set_title(f"{block} attention")
             ax.set_xlabel("training step")
             ax.set_ylim(1.0, 2.0)
@@ -573,7 +594,7 @@ def plot_figures(results: list[RunResult], out_dir: Path) -> list[Path]:
             h = r.metrics["heads"]
             for ax, block in zip(row, BLOCKS):
                 dens = np.sort(by_block(h["names"], h["density"])[block], axis=1)
-                layers = np.arange(1, dens.shape[0] + 1)
+                layers = np.arange(dens.shape[0])
                 for head in range(dens.shape[1]):
                     ax.plot(layers, dens[:, head], marker="o", color=colors[r.variant], alpha=0.35 + 0.65 * head / max(1, dens.shape[1] - 1))
                 ax.set_title(f"{r.variant}: {block}", fontsize=10)
@@ -591,10 +612,10 @@ def plot_figures(results: list[RunResult], out_dir: Path) -> list[Path]:
         for r in results:
             h = r.metrics["heads"]
             js = by_block(h["names"], h["diversity"])[block]
-            ax.plot(np.arange(1, len(js) + 1), js, marker="o", color=colors[r.variant], label=r.variant)
+            ax.plot(np.arange(len(js)), js, marker="o", color=colors[r.variant], label=r.variant)
         ax.set_title(f"{block} attention")
         ax.set_xlabel("layer")
-        ax.set_xticks(np.arange(1, len(js) + 1))
+        ax.set_xticks(np.arange(len(js)))
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("Jensen-Shannon head diversity")
     axes[0].legend(fontsize=8)

@@ -3,6 +3,7 @@ writes its reports and figures and a checkpoint that inference loads."""
 
 import csv
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -16,6 +17,8 @@ sys.path.insert(0, str(EXAMPLES))
 import demo  # noqa: E402
 import inference  # noqa: E402
 import train_sparse_transformer as T  # noqa: E402
+
+from sparse_attn.stats import record_head_stats  # noqa: E402
 
 TINY = ["--length", "5", "--d-model", "32", "--heads", "2", "--layers", "1", "--d-ff", "32", "--steps", "40",
         "--batch-size", "32", "--lr", "1e-2", "--warmup", "5", "--val-size", "64", "--log-every", "5", "--no-progress"]
@@ -31,7 +34,7 @@ def run(tmp_path_factory):
 def test_loss_falls_and_metrics_written(run):
     out, result = run
     assert [r.variant for r in result["results"]] == list(T.VARIANTS)
-    metrics = json.loads((out / "metrics.json").read_text())["variants"]
+    metrics = _strict_json((out / "metrics.json").read_text())["variants"]
     for r in result["results"]:
         first, last = np.mean(r.losses[:5]), np.mean(r.losses[-5:])
         assert last < 0.9 * first, (r.variant, first, last)
@@ -63,6 +66,60 @@ def test_reports_and_figures_written(run):
             assert float(row["alpha"]) == pytest.approx(1.0)
         if row["variant"] == "entmax15":
             assert float(row["alpha"]) == pytest.approx(1.5)
+
+
+def _strict_json(text: str):
+    def reject(constant):
+        raise AssertionError(f"metrics.json holds {constant}, not strict JSON")
+
+    return json.loads(text, parse_constant=reject)
+
+
+def test_heads_counted_from_zero_like_the_recorder(run):
+    out, result = run
+    adaptive = next(r for r in result["results"] if r.variant == "adaptive")
+    model, cfg, _ = T.load_checkpoint(adaptive.checkpoint)
+    with torch.no_grad(), record_head_stats(model) as rec:
+        for src, tgt_in, _ in T.validation_batches(cfg):
+            model(src, tgt_in)
+    rows = {(r["layer"], r["head"]): r for r in rec.rows()}
+    assert {h for _, h in rows} == {0, 1}
+
+    summary = (out / "summary.txt").read_text()
+    found = re.search(r"sparsest head (\S+) head (\d+) \(alpha ([\d.]+), density ([\d.]+)\)", summary)
+    assert found, summary
+    row = rows[(found[1], int(found[2]))]
+    assert float(found[3]) == pytest.approx(row["alpha"], abs=0.0051)
+    assert float(found[4]) == pytest.approx(row["density"], abs=0.0051)
+    assert row["density"] == pytest.approx(min(r["density"] for r in rows.values()), abs=1e-9)
+
+    def key(name):
+        return T.block_of(name), int(name.split(".")[1])
+
+    with open(out / "head_stats.csv") as f:
+        csv_rows = [r for r in csv.DictReader(f) if r["variant"] == "adaptive"]
+    assert len(csv_rows) == len(rows)
+    for r in csv_rows:
+        name = next(n for n, _ in rows if key(n) == (r["block"], int(r["layer"])))
+        want = rows[(name, int(r["head"]))]
+        assert float(r["alpha"]) == pytest.approx(want["alpha"], abs=1e-5)
+        assert float(r["density"]) == pytest.approx(want["density"], abs=1e-5)
+    with open(out / "alpha_trajectories.csv") as f:
+        traj = [r for r in csv.DictReader(f) if r["variant"] == "adaptive" and int(r["step"]) == adaptive.alpha_steps[-1]]
+    assert len(traj) == len(rows)
+    for r in traj:
+        name = next(n for n, _ in rows if key(n) == (r["block"], int(r["layer"])))
+        assert float(r["alpha"]) == pytest.approx(rows[(name, int(r["head"]))]["alpha"], abs=1e-5)
+
+
+def test_length_one_writes_null_diversity(tmp_path):
+    T.main(["--variant", "adaptive", "--out", str(tmp_path), "--no-figures", "--device", "cpu",
+            *TINY, "--length", "1", "--steps", "2", "--val-size", "8"])
+    report = _strict_json((tmp_path / "metrics.json").read_text())
+    heads = report["heads"]["adaptive"]
+    assert len(heads["diversity"]) == 3 and all(d is None for d in heads["diversity"])
+    assert all(0.0 < d <= 1.0 for row in heads["density"] for d in row)
+    assert np.isfinite(report["variants"]["adaptive"]["val_loss"])
 
 
 def test_learnable_alphas_changed_and_fixed_did_not(run):
