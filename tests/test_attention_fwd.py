@@ -50,6 +50,13 @@ def _rand(shape, gen, dtype, layout="bhnd", mult=1.0):
     return x.transpose(1, 2) if layout == "bnhd" else x.transpose(1, 2).contiguous()
 
 
+def _on(device, fn, *args, **kw):
+    """Call the kernel launcher ``fn`` with every tensor argument moved to ``device``; results back on CPU."""
+    move = lambda x: x.to(device) if isinstance(x, torch.Tensor) else x  # noqa: E731
+    res = fn(*map(move, args), **{key: move(val) for key, val in kw.items()})
+    return res._replace(**{f: getattr(res, f).cpu() for f in res._fields if isinstance(getattr(res, f), torch.Tensor)})
+
+
 def _max_err(a, b):
     return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
 
@@ -98,8 +105,8 @@ def _weights64(s, alpha, tau):
 
 def _run_case(B=1, Hq=4, Hk=2, Nq=33, Nk=33, D=16, alphas=ALPHAS4, dtype=torch.float32, causal=False,
               bias=None, layout="bhnd", mult=1.0, cu_q=None, cu_k=None, dropout_p=0.0, seed=0, seed_data=0,
-              v_ones=False, **kw):
-    """Run kernel and reference on one random problem; check out, tau, lsum, nnz, n_valid, live."""
+              v_ones=False, device="cpu", **kw):
+    """Run kernel (on ``device``) and reference (CPU) on one random problem; check out, tau, lsum, nnz, n_valid, live."""
     gen = torch.Generator().manual_seed(seed_data)
     if cu_q is not None:
         cu_q, cu_k = torch.tensor(cu_q, dtype=torch.int32), torch.tensor(cu_k, dtype=torch.int32)
@@ -110,12 +117,12 @@ def _run_case(B=1, Hq=4, Hk=2, Nq=33, Nk=33, D=16, alphas=ALPHAS4, dtype=torch.f
     alpha = torch.tensor(alphas, dtype=torch.float32)
     bias_k = None if bias is None else bias(B, Hq, Nq, Nk, gen)
     scale = D**-0.5
-    res = entmax_attn_fwd(q, k, v, alpha, scale, bias=bias_k, is_causal=causal, cu_seqlens_q=cu_q,
-                          cu_seqlens_k=cu_k, dropout_p=dropout_p, seed=seed, **kw)
+    res = _on(device, entmax_attn_fwd, q, k, v, alpha, scale, bias=bias_k, is_causal=causal, cu_seqlens_q=cu_q,
+              cu_seqlens_k=cu_k, dropout_p=dropout_p, seed=seed, **kw)
 
     drop_mask = None
     if dropout_p > 0:
-        drop_mask = dropout_keep_mask(seed, B * Hq, Nq, Nk, dropout_p, q.device).view(B, Hq, Nq, Nk)
+        drop_mask = dropout_keep_mask(seed, B * Hq, Nq, Nk, dropout_p, device).cpu().view(B, Hq, Nq, Nk)
     ref_kw = dict(is_causal=causal, scale=scale, dropout_p=dropout_p, dropout_mask=drop_mask,
                   cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, return_stats=True)
     alpha64 = alpha.double()
@@ -203,81 +210,81 @@ def _padding_bias(B, H, Nq, Nk, gen):
         (1, 4, 2, 1, 17, 64, True),
     ],
 )
-def test_matches_reference_mixed_alpha(B, Hq, Hk, Nq, Nk, D, causal):
-    _run_case(B=B, Hq=Hq, Hk=Hk, Nq=Nq, Nk=Nk, D=D, causal=causal)
+def test_matches_reference_mixed_alpha(B, Hq, Hk, Nq, Nk, D, causal, kernel_device):
+    _run_case(device=kernel_device, B=B, Hq=Hq, Hk=Hk, Nq=Nq, Nk=Nk, D=D, causal=causal)
 
 
 @pytest.mark.parametrize("alpha", [1.0, 1.25, 1.5, 2.0])
-def test_single_alpha_small_tiles(alpha):
-    _run_case(Hq=2, Hk=1, Nq=40, Nk=70, D=16, alphas=[alpha, alpha], causal=alpha > 1.3, block_m=16, block_n=16)
+def test_single_alpha_small_tiles(alpha, kernel_device):
+    _run_case(device=kernel_device, Hq=2, Hk=1, Nq=40, Nk=70, D=16, alphas=[alpha, alpha], causal=alpha > 1.3, block_m=16, block_n=16)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_low_precision(dtype):
-    _run_case(Nq=63, Nk=97, D=64, dtype=dtype, causal=True)
+def test_low_precision(dtype, kernel_device):
+    _run_case(device=kernel_device, Nq=63, Nk=97, D=64, dtype=dtype, causal=True)
 
 
-def test_transposed_layout_and_odd_head_dim():
-    _run_case(B=2, Nq=17, Nk=45, D=96, layout="bnhd", alphas=[1.5, 1.1, 2.0, 1.0])
+def test_transposed_layout_and_odd_head_dim(kernel_device):
+    _run_case(device=kernel_device, B=2, Nq=17, Nk=45, D=96, layout="bnhd", alphas=[1.5, 1.1, 2.0, 1.0])
 
 
-def test_float_bias_and_mask():
-    _run_case(B=2, Nq=40, Nk=50, D=16, bias=_alibi_bias, causal=True)
-    _run_case(B=2, Nq=40, Nk=50, D=16, bias=_padding_bias)
+def test_float_bias_and_mask(kernel_device):
+    _run_case(device=kernel_device, B=2, Nq=40, Nk=50, D=16, bias=_alibi_bias, causal=True)
+    _run_case(device=kernel_device, B=2, Nq=40, Nk=50, D=16, bias=_padding_bias)
 
 
-def test_scores_scaled_100():
-    res, _, valid = _run_case(Nq=33, Nk=65, D=16, mult=10.0, alphas=[1.0, 1.25, 1.5, 2.0])
+def test_scores_scaled_100(kernel_device):
+    res, _, valid = _run_case(device=kernel_device, Nq=33, Nk=65, D=16, mult=10.0, alphas=[1.0, 1.25, 1.5, 2.0])
     assert torch.isfinite(res.out).all()
 
 
-def test_rows_sum_to_one():
-    res, _, valid = _run_case(Nq=50, Nk=70, D=16, v_ones=True, causal=True, bias=_padding_bias, tol=1e-2)
+def test_rows_sum_to_one(kernel_device):
+    res, _, valid = _run_case(device=kernel_device, Nq=50, Nk=70, D=16, v_ones=True, causal=True, bias=_padding_bias, tol=1e-2)
     rows = res.out[..., 0].double()
     assert torch.allclose(rows[valid], torch.ones_like(rows[valid]), atol=1e-6)
     assert (rows[~valid] == 0).all()
 
 
-def test_fully_masked_and_empty():
+def test_fully_masked_and_empty(kernel_device):
     """Causal with Nq > Nk leaves the first rows without keys; a -inf bias masks whole rows."""
-    res, _, valid = _run_case(Nq=40, Nk=8, D=16, causal=True, bias=_padding_bias)
+    res, _, valid = _run_case(device=kernel_device, Nq=40, Nk=8, D=16, causal=True, bias=_padding_bias)
     assert (~valid).any()
     assert torch.isinf(res.tau[~valid]).all() and (res.tau[~valid] > 0).all()
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_varlen(causal):
-    _run_case(cu_q=[0, 5, 5, 38, 55], cu_k=[0, 7, 10, 50, 50], D=16, causal=causal, block_m=16, block_n=16)
+def test_varlen(causal, kernel_device):
+    _run_case(device=kernel_device, cu_q=[0, 5, 5, 38, 55], cu_k=[0, 7, 10, 50, 50], D=16, causal=causal, block_m=16, block_n=16)
 
 
-def test_dropout_matches_replayed_mask():
-    _run_case(B=2, Nq=33, Nk=40, D=16, dropout_p=0.3, seed=1234, causal=True)
+def test_dropout_matches_replayed_mask(kernel_device):
+    _run_case(device=kernel_device, B=2, Nq=33, Nk=40, D=16, dropout_p=0.3, seed=1234, causal=True)
 
 
-def test_dropout_varlen():
-    _run_case(cu_q=[0, 20, 45], cu_k=[0, 30, 47], D=16, dropout_p=0.25, seed=7)
+def test_dropout_varlen(kernel_device):
+    _run_case(device=kernel_device, cu_q=[0, 20, 45], cu_k=[0, 30, 47], D=16, dropout_p=0.25, seed=7)
 
 
-def test_dead_tiles_are_skipped_and_bitmap_words():
+def test_dead_tiles_are_skipped_and_bitmap_words(kernel_device):
     """Sharp sparsemax over 40 key tiles (two bitmap words): many tiles die, none wrongly."""
-    res, p64, _ = _run_case(Hq=2, Hk=1, Nq=16, Nk=640, D=16, alphas=[2.0, 1.5], mult=2.0, block_m=16, block_n=16)
+    res, p64, _ = _run_case(device=kernel_device, Hq=2, Hk=1, Nq=16, Nk=640, D=16, alphas=[2.0, 1.5], mult=2.0, block_m=16, block_n=16)
     assert res.live.shape[-1] == 2
     n_live = sum(bin(int(w) & 0xFFFFFFFF).count("1") for w in res.live.flatten().tolist())
     assert n_live < 2 * 40
 
 
-def test_sweep_cap_still_normalized():
+def test_sweep_cap_still_normalized(kernel_device):
     """With one Newton sweep the threshold is approximate but every row still sums to one."""
     gen = torch.Generator().manual_seed(3)
     q, k = torch.randn(1, 2, 40, 16, generator=gen), torch.randn(1, 2, 60, 16, generator=gen)
     v = torch.ones(1, 2, 60, 16)
-    res = entmax_attn_fwd(q, k, v, torch.tensor([1.5, 1.2]), 1.0, max_sweeps=1)
+    res = _on(kernel_device, entmax_attn_fwd, q, k, v, torch.tensor([1.5, 1.2]), 1.0, max_sweeps=1)
     assert (res.n_sweeps == 1).all()
     assert torch.allclose(res.out.double(), torch.ones_like(res.out.double()), atol=1e-6)
 
 
 @pytest.mark.parametrize("alpha", [1.0001, 1.001, 1.01])
-def test_near_alpha_one_accurate(alpha):
+def test_near_alpha_one_accurate(alpha, kernel_device):
     """The general path forms log(z - tau) as log1p(z - (tau + 1)): no beta-fold loss of digits near alpha = 1.
 
     Forming ``z - tau`` directly left 1.5e-4 (alpha 1.0001), 1.8e-5 (1.001) and 1.5e-6 (1.01) absolute
@@ -287,7 +294,7 @@ def test_near_alpha_one_accurate(alpha):
     q, k, v = (torch.randn(1, 4, 64, 32, generator=gen) for _ in range(3))
     al = torch.full((4,), alpha)
     scale = 32**-0.5
-    res = entmax_attn_fwd(q, k, v, al, scale)
+    res = _on(kernel_device, entmax_attn_fwd, q, k, v, al, scale)
     out64 = entmax_attention_reference(q.double(), k.double(), v.double(), al.double(), scale=scale)
     out32 = entmax_attention_reference(q, k, v, al, scale=scale)
     _check_close("out", res.out, out64, out32, torch.float32, eps=EPS_NEAR_ONE)
@@ -297,13 +304,13 @@ def test_near_alpha_one_accurate(alpha):
     assert torch.allclose(res.lsum.double(), lsum64, rtol=1e-5, atol=0), "lsum does not match the saved tau"
 
 
-def test_tighter_tol_is_at_least_as_accurate():
+def test_tighter_tol_is_at_least_as_accurate(kernel_device):
     gen = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(1, 2, 40, 16, generator=gen) for _ in range(3))
     alpha = torch.tensor([1.5, 1.3])
     out64 = entmax_attention_reference(q.double(), k.double(), v.double(), alpha.double(), scale=1.0)
-    loose = entmax_attn_fwd(q, k, v, alpha, 1.0, tol=1e-1)
-    tight = entmax_attn_fwd(q, k, v, alpha, 1.0, tol=1e-6)
+    loose = _on(kernel_device, entmax_attn_fwd, q, k, v, alpha, 1.0, tol=1e-1)
+    tight = _on(kernel_device, entmax_attn_fwd, q, k, v, alpha, 1.0, tol=1e-6)
     assert (tight.n_sweeps >= loose.n_sweeps).all()
     assert _max_err(tight.out, out64) <= 2e-5
 
@@ -329,29 +336,56 @@ def test_gpu_large(dtype, D):
 
 
 _SM90_BUILD = """
+import sys
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import triton
-from sparse_attn.kernels.entmax_attn_fwd import _entmax_attn_fwd_kernel as kernel
-pointers = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "Out": "*bf16", "Bias": "*fp32", "Alpha": "*fp32",
-            "Tau": "*fp32", "Lsum": "*fp32", "Nnz": "*i32", "NValid": "*i32", "Live": "*i32",
-            "NSweeps": "*i32", "CuSeqQ": "*i32", "CuSeqK": "*i32"}
-floats = {"scale", "tol", "dropout_p", "inv_keep"}
-const = dict(HEAD_DIM=80, HEAD_DIM_PAD=128, BLOCK_M=64, BLOCK_N=64, IS_CAUSAL=True, HAS_BIAS=True,
-             IS_VARLEN=True, HAS_DROPOUT=True, INTERPRET=False, DOT_PRECISION="tf32")
+import sparse_attn.kernels.entmax_attn_fwd as fwd
+import sparse_attn.kernels.entmax_attn_bwd as bwd
+which = sys.argv[1]
+lowp = {"Q", "K", "V", "Out", "DO", "OUT", "DQ", "DK", "DV"}
+ints = {"Nnz", "NValid", "Live", "NSweeps", "CuSeqQ", "CuSeqK", "LIVE", "CU_Q", "CU_K"}
+floats = {"scale", "tol", "dropout_p", "inv_keep", "p_drop"}
+flags = dict(IS_CAUSAL=True, HAS_BIAS=True, IS_VARLEN=True, HAS_DROPOUT=True, DOT_PRECISION="tf32")
+if which == "fwd":
+    kernel = fwd._entmax_attn_fwd_kernel
+    const = dict(HEAD_DIM=80, HEAD_DIM_PAD=128, BLOCK_M=64, BLOCK_N=64, INTERPRET=False, **flags)
+    options = {"num_warps": 8}
+else:
+    kernel = getattr(bwd, "_entmax_attn_bwd_%s_kernel" % which)
+    const = dict(HEAD_DIM=80, BLOCK_D=128, BLOCK_M=64, BLOCK_N=64, HAS_LIVE=True, UPCAST=False, **flags)
+    if which == "dq":
+        const.update(NEED_DALPHA=True, NEED_DBIAS=True)
+    options = {"num_warps": 8, "num_stages": 1}
 names = kernel.arg_names
-signature = {n: pointers.get(n) or ("fp32" if n in floats else "constexpr" if n in const else "i32") for n in names}
-src = ASTSource(fn=kernel, signature=signature, constexprs={(names.index(n),): v for n, v in const.items()})
-compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+const = {n: v for n, v in const.items() if n in names}
+
+
+def sig(n):
+    if n in const:
+        return "constexpr"
+    if n in floats:
+        return "fp32"
+    if n[0].isupper():
+        return "*bf16" if n in lowp else "*i32" if n in ints else "*fp32"
+    return "i32"
+
+
+src = ASTSource(fn=kernel, signature={n: sig(n) for n in names},
+                constexprs={(names.index(n),): v for n, v in const.items()})
+compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 assert compiled.asm["cubin"]
 print("built")
 """
 
 
-def test_compiles_for_sm90():
-    """The GPU build, which the interpreter never exercises, compiles (every alpha path, all features on)."""
+@pytest.mark.parametrize("which", ["fwd", "dq", "dkdv"])
+def test_compiles_for_sm90(which):
+    """The GPU build of the forward and both backward kernels, which the interpreter never exercises,
+    compiles for sm_90 (bf16, head dim 80, every alpha path and feature flag on)."""
     env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
-    proc = subprocess.run([sys.executable, "-c", _SM90_BUILD], env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-c", _SM90_BUILD, which], env=env, capture_output=True, text=True,
+                          timeout=600)
     if "ptxas" in proc.stderr and "not found" in proc.stderr:
         pytest.skip("no ptxas in this triton install")
     assert proc.returncode == 0 and "built" in proc.stdout, proc.stderr[-3000:]
