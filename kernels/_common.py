@@ -14,6 +14,9 @@ import triton.language as tl
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
+# CUDA caps launch-grid axes 1 and 2 at 65535 programs; the attention grids are
+# (tiles, heads, batch entries or sequences), so heads and batch are each limited to this.
+MAX_GRID_YZ = 65535
 
 
 def interpreting() -> bool:

@@ -9,11 +9,13 @@ conventions and ``docs/backward.md`` for the derivation. With ``U = p^(2-alpha)`
 
 Two kernels, no atomics, so every gradient is bitwise reproducible:
 
-* ``_entmax_attn_bwd_dq_kernel``, one program per (query tile, batch, q head): sweep 1 over the
+* ``_entmax_attn_bwd_dq_kernel``, one program per (query tile, q head, batch): sweep 1 over the
   live key tiles accumulates the row sums (``delta`` and the d alpha terms; skipped for
   alpha = 1 heads without d alpha, where ``delta = dO . O``), sweep 2 accumulates dQ and writes dS.
-* ``_entmax_attn_bwd_dkdv_kernel``, one program per (key tile, batch, kv head): loops over the q
+* ``_entmax_attn_bwd_dkdv_kernel``, one program per (key tile, kv head, batch): loops over the q
   heads of its group and their live query tiles, so dK/dV of GQA are summed in a fixed order.
+* ``_entmax_attn_bwd_dbias_kernel`` (only for a mask broadcast over batch/heads but not over
+  queries or keys): one program per mask block sums dS over the broadcast (batch, head) pairs.
 
 Alpha is read per head at run time: alpha = 1 uses ``exp2``, alpha = 1.5 and alpha = 2 use
 no transcendental function per score, other values one ``log2`` and one ``exp2``.
@@ -25,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import LN2, LOG2E, dropout_keep, expm1mx_series, interpreting, log2_1p, seq_bounds
+from ._common import LN2, LOG2E, MAX_GRID_YZ, dropout_keep, expm1mx_series, interpreting, log2_1p, seq_bounds
 
 _DEFAULT_BLOCK = 64
 
@@ -168,7 +170,7 @@ def _row_sums(
 @triton.jit
 def _entmax_attn_bwd_dq_kernel(
     Q, K, V, DO, OUT, TAU, LSUM, ALPHA, BIAS, LIVE, CU_Q, CU_K,
-    DQ, DELTA, NORM, DALPHA, DBIAS,
+    DQ, DELTA, NORM, DALPHA, DBIAS, DBIAS_ROWS,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -179,14 +181,13 @@ def _entmax_attn_bwd_dq_kernel(
     stride_live_b, stride_live_h, stride_live_m,
     n_heads, kv_group, n_q, n_k, scale, p_drop, seed,
     IS_CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LIVE: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, NEED_DALPHA: tl.constexpr, NEED_DBIAS: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, NEED_DALPHA: tl.constexpr, NEED_DBIAS: tl.constexpr, NEED_DBIAS_ROWS: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    seq = pid_bh // n_heads
-    h = pid_bh % n_heads
+    h = tl.program_id(1)
+    seq = tl.program_id(2)
     hk = h // kv_group
     b, q_start, Lq, k_start, Lk = seq_bounds(CU_Q, CU_K, seq, n_q, n_k, IS_VARLEN)
     if pid_m * BLOCK_M >= Lq:
@@ -245,6 +246,7 @@ def _entmax_attn_bwd_dq_kernel(
     s_g = tl.zeros([BLOCK_M], dtype=tl.float32)
     s_gd = tl.zeros([BLOCK_M], dtype=tl.float32)
     s_pld = tl.zeros([BLOCK_M], dtype=tl.float32)
+    s_ds = tl.zeros([BLOCK_M], dtype=tl.float32)
     dbias_base = DBIAS + bh.to(tl.int64) * n_q * n_k
     for kt in range(0, n_kt):
         live = 1
@@ -266,6 +268,8 @@ def _entmax_attn_bwd_dq_kernel(
             if NEED_DBIAS:
                 tl.store(dbias_base + rows64[:, None] * n_k + cols[None, :].to(tl.int64), ds,
                          mask=row_ok[:, None] & col_ok[None, :])
+            if NEED_DBIAS_ROWS:
+                s_ds += tl.sum(ds, 1)
             if NEED_DALPHA:
                 plogp, pg = _dalpha_terms(p, u, alpha)
                 s_u += tl.sum(u, 1)
@@ -276,6 +280,8 @@ def _entmax_attn_bwd_dq_kernel(
                 s_pld += tl.sum(plogp * dp, 1)
     dq_ptrs = DQ + b64 * stride_dqb + h64 * stride_dqh + rows64[:, None] * stride_dqm + offs_d[None, :] * stride_dqd
     tl.store(dq_ptrs, (dq * scale).to(DQ.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    if NEED_DBIAS_ROWS:
+        tl.store(DBIAS_ROWS + stat_off, s_ds, mask=row_ok)
     if NEED_DALPHA:
         # sum_j dP_j dp_j/dalpha written with the row sums (docs/backward.md): no 1/(alpha-1) blow-up
         has_u = s_u > 0.0
@@ -287,7 +293,7 @@ def _entmax_attn_bwd_dq_kernel(
 @triton.jit
 def _entmax_attn_bwd_dkdv_kernel(
     Q, K, V, DO, TAU, NORM, DELTA, ALPHA, BIAS, LIVE, CU_Q, CU_K,
-    DK, DV,
+    DK, DV, DBIAS_COLS,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -298,14 +304,13 @@ def _entmax_attn_bwd_dkdv_kernel(
     stride_live_b, stride_live_h, stride_live_m,
     n_heads, n_kv_heads, kv_group, n_q, n_k, scale, p_drop, seed,
     IS_CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LIVE: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, NEED_DBIAS_COLS: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    seq = pid_bh // n_kv_heads
-    hk = pid_bh % n_kv_heads
+    hk = tl.program_id(1)
+    seq = tl.program_id(2)
     b, q_start, Lq, k_start, Lk = seq_bounds(CU_Q, CU_K, seq, n_q, n_k, IS_VARLEN)
     if pid_n * BLOCK_N >= Lk:
         return
@@ -338,6 +343,7 @@ def _entmax_attn_bwd_dkdv_kernel(
         DO_base = DO + b64 * stride_dob + h64 * stride_doh
         bias_base = BIAS + b64 * stride_bias_b + h64 * stride_bias_h
         live_head = LIVE + seq.to(tl.int64) * stride_live_b + h64 * stride_live_h + word
+        col_ds = tl.zeros([BLOCK_N], dtype=tl.float32)
         for mt in range(mt_lo, n_mt):
             live = 1
             if HAS_LIVE:
@@ -361,10 +367,132 @@ def _entmax_attn_bwd_dkdv_kernel(
                 ds = u * (dp - delta[:, None])
                 dv += tl.dot(tl.trans(pd).to(do.dtype), do, input_precision=DOT_PRECISION)
                 dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=DOT_PRECISION)
+                if NEED_DBIAS_COLS:
+                    col_ds += tl.sum(ds, 0)
+        if NEED_DBIAS_COLS:
+            tl.store(DBIAS_COLS + bh.to(tl.int64) * n_k + cols64, col_ds, mask=col_ok)
     dk_ptrs = DK + b64 * stride_dkb + hk64 * stride_dkh + cols64[:, None] * stride_dkn + offs_d[None, :] * stride_dkd
     dv_ptrs = DV + b64 * stride_dvb + hk64 * stride_dvh + cols64[:, None] * stride_dvn + offs_d[None, :] * stride_dvd
     tl.store(dk_ptrs, (dk * scale).to(DK.dtype.element_ty), mask=kv_mask)
     tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit
+def _entmax_attn_bwd_dbias_kernel(
+    Q, K, V, DO, TAU, NORM, DELTA, ALPHA, BIAS, LIVE, CU_Q, CU_K, DBIAS,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n,
+    stride_live_b, stride_live_h, stride_live_m,
+    stride_db_b, stride_db_h,
+    n_heads, kv_group, n_q, n_k, scale, p_drop, seed, n_b_loop, n_h_loop,
+    IS_CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LIVE: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """d bias for a mask broadcast over batch and/or heads but not over queries or keys.
+
+    One program per (query tile, mask head, mask batch entry or sequence) owns its ``(Nq, Nk)``
+    block of ``DBIAS`` (zero-initialized) and adds ``dS`` of every (batch, head) the mask is
+    broadcast over, in a fixed order: no atomics. With ``n_b_loop`` / ``n_h_loop`` > 1 the grid
+    axis 2 / 1 has one program and ``b`` / ``h`` run over ``range(n_b_loop)`` / ``range(n_h_loop)``.
+    """
+    pid_m = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    pid_b = tl.program_id(2)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    db_base = DBIAS + pid_b.to(tl.int64) * stride_db_b + pid_h.to(tl.int64) * stride_db_h
+    for bi in range(0, n_b_loop):
+        seq = pid_b + bi
+        b, q_start, Lq, k_start, Lk = seq_bounds(CU_Q, CU_K, seq, n_q, n_k, IS_VARLEN)
+        b64 = b.to(tl.int64)
+        rows_loc = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rows = q_start + rows_loc
+        row_ok = rows_loc < Lq
+        rows64 = rows.to(tl.int64)
+        causal_shift = Lk - Lq
+        k_hi = Lk
+        if IS_CAUSAL:
+            k_hi = tl.minimum(Lk, (pid_m + 1) * BLOCK_M + causal_shift)
+        n_kt = tl.where(pid_m * BLOCK_M < Lq, tl.cdiv(tl.maximum(k_hi, 0), BLOCK_N), 0)
+        for hj in range(0, n_h_loop):
+            h = pid_h + hj
+            h64 = h.to(tl.int64)
+            hk = h // kv_group
+            bh = b * n_heads + h
+            alpha = tl.load(ALPHA + h)
+            q = _load_rows(Q + b64 * stride_qb + h64 * stride_qh, rows, offs_d, stride_qm, stride_qd, row_ok, d_ok,
+                           UPCAST)
+            do = _load_rows(DO + b64 * stride_dob + h64 * stride_doh, rows, offs_d, stride_dom, stride_dod, row_ok,
+                            d_ok, UPCAST)
+            stat_off = bh.to(tl.int64) * n_q + rows64
+            tau = tl.load(TAU + stat_off, mask=row_ok, other=float("inf"))
+            norm = tl.load(NORM + stat_off, mask=row_ok, other=0.0)
+            delta = tl.load(DELTA + stat_off, mask=row_ok, other=0.0)
+            cu, cp = _row_factors(alpha, norm)
+            K_base = K + b64 * stride_kb + hk.to(tl.int64) * stride_kh
+            V_base = V + b64 * stride_vb + hk.to(tl.int64) * stride_vh
+            bias_base = BIAS + b64 * stride_bias_b + h64 * stride_bias_h
+            live_row = LIVE + seq.to(tl.int64) * stride_live_b + h64 * stride_live_h + pid_m.to(tl.int64) * stride_live_m
+            for kt in range(0, n_kt):
+                live = 1
+                if HAS_LIVE:
+                    live = _live_bit(live_row, kt)
+                if live != 0:
+                    cols_loc = kt * BLOCK_N + tl.arange(0, BLOCK_N)
+                    cols = k_start + cols_loc
+                    col_ok = cols_loc < Lk
+                    k = _load_rows(K_base, cols, offs_d, stride_kn, stride_kd, col_ok, d_ok, UPCAST)
+                    v = _load_rows(V_base, cols, offs_d, stride_vn, stride_vd, col_ok, d_ok, UPCAST)
+                    p, u, dp, pd = _tile(
+                        q, do, k, v, tau, cu, cp, alpha, scale, bias_base, stride_bias_m, stride_bias_n,
+                        rows, cols, rows_loc, cols_loc, row_ok, col_ok, causal_shift, seed, bh, n_k, p_drop,
+                        IS_CAUSAL, HAS_BIAS, HAS_DROPOUT, DOT_PRECISION,
+                    )
+                    ds = u * (dp - delta[:, None])
+                    ptrs = db_base + rows64[:, None] * n_k + cols[None, :].to(tl.int64)
+                    ok = row_ok[:, None] & col_ok[None, :]
+                    tl.store(ptrs, tl.load(ptrs, mask=ok, other=0.0) + ds, mask=ok)
+
+
+def _shape4(bias):
+    """The mask's shape left-padded with ones to 4 dims."""
+    return (1,) * (4 - bias.ndim) + tuple(bias.shape)
+
+
+def _dbias_mode(bias, full):
+    """How the bias gradient is accumulated without a ``(B, Hq, Nq, Nk)`` buffer unless the mask has that size.
+
+    ``"rows"``: mask broadcast along keys, per-row sums of dS from the dQ kernel (``(B, Hq, Nq)``);
+    ``"cols"``: broadcast along queries, per-key sums from the dK/dV kernel (``(B, Hq, Nk)``);
+    ``"dense"``: a full ``(B, Hq, Nq, Nk)`` mask (or none), dS written by the dQ kernel;
+    ``"blocks"``: broadcast over batch and/or heads only, the dbias kernel sums into the mask's shape.
+    """
+    if bias is None:
+        return "dense"
+    shape4 = _shape4(bias)
+    if shape4[3] == 1:
+        return "rows"
+    if shape4[2] == 1:
+        return "cols"
+    if shape4[0] == full[0] and shape4[1] == full[1]:
+        return "dense"
+    return "blocks"
+
+
+def _sum_to_mask(grad, bias):
+    """Sum a 4-d gradient over the dims the mask broadcasts along; shaped like ``bias`` (or 4-d if None)."""
+    if bias is None:
+        return grad
+    shape4 = _shape4(bias)
+    dims = [d for d in range(4) if shape4[d] == 1 and grad.shape[d] != 1]
+    if dims:
+        grad = grad.sum(dim=dims, keepdim=True)
+    return grad.reshape(bias.shape)
 
 
 def _check_tensor(name, t, ndim, dtypes):
@@ -412,7 +540,15 @@ def entmax_attn_bwd(
     Returns:
         ``(dq, dk, dv, dalpha, dbias)``: ``dq`` like ``q``, ``dk``/``dv`` like ``k``/``v``
         (summed over the q heads of each kv group), ``dalpha`` float32 ``(Hq,)`` summed over
-        batch and rows or None, ``dbias`` float32 ``(B, Hq, Nq, Nk)`` (``= dS``) or None.
+        batch and rows or None, ``dbias`` float32 in the shape of ``bias`` (``dS`` summed over the
+        dims ``bias`` broadcasts along; ``(B, Hq, Nq, Nk)`` when ``bias`` is None) or None. Extra
+        memory for it is O(B Hq (Nq + Nk)) plus the mask's own size: key- or query-broadcast masks
+        use per-row / per-key sums from the two kernels, masks broadcast only over batch/heads
+        ``_entmax_attn_bwd_dbias_kernel``.
+
+    Raises:
+        ValueError: more than 65535 heads or batch entries (sequences): the launch grids are
+        ``(tiles, heads, batch or sequences)`` and CUDA caps grid axes 1 and 2 at 65535.
     """
     float_types = (torch.float16, torch.bfloat16, torch.float32)
     _check_tensor("q", q, 4, float_types)
@@ -446,7 +582,8 @@ def entmax_attn_bwd(
 
     if B * Hq * Nq == 0 or Nk == 0:
         dalpha = torch.zeros(Hq, dtype=torch.float32, device=q.device) if need_dalpha else None
-        dbias = torch.zeros((B, Hq, Nq, Nk), dtype=torch.float32, device=q.device) if need_dbias else None
+        dbias_shape = (B, Hq, Nq, Nk) if bias is None else bias.shape
+        dbias = torch.zeros(dbias_shape, dtype=torch.float32, device=q.device) if need_dbias else None
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), dalpha, dbias
 
     is_varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
@@ -478,6 +615,9 @@ def entmax_attn_bwd(
         if val < 16 or val & (val - 1):
             raise ValueError(f"{name}: expected a power of two >= 16, got {val}")
     n_qt = triton.cdiv(max(max_seqlen_q, 1), block_m)
+    if Hq > MAX_GRID_YZ or n_seq > MAX_GRID_YZ:
+        raise ValueError(f"q: expected at most {MAX_GRID_YZ} heads and {MAX_GRID_YZ} batch entries (sequences), "
+                         f"got {Hq} heads and {n_seq}")
     n_words = triton.cdiv(triton.cdiv(max(max_seqlen_k, 1), block_n), 32)
     if live is not None:
         _check_tensor("live", live, 4, (torch.int32,))
@@ -513,7 +653,11 @@ def entmax_attn_bwd(
     delta = torch.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)
     norm = torch.empty_like(delta)
     dalpha_rows = torch.zeros((B, Hq, Nq), dtype=torch.float32, device=q.device) if need_dalpha else delta
-    dbias = torch.zeros((B, Hq, Nq, Nk), dtype=torch.float32, device=q.device) if need_dbias else delta
+    dbias_mode = _dbias_mode(bias, (B, Hq, Nq, Nk)) if need_dbias else None
+    zeros32 = dict(dtype=torch.float32, device=q.device)
+    dbias = torch.zeros((B, Hq, Nq, Nk), **zeros32) if dbias_mode == "dense" else delta
+    dbias_rows = torch.zeros((B, Hq, Nq), **zeros32) if dbias_mode == "rows" else delta
+    dbias_cols = torch.zeros((B, Hq, Nk), **zeros32) if dbias_mode == "cols" else delta
     common = dict(
         IS_CAUSAL=bool(is_causal), IS_VARLEN=is_varlen, HAS_BIAS=bias is not None, HAS_LIVE=live is not None,
         HAS_DROPOUT=float(dropout_p) > 0.0, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
@@ -521,22 +665,37 @@ def entmax_attn_bwd(
     )
     live_strides = live_t.stride()[:3] if live is not None else (0, 0, 0)
     seed = int(seed) & 0x7FFFFFFF
-    _entmax_attn_bwd_dq_kernel[(n_qt, n_seq * Hq)](
+    _entmax_attn_bwd_dq_kernel[(n_qt, Hq, n_seq)](
         q, k, v, do, out, tau, lsum, alpha, bias_t, live_t, cu_q, cu_k,
-        dq, delta, norm, dalpha_rows, dbias,
+        dq, delta, norm, dalpha_rows, dbias, dbias_rows,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *out.stride(), *dq.stride(),
         *bias_strides, *live_strides,
         Hq, Hq // Hk, Nq, Nk, float(scale), float(dropout_p), seed,
-        NEED_DALPHA=bool(need_dalpha), NEED_DBIAS=bool(need_dbias), **common,
+        NEED_DALPHA=bool(need_dalpha), NEED_DBIAS=dbias_mode == "dense", NEED_DBIAS_ROWS=dbias_mode == "rows",
+        **common,
     )
     n_kt = triton.cdiv(max(max_seqlen_k, 1), block_n)
-    _entmax_attn_bwd_dkdv_kernel[(n_kt, n_seq * Hk)](
+    _entmax_attn_bwd_dkdv_kernel[(n_kt, Hk, n_seq)](
         q, k, v, do, tau, norm, delta, alpha, bias_t, live_t, cu_q, cu_k,
-        dk, dv,
+        dk, dv, dbias_cols,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
         *bias_strides, *live_strides,
         Hq, Hk, Hq // Hk, Nq, Nk, float(scale), float(dropout_p), seed,
-        **common,
+        NEED_DBIAS_COLS=dbias_mode == "cols", **common,
     )
+    if dbias_mode == "blocks":
+        shape4 = _shape4(bias)
+        dbias = torch.zeros(shape4, **zeros32)
+        full_b, full_h = shape4[0] != 1 or is_varlen, shape4[1] != 1
+        _entmax_attn_bwd_dbias_kernel[(n_qt, Hq if full_h else 1, n_seq if full_b else 1)](
+            q, k, v, do, tau, norm, delta, alpha, bias_t, live_t, cu_q, cu_k, dbias,
+            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *bias_strides, *live_strides,
+            0 if is_varlen else dbias.stride(0), dbias.stride(1),
+            Hq, Hq // Hk, Nq, Nk, float(scale), float(dropout_p), seed, 1 if full_b else n_seq, 1 if full_h else Hq,
+            **common,
+        )
     dalpha = dalpha_rows.double().sum(dim=(0, 2)).float() if need_dalpha else None
-    return dq, dk, dv, dalpha, (dbias if need_dbias else None)
+    if dbias_mode is not None:
+        dbias = {"rows": dbias_rows[..., None], "cols": dbias_cols[:, :, None]}.get(dbias_mode, dbias)
+        dbias = _sum_to_mask(dbias, bias)
+    return dq, dk, dv, dalpha, dbias

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import LN2, LOG2E, dropout_keep, interpreting, log2_1p, seq_bounds
+from ._common import LN2, LOG2E, MAX_GRID_YZ, dropout_keep, interpreting, log2_1p, seq_bounds
 
 DEFAULT_TOL = 1e-3
 DEFAULT_MAX_SWEEPS = 32
@@ -459,6 +459,9 @@ def entmax_attn_fwd(
         grid_b = batch
     if head_dim < 16 or head_dim > 256:
         raise ValueError(f"q: head dim must be in [16, 256], got {head_dim}")
+    if n_heads > MAX_GRID_YZ or grid_b > MAX_GRID_YZ:
+        raise ValueError(f"q: expected at most {MAX_GRID_YZ} heads and {MAX_GRID_YZ} batch entries (sequences), "
+                         f"got {n_heads} heads and {grid_b}")
     interpret = interpreting()
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
     bm, bn, num_warps, num_stages = _pick_config(head_dim, interpret)

@@ -28,6 +28,8 @@ def _fwd_op(
     cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None, scale: float, is_causal: bool,
     max_seqlen_q: int, max_seqlen_k: int, dropout_p: float, seed: int,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    if bias is not None:
+        bias = bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
     res = entmax_attn_fwd(
         q, k, v, alpha, scale, bias=bias, is_causal=is_causal, cu_seqlens_q=cu_seqlens_q,
         cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
@@ -75,7 +77,7 @@ def _bwd_op(
 @_bwd_op.register_fake
 def _bwd_fake(do, q, k, v, out, tau, lsum, alpha, bias, cu_seqlens_q, cu_seqlens_k, live, scale, is_causal,
               max_seqlen_q, max_seqlen_k, dropout_p, seed, need_dalpha, need_dbias):
-    dbias_shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2]) if need_dbias else (0,)
+    dbias_shape = bias.shape if need_dbias else (0,)
     return (
         torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
         alpha.new_empty((alpha.shape[0],) if need_dalpha else (0,)),
@@ -132,7 +134,6 @@ def fused_entmax_attention(q, k, v, alpha, *, attn_mask, is_causal, scale, dropo
             bias = torch.zeros(attn_mask.shape, dtype=torch.float32, device=q.device).masked_fill(~attn_mask, float("-inf"))
         else:
             bias = attn_mask
-        bias = bias.expand(q.shape[0], n_heads, q.shape[2], k.shape[2])
     if cu_seqlens_q is not None:
         cu_seqlens_q = cu_seqlens_q.to(torch.int32)
         cu_seqlens_k = cu_seqlens_k.to(torch.int32)

@@ -310,3 +310,30 @@ def test_learnable_alpha_training_loop_on_fused_path(kernel_device):
         losses.append(loss.item())
     assert losses[-1] < 0.1 * losses[0]
     assert alpha[0].item() < 1.35 and alpha[1].item() > 1.7
+
+
+def test_grid_limits_raise_value_error():
+    """Heads and batch are launch-grid axes 1 and 2 (CUDA caps each at 65535): more must fail clearly."""
+    q = torch.zeros(1, 65536, 1, 16)
+    stats = torch.zeros(1, 65536, 1)
+    with pytest.raises(ValueError, match="65535 heads"):
+        entmax_attn_bwd(q, q, q, q, q, stats, stats, 1.5, 1.0)
+
+
+@pytest.mark.gpu
+def test_gpu_batch_times_heads_beyond_65535():
+    """B * H = 65536 programs per tile index: the (tiles, heads, batch) grid launches them all."""
+    case = Case(device="cuda", B=1024, Hq=64, Hk=64, Nq=16, Nk=16, D=16, alpha=1.5)
+    case.check(case.run_after_forward())
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 55, 50), (1, 2, 1, 50), (1, 1, 55, 1)])
+def test_varlen_broadcast_mask_dbias(shape, kernel_device):
+    """Varlen with masks broadcast over heads, queries or keys: d bias in the mask's own shape."""
+    mask = torch.randn(*shape, generator=torch.Generator().manual_seed(4))
+    case = Case(device=kernel_device, Hq=2, Hk=1, alpha=[1.5, 1.0], cu_q=[0, 5, 5, 38, 55], cu_k=[0, 7, 10, 50, 50],
+                causal=True, mask=mask, mask_grad=True)
+    res = case.run(block_m=16, block_n=16, need_dbias=True)
+    assert res[4].shape == shape
+    names = ("dq", "dk", "dv", "dalpha") + (("dbias",) if shape[-1] > 1 else ())
+    case.check(res, names=names)

@@ -254,3 +254,62 @@ def test_gpu_public_autograd_low_precision(dtype):
         err = (g.double() - e).abs().max().item()
         err_ref = (r.double() - e).abs().max().item()
         assert err <= 2 * err_ref + LOWP_EPS[dtype] * scale, f"{name}: {err:.3e} vs reference {err_ref:.3e}"
+
+
+MASK_SHAPES = {"key_bias": (2, 1, 1, 26), "shared_2d": (1, 1, 21, 26), "full": (2, 2, 21, 26), "head_key": (1, 2, 1, 26),
+               "row_bias": (2, 2, 21, 1)}
+
+
+@pytest.mark.parametrize("name", list(MASK_SHAPES))
+def test_fused_mask_gradient_for_broadcast_masks(name, kernel_device, monkeypatch):
+    """d mask for masks broadcast along batch, heads, queries or keys matches float64 autograd, and the
+    backward never allocates a (B, H, Nq, Nk) buffer for a mask smaller than that."""
+    import sparse_attn.kernels.entmax_attn_bwd as bwd_mod
+
+    shape = MASK_SHAPES[name]
+    gen = torch.Generator().manual_seed(20)
+    q, k, v = _leaves([(2, 2, 21, 16), (2, 2, 26, 16), (2, 2, 26, 16)], gen, kernel_device)
+    mask = (0.7 * torch.randn(*shape, generator=gen)).to(kernel_device)
+    with torch.no_grad():
+        mask.view(-1)[::7] = float("-inf")
+    mask.requires_grad_()
+    alpha = torch.tensor([1.5, 1.0], device=kernel_device, requires_grad=True)
+    sizes = []
+    real_zeros = torch.zeros
+
+    def zeros(*args, **kw):
+        t = real_zeros(*args, **kw)
+        sizes.append(t.numel())
+        return t
+
+    monkeypatch.setattr(bwd_mod.torch, "zeros", zeros)
+    out, out64, grads, grads64 = _run_both(q, k, v, alpha, mask=mask, is_causal=True)
+    monkeypatch.undo()
+    full = 2 * 2 * 21 * 26
+    assert max(sizes) <= max(2 * 2 * 26, mask.numel()) < full or name == "full"
+    _close(out, out64, REL_TOL["out"], "out")
+    assert grads[-1].shape == mask.shape
+    for g, g64, gname in zip(grads, grads64, ["dq", "dk", "dv", "dalpha", "dmask"]):
+        assert torch.isfinite(g).all(), gname
+        if name == "row_bias" and gname == "dmask":
+            # entmax is invariant to a per-row shift: the exact gradient is 0, the kernel's is rounding
+            assert g.abs().max() <= REL_TOL["grad"] * grads64[0].abs().max(), gname
+            continue
+        _close(g, g64, REL_TOL["dalpha" if gname == "dalpha" else "grad"], gname)
+
+
+def test_backward_op_returns_mask_shaped_gradient(kernel_device):
+    """The custom op's d bias already has the mask's (unexpanded) shape, in eager and in its fake impl."""
+    gen = torch.Generator().manual_seed(21)
+    q, k, v = (t.detach() for t in _leaves([(2, 2, 17, 16)] * 3, gen, kernel_device))
+    mask = torch.randn(2, 1, 1, 17, generator=gen).to(kernel_device)
+    alpha = torch.tensor([1.5, 2.0], device=kernel_device)
+    out, tau, lsum, _, _, live, _ = _fwd_op(q, k, v, alpha, mask, None, None, 0.25, False, 17, 17, 0.0, 0)
+    args = (out, q, k, v, out, tau, lsum, alpha, mask, None, None, live, 0.25, False, 17, 17, 0.0, 0, False, True)
+    dbias = torch.ops.sparse_attn.entmax_attn_bwd(*args)[4]
+    assert dbias.shape == mask.shape
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake_args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+        assert torch.ops.sparse_attn.entmax_attn_bwd(*fake_args)[4].shape == mask.shape
