@@ -353,9 +353,8 @@ if which == "fwd":
     options = {"num_warps": 8}
 else:
     kernel = getattr(bwd, "_entmax_attn_bwd_%s_kernel" % which)
-    const = dict(HEAD_DIM=80, BLOCK_D=128, BLOCK_M=64, BLOCK_N=64, HAS_LIVE=True, UPCAST=False, **flags)
-    if which == "dq":
-        const.update(NEED_DALPHA=True, NEED_DBIAS=True)
+    const = dict(HEAD_DIM=80, BLOCK_D=128, BLOCK_M=64, BLOCK_N=64, HAS_LIVE=True, UPCAST=False,
+                 NEED_DALPHA=True, NEED_DBIAS=True, NEED_DBIAS_ROWS=True, NEED_DBIAS_COLS=True, **flags)
     options = {"num_warps": 8, "num_stages": 1}
 names = kernel.arg_names
 const = {n: v for n, v in const.items() if n in names}
@@ -379,9 +378,9 @@ print("built")
 """
 
 
-@pytest.mark.parametrize("which", ["fwd", "dq", "dkdv"])
+@pytest.mark.parametrize("which", ["fwd", "dq", "dkdv", "dbias"])
 def test_compiles_for_sm90(which):
-    """The GPU build of the forward and both backward kernels, which the interpreter never exercises,
+    """The GPU build of the forward and the backward kernels, which the interpreter never exercises,
     compiles for sm_90 (bf16, head dim 80, every alpha path and feature flag on)."""
     env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
     proc = subprocess.run([sys.executable, "-c", _SM90_BUILD, which], env=env, capture_output=True, text=True,
