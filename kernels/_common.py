@@ -29,10 +29,13 @@ def dropout_keep(seed, bh, rows, cols, n_cols, p_drop):
     """Keep-mask ``[len(rows), len(cols)]`` for one (batch, head): True where the weight survives.
 
     ``seed`` is a 31-bit int, ``bh`` the flat batch-head index, ``rows``/``cols`` global
-    row/column indices, ``n_cols`` the row length used to linearize the offset.
+    row/column indices, ``n_cols`` the row length used to linearize the offset. The offset
+    ``row * n_cols + col`` is int64 (``tl.rand`` feeds its high 32 bits to the Philox counter), so
+    streams do not wrap and repeat once ``total_q * total_k >= 2**31``; below that the mask is
+    the one an int32 offset gave.
     """
     key = (seed + bh * 40503) & 0x7FFFFFFF
-    offs = rows[:, None] * n_cols + cols[None, :]
+    offs = rows[:, None].to(tl.int64) * n_cols + cols[None, :].to(tl.int64)
     return tl.rand(key, offs) >= p_drop
 
 

@@ -12,9 +12,11 @@ import sys
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import sparse_attn.kernels.entmax_attn_fwd as fwd_mod
-from sparse_attn.kernels._common import dropout_keep_mask
+from sparse_attn.kernels._common import dropout_keep, dropout_keep_mask
 from sparse_attn.kernels.entmax_attn_fwd import DEFAULT_MAX_SWEEPS, entmax_attn_fwd
 from sparse_attn.reference import entmax_attention_reference
 
@@ -388,3 +390,25 @@ def test_compiles_for_sm90(which):
     if "ptxas" in proc.stderr and "not found" in proc.stderr:
         pytest.skip("no ptxas in this triton install")
     assert proc.returncode == 0 and "built" in proc.stdout, proc.stderr[-3000:]
+
+
+@triton.jit
+def _two_row_keep_kernel(Out, seed, row_a, row_b, n_cols, p_drop, BLOCK_N: tl.constexpr):
+    cols = tl.arange(0, BLOCK_N)
+    rows = tl.where(tl.arange(0, 2) == 0, row_a, row_b)
+    keep = dropout_keep(seed, 0, rows, cols, n_cols, p_drop)
+    tl.store(Out + tl.arange(0, 2)[:, None] * BLOCK_N + cols[None, :], keep.to(tl.int8))
+
+
+def test_dropout_streams_do_not_wrap_past_2_pow_31(kernel_device):
+    """Rows 0 and 2**12 with 2**20 keys per row are 2**32 offsets apart: an int32 offset wraps to the
+    same stream and repeats the keep-mask; the int64 offset gives independent masks."""
+    out = torch.empty(2, 256, dtype=torch.int8, device=kernel_device)
+    _two_row_keep_kernel[(1,)](out, 99, 0, 2**12, 2**20, 0.5, BLOCK_N=256)
+    a, b = out.bool().cpu()
+    assert not torch.equal(a, b)
+    assert 0.3 < a.float().mean() < 0.7 and 0.3 < b.float().mean() < 0.7
+    small = torch.empty(2, 256, dtype=torch.int8, device=kernel_device)
+    _two_row_keep_kernel[(1,)](small, 99, 0, 3, 256, 0.5, BLOCK_N=256)
+    mask = dropout_keep_mask(99, 1, 4, 256, 0.5, kernel_device)[0]
+    assert torch.equal(small.bool(), mask[[0, 3]])
