@@ -459,6 +459,11 @@ def _entmax_attn_bwd_dbias_kernel(
                     tl.store(ptrs, tl.load(ptrs, mask=ok, other=0.0) + ds, mask=ok)
 
 
+def _new_grad(like: torch.Tensor) -> torch.Tensor:
+    """Allocate dq / dk / dv like ``like`` (the kernels overwrite every element; tests replace this to poison it)."""
+    return torch.empty_like(like)
+
+
 def _shape4(bias):
     """The mask's shape left-padded with ones to 4 dims."""
     return (1,) * (4 - bias.ndim) + tuple(bias.shape)
@@ -648,8 +653,10 @@ def entmax_attn_bwd(
     block_d = max(16, triton.next_power_of_2(D))
     num_warps = 4 if block_d <= 64 else 8
 
-    alloc = torch.zeros_like if is_varlen else torch.empty_like
-    dq, dk, dv = alloc(q), alloc(k), alloc(v)
+    dq, dk, dv = _new_grad(q), _new_grad(k), _new_grad(v)
+    if is_varlen:
+        for g in (dq, dk, dv):
+            g.zero_()
     delta = torch.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)
     norm = torch.empty_like(delta)
     dalpha_rows = torch.zeros((B, Hq, Nq), dtype=torch.float32, device=q.device) if need_dalpha else delta

@@ -13,6 +13,20 @@ from sparse_attn._attn_autograd import _fwd_op
 from sparse_attn.kernels._common import dropout_keep_mask
 from sparse_attn.reference import entmax_attention_reference
 
+@pytest.fixture(autouse=True)
+def poison_outputs(monkeypatch):
+    """Forward outputs and backward dq / dk / dv are allocated filled with NaN (ints: a sentinel), so
+    an element a kernel fails to write shows up as a mismatch."""
+    import sparse_attn.kernels.entmax_attn_bwd as bwd_mod
+    import sparse_attn.kernels.entmax_attn_fwd as fwd_mod
+
+    def poisoned(shape, dtype, device):
+        return torch.full(shape, float("nan") if dtype.is_floating_point else -12345, dtype=dtype, device=device)
+
+    monkeypatch.setattr(fwd_mod, "_new_output", poisoned)
+    monkeypatch.setattr(bwd_mod, "_new_grad", lambda like: torch.full_like(like, float("nan")))
+
+
 # Max abs error relative to the largest |float64 value| of the same tensor (fp32 kernels,
 # fp32 inputs): see the measured errors in test_attention_fwd.py / test_attention_bwd.py.
 REL_TOL = {"out": 2e-5, "grad": 5e-5, "dalpha": 5e-4}
@@ -313,3 +327,52 @@ def test_backward_op_returns_mask_shaped_gradient(kernel_device):
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         fake_args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
         assert torch.ops.sparse_attn.entmax_attn_bwd(*fake_args)[4].shape == mask.shape
+
+
+def test_backward_outputs_are_poisoned_then_fully_written(kernel_device):
+    """The poison fixture really reaches the backward: its hook hands out NaN, and the results have none."""
+    import sparse_attn.kernels.entmax_attn_bwd as bwd_mod
+
+    assert torch.isnan(bwd_mod._new_grad(torch.zeros(3))).all()
+    gen = torch.Generator().manual_seed(22)
+    q, k, v = _leaves([(1, 2, 37, 16), (1, 1, 45, 16), (1, 1, 45, 16)], gen, kernel_device)
+    out = entmax_attention(q, k, v, torch.tensor([1.5, 1.0], device=kernel_device), is_causal=True,
+                           enable_gqa=True, backend="triton")
+    for g in torch.autograd.grad(out.square().sum(), [q, k, v]):
+        assert torch.isfinite(g).all()
+
+
+@pytest.mark.parametrize("D,dtype", [(40, torch.float32), (80, torch.float16), (96, torch.float32)])
+def test_transposed_inputs_noncontiguous_grad_and_head_dims(D, dtype, kernel_device):
+    """(B, N, H, D) tensors viewed as (B, H, N, D), a non-contiguous output gradient, odd head dims; fp16 by
+    GUIDE §4: err <= 2 * err(float32 reference rounded to fp16) + eps, all against float64 autograd."""
+    gen = torch.Generator().manual_seed(23 + D)
+    B, Hq, Hk, Nq, Nk = 2, 2, 1, 19, 23
+    base = [torch.randn(B, n, h, D, generator=gen).to(dtype) for n, h in ((Nq, Hq), (Nk, Hk), (Nk, Hk))]
+    do = torch.randn(B, Nq, Hq, D, generator=gen).to(dtype).to(kernel_device).transpose(1, 2)
+    alpha = torch.tensor([1.25, 2.0], device=kernel_device, requires_grad=True)
+    assert not do.is_contiguous()
+
+    def run(dt, backend, device):
+        leaves = [t.to(device=device, dtype=dt).requires_grad_() for t in base]
+        a = alpha.detach().to(device=device, dtype=torch.float64 if dt == torch.float64 else torch.float32)
+        a.requires_grad_()
+        out = entmax_attention(*(t.transpose(1, 2) for t in leaves), a, is_causal=True, enable_gqa=True,
+                               backend=backend)
+        grads = torch.autograd.grad(out, leaves + [a], grad_outputs=do.to(device=device, dtype=out.dtype))
+        return [out] + [g.transpose(1, 2) if g.ndim == 4 else g for g in grads]
+
+    got = run(dtype, "triton", kernel_device)
+    exact = run(torch.float64, "reference", "cpu")
+    ref32 = run(torch.float32, "reference", "cpu")
+    for name, g, e, r in zip(["out", "dq", "dk", "dv", "dalpha"], got, exact, ref32):
+        assert torch.isfinite(g).all(), name
+        tol = REL_TOL["dalpha" if name == "dalpha" else "out" if name == "out" else "grad"]
+        if dtype == torch.float32:
+            _close(g.cpu(), e, tol, name)
+        else:
+            lowp = r if name == "dalpha" else r.to(dtype)
+            err = (g.cpu().double() - e).abs().max().item()
+            err_ref = (lowp.double() - e).abs().max().item()
+            bound = 2 * err_ref + 2e-3 * e.abs().max().item()
+            assert err <= bound, f"{name}: {err:.3e} > {bound:.3e}"
