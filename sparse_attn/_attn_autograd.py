@@ -14,6 +14,7 @@ from sparse_attn.kernels.entmax_attn_bwd import entmax_attn_bwd
 from sparse_attn.kernels.entmax_attn_fwd import entmax_attn_fwd, fwd_block_sizes
 from sparse_attn.reference import AttentionStats
 
+
 def _live_shape(q: Tensor, k: Tensor, cu_seqlens_q, max_seqlen_q: int, max_seqlen_k: int):
     block_m, block_n = fwd_block_sizes(q.shape[-1])
     n_seq = q.shape[0] if cu_seqlens_q is None else cu_seqlens_q.shape[0] - 1

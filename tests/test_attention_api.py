@@ -78,7 +78,7 @@ def test_reference_per_head_alpha_and_bottom_right_causal():
 
 def test_reference_varlen_equals_separate_calls():
     g = torch.Generator().manual_seed(3)
-    lens_q, lens_k = [3, 0, 5], [4, 2, 6]
+    lens_q = [3, 0, 5]
     cu_q = torch.tensor([0, 3, 3, 8], dtype=torch.int32)
     cu_k = torch.tensor([0, 4, 6, 12], dtype=torch.int32)
     q = torch.randn(1, 2, 8, 8, generator=g, dtype=torch.float64)

@@ -134,7 +134,7 @@ def _oracle(ent, q_in, k_in, v_in, alpha, keep):
     """float64 materialized forward of ent (batch_first inputs (N, L, E)) with the bisection entmax."""
     w = ent.in_proj_weight.chunk(3)
     b = ent.in_proj_bias.chunk(3)
-    n, l_q, s = q_in.shape[0], q_in.shape[1], k_in.shape[1]
+    n, l_q = q_in.shape[0], q_in.shape[1]
     split = lambda t: t.reshape(t.shape[0], t.shape[1], H, E // H).transpose(1, 2)  # noqa: E731
     q, k, v = (split(x @ wi.T + bi) for x, wi, bi in zip((q_in, k_in, v_in), w, b))
     scores = q @ k.transpose(-1, -2) / math.sqrt(E // H)
