@@ -220,7 +220,7 @@ def test_training_learnable_per_head_alpha_on_fused_path(kernel_device):
     raw_alpha = torch.zeros(heads, device=kernel_device, requires_grad=True)
     opt = torch.optim.Adam([pos_q, pos_k, raw_alpha], lr=0.1)
     losses = []
-    for _ in range(12):
+    for _ in range(30):
         x = torch.randn(4, n, d, generator=gen).to(kernel_device)
         alpha = 1 + torch.sigmoid(raw_alpha)
         v = x.unsqueeze(1).expand(4, heads, n, d)
@@ -230,7 +230,7 @@ def test_training_learnable_per_head_alpha_on_fused_path(kernel_device):
         loss.backward()
         opt.step()
         losses.append(loss.item())
-    assert sum(losses[-3:]) < 0.6 * sum(losses[:3])
+    assert sum(losses[-5:]) < 0.5 * sum(losses[:5])
     assert (1 + torch.sigmoid(raw_alpha) - 1.5).abs().max() > 2e-2
 
 
