@@ -91,11 +91,12 @@ def _dalpha_terms(p, u, alpha):
 
 @triton.jit
 def _tile(
-    q, do, k, v, tau, cu, cp, alpha, scale, bias_base, stride_bias_m, stride_bias_n,
+    q, do, k, v, tau, cu, cp, delta, alpha, scale, bias_base, stride_bias_m, stride_bias_n,
     rows, cols, rows_loc, cols_loc, row_ok, col_ok, causal_shift, seed, bh, n_cols_drop, p_drop,
     IS_CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """Recompute one tile: weights ``p``, ``U``, ``dP`` and the dropped weights ``pd``, all ``[BLOCK_M, BLOCK_N]``."""
+    """Recompute one tile: weights ``p``, ``U``, ``dP``, the dropped weights ``pd`` and
+    ``dS = U (dP - delta)``, all ``[BLOCK_M, BLOCK_N]`` (``delta [BLOCK_M]``)."""
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
     valid = row_ok[:, None] & col_ok[None, :]
     if HAS_BIAS:
@@ -113,14 +114,17 @@ def _tile(
         pd = p * fac
     else:
         pd = p
-    return p, u, dp, pd
+    ds = u * (dp - delta[:, None])
+    return p, u, dp, pd, ds
 
 
 @triton.jit
-def _live_bit(live_row, kt):
-    """Bit ``kt`` of the liveness words starting at ``live_row``."""
-    word = tl.load(live_row + kt // 32)
-    return (word >> (kt % 32)) & 1
+def _is_live(word_ptr, bit, HAS_LIVE: tl.constexpr):
+    """Bit ``bit`` of the liveness word at ``word_ptr``; 1 without a bitmap (``HAS_LIVE`` False)."""
+    live = 1
+    if HAS_LIVE:
+        live = (tl.load(word_ptr) >> bit) & 1
+    return live
 
 
 @triton.jit
@@ -131,6 +135,49 @@ def _load_rows(base, idx, offs_d, stride_n, stride_d, ok, d_ok, UPCAST: tl.const
     if UPCAST:
         x = x.to(tl.float32)
     return x
+
+
+@triton.jit
+def _key_tile(
+    kt, q, do, tau, cu, cp, delta, alpha, scale, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
+    bias_base, stride_bias_m, stride_bias_n, k_start, Lk, rows, rows_loc, row_ok, causal_shift, offs_d, d_ok,
+    seed, bh, n_cols_drop, p_drop,
+    IS_CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Key tile ``kt`` of a query tile: loads its K/V rows and recomputes it with ``_tile``.
+
+    Returns ``p, u, dp, pd, ds`` (``[BLOCK_M, BLOCK_N]``), the keys ``k [BLOCK_N, BLOCK_D]``, their
+    global indices ``cols`` and in-sequence flags ``col_ok`` (``[BLOCK_N]``).
+    """
+    cols_loc = kt * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = k_start + cols_loc
+    col_ok = cols_loc < Lk
+    k = _load_rows(K_base, cols, offs_d, stride_kn, stride_kd, col_ok, d_ok, UPCAST)
+    v = _load_rows(V_base, cols, offs_d, stride_vn, stride_vd, col_ok, d_ok, UPCAST)
+    p, u, dp, pd, ds = _tile(
+        q, do, k, v, tau, cu, cp, delta, alpha, scale, bias_base, stride_bias_m, stride_bias_n,
+        rows, cols, rows_loc, cols_loc, row_ok, col_ok, causal_shift, seed, bh, n_cols_drop, p_drop,
+        IS_CAUSAL, HAS_BIAS, HAS_DROPOUT, DOT_PRECISION,
+    )
+    return p, u, dp, pd, ds, k, cols, col_ok
+
+
+@triton.jit
+def _query_rows(
+    Q_base, DO_base, TAU, NORM, DELTA, bh, n_q, rows, row_ok, offs_d, d_ok, alpha,
+    stride_qm, stride_qd, stride_dom, stride_dod, UPCAST: tl.constexpr,
+):
+    """Rows ``rows`` of one (batch, q head) after the dQ kernel: ``q``, ``do`` (``[BLOCK_M, BLOCK_D]``)
+    and the per-row ``tau``, ``delta`` and weight factors ``cu``, ``cp`` from the saved ``NORM``."""
+    q = _load_rows(Q_base, rows, offs_d, stride_qm, stride_qd, row_ok, d_ok, UPCAST)
+    do = _load_rows(DO_base, rows, offs_d, stride_dom, stride_dod, row_ok, d_ok, UPCAST)
+    stat_off = bh.to(tl.int64) * n_q + rows.to(tl.int64)
+    tau = tl.load(TAU + stat_off, mask=row_ok, other=float("inf"))
+    norm = tl.load(NORM + stat_off, mask=row_ok, other=0.0)
+    delta = tl.load(DELTA + stat_off, mask=row_ok, other=0.0)
+    cu, cp = _row_factors(alpha, norm)
+    return q, do, tau, delta, cu, cp
 
 
 @triton.jit
@@ -147,19 +194,13 @@ def _row_sums(
     su = tl.zeros([BLOCK_M], dtype=tl.float32)
     sud = tl.zeros([BLOCK_M], dtype=tl.float32)
     for kt in range(0, n_kt):
-        live = 1
-        if HAS_LIVE:
-            live = _live_bit(live_row, kt)
-        if live != 0:
-            cols_loc = kt * BLOCK_N + tl.arange(0, BLOCK_N)
-            cols = k_start + cols_loc
-            col_ok = cols_loc < Lk
-            k = _load_rows(K_base, cols, offs_d, stride_kn, stride_kd, col_ok, d_ok, UPCAST)
-            v = _load_rows(V_base, cols, offs_d, stride_vn, stride_vd, col_ok, d_ok, UPCAST)
-            p, u, dp, pd = _tile(
-                q, do, k, v, tau, valid, valid, alpha, scale, bias_base, stride_bias_m, stride_bias_n,
-                rows, cols, rows_loc, cols_loc, row_ok, col_ok, causal_shift, seed, bh, n_cols_drop, p_drop,
-                IS_CAUSAL, HAS_BIAS, HAS_DROPOUT, DOT_PRECISION,
+        if _is_live(live_row + kt // 32, kt % 32, HAS_LIVE) != 0:
+            # cu = cp = 1 gives U = r^(beta-1), p = r^beta; the dS output (delta unknown yet) is unused
+            p, u, dp, pd, ds, k, cols, col_ok = _key_tile(
+                kt, q, do, tau, valid, valid, valid, alpha, scale, K_base, V_base, stride_kn, stride_kd, stride_vn,
+                stride_vd, bias_base, stride_bias_m, stride_bias_n, k_start, Lk, rows, rows_loc, row_ok, causal_shift,
+                offs_d, d_ok, seed, bh, n_cols_drop, p_drop, IS_CAUSAL, HAS_BIAS, HAS_DROPOUT, UPCAST, DOT_PRECISION,
+                BLOCK_N,
             )
             l_sum += tl.sum(p, 1)
             su += tl.sum(u, 1)
@@ -249,21 +290,12 @@ def _entmax_attn_bwd_dq_kernel(
     s_ds = tl.zeros([BLOCK_M], dtype=tl.float32)
     dbias_base = DBIAS + bh.to(tl.int64) * n_q * n_k
     for kt in range(0, n_kt):
-        live = 1
-        if HAS_LIVE:
-            live = _live_bit(live_row, kt)
-        if live != 0:
-            cols_loc = kt * BLOCK_N + tl.arange(0, BLOCK_N)
-            cols = k_start + cols_loc
-            col_ok = cols_loc < Lk
-            k = _load_rows(K_base, cols, offs_d, stride_kn, stride_kd, col_ok, d_ok, UPCAST)
-            v = _load_rows(V_base, cols, offs_d, stride_vn, stride_vd, col_ok, d_ok, UPCAST)
-            p, u, dp, pd = _tile(
-                q, do, k, v, tau, cu, cp, alpha, scale, bias_base, stride_bias_m, stride_bias_n,
-                rows, cols, rows_loc, cols_loc, row_ok, col_ok, causal_shift, seed, bh, n_cols_drop, p_drop,
-                IS_CAUSAL, HAS_BIAS, HAS_DROPOUT, DOT_PRECISION,
+        if _is_live(live_row + kt // 32, kt % 32, HAS_LIVE) != 0:
+            p, u, dp, pd, ds, k, cols, col_ok = _key_tile(
+                kt, q, do, tau, cu, cp, delta, alpha, scale, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                bias_base, stride_bias_m, stride_bias_n, k_start, Lk, rows, rows_loc, row_ok, causal_shift, offs_d,
+                d_ok, seed, bh, n_cols_drop, p_drop, IS_CAUSAL, HAS_BIAS, HAS_DROPOUT, UPCAST, DOT_PRECISION, BLOCK_N,
             )
-            ds = u * (dp - delta[:, None])
             dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
             if NEED_DBIAS:
                 tl.store(dbias_base + rows64[:, None] * n_k + cols[None, :].to(tl.int64), ds,
@@ -345,26 +377,19 @@ def _entmax_attn_bwd_dkdv_kernel(
         live_head = LIVE + seq.to(tl.int64) * stride_live_b + h64 * stride_live_h + word
         col_ds = tl.zeros([BLOCK_N], dtype=tl.float32)
         for mt in range(mt_lo, n_mt):
-            live = 1
-            if HAS_LIVE:
-                live = (tl.load(live_head + mt * stride_live_m) >> bit) & 1
-            if live != 0:
+            if _is_live(live_head + mt * stride_live_m, bit, HAS_LIVE) != 0:
                 rows_loc = mt * BLOCK_M + tl.arange(0, BLOCK_M)
                 rows = q_start + rows_loc
                 row_ok = rows_loc < Lq
-                q = _load_rows(Q_base, rows, offs_d, stride_qm, stride_qd, row_ok, d_ok, UPCAST)
-                do = _load_rows(DO_base, rows, offs_d, stride_dom, stride_dod, row_ok, d_ok, UPCAST)
-                stat_off = bh.to(tl.int64) * n_q + rows.to(tl.int64)
-                tau = tl.load(TAU + stat_off, mask=row_ok, other=float("inf"))
-                norm = tl.load(NORM + stat_off, mask=row_ok, other=0.0)
-                delta = tl.load(DELTA + stat_off, mask=row_ok, other=0.0)
-                cu, cp = _row_factors(alpha, norm)
-                p, u, dp, pd = _tile(
-                    q, do, k, v, tau, cu, cp, alpha, scale, bias_base, stride_bias_m, stride_bias_n,
+                q, do, tau, delta, cu, cp = _query_rows(
+                    Q_base, DO_base, TAU, NORM, DELTA, bh, n_q, rows, row_ok, offs_d, d_ok, alpha,
+                    stride_qm, stride_qd, stride_dom, stride_dod, UPCAST,
+                )
+                p, u, dp, pd, ds = _tile(
+                    q, do, k, v, tau, cu, cp, delta, alpha, scale, bias_base, stride_bias_m, stride_bias_n,
                     rows, cols, rows_loc, cols_loc, row_ok, col_ok, causal_shift, seed, bh, n_k, p_drop,
                     IS_CAUSAL, HAS_BIAS, HAS_DROPOUT, DOT_PRECISION,
                 )
-                ds = u * (dp - delta[:, None])
                 dv += tl.dot(tl.trans(pd).to(do.dtype), do, input_precision=DOT_PRECISION)
                 dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=DOT_PRECISION)
                 if NEED_DBIAS_COLS:
@@ -425,35 +450,22 @@ def _entmax_attn_bwd_dbias_kernel(
             hk = h // kv_group
             bh = b * n_heads + h
             alpha = tl.load(ALPHA + h)
-            q = _load_rows(Q + b64 * stride_qb + h64 * stride_qh, rows, offs_d, stride_qm, stride_qd, row_ok, d_ok,
-                           UPCAST)
-            do = _load_rows(DO + b64 * stride_dob + h64 * stride_doh, rows, offs_d, stride_dom, stride_dod, row_ok,
-                            d_ok, UPCAST)
-            stat_off = bh.to(tl.int64) * n_q + rows64
-            tau = tl.load(TAU + stat_off, mask=row_ok, other=float("inf"))
-            norm = tl.load(NORM + stat_off, mask=row_ok, other=0.0)
-            delta = tl.load(DELTA + stat_off, mask=row_ok, other=0.0)
-            cu, cp = _row_factors(alpha, norm)
+            q, do, tau, delta, cu, cp = _query_rows(
+                Q + b64 * stride_qb + h64 * stride_qh, DO + b64 * stride_dob + h64 * stride_doh, TAU, NORM, DELTA,
+                bh, n_q, rows, row_ok, offs_d, d_ok, alpha, stride_qm, stride_qd, stride_dom, stride_dod, UPCAST,
+            )
             K_base = K + b64 * stride_kb + hk.to(tl.int64) * stride_kh
             V_base = V + b64 * stride_vb + hk.to(tl.int64) * stride_vh
             bias_base = BIAS + b64 * stride_bias_b + h64 * stride_bias_h
             live_row = LIVE + seq.to(tl.int64) * stride_live_b + h64 * stride_live_h + pid_m.to(tl.int64) * stride_live_m
             for kt in range(0, n_kt):
-                live = 1
-                if HAS_LIVE:
-                    live = _live_bit(live_row, kt)
-                if live != 0:
-                    cols_loc = kt * BLOCK_N + tl.arange(0, BLOCK_N)
-                    cols = k_start + cols_loc
-                    col_ok = cols_loc < Lk
-                    k = _load_rows(K_base, cols, offs_d, stride_kn, stride_kd, col_ok, d_ok, UPCAST)
-                    v = _load_rows(V_base, cols, offs_d, stride_vn, stride_vd, col_ok, d_ok, UPCAST)
-                    p, u, dp, pd = _tile(
-                        q, do, k, v, tau, cu, cp, alpha, scale, bias_base, stride_bias_m, stride_bias_n,
-                        rows, cols, rows_loc, cols_loc, row_ok, col_ok, causal_shift, seed, bh, n_k, p_drop,
-                        IS_CAUSAL, HAS_BIAS, HAS_DROPOUT, DOT_PRECISION,
+                if _is_live(live_row + kt // 32, kt % 32, HAS_LIVE) != 0:
+                    p, u, dp, pd, ds, k, cols, col_ok = _key_tile(
+                        kt, q, do, tau, cu, cp, delta, alpha, scale, K_base, V_base, stride_kn, stride_kd, stride_vn,
+                        stride_vd, bias_base, stride_bias_m, stride_bias_n, k_start, Lk, rows, rows_loc, row_ok,
+                        causal_shift, offs_d, d_ok, seed, bh, n_k, p_drop, IS_CAUSAL, HAS_BIAS, HAS_DROPOUT, UPCAST,
+                        DOT_PRECISION, BLOCK_N,
                     )
-                    ds = u * (dp - delta[:, None])
                     ptrs = db_base + rows64[:, None] * n_k + cols[None, :].to(tl.int64)
                     ok = row_ok[:, None] & col_ok[None, :]
                     tl.store(ptrs, tl.load(ptrs, mask=ok, other=0.0) + ds, mask=ok)
