@@ -714,7 +714,9 @@ def entmax_attn_bwd(
             **common,
         )
     dalpha = dalpha_rows.double().sum(dim=(0, 2)).float() if need_dalpha else None
-    if dbias_mode is not None:
+    if dbias_mode is None:
+        dbias = None
+    else:
         dbias = {"rows": dbias_rows[..., None], "cols": dbias_cols[:, :, None]}.get(dbias_mode, dbias)
         dbias = _sum_to_mask(dbias, bias)
     return dq, dk, dv, dalpha, dbias
