@@ -6,17 +6,26 @@ PY := $(VENV)/bin/python
 # The one place the torch version is pinned. An importable torch (system or venv)
 # is reused as is, so a CPU box never pulls a multi-GB CUDA build.
 TORCH_VERSION ?= 2.13.0
-# Without an NVIDIA driver, take torch's CPU build: the default Linux wheel bundles
-# multi-GB CUDA libraries. torch's own dependencies then come from the usual index.
+# Without an NVIDIA driver, torch comes from its CPU wheel index only (plus any local
+# wheel pip is configured to find): the default Linux wheel on PyPI bundles multi-GB CUDA
+# libraries, so PyPI is never asked for torch on a CPU box. If that index cannot be
+# reached and no local wheel matches, the install stops and says what to do.
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
-TORCH_INDEX_ARGS ?= $(if $(shell command -v nvidia-smi 2>/dev/null),,--extra-index-url $(TORCH_CPU_INDEX))
+HAS_NVIDIA := $(shell command -v nvidia-smi 2>/dev/null)
+TORCH_INDEX_ARGS ?= $(if $(HAS_NVIDIA),,--index-url $(TORCH_CPU_INDEX))
 PYTEST_ARGS ?= -n 2
+# The venv sees system site-packages (to reuse an installed torch), so pytest plugins
+# installed system-wide must not load: autoload is off and ours are named here.
+PYTEST := PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 $(PY) -m pytest -p xdist.plugin -p _hypothesis_pytestplugin
 
-.PHONY: demo test test-gpu bench-smoke bench clean
+.PHONY: demo test test-gpu lint bench-smoke bench clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --no-deps "torch==$(TORCH_VERSION)" $(TORCH_INDEX_ARGS)
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --no-deps "torch==$(TORCH_VERSION)" $(TORCH_INDEX_ARGS) || { \
+	  echo "error: could not install torch==$(TORCH_VERSION) from $(if $(HAS_NVIDIA),PyPI,$(TORCH_CPU_INDEX) (CPU build))."; \
+	  echo "  Install torch into $(VENV) yourself (or set TORCH_CPU_INDEX to a reachable mirror), then rerun make."; \
+	  exit 1; }
 	$(PY) -m pip install -e ".[all]"
 	touch $@
 
@@ -24,10 +33,13 @@ demo: $(VENV)/.installed
 	$(PY) examples/demo.py
 
 test: $(VENV)/.installed
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PYTEST) $(PYTEST_ARGS)
 
 test-gpu: $(VENV)/.installed
-	$(PY) -m pytest -m gpu $(PYTEST_ARGS)
+	$(PYTEST) -m gpu $(PYTEST_ARGS)
+
+lint: $(VENV)/.installed
+	$(PY) -m ruff check .
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
