@@ -26,7 +26,8 @@ import train_sparse_transformer  # noqa: E402
 
 def main(argv=None) -> dict:
     """Run training then inference; returns ``{"results": [RunResult], "inference": dict, "seconds": float}``."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="other options go to train_sparse_transformer.py")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     epilog="other options go to train_sparse_transformer.py")
     parser.add_argument("--out", type=Path, default=Path("runs/demo"), help="output folder")
     parser.add_argument("--device", default="auto", help="'auto' (CUDA when available), 'cpu' or 'cuda[:i]'")
     parser.add_argument("--variant", default="all", help="variant(s) to train")

@@ -23,7 +23,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from train_sparse_transformer import load_checkpoint, make_batch, resolve_device  # noqa: E402
+from seq2seq_model import load_checkpoint, resolve_device  # noqa: E402
+from seq2seq_task import make_batch  # noqa: E402
 
 from sparse_attn.stats import record_head_stats  # noqa: E402
 
@@ -42,7 +43,8 @@ def plot_attention_map(weights: np.ndarray, alphas, row_labels, col_labels, titl
     heads = weights.shape[0]
     cols = min(heads, 4)
     rows = -(-heads // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(3.0 * cols + 1.2, 3.0 * rows + 0.9), squeeze=False, layout="constrained")
+    fig, axes = plt.subplots(rows, cols, figsize=(3.0 * cols + 1.2, 3.0 * rows + 0.9), squeeze=False,
+                             layout="constrained")
     cmap = plt.get_cmap("viridis").with_extremes(bad=ZERO_COLOR)
     image = None
     for h, ax in enumerate(axes.flat):
@@ -66,15 +68,24 @@ def plot_attention_map(weights: np.ndarray, alphas, row_labels, col_labels, titl
     return path
 
 
+def _digits(tokens: torch.Tensor) -> str:
+    """The int64 tokens of one sequence ``(length,)`` as space-separated digits."""
+    return " ".join(str(x) for x in tokens.tolist())
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--checkpoint", type=Path, default=Path("runs/demo/adaptive/checkpoint.pt"), help="checkpoint.pt to load")
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--checkpoint", type=Path, default=Path("runs/demo/adaptive/checkpoint.pt"),
+                   help="checkpoint.pt to load")
     p.add_argument("--n", type=int, default=256, help="held-out examples to decode")
     p.add_argument("--show", type=int, default=4, help="examples to print")
-    p.add_argument("--seed", type=int, default=None, help=f"held-out data seed (default: training seed + {HELD_OUT_SEED_OFFSET})")
+    p.add_argument("--seed", type=int, default=None,
+                   help=f"held-out data seed (default: training seed + {HELD_OUT_SEED_OFFSET})")
     p.add_argument("--module", default=None, help="attention module to draw (default: the last context attention)")
     p.add_argument("--device", default="auto", help="'auto' (CUDA when available), 'cpu' or 'cuda[:i]'")
-    p.add_argument("--out", type=Path, default=None, help="folder for attention_map_<variant>.png (default: the run folder)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="folder for attention_map_<variant>.png (default: the run folder)")
     return p
 
 
@@ -84,18 +95,20 @@ def main(argv=None) -> dict:
     if args.n <= 0 or args.show < 0:
         raise SystemExit(f"--n must be positive and --show non-negative, got {args.n} and {args.show}")
     if not args.checkpoint.is_file():
-        raise SystemExit(f"--checkpoint must be a checkpoint written by train_sparse_transformer.py, got {args.checkpoint} (not a file)")
+        raise SystemExit(f"--checkpoint must be a checkpoint written by train_sparse_transformer.py, "
+                         f"got {args.checkpoint} (not a file)")
     device = str(resolve_device(args.device))
     model, cfg, _ = load_checkpoint(args.checkpoint, device)
     seed = cfg.seed + HELD_OUT_SEED_OFFSET if args.seed is None else args.seed
-    src, tgt_in, tgt = (t.to(device) for t in make_batch(cfg.task, args.n, cfg.length, cfg.vocab, torch.Generator().manual_seed(seed)))
+    batch = make_batch(cfg.task, args.n, cfg.length, cfg.vocab, torch.Generator().manual_seed(seed))
+    src, tgt_in, tgt = (t.to(device) for t in batch)
 
     pred = model.greedy_decode(src)
     ok = pred == tgt
     print(f"{cfg.variant} checkpoint {args.checkpoint}: task {cfg.task}, {args.n} held-out inputs (seed {seed})")
     for i in range(min(args.show, args.n)):
-        fmt = lambda t: " ".join(str(x) for x in t.tolist())  # noqa: E731
-        print(f"  input {fmt(src[i])}  ->  {fmt(pred[i])}  {'ok' if ok[i].all() else 'WRONG (target ' + fmt(tgt[i]) + ')'}")
+        verdict = "ok" if ok[i].all() else f"WRONG (target {_digits(tgt[i])})"
+        print(f"  input {_digits(src[i])}  ->  {_digits(pred[i])}  {verdict}")
     seq_acc, tok_acc = ok.all(1).float().mean().item(), ok.float().mean().item()
     print(f"greedy decoding: sequence accuracy {seq_acc:.3f}, token accuracy {tok_acc:.3f}\n")
 
