@@ -8,6 +8,7 @@ numbers follow from the raw ones, and the helpers that count tiles.
 
 import importlib.util
 import math
+import subprocess
 import sys
 from pathlib import Path
 
@@ -119,7 +120,8 @@ def check_fused_rows_report_density_tiles_and_sweeps(rows):
         assert 0 <= r["sweeps_mean"] <= r["sweeps_max"]
         if r["alpha"] == "1":
             assert r["density"] == 1.0 and r["tiles_skipped"] == 0.0 and r["sweeps_max"] == 0
-    sweep = sorted((r["target_density"], r["density"]) for r in fused if r["group"] == "sparsity" and r["mode"] == "fwd")
+    sweep = sorted((r["target_density"], r["density"]) for r in fused
+                   if r["group"] == "sparsity" and r["mode"] == "fwd")
     assert len(sweep) >= 2
     (few_target, few), (most_target, most) = sweep[0], sweep[-1]
     assert few < 4 * few_target and most > 0.5 * most_target and few < most
@@ -196,6 +198,14 @@ def test_measure_reports_oom_unavailable_and_errors(bench):
     assert bad == {"status": "error", "note": "ValueError: q must be 4-d"}
     good = bench.measure(lambda: (x * 2).sum(), "fwd+bwd", torch.ones(()), [x], timing)
     assert good["status"] == "ok" and good["ms"] > 0 and x.grad is None
+
+
+def test_runs_as_a_script_from_another_folder(tmp_path):
+    """The entry point finds its sibling modules (bench_cases, bench_report, ...) whatever the working directory."""
+    done = subprocess.run([sys.executable, str(HARNESS), "--groups", "nonsense"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 2, done.stderr
+    assert "--groups takes flash, sparsity, mixed; got 'nonsense'" in done.stderr
 
 
 def test_median_and_quantiles_match_numpy(bench):

@@ -4,6 +4,7 @@ writes its reports and figures and a checkpoint that inference loads."""
 import csv
 import json
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -105,7 +106,8 @@ def test_heads_counted_from_zero_like_the_recorder(run):
         assert float(r["alpha"]) == pytest.approx(want["alpha"], abs=1e-5)
         assert float(r["density"]) == pytest.approx(want["density"], abs=1e-5)
     with open(out / "alpha_trajectories.csv") as f:
-        traj = [r for r in csv.DictReader(f) if r["variant"] == "adaptive" and int(r["step"]) == adaptive.alpha_steps[-1]]
+        traj = [r for r in csv.DictReader(f)
+                if r["variant"] == "adaptive" and int(r["step"]) == adaptive.alpha_steps[-1]]
     assert len(traj) == len(rows)
     for r in traj:
         name = next(n for n, _ in rows if key(n) == (r["block"], int(r["layer"])))
@@ -167,3 +169,16 @@ def test_cli_rejects_bad_arguments(tmp_path):
         T.main(["--d-model", "30", "--heads", "4", "--out", str(tmp_path)])
     with pytest.raises(SystemExit, match="checkpoint"):
         inference.main(["--checkpoint", str(tmp_path / "missing.pt")])
+
+
+@pytest.mark.parametrize("script,args,message", [
+    ("train_sparse_transformer.py", ["--d-model", "30", "--heads", "4"], "must be divisible by --heads"),
+    ("demo.py", ["--d-model", "30", "--heads", "4"], "must be divisible by --heads"),
+    ("inference.py", ["--checkpoint", "missing.pt"], "--checkpoint must be a checkpoint"),
+])
+def test_scripts_run_from_another_folder(tmp_path, script, args, message):
+    """Each script finds its sibling modules (seq2seq_*) whatever the working directory."""
+    done = subprocess.run([sys.executable, str(EXAMPLES / script), *args], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 1, done.stderr
+    assert message in done.stderr and "Traceback" not in done.stderr, done.stderr
