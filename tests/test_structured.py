@@ -13,15 +13,12 @@ import torch
 from torch.autograd import gradcheck
 from torch.autograd.functional import jacobian, jvp
 
+from sparse_attn._structured_rows import _isotonic_nonincreasing, _tv_prox_op, _tv_prox_torch, oscar_prox_rows
 from sparse_attn.kernels.structured import isotonic_nonincreasing_rows, tv_prox_rows
 from sparse_attn.mappings import sparsemax
 from sparse_attn.structured import (
     Fusedmax,
     Oscarmax,
-    _isotonic_nonincreasing,
-    _OscarProxFunction,
-    _TVProxFunction,
-    _tv_prox_torch,
     fusedmax,
     gamma_sparsemax,
     oscar_prox,
@@ -185,8 +182,8 @@ def test_tv_autograd_triton_path_matches_torch_path():
     lengths = torch.tensor([12, 7, 0, 3])
     xa = x.clone().requires_grad_()
     xb = x.clone().requires_grad_()
-    ya = _TVProxFunction.apply(xa, lengths, 0.3, True)
-    yb = _TVProxFunction.apply(xb, lengths, 0.3, False)
+    ya = _tv_prox_op(xa, lengths, 0.3, True)
+    yb = _tv_prox_op(xb, lengths, 0.3, False)
     torch.testing.assert_close(ya, yb, atol=TOL["same_algorithm_f64"], rtol=0)
     g = torch.randn(4, 12, generator=_gen(7), dtype=F64)
     ya.backward(g)
@@ -219,8 +216,8 @@ def test_oscar_autograd_triton_path_matches_torch_path(on_simplex):
     valid[4] = False
     xa = x.clone().requires_grad_()
     xb = x.clone().requires_grad_()
-    ya = _OscarProxFunction.apply(xa, valid, 0.2, on_simplex, True)
-    yb = _OscarProxFunction.apply(xb, valid, 0.2, on_simplex, False)
+    ya = oscar_prox_rows(xa, valid, 0.2, on_simplex, True)
+    yb = oscar_prox_rows(xb, valid, 0.2, on_simplex, False)
     torch.testing.assert_close(ya, yb, atol=TOL["same_algorithm_f64"], rtol=0)
     g = torch.randn(5, 9, generator=_gen(33), dtype=F64)
     ya.backward(g)
@@ -442,7 +439,7 @@ def test_triton_tv_path_keeps_nan_inside_rows():
     x = torch.randn(3, 6, generator=_gen(27), dtype=F64)
     x[0, 2] = math.nan
     lengths = torch.tensor([6, 4, 0])
-    y = _TVProxFunction.apply(x, lengths, 0.2, True)
+    y = _tv_prox_op(x, lengths, 0.2, True)
     valid = torch.arange(6) < lengths[:, None]
     assert (y[~valid] == 0).all()
     assert torch.isnan(y[0]).any() and torch.isfinite(y[1]).all()
