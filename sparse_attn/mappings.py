@@ -44,7 +44,15 @@ from torch import nn
 from torch._higher_order_ops import while_loop
 
 from sparse_attn._dispatch import load_kernel
-from sparse_attn._validation import check_alpha, check_bool, check_dim, check_floating, check_positive_int
+from sparse_attn._validation import (
+    check_alpha,
+    check_bool,
+    check_dim,
+    check_floating,
+    check_int,
+    check_positive_int,
+    check_real,
+)
 
 __all__ = [
     "entmax",
@@ -443,11 +451,22 @@ def entmax_bisect(X: torch.Tensor, alpha=1.5, dim: int = -1, n_iter: int = 50,
     return _apply(X, alpha, dim, None, n_iter, ensure_sum_one, False)
 
 
+def _check_alpha_arg(alpha) -> None:
+    """Module-time check of ``alpha``: a number > 0 or a floating tensor (its shape is checked per call)."""
+    if isinstance(alpha, torch.Tensor):
+        if not alpha.dtype.is_floating_point:
+            raise TypeError(f"alpha must be a float or a floating-point tensor, got dtype {alpha.dtype}")
+    else:
+        check_real("alpha", alpha, 0.0, True)
+
+
 class Sparsemax(nn.Module):
     """Module form of :func:`sparsemax` (``dim=-1``, ``k=None``)."""
 
     def __init__(self, dim: int = -1, k: int | None = None):
         super().__init__()
+        check_int("dim", dim)
+        check_positive_int("k", k, allow_none=True)
         self.dim = dim
         self.k = k
 
@@ -463,6 +482,8 @@ class Entmax15(nn.Module):
 
     def __init__(self, dim: int = -1, k: int | None = None):
         super().__init__()
+        check_int("dim", dim)
+        check_positive_int("k", k, allow_none=True)
         self.dim = dim
         self.k = k
 
@@ -484,6 +505,9 @@ class EntmaxBisect(nn.Module):
 
     def __init__(self, alpha=1.5, dim: int = -1, n_iter: int = 50):
         super().__init__()
+        _check_alpha_arg(alpha)
+        check_int("dim", dim)
+        check_positive_int("n_iter", n_iter)
         self.alpha = alpha
         self.dim = dim
         self.n_iter = n_iter
@@ -506,6 +530,8 @@ class Entmax(nn.Module):
 
     def __init__(self, alpha=1.5, dim: int = -1):
         super().__init__()
+        _check_alpha_arg(alpha)
+        check_int("dim", dim)
         self.alpha = alpha
         self.dim = dim
 

@@ -13,7 +13,13 @@ import torch
 from torch.autograd import gradcheck
 from torch.autograd.functional import jacobian, jvp
 
-from sparse_attn._structured_rows import _isotonic_nonincreasing, _tv_prox_op, _tv_prox_torch, oscar_prox_rows
+from sparse_attn._structured_rows import (
+    _isotonic_nonincreasing,
+    _oscar_prox_op,
+    _tv_prox_op,
+    _tv_prox_torch,
+    oscar_prox_rows,
+)
 from sparse_attn.kernels.structured import isotonic_nonincreasing_rows, tv_prox_rows
 from sparse_attn.mappings import sparsemax
 from sparse_attn.structured import (
@@ -151,7 +157,7 @@ def test_sq_pnorm_max_is_optimal():
         for eta in (0.05, 0.5):
             torch.testing.assert_close(_simplex(y - eta * grad), y, atol=TOL["slow_solver"], rtol=0)
 
-        def objective(v):
+        def objective(v, p=p, gamma=gamma):
             return 0.5 * gamma * ((v ** p).sum(-1) ** (2 / p)) - (v * x).sum(-1)
 
         others = _simplex(y + 0.05 * torch.randn(50, 8, 6, generator=_gen(4), dtype=F64))
@@ -225,6 +231,34 @@ def test_oscar_autograd_triton_path_matches_torch_path(on_simplex):
     torch.testing.assert_close(xa.grad, xb.grad, atol=TOL["same_algorithm_f64"], rtol=0)
 
 
+def test_prox_custom_ops_opcheck(kernel_device):
+    """Schema, fake implementation, autograd registration and AOT dispatch of the prox ops, both paths."""
+    x = torch.randn(4, 9, generator=_gen(34), dtype=torch.float32, device=kernel_device)
+    lengths = torch.tensor([9, 4, 0, 1], device=kernel_device)
+    valid = torch.rand(4, 9, generator=_gen(35)).to(kernel_device) > 0.3
+    for use_triton in (False, True):
+        torch.library.opcheck(_tv_prox_op, (x.clone().requires_grad_(), lengths, 0.2, use_triton))
+        for on_simplex in (False, True):
+            torch.library.opcheck(_oscar_prox_op, (x.clone().requires_grad_(), valid, 0.1, on_simplex, use_triton))
+
+
+@pytest.mark.parametrize("fn", [lambda a: fusedmax(a, lam=0.2), lambda a: oscarmax(a, lam=0.1),
+                                lambda a: tv_prox(a, lam=0.3), lambda a: oscar_prox(a, lam=0.1)])
+def test_compile_fullgraph_matches_eager(fn):
+    """The prox custom ops trace under torch.compile(fullgraph=True), forward and backward."""
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    x = torch.randn(3, 8, generator=_gen(36), dtype=F64)
+    x[1, 2] = -math.inf
+    g = torch.randn(3, 8, generator=_gen(37), dtype=F64)
+    xc, xe = x.clone().requires_grad_(), x.clone().requires_grad_()
+    yc, ye = compiled(xc), fn(xe)
+    yc.backward(g)
+    ye.backward(g)
+    torch.testing.assert_close(yc, ye, atol=1e-14, rtol=0)
+    torch.testing.assert_close(xc.grad, xe.grad, atol=1e-14, rtol=0)
+
+
 # ---------------------------------------------------------------- gradients
 
 
@@ -273,7 +307,8 @@ def test_oscar_jacobians_match_prop3():
         G = _groups(z[r].abs(), contiguous=False)
         sgn = torch.sign(z[r])
         J_osc = G * torch.outer(sgn, sgn) / G.sum(1, keepdim=True)
-        torch.testing.assert_close(jacobian(lambda a: oscar_prox(a, lam=lam), x[r]), J_osc, atol=TOL["jacobian"], rtol=0)
+        J_got = jacobian(lambda a: oscar_prox(a, lam=lam), x[r])
+        torch.testing.assert_close(J_got, J_osc, atol=TOL["jacobian"], rtol=0)
         # oscarmax: prox of the shifted input, all groups positive (see structured.py)
         Gs = _groups(shifted[r], contiguous=False)
         J = _sparsemax_jacobian(y[r]) @ (Gs / Gs.sum(1, keepdim=True))
@@ -299,10 +334,12 @@ def test_sq_pnorm_jacobian_matches_prop1_system():
             J_S = torch.linalg.solve(torch.eye(k, dtype=F64) + A @ (B - torch.eye(k, dtype=F64)), A)
             J = torch.zeros(d, d, dtype=F64)
             J[S.nonzero()[:, 0][:, None], S.nonzero()[:, 0][None, :]] = J_S
-            Jt = jacobian(lambda a: sq_pnorm_max(a, p=p, gamma=gamma), x[r])
-            torch.testing.assert_close(Jt, J, atol=TOL["jacobian"], rtol=0)
+            def fn(a, p=p, gamma=gamma):
+                return sq_pnorm_max(a, p=p, gamma=gamma)
+
+            torch.testing.assert_close(jacobian(fn, x[r]), J, atol=TOL["jacobian"], rtol=0)
             v = torch.randn(d, generator=_gen(14 + r), dtype=F64)
-            _, jv = jvp(lambda a: sq_pnorm_max(a, p=p, gamma=gamma), x[r], v)
+            _, jv = jvp(fn, x[r], v)
             torch.testing.assert_close(jv, J @ v, atol=TOL["jacobian"], rtol=0)
 
 
