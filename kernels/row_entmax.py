@@ -303,6 +303,20 @@ def _launch_config(n_cols: int, block: int | None) -> tuple[int, int]:
     return block, max(1, min(8, block // 256))
 
 
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _check_launch(name: str, x: torch.Tensor, mode: int) -> None:
+    """``x`` a 2-d fp16/bf16/fp32 tensor with unit column stride; ``mode`` one of the ``MODE_*``."""
+    if not isinstance(x, torch.Tensor) or x.ndim != 2 or x.dtype not in _DTYPES:
+        got = f"{x.dtype} tensor of shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+        raise TypeError(f"{name} must be a 2-d float16, bfloat16 or float32 tensor, got {got}")
+    if x.stride(1) != 1:
+        raise ValueError(f"{name} must have unit stride along columns, got strides {tuple(x.stride())}")
+    if mode not in (MODE_SOFTMAX, MODE_SPARSEMAX, MODE_ENTMAX15, MODE_GENERAL):
+        raise ValueError(f"mode must be one of MODE_SOFTMAX/SPARSEMAX/ENTMAX15/GENERAL (0-3), got {mode!r}")
+
+
 def _alpha_rows(alpha, n_rows: int, device) -> tuple[torch.Tensor, int]:
     if isinstance(alpha, torch.Tensor):
         if alpha.shape != (n_rows,):
@@ -327,9 +341,8 @@ def entmax_rows_fwd(x: torch.Tensor, alpha, mode: int, tol: float = 1e-6, max_it
     Returns:
         ``(n_rows, n_cols)`` tensor in ``x.dtype``; rows sum to 1, all ``-inf`` rows are 0.
     """
+    _check_launch("x", x, mode)
     n_rows, n_cols = x.shape
-    if x.stride(1) != 1:
-        raise ValueError(f"x must have unit stride along columns, got strides {tuple(x.stride())}")
     block, num_warps = _launch_config(n_cols, block)
     n_chunks = triton.cdiv(n_cols, block)
     y = torch.full_like(x, float("nan"))
@@ -348,7 +361,7 @@ def entmax_rows_bwd(y: torch.Tensor, dy: torch.Tensor, alpha, mode: int, need_da
     """Gradients of alpha-entmax rows from the forward output.
 
     Args:
-        y: ``(n_rows, n_cols)`` forward output (any float dtype), unit column stride.
+        y: ``(n_rows, n_cols)`` forward output (float16/bfloat16/float32), unit column stride.
         dy: upstream gradient, same shape, unit column stride.
         alpha: float, or float tensor ``(n_rows,)``; values in [1, 2].
         mode: the forward's mode; ``MODE_GENERAL`` evaluates ``U = p ** (2 - alpha)`` per row.
@@ -359,9 +372,13 @@ def entmax_rows_bwd(y: torch.Tensor, dy: torch.Tensor, alpha, mode: int, need_da
         ``(dx, dalpha)``: ``dx`` ``(n_rows, n_cols)`` in ``dy.dtype``; ``dalpha`` float32
         ``(n_rows,)`` or ``None``.
     """
+    _check_launch("y", y, mode)
+    _check_launch("dy", dy, mode)
+    if dy.shape != y.shape or dy.device != y.device:
+        raise ValueError(
+            f"dy must match y (shape {tuple(y.shape)} on {y.device}), got shape {tuple(dy.shape)} on {dy.device}"
+        )
     n_rows, n_cols = y.shape
-    if y.stride(1) != 1 or dy.stride(1) != 1:
-        raise ValueError("y and dy must have unit stride along columns")
     if need_dalpha and mode != MODE_GENERAL:
         raise ValueError(f"need_dalpha requires mode MODE_GENERAL ({MODE_GENERAL}), got {mode}")
     block, num_warps = _launch_config(n_cols, block)

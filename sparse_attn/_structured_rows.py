@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from sparse_attn._dispatch import load_kernel
-from sparse_attn._validation import check_device, check_tensor
+from sparse_attn._validation import check_bool_mask, check_device, check_tensor
 
 _KERNELS = "sparse_attn.kernels.structured"
 
@@ -41,10 +41,7 @@ def valid_rows(X: torch.Tensor, d: int, mask, lengths) -> torch.Tensor:
     n = X.shape[d]
     valid = X != -math.inf
     if mask is not None:
-        check_tensor("mask", mask)
-        if mask.dtype != torch.bool:
-            raise TypeError(f"mask must be a boolean tensor (True = attend), got dtype {mask.dtype}")
-        check_device("mask", mask, X.device, "X")
+        check_bool_mask("mask", mask, X.device, "(True = attend)", "X")
         try:
             valid = valid & mask.to(X.device)
         except RuntimeError:

@@ -100,12 +100,12 @@ def check_device(name: str, t: torch.Tensor, device: torch.device, of: str = "th
         raise ValueError(f"{name} must be on the device of {of} ({device}), got {t.device}")
 
 
-def check_bool_mask(name: str, mask, device: torch.device, meaning: str = "(True = attend)") -> None:
-    """Raise unless ``mask`` is a boolean tensor on ``device`` (shape is checked by the caller)."""
+def check_bool_mask(name: str, mask, device: torch.device, meaning: str, of: str) -> None:
+    """Raise unless ``mask`` is a boolean tensor on ``device`` (the device of ``of``); the caller checks the shape."""
     check_tensor(name, mask)
     if mask.dtype != torch.bool:
         raise TypeError(f"{name} must be a boolean tensor {meaning}, got dtype {mask.dtype}")
-    check_device(name, mask, device)
+    check_device(name, mask, device, of)
 
 
 def check_choice(name: str, value, choices) -> None:

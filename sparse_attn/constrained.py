@@ -41,6 +41,7 @@ from torch import nn
 from sparse_attn._structured_rows import from_rows, poison_rows, replace_rows, split_nonfinite, to_rows, valid_rows
 from sparse_attn._validation import (
     check_bool,
+    check_bool_mask,
     check_choice,
     check_device,
     check_dim,
@@ -332,10 +333,7 @@ def _broadcast_exact(name: str, x: torch.Tensor, shape) -> torch.Tensor:
 
 def _check_mask_arg(name: str, mask, shape, meaning: str, device: torch.device) -> torch.Tensor:
     """A boolean ``mask`` on ``device`` broadcast to ``shape`` (``TypeError``/``ValueError`` naming ``name``)."""
-    check_tensor(name, mask)
-    if mask.dtype != torch.bool:
-        raise TypeError(f"{name} must be a boolean tensor {meaning}, got dtype {mask.dtype}")
-    check_device(name, mask, device, "the scores")
+    check_bool_mask(name, mask, device, meaning, "the scores")
     return _broadcast_exact(name, mask, shape)
 
 
@@ -355,6 +353,7 @@ class FertilityPredictor(nn.Module):
         super().__init__()
         check_positive_int("input_dim", input_dim)
         check_positive_int("hidden_dim", hidden_dim, allow_none=True)
+        self.input_dim = input_dim
         self.max_fertility = check_real("max_fertility", max_fertility, 0.0, True)
         if hidden_dim is None:
             self.net = nn.Linear(input_dim, 1)
@@ -362,6 +361,9 @@ class FertilityPredictor(nn.Module):
             self.net = nn.Sequential(nn.Linear(input_dim, hidden_dim), nn.Tanh(), nn.Linear(hidden_dim, 1))
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
+        check_floating("h", h)
+        if h.ndim < 2 or h.shape[-1] != self.input_dim:
+            raise ValueError(f"h must have shape (..., J, {self.input_dim}), got shape {tuple(h.shape)}")
         return self.max_fertility * torch.sigmoid(self.net(h).squeeze(-1))
 
 

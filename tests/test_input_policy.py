@@ -15,6 +15,8 @@ import torch
 
 import sparse_attn as sa
 from sparse_attn._triton_rows import entmax_rows_triton
+from sparse_attn.kernels.row_entmax import entmax_rows_bwd, entmax_rows_fwd
+from sparse_attn.kernels.structured import isotonic_nonincreasing_rows, tv_prox_rows
 
 NAN_ROW, POS_INF_ROW, EMPTY_ROW = 1, 2, 3
 GOOD_ROWS = [0, 4, 5]  # row 4 has -inf entries
@@ -408,6 +410,21 @@ def _fertility_calls():
         (module.step, dict(scores=scores[:, 0].to("meta"), state=state), ValueError,
          "scores must be on the device of the state"),
         (module.init_state, dict(batch_shape=(3,), src_len=0), ValueError, "src_len must be >= 1"),
+        (sa.FertilityPredictor(2), dict(h=torch.ones(3, 5, 4)), ValueError, "h must have shape (..., J, 2)"),
+        (sa.FertilityPredictor(2), dict(h=torch.ones(3, 5, 2, dtype=torch.int64)), TypeError, "h must be a floating"),
+        (tv_prox_rows, dict(x=torch.ones(2, 3, dtype=torch.float16), lengths=torch.tensor([3, 3]), lam=0.1), TypeError,
+         "x must be a 2-d float32 or float64"),
+        (tv_prox_rows, dict(x=torch.ones(2, 3), lengths=torch.tensor([3]), lam=0.1), ValueError,
+         "lengths must have shape (2,)"),
+        (isotonic_nonincreasing_rows, dict(v=torch.ones(2, 3), lengths=torch.ones(2)), TypeError,
+         "lengths must be an integer"),
+        (entmax_rows_fwd, dict(x=torch.ones(2, 3, dtype=torch.float64), alpha=1.5, mode=2), TypeError,
+         "x must be a 2-d float16, bfloat16 or float32"),
+        (entmax_rows_fwd, dict(x=torch.ones(2, 3), alpha=1.5, mode=7), ValueError, "mode must be one of"),
+        (entmax_rows_fwd, dict(x=torch.ones(2, 3), alpha=torch.ones(3), mode=3), ValueError,
+         "alpha must be a float or a tensor of shape (2,)"),
+        (entmax_rows_bwd, dict(y=torch.ones(2, 3), dy=torch.ones(2, 4), alpha=1.5, mode=2), ValueError,
+         "dy must match y"),
         (sa.FertilityAttention(fertility=None, predictor=sa.FertilityPredictor(2)), dict(scores=scores,
          encoder_states=torch.ones(3, 5, 2, dtype=torch.int64)), TypeError, "encoder_states must be a floating"),
     ]
