@@ -29,6 +29,11 @@ cancels as ``alpha -> 1``; at ``alpha = 1`` it is the exact limit).
 
 All arithmetic is float32; fp16/bf16 are converted right after loading (bf16 arithmetic is
 broken under the interpreter) and the output is stored in the input dtype.
+
+Non-finite scores: the max pass also flags a NaN or ``+inf`` anywhere in the row (``x < inf``
+fails for both); such a row is written as all NaN. A row that is entirely ``-inf`` is written
+as zeros. In the backward an output entry that is NaN makes ``U`` NaN, so the row's ``dX`` and
+its alpha gradient are NaN too.
 """
 
 from __future__ import annotations
@@ -103,11 +108,13 @@ def _scalar_pow(a, e, POW: tl.constexpr):
 
 
 @triton.jit
-def _store_zero_row(y_row, n_cols, n_chunks, BLOCK: tl.constexpr):
+def _fill_row(y_row, value, n_cols, n_chunks, BLOCK: tl.constexpr):
+    """Store the scalar ``value`` at every column of the row."""
     offs = tl.arange(0, BLOCK)
     for c in range(0, n_chunks):
         cols = c * BLOCK + offs
-        tl.store(y_row + cols, tl.zeros([BLOCK], dtype=tl.float32).to(y_row.dtype.element_ty), mask=cols < n_cols)
+        tl.store(y_row + cols, (tl.zeros([BLOCK], dtype=tl.float32) + value).to(y_row.dtype.element_ty),
+                 mask=cols < n_cols)
 
 
 @triton.jit
@@ -189,16 +196,21 @@ def _entmax_rows_fwd_kernel(X, Y, Alpha, Cmax, n_cols, n_chunks, log2_n, stride_
     cmax_row = Cmax + row * n_chunks
     offs = tl.arange(0, BLOCK)
     m = float("-inf")
+    n_bad = 0
     for c in range(0, n_chunks):
         cols = c * BLOCK + offs
         x = tl.load(x_row + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)  # [BLOCK]
+        # NaN and +inf both fail x < inf (tl.max may drop NaN on the GPU, so they are counted apart).
+        n_bad += tl.sum(tl.where(x < float("inf"), 0, 1), axis=0)
         cm = tl.max(x, axis=0)
         tl.store(cmax_row + c, cm)
         m = tl.maximum(m, cm)
     alpha = tl.load(Alpha + row * stride_alpha).to(tl.float32)
     eps = alpha - 1.0
-    if m == float("-inf"):
-        _store_zero_row(y_row, n_cols, n_chunks, BLOCK)
+    if n_bad > 0:
+        _fill_row(y_row, float("nan"), n_cols, n_chunks, BLOCK)
+    elif m == float("-inf"):
+        _fill_row(y_row, 0.0, n_cols, n_chunks, BLOCK)
     elif MODE == 0:
         _softmax_row(x_row, y_row, n_cols, n_chunks, m, BLOCK)
     elif MODE == 1:
@@ -218,7 +230,10 @@ def _entmax_rows_fwd_kernel(X, Y, Alpha, Cmax, n_cols, n_chunks, log2_n, stride_
 
 @triton.jit
 def _bwd_terms(p, eps, MODE: tl.constexpr, NEED_DALPHA: tl.constexpr):
-    """``U = p ** (2 - alpha)`` and ``k = p * d(log p)/d(alpha)`` at a fixed threshold (0 off the support)."""
+    """``U = p ** (2 - alpha)`` and ``k = p * d(log p)/d(alpha)`` at a fixed threshold (0 off the support).
+
+    ``U`` is NaN where ``p`` is NaN (a NaN output row), which makes the whole row's gradients NaN.
+    """
     live = p > 0.0
     if MODE == 0:
         u = p
@@ -229,6 +244,7 @@ def _bwd_terms(p, eps, MODE: tl.constexpr, NEED_DALPHA: tl.constexpr):
     else:
         lp2 = tl.log2(tl.where(live, p, 1.0))
         u = tl.where(live, tl.exp2((1.0 - eps) * lp2), 0.0)
+    u = tl.where(p == p, u, p)
     if NEED_DALPHA:
         lp = tl.log2(tl.where(live, p, 1.0)) * LN2
         y = -eps * lp
@@ -287,6 +303,20 @@ def _launch_config(n_cols: int, block: int | None) -> tuple[int, int]:
     return block, max(1, min(8, block // 256))
 
 
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _check_launch(name: str, x: torch.Tensor, mode: int) -> None:
+    """``x`` a 2-d fp16/bf16/fp32 tensor with unit column stride; ``mode`` one of the ``MODE_*``."""
+    if not isinstance(x, torch.Tensor) or x.ndim != 2 or x.dtype not in _DTYPES:
+        got = f"{x.dtype} tensor of shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+        raise TypeError(f"{name} must be a 2-d float16, bfloat16 or float32 tensor, got {got}")
+    if x.stride(1) != 1:
+        raise ValueError(f"{name} must have unit stride along columns, got strides {tuple(x.stride())}")
+    if mode not in (MODE_SOFTMAX, MODE_SPARSEMAX, MODE_ENTMAX15, MODE_GENERAL):
+        raise ValueError(f"mode must be one of MODE_SOFTMAX/SPARSEMAX/ENTMAX15/GENERAL (0-3), got {mode!r}")
+
+
 def _alpha_rows(alpha, n_rows: int, device) -> tuple[torch.Tensor, int]:
     if isinstance(alpha, torch.Tensor):
         if alpha.shape != (n_rows,):
@@ -311,16 +341,16 @@ def entmax_rows_fwd(x: torch.Tensor, alpha, mode: int, tol: float = 1e-6, max_it
     Returns:
         ``(n_rows, n_cols)`` tensor in ``x.dtype``; rows sum to 1, all ``-inf`` rows are 0.
     """
+    _check_launch("x", x, mode)
     n_rows, n_cols = x.shape
-    if x.stride(1) != 1:
-        raise ValueError(f"x must have unit stride along columns, got strides {tuple(x.stride())}")
     block, num_warps = _launch_config(n_cols, block)
     n_chunks = triton.cdiv(n_cols, block)
     y = torch.full_like(x, float("nan"))
     cmax = torch.empty((n_rows, n_chunks), dtype=torch.float32, device=x.device)
     alpha_t, stride_alpha = _alpha_rows(alpha, n_rows, x.device)
     _entmax_rows_fwd_kernel[(n_rows,)](
-        x, y, alpha_t, cmax, n_cols, n_chunks, math.log2(max(n_cols, 1)), x.stride(0), y.stride(0), stride_alpha, float(tol), int(max_iter),
+        x, y, alpha_t, cmax, n_cols, n_chunks, math.log2(max(n_cols, 1)), x.stride(0), y.stride(0), stride_alpha,
+        float(tol), int(max_iter),
         MODE=mode, BLOCK=block, num_warps=num_warps,
     )
     return y
@@ -331,7 +361,7 @@ def entmax_rows_bwd(y: torch.Tensor, dy: torch.Tensor, alpha, mode: int, need_da
     """Gradients of alpha-entmax rows from the forward output.
 
     Args:
-        y: ``(n_rows, n_cols)`` forward output (any float dtype), unit column stride.
+        y: ``(n_rows, n_cols)`` forward output (float16/bfloat16/float32), unit column stride.
         dy: upstream gradient, same shape, unit column stride.
         alpha: float, or float tensor ``(n_rows,)``; values in [1, 2].
         mode: the forward's mode; ``MODE_GENERAL`` evaluates ``U = p ** (2 - alpha)`` per row.
@@ -342,9 +372,13 @@ def entmax_rows_bwd(y: torch.Tensor, dy: torch.Tensor, alpha, mode: int, need_da
         ``(dx, dalpha)``: ``dx`` ``(n_rows, n_cols)`` in ``dy.dtype``; ``dalpha`` float32
         ``(n_rows,)`` or ``None``.
     """
+    _check_launch("y", y, mode)
+    _check_launch("dy", dy, mode)
+    if dy.shape != y.shape or dy.device != y.device:
+        raise ValueError(
+            f"dy must match y (shape {tuple(y.shape)} on {y.device}), got shape {tuple(dy.shape)} on {dy.device}"
+        )
     n_rows, n_cols = y.shape
-    if y.stride(1) != 1 or dy.stride(1) != 1:
-        raise ValueError("y and dy must have unit stride along columns")
     if need_dalpha and mode != MODE_GENERAL:
         raise ValueError(f"need_dalpha requires mode MODE_GENERAL ({MODE_GENERAL}), got {mode}")
     block, num_warps = _launch_config(n_cols, block)

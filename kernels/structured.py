@@ -7,7 +7,10 @@
   non-increasing fit, the core of the OSCAR prox (sorted input). The block stack lives in a
   per-row scratch in global memory; the top block is kept in registers.
 
-Each program runs one row with scalar state; rows are independent, so the grid is the
+Inputs must be finite inside the valid prefix of each row (the public mappings replace rows
+holding NaN or ``+inf`` before calling; see ``sparse_attn._structured_rows``); the kernels
+terminate on any input but their output is then meaningless. Each program runs one row with
+scalar state; rows are independent, so the grid is the
 number of rows. The PyTorch paths in ``sparse_attn.structured`` (vectorized over rows) are
 the references these results are tested against.
 """
@@ -15,6 +18,21 @@ the references these results are tested against.
 import torch
 import triton
 import triton.language as tl
+
+
+def _check_rows(name: str, x: torch.Tensor, lengths: torch.Tensor) -> None:
+    """``x`` a 2-d float32/float64 tensor, ``lengths`` an integer ``(R,)`` tensor on its device."""
+    if not isinstance(x, torch.Tensor) or x.ndim != 2 or x.dtype not in (torch.float32, torch.float64):
+        got = f"{x.dtype} tensor of shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+        raise TypeError(f"{name} must be a 2-d float32 or float64 tensor, got {got}")
+    if not isinstance(lengths, torch.Tensor) or lengths.dtype.is_floating_point or lengths.dtype == torch.bool:
+        got = lengths.dtype if isinstance(lengths, torch.Tensor) else type(lengths).__name__
+        raise TypeError(f"lengths must be an integer tensor, got {got}")
+    if tuple(lengths.shape) != (x.shape[0],) or lengths.device != x.device:
+        raise ValueError(
+            f"lengths must have shape ({x.shape[0]},) on {name}'s device {x.device}, "
+            f"got shape {tuple(lengths.shape)} on {lengths.device}"
+        )
 
 
 @triton.jit
@@ -117,6 +135,7 @@ def tv_prox_rows(x: torch.Tensor, lengths: torch.Tensor, lam: float) -> torch.Te
     Returns:
         ``(R, N)`` tensor of ``x``'s dtype; entries at positions ``>= lengths[r]`` are NaN.
     """
+    _check_rows("x", x, lengths)
     if x.stride(-1) != 1:
         x = x.contiguous()
     rows = x.shape[0]
@@ -188,6 +207,7 @@ def isotonic_nonincreasing_rows(v: torch.Tensor, lengths: torch.Tensor) -> torch
     Returns:
         ``(R, N)`` tensor of ``v``'s dtype; entries at positions ``>= lengths[r]`` are NaN.
     """
+    _check_rows("v", v, lengths)
     if v.stride(-1) != 1:
         v = v.contiguous()
     rows, n = v.shape

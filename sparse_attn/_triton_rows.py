@@ -1,53 +1,83 @@
-"""Autograd wrapper and entry point of the Triton alpha-entmax row kernels (long rows on CUDA).
+"""Autograd wiring and entry point of the Triton alpha-entmax row kernels (long rows on CUDA).
 
-``sparse_attn.mappings`` calls :func:`entmax_rows_triton` for CUDA tensors with long rows;
-it also runs on CPU tensors under ``TRITON_INTERPRET=1`` (tests). The math and the solver
-are described in ``kernels/row_entmax.py`` and ``docs/readme/row_kernels.md``.
+The launchers of ``kernels/row_entmax.py`` are wrapped as the ``torch.library`` custom ops
+``sparse_attn::entmax_rows_fwd`` and ``sparse_attn::entmax_rows_bwd`` with fake
+implementations (shapes only) and a registered autograd formula, following the rule of
+``sparse_attn._dispatch``. ``sparse_attn.mappings`` calls :func:`entmax_rows_triton` for CUDA
+tensors with long rows (the ``auto`` dispatch); called directly it is the forced kernel path
+and raises instead of falling back. It also runs on CPU tensors under ``TRITON_INTERPRET=1``
+(tests). The math and the solver are described in ``kernels/row_entmax.py``.
 """
 
 from __future__ import annotations
 
 import torch
-from torch.autograd.function import once_differentiable
+from torch import Tensor
 
 from sparse_attn._validation import check_alpha, check_dim, check_tensor
 from sparse_attn.kernels._common import interpreting
 from sparse_attn.kernels.row_entmax import MODE_GENERAL, entmax_rows_bwd, entmax_rows_fwd, row_mode
 
-__all__ = ["EntmaxRowsTritonFunction", "entmax_rows_triton"]
+__all__ = ["entmax_rows_triton"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-class EntmaxRowsTritonFunction(torch.autograd.Function):
-    """alpha-entmax over the rows of a ``(n_rows, n_cols)`` contiguous tensor.
+def _alpha_and_mode(alpha_rows: Tensor | None, alpha_value: float):
+    if alpha_rows is None:
+        return alpha_value, row_mode(alpha_value)
+    return alpha_rows, MODE_GENERAL
 
-    ``forward(x, alpha_rows, alpha_value)``: ``alpha_rows`` is a float32 ``(n_rows,)``
-    tensor (differentiable) or ``None``, in which case the Python float ``alpha_value``
-    applies to every row. The backward recomputes nothing: it reads the saved output
-    (first-order gradients only).
+
+@torch.library.custom_op("sparse_attn::entmax_rows_fwd", mutates_args=())
+def _rows_fwd_op(x: Tensor, alpha_rows: Tensor | None, alpha_value: float) -> Tensor:
+    """alpha-entmax of the rows of a ``(n_rows, n_cols)`` tensor with unit column stride.
+
+    ``alpha_rows``: float32 ``(n_rows,)`` (one alpha per row) or ``None``, in which case the
+    float ``alpha_value`` applies to every row (and selects the exact kernel mode for 1, 1.5, 2).
     """
+    alpha, mode = _alpha_and_mode(alpha_rows, alpha_value)
+    return entmax_rows_fwd(x, alpha, mode)
 
-    @staticmethod
-    def forward(ctx, x, alpha_rows, alpha_value):
-        if alpha_rows is None:
-            alpha, mode = alpha_value, row_mode(alpha_value)
-        else:
-            alpha, mode = alpha_rows.detach(), MODE_GENERAL
-        y = entmax_rows_fwd(x, alpha, mode)
-        ctx.mode = mode
-        ctx.alpha_value = alpha_value
-        ctx.save_for_backward(y, alpha if alpha_rows is not None else None)
-        return y
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, dy):
-        y, alpha_rows = ctx.saved_tensors
-        alpha = ctx.alpha_value if alpha_rows is None else alpha_rows
-        need_dalpha = alpha_rows is not None and ctx.needs_input_grad[1]
-        dx, dalpha = entmax_rows_bwd(y, dy.contiguous(), alpha, ctx.mode, need_dalpha=need_dalpha)
-        return dx, dalpha, None
+@_rows_fwd_op.register_fake
+def _rows_fwd_fake(x, alpha_rows, alpha_value):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("sparse_attn::entmax_rows_bwd", mutates_args=())
+def _rows_bwd_op(y: Tensor, dy: Tensor, alpha_rows: Tensor | None, alpha_value: float,
+                 need_dalpha: bool) -> tuple[Tensor, Tensor]:
+    """``(dX, dalpha)`` from the forward output ``y``; ``dalpha`` is float32 ``(n_rows,)`` or empty ``(0,)``."""
+    alpha, mode = _alpha_and_mode(alpha_rows, alpha_value)
+    dx, dalpha = entmax_rows_bwd(y, dy, alpha, mode, need_dalpha=need_dalpha)
+    return dx, (dalpha if dalpha is not None else y.new_zeros(0, dtype=torch.float32))
+
+
+@_rows_bwd_op.register_fake
+def _rows_bwd_fake(y, dy, alpha_rows, alpha_value, need_dalpha):
+    return torch.empty_like(dy), y.new_empty((y.shape[0],) if need_dalpha else (0,), dtype=torch.float32)
+
+
+def _setup_context(ctx, inputs, output):
+    _, alpha_rows, alpha_value = inputs
+    ctx.save_for_backward(output, alpha_rows)
+    ctx.alpha_value = alpha_value
+
+
+def _backward(ctx, dy):
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            "the Triton row kernels' backward is first-order only: double backward (create_graph=True) is "
+            "not supported; use the PyTorch path (CPU tensors, or rows shorter than TRITON_MIN_ROW)"
+        )
+    y, alpha_rows = ctx.saved_tensors
+    need_dalpha = alpha_rows is not None and ctx.needs_input_grad[1]
+    dx, dalpha = _rows_bwd_op(y, dy.contiguous(), alpha_rows, ctx.alpha_value, need_dalpha)
+    return dx, (dalpha if need_dalpha else None), None
+
+
+_rows_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def entmax_rows_triton(X: torch.Tensor, alpha, dim: int = -1) -> torch.Tensor:
@@ -56,7 +86,8 @@ def entmax_rows_triton(X: torch.Tensor, alpha, dim: int = -1) -> torch.Tensor:
     ``p = [(alpha - 1) x - tau]_+ ** (1 / (alpha - 1))`` with ``sum p = 1`` along ``dim``;
     alpha = 1 is softmax, 2 sparsemax (exact, Michelot), 1.5 1.5-entmax (no transcendental
     functions), anything else in between Newton on the Tsallis norm to ``|sum p - 1| <= 1e-6``
-    followed by renormalization. Differentiable w.r.t. ``X`` and a tensor ``alpha``.
+    followed by renormalization. Differentiable w.r.t. ``X`` and a tensor ``alpha`` (first
+    order). The forced kernel path: input the kernels cannot run raises, it never falls back.
 
     Args:
         X: float16, bfloat16 or float32 tensor of any shape with at least one dimension, on
@@ -67,7 +98,8 @@ def entmax_rows_triton(X: torch.Tensor, alpha, dim: int = -1) -> torch.Tensor:
 
     Returns:
         Tensor of ``X``'s shape and dtype. ``-inf`` entries are exactly 0; a row that is
-        entirely ``-inf`` is 0 with zero gradient.
+        entirely ``-inf`` is 0 with zero gradient; a row holding a NaN or ``+inf`` is all NaN
+        with NaN gradients. Empty ``X`` gives an empty output.
     """
     check_tensor("X", X)
     if X.dtype not in _DTYPES:
@@ -92,7 +124,7 @@ def entmax_rows_triton(X: torch.Tensor, alpha, dim: int = -1) -> torch.Tensor:
         shape = (1,) * (X.ndim - alpha.ndim) + tuple(alpha.shape)
         a = alpha.reshape(shape).expand(*X.shape[:d], 1, *X.shape[d + 1:])
         a = a.movedim(d, -1).reshape(-1).to(device=X.device, dtype=torch.float32)
-        y = EntmaxRowsTritonFunction.apply(xr, a, None)
+        y = _rows_fwd_op(xr, a, 1.0)
     else:
-        y = EntmaxRowsTritonFunction.apply(xr, None, float(alpha))
+        y = _rows_fwd_op(xr, None, float(alpha))
     return y.reshape(*batch_shape, n).movedim(-1, d)

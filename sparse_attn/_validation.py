@@ -18,6 +18,11 @@ __all__ = [
     "check_positive_int",
     "check_alpha",
     "check_choice",
+    "check_real",
+    "check_bool",
+    "check_int",
+    "check_device",
+    "check_bool_mask",
 ]
 
 
@@ -63,6 +68,44 @@ def check_positive_int(name: str, value, allow_none: bool = False) -> None:
         raise TypeError(f"{name} must be {expected}, got {type(value).__name__}")
     if value < 1:
         raise ValueError(f"{name} must be >= 1, got {value}")
+
+
+def check_real(name: str, value, low: float, low_open: bool, high: float = math.inf) -> float:
+    """``value`` as a float, checked finite and in ``(low, high]`` (``[low, high]`` unless ``low_open``)."""
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+    v = float(value)
+    bad_low = v <= low if low_open else v < low
+    if not math.isfinite(v) or bad_low or v > high:
+        bracket = "(" if low_open else "["
+        raise ValueError(f"{name} must be finite and in {bracket}{low}, {high}], got {v}")
+    return v
+
+
+def check_bool(name: str, value) -> None:
+    """Raise ``TypeError`` unless ``value`` is a Python bool."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+
+
+def check_int(name: str, value) -> None:
+    """Raise ``TypeError`` unless ``value`` is a Python int (bools are rejected)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+
+
+def check_device(name: str, t: torch.Tensor, device: torch.device, of: str = "the input") -> None:
+    """Raise ``ValueError`` unless ``t`` is on ``device``; a 0-d CPU tensor is accepted anywhere, as in torch."""
+    if t.device != device and not (t.ndim == 0 and t.device.type == "cpu"):
+        raise ValueError(f"{name} must be on the device of {of} ({device}), got {t.device}")
+
+
+def check_bool_mask(name: str, mask, device: torch.device, meaning: str, of: str) -> None:
+    """Raise unless ``mask`` is a boolean tensor on ``device`` (the device of ``of``); the caller checks the shape."""
+    check_tensor(name, mask)
+    if mask.dtype != torch.bool:
+        raise TypeError(f"{name} must be a boolean tensor {meaning}, got dtype {mask.dtype}")
+    check_device(name, mask, device, of)
 
 
 def check_choice(name: str, value, choices) -> None:

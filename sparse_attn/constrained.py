@@ -20,6 +20,11 @@ Backward passes use the closed forms: csparsemax Eq. 7-8 (Appendix A), csoftmax
 ``dz = 1_F a (g - s)``, ``du = 1_C (g - s)`` with ``F`` the free entries, ``C`` the clipped
 ones and ``s = sum_F a g / sum_F a``.
 
+Non-finite scores: a row with a NaN or ``+inf`` score among its valid entries gives an
+all-NaN output row and NaN gradients (w.r.t. ``z`` and ``u``); other rows are unaffected.
+``-inf`` scores are masked. The bounds ``u`` are validated instead (NaN or negative:
+``ValueError``).
+
 Infeasible bounds: a row whose valid bounds sum to less than 1 (beyond a rounding
 tolerance) raises ``ValueError``; use a sink entry with ``u = inf`` (as
 :class:`FertilityAttention` does with ``sink=True``) to keep every row feasible. This check
@@ -33,8 +38,19 @@ import math
 import torch
 from torch import nn
 
-from sparse_attn._validation import check_choice, check_dim, check_floating, check_tensor
-from sparse_attn.structured import _check_real, _compute_dtype, _from_rows, _to_rows, _valid_rows
+from sparse_attn._structured_rows import from_rows, poison_rows, replace_rows, split_nonfinite, to_rows, valid_rows
+from sparse_attn._validation import (
+    check_bool,
+    check_bool_mask,
+    check_choice,
+    check_device,
+    check_dim,
+    check_floating,
+    check_positive_int,
+    check_real,
+    check_tensor,
+)
+from sparse_attn.mappings import _compute_dtype
 
 __all__ = [
     "csoftmax",
@@ -244,23 +260,27 @@ def _constrained(fn, z, u, dim, mask, lengths):
     check_tensor("u", u)
     if not u.dtype.is_floating_point:
         raise TypeError(f"u must be a floating-point tensor, got dtype {u.dtype}")
+    check_device("u", u, z.device, "z")
     d = check_dim("dim", dim, z.ndim)
     try:
         zb, ub = torch.broadcast_tensors(z, u.to(z.device))
     except RuntimeError:
         raise ValueError(f"u must be broadcastable to z's shape {tuple(z.shape)}, got shape {tuple(u.shape)}") from None
     if zb.shape != z.shape:
-        raise ValueError(f"u must be broadcastable to z's shape {tuple(z.shape)} without growing it, got shape {tuple(u.shape)}")
-    valid = _valid_rows(z, d, mask, lengths)
+        raise ValueError(
+            f"u must be broadcastable to z's shape {tuple(z.shape)} without growing it, got shape {tuple(u.shape)}"
+        )
+    valid = valid_rows(z, d, mask, lengths)
     if z.numel() == 0:
         return z.clone()
     cdt = _compute_dtype(z.dtype)
-    zr = _to_rows(zb, d).to(cdt)
-    ur = _to_rows(ub, d).to(cdt)
+    ur = to_rows(ub, d).to(cdt)
     _check_bounds(ur.detach(), valid)
+    zr, bad = split_nonfinite(to_rows(zb, d).to(cdt), valid)
+    ur = replace_rows(ur, bad, 1.0)
     zr = torch.where(valid, zr, torch.zeros_like(zr))
     a = fn.apply(zr, ur, valid)
-    return _from_rows(a.to(z.dtype), z, d)
+    return from_rows(poison_rows(a, bad).to(z.dtype), z, d)
 
 
 def csoftmax(z: torch.Tensor, u: torch.Tensor, dim: int = -1, mask=None, lengths=None) -> torch.Tensor:
@@ -311,11 +331,9 @@ def _broadcast_exact(name: str, x: torch.Tensor, shape) -> torch.Tensor:
         raise ValueError(f"{name} must be broadcastable to {shape}, got shape {tuple(x.shape)}") from None
 
 
-def _check_mask_arg(name: str, mask, shape, meaning: str) -> torch.Tensor:
-    """A boolean ``mask`` broadcast to ``shape`` (``TypeError``/``ValueError`` naming ``name``)."""
-    check_tensor(name, mask)
-    if mask.dtype != torch.bool:
-        raise TypeError(f"{name} must be a boolean tensor {meaning}, got dtype {mask.dtype}")
+def _check_mask_arg(name: str, mask, shape, meaning: str, device: torch.device) -> torch.Tensor:
+    """A boolean ``mask`` on ``device`` broadcast to ``shape`` (``TypeError``/``ValueError`` naming ``name``)."""
+    check_bool_mask(name, mask, device, meaning, "the scores")
     return _broadcast_exact(name, mask, shape)
 
 
@@ -333,13 +351,19 @@ class FertilityPredictor(nn.Module):
 
     def __init__(self, input_dim: int, max_fertility: float = 3.0, hidden_dim: int | None = None):
         super().__init__()
-        self.max_fertility = _check_real("max_fertility", max_fertility, 0.0, True)
+        check_positive_int("input_dim", input_dim)
+        check_positive_int("hidden_dim", hidden_dim, allow_none=True)
+        self.input_dim = input_dim
+        self.max_fertility = check_real("max_fertility", max_fertility, 0.0, True)
         if hidden_dim is None:
             self.net = nn.Linear(input_dim, 1)
         else:
             self.net = nn.Sequential(nn.Linear(input_dim, hidden_dim), nn.Tanh(), nn.Linear(hidden_dim, 1))
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
+        check_floating("h", h)
+        if h.ndim < 2 or h.shape[-1] != self.input_dim:
+            raise ValueError(f"h must have shape (..., J, {self.input_dim}), got shape {tuple(h.shape)}")
         return self.max_fertility * torch.sigmoid(self.net(h).squeeze(-1))
 
 
@@ -387,6 +411,9 @@ class FertilityAttention(nn.Module):
     Shapes: scores ``(..., J)`` per step or ``(..., T, J)`` for a whole target; ``src_mask``
     boolean ``(..., J)`` (True = real word) or ``src_lengths`` ``(...)``; per-word
     ``fertility`` broadcastable to ``(..., J)``. Outputs have ``J + 1`` columns with a sink.
+    Every tensor argument must be on the scores' device. A step whose scores hold a NaN or
+    ``+inf`` gives an all-NaN attention row for that batch entry; its cumulative attention is
+    then NaN, so its later steps are NaN too (no exception); other batch entries are unaffected.
     """
 
     def __init__(self, transform: str = "csparsemax", fertility: float | None = 2.0, predictor: nn.Module | None = None,
@@ -394,12 +421,13 @@ class FertilityAttention(nn.Module):
         super().__init__()
         check_choice("transform", transform, {"csparsemax", "csoftmax"})
         self.transform = transform
-        self.fertility = None if fertility is None else _check_real("fertility", fertility, 0.0, True)
+        self.fertility = None if fertility is None else check_real("fertility", fertility, 0.0, True)
+        if predictor is not None and not callable(predictor):
+            raise TypeError(f"predictor must be a module (callable) or None, got {type(predictor).__name__}")
         self.predictor = predictor
-        if not isinstance(sink, bool):
-            raise TypeError(f"sink must be a bool, got {type(sink).__name__}")
+        check_bool("sink", sink)
         self.sink = sink
-        self.exhaustion = _check_real("exhaustion", exhaustion, 0.0, False)
+        self.exhaustion = check_real("exhaustion", exhaustion, 0.0, False)
         self.sink_score = nn.Parameter(torch.zeros(())) if sink else None
 
     def extra_repr(self) -> str:
@@ -420,14 +448,17 @@ class FertilityAttention(nn.Module):
             encoder_states: ``(..., J, D)`` inputs of ``predictor`` when it is set.
             device, dtype: of the state tensors. Default CPU, float32.
         """
+        check_positive_int("src_len", src_len)
         shape = tuple(batch_shape) + (src_len,)
+        dev = torch.device("cpu") if device is None else torch.device(device)
         valid = torch.ones(shape, dtype=torch.bool, device=device)
         if src_mask is not None:
-            valid = valid & _check_mask_arg("src_mask", src_mask, shape, "(True = real word)").to(device)
+            valid = valid & _check_mask_arg("src_mask", src_mask, shape, "(True = real word)", dev).to(device)
         if src_lengths is not None:
             check_tensor("src_lengths", src_lengths)
             if src_lengths.dtype.is_floating_point or src_lengths.dtype == torch.bool or src_lengths.is_complex():
                 raise TypeError(f"src_lengths must be an integer tensor, got dtype {src_lengths.dtype}")
+            check_device("src_lengths", src_lengths, dev, "the scores")
             lens = _broadcast_exact("src_lengths", src_lengths.to(device), shape[:-1])
             if lens.numel() > 0:
                 lo, hi = int(lens.min()), int(lens.max())
@@ -435,7 +466,7 @@ class FertilityAttention(nn.Module):
                     raise ValueError(f"src_lengths must be in [0, {src_len}] (src_len), got values in [{lo}, {hi}]")
             pos = torch.arange(src_len, device=device)
             valid = valid & (pos < lens.unsqueeze(-1))
-        fert = self._resolve_fertility(shape, fertility, encoder_states, device, dtype)
+        fert = self._resolve_fertility(shape, fertility, encoder_states, dev, dtype)
         fert = torch.where(valid, fert, torch.zeros_like(fert))
         if self.sink:
             fert = torch.cat([fert, torch.full_like(fert[..., :1], math.inf)], dim=-1)
@@ -446,21 +477,30 @@ class FertilityAttention(nn.Module):
         if fertility is not None:
             if isinstance(fertility, torch.Tensor):
                 if not fertility.dtype.is_floating_point:
-                    raise TypeError(f"fertility must be a float or a floating-point tensor, got dtype {fertility.dtype}")
+                    raise TypeError(
+                        f"fertility must be a float or a floating-point tensor, got dtype {fertility.dtype}"
+                    )
+                check_device("fertility", fertility, device, "the scores")
                 try:
                     fert = torch.broadcast_to(fertility.to(device=device, dtype=dtype), shape)
                 except RuntimeError:
-                    raise ValueError(f"fertility must be broadcastable to {shape}, got shape {tuple(fertility.shape)}") from None
+                    raise ValueError(
+                        f"fertility must be broadcastable to {shape}, got shape {tuple(fertility.shape)}"
+                    ) from None
                 if bool((fert.detach() < 0).any()) or bool(torch.isnan(fert.detach()).any()):
                     raise ValueError("fertility must be >= 0 everywhere, got a negative or NaN value")
                 return fert
-            return torch.full(shape, _check_real("fertility", fertility, 0.0, True), device=device, dtype=dtype)
+            return torch.full(shape, check_real("fertility", fertility, 0.0, True), device=device, dtype=dtype)
         if self.predictor is not None and encoder_states is not None:
+            check_floating("encoder_states", encoder_states)
+            check_device("encoder_states", encoder_states, device, "the scores")
             fert = self.predictor(encoder_states).to(device=device, dtype=dtype)
             try:
                 return torch.broadcast_to(fert, shape)
             except RuntimeError:
-                raise ValueError(f"predictor output must be broadcastable to {shape}, got shape {tuple(fert.shape)}") from None
+                raise ValueError(
+                    f"predictor output must be broadcastable to {shape}, got shape {tuple(fert.shape)}"
+                ) from None
         if self.fertility is not None:
             return torch.full(shape, self.fertility, device=device, dtype=dtype)
         raise ValueError(
@@ -487,6 +527,9 @@ class FertilityAttention(nn.Module):
                                     **init_kwargs)
         elif init_kwargs:
             raise ValueError(f"init arguments {sorted(init_kwargs)} are only accepted with state=None")
+        if not isinstance(state, FertilityState):
+            raise TypeError(f"state must be a FertilityState or None, got {type(state).__name__}")
+        check_device("scores", scores, state.fertility.device, "the state")
         j_total = state.fertility.shape[-1]
         if scores.shape[-1] + int(self.sink) != j_total:
             raise ValueError(
@@ -498,12 +541,15 @@ class FertilityAttention(nn.Module):
         credit = state.credit
         finite_credit = torch.where(torch.isinf(credit), torch.zeros_like(credit), credit)
         z = z + self.exhaustion * finite_credit
+        # A NaN credit (from an earlier NaN row) already made z NaN there: the row's output is NaN.
+        bound = torch.where(torch.isnan(credit), torch.full_like(credit, math.inf), credit)
         valid = state.valid
         if step_mask is not None:
-            step_valid = _check_mask_arg("step_mask", step_mask, scores.shape[:-1], "(False = padded target position)")
+            step_valid = _check_mask_arg("step_mask", step_mask, scores.shape[:-1], "(False = padded target position)",
+                                         scores.device)
             valid = valid & step_valid.to(valid.device).unsqueeze(-1)
         fn = csparsemax if self.transform == "csparsemax" else csoftmax
-        attn = fn(z, credit, dim=-1, mask=valid.expand(z.shape))
+        attn = fn(z, bound, dim=-1, mask=valid.expand(z.shape))
         return attn, FertilityState(state.fertility, state.cumulative + attn, state.valid)
 
     def forward(self, scores: torch.Tensor, state: FertilityState | None = None, *, tgt_mask=None, **init_kwargs):
@@ -521,14 +567,17 @@ class FertilityAttention(nn.Module):
         """
         check_floating("scores", scores)
         if scores.ndim < 2:
-            raise ValueError(f"scores must have shape (..., T, J) with at least 2 dims, got shape {tuple(scores.shape)}")
+            raise ValueError(
+                f"scores must have shape (..., T, J) with at least 2 dims, got shape {tuple(scores.shape)}"
+            )
         if state is None:
             state = self.init_state(scores.shape[:-2], scores.shape[-1], device=scores.device, dtype=scores.dtype,
                                     **init_kwargs)
         elif init_kwargs:
             raise ValueError(f"init arguments {sorted(init_kwargs)} are only accepted with state=None")
         if tgt_mask is not None:
-            tgt_mask = _check_mask_arg("tgt_mask", tgt_mask, scores.shape[:-1], "(False = padded target position)")
+            tgt_mask = _check_mask_arg("tgt_mask", tgt_mask, scores.shape[:-1], "(False = padded target position)",
+                                       scores.device)
         outs = []
         for t in range(scores.shape[-2]):
             step_mask = None if tgt_mask is None else tgt_mask[..., t]

@@ -13,10 +13,14 @@ label-proportion targets; ``alpha = 1.5`` and general alpha are the entmax losse
 Peters et al. (2019, ``peters2019-sparse-seq2seq-entmax.txt``).
 
 Targets are integer class labels of shape ``(N,)`` (entries equal to ``ignore_index``
-are skipped) or label proportions of shape ``(N, C)`` (non-negative rows summing to 1).
-Logits of shape ``(N, C)``; ``-inf`` logits are allowed and give finite losses as long
-as the target puts no mass on them; ignored rows give loss 0 and gradient 0 whatever their
-logits. ``alpha`` is treated as a constant (no gradient).
+are skipped) or label proportions of shape ``(N, C)`` (finite, non-negative rows summing to
+1 within 1e-3), on ``X``'s device; a target that breaks this raises ``ValueError`` (reading
+it back to the host). Logits of shape ``(N, C)``; ``-inf`` logits are allowed and give finite
+losses as long as the target puts no mass on them; a row with a NaN or ``+inf`` logit gives
+a NaN loss and NaN gradients (no exception; other rows are unaffected); ignored rows give
+loss 0 and gradient 0 whatever their logits. ``alpha`` is treated as a constant (no
+gradient). Empty batches (``N = 0``) give an empty ``"none"`` loss and 0 for ``"sum"`` and
+``"mean"`` (the mean over no rows is 0, as for a batch whose rows are all ignored).
 
 Losses are returned in the compute dtype: float32 for float16/bfloat16 (and float32)
 logits, float64 for float64 ones, because a loss of half-precision logits of magnitude
@@ -28,8 +32,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from sparse_attn._validation import check_alpha, check_choice, check_floating, check_positive_int, check_tensor
-from sparse_attn.mappings import _compute_dtype, entmax15, entmax_bisect, sparsemax
+from sparse_attn._validation import (
+    check_alpha,
+    check_choice,
+    check_device,
+    check_floating,
+    check_int,
+    check_positive_int,
+    check_tensor,
+)
+from sparse_attn.mappings import _check_alpha_arg, _compute_dtype, entmax15, entmax_bisect, sparsemax
 
 __all__ = [
     "sparsemax_loss",
@@ -41,6 +53,7 @@ __all__ = [
 ]
 
 _REDUCTIONS = {"none", "sum", "mean", "elementwise_mean"}
+_PROPORTION_TOL = 1e-3
 
 
 def _tsallis_entropy(p: torch.Tensor, alpha: torch.Tensor | float) -> torch.Tensor:
@@ -86,12 +99,32 @@ class _FenchelYoungFunction(torch.autograd.Function):
         return (grad.to(diff.dtype).unsqueeze(-1) * diff).to(ctx.x_dtype), None, None, None
 
 
+def _check_proportions(y: torch.Tensor) -> None:
+    """Raise unless every entry is finite and >= 0 and every row sums to 1 within 1e-3 (one host sync)."""
+    bad_entry = ~((y >= 0) & (y < torch.inf))
+    bad_sum = ~((y.sum(-1) - 1).abs() <= _PROPORTION_TOL)
+    any_bad_entry, any_bad_sum = torch.stack([bad_entry.any(), bad_sum.any()]).tolist()
+    if any_bad_entry:
+        raise ValueError(
+            "target label proportions must be finite and >= 0, got "
+            f"{y[bad_entry][0].item()} in row {int(bad_entry.any(-1).nonzero()[0, 0])}"
+        )
+    if any_bad_sum:
+        row = int(bad_sum.nonzero()[0, 0])
+        raise ValueError(
+            f"target label proportions must sum to 1 in every row (within {_PROPORTION_TOL}), "
+            f"got row {row} summing to {y[row].sum().item()}"
+        )
+
+
 def _fy_loss(X, target, alpha, mapping, ignore_index, reduction):
     check_floating("X", X)
     check_tensor("target", target)
     check_choice("reduction", reduction, _REDUCTIONS)
+    check_int("ignore_index", ignore_index)
     if X.ndim != 2:
         raise ValueError(f"X must have shape (N, C), got shape {tuple(X.shape)}")
+    check_device("target", target, X.device, "X")
     check_alpha("alpha", alpha, X, 1)
     n_rows, n_cls = X.shape
     cdt = _compute_dtype(X.dtype)
@@ -102,8 +135,8 @@ def _fy_loss(X, target, alpha, mapping, ignore_index, reduction):
                 f"target with label proportions must have X's shape {tuple(X.shape)}, got {tuple(target.shape)}"
             )
         y = target.detach().to(cdt)
-        if y.numel() and (bool((y < 0).any()) or bool(((y.sum(-1) - 1).abs() > 1e-3).any())):
-            raise ValueError("target label proportions must be non-negative and each row must sum to 1")
+        if n_rows:
+            _check_proportions(y)
     elif target.dtype in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
         if tuple(target.shape) != (n_rows,):
             raise ValueError(f"target labels must have shape ({n_rows},), got {tuple(target.shape)}")
@@ -121,7 +154,9 @@ def _fy_loss(X, target, alpha, mapping, ignore_index, reduction):
     with torch.no_grad():
         p = mapping(X.detach().to(cdt))
     if keep is not None:
-        y = torch.where(keep.unsqueeze(1), y, p)
+        # Ignored rows: p = y = 0 gives loss 0 and gradient 0 whatever the logits (NaN included).
+        p = torch.where(keep.unsqueeze(1), p, torch.zeros_like(p))
+        y = torch.where(keep.unsqueeze(1), y, torch.zeros_like(y))
     if isinstance(alpha, torch.Tensor):
         alpha_rows = alpha.detach().to(cdt).reshape(-1, 1).expand(n_rows, 1)
     else:
@@ -142,10 +177,11 @@ def sparsemax_loss(X: torch.Tensor, target: torch.Tensor, k: int | None = None,
     """Sparsemax (Fenchel-Young, alpha = 2) loss.
 
     Args:
-        X: logits ``(N, C)``, floating.
-        target: labels ``(N,)`` (integer) or label proportions ``(N, C)`` (floating).
+        X: logits ``(N, C)``, floating (a NaN or ``+inf`` in a row gives that row a NaN loss).
+        target: labels ``(N,)`` (integer, in ``[0, C)`` or ``ignore_index``) or label
+            proportions ``(N, C)`` (floating, finite, >= 0, rows summing to 1), on ``X``'s device.
         k: partial-sort size for :func:`sparsemax`. Default None.
-        ignore_index: label whose rows give loss 0 and are left out of the mean. Default -100.
+        ignore_index: int label whose rows give loss 0 and are left out of the mean. Default -100.
         reduction: ``"none"`` (default, shape ``(N,)``), ``"sum"``, ``"mean"`` or
             ``"elementwise_mean"`` (both: mean over non-ignored rows, 0 if none).
 
@@ -183,6 +219,7 @@ def entmax_bisect_loss(X: torch.Tensor, target: torch.Tensor, alpha=1.5, n_iter:
 class _LossModule(nn.Module):
     def __init__(self, ignore_index: int, reduction: str):
         super().__init__()
+        check_int("ignore_index", ignore_index)
         check_choice("reduction", reduction, _REDUCTIONS)
         self.ignore_index = ignore_index
         self.reduction = reduction
@@ -193,6 +230,7 @@ class SparsemaxLoss(_LossModule):
 
     def __init__(self, k: int | None = None, ignore_index: int = -100, reduction: str = "elementwise_mean"):
         super().__init__(ignore_index, reduction)
+        check_positive_int("k", k, allow_none=True)
         self.k = k
 
     def forward(self, X: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -204,6 +242,7 @@ class Entmax15Loss(_LossModule):
 
     def __init__(self, k: int | None = None, ignore_index: int = -100, reduction: str = "elementwise_mean"):
         super().__init__(ignore_index, reduction)
+        check_positive_int("k", k, allow_none=True)
         self.k = k
 
     def forward(self, X: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -217,6 +256,8 @@ class EntmaxBisectLoss(_LossModule):
     def __init__(self, alpha=1.5, n_iter: int = 50, ignore_index: int = -100,
                  reduction: str = "elementwise_mean"):
         super().__init__(ignore_index, reduction)
+        _check_alpha_arg(alpha)
+        check_positive_int("n_iter", n_iter)
         self.alpha = alpha
         self.n_iter = n_iter
 

@@ -21,29 +21,38 @@ backward: with ``U = p ** (2 - alpha)`` on the support,
 (Prop. 1) evaluated in a form that stays exact as ``alpha -> 1``.
 
 fp16/bf16 inputs are computed in float32 and returned in their own dtype; float64 is
-computed in float64. ``-inf`` entries get exactly 0; a row that is entirely ``-inf``
-gives zeros and a zero gradient. CUDA fp16/bf16/fp32 tensors with rows of at least
-``TRITON_MIN_ROW`` entries and alpha in [1, 2] go to the Triton row kernels of
-``sparse_attn._triton_rows``.
+computed in float64.
 
-Under ``torch.compile`` (``fullgraph=True`` works) the PyTorch path is traced without
-reading tensor values: alpha values are not checked, the Triton row kernels are not used,
-the solver's early exit becomes a ``while_loop`` with the same stopping rule (so compiled
-and eager results agree to rounding), rows of a tensor alpha are routed with ``torch.where``
-(every row is computed by the solver and by each exact path, then selected), and ``k`` is
-ignored (full sort).
+Non-finite scores (the project's policy): ``-inf`` entries get exactly 0 and a row that is
+entirely ``-inf`` (or has length 0) gives zeros and a zero gradient; a row with a NaN or a
+``+inf`` anywhere gives an all-NaN output row and all-NaN gradients (w.r.t. its scores and
+its alpha), like ``torch.softmax``. Other rows are unaffected. This is done with elementwise
+selects, without reading values back to the host.
+
+Dispatch (``sparse_attn._dispatch`` states the rule for every mapping): CUDA
+fp16/bf16/fp32 tensors with rows of at least ``TRITON_MIN_ROW`` entries and alpha in
+[1, 2] go to the Triton row kernels of ``sparse_attn._triton_rows`` (a
+``torch.library`` custom op); everything else runs the PyTorch path below.
 """
 
 from __future__ import annotations
 
 import math
-import warnings
 
 import torch
 from torch import nn
 from torch._higher_order_ops import while_loop
 
-from sparse_attn._validation import check_alpha, check_dim, check_floating, check_positive_int
+from sparse_attn._dispatch import load_kernel
+from sparse_attn._validation import (
+    check_alpha,
+    check_bool,
+    check_dim,
+    check_floating,
+    check_int,
+    check_positive_int,
+    check_real,
+)
 
 __all__ = [
     "entmax",
@@ -64,7 +73,6 @@ _TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _BASE_TOL = {torch.float64: 1e-12, torch.float32: 1e-6}
 _SERIES_TERMS = 14
 _SERIES_RADIUS = 0.5
-_triton_import_failed = False
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -76,11 +84,17 @@ def _solver_tol(dtype: torch.dtype, n: int) -> float:
 
 
 def _shift_rows(x: torch.Tensor):
-    """Subtract the row max; rows that are all ``-inf`` become zeros. Returns (x', invalid)."""
+    """Subtract the row max. Returns ``(x', empty, bad)``, the masks of shape ``(R, 1)``.
+
+    ``bad`` rows hold a NaN or ``+inf``, ``empty`` rows are entirely ``-inf``; both become
+    rows of zeros in ``x'`` (so the solvers see finite rows only) and are overwritten later.
+    """
+    bad = (~(x < math.inf)).any(dim=-1, keepdim=True)
     xmax = x.amax(dim=-1, keepdim=True)
-    invalid = xmax == -math.inf
-    shifted = torch.where(invalid, torch.zeros_like(x), x - torch.where(invalid, torch.zeros_like(xmax), xmax))
-    return shifted, invalid
+    empty = xmax == -math.inf
+    zero_row = bad | empty
+    shifted = torch.where(zero_row, torch.zeros_like(x), x - torch.where(zero_row, torch.zeros_like(xmax), xmax))
+    return shifted, empty, bad
 
 
 def _sort_threshold(z: torch.Tensor, beta2: bool, k: int | None):
@@ -225,8 +239,11 @@ def _select_rows(x: torch.Tensor, alpha: torch.Tensor, k: int | None, max_iter: 
 
 def _forward_rows(x: torch.Tensor, alpha_rows: torch.Tensor | float, k: int | None, max_iter: int,
                   ensure_sum_one: bool, exact: bool) -> torch.Tensor:
-    """Mapping of rows ``x`` (R, n) in the compute dtype; alpha float or (R, 1) tensor."""
-    xs, invalid = _shift_rows(x)
+    """Mapping of rows ``x`` (R, n) in the compute dtype; alpha float or (R, 1) tensor.
+
+    Rows entirely ``-inf`` give zeros, rows holding a NaN or ``+inf`` give NaN.
+    """
+    xs, empty, bad = _shift_rows(x)
     if isinstance(alpha_rows, float):
         if exact and alpha_rows in (1.0, 1.5, 2.0):
             p = _exact_rows(xs, alpha_rows, k)
@@ -249,7 +266,8 @@ def _forward_rows(x: torch.Tensor, alpha_rows: torch.Tensor | float, k: int | No
                 remaining &= ~sel
         if bool(remaining.any()):
             p[remaining] = _solve_rows(xs[remaining], alpha_rows[remaining], max_iter, ensure_sum_one)
-    return torch.where(invalid, torch.zeros_like(p), p)
+    p = torch.where(empty, torch.zeros_like(p), p)
+    return torch.where(bad, torch.full_like(p, math.nan), p)
 
 
 def _series_expm1_minus(w: torch.Tensor) -> torch.Tensor:
@@ -279,7 +297,11 @@ def _dp_dalpha_weights(p: torch.Tensor, u: torch.Tensor, e: torch.Tensor) -> tor
 
 
 class _EntmaxRowsFunction(torch.autograd.Function):
-    """Autograd wrapper for rows ``x`` (R, n) and alpha (float or (R, 1) tensor)."""
+    """Autograd wrapper for rows ``x`` (R, n) and alpha (float or (R, 1) tensor); PyTorch only.
+
+    The backward reads the saved output; an all-NaN output row (NaN or ``+inf`` scores) gets
+    ``U = NaN``, hence NaN gradients w.r.t. that row and its alpha.
+    """
 
     @staticmethod
     def forward(ctx, x, alpha, k, max_iter, ensure_sum_one, exact):
@@ -308,6 +330,7 @@ class _EntmaxRowsFunction(torch.autograd.Function):
         support = p > 0
         safe_p = torch.where(support, p, torch.ones_like(p))
         u = torch.where(support, torch.exp((1 - e) * torch.log(safe_p)), torch.zeros_like(p))
+        u = torch.where(torch.isnan(p), p, u)
         s = u.sum(dim=-1, keepdim=True)
         s_safe = torch.where(s > 0, s, torch.ones_like(s))
         delta = (u * g).sum(dim=-1, keepdim=True) / s_safe
@@ -319,21 +342,10 @@ class _EntmaxRowsFunction(torch.autograd.Function):
         return gx.to(grad.dtype), galpha, None, None, None, None
 
 
-def _triton_rows():
-    global _triton_import_failed
-    if _triton_import_failed:
-        return None
-    try:
-        from sparse_attn._triton_rows import entmax_rows_triton
-    except Exception as exc:  # noqa: BLE001 - any import problem means: use PyTorch
-        _triton_import_failed = True
-        warnings.warn(
-            f"sparse_attn: Triton row kernels unavailable ({exc!r}); using the PyTorch path",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-        return None
-    return entmax_rows_triton
+def _use_triton_rows(X: torch.Tensor, n: int, alpha_min: float, alpha_max: float) -> bool:
+    """The ``auto`` rule of ``sparse_attn._dispatch`` for the row kernels (NaN alpha bounds, i.e. compiling: no)."""
+    return (X.is_cuda and n >= TRITON_MIN_ROW and X.dtype in _TRITON_DTYPES and 1.0 <= alpha_min
+            and alpha_max <= 2.0 and not torch.compiler.is_compiling())
 
 
 def _apply(X, alpha, dim, k, max_iter, ensure_sum_one, exact):
@@ -342,14 +354,15 @@ def _apply(X, alpha, dim, k, max_iter, ensure_sum_one, exact):
     alpha_min, alpha_max = check_alpha("alpha", alpha, X, d)
     check_positive_int("k", k, allow_none=True)
     check_positive_int("n_iter", max_iter)
+    check_bool("ensure_sum_one", ensure_sum_one)
     compiling = torch.compiler.is_compiling()
     if isinstance(alpha, torch.Tensor) and alpha.numel() == 1 and not alpha.requires_grad and not compiling:
         alpha = float(alpha)
     if X.numel() == 0:
         return X.clone()
     n = X.shape[d]
-    if not compiling and X.is_cuda and n >= TRITON_MIN_ROW and X.dtype in _TRITON_DTYPES and 1.0 <= alpha_min and alpha_max <= 2.0:
-        kernel = _triton_rows()
+    if _use_triton_rows(X, n, alpha_min, alpha_max):
+        kernel = load_kernel("sparse_attn._triton_rows", "entmax_rows_triton")
         if kernel is not None:
             return kernel(X, alpha, d)
     xr = X.movedim(d, -1)
@@ -438,11 +451,22 @@ def entmax_bisect(X: torch.Tensor, alpha=1.5, dim: int = -1, n_iter: int = 50,
     return _apply(X, alpha, dim, None, n_iter, ensure_sum_one, False)
 
 
+def _check_alpha_arg(alpha) -> None:
+    """Module-time check of ``alpha``: a number > 0 or a floating tensor (its shape is checked per call)."""
+    if isinstance(alpha, torch.Tensor):
+        if not alpha.dtype.is_floating_point:
+            raise TypeError(f"alpha must be a float or a floating-point tensor, got dtype {alpha.dtype}")
+    else:
+        check_real("alpha", alpha, 0.0, True)
+
+
 class Sparsemax(nn.Module):
     """Module form of :func:`sparsemax` (``dim=-1``, ``k=None``)."""
 
     def __init__(self, dim: int = -1, k: int | None = None):
         super().__init__()
+        check_int("dim", dim)
+        check_positive_int("k", k, allow_none=True)
         self.dim = dim
         self.k = k
 
@@ -458,6 +482,8 @@ class Entmax15(nn.Module):
 
     def __init__(self, dim: int = -1, k: int | None = None):
         super().__init__()
+        check_int("dim", dim)
+        check_positive_int("k", k, allow_none=True)
         self.dim = dim
         self.k = k
 
@@ -479,6 +505,9 @@ class EntmaxBisect(nn.Module):
 
     def __init__(self, alpha=1.5, dim: int = -1, n_iter: int = 50):
         super().__init__()
+        _check_alpha_arg(alpha)
+        check_int("dim", dim)
+        check_positive_int("n_iter", n_iter)
         self.alpha = alpha
         self.dim = dim
         self.n_iter = n_iter
@@ -501,6 +530,8 @@ class Entmax(nn.Module):
 
     def __init__(self, alpha=1.5, dim: int = -1):
         super().__init__()
+        _check_alpha_arg(alpha)
+        check_int("dim", dim)
         self.alpha = alpha
         self.dim = dim
 

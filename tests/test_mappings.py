@@ -162,7 +162,8 @@ def test_gradcheck_inputs(fn):
     assert torch.autograd.gradcheck(fn, (x,))
 
 
-@pytest.mark.parametrize("values", [[1.0, 1.2, 1.5, 2.0], [0.6, 1.0 + 1e-3, 1.8, 3.0], [1.0 - 1e-4, 1.0 + 1e-4, 1.0, 1.0]])
+@pytest.mark.parametrize("values", [[1.0, 1.2, 1.5, 2.0], [0.6, 1.0 + 1e-3, 1.8, 3.0],
+                                    [1.0 - 1e-4, 1.0 + 1e-4, 1.0, 1.0]])
 def test_gradcheck_alpha_per_row(values):
     x = _rand(1, 4, 6, seed=9).requires_grad_()
     alpha = torch.tensor(values, dtype=torch.float64).view(1, 4, 1).requires_grad_()

@@ -294,3 +294,32 @@ def test_vocab_rows_gpu(n_cols, dtype):
     alpha = torch.tensor([1.0, 1.2, 1.5, 2.0, 1.7, 1.05], device="cuda")
     x, dy = _inputs(alpha.numel(), n_cols, dtype, "cuda", scale=3.0, seed=n_cols)
     _check_against_ref(x, dy, alpha, dtype)
+
+
+def test_custom_ops_opcheck(kernel_device):
+    """Schema, fake (meta) implementation, autograd registration and AOT dispatch of the row ops."""
+    from sparse_attn._triton_rows import _rows_bwd_op, _rows_fwd_op
+
+    x, dy = _inputs(3, 40, torch.float32, kernel_device, seed=12)
+    alpha = torch.tensor([1.0, 1.4, 2.0], device=kernel_device)
+    for args in ((x, None, 1.5), (x.clone().requires_grad_(), alpha.clone().requires_grad_(), 1.0)):
+        torch.library.opcheck(_rows_fwd_op, args)
+    y = _rows_fwd_op(x, alpha, 1.0)
+    torch.library.opcheck(_rows_bwd_op, (y, dy, alpha, 1.0, True))
+    torch.library.opcheck(_rows_bwd_op, (y, dy, None, 1.3, False))
+
+
+def test_compiles_fullgraph_and_rejects_double_backward(kernel_device):
+    """The custom op traces under torch.compile(fullgraph=True); the kernel backward is first order only."""
+    x, dy = _inputs(3, 50, torch.float32, kernel_device, seed=13)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda t: entmax_rows_triton(t, 1.3), fullgraph=True, backend="aot_eager")
+    xc, xe = x.clone().requires_grad_(), x.clone().requires_grad_()
+    yc, ye = compiled(xc), entmax_rows_triton(xe, 1.3)
+    yc.backward(dy)
+    ye.backward(dy)
+    assert torch.equal(yc, ye) and torch.equal(xc.grad, xe.grad)
+    xd = x.clone().requires_grad_()
+    y = entmax_rows_triton(xd, 1.3)
+    with pytest.raises(RuntimeError, match="first-order only"):
+        torch.autograd.grad((y * dy).sum(), xd, create_graph=True)

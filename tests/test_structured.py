@@ -13,15 +13,18 @@ import torch
 from torch.autograd import gradcheck
 from torch.autograd.functional import jacobian, jvp
 
+from sparse_attn._structured_rows import (
+    _isotonic_nonincreasing,
+    _oscar_prox_op,
+    _tv_prox_op,
+    _tv_prox_torch,
+    oscar_prox_rows,
+)
 from sparse_attn.kernels.structured import isotonic_nonincreasing_rows, tv_prox_rows
 from sparse_attn.mappings import sparsemax
 from sparse_attn.structured import (
     Fusedmax,
     Oscarmax,
-    _isotonic_nonincreasing,
-    _OscarProxFunction,
-    _TVProxFunction,
-    _tv_prox_torch,
     fusedmax,
     gamma_sparsemax,
     oscar_prox,
@@ -154,7 +157,7 @@ def test_sq_pnorm_max_is_optimal():
         for eta in (0.05, 0.5):
             torch.testing.assert_close(_simplex(y - eta * grad), y, atol=TOL["slow_solver"], rtol=0)
 
-        def objective(v):
+        def objective(v, p=p, gamma=gamma):
             return 0.5 * gamma * ((v ** p).sum(-1) ** (2 / p)) - (v * x).sum(-1)
 
         others = _simplex(y + 0.05 * torch.randn(50, 8, 6, generator=_gen(4), dtype=F64))
@@ -185,8 +188,8 @@ def test_tv_autograd_triton_path_matches_torch_path():
     lengths = torch.tensor([12, 7, 0, 3])
     xa = x.clone().requires_grad_()
     xb = x.clone().requires_grad_()
-    ya = _TVProxFunction.apply(xa, lengths, 0.3, True)
-    yb = _TVProxFunction.apply(xb, lengths, 0.3, False)
+    ya = _tv_prox_op(xa, lengths, 0.3, True)
+    yb = _tv_prox_op(xb, lengths, 0.3, False)
     torch.testing.assert_close(ya, yb, atol=TOL["same_algorithm_f64"], rtol=0)
     g = torch.randn(4, 12, generator=_gen(7), dtype=F64)
     ya.backward(g)
@@ -219,13 +222,41 @@ def test_oscar_autograd_triton_path_matches_torch_path(on_simplex):
     valid[4] = False
     xa = x.clone().requires_grad_()
     xb = x.clone().requires_grad_()
-    ya = _OscarProxFunction.apply(xa, valid, 0.2, on_simplex, True)
-    yb = _OscarProxFunction.apply(xb, valid, 0.2, on_simplex, False)
+    ya = oscar_prox_rows(xa, valid, 0.2, on_simplex, True)
+    yb = oscar_prox_rows(xb, valid, 0.2, on_simplex, False)
     torch.testing.assert_close(ya, yb, atol=TOL["same_algorithm_f64"], rtol=0)
     g = torch.randn(5, 9, generator=_gen(33), dtype=F64)
     ya.backward(g)
     yb.backward(g)
     torch.testing.assert_close(xa.grad, xb.grad, atol=TOL["same_algorithm_f64"], rtol=0)
+
+
+def test_prox_custom_ops_opcheck(kernel_device):
+    """Schema, fake implementation, autograd registration and AOT dispatch of the prox ops, both paths."""
+    x = torch.randn(4, 9, generator=_gen(34), dtype=torch.float32, device=kernel_device)
+    lengths = torch.tensor([9, 4, 0, 1], device=kernel_device)
+    valid = torch.rand(4, 9, generator=_gen(35)).to(kernel_device) > 0.3
+    for use_triton in (False, True):
+        torch.library.opcheck(_tv_prox_op, (x.clone().requires_grad_(), lengths, 0.2, use_triton))
+        for on_simplex in (False, True):
+            torch.library.opcheck(_oscar_prox_op, (x.clone().requires_grad_(), valid, 0.1, on_simplex, use_triton))
+
+
+@pytest.mark.parametrize("fn", [lambda a: fusedmax(a, lam=0.2), lambda a: oscarmax(a, lam=0.1),
+                                lambda a: tv_prox(a, lam=0.3), lambda a: oscar_prox(a, lam=0.1)])
+def test_compile_fullgraph_matches_eager(fn):
+    """The prox custom ops trace under torch.compile(fullgraph=True), forward and backward."""
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    x = torch.randn(3, 8, generator=_gen(36), dtype=F64)
+    x[1, 2] = -math.inf
+    g = torch.randn(3, 8, generator=_gen(37), dtype=F64)
+    xc, xe = x.clone().requires_grad_(), x.clone().requires_grad_()
+    yc, ye = compiled(xc), fn(xe)
+    yc.backward(g)
+    ye.backward(g)
+    torch.testing.assert_close(yc, ye, atol=1e-14, rtol=0)
+    torch.testing.assert_close(xc.grad, xe.grad, atol=1e-14, rtol=0)
 
 
 # ---------------------------------------------------------------- gradients
@@ -276,7 +307,8 @@ def test_oscar_jacobians_match_prop3():
         G = _groups(z[r].abs(), contiguous=False)
         sgn = torch.sign(z[r])
         J_osc = G * torch.outer(sgn, sgn) / G.sum(1, keepdim=True)
-        torch.testing.assert_close(jacobian(lambda a: oscar_prox(a, lam=lam), x[r]), J_osc, atol=TOL["jacobian"], rtol=0)
+        J_got = jacobian(lambda a: oscar_prox(a, lam=lam), x[r])
+        torch.testing.assert_close(J_got, J_osc, atol=TOL["jacobian"], rtol=0)
         # oscarmax: prox of the shifted input, all groups positive (see structured.py)
         Gs = _groups(shifted[r], contiguous=False)
         J = _sparsemax_jacobian(y[r]) @ (Gs / Gs.sum(1, keepdim=True))
@@ -302,10 +334,12 @@ def test_sq_pnorm_jacobian_matches_prop1_system():
             J_S = torch.linalg.solve(torch.eye(k, dtype=F64) + A @ (B - torch.eye(k, dtype=F64)), A)
             J = torch.zeros(d, d, dtype=F64)
             J[S.nonzero()[:, 0][:, None], S.nonzero()[:, 0][None, :]] = J_S
-            Jt = jacobian(lambda a: sq_pnorm_max(a, p=p, gamma=gamma), x[r])
-            torch.testing.assert_close(Jt, J, atol=TOL["jacobian"], rtol=0)
+            def fn(a, p=p, gamma=gamma):
+                return sq_pnorm_max(a, p=p, gamma=gamma)
+
+            torch.testing.assert_close(jacobian(fn, x[r]), J, atol=TOL["jacobian"], rtol=0)
             v = torch.randn(d, generator=_gen(14 + r), dtype=F64)
-            _, jv = jvp(lambda a: sq_pnorm_max(a, p=p, gamma=gamma), x[r], v)
+            _, jv = jvp(fn, x[r], v)
             torch.testing.assert_close(jv, J @ v, atol=TOL["jacobian"], rtol=0)
 
 
@@ -442,7 +476,7 @@ def test_triton_tv_path_keeps_nan_inside_rows():
     x = torch.randn(3, 6, generator=_gen(27), dtype=F64)
     x[0, 2] = math.nan
     lengths = torch.tensor([6, 4, 0])
-    y = _TVProxFunction.apply(x, lengths, 0.2, True)
+    y = _tv_prox_op(x, lengths, 0.2, True)
     valid = torch.arange(6) < lengths[:, None]
     assert (y[~valid] == 0).all()
     assert torch.isnan(y[0]).any() and torch.isfinite(y[1]).all()

@@ -1,0 +1,437 @@
+"""The project's input policy on every row-wise path: non-finite scores, empty inputs, bad arguments.
+
+Non-finite policy (TEAM.md): ``-inf`` entries get weight 0, a row with no finite entry gives
+zeros and zero gradients, a row with a NaN or ``+inf`` gives an all-NaN row and NaN
+gradients, and the other rows of the batch are exactly what they are without the bad rows.
+Each path is run on one batch holding every kind of row and compared with the same path on
+the good rows alone. The Triton row kernels run under the interpreter on CPU.
+"""
+
+import math
+import re
+
+import pytest
+import torch
+
+import sparse_attn as sa
+from sparse_attn._triton_rows import entmax_rows_triton
+from sparse_attn.kernels.row_entmax import entmax_rows_bwd, entmax_rows_fwd
+from sparse_attn.kernels.structured import isotonic_nonincreasing_rows, tv_prox_rows
+
+NAN_ROW, POS_INF_ROW, EMPTY_ROW = 1, 2, 3
+GOOD_ROWS = [0, 4, 5]  # row 4 has -inf entries
+N_ROWS, N_COLS = 6, 7
+# Good rows computed in a batch with bad rows vs alone: the same operations on the same
+# values, up to the rounding of batched reductions.
+SAME_TOL = {torch.float64: 1e-12, torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 1e-2}
+ROW_ALPHA = torch.tensor([1.3, 1.5, 2.0, 1.0, 1.7, 1.0])
+
+
+def _scores(dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = (2 * torch.randn(N_ROWS, N_COLS, generator=g, dtype=torch.float64)).to(dtype)
+    x[NAN_ROW, 3] = math.nan
+    x[POS_INF_ROW, 5] = math.inf
+    x[EMPTY_ROW] = -math.inf
+    x[4, [0, 2]] = -math.inf
+    return x
+
+
+def _row_alpha(x, idx, dtype=None):
+    return ROW_ALPHA[idx].view(-1, 1).to(dtype or x.dtype).requires_grad_()
+
+
+def _bounds(x, idx):
+    return torch.full_like(x, 0.6)
+
+
+# name -> (fn(x, idx) returning (y, alpha or None), runs on the kernel device, dtypes)
+PATHS = {
+    "sparsemax": (lambda x, i: (sa.sparsemax(x), None), False),
+    "sparsemax_k2": (lambda x, i: (sa.sparsemax(x, k=2), None), False),
+    "entmax15": (lambda x, i: (sa.entmax15(x), None), False),
+    "entmax15_k2": (lambda x, i: (sa.entmax15(x, k=2), None), False),
+    "entmax_alpha1": (lambda x, i: (sa.entmax(x, 1.0), None), False),
+    "entmax_alpha1.3": (lambda x, i: (sa.entmax(x, 1.3), None), False),
+    "entmax_bisect_0.7": (lambda x, i: (sa.entmax_bisect(x, 0.7), None), False),
+    "entmax_bisect_2.5": (lambda x, i: (sa.entmax_bisect(x, 2.5, ensure_sum_one=False), None), False),
+    "entmax_row_alpha": (lambda x, i: (lambda a: (sa.entmax(x, a), a))(_row_alpha(x, i)), False),
+    "entmax_bisect_row_alpha": (lambda x, i: (lambda a: (sa.entmax_bisect(x, a), a))(_row_alpha(x, i)), False),
+    "Sparsemax": (lambda x, i: (sa.Sparsemax()(x), None), False),
+    "Entmax15": (lambda x, i: (sa.Entmax15(k=3)(x), None), False),
+    "EntmaxBisect": (lambda x, i: (sa.EntmaxBisect(1.2)(x), None), False),
+    "Entmax": (lambda x, i: (sa.Entmax(1.8)(x), None), False),
+    "triton_alpha1": (lambda x, i: (entmax_rows_triton(x, 1.0), None), True),
+    "triton_alpha1.5": (lambda x, i: (entmax_rows_triton(x, 1.5), None), True),
+    "triton_alpha2": (lambda x, i: (entmax_rows_triton(x, 2.0), None), True),
+    "triton_alpha1.3": (lambda x, i: (entmax_rows_triton(x, 1.3), None), True),
+    "triton_row_alpha": (lambda x, i: (lambda a: (entmax_rows_triton(x, a), a))(_row_alpha(x, i, torch.float32)),
+                         True),
+    "fusedmax": (lambda x, i: (sa.fusedmax(x, lam=0.3), None), False),
+    "oscarmax": (lambda x, i: (sa.oscarmax(x, lam=0.1), None), False),
+    "sq_pnorm_max": (lambda x, i: (sa.sq_pnorm_max(x, p=1.5), None), False),
+    "gamma_sparsemax": (lambda x, i: (sa.gamma_sparsemax(x, gamma=0.5), None), False),
+    "tv_prox": (lambda x, i: (sa.tv_prox(x, lam=0.3), None), False),
+    "oscar_prox": (lambda x, i: (sa.oscar_prox(x, lam=0.1), None), False),
+    "Fusedmax": (lambda x, i: (sa.Fusedmax(lam=0.2)(x), None), False),
+    "Oscarmax": (lambda x, i: (sa.Oscarmax(lam=0.2)(x), None), False),
+    "csoftmax": (lambda x, i: (sa.csoftmax(x, _bounds(x, i)), None), False),
+    "csparsemax": (lambda x, i: (sa.csparsemax(x, _bounds(x, i)), None), False),
+}
+# Kernel-device paths (the Triton interpreter on CPU) take float16/bfloat16/float32 only.
+_DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
+
+
+def _cases():
+    for name, (_, on_kernel) in PATHS.items():
+        for dtype in _DTYPES:
+            if on_kernel and dtype == torch.float64:
+                continue
+            if dtype in (torch.float16, torch.bfloat16) and not (on_kernel or name in ("sparsemax", "entmax15",
+                                                                                     "entmax_alpha1.3", "fusedmax")):
+                continue
+            yield pytest.param(name, dtype, id=f"{name}-{str(dtype)[6:]}")
+
+
+@pytest.mark.parametrize("name,dtype", list(_cases()))
+def test_nonfinite_rows(name, dtype, kernel_device):
+    fn, on_kernel = PATHS[name]
+    device = kernel_device if on_kernel else "cpu"
+    x = _scores(dtype).to(device).requires_grad_()
+    y, alpha = fn(x, list(range(N_ROWS)))
+    assert y.shape == x.shape and y.dtype == dtype
+    yd = y.detach().cpu()
+    for r in (NAN_ROW, POS_INF_ROW):
+        assert torch.isnan(yd[r]).all(), f"row {r} must be all NaN"
+    assert (yd[EMPTY_ROW] == 0).all()
+    assert (yd[4, [0, 2]] == 0).all() and torch.isfinite(yd[GOOD_ROWS]).all()
+    g = torch.randn(x.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(dtype).to(device)
+    y.backward(g)
+    gx = x.grad.cpu()
+    for r in (NAN_ROW, POS_INF_ROW):
+        assert torch.isnan(gx[r]).all(), f"gradient of row {r} must be all NaN"
+    assert (gx[EMPTY_ROW] == 0).all() and (gx[4, [0, 2]] == 0).all()
+    assert torch.isfinite(gx[GOOD_ROWS]).all()
+    if alpha is not None:
+        ga = alpha.grad.view(-1).cpu()
+        assert torch.isnan(ga[[NAN_ROW, POS_INF_ROW]]).all() and float(ga[EMPTY_ROW]) == 0.0
+    xs = _scores(dtype)[GOOD_ROWS].to(device).requires_grad_()
+    ys, alpha_s = fn(xs, GOOD_ROWS)
+    ys.backward(g[GOOD_ROWS])
+    tol = SAME_TOL[dtype]
+    torch.testing.assert_close(yd[GOOD_ROWS], ys.detach().cpu(), atol=tol, rtol=0)
+    torch.testing.assert_close(gx[GOOD_ROWS], xs.grad.cpu(), atol=tol, rtol=0)
+    if alpha is not None:
+        torch.testing.assert_close(alpha.grad.view(-1)[GOOD_ROWS].cpu(), alpha_s.grad.view(-1).cpu(), atol=tol, rtol=0)
+
+
+@pytest.mark.parametrize("fn", [sa.fusedmax, sa.oscarmax, sa.sq_pnorm_max, sa.gamma_sparsemax, sa.tv_prox,
+                                sa.oscar_prox, lambda x, mask: sa.csparsemax(x, torch.ones_like(x), mask=mask)])
+def test_masked_nonfinite_entries_are_not_looked_at(fn):
+    """A NaN or +inf at an entry excluded by ``mask`` or ``lengths`` leaves the row finite."""
+    x = _scores(torch.float64)[[0, 5]]
+    mask = torch.ones_like(x, dtype=torch.bool)
+    mask[:, -1] = False
+    clean = fn(x, mask=mask)
+    x[0, -1], x[1, -1] = math.nan, math.inf
+    out = fn(x, mask=mask)
+    torch.testing.assert_close(out, clean, atol=0, rtol=0)
+
+
+def test_nonfinite_rows_under_compile():
+    """The traced PyTorch path (per-row alpha, fullgraph) follows the policy like eager."""
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x, a: sa.entmax(x, a), fullgraph=True, backend="aot_eager")
+    x = _scores(torch.float64).requires_grad_()
+    a = _row_alpha(x, list(range(N_ROWS)))
+    y = compiled(x, a)
+    g = torch.randn(x.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    y.backward(g)
+    xe = _scores(torch.float64).requires_grad_()
+    ae = _row_alpha(xe, list(range(N_ROWS)))
+    ye = sa.entmax(xe, ae)
+    ye.backward(g)
+    torch.testing.assert_close(y, ye, atol=1e-12, rtol=0, equal_nan=True)
+    torch.testing.assert_close(x.grad, xe.grad, atol=1e-12, rtol=0, equal_nan=True)
+    torch.testing.assert_close(a.grad, ae.grad, atol=1e-12, rtol=0, equal_nan=True)
+    assert torch.isnan(y[NAN_ROW]).all() and torch.isnan(x.grad[POS_INF_ROW]).all()
+
+
+def test_fertility_attention_nan_scores_stay_in_their_batch_entry():
+    """A NaN score poisons that batch entry's attention (now and in later steps), not the others."""
+    scores = torch.randn(3, 4, 5, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    module = sa.FertilityAttention(fertility=1.0)
+    clean, _ = module(scores.clone())
+    scores[1, 1, 2] = math.nan
+    attn, state = module(scores)
+    assert torch.isfinite(attn[1, 0]).all() and torch.isnan(attn[1, 1:]).all()
+    torch.testing.assert_close(attn[[0, 2]], clean[[0, 2]], atol=0, rtol=0)
+    assert torch.isnan(state.cumulative[1]).all() and torch.isfinite(state.cumulative[[0, 2]]).all()
+
+
+LOSSES = {
+    "sparsemax": lambda x, t, **kw: sa.sparsemax_loss(x, t, **kw),
+    "entmax15": lambda x, t, **kw: sa.entmax15_loss(x, t, **kw),
+    "bisect1.3": lambda x, t, **kw: sa.entmax_bisect_loss(x, t, alpha=1.3, **kw),
+    "bisect_row_alpha": lambda x, t, **kw: sa.entmax_bisect_loss(
+        x, t, alpha=torch.linspace(1.1, 1.9, x.shape[0], dtype=torch.float64).view(-1, 1), **kw),
+}
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+@pytest.mark.parametrize("kind", ["labels", "proportions"])
+def test_loss_nonfinite_logits(name, kind):
+    """NaN/+inf logits: that row's loss and gradient are NaN, other rows as alone; ignored rows stay 0."""
+    loss_fn = LOSSES[name]
+    x = _scores(torch.float64)
+    x[EMPTY_ROW] = torch.randn(N_COLS, dtype=torch.float64)
+    x[EMPTY_ROW, 4] = math.nan
+    x = x.requires_grad_()
+    if kind == "labels":
+        target = torch.tensor([1, 3, 0, -100, 1, 6])
+    else:
+        target = torch.softmax(torch.randn(N_ROWS, N_COLS, generator=torch.Generator().manual_seed(4),
+                                           dtype=torch.float64), -1)
+        target[4, [0, 2]] = 0.0
+        target[4] /= target[4].sum()
+    loss = loss_fn(x, target)
+    assert torch.isnan(loss[[NAN_ROW, POS_INF_ROW]]).all()
+    assert torch.isfinite(loss[GOOD_ROWS]).all()
+    loss.backward(torch.ones_like(loss))
+    assert torch.isnan(x.grad[[NAN_ROW, POS_INF_ROW]]).all()
+    if kind == "labels":
+        assert float(loss.detach()[EMPTY_ROW]) == 0.0 and (x.grad[EMPTY_ROW] == 0).all()
+        keep = [0, 4, 5]
+    else:
+        assert torch.isnan(loss[EMPTY_ROW]) and torch.isnan(x.grad[EMPTY_ROW]).all()
+        keep = GOOD_ROWS
+    if name == "bisect_row_alpha":
+        return
+    xs = x.detach()[keep].clone().requires_grad_()
+    ls = loss_fn(xs, target[keep])
+    ls.backward(torch.ones_like(ls))
+    torch.testing.assert_close(loss.detach()[keep], ls.detach(), atol=1e-12, rtol=0)
+    torch.testing.assert_close(x.grad[keep], xs.grad, atol=1e-12, rtol=0)
+    assert torch.isnan(loss_fn(x.detach(), target, reduction="mean"))
+
+
+@pytest.mark.parametrize("bad,match", [
+    (math.nan, "finite and >= 0"), (-0.25, "finite and >= 0"), (math.inf, "finite and >= 0"),
+    (0.9, "sum to 1"),
+])
+def test_loss_bad_proportions(bad, match):
+    x = torch.randn(3, 4, dtype=torch.float64)
+    y = torch.full((3, 4), 0.25, dtype=torch.float64)
+    y[1, 2] = bad
+    if bad == -0.25:
+        y[1, 3] = 0.75
+    for loss_fn in LOSSES.values():
+        with pytest.raises(ValueError, match=f"target.*{match}"):
+            loss_fn(x, y)
+
+
+def _empty_inputs():
+    return [torch.empty(0, 5), torch.empty(3, 0), torch.empty(2, 0, 4)]
+
+
+EMPTY_OK = [
+    sa.sparsemax, sa.entmax15, lambda x: sa.entmax(x, 1.3), lambda x: sa.entmax_bisect(x, 0.8),
+    lambda x: sa.entmax(x, torch.full((1,) * x.ndim, 1.5)), sa.Sparsemax(), sa.Entmax15(), sa.EntmaxBisect(),
+    sa.Entmax(), lambda x: entmax_rows_triton(x, 1.5), sa.fusedmax, sa.oscarmax, sa.sq_pnorm_max,
+    sa.gamma_sparsemax, sa.tv_prox, sa.oscar_prox,
+    lambda x: sa.csoftmax(x, torch.ones_like(x)), lambda x: sa.csparsemax(x, torch.ones_like(x)),
+]
+
+
+@pytest.mark.parametrize("fn", EMPTY_OK)
+def test_empty_inputs_give_empty_outputs(fn):
+    for x in _empty_inputs():
+        xr = x.clone().requires_grad_()
+        y = fn(xr)
+        assert y.shape == x.shape and y.dtype == x.dtype
+        y.sum().backward()
+        assert xr.grad.shape == x.shape
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_loss_empty_batch(name):
+    loss_fn = LOSSES[name]
+    x = torch.empty(0, 5, dtype=torch.float64, requires_grad=True)
+    for target in (torch.empty(0, dtype=torch.int64), torch.empty(0, 5, dtype=torch.float64)):
+        assert loss_fn(x, target).shape == (0,)
+        for reduction in ("sum", "mean"):
+            out = loss_fn(x, target, reduction=reduction)
+            assert out.shape == () and float(out.detach()) == 0.0
+            out.backward()
+    for mod in (sa.SparsemaxLoss(), sa.Entmax15Loss(), sa.EntmaxBisectLoss(alpha=1.2)):
+        assert float(mod(x, torch.empty(0, dtype=torch.int64)).detach()) == 0.0
+
+
+_X = torch.randn(3, 4)
+_X64 = torch.randn(3, 4, dtype=torch.float64)
+_LABELS = torch.tensor([0, 1, 3])
+_META = torch.empty(3, 4, device="meta")
+_BOOL = torch.ones(3, 4, dtype=torch.bool)
+
+# (callable, kwargs, exception, substring naming the argument). One row per argument check.
+BAD_INPUTS = [
+    (sa.sparsemax, dict(X=[1.0, 2.0]), TypeError, "X must be a torch.Tensor"),
+    (sa.sparsemax, dict(X=torch.ones(3, 4, dtype=torch.int64)), TypeError, "X must be a floating"),
+    (sa.sparsemax, dict(X=torch.tensor(1.0)), ValueError, "dim=-1 cannot index"),
+    (sa.sparsemax, dict(X=_X, dim=2), ValueError, "dim must be in"),
+    (sa.sparsemax, dict(X=_X, dim=1.0), TypeError, "dim must be an int"),
+    (sa.sparsemax, dict(X=_X, k=0), ValueError, "k must be >= 1"),
+    (sa.sparsemax, dict(X=_X, k=2.0), TypeError, "k must be a positive int or None"),
+    (sa.entmax15, dict(X=_X, k=-1), ValueError, "k must be >= 1"),
+    (sa.entmax15, dict(X=_X, dim=-3), ValueError, "dim must be in"),
+    (sa.entmax, dict(X=_X, alpha=0.0), ValueError, "alpha must be finite and in"),
+    (sa.entmax, dict(X=_X, alpha=math.inf), ValueError, "alpha must be finite and in"),
+    (sa.entmax, dict(X=_X, alpha="1.5"), TypeError, "alpha must be a float"),
+    (sa.entmax, dict(X=_X, alpha=True), TypeError, "alpha must be a float"),
+    (sa.entmax, dict(X=_X, alpha=torch.ones(3, 1, dtype=torch.int64)), TypeError, "alpha must be a float"),
+    (sa.entmax, dict(X=_X, alpha=torch.full((3, 4), 1.5)), ValueError, "alpha must be broadcastable"),
+    (sa.entmax, dict(X=_X, alpha=torch.full((2, 1), 1.5)), ValueError, "alpha must be broadcastable"),
+    (sa.entmax, dict(X=_X, alpha=torch.full((1, 3, 1), 1.5)), ValueError, "alpha must be broadcastable"),
+    (sa.entmax, dict(X=_X, alpha=torch.tensor([[1.5], [math.nan], [1.2]])), ValueError, "alpha must be finite"),
+    (sa.entmax, dict(X=_X, alpha=torch.full((3, 1), 1.5, device="meta")), ValueError, "alpha must be on the input's"),
+    (sa.entmax_bisect, dict(X=_X, n_iter=0), ValueError, "n_iter must be >= 1"),
+    (sa.entmax_bisect, dict(X=_X, n_iter=None), TypeError, "n_iter must be a positive int"),
+    (sa.entmax_bisect, dict(X=_X, ensure_sum_one=1), TypeError, "ensure_sum_one must be a bool"),
+    (sa.entmax_bisect, dict(X=_X, alpha=-1.0), ValueError, "alpha must be finite and in"),
+    (sa.Sparsemax, dict(dim="last"), TypeError, "dim must be an int"),
+    (sa.Sparsemax, dict(k=0), ValueError, "k must be >= 1"),
+    (sa.Entmax15, dict(k=1.5), TypeError, "k must be a positive int"),
+    (sa.EntmaxBisect, dict(alpha=0.0), ValueError, "alpha must be finite and in"),
+    (sa.EntmaxBisect, dict(n_iter=0), ValueError, "n_iter must be >= 1"),
+    (sa.Entmax, dict(alpha=torch.tensor([1, 2])), TypeError, "alpha must be a float"),
+    (sa.Entmax, dict(alpha="x"), TypeError, "alpha must be a real number"),
+    (entmax_rows_triton, dict(X=_X.double(), alpha=1.5), TypeError, "X must be a float16, bfloat16 or float32"),
+    (entmax_rows_triton, dict(X=_X, alpha=2.5), ValueError, "alpha must be"),
+    (entmax_rows_triton, dict(X=_X, alpha=torch.full((3, 1), 0.9)), ValueError, "alpha must be in [1, 2]"),
+    (entmax_rows_triton, dict(X=_X, alpha=1.5, dim=2), ValueError, "dim must be in"),
+    (sa.sparsemax_loss, dict(X=_X, target=[0, 1, 3]), TypeError, "target must be a torch.Tensor"),
+    (sa.sparsemax_loss, dict(X=_X[0], target=_LABELS), ValueError, "X must have shape (N, C)"),
+    (sa.sparsemax_loss, dict(X=torch.ones(3, 4, dtype=torch.int32), target=_LABELS), TypeError, "X must be a floating"),
+    (sa.sparsemax_loss, dict(X=_X, target=torch.tensor([0, 1])), ValueError, "target labels must have shape (3,)"),
+    (sa.sparsemax_loss, dict(X=_X, target=torch.tensor([0, 1, 4])), ValueError, "target labels must be in [0, 3]"),
+    (sa.sparsemax_loss, dict(X=_X, target=torch.tensor([0, -1, 2])), ValueError, "target labels must be in [0, 3]"),
+    (sa.sparsemax_loss, dict(X=_X, target=torch.ones(3, dtype=torch.bool)), TypeError, "target must be an integer"),
+    (sa.sparsemax_loss, dict(X=_X, target=torch.full((3, 3), 1 / 3)), ValueError, "target with label proportions must"),
+    (sa.sparsemax_loss, dict(X=_X, target=_META), ValueError, "target must be on the device of X"),
+    (sa.sparsemax_loss, dict(X=_X, target=_LABELS.to("meta")), ValueError, "target must be on the device of X"),
+    (sa.sparsemax_loss, dict(X=_X, target=_LABELS, k=0), ValueError, "k must be >= 1"),
+    (sa.sparsemax_loss, dict(X=_X, target=_LABELS, ignore_index=1.0), TypeError, "ignore_index must be an int"),
+    (sa.sparsemax_loss, dict(X=_X, target=_LABELS, reduction="avg"), ValueError, "reduction must be one of"),
+    (sa.entmax15_loss, dict(X=_X, target=_LABELS, k="2"), TypeError, "k must be a positive int"),
+    (sa.entmax15_loss, dict(X=_X, target=torch.full((3, 4), 0.5)), ValueError, "target label proportions must sum"),
+    (sa.entmax_bisect_loss, dict(X=_X, target=_LABELS, alpha=0.0), ValueError, "alpha must be finite and in"),
+    (sa.entmax_bisect_loss, dict(X=_X, target=_LABELS, alpha=torch.full((4, 1), 1.5)), ValueError,
+     "alpha must be broadcastable"),
+    (sa.entmax_bisect_loss, dict(X=_X, target=_LABELS, n_iter=0), ValueError, "n_iter must be >= 1"),
+    (sa.SparsemaxLoss, dict(reduction="batchmean"), ValueError, "reduction must be one of"),
+    (sa.SparsemaxLoss, dict(k=0), ValueError, "k must be >= 1"),
+    (sa.Entmax15Loss, dict(ignore_index="pad"), TypeError, "ignore_index must be an int"),
+    (sa.EntmaxBisectLoss, dict(alpha=-2.0), ValueError, "alpha must be finite and in"),
+    (sa.EntmaxBisectLoss, dict(n_iter=1.5), TypeError, "n_iter must be a positive int"),
+    (sa.fusedmax, dict(X=[1.0]), TypeError, "X must be a torch.Tensor"),
+    (sa.fusedmax, dict(X=_X, lam=-0.1), ValueError, "lam must be finite and in"),
+    (sa.fusedmax, dict(X=_X, lam=math.nan), ValueError, "lam must be finite and in"),
+    (sa.fusedmax, dict(X=_X, gamma=0.0), ValueError, "gamma must be finite and in"),
+    (sa.fusedmax, dict(X=_X, gamma="1"), TypeError, "gamma must be a real number"),
+    (sa.fusedmax, dict(X=_X, dim=5), ValueError, "dim must be in"),
+    (sa.fusedmax, dict(X=_X, mask=torch.ones(3, 4)), TypeError, "mask must be a boolean tensor"),
+    (sa.fusedmax, dict(X=_X, mask=[True]), TypeError, "mask must be a torch.Tensor"),
+    (sa.fusedmax, dict(X=_X, mask=_BOOL[:2]), ValueError, "mask must be broadcastable"),
+    (sa.fusedmax, dict(X=_X, mask=_BOOL.to("meta")), ValueError, "mask must be on the device of X"),
+    (sa.fusedmax, dict(X=_X, lengths=torch.tensor([1, 2, 5])), ValueError, "lengths must be in [0, 4]"),
+    (sa.fusedmax, dict(X=_X, lengths=torch.tensor([1.0, 2.0, 3.0])), TypeError, "lengths must be an integer"),
+    (sa.fusedmax, dict(X=_X, lengths=torch.tensor([1, 2])), ValueError, "lengths must be broadcastable"),
+    (sa.fusedmax, dict(X=_X, lengths=torch.tensor([1, 2, 3], device="meta")), ValueError,
+     "lengths must be on the device of X"),
+    (sa.oscarmax, dict(X=_X, lam=math.inf), ValueError, "lam must be finite and in"),
+    (sa.oscarmax, dict(X=torch.ones(3, 4, dtype=torch.int64)), TypeError, "X must be a floating"),
+    (sa.sq_pnorm_max, dict(X=_X, p=1.0), ValueError, "p must be finite and in (1.0, 2.0]"),
+    (sa.sq_pnorm_max, dict(X=_X, p=2.5), ValueError, "p must be finite and in (1.0, 2.0]"),
+    (sa.sq_pnorm_max, dict(X=_X, gamma=-1.0), ValueError, "gamma must be finite and in"),
+    (sa.gamma_sparsemax, dict(X=_X, gamma=math.nan), ValueError, "gamma must be finite and in"),
+    (sa.gamma_sparsemax, dict(X=_X, lengths=torch.tensor([-1, 2, 3])), ValueError, "lengths must be in [0, 4]"),
+    (sa.tv_prox, dict(X=_X, lam=-1.0), ValueError, "lam must be finite and in"),
+    (sa.tv_prox, dict(X=_X, mask=torch.ones(3, 4, dtype=torch.int8)), TypeError, "mask must be a boolean"),
+    (sa.oscar_prox, dict(X=_X, lam="0.1"), TypeError, "lam must be a real number"),
+    (sa.oscar_prox, dict(X=_X, dim=1.5), TypeError, "dim must be an int"),
+    (sa.Fusedmax, dict(lam=-1.0), ValueError, "lam must be finite and in"),
+    (sa.Fusedmax, dict(dim="x"), TypeError, "dim must be an int"),
+    (sa.Oscarmax, dict(gamma=0.0), ValueError, "gamma must be finite and in"),
+    (sa.csoftmax, dict(z=[1.0], u=_X), TypeError, "z must be a torch.Tensor"),
+    (sa.csoftmax, dict(z=_X, u=1.0), TypeError, "u must be a torch.Tensor"),
+    (sa.csoftmax, dict(z=_X, u=torch.ones(3, 4, dtype=torch.int64)), TypeError, "u must be a floating"),
+    (sa.csoftmax, dict(z=_X, u=torch.ones(2, 4)), ValueError, "u must be broadcastable"),
+    (sa.csoftmax, dict(z=_X, u=torch.ones(3, 4, device="meta")), ValueError, "u must be on the device of z"),
+    (sa.csoftmax, dict(z=_X, u=torch.full((3, 4), -1.0)), ValueError, "u must be >= 0"),
+    (sa.csoftmax, dict(z=_X, u=torch.full((3, 4), math.nan)), ValueError, "u must be >= 0"),
+    (sa.csoftmax, dict(z=_X, u=torch.full((3, 4), 0.1)), ValueError, "u must sum to at least 1"),
+    (sa.csparsemax, dict(z=_X, u=torch.ones(3, 4), dim=2), ValueError, "dim must be in"),
+    (sa.csparsemax, dict(z=_X, u=torch.ones(3, 4), mask=torch.ones(3, 4)), TypeError, "mask must be a boolean"),
+    (sa.csparsemax, dict(z=_X, u=torch.ones(3, 4), lengths=torch.tensor([5, 1, 1])), ValueError, "lengths must be in"),
+    (sa.FertilityAttention, dict(transform="softmax"), ValueError, "transform must be one of"),
+    (sa.FertilityAttention, dict(fertility=0.0), ValueError, "fertility must be finite and in"),
+    (sa.FertilityAttention, dict(sink=1), TypeError, "sink must be a bool"),
+    (sa.FertilityAttention, dict(exhaustion=-0.5), ValueError, "exhaustion must be finite and in"),
+    (sa.FertilityAttention, dict(predictor=3), TypeError, "predictor must be a module"),
+    (sa.FertilityPredictor, dict(input_dim=0), ValueError, "input_dim must be >= 1"),
+    (sa.FertilityPredictor, dict(input_dim=4, hidden_dim=2.0), TypeError, "hidden_dim must be a positive int"),
+    (sa.FertilityPredictor, dict(input_dim=4, max_fertility=math.inf), ValueError, "max_fertility must be finite"),
+]
+
+
+def _fertility_calls():
+    module = sa.FertilityAttention(fertility=1.0)
+    scores = torch.randn(3, 4, 5)
+    _, state = module(scores)
+    return [
+        (module, dict(scores=torch.ones(3, 4, 5, dtype=torch.int64)), TypeError, "scores must be a floating"),
+        (module, dict(scores=torch.randn(5)), ValueError, "scores must have shape (..., T, J)"),
+        (module, dict(scores=scores, src_mask=torch.ones(3, 5)), TypeError, "src_mask must be a boolean"),
+        (module, dict(scores=scores, src_mask=torch.ones(3, 5, dtype=torch.bool, device="meta")), ValueError,
+         "src_mask must be on the device of the scores"),
+        (module, dict(scores=scores, src_lengths=torch.tensor([5, 3, 2], device="meta")), ValueError,
+         "src_lengths must be on the device of the scores"),
+        (module, dict(scores=scores, src_lengths=torch.tensor([6, 3, 2])), ValueError, "src_lengths must be in"),
+        (module, dict(scores=scores, fertility=torch.full((3, 5), -1.0)), ValueError, "fertility must be >= 0"),
+        (module, dict(scores=scores, fertility=torch.ones(3, 5, dtype=torch.int64)), TypeError,
+         "fertility must be a float or a floating-point tensor"),
+        (module, dict(scores=scores, fertility=torch.ones(3, 5, device="meta")), ValueError,
+         "fertility must be on the device of the scores"),
+        (module, dict(scores=scores, tgt_mask=torch.ones(3, 4, dtype=torch.bool, device="meta")), ValueError,
+         "tgt_mask must be on the device of the scores"),
+        (module, dict(scores=scores, state="state"), TypeError, "state must be a FertilityState"),
+        (module.step, dict(scores=scores[:, 0], state=state, step_mask=torch.ones(3)), TypeError,
+         "step_mask must be a boolean"),
+        (module.step, dict(scores=scores[:, 0].to("meta"), state=state), ValueError,
+         "scores must be on the device of the state"),
+        (module.init_state, dict(batch_shape=(3,), src_len=0), ValueError, "src_len must be >= 1"),
+        (sa.FertilityPredictor(2), dict(h=torch.ones(3, 5, 4)), ValueError, "h must have shape (..., J, 2)"),
+        (sa.FertilityPredictor(2), dict(h=torch.ones(3, 5, 2, dtype=torch.int64)), TypeError, "h must be a floating"),
+        (tv_prox_rows, dict(x=torch.ones(2, 3, dtype=torch.float16), lengths=torch.tensor([3, 3]), lam=0.1), TypeError,
+         "x must be a 2-d float32 or float64"),
+        (tv_prox_rows, dict(x=torch.ones(2, 3), lengths=torch.tensor([3]), lam=0.1), ValueError,
+         "lengths must have shape (2,)"),
+        (isotonic_nonincreasing_rows, dict(v=torch.ones(2, 3), lengths=torch.ones(2)), TypeError,
+         "lengths must be an integer"),
+        (entmax_rows_fwd, dict(x=torch.ones(2, 3, dtype=torch.float64), alpha=1.5, mode=2), TypeError,
+         "x must be a 2-d float16, bfloat16 or float32"),
+        (entmax_rows_fwd, dict(x=torch.ones(2, 3), alpha=1.5, mode=7), ValueError, "mode must be one of"),
+        (entmax_rows_fwd, dict(x=torch.ones(2, 3), alpha=torch.ones(3), mode=3), ValueError,
+         "alpha must be a float or a tensor of shape (2,)"),
+        (entmax_rows_bwd, dict(y=torch.ones(2, 3), dy=torch.ones(2, 4), alpha=1.5, mode=2), ValueError,
+         "dy must match y"),
+        (sa.FertilityAttention(fertility=None, predictor=sa.FertilityPredictor(2)), dict(scores=scores,
+         encoder_states=torch.ones(3, 5, 2, dtype=torch.int64)), TypeError, "encoder_states must be a floating"),
+    ]
+
+
+@pytest.mark.parametrize("call,kwargs,exc,match", BAD_INPUTS + _fertility_calls(),
+                         ids=lambda v: getattr(v, "__name__", None) if callable(v) else None)
+def test_bad_inputs_name_the_argument(call, kwargs, exc, match):
+    with pytest.raises(exc, match=re.escape(match)):
+        call(**kwargs)
