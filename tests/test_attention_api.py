@@ -187,7 +187,7 @@ _BAD = [
     (dict(q=torch.zeros(2, 4, 9)), ValueError, "q must have shape"),
     (dict(q=torch.zeros(2, 4, 9, 8, dtype=torch.int64)), TypeError, "q must be float16"),
     (dict(k=torch.zeros(2, 4, 11, 8, dtype=torch.float32)), TypeError, "share one dtype"),
-    (dict(v=torch.zeros(2, 4, 12, 8, dtype=torch.float64)), ValueError, "k and v must have the same shape"),
+    (dict(v=torch.zeros(2, 4, 12, 8, dtype=torch.float64)), ValueError, "k and v must agree in"),
     (dict(q=torch.zeros(3, 4, 9, 8, dtype=torch.float64)), ValueError, "same batch size"),
     (dict(q=torch.zeros(2, 4, 9, 6, dtype=torch.float64)), ValueError, "same head_dim"),
     (dict(q=torch.zeros(2, 5, 9, 8, dtype=torch.float64), enable_gqa=True, kv_heads=2), ValueError, "multiple of the number of k/v heads"),
@@ -202,14 +202,16 @@ _BAD = [
     (dict(attn_mask=torch.zeros(2, 4, 9, 10, dtype=torch.bool)), ValueError, "attn_mask must be broadcastable"),
     (dict(attn_mask=torch.zeros(9, 11, dtype=torch.int32)), TypeError, "attn_mask must be boolean"),
     (dict(attn_mask=[[True]]), TypeError, "attn_mask must be a torch.Tensor"),
-    (dict(dropout_p=1.0), ValueError, "dropout_p must be a number in \\[0, 1\\)"),
+    (dict(dropout_p=1.0), ValueError, "dropout_p must be finite and in \\[0, 1\\)"),
     (dict(scale=float("inf")), ValueError, "scale must be None or a finite number"),
     (dict(scale=torch.tensor(0.5)), TypeError, "scale must be None or a Python number"),
     (dict(enable_gqa="no"), TypeError, "enable_gqa must be a bool"),
     (dict(return_stats=1), TypeError, "return_stats must be a bool"),
     (dict(is_causal=None), TypeError, "is_causal must be a bool"),
-    (dict(attn_mask=torch.zeros(9, 11, dtype=torch.float64).index_fill(1, torch.tensor([3]), float("nan"))), ValueError, "float attn_mask must be finite or -inf"),
-    (dict(attn_mask=torch.zeros(9, 11, dtype=torch.float64).index_fill(1, torch.tensor([3]), float("inf"))), ValueError, "float attn_mask must be finite or -inf"),
+    (dict(attn_mask=torch.zeros(9, 11).index_fill(1, torch.tensor([3]), float("nan")), backend="triton", fused=True),
+     ValueError, "float attn_mask must be finite or -inf"),
+    (dict(attn_mask=torch.zeros(9, 11).index_fill(1, torch.tensor([3]), float("inf")), backend="triton", fused=True),
+     ValueError, "float attn_mask must be finite or -inf"),
     (dict(backend="cuda"), ValueError, "backend must be one of"),
     (dict(backend="triton"), TypeError, "the triton backend takes float16"),
     (dict(cu_seqlens_q=torch.tensor([0, 9], dtype=torch.int32)), ValueError, "must be given together"),
@@ -220,7 +222,8 @@ _BAD = [
 def test_bad_arguments_raise_clear_errors(kwargs, err, match):
     kwargs = dict(kwargs)
     kv_heads = kwargs.pop("kv_heads", 4)
-    q, k, v = _qkv(hq=4, hk=kv_heads)
+    fused = kwargs.pop("fused", False)
+    q, k, v = _qkv(hq=4, hk=kv_heads, d=16 if fused else 8, dtype=torch.float32 if fused else torch.float64)
     args = dict(q=q, k=k, v=v)
     for name in ("q", "k", "v"):
         if name in kwargs:

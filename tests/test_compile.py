@@ -107,7 +107,7 @@ def test_functional_reference_learnable_per_head_alpha_fullgraph():
 def test_module_learnable_alpha_compiles_on_reference():
     """Per-head learnable alphas go through the row-wise solver with a fixed iteration count."""
     torch.manual_seed(3)
-    mod = EntmaxMultiheadAttention(32, 4, learnable_alpha=True, alpha_init=torch.tensor([1.2, 1.5, 1.7, 1.9]))
+    mod = EntmaxMultiheadAttention(32, 4, learnable=True, alpha_init=torch.tensor([1.2, 1.5, 1.7, 1.9]))
     x = torch.randn(10, 2, 32)
 
     def fn(x):
@@ -131,7 +131,7 @@ def test_functional_and_module_fullgraph_fused(kernel_device):
     _check_fwd_bwd(fn, _compiled(fn), (q, k, v, alpha), atol=2e-4)
 
     torch.manual_seed(4)
-    mod = EntmaxMultiheadAttention(32, 2, learnable_alpha=True, alpha_init=torch.tensor([1.4, 1.8]),
+    mod = EntmaxMultiheadAttention(32, 2, learnable=True, alpha_init=torch.tensor([1.4, 1.8]),
                                    batch_first=True, backend="triton", device=kernel_device)
     x = torch.randn(1, 20, 32, device=kernel_device, requires_grad=True)
 
