@@ -110,7 +110,7 @@ def _attend(q, k, v, alpha, bad_head, bias, keep, scale, ct, dropout_p, dropout_
             stats = _stats(s_in, p, a_in, (s != -_INF).sum(-1, dtype=torch.int32), bad)
     # NaN rows (and heads): the value and the gradients of p there are NaN, elsewhere unchanged
     poison = torch.zeros(bad.shape, dtype=ct, device=s.device).masked_fill(bad, _NAN)
-    p = p + poison * (s.masked_fill(~torch.isfinite(s), 0.0) + (alpha if isinstance(alpha, Tensor) else 0.0))
+    p = p + poison * (s.masked_fill(s == -_INF, 0.0) + (alpha if isinstance(alpha, Tensor) else 0.0))
     applied = p
     if dropout_mask is not None:
         applied = p * dropout_mask.to(ct) / (1.0 - dropout_p)
