@@ -16,10 +16,11 @@ def _compiled(fn, fullgraph=True):
 
 
 def _check_fwd_bwd(fn, compiled, inputs, atol=1e-6):
+    leaves = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
     ref = fn(*inputs)
-    ref_grads = torch.autograd.grad(ref.square().sum(), [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad])
+    ref_grads = torch.autograd.grad(ref.square().sum(), leaves)
     out = compiled(*inputs)
-    grads = torch.autograd.grad(out.square().sum(), [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad])
+    grads = torch.autograd.grad(out.square().sum(), leaves)
     torch.testing.assert_close(out, ref, atol=atol, rtol=1e-5)
     for g, g_ref in zip(grads, ref_grads):
         torch.testing.assert_close(g, g_ref, atol=atol, rtol=1e-5)
@@ -42,6 +43,19 @@ def test_functional_reference_fullgraph(alpha):
         return entmax_attention(q, k, v, alpha, attn_mask=keep, is_causal=True, enable_gqa=True, backend="reference")
 
     _check_fwd_bwd(fn, _compiled(fn), (q, k, v))
+
+
+def test_functional_reference_float_mask_and_empty_rows_fullgraph():
+    """The reference's non-finite handling (NaN-row poison, -inf exclusion) traces without graph breaks."""
+    q, k, v = _qkv(h=2, h_kv=2, n_q=8, n_k=10, seed=9)
+    bias = torch.randn(1, 2, 8, 10, generator=torch.Generator().manual_seed(10)).requires_grad_()
+    with torch.no_grad():
+        bias[:, :, 3] = float("-inf")
+
+    def fn(q, k, v, bias):
+        return entmax_attention(q, k, v, 1.3, attn_mask=bias, backend="reference")
+
+    _check_fwd_bwd(fn, _compiled(fn), (q, k, v, bias))
 
 
 @pytest.mark.parametrize("need_weights", [False, True])

@@ -128,6 +128,7 @@ def entmax_attention_forward(
         key, value = key[:, :, :q_len], value[:, :, :q_len]
     if position_bias is not None:
         position_bias = position_bias[..., : key.shape[2]]
+        check_mask("position_bias", position_bias, query.device, (*scores[:3], key.shape[2]))
     sink = head_stats_sink(module)
     output_attentions = bool(kwargs.get("output_attentions"))
     dense = output_attentions or (sink is not None and sink.wants_weights)
