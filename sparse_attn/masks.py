@@ -35,11 +35,13 @@ __all__ = [
 _NEG_INF = float("-inf")
 
 
-def causal_keep(n_q: int, n_k: int, device=None) -> Tensor:
-    """Boolean ``(n_q, n_k)`` causal keep mask, bottom-right aligned: row i sees key j iff j <= i + n_k - n_q."""
+def causal_keep(n_q: int, n_k: int, device=None, bottom_right: bool = True) -> Tensor:
+    """Boolean ``(n_q, n_k)`` causal keep mask: row i sees key j iff ``j <= i + n_k - n_q`` (bottom-right
+    aligned, flash-attn's convention; the default) or iff ``j <= i`` (``bottom_right=False``: top-left
+    aligned, ``nn.Transformer.generate_square_subsequent_mask``'s convention)."""
     rows = torch.arange(n_q, device=device)[:, None]
     cols = torch.arange(n_k, device=device)[None, :]
-    return cols <= rows + (n_k - n_q)
+    return cols <= rows + (n_k - n_q if bottom_right else 0)
 
 
 def keep_to_bias(keep: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:

@@ -20,7 +20,14 @@ from torch import Tensor, nn
 
 from sparse_attn.attention import run_attention
 from sparse_attn.attn_inputs import check_head_alpha, prepare_attention
-from sparse_attn.masks import check_mask, check_mask_values, combine_masks, from_mha_mask, key_padding_to_mask
+from sparse_attn.masks import (
+    causal_keep,
+    check_mask,
+    check_mask_values,
+    combine_masks,
+    from_mha_mask,
+    key_padding_to_mask,
+)
 from sparse_attn.reference import reference_forward
 from sparse_attn.stats import head_stats_sink, register_layer_type
 
@@ -452,7 +459,7 @@ class EntmaxMultiheadAttention(_HeadAlphaMixin, nn.MultiheadAttention):
         if causal:
             attn_mask = None
         elif is_causal and attn_mask is None:
-            attn_mask = torch.ones(l_q, s, dtype=torch.bool, device=q.device).tril().logical_not()
+            attn_mask = ~causal_keep(l_q, s, q.device, bottom_right=False)
         mask = self._masks(attn_mask, key_padding_mask, n, l_q, s, n_extra, query.device)
         inputs = prepare_attention(
             q, k, v, self._alpha_arg(), attn_mask=mask, is_causal=causal,

@@ -672,3 +672,15 @@ def test_fused_backend_matches_reference(kernel_device):
     torch.testing.assert_close(outs[1], outs[0], atol=2e-4, rtol=1e-3)
     for g_f, g_r in zip(grads[1], grads[0]):
         torch.testing.assert_close(g_f, g_r, atol=2e-3, rtol=1e-2)
+
+
+@pytest.mark.parametrize("add_bias_kv", [False, True])
+def test_causal_hint_without_mask_is_top_left_for_rectangular_and_extra_keys(add_bias_kv):
+    """``is_causal`` without ``attn_mask``: query i sees key j iff j <= i (and any add_bias_kv key)."""
+    _, ent = _pair(alpha=1.5, add_bias_kv=add_bias_kv)
+    q, k, v = _inputs(2, 4, 7, E, E, batch_first=False)
+    explicit = torch.ones(4, 7, dtype=torch.bool).triu(1)
+    for need_weights in (False, True):
+        out, _ = ent(q, k, v, is_causal=True, need_weights=need_weights)
+        ref, _ = ent(q, k, v, attn_mask=explicit, need_weights=need_weights)
+        torch.testing.assert_close(out, ref, rtol=0, atol=0)
