@@ -684,3 +684,20 @@ def test_causal_hint_without_mask_is_top_left_for_rectangular_and_extra_keys(add
         out, _ = ent(q, k, v, is_causal=True, need_weights=need_weights)
         ref, _ = ent(q, k, v, attn_mask=explicit, need_weights=need_weights)
         torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_cuda_forward_with_learnable_alpha_does_not_synchronize():
+    """The module's alpha is in range by construction: a fused forward reads nothing back to the host."""
+    torch.manual_seed(14)
+    ent = EntmaxMultiheadAttention(64, 4, learnable=True, batch_first=True, device="cuda")
+    x = torch.randn(2, 40, 64, device="cuda")
+    pad = torch.zeros(2, 40, dtype=torch.bool, device="cuda")
+    pad[1, -5:] = True
+    ent(x, x, x, key_padding_mask=pad, need_weights=False, is_causal=True)  # compiles the kernels
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        ent(x, x, x, key_padding_mask=pad, need_weights=False, is_causal=True)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
