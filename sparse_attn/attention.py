@@ -28,6 +28,30 @@ def run_attention(inputs: AttentionInputs, return_stats: bool = False):
     return fused_entmax_attention(inputs, return_stats)
 
 
+def run_layer_attention(inputs: AttentionInputs, dense: bool, sink=None):
+    """The attention of a layer (module or integration) on prepared inputs.
+
+    Args:
+        inputs: from :func:`sparse_attn.attn_inputs.prepare_attention`.
+        dense: materialize the weights (the reference, whatever ``inputs.backend``).
+        sink: None or a :class:`sparse_attn.stats.HeadStatsSink` the call reports to.
+
+    Returns:
+        ``(out, weights)``: ``weights`` ``(B, Hq, Nq, Nk)`` as multiplied with ``v`` (after
+        dropout) when ``dense``, else None.
+    """
+    if dense:
+        res = reference_forward(inputs, with_weights=True, with_stats=sink is not None)
+        if sink is not None:
+            sink(res.stats.nnz, res.stats.n_valid, inputs.alpha, res.weights)
+        return res.out, res.applied
+    if sink is None:
+        return run_attention(inputs), None
+    out, stats = run_attention(inputs, return_stats=True)
+    sink(stats.nnz, stats.n_valid, inputs.alpha, None)
+    return out, None
+
+
 def entmax_attention(
     q: torch.Tensor,
     k: torch.Tensor,

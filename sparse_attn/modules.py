@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from sparse_attn.attention import run_attention
+from sparse_attn.attention import run_layer_attention
 from sparse_attn.attn_inputs import check_head_alpha, prepare_attention
 from sparse_attn.masks import (
     causal_keep,
@@ -28,7 +28,6 @@ from sparse_attn.masks import (
     from_mha_mask,
     key_padding_to_mask,
 )
-from sparse_attn.reference import reference_forward
 from sparse_attn.stats import head_stats_sink, register_layer_type
 
 __all__ = ["EntmaxAlpha", "EntmaxMultiheadAttention", "swap_attention"]
@@ -470,17 +469,7 @@ class EntmaxMultiheadAttention(_HeadAlphaMixin, nn.MultiheadAttention):
             check_mask_values("key_padding_mask", key_padding_mask)
             check_mask_values("attn_mask", attn_mask)
 
-        weights = None
-        if dense:
-            res = reference_forward(inputs, with_weights=True, with_stats=sink is not None)
-            out, weights = res.out, res.applied
-            if sink is not None:
-                sink(res.stats.nnz, res.stats.n_valid, inputs.alpha, res.weights)
-        elif sink is not None:
-            out, stats = run_attention(inputs, return_stats=True)
-            sink(stats.nnz, stats.n_valid, inputs.alpha, None)
-        else:
-            out = run_attention(inputs)
+        out, weights = run_layer_attention(inputs, dense, sink)
         out = self.out_proj(out.transpose(1, 2).reshape(n, l_q, self.embed_dim))
         if not batched:
             out = out.squeeze(0)

@@ -39,11 +39,10 @@ except ImportError as exc:  # pragma: no cover - exercised only without transfor
     ) from exc
 
 from sparse_attn._validation import check_number
-from sparse_attn.attention import run_attention
+from sparse_attn.attention import run_layer_attention
 from sparse_attn.attn_inputs import prepare_attention
 from sparse_attn.masks import check_mask, check_mask_values, combine_masks
 from sparse_attn.modules import EntmaxAlpha, resolve_learnable
-from sparse_attn.reference import reference_forward
 from sparse_attn.stats import head_stats_sink, register_layer_type
 
 __all__ = [
@@ -141,17 +140,7 @@ def entmax_attention_forward(
     if inputs.backend == "triton":
         check_mask_values("attention_mask", attention_mask)
         check_mask_values("position_bias", position_bias)
-    weights = None
-    if dense:
-        res = reference_forward(inputs, with_weights=True, with_stats=sink is not None)
-        out, weights = res.out, res.applied
-        if sink is not None:
-            sink(res.stats.nnz, res.stats.n_valid, inputs.alpha, res.weights)
-    elif sink is not None:
-        out, stats = run_attention(inputs, return_stats=True)
-        sink(stats.nnz, stats.n_valid, inputs.alpha, None)
-    else:
-        out = run_attention(inputs)
+    out, weights = run_layer_attention(inputs, dense, sink)
     return out.transpose(1, 2).contiguous(), weights if output_attentions else None
 
 
