@@ -4,7 +4,7 @@ Layout everywhere: ``(batch, heads, seq, head_dim)``.
 """
 
 from sparse_attn._version import __version__
-from sparse_attn.attention import AttentionStats, entmax_attention
+from sparse_attn.attention import AttentionStats, checks_enabled, entmax_attention, set_checks
 from sparse_attn.constrained import FertilityAttention, FertilityPredictor, FertilityState, csoftmax, csparsemax
 from sparse_attn.losses import (
     Entmax15Loss,
@@ -41,6 +41,8 @@ __all__ = [
     "__version__",
     "entmax_attention",
     "AttentionStats",
+    "set_checks",
+    "checks_enabled",
     "entmax",
     "sparsemax",
     "entmax15",

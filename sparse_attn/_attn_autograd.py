@@ -10,16 +10,18 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from sparse_attn.attn_inputs import AttentionInputs, AttentionStats
 from sparse_attn.kernels.entmax_attn_bwd import entmax_attn_bwd
 from sparse_attn.kernels.entmax_attn_fwd import entmax_attn_fwd, fwd_block_sizes
-from sparse_attn.reference import AttentionStats
+from sparse_attn.masks import keep_to_bias
 
 
 def _live_shape(q: Tensor, k: Tensor, cu_seqlens_q, max_seqlen_q: int, max_seqlen_k: int):
     block_m, block_n = fwd_block_sizes(q.shape[-1])
     n_seq = q.shape[0] if cu_seqlens_q is None else cu_seqlens_q.shape[0] - 1
     n_qt = -(-max_seqlen_q // block_m)
-    n_words = -(-(-(-max_seqlen_k // block_n)) // 32)
+    n_kt = -(-max_seqlen_k // block_n)
+    n_words = -(-n_kt // 32)
     return (n_seq, q.shape[1], n_qt, n_words), (n_seq, q.shape[1], n_qt)
 
 
@@ -40,7 +42,8 @@ def _fwd_op(
 
 
 @_fwd_op.register_fake
-def _fwd_fake(q, k, v, alpha, bias, cu_seqlens_q, cu_seqlens_k, scale, is_causal, max_seqlen_q, max_seqlen_k, dropout_p, seed):
+def _fwd_fake(q, k, v, alpha, bias, cu_seqlens_q, cu_seqlens_k, scale, is_causal, max_seqlen_q, max_seqlen_k,
+              dropout_p, seed):
     rows = q.shape[:3]
     live_shape, sweep_shape = _live_shape(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     return (
@@ -116,33 +119,15 @@ def _backward(ctx, d_out, *_unused):
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _seqlen_max(cu: Tensor | None, n: int) -> int:
-    if cu is None:
-        return n
-    return int((cu[1:] - cu[:-1]).max().item()) if cu.numel() > 1 else 0
-
-
-def fused_entmax_attention(q, k, v, alpha, *, attn_mask, is_causal, scale, dropout_p, cu_seqlens_q, cu_seqlens_k, return_stats):
-    """Run the fused kernels on validated arguments (see :func:`sparse_attn.entmax_attention`)."""
-    n_heads = q.shape[1]
-    if isinstance(alpha, Tensor):
-        alpha_t = alpha.to(device=q.device, dtype=torch.float32).reshape(-1).expand(n_heads)
-    else:
-        alpha_t = torch.full((n_heads,), alpha, dtype=torch.float32, device=q.device)
-    bias = None
-    if attn_mask is not None:
-        if attn_mask.dtype == torch.bool:
-            bias = torch.zeros(attn_mask.shape, dtype=torch.float32, device=q.device).masked_fill(~attn_mask, float("-inf"))
-        else:
-            bias = attn_mask
-    if cu_seqlens_q is not None:
-        cu_seqlens_q = cu_seqlens_q.to(torch.int32)
-        cu_seqlens_k = cu_seqlens_k.to(torch.int32)
-    max_q = _seqlen_max(cu_seqlens_q, q.shape[2])
-    max_k = _seqlen_max(cu_seqlens_k, k.shape[2])
-    seed = int(torch.randint(0, 2**31 - 1, (1,)).item()) if dropout_p > 0 else 0
+def fused_entmax_attention(inputs: AttentionInputs, return_stats: bool):
+    """Run the fused kernels on prepared inputs (see :func:`sparse_attn.entmax_attention`)."""
+    bias = inputs.mask
+    if bias is not None and bias.dtype == torch.bool:
+        bias = keep_to_bias(bias, torch.float32)
+    seed = int(torch.randint(0, 2**31 - 1, (1,)).item()) if inputs.dropout_p > 0 else 0
     out, tau, lsum, nnz, n_valid, _, _ = _fwd_op(
-        q, k, v, alpha_t, bias, cu_seqlens_q, cu_seqlens_k, scale, is_causal, max_q, max_k, dropout_p, seed,
+        inputs.q, inputs.k, inputs.v, inputs.alpha, bias, inputs.cu_seqlens_q, inputs.cu_seqlens_k, inputs.scale,
+        inputs.is_causal, inputs.max_seqlen_q, inputs.max_seqlen_k, inputs.dropout_p, seed,
     )
     if return_stats:
         return out, AttentionStats(nnz=nnz, tau=tau.detach(), n_valid=n_valid)

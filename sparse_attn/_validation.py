@@ -7,6 +7,7 @@ wrong value) with a message naming the argument, what was expected and what was 
 from __future__ import annotations
 
 import math
+import os
 from numbers import Real
 
 import torch
@@ -168,3 +169,63 @@ def check_alpha(name: str, alpha, x: torch.Tensor, dim: int, low: float = 0.0,
     if not math.isfinite(a) or a <= low or a > high:
         raise ValueError(f"{name} must be finite and in ({low}, {high}], got {a}")
     return a, a
+
+
+_CHECKS_ENABLED = os.environ.get("SPARSE_ATTN_CHECKS", "").strip().lower() not in ("", "0", "false", "no", "off")
+_FREE_READ_DEVICES = frozenset({"cpu"})  # device types whose values are read without a synchronization
+
+
+def set_checks(enabled: bool) -> bool:
+    """Turn on (or off) the value checks that read device tensors back to the host.
+
+    Checks of tensor *values* (a tensor ``alpha`` in ``[1, 2]``, a float attention mask free of
+    NaN/``+inf`` on the fused path, ``cu_seqlens`` offsets, ``max_seqlen`` bounds) need a
+    device-to-host read, which on CUDA is a synchronization on every call. They always run for
+    CPU tensors (free there) and, for device tensors, only while this switch is on. Off by
+    default; the environment variable ``SPARSE_ATTN_CHECKS=1`` turns it on at import.
+    Checks of types, shapes, dtypes, devices and Python numbers always run.
+
+    Args:
+        enabled: True to check device tensors' values on every call.
+
+    Returns:
+        The previous setting.
+    """
+    global _CHECKS_ENABLED
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
+    previous, _CHECKS_ENABLED = _CHECKS_ENABLED, enabled
+    return previous
+
+
+def checks_enabled() -> bool:
+    """Whether :func:`set_checks` (or ``SPARSE_ATTN_CHECKS=1``) turned the device value checks on."""
+    return _CHECKS_ENABLED
+
+
+def values_checkable(*tensors) -> bool:
+    """Whether the values of ``tensors`` are checked now: never while compiling; always for CPU
+    tensors; for other devices only with :func:`set_checks` on (meta tensors never)."""
+    if torch.compiler.is_compiling():
+        return False
+    devices = {t.device.type for t in tensors if isinstance(t, torch.Tensor)}
+    if "meta" in devices:
+        return False
+    return devices <= _FREE_READ_DEVICES or _CHECKS_ENABLED
+
+
+def check_bool(name: str, value) -> None:
+    """Raise ``TypeError`` unless ``value`` is a Python bool."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+
+
+def check_number(name: str, value, low: float, high: float, high_open: bool = False) -> float:
+    """Check a Python real number in ``[low, high]`` (``[low, high)`` when ``high_open``); return it as float."""
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise TypeError(f"{name} must be a Python number, got {type(value).__name__}")
+    value = float(value)
+    ok = math.isfinite(value) and low <= value and (value < high if high_open else value <= high)
+    if not ok:
+        raise ValueError(f"{name} must be finite and in [{low:g}, {high:g}{')' if high_open else ']'}, got {value}")
+    return value

@@ -11,16 +11,28 @@ may be learned as in ``correia2019-adaptively-sparse-transformers.txt``:
 from __future__ import annotations
 
 import math
+import warnings
 from numbers import Real
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from sparse_attn.attention import entmax_attention
-from sparse_attn.mappings import entmax
+from sparse_attn.attention import run_layer_attention
+from sparse_attn.attn_inputs import check_head_alpha, prepare_attention
+from sparse_attn.masks import (
+    causal_keep,
+    check_mask,
+    check_mask_values,
+    combine_masks,
+    from_mha_mask,
+    key_padding_to_mask,
+)
+from sparse_attn.stats import head_stats_sink, register_layer_type
 
 __all__ = ["EntmaxAlpha", "EntmaxMultiheadAttention", "swap_attention"]
+
+_MHA_KEEP = "True = not allowed to attend"
 
 
 def _check_unit_interval(name: str, value, low: float = 1.0, high: float = 2.0) -> float:
@@ -33,11 +45,8 @@ def _check_unit_interval(name: str, value, low: float = 1.0, high: float = 2.0) 
 
 def _per_head(name: str, value, num_heads: int, low: float, high: float) -> Tensor:
     """``value`` (float, or tensor of shape () or (num_heads,)) as a float64 CPU tensor (num_heads,)."""
+    check_head_alpha(name, value, num_heads)
     if isinstance(value, Tensor):
-        if not value.is_floating_point():
-            raise TypeError(f"{name} must be a float or a floating-point tensor, got dtype {value.dtype}")
-        if value.dim() > 1 or value.numel() not in (1, num_heads):
-            raise ValueError(f"{name} must be a float or a tensor of shape () or ({num_heads},), got shape {tuple(value.shape)}")
         vals = value.detach().to("cpu", torch.float64).reshape(-1).expand(num_heads).clone()
     else:
         vals = torch.full((num_heads,), _check_unit_interval(name, value, low, high), dtype=torch.float64)
@@ -46,58 +55,17 @@ def _per_head(name: str, value, num_heads: int, low: float, high: float) -> Tens
     return vals
 
 
-def _check_mask_dtype(name: str, mask: Tensor | None) -> None:
-    if mask is None:
-        return
-    if not isinstance(mask, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(mask).__name__}")
-    if mask.dtype != torch.bool and not mask.is_floating_point():
-        raise TypeError(f"{name} must be boolean (True = not allowed to attend) or floating (additive), got {mask.dtype}")
-
-
-def _as_keep_or_bias(mask: Tensor, n_extra: int) -> Tensor:
-    """MHA convention (bool True = masked, float additive) to entmax_attention's (bool True = attend).
-
-    ``n_extra`` always-visible key columns are appended (``add_bias_kv`` / ``add_zero_attn``).
-    """
-    if mask.dtype == torch.bool:
-        mask = ~mask
-        return F.pad(mask, (0, n_extra), value=True) if n_extra else mask
-    return F.pad(mask, (0, n_extra), value=0.0) if n_extra else mask
-
-
-def _combine(a: Tensor | None, b: Tensor | None) -> Tensor | None:
-    """Intersect two masks in entmax_attention's convention (bool keep or float additive)."""
-    if a is None or b is None:
-        return a if b is None else b
-    if a.dtype == torch.bool and b.dtype == torch.bool:
-        return a & b
-    if a.dtype == torch.bool:
-        a, b = b, a
-    if b.dtype == torch.bool:
-        b = torch.zeros(b.shape, dtype=a.dtype, device=a.device).masked_fill(~b, float("-inf"))
-    return a + b
-
-
-def _materialized_attention(q: Tensor, k: Tensor, v: Tensor, alpha, mask: Tensor | None, dropout_p: float):
-    """Dense entmax attention that also returns the weights.
-
-    q: (B, H, Nq, D); k, v: (B, H, Nk, D); mask: bool keep or float additive, broadcastable to
-    (B, H, Nq, Nk). Returns ``out`` (B, H, Nq, D), the weights after dropout and before dropout
-    (B, H, Nq, Nk), and the per-row support size and number of valid keys (B, H, Nq), int32.
-    """
-    scores = torch.matmul(q, k.transpose(-1, -2)) * q.shape[-1] ** -0.5
-    if mask is not None:
-        if mask.dtype == torch.bool:
-            scores = scores.masked_fill(~mask, float("-inf"))
-        else:
-            scores = scores + mask.to(scores.dtype)
-    a = alpha if not isinstance(alpha, Tensor) else alpha.reshape(1, -1, 1, 1)
-    p = entmax(scores, a, dim=-1)
-    nnz = (p > 0).sum(-1, dtype=torch.int32)
-    n_valid = (scores > float("-inf")).sum(-1, dtype=torch.int32)
-    dropped = F.dropout(p, dropout_p) if dropout_p > 0 else p
-    return torch.matmul(dropped, v), dropped, p, nnz, n_valid
+def resolve_learnable(learnable, learnable_alpha, default: bool) -> bool:
+    """The ``learnable`` flag, accepting the deprecated alias ``learnable_alpha`` (not both)."""
+    if learnable_alpha is not None:
+        if learnable is not None:
+            raise TypeError("got both learnable= and its deprecated alias learnable_alpha=: pass learnable= only")
+        warnings.warn("learnable_alpha= is deprecated, use learnable=", DeprecationWarning, stacklevel=3)
+        learnable = learnable_alpha
+    learnable = default if learnable is None else learnable
+    if not isinstance(learnable, bool):
+        raise TypeError(f"learnable must be a bool, got {type(learnable).__name__}")
+    return learnable
 
 
 class _HeadAlphaMixin:
@@ -114,8 +82,6 @@ class _HeadAlphaMixin:
         self._alpha_float = None
         self.alpha_min = _check_unit_interval("alpha_min", alpha_min)
         self.alpha_max = _check_unit_interval("alpha_max", alpha_max)
-        if not isinstance(learnable, bool):
-            raise TypeError(f"learnable_alpha must be a bool, got {type(learnable).__name__}")
         if not learnable:
             self.register_parameter("alpha_logit", None)
             if isinstance(alpha, Tensor):
@@ -126,7 +92,9 @@ class _HeadAlphaMixin:
                 self.register_buffer("alpha_fixed", None, persistent=False)
             return
         if self.alpha_min >= self.alpha_max:
-            raise ValueError(f"alpha_min must be < alpha_max, got alpha_min={self.alpha_min}, alpha_max={self.alpha_max}")
+            raise ValueError(
+                f"alpha_min must be < alpha_max, got alpha_min={self.alpha_min}, alpha_max={self.alpha_max}"
+            )
         init = _per_head("alpha_init" if alpha_init is not None else "alpha",
                          alpha if alpha_init is None else alpha_init, self.num_heads, 1.0, 2.0)
         if (init <= self.alpha_min).any() or (init >= self.alpha_max).any():
@@ -189,27 +157,30 @@ class _HeadAlphaMixin:
                 self._buffers[name] = kept
         return self
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+    def _load_from_state_dict(self, state_dict, prefix, *args):
         key = prefix + "alpha_logit"
         if self.alpha_logit is not None and key not in state_dict:
             state_dict[key] = self.alpha_logit.detach().clone()
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+        super()._load_from_state_dict(state_dict, prefix, *args)
 
 
 class EntmaxAlpha(_HeadAlphaMixin, nn.Module):
     """Holder of one alpha per head, for attention layers that are not :class:`EntmaxMultiheadAttention`.
 
     Calling it returns the current alpha ``(num_heads,)``. Arguments as the alpha arguments of
-    :class:`EntmaxMultiheadAttention` (``learnable`` for ``learnable_alpha``); a learnable alpha
-    is the parameter ``alpha_logit`` (saved in the state dict), a fixed one is not saved.
+    :class:`EntmaxMultiheadAttention` (``learnable`` default False; ``learnable_alpha`` is its
+    deprecated alias); a learnable alpha is the parameter ``alpha_logit`` (saved in the state
+    dict), a fixed one is not saved.
     """
 
-    def __init__(self, num_heads: int, alpha: float | Tensor = 1.5, learnable: bool = False, alpha_min: float = 1.0,
-                 alpha_max: float = 2.0, alpha_init: float | Tensor | None = None, device=None, dtype=None):
+    def __init__(self, num_heads: int, alpha: float | Tensor = 1.5, learnable: bool | None = None,
+                 alpha_min: float = 1.0, alpha_max: float = 2.0, alpha_init: float | Tensor | None = None,
+                 device=None, dtype=None, *, learnable_alpha: bool | None = None):
         super().__init__()
         if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads <= 0:
             raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
         self.num_heads = num_heads
+        learnable = resolve_learnable(learnable, learnable_alpha, default=False)
         self._init_alpha(alpha, learnable, alpha_min, alpha_max, alpha_init, device, dtype)
 
     def forward(self) -> Tensor:
@@ -237,9 +208,10 @@ class EntmaxMultiheadAttention(_HeadAlphaMixin, nn.MultiheadAttention):
             weights after the entmax, in training mode).
         alpha: float in [1, 2] or a tensor of shape ``(num_heads,)``: the fixed alpha of each head
             (1 = softmax, 1.5 = 1.5-entmax, 2 = sparsemax). Default 1.5.
-        learnable_alpha: learn one alpha per head through the parameter ``alpha_logit``
+        learnable: learn one alpha per head through the parameter ``alpha_logit``
             ``(num_heads,)``, ``alpha = alpha_min + (alpha_max - alpha_min) * sigmoid(alpha_logit)``.
-            Default False.
+            Default False. ``learnable_alpha`` is a deprecated alias (``DeprecationWarning``;
+            passing both is a ``TypeError``); the property ``.learnable_alpha`` stays.
         alpha_min, alpha_max: range of a learnable alpha, ``1 <= alpha_min < alpha_max <= 2``.
             Default (1, 2) as in the adaptively sparse Transformer.
         alpha_init: initial learnable alpha (float or ``(num_heads,)`` tensor strictly inside
@@ -259,7 +231,6 @@ class EntmaxMultiheadAttention(_HeadAlphaMixin, nn.MultiheadAttention):
     query with no key to attend to gives zeros instead of NaN.
     """
 
-    _records_head_stats = True
     _head_stats_sink = None
 
     def __init__(
@@ -277,11 +248,12 @@ class EntmaxMultiheadAttention(_HeadAlphaMixin, nn.MultiheadAttention):
         dtype=None,
         *,
         alpha: float | Tensor = 1.5,
-        learnable_alpha: bool = False,
+        learnable: bool | None = None,
         alpha_min: float = 1.0,
         alpha_max: float = 2.0,
         alpha_init: float | Tensor | None = None,
         backend: str = "auto",
+        learnable_alpha: bool | None = None,
     ) -> None:
         nn.Module.__init__(self)
         for name, val in (("embed_dim", embed_dim), ("num_heads", num_heads), ("kdim", kdim), ("vdim", vdim)):
@@ -325,7 +297,8 @@ class EntmaxMultiheadAttention(_HeadAlphaMixin, nn.MultiheadAttention):
             self.bias_v = nn.Parameter(torch.empty(1, 1, embed_dim, **factory))
         else:
             self.bias_k = self.bias_v = None
-        self._init_alpha(alpha, learnable_alpha, alpha_min, alpha_max, alpha_init, device, dtype)
+        learnable = resolve_learnable(learnable, learnable_alpha, default=False)
+        self._init_alpha(alpha, learnable, alpha_min, alpha_max, alpha_init, device, dtype)
         self._reset_parameters()
 
     @property
@@ -356,7 +329,7 @@ class EntmaxMultiheadAttention(_HeadAlphaMixin, nn.MultiheadAttention):
 
         Args:
             mha: the ``nn.MultiheadAttention`` to copy (kept unchanged).
-            **kwargs: keyword-only arguments of the constructor (``alpha``, ``learnable_alpha``,
+            **kwargs: keyword-only arguments of the constructor (``alpha``, ``learnable``,
                 ``alpha_min``, ``alpha_max``, ``alpha_init``, ``backend``).
         """
         if not isinstance(mha, nn.MultiheadAttention):
@@ -392,7 +365,11 @@ class EntmaxMultiheadAttention(_HeadAlphaMixin, nn.MultiheadAttention):
             if not isinstance(t, Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
             if t.is_nested:
-                raise ValueError(f"{name} is a nested tensor; EntmaxMultiheadAttention takes padded tensors and key_padding_mask")
+                raise ValueError(
+                    f"{name} is a nested tensor; EntmaxMultiheadAttention takes padded tensors and key_padding_mask"
+                )
+            if not t.is_floating_point():
+                raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
         if query.dim() not in (2, 3) or key.dim() != query.dim() or value.dim() != query.dim():
             raise ValueError(
                 "query, key and value must all be 3-D (batched) or all 2-D (unbatched), got shapes "
@@ -402,28 +379,36 @@ class EntmaxMultiheadAttention(_HeadAlphaMixin, nn.MultiheadAttention):
             if t.shape[-1] != dim:
                 raise ValueError(f"{name} must have {dim} features in its last dimension, got shape {tuple(t.shape)}")
         if key.shape[:-1] != value.shape[:-1]:
-            raise ValueError(f"key and value must agree in sequence and batch sizes, got {tuple(key.shape)} and {tuple(value.shape)}")
+            raise ValueError(
+                f"key and value must agree in sequence and batch sizes, got {tuple(key.shape)} and {tuple(value.shape)}"
+            )
+        device = self.out_proj.weight.device
+        for name, t in (("query", query), ("key", key), ("value", value)):
+            if t.device != device:
+                raise ValueError(f"{name} must be on the module's device ({device}), got {t.device}")
 
-    def _masks(self, attn_mask, key_padding_mask, n: int, l_q: int, s: int, n_extra: int):
-        """Merge MHA-convention masks into one mask broadcastable to (N, H, L, S + n_extra)."""
-        _check_mask_dtype("attn_mask", attn_mask)
-        _check_mask_dtype("key_padding_mask", key_padding_mask)
+    def _masks(self, attn_mask, key_padding_mask, n: int, l_q: int, s: int, n_extra: int, device):
+        """Merge MHA-convention masks into one keep/bias mask broadcastable to (N, H, L, S + n_extra)."""
+        check_mask("attn_mask", attn_mask, device, keep_means=_MHA_KEEP)
+        check_mask("key_padding_mask", key_padding_mask, device, keep_means=_MHA_KEEP)
         kpm = am = None
         if key_padding_mask is not None:
             if tuple(key_padding_mask.shape) != (n, s):
-                raise ValueError(f"key_padding_mask must have shape (batch, src_len) = {(n, s)}, got {tuple(key_padding_mask.shape)}")
-            kpm = _as_keep_or_bias(key_padding_mask, n_extra)[:, None, None, :]
+                raise ValueError(
+                    f"key_padding_mask must have shape (batch, src_len) = {(n, s)}, got {tuple(key_padding_mask.shape)}"
+                )
+            kpm = key_padding_to_mask(key_padding_mask, n_extra)
         if attn_mask is not None:
             if attn_mask.dim() == 2 and tuple(attn_mask.shape) == (l_q, s):
-                am = _as_keep_or_bias(attn_mask, n_extra)[None, None]
+                am = from_mha_mask(attn_mask, n_extra)[None, None]
             elif attn_mask.dim() == 3 and tuple(attn_mask.shape) == (n * self.num_heads, l_q, s):
-                am = _as_keep_or_bias(attn_mask, n_extra).reshape(n, self.num_heads, l_q, s + n_extra)
+                am = from_mha_mask(attn_mask, n_extra).reshape(n, self.num_heads, l_q, s + n_extra)
             else:
                 raise ValueError(
-                    f"attn_mask must have shape (tgt_len, src_len) = {(l_q, s)} or (batch * num_heads, tgt_len, src_len) = "
-                    f"{(n * self.num_heads, l_q, s)}, got {tuple(attn_mask.shape)}"
+                    f"attn_mask must have shape (tgt_len, src_len) = {(l_q, s)} or (batch * num_heads, tgt_len, "
+                    f"src_len) = {(n * self.num_heads, l_q, s)}, got {tuple(attn_mask.shape)}"
                 )
-        return _combine(am, kpm)
+        return combine_masks(am, kpm)
 
     def forward(
         self,
@@ -441,13 +426,15 @@ class EntmaxMultiheadAttention(_HeadAlphaMixin, nn.MultiheadAttention):
         Returns ``(out, weights)``: ``out`` shaped like ``query`` (with ``embed_dim`` features);
         ``weights`` ``(N, L, S)`` (or ``(N, num_heads, L, S)`` when ``average_attn_weights`` is
         False; without the batch dimension for unbatched input) when ``need_weights``, else None.
+        A NaN or ``+inf`` in a float mask makes its rows NaN (CPU / reference path); on the fused
+        path it raises ``ValueError`` naming ``key_padding_mask`` or ``attn_mask``.
         """
         self._check_inputs(query, key, value)
         self_attn = query is key and key is value
         batched = query.dim() == 3
         if not batched:
             query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
-            if key_padding_mask is not None and key_padding_mask.dim() == 1:
+            if isinstance(key_padding_mask, Tensor) and key_padding_mask.dim() == 1:
                 key_padding_mask = key_padding_mask.unsqueeze(0)
         elif not self.batch_first:
             query, key, value = query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1)
@@ -465,29 +452,24 @@ class EntmaxMultiheadAttention(_HeadAlphaMixin, nn.MultiheadAttention):
             v = torch.cat([v, v.new_zeros(n, self.num_heads, 1, self.head_dim)], dim=2)
         n_extra = int(self.bias_k is not None) + int(self.add_zero_attn)
 
-        sink = self._head_stats_sink
+        sink = head_stats_sink(self)
         dense = need_weights or (sink is not None and sink.wants_weights)
-        kernel_causal = is_causal and not dense and n_extra == 0 and l_q == s
-        if kernel_causal:
+        causal = is_causal and n_extra == 0 and l_q == s
+        if causal:
             attn_mask = None
         elif is_causal and attn_mask is None:
-            attn_mask = torch.ones(l_q, s, dtype=torch.bool, device=q.device).tril().logical_not()
-        mask = self._masks(attn_mask, key_padding_mask, n, l_q, s, n_extra)
-        dropout_p = self.dropout if self.training else 0.0
-        alpha = self._alpha_arg()
+            attn_mask = ~causal_keep(l_q, s, q.device, bottom_right=False)
+        mask = self._masks(attn_mask, key_padding_mask, n, l_q, s, n_extra, query.device)
+        inputs = prepare_attention(
+            q, k, v, self._alpha_arg(), attn_mask=mask, is_causal=causal,
+            dropout_p=self.dropout if self.training else 0.0, backend="reference" if dense else self.backend,
+            alpha_in_range=True, mask_values_checked=True,
+        )
+        if inputs.backend == "triton":
+            check_mask_values("key_padding_mask", key_padding_mask)
+            check_mask_values("attn_mask", attn_mask)
 
-        weights = None
-        if dense:
-            out, weights, p, nnz, n_valid = _materialized_attention(q, k, v, alpha, mask, dropout_p)
-            if sink is not None:
-                sink(nnz, n_valid, self.alpha, p)
-        elif sink is not None:
-            out, stats = entmax_attention(q, k, v, alpha, attn_mask=mask, is_causal=kernel_causal,
-                                          dropout_p=dropout_p, return_stats=True, backend=self.backend)
-            sink(stats.nnz, stats.n_valid, self.alpha, None)
-        else:
-            out = entmax_attention(q, k, v, alpha, attn_mask=mask, is_causal=kernel_causal,
-                                   dropout_p=dropout_p, backend=self.backend)
+        out, weights = run_layer_attention(inputs, dense, sink)
         out = self.out_proj(out.transpose(1, 2).reshape(n, l_q, self.embed_dim))
         if not batched:
             out = out.squeeze(0)
@@ -500,7 +482,8 @@ class EntmaxMultiheadAttention(_HeadAlphaMixin, nn.MultiheadAttention):
         return out, weights.squeeze(0) if not batched else weights
 
 
-def swap_attention(model: nn.Module, alpha: float | Tensor = 1.5, learnable: bool = False, **kw) -> list[tuple[str, nn.MultiheadAttention]]:
+def swap_attention(model: nn.Module, alpha: float | Tensor = 1.5, learnable: bool | None = None,
+                   **kw) -> list[tuple[str, nn.MultiheadAttention]]:
     """Replace every ``nn.MultiheadAttention`` inside ``model`` by an :class:`EntmaxMultiheadAttention`, in place.
 
     Weights, configuration and train/eval mode are kept. A module shared by several parents is
@@ -514,25 +497,30 @@ def swap_attention(model: nn.Module, alpha: float | Tensor = 1.5, learnable: boo
             ``learnable``. Default 1.5.
         learnable: learn one alpha per head (``alpha_logit`` parameters). Default False.
         **kw: other keyword-only arguments of :class:`EntmaxMultiheadAttention`
-            (``alpha_min``, ``alpha_max``, ``alpha_init``, ``backend``).
+            (``alpha_min``, ``alpha_max``, ``alpha_init``, ``backend``; ``learnable_alpha`` is a
+            deprecated alias of ``learnable``).
 
     Returns:
         ``[(qualified_name, replaced_module), ...]`` in model order (one entry per replaced module).
     """
+    learnable = resolve_learnable(learnable, kw.pop("learnable_alpha", None), default=False)
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if isinstance(model, nn.MultiheadAttention):
-        raise ValueError("model is itself an nn.MultiheadAttention; use EntmaxMultiheadAttention.from_mha(model) instead")
+        raise ValueError(
+            "model is itself an nn.MultiheadAttention; use EntmaxMultiheadAttention.from_mha(model) instead"
+        )
     targets = []
     for parent_name, parent in model.named_modules(remove_duplicate=False):
         for child_name, child in parent.named_children():
             if isinstance(child, nn.MultiheadAttention) and not isinstance(child, EntmaxMultiheadAttention):
-                targets.append((parent, child_name, f"{parent_name}.{child_name}" if parent_name else child_name, child))
+                full_name = f"{parent_name}.{child_name}" if parent_name else child_name
+                targets.append((parent, child_name, full_name, child))
     new_of: dict[int, EntmaxMultiheadAttention] = {}
     replaced = []
     for parent, child_name, full_name, child in targets:
         if id(child) not in new_of:
-            new_of[id(child)] = EntmaxMultiheadAttention.from_mha(child, alpha=alpha, learnable_alpha=learnable, **kw)
+            new_of[id(child)] = EntmaxMultiheadAttention.from_mha(child, alpha=alpha, learnable=learnable, **kw)
             replaced.append((full_name, child))
         setattr(parent, child_name, new_of[id(child)])
     if replaced:
@@ -540,3 +528,6 @@ def swap_attention(model: nn.Module, alpha: float | Tensor = 1.5, learnable: boo
             if isinstance(m, nn.TransformerEncoder):
                 m.use_nested_tensor = False
     return replaced
+
+
+register_layer_type(lambda m: isinstance(m, EntmaxMultiheadAttention), lambda m: m.alpha)

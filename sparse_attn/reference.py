@@ -2,177 +2,260 @@
 
 It builds the full ``(B, H, Nq, Nk)`` score matrix, applies the row-wise mapping
 :func:`sparse_attn.mappings.entmax` and aggregates the values. It uses only PyTorch, supports
-every option of :func:`sparse_attn.entmax_attention`, is differentiable (inputs, ``alpha``,
-float masks) and computes in the dtype it is given, so float64 inputs give a float64 oracle.
+every option of :func:`sparse_attn.entmax_attention`, and is differentiable (inputs, ``alpha``,
+float masks).
+
+Numerics: scores, masks, weights and the value product are computed in float32 for float16,
+bfloat16 and float32 inputs and in float64 for float64 inputs (or in ``compute_dtype``), with
+autocast off; the output is cast back to the input dtype. Non-finite values follow the project's
+policy: ``-inf`` scores (or masked keys) get weight 0; a row whose scores hold NaN or ``+inf``
+(from ``q``, ``k`` or a float mask) is all NaN (its gradients too); a row with no key gives
+zeros; a head whose alpha is outside [1, 2] or NaN (possible only when its values were not
+checked) is all NaN. No host read is needed for any of this.
+
 Its memory is O(N^2): it is for tests, CPU tensors and small problems. It traces under
 ``torch.compile(fullgraph=True)`` for any alpha (float, per-head or learnable tensor) except
 with ``cu_seqlens_q``/``cu_seqlens_k``: the packed-sequence loop reads the offsets to the host
-and runs eagerly only (shapes depend on them; not traceable with ``fullgraph=True``).
+and runs eagerly only.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import NamedTuple
 
 import torch
+from torch import Tensor
 
+from sparse_attn._validation import check_bool
+from sparse_attn.attn_inputs import AttentionInputs, AttentionStats, prepare_attention
 from sparse_attn.mappings import entmax
+from sparse_attn.masks import causal_keep, check_mask, combine_masks
+
+__all__ = ["entmax_attention_reference", "reference_forward", "ReferenceResult", "causal_keep"]
+
+_NAN, _INF = float("nan"), float("inf")
+_SAFE_ALPHA = 1.5
 
 
-class AttentionStats(NamedTuple):
-    """Per-row statistics of an attention call, each of shape ``(B, Hq, Nq)``.
+class ReferenceResult(NamedTuple):
+    """What :func:`reference_forward` computed.
 
-    nnz:     int32, number of keys with a nonzero weight (support size); at alpha == 1 every
-             valid key (softmax's support, whatever the floating-point underflow).
-    tau:     float32 (the input dtype on the reference), the threshold: for alpha > 1 the
-             entmax threshold in the z = (alpha - 1) * score scale, so that
-             ``p = [z - tau]_+^(1 / (alpha - 1))``; for alpha == 1 the row's logsumexp.
-             ``+inf`` for rows with no valid key.
-    n_valid: int32, number of keys the query may attend to (not masked).
+    out:     ``(B, Hq, Nq, Dv)`` in the input dtype.
+    weights: ``(B, Hq, Nq, Nk)`` entmax weights before dropout, in the input dtype (None unless asked).
+    applied: the weights multiplied with ``v`` (after dropout, scaled by ``1 / (1 - dropout_p)``),
+             input dtype; the same tensor as ``weights`` without dropout (None unless asked).
+    stats:   :class:`AttentionStats` (None unless asked).
     """
 
-    nnz: torch.Tensor
-    tau: torch.Tensor
-    n_valid: torch.Tensor
+    out: Tensor
+    weights: Tensor | None
+    applied: Tensor | None
+    stats: AttentionStats | None
 
 
-def causal_keep(n_q: int, n_k: int, device) -> torch.Tensor:
-    """Boolean ``(n_q, n_k)`` causal mask, bottom-right aligned: row i sees key j iff j <= i + n_k - n_q."""
-    rows = torch.arange(n_q, device=device)[:, None]
-    cols = torch.arange(n_k, device=device)[None, :]
-    return cols <= rows + (n_k - n_q)
-
-
-def _alpha_view(alpha, n_heads: int, like: torch.Tensor):
-    if isinstance(alpha, torch.Tensor):
-        alpha = alpha.to(device=like.device, dtype=like.dtype)
-        return alpha.reshape(1, n_heads, 1, 1) if alpha.numel() > 1 else alpha.reshape(())
-    return float(alpha)
-
-
-def _row_threshold(scores: torch.Tensor, p: torch.Tensor, alpha) -> torch.Tensor:
-    """Recover the threshold tau of each row from the scores and the weights (see AttentionStats)."""
+def _row_threshold(scores: Tensor, p: Tensor, alpha) -> Tensor:
+    """Recover the threshold tau of each row from finite-or--inf scores and their weights (see AttentionStats)."""
     valid = torch.isfinite(scores).any(-1)
-    neg_inf = torch.finfo(scores.dtype).min
-    if not isinstance(alpha, torch.Tensor):
+    neg = torch.finfo(scores.dtype).min
+    if not isinstance(alpha, Tensor):
         alpha = torch.tensor(alpha, dtype=scores.dtype, device=scores.device)
     alpha = alpha.detach().to(scores.dtype)
     a = alpha.squeeze(-1) if alpha.dim() == 4 else alpha
-    lse = torch.logsumexp(scores.masked_fill(~torch.isfinite(scores), neg_inf), dim=-1)
-    z = (alpha - 1) * scores.masked_fill(~torch.isfinite(scores), neg_inf)
-    zmax, idx = z.max(dim=-1)
+    finite = scores.masked_fill(~torch.isfinite(scores), neg)
+    lse = torch.logsumexp(finite, dim=-1)
+    zmax, idx = ((alpha - 1) * finite).max(dim=-1)
     pmax = p.gather(-1, idx.unsqueeze(-1)).squeeze(-1).to(scores.dtype)
-    am1 = a - 1
-    entmax_tau = zmax - pmax.clamp_min(torch.finfo(scores.dtype).tiny) ** am1
-    tau = torch.where(am1 == 0, lse, entmax_tau)
-    return torch.where(valid, tau, torch.full_like(tau, float("inf")))
+    entmax_tau = zmax - pmax.clamp_min(torch.finfo(scores.dtype).tiny) ** (a - 1)
+    tau = torch.where(a == 1, lse, entmax_tau)
+    return torch.where(valid, tau, torch.full_like(tau, _INF))
 
 
-def _stats(scores: torch.Tensor, p: torch.Tensor, alpha) -> AttentionStats:
-    """Per-row statistics of one dense block (see AttentionStats); at alpha = 1 every valid key counts."""
-    n_valid = torch.isfinite(scores).sum(-1, dtype=torch.int32)
+def _stats(scores: Tensor, p: Tensor, alpha, n_valid: Tensor, bad: Tensor) -> AttentionStats:
+    """Per-row statistics of one dense block; ``scores`` finite or -inf, ``bad`` marks NaN rows."""
     if scores.shape[-1] == 0:
-        return AttentionStats(n_valid, torch.full(n_valid.shape, float("inf"), dtype=scores.dtype, device=scores.device), n_valid)
+        return AttentionStats(n_valid, torch.full(n_valid.shape, _INF, dtype=scores.dtype, device=scores.device),
+                              n_valid)
     nnz = (p > 0).sum(-1, dtype=torch.int32)
-    if isinstance(alpha, torch.Tensor):
+    if isinstance(alpha, Tensor):
         is_softmax = (alpha.squeeze(-1) if alpha.dim() == 4 else alpha) == 1
     else:
         is_softmax = torch.tensor(alpha == 1.0, device=scores.device)
-    return AttentionStats(torch.where(is_softmax, n_valid, nnz), _row_threshold(scores, p, alpha), n_valid)
+    nnz = torch.where(is_softmax, n_valid, nnz)
+    bad = bad.squeeze(-1)
+    tau = _row_threshold(scores, p, alpha).masked_fill(bad, _NAN)
+    return AttentionStats(nnz.masked_fill(bad, 0), tau, n_valid)
 
 
-def _attend(q, k, v, alpha, bias, keep, scale, dropout_p, dropout_mask, generator, want_stats):
-    """One dense block: q (B,H,Nq,D), k/v (B,H,Nk,D), bias/keep broadcastable to (B,H,Nq,Nk)."""
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+def _attend(q, k, v, alpha, bad_head, bias, keep, scale, ct, dropout_p, dropout_mask, generator, with_stats):
+    """One dense block: q (B,H,Nq,D), k (B,H,Nk,D), v (B,H,Nk,Dv); bias/keep broadcastable to (B,H,Nq,Nk).
+
+    Returns ``(out, p, applied, stats)`` in the compute dtype ``ct``.
+    """
+    s = torch.matmul(q.to(ct), k.to(ct).transpose(-1, -2)) * scale
     if bias is not None:
-        scores = scores + bias.to(scores.dtype)
+        s = s + bias.to(ct)
     if keep is not None:
-        scores = scores.masked_fill(~keep, float("-inf"))
-    a = _alpha_view(alpha, q.shape[1], scores)
+        s = s.masked_fill(~keep, -_INF)
+    bad = (torch.isnan(s) | (s == _INF)).any(-1, keepdim=True)
+    if bad_head is not None:
+        bad = bad | bad_head
+    s_in = s.masked_fill(bad, 0.0)
+    a_in = alpha if bad_head is None else torch.where(bad_head, _SAFE_ALPHA, alpha)
     # no key at all: the (empty) weights still connect the zero output to the inputs
-    p = scores * 0 if scores.shape[-1] == 0 else entmax(scores, a, dim=-1)
+    p = s_in * 0 if s.shape[-1] == 0 else entmax(s_in, a_in, dim=-1)
     stats = None
-    if want_stats:
+    if with_stats:
         with torch.no_grad():
-            stats = _stats(scores.detach(), p.detach(), a)
+            stats = _stats(s_in, p, a_in, (s != -_INF).sum(-1, dtype=torch.int32), bad)
+    # NaN rows (and heads): the value and the gradients of p there are NaN, elsewhere unchanged
+    poison = torch.zeros(bad.shape, dtype=ct, device=s.device).masked_fill(bad, _NAN)
+    p = p + poison * (s.masked_fill(s == -_INF, 0.0) + (alpha if isinstance(alpha, Tensor) else 0.0))
+    applied = p
     if dropout_mask is not None:
-        p = p * dropout_mask.to(p.dtype) / (1.0 - dropout_p)
+        applied = p * dropout_mask.to(ct) / (1.0 - dropout_p)
     elif dropout_p > 0:
         drop_keep = torch.rand(p.shape, generator=generator, device=p.device, dtype=torch.float32) >= dropout_p
-        p = p * drop_keep.to(p.dtype) / (1.0 - dropout_p)
-    return torch.matmul(p.to(v.dtype), v), stats
+        applied = p * drop_keep.to(ct) / (1.0 - dropout_p)
+    return torch.matmul(applied, v.to(ct)), p, applied, stats
+
+
+def reference_forward(
+    inputs: AttentionInputs,
+    *,
+    dropout_mask: Tensor | None = None,
+    generator: torch.Generator | None = None,
+    compute_dtype: torch.dtype | None = None,
+    with_weights: bool = False,
+    with_stats: bool = False,
+) -> ReferenceResult:
+    """The reference on prepared inputs (see :func:`entmax_attention_reference` for the arguments)."""
+    q, k, v = inputs.q, inputs.k, inputs.v
+    ct = compute_dtype or (torch.float64 if q.dtype == torch.float64 else torch.float32)
+    n_heads = q.shape[1]
+    if k.shape[1] != n_heads:
+        k = k.repeat_interleave(n_heads // k.shape[1], dim=1)
+        v = v.repeat_interleave(n_heads // v.shape[1], dim=1)
+    if inputs.alpha_value is not None:
+        alpha, bad_head = inputs.alpha_value, None
+    else:
+        alpha = inputs.alpha.to(ct).reshape(1, n_heads, 1, 1)
+        bad_head = None if inputs.alpha_checked else ~((alpha >= 1) & (alpha <= 2))
+    mask = inputs.mask
+    bias, keep = (mask, None) if mask is not None and mask.dtype != torch.bool else (None, mask)
+    full_shape = (q.shape[0], n_heads, q.shape[2], k.shape[2])
+    if dropout_mask is not None:
+        dropout_mask = dropout_mask.expand(full_shape)
+    common = (alpha, bad_head)
+    tail = (inputs.scale, ct, inputs.dropout_p)
+    autocast_off = (torch.autocast(q.device.type, enabled=False) if q.device.type in ("cpu", "cuda")
+                    else contextlib.nullcontext())
+    with autocast_off:
+        if inputs.cu_seqlens_q is None:
+            if inputs.is_causal:
+                keep = combine_masks(keep, causal_keep(q.shape[2], k.shape[2], q.device))
+            out, p, applied, stats = _attend(q, k, v, *common, bias, keep, *tail, dropout_mask, generator, with_stats)
+        else:
+            out, p, applied, stats = _attend_packed(inputs, q, k, v, common, bias, keep, tail, dropout_mask,
+                                                    generator, with_weights, with_stats)
+    dtype = inputs.q.dtype
+    weights = applied_w = None
+    if with_weights:
+        weights = p.to(dtype)
+        applied_w = weights if applied is p else applied.to(dtype)
+    return ReferenceResult(out.to(dtype), weights, applied_w, stats)
+
+
+def _attend_packed(inputs, q, k, v, common, bias, keep, tail, dropout_mask, generator, with_weights, with_stats):
+    """The packed-sequence loop: each sequence attends within itself; masks use packed positions."""
+    ct = tail[1]
+    bounds_q, bounds_k = inputs.cu_seqlens_q.tolist(), inputs.cu_seqlens_k.tolist()
+    full_shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    outs, all_stats = [], []
+    p_full = applied_full = None
+    if with_weights:
+        p_full = q.new_zeros(full_shape, dtype=ct)
+        applied_full = q.new_zeros(full_shape, dtype=ct)
+    for s in range(len(bounds_q) - 1):
+        q0, q1, k0, k1 = bounds_q[s], bounds_q[s + 1], bounds_k[s], bounds_k[s + 1]
+        sl = (slice(None), slice(None), slice(q0, q1), slice(k0, k1))
+        b = bias.expand(full_shape)[sl] if bias is not None else None
+        kp = keep.expand(full_shape)[sl] if keep is not None else None
+        if inputs.is_causal:
+            kp = combine_masks(kp, causal_keep(q1 - q0, k1 - k0, q.device))
+        dm = dropout_mask[sl] if dropout_mask is not None else None
+        o, p, applied, st = _attend(q[sl[:3]], k[:, :, k0:k1], v[:, :, k0:k1], *common, b, kp, *tail, dm,
+                                    generator, with_stats)
+        outs.append(o)
+        all_stats.append(st)
+        if with_weights:
+            p_full[sl] = p
+            applied_full[sl] = applied
+    out = torch.cat(outs, dim=2)
+    stats = AttentionStats(*(torch.cat(t, dim=2) for t in zip(*all_stats))) if with_stats else None
+    return out, p_full, applied_full, stats
 
 
 def entmax_attention_reference(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    alpha=1.5,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    alpha: float | Tensor = 1.5,
     *,
-    attn_mask: torch.Tensor | None = None,
+    attn_mask: Tensor | None = None,
     is_causal: bool = False,
     scale: float | None = None,
     dropout_p: float = 0.0,
-    dropout_mask: torch.Tensor | None = None,
+    dropout_mask: Tensor | None = None,
     enable_gqa: bool = False,
-    cu_seqlens_q: torch.Tensor | None = None,
-    cu_seqlens_k: torch.Tensor | None = None,
+    cu_seqlens_q: Tensor | None = None,
+    cu_seqlens_k: Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
     return_stats: bool = False,
+    return_weights: bool = False,
+    compute_dtype: torch.dtype | None = None,
     generator: torch.Generator | None = None,
 ):
     """Materialized entmax attention (the oracle). Arguments as :func:`sparse_attn.entmax_attention`.
 
     Args:
-        q: ``(B, Hq, Nq, D)``; k, v: ``(B, Hk, Nk, D)`` with ``Hq % Hk == 0``.
-        alpha: float or ``(Hq,)`` tensor in [1, 2] (differentiable).
+        q: ``(B, Hq, Nq, D)``; k: ``(B, Hk, Nk, D)``; v: ``(B, Hk, Nk, Dv)`` with ``Hq % Hk == 0``
+            (grouped heads are accepted whatever ``enable_gqa``); any float dtype.
+        alpha: float or ``(Hq,)`` / ``()`` tensor in [1, 2] (differentiable).
         attn_mask: bool (True = attend) or additive float, broadcastable to ``(B, Hq, Nq, Nk)``.
         dropout_mask: optional bool keep-mask broadcastable to ``(B, Hq, Nq, Nk)``; when given it
             replaces the random draw (used to replay the kernels' RNG in tests).
         cu_seqlens_q, cu_seqlens_k: int32 ``(nseq + 1,)`` for packed sequences; then ``B == 1``
             and masks are indexed with global (packed) row/column positions.
+        max_seqlen_q, max_seqlen_k: as :func:`sparse_attn.entmax_attention` (only checked here).
+        return_stats: also return :class:`AttentionStats`. Default False.
+        return_weights: also return the ``(B, Hq, Nq, Nk)`` entmax weights (before dropout), in
+            the input dtype. Default False.
+        compute_dtype: ``torch.float32`` or ``torch.float64``; default float64 for float64 inputs,
+            float32 otherwise. Scores, masks, weights and the value product use it.
+        generator: RNG of the dropout draw when ``dropout_mask`` is None.
 
     Returns:
-        ``out`` of shape ``(B, Hq, Nq, D)`` in the input dtype, and ``AttentionStats`` when
-        ``return_stats``.
+        ``out`` ``(B, Hq, Nq, Dv)`` in the input dtype; ``(out, weights)``, ``(out, stats)`` or
+        ``(out, weights, stats)`` when asked.
     """
-    n_heads, n_kv = q.shape[1], k.shape[1]
-    if n_kv != n_heads:
-        k = k.repeat_interleave(n_heads // n_kv, dim=1)
-        v = v.repeat_interleave(n_heads // n_kv, dim=1)
-    if scale is None:
-        scale = q.shape[-1] ** -0.5
-    bias = keep = None
-    if attn_mask is not None:
-        if attn_mask.dtype == torch.bool:
-            keep = attn_mask
-        else:
-            bias = attn_mask
+    for name, flag in (("enable_gqa", enable_gqa), ("return_stats", return_stats), ("return_weights", return_weights)):
+        check_bool(name, flag)
+    if compute_dtype not in (None, torch.float32, torch.float64):
+        raise ValueError(f"compute_dtype must be None, torch.float32 or torch.float64, got {compute_dtype!r}")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+    inputs = prepare_attention(
+        q, k, v, alpha, attn_mask=attn_mask, is_causal=is_causal, scale=scale, dropout_p=dropout_p,
+        enable_gqa=True, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k, backend="reference",
+    )
     if dropout_mask is not None:
-        dropout_mask = dropout_mask.expand(q.shape[0], n_heads, q.shape[2], k.shape[2])
-    if cu_seqlens_q is None:
-        if is_causal:
-            c = causal_keep(q.shape[2], k.shape[2], q.device)
-            keep = c if keep is None else keep & c
-        out, stats = _attend(q, k, v, alpha, bias, keep, scale, dropout_p, dropout_mask, generator, return_stats)
-    else:
-        outs, all_stats = [], []
-        bounds_q, bounds_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-        full_shape = (q.shape[0], n_heads, q.shape[2], k.shape[2])
-        for s in range(len(bounds_q) - 1):
-            q0, q1, k0, k1 = bounds_q[s], bounds_q[s + 1], bounds_k[s], bounds_k[s + 1]
-            sl = (slice(None), slice(None), slice(q0, q1), slice(k0, k1))
-            b = bias.expand(full_shape)[sl] if bias is not None else None
-            kp = keep.expand(full_shape)[sl] if keep is not None else None
-            if is_causal:
-                c = causal_keep(q1 - q0, k1 - k0, q.device)
-                kp = c if kp is None else kp & c
-            dm = dropout_mask[sl] if dropout_mask is not None else None
-            o, st = _attend(q[sl[:3]], k[:, :, k0:k1], v[:, :, k0:k1], alpha, b, kp, scale, dropout_p, dm,
-                            generator, return_stats)
-            outs.append(o)
-            all_stats.append(st)
-        out = torch.cat(outs, dim=2)
-        stats = AttentionStats(*(torch.cat(t, dim=2) for t in zip(*all_stats))) if return_stats else None
-    if return_stats:
-        return out, stats
-    return out
+        check_mask("dropout_mask", dropout_mask, q.device, inputs.score_shape, keep_means="True = keep")
+        if dropout_mask.dtype != torch.bool:
+            raise TypeError(f"dropout_mask must be a boolean tensor (True = keep), got {dropout_mask.dtype}")
+    res = reference_forward(inputs, dropout_mask=dropout_mask, generator=generator, compute_dtype=compute_dtype,
+                            with_weights=return_weights, with_stats=return_stats)
+    extra = ((res.weights,) if return_weights else ()) + ((res.stats,) if return_stats else ())
+    return (res.out, *extra) if extra else res.out

@@ -16,38 +16,79 @@ not materialized). The recorder accumulates, per layer and head:
   keys of the row, so ``0 <= JS <= 1``), averaged over the query rows with ``n >= 2``. This
   needs the weights, so those calls take the dense (materialized) path.
 
-The recorder attaches a callback to each layer (an instance attribute, removed on exit); nothing
-is global. Accumulators stay on the device until read. Recording also works in code compiled
-with ``torch.compile(fullgraph=True)``: the callback is traced (entering or leaving a recorder
-triggers a recompilation).
+The recorder attaches a :class:`HeadStatsSink` to each layer (the instance attribute
+``_head_stats_sink``, read by the layer through :func:`head_stats_sink`, removed on exit); the
+recorder's state is not global. Which modules are entmax attention layers is told by
+:func:`register_layer_type`, called by :mod:`sparse_attn.modules` and
+:mod:`sparse_attn.integrations.hf` when they are imported. Accumulators stay on the device
+until read. Recording also works in code compiled with ``torch.compile(fullgraph=True)``: the
+callback is traced (entering or leaving a recorder triggers a recompilation).
 """
 
 from __future__ import annotations
 
 import math
-import sys
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["HeadStatsRecorder", "record_head_stats"]
+__all__ = ["HeadStatsRecorder", "HeadStatsSink", "head_stats_sink", "record_head_stats", "register_layer_type"]
+
+_SINK_ATTRIBUTE = "_head_stats_sink"
+_LAYER_TYPES: list[tuple[Callable[[nn.Module], bool], Callable[[nn.Module], Tensor]]] = []
 
 
-_HF_MODULE = "sparse_attn.integrations.hf"
+class HeadStatsSink(Protocol):
+    """What a recorded attention layer reports to, once per forward call.
+
+    Attributes:
+        wants_weights: when True the layer computes its weights densely and passes them.
+
+    Call: ``sink(nnz, n_valid, alpha, weights)`` with ``nnz``, ``n_valid`` the per-row support
+    size and number of valid keys ``(B, H, Nq)`` (ints), ``alpha`` the heads' alpha ``(H,)`` and
+    ``weights`` the attention weights ``(B, H, Nq, Nk)`` before dropout, or None.
+    """
+
+    wants_weights: bool
+
+    def __call__(self, nnz: Tensor, n_valid: Tensor, alpha: Tensor, weights: Tensor | None) -> None: ...
+
+
+def head_stats_sink(module: nn.Module) -> HeadStatsSink | None:
+    """The sink a recorder attached to ``module``, or None when it is not being recorded."""
+    return getattr(module, _SINK_ATTRIBUTE, None)
+
+
+def register_layer_type(is_layer: Callable[[nn.Module], bool], head_alpha: Callable[[nn.Module], Tensor]) -> None:
+    """Make the recorder record another kind of entmax attention layer.
+
+    Such a layer calls :func:`head_stats_sink` on itself in its forward and, when it gets a sink,
+    reports every call to it (see :class:`HeadStatsSink`).
+
+    Args:
+        is_layer: ``is_layer(module)`` is True for the modules to record.
+        head_alpha: ``head_alpha(module)``: the current alpha of each head, ``(num_heads,)``.
+    """
+    if not callable(is_layer) or not callable(head_alpha):
+        raise TypeError(f"is_layer and head_alpha must be callables, got {type(is_layer).__name__} "
+                        f"and {type(head_alpha).__name__}")
+    if (is_layer, head_alpha) not in _LAYER_TYPES:
+        _LAYER_TYPES.append((is_layer, head_alpha))
+
+
+def _layer_alpha_fn(module: nn.Module):
+    return next((alpha_fn for is_layer, alpha_fn in _LAYER_TYPES if is_layer(module)), None)
 
 
 def _is_recordable(module: nn.Module) -> bool:
-    if getattr(module, "_records_head_stats", False):
-        return True
-    hf = sys.modules.get(_HF_MODULE)
-    return hf is not None and hf._uses_entmax(module)
+    return _layer_alpha_fn(module) is not None
 
 
 def _current_alpha(module: nn.Module) -> Tensor:
     """alpha ``(num_heads,)`` of a recordable layer, detached."""
-    if getattr(module, "_records_head_stats", False):
-        return module.alpha.detach().reshape(-1)
-    return sys.modules[_HF_MODULE]._head_alpha(module).detach().reshape(-1)
+    return _layer_alpha_fn(module)(module).detach().reshape(-1)
 
 
 def _entropy(p: Tensor) -> Tensor:
@@ -140,16 +181,16 @@ class HeadStatsRecorder:
         if self._active:
             raise RuntimeError("this HeadStatsRecorder is already active")
         for name, m in self._layers:
-            if m.__dict__.get("_head_stats_sink") is not None:
+            if m.__dict__.get(_SINK_ATTRIBUTE) is not None:
                 raise RuntimeError(f"layer {name!r} is already being recorded by another HeadStatsRecorder")
         for (_, m), sink in zip(self._layers, self._sinks):
-            m._head_stats_sink = sink
+            setattr(m, _SINK_ATTRIBUTE, sink)
         self._active = True
         return self
 
     def __exit__(self, *exc) -> None:
         for _, m in self._layers:
-            m.__dict__.pop("_head_stats_sink", None)
+            m.__dict__.pop(_SINK_ATTRIBUTE, None)
         self._active = False
 
     def reset(self) -> None:
@@ -176,7 +217,10 @@ class HeadStatsRecorder:
         return out
 
     def alphas(self) -> Tensor:
-        """alpha per layer and head at the last recorded call (the current alpha if none), float64 ``(n_layers, n_heads)``."""
+        """alpha per layer and head at the last recorded call (the current alpha if none).
+
+        Returns a float64 ``(n_layers, n_heads)`` tensor.
+        """
         out = torch.full((len(self._layers), self._n_heads()), math.nan, dtype=torch.float64)
         for i, (sink, (_, m)) in enumerate(zip(self._sinks, self._layers)):
             a = sink.alpha if sink.alpha is not None else _current_alpha(m)
@@ -238,7 +282,9 @@ class HeadStatsRecorder:
                 matplotlib.use("Agg", force=False)
             import matplotlib.pyplot as plt
         except ImportError as exc:
-            raise ImportError("HeadStatsRecorder.plot needs matplotlib: pip install 'sparse_attn[plot]' (or matplotlib)") from exc
+            raise ImportError(
+                "HeadStatsRecorder.plot needs matplotlib: pip install 'sparse_attn[plot]' (or matplotlib)"
+            ) from exc
         dens, alph = self.density().numpy(), self.alphas().numpy()
         if ax is None:
             fig, ax = plt.subplots(figsize=(1.0 + 0.7 * dens.shape[1], 1.0 + 0.5 * dens.shape[0]))

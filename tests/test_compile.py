@@ -16,10 +16,11 @@ def _compiled(fn, fullgraph=True):
 
 
 def _check_fwd_bwd(fn, compiled, inputs, atol=1e-6):
+    leaves = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
     ref = fn(*inputs)
-    ref_grads = torch.autograd.grad(ref.square().sum(), [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad])
+    ref_grads = torch.autograd.grad(ref.square().sum(), leaves)
     out = compiled(*inputs)
-    grads = torch.autograd.grad(out.square().sum(), [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad])
+    grads = torch.autograd.grad(out.square().sum(), leaves)
     torch.testing.assert_close(out, ref, atol=atol, rtol=1e-5)
     for g, g_ref in zip(grads, ref_grads):
         torch.testing.assert_close(g, g_ref, atol=atol, rtol=1e-5)
@@ -42,6 +43,19 @@ def test_functional_reference_fullgraph(alpha):
         return entmax_attention(q, k, v, alpha, attn_mask=keep, is_causal=True, enable_gqa=True, backend="reference")
 
     _check_fwd_bwd(fn, _compiled(fn), (q, k, v))
+
+
+def test_functional_reference_float_mask_and_empty_rows_fullgraph():
+    """The reference's non-finite handling (NaN-row poison, -inf exclusion) traces without graph breaks."""
+    q, k, v = _qkv(h=2, h_kv=2, n_q=8, n_k=10, seed=9)
+    bias = torch.randn(1, 2, 8, 10, generator=torch.Generator().manual_seed(10)).requires_grad_()
+    with torch.no_grad():
+        bias[:, :, 3] = float("-inf")
+
+    def fn(q, k, v, bias):
+        return entmax_attention(q, k, v, 1.3, attn_mask=bias, backend="reference")
+
+    _check_fwd_bwd(fn, _compiled(fn), (q, k, v, bias))
 
 
 @pytest.mark.parametrize("need_weights", [False, True])
@@ -107,7 +121,7 @@ def test_functional_reference_learnable_per_head_alpha_fullgraph():
 def test_module_learnable_alpha_compiles_on_reference():
     """Per-head learnable alphas go through the row-wise solver with a fixed iteration count."""
     torch.manual_seed(3)
-    mod = EntmaxMultiheadAttention(32, 4, learnable_alpha=True, alpha_init=torch.tensor([1.2, 1.5, 1.7, 1.9]))
+    mod = EntmaxMultiheadAttention(32, 4, learnable=True, alpha_init=torch.tensor([1.2, 1.5, 1.7, 1.9]))
     x = torch.randn(10, 2, 32)
 
     def fn(x):
@@ -131,7 +145,7 @@ def test_functional_and_module_fullgraph_fused(kernel_device):
     _check_fwd_bwd(fn, _compiled(fn), (q, k, v, alpha), atol=2e-4)
 
     torch.manual_seed(4)
-    mod = EntmaxMultiheadAttention(32, 2, learnable_alpha=True, alpha_init=torch.tensor([1.4, 1.8]),
+    mod = EntmaxMultiheadAttention(32, 2, learnable=True, alpha_init=torch.tensor([1.4, 1.8]),
                                    batch_first=True, backend="triton", device=kernel_device)
     x = torch.randn(1, 20, 32, device=kernel_device, requires_grad=True)
 

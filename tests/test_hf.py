@@ -7,12 +7,13 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from test_modules import OpLog, host_reads_outside  # noqa: E402
 from transformers import BertConfig, BertModel, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 import sparse_attn.integrations.hf as entmax_hf  # noqa: E402
+import sparse_attn.reference as reference_mod  # noqa: E402
 from sparse_attn.modules import EntmaxAlpha  # noqa: E402
 from sparse_attn.stats import record_head_stats  # noqa: E402
-from test_modules import OpLog, host_reads_outside  # noqa: E402
 
 H, H_KV = 4, 2
 
@@ -182,7 +183,8 @@ def test_record_stats_without_attached_alpha():
     torch.testing.assert_close(rec.alphas(), torch.full((1, H), 1.6, dtype=torch.float64))
     assert "1.600" in rec.table()
 
-    with pytest.raises(ValueError, match=r"LlamaForCausalLM contains no entmax attention layer.*attn_implementation='entmax'"):
+    no_layer = r"LlamaForCausalLM contains no entmax attention layer.*attn_implementation='entmax'"
+    with pytest.raises(ValueError, match=no_layer):
         record_head_stats(eager)
     entmax_hf.attach_entmax_alpha(eager, alpha=1.5)
     with pytest.raises(ValueError, match="no entmax attention layer"):
@@ -195,7 +197,7 @@ def test_record_stats_without_attached_alpha():
 
 
 def test_attention_forward_adds_no_host_sync(monkeypatch):
-    """Learnable alphas add no host read to the attention call (entmax_attention keeps its own alpha check)."""
+    """Learnable alphas add no host read to the attention call (outside the row mapping's own checks)."""
     _, ent = _pair(LlamaForCausalLM, _llama_config(num_hidden_layers=1))
     entmax_hf.attach_entmax_alpha(ent, alpha=[1.3, 1.5, 1.8, 1.95], learnable=True)
     attn = ent.model.layers[0].self_attn
@@ -210,9 +212,9 @@ def test_attention_forward_adds_no_host_sync(monkeypatch):
             out, _ = entmax_hf.entmax_attention_forward(attn, q, k, v, mask, is_causal=True)
             out.sum().backward()
 
-    assert host_reads_outside(monkeypatch, entmax_hf, "entmax_attention", step) == []
+    assert host_reads_outside(monkeypatch, reference_mod, "entmax", step) == []
     with record_head_stats(ent):
-        assert host_reads_outside(monkeypatch, entmax_hf, "entmax_attention", step) == []
+        assert host_reads_outside(monkeypatch, reference_mod, "entmax", step) == []
     assert attn.entmax_alpha.alpha_logit.grad.abs().sum() > 0
 
 
@@ -240,17 +242,106 @@ def test_bert_alpha_one_matches_eager_and_sparse_stats():
         expected = ((a > 0).sum(-1).double() / keys.sum(-1).double()).mean((0, 2))
         torch.testing.assert_close(rec.density()[layer], expected, atol=1e-12, rtol=0)
     assert (rec.density() < 1).any()
-    torch.testing.assert_close(rec.alphas()[0], torch.tensor([1.25, 1.5, 1.75, 1.9], dtype=torch.float64), atol=1e-6, rtol=0)
+    expected = torch.tensor([1.25, 1.5, 1.75, 1.9], dtype=torch.float64)
+    torch.testing.assert_close(rec.alphas()[0], expected, atol=1e-6, rtol=0)
 
 
-def test_attach_errors():
-    with pytest.raises(ValueError, match="no attention module"):
-        entmax_hf.attach_entmax_alpha(torch.nn.Linear(2, 2))
-    with pytest.raises(TypeError, match="model must be an nn.Module"):
-        entmax_hf.attention_modules(None)
-    model = LlamaForCausalLM._from_config(_llama_config(), attn_implementation="entmax")
-    with pytest.raises(ValueError, match="strictly between"):
-        entmax_hf.attach_entmax_alpha(model, alpha=2.0, learnable=True)
+def _attn_module(**config):
+    model = LlamaForCausalLM._from_config(_llama_config(num_hidden_layers=1, **config), attn_implementation="entmax")
+    return model, model.model.layers[0].self_attn
+
+
+def _qkv(dtype=torch.float32, device="cpu", d=16):
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn(2, H, 5, d, generator=g, dtype=dtype).to(device)
+    k, v = (torch.randn(2, H_KV, 5, d, generator=g, dtype=dtype).to(device) for _ in range(2))
+    return q, k, v
+
+
+_NAN_MASK = torch.zeros(2, 1, 5, 5).index_fill(3, torch.tensor([1]), float("nan"))
+# (function, arguments, error, message); "forward" = entmax_attention_forward(attention module, q, k, v, mask, ...).
+HF_BAD = [
+    ("forward", dict(query="q"), ValueError, "query must be a tensor of shape"),
+    ("forward", dict(key=torch.zeros(2, 5, 16)), ValueError, "key must be a tensor of shape"),
+    ("forward", dict(dropout=1.0), ValueError, "dropout must be finite and in"),
+    ("forward", dict(scaling=float("nan")), ValueError, "scale must be None or a finite number"),
+    ("forward", dict(attention_mask=torch.zeros(2, 1, 5, 4, dtype=torch.bool)), ValueError,
+     "attention_mask must be broadcastable"),
+    ("forward", dict(attention_mask=torch.zeros(2, 1, 5, 5, dtype=torch.int64)), TypeError,
+     "attention_mask must be boolean"),
+    ("forward", dict(attention_mask=torch.zeros(2, 1, 5, 5, device="meta")), ValueError,
+     "attention_mask must be on the device"),
+    ("forward", dict(position_bias=torch.zeros(1, H, 5, 5, dtype=torch.bool)), TypeError,
+     "position_bias must be a floating"),
+    ("forward", dict(position_bias=torch.zeros(1, 3, 5, 5)), ValueError, "position_bias must be broadcastable"),
+    ("forward", dict(softcap=30.0), ValueError, "does not support softcap"),
+    ("forward", dict(sliding_window=4), ValueError, "needs an explicit mask"),
+    ("forward", dict(entmax_alpha=2.5), ValueError, r"alpha must be finite and in \[1, 2\]"),
+    ("forward", dict(entmax_backend="cuda"), ValueError, "backend must be one of"),
+    ("forward_triton", dict(attention_mask=_NAN_MASK), ValueError, "float attention_mask must be finite or -inf"),
+    ("forward_triton", dict(position_bias=torch.full((1, H, 5, 5), float("inf"))), ValueError,
+     "float position_bias must be finite or -inf"),
+    ("attach", dict(model=torch.nn.Linear(2, 2)), ValueError, "no attention module"),
+    ("attach", dict(alpha=2.0, learnable=True), ValueError, "strictly between"),
+    ("attach", dict(alpha=[1.5, 1.5]), ValueError, "alpha must be a float or a tensor of shape"),
+    ("attach", dict(alpha=0.5, learnable=False), ValueError, "alpha must be finite and in"),
+    ("attach", dict(learnable="no"), TypeError, "learnable must be a bool"),
+    ("attach", dict(learnable=True, learnable_alpha=True), TypeError, "got both"),
+    ("attention_modules", dict(model=None), TypeError, "model must be an nn.Module"),
+    ("register", dict(name=""), ValueError, "name must be a non-empty string"),
+    ("from_pretrained", dict(path="/nonexistent/dir"), ValueError, "local directory"),
+]
+
+
+@pytest.mark.parametrize("row", range(len(HF_BAD)))
+def test_bad_arguments_raise_clear_errors(row, kernel_device):
+    kind, kwargs, err, match = HF_BAD[row]
+    kwargs = dict(kwargs)
+    if kind.startswith("forward"):
+        fused = kind == "forward_triton"
+        model, attn = _attn_module(head_dim=16) if fused else _attn_module()
+        model.config.entmax_backend = "triton" if fused else kwargs.pop("entmax_backend", None)
+        if "entmax_alpha" in kwargs:
+            model.config.entmax_alpha = kwargs.pop("entmax_alpha")
+        device = kernel_device if fused else "cpu"
+        q, k, v = _qkv(device=device)
+        args = [kwargs.pop(name, t) for name, t in (("query", q), ("key", k), ("value", v))]
+        mask = kwargs.pop("attention_mask", None)
+        mask = mask.to(device) if isinstance(mask, torch.Tensor) and mask.device.type != "meta" else mask
+        kwargs = {name: t.to(device) if isinstance(t, torch.Tensor) else t for name, t in kwargs.items()}
+        call = lambda: entmax_hf.entmax_attention_forward(attn, *args, mask, is_causal=False, **kwargs)  # noqa: E731
+    elif kind == "attach":
+        model = kwargs.pop("model", None) or _attn_module()[0]
+        call = lambda: entmax_hf.attach_entmax_alpha(model, **kwargs)  # noqa: E731
+    elif kind == "attention_modules":
+        call = lambda: entmax_hf.attention_modules(kwargs["model"])  # noqa: E731
+    elif kind == "register":
+        call = lambda: entmax_hf.register_entmax_attention(kwargs["name"])  # noqa: E731
+    else:
+        call = lambda: entmax_hf.from_pretrained(LlamaForCausalLM, kwargs["path"])  # noqa: E731
+    with pytest.raises(err, match=match):
+        call()
+
+
+def test_attach_learnable_alias_and_default():
+    model, attn = _attn_module()
+    entmax_hf.attach_entmax_alpha(model)
+    assert attn.entmax_alpha.learnable_alpha
+    with pytest.warns(DeprecationWarning, match="learnable_alpha= is deprecated"):
+        entmax_hf.attach_entmax_alpha(model, learnable_alpha=False)
+    assert not attn.entmax_alpha.learnable_alpha and model.config.entmax["learnable"] is False
+
+
+def test_nan_attention_mask_gives_nan_rows_on_the_reference():
+    _, attn = _attn_module()
+    q, k, v = _qkv()
+    for output_attentions in (False, True):
+        out, _ = entmax_hf.entmax_attention_forward(attn, q, k, v, _NAN_MASK, output_attentions=output_attentions)
+        assert torch.isnan(out).all()  # every row of every head sees key 1
+        mask = _NAN_MASK.clone()
+        mask[0] = 0.0
+        out, _ = entmax_hf.entmax_attention_forward(attn, q, k, v, mask, output_attentions=output_attentions)
+        assert torch.isnan(out[1]).all() and torch.isfinite(out[0]).all()
 
 
 def test_llama_fused_backend_matches_reference(kernel_device):
@@ -278,7 +369,8 @@ def test_llama_fused_backend_matches_reference(kernel_device):
             pre = ent(ids[:, :-1], attention_mask=mask[:, :-1], use_cache=True)
             step = ent(ids[:, -1:], attention_mask=mask, past_key_values=pre.past_key_values, use_cache=True).logits
         fused_ops = {op for op in log.ops if op.startswith("sparse_attn::")}
-        assert fused_ops == ({"sparse_attn::entmax_attn_fwd", "sparse_attn::entmax_attn_bwd"} if backend == "triton" else set())
+        expected = {"sparse_attn::entmax_attn_fwd", "sparse_attn::entmax_attn_bwd"} if backend == "triton" else set()
+        assert fused_ops == expected
         results[backend] = (logits[valid].detach(), plain, step, [p.grad.clone() for p in params])
     ref, out = results["reference"], results["triton"]
     for o, r in zip(out[:3], ref[:3]):

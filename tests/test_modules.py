@@ -2,13 +2,14 @@
 
 import itertools
 import math
+import warnings
 
 import pytest
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import sparse_attn.modules as modules_mod
+import sparse_attn.reference as reference_mod
 from sparse_attn.modules import EntmaxAlpha, EntmaxMultiheadAttention, swap_attention
 
 E, H = 16, 4
@@ -42,7 +43,8 @@ def _inputs(n, l_q, s, kdim, vdim, batch_first, batched=True):
     def mk(length, dim):
         if not batched:
             return torch.randn(length, dim, dtype=torch.float64)
-        return torch.randn(n, length, dim, dtype=torch.float64) if batch_first else torch.randn(length, n, dim, dtype=torch.float64)
+        shape = (n, length, dim) if batch_first else (length, n, dim)
+        return torch.randn(*shape, dtype=torch.float64)
 
     return mk(l_q, E), mk(s, kdim), mk(s, vdim)
 
@@ -68,7 +70,8 @@ def _masks(kind, n, l_q, s):
     return kpm, am
 
 
-MASK_KINDS = ["none", "kpm_bool", "kpm_float", "am_bool2", "am_float3", "am_bool3+kpm_bool", "am_float3+kpm_float", "am_bool2+kpm_float"]
+MASK_KINDS = ["none", "kpm_bool", "kpm_float", "am_bool2", "am_float3", "am_bool3+kpm_bool", "am_float3+kpm_float",
+              "am_bool2+kpm_float"]
 STRUCTURES = list(itertools.product([False, True], [None, (6, 5)], [True, False], [False, True], [False, True]))
 
 
@@ -84,7 +87,8 @@ def test_matches_mha_at_alpha_one(case):
         kpm, am = _masks(kind, n, l_q, s)
         for need_weights, average in ((False, True), (True, True), (True, False)):
             args = dict(key_padding_mask=kpm, attn_mask=am, need_weights=need_weights, average_attn_weights=average)
-            with pytest.warns(UserWarning) if (kpm is not None and am is not None and kpm.dtype != am.dtype) else _no_warn():
+            mixed = kpm is not None and am is not None and kpm.dtype != am.dtype
+            with pytest.warns(UserWarning) if mixed else _no_warn():
                 o_ref, w_ref = mha(q, k, v, **args)
             o, w = ent(q, k, v, **args)
             torch.testing.assert_close(o, o_ref, atol=1e-12, rtol=1e-10, msg=f"{kind} need_weights={need_weights}")
@@ -148,9 +152,10 @@ def _oracle(ent, q_in, k_in, v_in, alpha, keep):
 def test_sparse_alpha_matches_float64_oracle(alpha):
     torch.manual_seed(1)
     if alpha == "per_head":
-        ent = EntmaxMultiheadAttention(E, H, batch_first=True, alpha=torch.tensor([1.1, 1.5, 1.8, 2.0]), dtype=torch.float64)
+        ent = EntmaxMultiheadAttention(E, H, batch_first=True, alpha=torch.tensor([1.1, 1.5, 1.8, 2.0]),
+                                       dtype=torch.float64)
     elif alpha == "learnable":
-        ent = EntmaxMultiheadAttention(E, H, batch_first=True, learnable_alpha=True,
+        ent = EntmaxMultiheadAttention(E, H, batch_first=True, learnable=True,
                                        alpha_init=torch.tensor([1.2, 1.4, 1.6, 1.9]), dtype=torch.float64)
     else:
         ent = EntmaxMultiheadAttention(E, H, batch_first=True, alpha=alpha, dtype=torch.float64)
@@ -173,7 +178,7 @@ def test_sparse_alpha_matches_float64_oracle(alpha):
 
 def test_learnable_alpha_gradient_matches_finite_differences():
     torch.manual_seed(2)
-    ent = EntmaxMultiheadAttention(E, H, learnable_alpha=True, alpha_init=torch.tensor([1.2, 1.45, 1.7, 1.9]),
+    ent = EntmaxMultiheadAttention(E, H, learnable=True, alpha_init=torch.tensor([1.2, 1.45, 1.7, 1.9]),
                                    dtype=torch.float64)
     x = torch.randn(6, 2, E, dtype=torch.float64) * 2
     for need_weights in (False, True):
@@ -197,7 +202,7 @@ def test_learnable_alpha_gradient_matches_finite_differences():
 
 def test_alpha_property_state_dict_and_repr():
     mha = nn.MultiheadAttention(E, H)
-    ent = EntmaxMultiheadAttention(E, H, learnable_alpha=True, alpha_init=1.3, alpha_min=1.1, alpha_max=1.9)
+    ent = EntmaxMultiheadAttention(E, H, learnable=True, alpha_init=1.3, alpha_min=1.1, alpha_max=1.9)
     torch.testing.assert_close(ent.alpha, torch.full((H,), 1.3), atol=1e-6, rtol=0)
     ent.load_state_dict(mha.state_dict())
     torch.testing.assert_close(ent.alpha, torch.full((H,), 1.3), atol=1e-6, rtol=0)
@@ -207,7 +212,7 @@ def test_alpha_property_state_dict_and_repr():
         ent.alpha_logit.copy_(torch.tensor([-3.0, 0.0, 1.0, 5.0]))
     expected = 1.1 + 0.8 * torch.sigmoid(torch.tensor([-3.0, 0.0, 1.0, 5.0]))
     torch.testing.assert_close(ent.alpha, expected)
-    other = EntmaxMultiheadAttention(E, H, learnable_alpha=True)
+    other = EntmaxMultiheadAttention(E, H, learnable=True)
     other.load_state_dict(ent.state_dict())
     torch.testing.assert_close(other.alpha_logit, ent.alpha_logit)
     assert "alpha_logit" in ent.state_dict()
@@ -223,7 +228,7 @@ def test_alpha_property_state_dict_and_repr():
 
 
 def test_double_module_has_float64_alpha():
-    ent = EntmaxMultiheadAttention(E, H, learnable_alpha=True, alpha_init=1.4).double()
+    ent = EntmaxMultiheadAttention(E, H, learnable=True, alpha_init=1.4).double()
     assert ent.alpha.dtype == torch.float64 and ent.alpha_logit.dtype == torch.float64
     x = torch.randn(3, 2, E, dtype=torch.float64)
     out, _ = ent(x, x, x)
@@ -235,7 +240,7 @@ def test_low_precision_casts_keep_alpha_float32(cast):
     """Module casts to float16/bfloat16 move alpha but keep it float32, with its value before the cast."""
     per_head = torch.tensor([1.0, 1.5, 2.0, 1.2])
     fixed = EntmaxMultiheadAttention(E, H, alpha=per_head, batch_first=True)
-    learn = EntmaxMultiheadAttention(E, H, learnable_alpha=True, alpha_init=torch.tensor([1.2, 1.3, 1.7, 1.9]),
+    learn = EntmaxMultiheadAttention(E, H, learnable=True, alpha_init=torch.tensor([1.2, 1.3, 1.7, 1.9]),
                                      batch_first=True)
     holder = EntmaxAlpha(H, learnable=True, alpha_init=1.2)
     logit_param = learn.alpha_logit
@@ -309,9 +314,10 @@ def host_reads_outside(monkeypatch, owner, name, fn) -> list[str]:
 
 @pytest.mark.parametrize("alpha", ["learnable", "per_head"])
 def test_forward_adds_no_host_sync(monkeypatch, alpha):
-    """Forward and backward read nothing back to the host besides entmax_attention's / entmax's own checks."""
+    """Forward and backward read nothing back to the host outside the row mapping ``entmax`` (whose own
+    argument checks read a tensor alpha): the module's alpha is in range by construction, never checked."""
     if alpha == "learnable":
-        ent = EntmaxMultiheadAttention(E, H, learnable_alpha=True, alpha_init=1.3, batch_first=True)
+        ent = EntmaxMultiheadAttention(E, H, learnable=True, alpha_init=1.3, batch_first=True)
     else:
         ent = EntmaxMultiheadAttention(E, H, alpha=torch.tensor([1.1, 1.5, 1.8, 2.0]), batch_first=True)
     x = torch.randn(2, 5, E)
@@ -321,12 +327,12 @@ def test_forward_adds_no_host_sync(monkeypatch, alpha):
     def step(need_weights):
         ent(x, x, x, key_padding_mask=kpm, need_weights=need_weights, is_causal=not need_weights)[0].sum().backward()
 
-    assert host_reads_outside(monkeypatch, modules_mod, "entmax_attention", lambda: step(False)) == []
-    assert host_reads_outside(monkeypatch, modules_mod, "entmax", lambda: step(True)) == []
+    assert host_reads_outside(monkeypatch, reference_mod, "entmax", lambda: step(False)) == []
+    assert host_reads_outside(monkeypatch, reference_mod, "entmax", lambda: step(True)) == []
     log = OpLog()
     with log:
         step(False)
-    assert log.host_reads(), "the op log does not see entmax_attention's own alpha check"
+    assert log.host_reads(), "the op log does not see the mapping's own alpha check"
 
 
 def test_empty_rows_give_zeros_not_nan():
@@ -363,49 +369,155 @@ def test_dropout_on_weights():
     assert not torch.allclose(out_a, out_b)
 
 
-@pytest.mark.parametrize(
-    "kwargs,match",
-    [
-        (dict(alpha=0.5), "alpha must be finite and in"),
-        (dict(alpha=torch.ones(3)), r"alpha must be a float or a tensor of shape"),
-        (dict(alpha=torch.ones(H, dtype=torch.int64)), "floating-point"),
-        (dict(alpha="1.5"), "alpha must be a float"),
-        (dict(learnable_alpha=True, alpha_init=1.0), "strictly between"),
-        (dict(learnable_alpha=True, alpha_min=1.6, alpha_max=1.4), "alpha_min must be < alpha_max"),
-        (dict(alpha_max=2.5), "alpha_max must be finite"),
-        (dict(backend="cuda"), "backend must be one of"),
-        (dict(dropout=1.0), "dropout must be"),
-    ],
-)
-def test_constructor_errors(kwargs, match):
-    with pytest.raises((ValueError, TypeError), match=match):
-        EntmaxMultiheadAttention(E, H, **kwargs)
+def _x(*shape, **kw):
+    return torch.randn(*shape, **kw)
 
 
-def test_constructor_shape_errors():
-    with pytest.raises(ValueError, match="divisible"):
-        EntmaxMultiheadAttention(10, 4)
-    with pytest.raises(ValueError, match="embed_dim must be a positive int"):
-        EntmaxMultiheadAttention(0, 4)
+_NAN_KPM = torch.zeros(2, 5).index_fill(1, torch.tensor([1]), float("nan"))
+# (callable name, arguments, error, message). "mha": EntmaxMultiheadAttention(E, H, **kw);
+# "forward": EntmaxMultiheadAttention(E, H)(query, key, value, **kw) with (L, N, E) = (5, 2, 16) inputs;
+# "alpha": EntmaxAlpha(H, **kw); "swap": swap_attention(**kw); "from_mha": from_mha(**kw).
+MODULE_BAD = [
+    ("mha", dict(alpha=0.5), ValueError, "alpha must be finite and in"),
+    ("mha", dict(alpha=float("nan")), ValueError, "alpha must be finite and in"),
+    ("mha", dict(alpha=torch.ones(3)), ValueError, "alpha must be a float or a tensor of shape"),
+    ("mha", dict(alpha=torch.tensor([1.0, 1.5, 2.5, 1.0])), ValueError, "alpha must be finite and in"),
+    ("mha", dict(alpha=torch.ones(H, dtype=torch.int64)), TypeError, "floating-point"),
+    ("mha", dict(alpha="1.5"), TypeError, "alpha must be a float"),
+    ("mha", dict(learnable=True, alpha_init=1.0), ValueError, "strictly between"),
+    ("mha", dict(learnable=True, alpha_init=torch.ones(2)), ValueError, "alpha_init must be a float or a tensor"),
+    ("mha", dict(learnable=True, alpha_min=1.6, alpha_max=1.4), ValueError, "alpha_min must be < alpha_max"),
+    ("mha", dict(learnable="yes"), TypeError, "learnable must be a bool"),
+    ("mha", dict(learnable=True, learnable_alpha=True), TypeError, "got both learnable= and its deprecated alias"),
+    ("mha", dict(alpha_max=2.5), ValueError, "alpha_max must be finite"),
+    ("mha", dict(alpha_min=float("nan")), ValueError, "alpha_min must be finite"),
+    ("mha", dict(backend="cuda"), ValueError, "backend must be one of"),
+    ("mha", dict(dropout=1.0), ValueError, "dropout must be"),
+    ("mha", dict(embed_dim=10), ValueError, "divisible"),
+    ("mha", dict(embed_dim=0), ValueError, "embed_dim must be a positive int"),
+    ("mha", dict(num_heads=2.0), ValueError, "num_heads must be a positive int"),
+    ("mha", dict(kdim=-1), ValueError, "kdim must be a positive int"),
+    ("forward", dict(query=[1.0]), TypeError, "query must be a torch.Tensor"),
+    ("forward", dict(key=_x(5, 2, E, dtype=torch.float64).to(torch.int64)), TypeError,
+     "key must be a floating-point tensor"),
+    ("forward", dict(value=_x(5, 2, E, device="meta")), ValueError, "value must be on the module's device"),
+    ("forward", dict(query=_x(5, 2, 8)), ValueError, "query must have 16 features"),
+    ("forward", dict(key=_x(5, E)), ValueError, "all be 3-D"),
+    ("forward", dict(key=_x(5, 3, E), value=_x(5, 3, E)), ValueError, "same batch size"),
+    ("forward", dict(value=_x(6, 2, E)), ValueError, "key and value must agree"),
+    ("forward", dict(key_padding_mask=torch.zeros(2, 4, dtype=torch.bool)), ValueError,
+     "key_padding_mask must have shape"),
+    ("forward", dict(key_padding_mask=torch.zeros(2, 5, dtype=torch.int64)), TypeError,
+     r"key_padding_mask must be boolean \(True = not allowed to attend\)"),
+    ("forward", dict(key_padding_mask=[[True]]), TypeError, "key_padding_mask must be a torch.Tensor"),
+    ("forward", dict(key_padding_mask=torch.zeros(2, 5, dtype=torch.bool, device="meta")), ValueError,
+     "key_padding_mask must be on the device"),
+    ("forward", dict(attn_mask=torch.zeros(4, 5, dtype=torch.bool)), ValueError, "attn_mask must have shape"),
+    ("forward", dict(attn_mask=torch.zeros(2 * H, 5, 4)), ValueError, "attn_mask must have shape"),
+    ("forward", dict(attn_mask=torch.zeros(5, 5, dtype=torch.int64)), TypeError, "attn_mask must be boolean"),
+    ("forward", dict(attn_mask=torch.zeros(5, 5, device="meta")), ValueError, "attn_mask must be on the device"),
+    ("forward_triton", dict(key_padding_mask=_NAN_KPM), ValueError, "float key_padding_mask must be finite or -inf"),
+    ("forward_triton", dict(attn_mask=torch.full((5, 5), float("inf"))), ValueError,
+     "float attn_mask must be finite or -inf"),
+    ("alpha", dict(num_heads=0), ValueError, "num_heads must be a positive int"),
+    ("alpha", dict(alpha=3.0), ValueError, "alpha must be finite and in"),
+    ("alpha", dict(learnable=1), TypeError, "learnable must be a bool"),
+    ("alpha", dict(learnable=False, learnable_alpha=False), TypeError, "got both"),
+    ("alpha", dict(alpha=torch.ones(2, 2)), ValueError, "alpha must be a float or a tensor of shape"),
+    ("swap", dict(model="model"), TypeError, "model must be an nn.Module"),
+    ("swap", dict(model=nn.MultiheadAttention(E, H)), ValueError, "from_mha"),
+    ("swap", dict(alpha=2.5), ValueError, "alpha must be finite and in"),
+    ("swap", dict(learnable=True, learnable_alpha=True), TypeError, "got both"),
+    ("swap", dict(learnable=None, alpha_max=3.0), ValueError, "alpha_max must be finite"),
+    ("from_mha", dict(mha=nn.Linear(2, 2)), TypeError, "mha must be an nn.MultiheadAttention"),
+    ("from_mha", dict(alpha=0.9), ValueError, "alpha must be finite and in"),
+]
 
 
-def test_forward_errors():
-    ent = EntmaxMultiheadAttention(E, H)
-    x = torch.randn(5, 2, E)
-    with pytest.raises(ValueError, match="key_padding_mask must have shape"):
-        ent(x, x, x, key_padding_mask=torch.zeros(2, 4, dtype=torch.bool))
-    with pytest.raises(ValueError, match="attn_mask must have shape"):
-        ent(x, x, x, attn_mask=torch.zeros(4, 5, dtype=torch.bool))
-    with pytest.raises(TypeError, match="attn_mask must be boolean"):
-        ent(x, x, x, attn_mask=torch.zeros(5, 5, dtype=torch.int64))
-    with pytest.raises(ValueError, match="query must have 16 features"):
-        ent(torch.randn(5, 2, 8), x, x)
-    with pytest.raises(ValueError, match="all be 3-D"):
-        ent(x, x[:, 0], x)
-    with pytest.raises(ValueError, match="same batch size"):
-        ent(x, torch.randn(5, 3, E), torch.randn(5, 3, E))
-    with pytest.raises(TypeError, match="query must be a torch.Tensor"):
-        ent([1.0], x, x)
+@pytest.mark.parametrize("row", range(len(MODULE_BAD)))
+def test_bad_arguments_raise_clear_errors(row, kernel_device):
+    kind, kwargs, err, match = MODULE_BAD[row]
+    kwargs = dict(kwargs)
+    if kind == "mha":
+        call = lambda: EntmaxMultiheadAttention(kwargs.pop("embed_dim", E), kwargs.pop("num_heads", H), **kwargs)  # noqa: E731
+    elif kind == "forward":
+        ent, x = EntmaxMultiheadAttention(E, H), torch.randn(5, 2, E)
+        q, k, v = (kwargs.pop(name, x) for name in ("query", "key", "value"))
+        call = lambda: ent(q, k, v, **kwargs)  # noqa: E731
+    elif kind == "forward_triton":  # head dim 16, the fused path; its float-mask check names the argument
+        ent = EntmaxMultiheadAttention(32, 2, backend="triton", device=kernel_device)
+        x = torch.randn(5, 2, 32, device=kernel_device)
+        kwargs = {name: m.to(kernel_device) for name, m in kwargs.items()}
+        call = lambda: ent(x, x, x, need_weights=False, **kwargs)  # noqa: E731
+    elif kind == "alpha":
+        call = lambda: EntmaxAlpha(kwargs.pop("num_heads", H), **kwargs)  # noqa: E731
+    elif kind == "swap":
+        call = lambda: swap_attention(kwargs.pop("model", _tiny_transformer()), **kwargs)  # noqa: E731
+    else:
+        call = lambda: EntmaxMultiheadAttention.from_mha(kwargs.pop("mha", nn.MultiheadAttention(E, H)), **kwargs)  # noqa: E731
+    with pytest.raises(err, match=match):
+        call()
+
+
+def test_learnable_is_the_keyword_and_learnable_alpha_a_deprecated_alias():
+    mha = nn.MultiheadAttention(E, H)
+    for make in (
+        lambda **kw: EntmaxMultiheadAttention(E, H, **kw),
+        lambda **kw: EntmaxAlpha(H, **kw),
+        lambda **kw: EntmaxMultiheadAttention.from_mha(mha, **kw),
+        lambda **kw: swap_attention(nn.ModuleDict({"a": nn.MultiheadAttention(E, H)}), **kw)[0][1] and None,
+    ):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            new = make(learnable=True)
+        with pytest.warns(DeprecationWarning, match="learnable_alpha= is deprecated, use learnable="):
+            old = make(learnable_alpha=True)
+        if new is not None:
+            assert new.learnable_alpha and old.learnable_alpha and new.alpha_logit is not None
+            assert not make().learnable_alpha
+    model = nn.ModuleDict({"a": nn.MultiheadAttention(E, H)})
+    with pytest.warns(DeprecationWarning):
+        swap_attention(model, learnable_alpha=True)
+    assert model["a"].learnable_alpha
+
+
+@pytest.mark.parametrize("where", ["key_padding_mask", "attn_mask"])
+def test_nan_in_a_float_mask_gives_nan_rows_on_the_reference(where):
+    """The reference path follows the non-finite policy: the rows that see the NaN are NaN, no error."""
+    torch.manual_seed(12)
+    ent = EntmaxMultiheadAttention(E, H, batch_first=True, dtype=torch.float64)
+    x = torch.randn(2, 5, E, dtype=torch.float64)
+    kpm = torch.zeros(2, 5, dtype=torch.float64)
+    am = torch.zeros(5, 5, dtype=torch.float64)
+    if where == "key_padding_mask":
+        kpm[1, 2] = float("nan")
+        bad = torch.zeros(2, 5, dtype=torch.bool)
+        bad[1] = True
+    else:
+        am[3, 0] = float("nan")
+        bad = torch.zeros(2, 5, dtype=torch.bool)
+        bad[:, 3] = True
+    for need_weights in (False, True):
+        out, _ = ent(x, x, x, key_padding_mask=kpm, attn_mask=am, need_weights=need_weights)
+        assert torch.isnan(out[bad]).all() and torch.isfinite(out[~bad]).all()
+
+
+def test_empty_inputs_give_empty_or_bias_outputs_and_gradients():
+    torch.manual_seed(13)
+    ent = EntmaxMultiheadAttention(E, H, batch_first=True, dtype=torch.float64)
+    nn.init.normal_(ent.out_proj.bias)
+    for n, l_q, s in ((0, 4, 5), (2, 0, 5), (2, 4, 0)):
+        q = torch.randn(n, l_q, E, dtype=torch.float64, requires_grad=True)
+        kv = torch.randn(n, s, E, dtype=torch.float64, requires_grad=True)
+        for need_weights in (False, True):
+            out, w = ent(q, kv, kv, need_weights=need_weights)
+            assert out.shape == (n, l_q, E)
+            torch.testing.assert_close(out, ent.out_proj.bias.detach().expand(n, l_q, E))
+            if need_weights:
+                assert w.shape == (n, l_q, s)
+            out.sum().backward()
+            assert q.grad.shape == q.shape and (q.grad == 0).all() and (kv.grad == 0).all()
+            q.grad = kv.grad = None
 
 
 @pytest.mark.parametrize("dtype,atol_out,atol_w", [(torch.bfloat16, 1e-2, 8e-3), (torch.float16, 1e-3, 1e-3)])
@@ -438,8 +550,9 @@ def test_swap_attention_keeps_weights_and_defeats_fast_paths():
     pad = torch.zeros(3, 7, dtype=torch.bool)
     pad[1, -2:] = True
     tgt_mask = nn.Transformer.generate_square_subsequent_mask(5)
+    masks = dict(src_key_padding_mask=pad, memory_key_padding_mask=pad, tgt_mask=tgt_mask, tgt_is_causal=True)
     with torch.no_grad():
-        ref = model(src, tgt, src_key_padding_mask=pad, memory_key_padding_mask=pad, tgt_mask=tgt_mask, tgt_is_causal=True)
+        ref = model(src, tgt, **masks)
     old = {n: m for n, m in model.named_modules() if isinstance(m, nn.MultiheadAttention)}
     replaced = swap_attention(model, alpha=1.0)
     assert [n for n, _ in replaced] == list(old)
@@ -448,7 +561,7 @@ def test_swap_attention_keeps_weights_and_defeats_fast_paths():
     assert not model.encoder.use_nested_tensor
     assert not model.training
     with torch.no_grad():
-        out = model(src, tgt, src_key_padding_mask=pad, memory_key_padding_mask=pad, tgt_mask=tgt_mask, tgt_is_causal=True)
+        out = model(src, tgt, **masks)
     valid = ~pad[:, :, None].expand(-1, -1, E)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     assert valid.any()
@@ -526,7 +639,7 @@ def test_no_shared_state_between_copies():
     import copy
     import io
 
-    a = EntmaxMultiheadAttention(E, H, learnable_alpha=True, alpha_init=1.3)
+    a = EntmaxMultiheadAttention(E, H, learnable=True, alpha_init=1.3)
     b = copy.deepcopy(a)
     with torch.no_grad():
         b.alpha_logit.add_(1.0)
@@ -543,9 +656,9 @@ def test_no_shared_state_between_copies():
 
 def test_fused_backend_matches_reference(kernel_device):
     torch.manual_seed(9)
-    ref = EntmaxMultiheadAttention(32, 2, learnable_alpha=True, alpha_init=torch.tensor([1.3, 1.9]), batch_first=True,
+    ref = EntmaxMultiheadAttention(32, 2, learnable=True, alpha_init=torch.tensor([1.3, 1.9]), batch_first=True,
                                    backend="reference", device=kernel_device)
-    fused = EntmaxMultiheadAttention(32, 2, learnable_alpha=True, batch_first=True, backend="triton", device=kernel_device)
+    fused = EntmaxMultiheadAttention(32, 2, learnable=True, batch_first=True, backend="triton", device=kernel_device)
     fused.load_state_dict(ref.state_dict())
     x = torch.randn(2, 18, 32, device=kernel_device)
     pad = torch.zeros(2, 18, dtype=torch.bool, device=kernel_device)
@@ -559,3 +672,32 @@ def test_fused_backend_matches_reference(kernel_device):
     torch.testing.assert_close(outs[1], outs[0], atol=2e-4, rtol=1e-3)
     for g_f, g_r in zip(grads[1], grads[0]):
         torch.testing.assert_close(g_f, g_r, atol=2e-3, rtol=1e-2)
+
+
+@pytest.mark.parametrize("add_bias_kv", [False, True])
+def test_causal_hint_without_mask_is_top_left_for_rectangular_and_extra_keys(add_bias_kv):
+    """``is_causal`` without ``attn_mask``: query i sees key j iff j <= i (and any add_bias_kv key)."""
+    _, ent = _pair(alpha=1.5, add_bias_kv=add_bias_kv)
+    q, k, v = _inputs(2, 4, 7, E, E, batch_first=False)
+    explicit = torch.ones(4, 7, dtype=torch.bool).triu(1)
+    for need_weights in (False, True):
+        out, _ = ent(q, k, v, is_causal=True, need_weights=need_weights)
+        ref, _ = ent(q, k, v, attn_mask=explicit, need_weights=need_weights)
+        torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_cuda_forward_with_learnable_alpha_does_not_synchronize():
+    """The module's alpha is in range by construction: a fused forward reads nothing back to the host."""
+    torch.manual_seed(14)
+    ent = EntmaxMultiheadAttention(64, 4, learnable=True, batch_first=True, device="cuda")
+    x = torch.randn(2, 40, 64, device="cuda")
+    pad = torch.zeros(2, 40, dtype=torch.bool, device="cuda")
+    pad[1, -5:] = True
+    ent(x, x, x, key_padding_mask=pad, need_weights=False, is_causal=True)  # compiles the kernels
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        ent(x, x, x, key_padding_mask=pad, need_weights=False, is_causal=True)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)

@@ -5,12 +5,21 @@ import sys
 
 import pytest
 import torch
+from test_modules import host_reads_outside
 from torch import nn
 
-import sparse_attn.modules as modules_mod
+import sparse_attn.attention as attention_mod
+import sparse_attn.reference as reference_mod
+from sparse_attn.attention import entmax_attention
 from sparse_attn.modules import EntmaxMultiheadAttention
-from sparse_attn.stats import HeadStatsRecorder, js_head_diversity, record_head_stats
-from test_modules import host_reads_outside
+from sparse_attn.stats import (
+    HeadStatsRecorder,
+    HeadStatsSink,
+    head_stats_sink,
+    js_head_diversity,
+    record_head_stats,
+    register_layer_type,
+)
 
 E, H = 16, 4
 
@@ -19,7 +28,7 @@ class TwoLayers(nn.Module):
     def __init__(self):
         super().__init__()
         torch.manual_seed(0)
-        self.self_attn = EntmaxMultiheadAttention(E, H, batch_first=True, learnable_alpha=True,
+        self.self_attn = EntmaxMultiheadAttention(E, H, batch_first=True, learnable=True,
                                                   alpha_init=torch.tensor([1.2, 1.5, 1.8, 1.95]), dtype=torch.float64)
         self.cross = EntmaxMultiheadAttention(E, H, batch_first=True, alpha=torch.tensor([1.0, 1.5, 2.0, 2.0]),
                                               dtype=torch.float64)
@@ -104,10 +113,14 @@ def test_density_alpha_and_diversity_match_materialized_weights():
 def test_density_path_does_not_materialize(monkeypatch):
     model = TwoLayers()
 
-    def boom(*a, **k):
-        raise AssertionError("weights were materialized")
+    real = attention_mod.reference_forward
 
-    monkeypatch.setattr(modules_mod, "_materialized_attention", boom)
+    def boom(*a, **k):
+        if k.get("with_weights"):
+            raise AssertionError("weights were materialized")
+        return real(*a, **k)
+
+    monkeypatch.setattr(attention_mod, "reference_forward", boom)
     with record_head_stats(model) as rec:
         model(*_batch(3))
     assert torch.isfinite(rec.density()).all()
@@ -120,7 +133,7 @@ def test_recording_adds_no_host_sync(monkeypatch):
     model = TwoLayers()
     x, mem, kpm = _batch(6)
     with record_head_stats(model) as rec:
-        assert host_reads_outside(monkeypatch, modules_mod, "entmax_attention", lambda: model(x, mem, kpm)) == []
+        assert host_reads_outside(monkeypatch, reference_mod, "entmax", lambda: model(x, mem, kpm)) == []
     assert torch.isfinite(rec.density()).all()
 
 
@@ -178,7 +191,8 @@ def test_plot_without_matplotlib(monkeypatch):
 
 
 def test_recorder_errors():
-    with pytest.raises(ValueError, match=r"Linear contains no entmax attention layer.*swap_attention.*attn_implementation"):
+    no_layer = r"Linear contains no entmax attention layer.*swap_attention.*attn_implementation"
+    with pytest.raises(ValueError, match=no_layer):
         record_head_stats(nn.Linear(2, 2))
     with pytest.raises(TypeError, match="model must be an nn.Module"):
         record_head_stats("model")
@@ -213,3 +227,56 @@ def test_density_from_fused_kernel_counts(kernel_device):
     rows = (n_valid > 0).expand_as(frac)
     expected = (frac * rows).sum((0, 2)) / rows.sum((0, 2))
     torch.testing.assert_close(rec.density()[0], expected.cpu(), atol=1e-12, rtol=0)
+
+
+class _DotAttention(nn.Module):
+    """A layer of another kind: reports to the sink it gets through head_stats_sink."""
+
+    def __init__(self, heads=2):
+        super().__init__()
+        self.heads = heads
+        self.alpha = torch.tensor([1.5, 2.0])
+
+    def forward(self, q, k, v):
+        out, stats = entmax_attention(q, k, v, self.alpha, return_stats=True)
+        sink = head_stats_sink(self)
+        if sink is not None:
+            sink(stats.nnz, stats.n_valid, self.alpha, None)
+        return out
+
+
+def test_register_layer_type_makes_another_layer_recordable():
+    layer = _DotAttention()
+    model = nn.ModuleDict({"dot": layer})
+    with pytest.raises(ValueError, match="no entmax attention layer"):
+        record_head_stats(model)
+    register_layer_type(lambda m: isinstance(m, _DotAttention), lambda m: m.alpha)
+    register_layer_type(lambda m: isinstance(m, _DotAttention), lambda m: m.alpha)
+    g = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(1, 2, 6, 8, generator=g) * 3 for _ in range(3))
+    with record_head_stats(model) as rec:
+        assert head_stats_sink(layer) is not None
+        layer(q, k, v)
+    assert head_stats_sink(layer) is None
+    _, stats = entmax_attention(q, k, v, layer.alpha, return_stats=True)
+    torch.testing.assert_close(rec.density()[0], (stats.nnz / stats.n_valid).double().mean((0, 2)))
+    torch.testing.assert_close(rec.alphas()[0], layer.alpha.double())
+
+
+def test_register_layer_type_errors():
+    with pytest.raises(TypeError, match="is_layer and head_alpha must be callables"):
+        register_layer_type("EntmaxMultiheadAttention", lambda m: m.alpha)
+    with pytest.raises(TypeError, match="is_layer and head_alpha must be callables"):
+        register_layer_type(lambda m: True, None)
+
+
+def test_stats_module_names_no_integration():
+    """The recorder learns layer types through register_layer_type, not by importing integrations by name."""
+    import inspect
+
+    import sparse_attn.stats as stats_mod
+
+    source = inspect.getsource(stats_mod)
+    assert "sys.modules" not in source and "integrations.hf\"" not in source
+    sink: HeadStatsSink = stats_mod._LayerSink(False)
+    assert sink.wants_weights is False and callable(sink)

@@ -38,8 +38,12 @@ except ImportError as exc:  # pragma: no cover - exercised only without transfor
         "sparse_attn.integrations.hf needs Hugging Face transformers: pip install 'sparse_attn[hf]'"
     ) from exc
 
-from sparse_attn.attention import entmax_attention
-from sparse_attn.modules import EntmaxAlpha, _materialized_attention
+from sparse_attn._validation import check_number
+from sparse_attn.attention import run_layer_attention
+from sparse_attn.attn_inputs import prepare_attention
+from sparse_attn.masks import check_mask, check_mask_values, combine_masks
+from sparse_attn.modules import EntmaxAlpha, resolve_learnable
+from sparse_attn.stats import head_stats_sink, register_layer_type
 
 __all__ = [
     "IMPLEMENTATION",
@@ -56,15 +60,18 @@ _INTERFACE_CALLERS: dict[type, bool] = {}
 
 
 def _module_alpha(module: nn.Module, n_heads: int):
-    """The alpha of ``module``'s heads: its attached EntmaxAlpha, else ``config.entmax_alpha``, else 1.5."""
+    """``(alpha, in_range)`` of ``module``'s heads: its attached EntmaxAlpha (in range by construction),
+    else ``config.entmax_alpha``, else 1.5."""
     holder = getattr(module, "entmax_alpha", None)
     if isinstance(holder, EntmaxAlpha):
         if holder.num_heads != n_heads:
-            raise ValueError(f"the attached entmax_alpha has {holder.num_heads} heads but the attention has {n_heads} query heads")
-        return holder._alpha_arg()
+            raise ValueError(
+                f"the attached entmax_alpha has {holder.num_heads} heads but the attention has {n_heads} query heads"
+            )
+        return holder._alpha_arg(), True
     config = getattr(module, "config", None)
     value = getattr(config, "entmax_alpha", None) if config is not None else None
-    return _DEFAULT_ALPHA if value is None else value
+    return (_DEFAULT_ALPHA if value is None else value), False
 
 
 def entmax_attention_forward(
@@ -99,60 +106,42 @@ def entmax_attention_forward(
         raise ValueError("attn_implementation='entmax' does not support softcap (logit soft-capping)")
     if kwargs.get("sliding_window") is not None and attention_mask is None:
         raise ValueError("attn_implementation='entmax' needs an explicit mask for sliding-window attention")
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, Tensor) or t.dim() != 4:
+            got = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
+            raise ValueError(f"{name} must be a tensor of shape (batch, heads, seq, head_dim), got {got}")
+    dropout = check_number("dropout", dropout, 0.0, 1.0, high_open=True)
     n_heads, n_kv = query.shape[1], key.shape[1]
     q_len = query.shape[2]
-    alpha = _module_alpha(module, n_heads)
+    scores = (query.shape[0], n_heads, q_len, key.shape[2])
+    check_mask("attention_mask", attention_mask, query.device, scores)
+    position_bias = kwargs.get("position_bias")
+    check_mask("position_bias", position_bias, query.device)
+    if position_bias is not None and not position_bias.is_floating_point():
+        raise TypeError(f"position_bias must be a floating (additive) tensor, got {position_bias.dtype}")
+    alpha, alpha_in_range = _module_alpha(module, n_heads)
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     causal = bool(causal) and attention_mask is None and q_len > 1
     if causal and key.shape[2] > q_len:
         # The mask builder skips the mask only when the keys past q_len are empty cache slots.
         key, value = key[:, :, :q_len], value[:, :, :q_len]
-    mask = attention_mask
-    position_bias = kwargs.get("position_bias")
     if position_bias is not None:
-        bias = position_bias[..., : key.shape[2]]
-        if mask is None:
-            mask = bias
-        elif mask.dtype == torch.bool:
-            mask = bias.masked_fill(~mask, float("-inf"))
-        else:
-            mask = mask + bias
-    sink = getattr(module, "_head_stats_sink", None)
-    dense = bool(kwargs.get("output_attentions")) or (sink is not None and sink.wants_weights)
-    weights = None
-    if dense:
-        if n_kv != n_heads:
-            key = key.repeat_interleave(n_heads // n_kv, dim=1)
-            value = value.repeat_interleave(n_heads // n_kv, dim=1)
-        if causal:
-            keep = torch.ones(q_len, key.shape[2], dtype=torch.bool, device=query.device).tril(key.shape[2] - q_len)
-            mask = keep if mask is None else (mask & keep if mask.dtype == torch.bool else mask.masked_fill(~keep, float("-inf")))
-        if scaling is not None:
-            query = query * (scaling * query.shape[-1] ** 0.5)
-        out, weights, p, nnz, n_valid = _materialized_attention(query, key, value, alpha, mask, dropout)
-        if sink is not None:
-            sink(nnz, n_valid, _alpha_tensor(alpha, n_heads, query.device), p)
-    else:
-        config = getattr(module, "config", None)
-        res = entmax_attention(
-            query, key, value, alpha, attn_mask=mask, is_causal=causal, scale=scaling, dropout_p=dropout,
-            enable_gqa=n_kv != n_heads, return_stats=sink is not None,
-            backend=getattr(config, "entmax_backend", None) or "auto",
-        )
-        if sink is not None:
-            out, stats = res
-            sink(stats.nnz, stats.n_valid, _alpha_tensor(alpha, n_heads, query.device), None)
-        else:
-            out = res
-    if not kwargs.get("output_attentions"):
-        weights = None
-    return out.transpose(1, 2).contiguous(), weights
-
-
-def _alpha_tensor(alpha, n_heads: int, device) -> Tensor:
-    if isinstance(alpha, Tensor):
-        return alpha.detach().reshape(-1).expand(n_heads)
-    return torch.full((n_heads,), float(alpha), device=device)
+        position_bias = position_bias[..., : key.shape[2]]
+        check_mask("position_bias", position_bias, query.device, (*scores[:3], key.shape[2]))
+    sink = head_stats_sink(module)
+    output_attentions = bool(kwargs.get("output_attentions"))
+    dense = output_attentions or (sink is not None and sink.wants_weights)
+    backend = getattr(getattr(module, "config", None), "entmax_backend", None) or "auto"
+    inputs = prepare_attention(
+        query, key, value, alpha, attn_mask=combine_masks(attention_mask, position_bias), is_causal=causal,
+        scale=scaling, dropout_p=dropout, enable_gqa=n_kv != n_heads, backend="reference" if dense else backend,
+        alpha_in_range=alpha_in_range, mask_values_checked=True,
+    )
+    if inputs.backend == "triton":
+        check_mask_values("attention_mask", attention_mask)
+        check_mask_values("position_bias", position_bias)
+    out, weights = run_layer_attention(inputs, dense, sink)
+    return out.transpose(1, 2).contiguous(), weights if output_attentions else None
 
 
 def _uses_entmax(module: nn.Module) -> bool:
@@ -165,8 +154,11 @@ def _uses_entmax(module: nn.Module) -> bool:
 def _head_alpha(module: nn.Module) -> Tensor:
     """Current alpha of each query head of an attention module, ``(num_heads,)`` (for the head statistics)."""
     n_heads = _num_heads(module)
+    alpha, _ = _module_alpha(module, n_heads)
+    if isinstance(alpha, Tensor):
+        return alpha.detach().reshape(-1).expand(n_heads)
     ref = next(module.parameters(), None)
-    return _alpha_tensor(_module_alpha(module, n_heads), n_heads, ref.device if ref is not None else None)
+    return torch.full((n_heads,), float(alpha), device=ref.device if ref is not None else None)
 
 
 def register_entmax_attention(name: str = IMPLEMENTATION) -> None:
@@ -214,10 +206,12 @@ def attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
 def attach_entmax_alpha(
     model: nn.Module,
     alpha: float | Tensor | list = 1.5,
-    learnable: bool = True,
+    learnable: bool | None = None,
     alpha_min: float = 1.0,
     alpha_max: float = 2.0,
     alpha_init: float | Tensor | None = None,
+    *,
+    learnable_alpha: bool | None = None,
 ) -> list[str]:
     """Give every attention module of a transformers model its own per-head alpha (in place).
 
@@ -231,13 +225,14 @@ def attach_entmax_alpha(
         model: a transformers ``PreTrainedModel`` (or any module containing attention modules
             that call the attention interface).
         alpha: initial (or fixed) alpha: float, or a per-head list/tensor. Default 1.5.
-        learnable: learn the alphas. Default True.
+        learnable: learn the alphas. Default True. ``learnable_alpha`` is a deprecated alias.
         alpha_min, alpha_max: range of a learnable alpha. Default (1, 2).
         alpha_init: initial learnable alpha (float, or a per-head list/tensor), default ``alpha``.
 
     Returns:
         The names of the modules that received an alpha.
     """
+    learnable = resolve_learnable(learnable, learnable_alpha, default=True)
     alpha, alpha_init = (torch.tensor(a, dtype=torch.float64) if isinstance(a, (list, tuple)) else a
                          for a in (alpha, alpha_init))
     mods = attention_modules(model)
@@ -317,3 +312,4 @@ def from_pretrained(model_cls, path: str, **kwargs):
 
 
 register_entmax_attention()
+register_layer_type(_uses_entmax, _head_alpha)

@@ -1,0 +1,288 @@
+"""The inputs of one entmax attention call, validated once, and the per-row statistics it returns.
+
+:func:`prepare_attention` checks every argument of :func:`sparse_attn.entmax_attention` (and of
+the reference, the modules and the Hugging Face integration, which all go through it) and
+normalizes them into one :class:`AttentionInputs`; the fused path
+(:mod:`sparse_attn._attn_autograd`) and the reference (:mod:`sparse_attn.reference`) consume it.
+
+Value checks that read tensors back to the host (a tensor ``alpha`` in ``[1, 2]``, a float mask
+free of NaN/``+inf`` on the fused path, ``cu_seqlens`` offsets, ``max_seqlen`` bounds) run for
+CPU tensors and, for device tensors, only with :func:`sparse_attn.set_checks` on, so that a CUDA
+call does not synchronize. Unchecked out-of-range alphas give NaN outputs for their head.
+"""
+
+from __future__ import annotations
+
+from numbers import Integral, Real
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from sparse_attn._validation import check_bool, check_number, values_checkable
+from sparse_attn.kernels._common import interpreting
+from sparse_attn.masks import check_mask, check_mask_values
+
+__all__ = [
+    "AttentionInputs",
+    "AttentionStats",
+    "prepare_attention",
+    "resolve_backend",
+    "check_head_alpha",
+    "MIN_HEAD_DIM",
+    "MAX_HEAD_DIM",
+]
+
+BACKENDS = ("auto", "triton", "reference")
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+FLOAT_DTYPES = KERNEL_DTYPES + (torch.float64,)
+MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
+"""Head dims the fused kernels take (``backend="auto"`` runs the reference outside this range)."""
+
+
+class AttentionStats(NamedTuple):
+    """Per-row statistics of an attention call, each of shape ``(B, Hq, Nq)``.
+
+    nnz:     int32, number of keys with a nonzero weight (support size); at alpha == 1 every
+             valid key (softmax's support, whatever the floating-point underflow).
+    tau:     float32 (float64 on the reference for float64 inputs or ``compute_dtype``), the
+             threshold: for alpha > 1 the entmax threshold in the z = (alpha - 1) * score
+             scale, so that ``p = [z - tau]_+^(1 / (alpha - 1))``; for alpha == 1 the row's
+             logsumexp. ``+inf`` for rows with no valid key.
+    n_valid: int32, number of keys the query may attend to (not masked).
+
+    On the reference, a row whose scores hold NaN or ``+inf`` (a NaN output row) has
+    ``tau = NaN`` and ``nnz = 0``.
+    """
+
+    nnz: Tensor
+    tau: Tensor
+    n_valid: Tensor
+
+
+class AttentionInputs(NamedTuple):
+    """One attention call's inputs after :func:`prepare_attention`. Layout ``(batch, heads, seq, head_dim)``.
+
+    q:             ``(B, Hq, Nq, D)`` (varlen: ``(1, Hq, total_q, D)``), float16/bfloat16/float32/float64.
+    k, v:          ``(B, Hk, Nk, D)`` and ``(B, Hk, Nk, Dv)``, ``Hq % Hk == 0``, dtype and device of ``q``.
+    alpha:         ``(Hq,)`` on ``q``'s device, float32 (float64 when ``q`` is float64); differentiable
+                   when the caller's alpha requires grad (a view of it, cast).
+    alpha_value:   the Python number when alpha was given as one, else None (exact fast paths).
+    alpha_checked: True when alpha's values are known to lie in [1, 2] (a Python number, a checked
+                   tensor, or a caller that guarantees it); otherwise an out-of-range or NaN
+                   head gives NaN outputs.
+    mask:          None, a boolean keep mask (True = attend) or a float additive bias, at its own
+                   shape (at most 4-d, broadcastable to ``(B, Hq, Nq, Nk)``, never expanded).
+    is_causal:     bottom-right aligned causal masking (per sequence with varlen).
+    scale:         score scale (``1 / sqrt(D)`` unless given; 1 when ``D == 0``).
+    dropout_p:     drop probability of the weights, in [0, 1).
+    cu_seqlens_q, cu_seqlens_k: int32 ``(nseq + 1,)`` packed-sequence offsets, or None.
+    max_seqlen_q, max_seqlen_k: longest query / key sequence (``Nq`` / ``Nk`` without varlen).
+    backend:       ``"triton"`` or ``"reference"`` (resolved from ``"auto"``).
+    """
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    alpha: Tensor
+    alpha_value: float | None
+    alpha_checked: bool
+    mask: Tensor | None
+    is_causal: bool
+    scale: float
+    dropout_p: float
+    cu_seqlens_q: Tensor | None
+    cu_seqlens_k: Tensor | None
+    max_seqlen_q: int
+    max_seqlen_k: int
+    backend: str
+
+    @property
+    def score_shape(self) -> tuple[int, int, int, int]:
+        """``(B, Hq, Nq, Nk)``."""
+        return (self.q.shape[0], self.q.shape[1], self.q.shape[2], self.k.shape[2])
+
+
+def _check_qkv(q, k, v, enable_gqa: bool, varlen: bool) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must have shape (batch, heads, seq, head_dim), got {tuple(t.shape)}")
+        if t.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k and v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(
+            f"k and v must agree in (batch, kv_heads, seq_k), got shapes {tuple(k.shape)} and {tuple(v.shape)}"
+        )
+    if q.shape[0] != k.shape[0]:
+        raise ValueError(f"q and k must have the same batch size, got {q.shape[0]} and {k.shape[0]}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q and k must have the same head_dim, got {q.shape[-1]} and {k.shape[-1]}")
+    h_q, h_k = q.shape[1], k.shape[1]
+    if (h_k == 0 and h_q != 0) or (h_k != 0 and h_q % h_k != 0):
+        raise ValueError(f"the number of q heads ({h_q}) must be a multiple of the number of k/v heads ({h_k})")
+    if h_q != h_k and not enable_gqa:
+        raise ValueError(
+            f"q has {h_q} heads and k/v have {h_k}: pass enable_gqa=True for grouped-query or multi-query attention"
+        )
+    if varlen and q.shape[0] != 1:
+        raise ValueError(f"with cu_seqlens the packed tensors must have batch size 1, got q of shape {tuple(q.shape)}")
+
+
+def resolve_backend(backend: str, q: Tensor, v: Tensor | None = None) -> str:
+    """``"triton"`` or ``"reference"`` for these inputs; raises if ``backend="triton"`` cannot run them."""
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    d, d_v = q.shape[-1], (q.shape[-1] if v is None else v.shape[-1])
+    if backend == "auto":
+        fits = q.dtype in KERNEL_DTYPES and MIN_HEAD_DIM <= d <= MAX_HEAD_DIM and d_v == d
+        return "triton" if q.is_cuda and fits else "reference"
+    if backend == "triton":
+        if not q.is_cuda and not interpreting():
+            raise ValueError(
+                f"backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 set before import, for testing), "
+                f"got tensors on {q.device}; use backend='auto' or 'reference'"
+            )
+        if q.dtype not in KERNEL_DTYPES:
+            raise TypeError(f"the triton backend takes float16, bfloat16 or float32 inputs, got {q.dtype}")
+        if not MIN_HEAD_DIM <= d <= MAX_HEAD_DIM:
+            raise ValueError(f"the triton backend takes head_dim in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}], got {d}")
+        if d_v != d:
+            raise ValueError(f"the triton backend takes v with the head_dim of q ({d}), got {d_v}")
+    return backend
+
+
+def check_head_alpha(name: str, alpha, n_heads: int) -> None:
+    """Check the type and shape of a per-head alpha: a Python number, or a floating tensor of
+    shape ``()``, ``(1,)`` or ``(n_heads,)``. Values are not read."""
+    if isinstance(alpha, Tensor):
+        if not alpha.is_floating_point():
+            raise TypeError(f"{name} must be a float or a floating-point tensor, got a tensor of dtype {alpha.dtype}")
+        if alpha.dim() > 1 or alpha.numel() not in (1, n_heads):
+            raise ValueError(
+                f"{name} must be a float or a tensor of shape () or ({n_heads},) (one per head), "
+                f"got shape {tuple(alpha.shape)}"
+            )
+    elif isinstance(alpha, bool) or not isinstance(alpha, Real):
+        raise TypeError(f"{name} must be a float or a tensor, got {type(alpha).__name__}")
+
+
+def _normalize_alpha(alpha, q: Tensor, in_range: bool):
+    """alpha as ``(tensor (Hq,), python value or None, values known in range)``."""
+    n_heads = q.shape[1]
+    check_head_alpha("alpha", alpha, n_heads)
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    if isinstance(alpha, Tensor):
+        if alpha.device != q.device and alpha.device.type != "cpu":
+            raise ValueError(f"alpha must be on the device of q ({q.device}) or on the CPU, got {alpha.device}")
+        checked = in_range
+        if not checked and values_checkable(alpha):
+            vals = alpha.detach()
+            if not bool(((vals >= 1) & (vals <= 2)).all()):  # NaN fails both comparisons
+                raise ValueError(f"alpha must be finite and in [1, 2], got {vals.flatten().tolist()}")
+            checked = True
+        return alpha.to(device=q.device, dtype=dtype).reshape(-1).expand(n_heads), None, checked
+    if not torch.compiler.is_compiling():
+        alpha = check_number("alpha", alpha, 1.0, 2.0)
+    return torch.full((n_heads,), alpha, dtype=dtype, device=q.device), float(alpha), True
+
+
+def _check_cu_seqlens(cu_q, cu_k, q: Tensor, k: Tensor, max_seqlen_q, max_seqlen_k):
+    """Validate packed-sequence offsets; return them as int32 with the longest sequence lengths."""
+    lengths = []
+    for name, cu, total, given in (("cu_seqlens_q", cu_q, q.shape[2], max_seqlen_q),
+                                   ("cu_seqlens_k", cu_k, k.shape[2], max_seqlen_k)):
+        if not isinstance(cu, Tensor) or cu.dtype not in (torch.int32, torch.int64) or cu.dim() != 1:
+            got = f"{cu.dtype} tensor of shape {tuple(cu.shape)}" if isinstance(cu, Tensor) else type(cu).__name__
+            raise TypeError(f"{name} must be a 1-d int32 or int64 tensor, got {got}")
+        if cu.device != q.device:
+            raise ValueError(f"{name} must be on the device of q ({q.device}), got {cu.device}")
+        if cu.numel() < 2:
+            raise ValueError(f"{name} must hold at least two offsets (nseq + 1), got {cu.numel()}")
+        longest = None
+        if values_checkable(cu):
+            vals = cu.tolist()
+            if vals[0] != 0 or vals[-1] != total or any(b < a for a, b in zip(vals, vals[1:])):
+                raise ValueError(
+                    f"{name} must start at 0, be non-decreasing and end at the packed length {total}, got {vals}"
+                )
+            longest = max(b - a for a, b in zip(vals, vals[1:]))
+        lengths.append(_max_seqlen(name.replace("cu_seqlens", "max_seqlen"), given, cu, longest))
+    if cu_q.numel() != cu_k.numel():
+        raise ValueError(
+            f"cu_seqlens_q and cu_seqlens_k must describe the same number of sequences, "
+            f"got {cu_q.numel() - 1} and {cu_k.numel() - 1}"
+        )
+    return cu_q.to(torch.int32), cu_k.to(torch.int32), lengths[0], lengths[1]
+
+
+def _max_seqlen(name: str, given, cu: Tensor, longest: int | None) -> int:
+    """The given bound (checked against ``longest`` when known), else the longest sequence (one host read)."""
+    if given is None:
+        return longest if longest is not None else int((cu[1:] - cu[:-1]).max())
+    if isinstance(given, bool) or not isinstance(given, Integral):
+        raise TypeError(f"{name} must be None or an int, got {type(given).__name__}")
+    if given < 0 or (longest is not None and given < longest):
+        bound = f"the longest sequence ({longest})" if longest is not None else "0"
+        raise ValueError(f"{name} must be at least {bound}, got {given}")
+    return int(given)
+
+
+def prepare_attention(
+    q: Tensor, k: Tensor, v: Tensor, alpha: float | Tensor = 1.5, *,
+    attn_mask: Tensor | None = None, is_causal: bool = False, scale: float | None = None, dropout_p: float = 0.0,
+    enable_gqa: bool = False, cu_seqlens_q: Tensor | None = None, cu_seqlens_k: Tensor | None = None,
+    max_seqlen_q: int | None = None, max_seqlen_k: int | None = None, backend: str = "auto",
+    alpha_in_range: bool = False, mask_values_checked: bool = False,
+) -> AttentionInputs:
+    """Validate the arguments of :func:`sparse_attn.entmax_attention` and normalize them.
+
+    Arguments as :func:`sparse_attn.entmax_attention`, plus two promises callers may make:
+    ``alpha_in_range`` (a tensor alpha's values are in [1, 2], e.g. a module's alpha, valid by
+    construction: they are not read) and ``mask_values_checked`` (the caller checked a float
+    mask's values under its own argument names). Problems with no query, key, head or batch entry
+    run on the reference (their output is empty or zero).
+
+    Returns:
+        :class:`AttentionInputs`. Raises ``TypeError`` / ``ValueError`` naming the argument.
+    """
+    check_bool("is_causal", is_causal)
+    check_bool("enable_gqa", enable_gqa)
+    if (cu_seqlens_q is None) != (cu_seqlens_k is None):
+        raise ValueError("cu_seqlens_q and cu_seqlens_k must be given together")
+    varlen = cu_seqlens_q is not None
+    _check_qkv(q, k, v, enable_gqa, varlen)
+    backend = resolve_backend(backend, q, v)
+    if 0 in q.shape[:3] or k.shape[2] == 0:
+        backend = "reference"
+    alpha_t, alpha_value, alpha_checked = _normalize_alpha(alpha, q, alpha_in_range)
+    shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    check_mask("attn_mask", attn_mask, q.device, shape)
+    if backend == "triton" and not mask_values_checked:
+        check_mask_values("attn_mask", attn_mask)
+    if varlen:
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k = _check_cu_seqlens(
+            cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q, max_seqlen_k)
+    else:
+        for name, given in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+            if given is not None:
+                raise ValueError(
+                    f"{name} is only used with cu_seqlens_q/cu_seqlens_k (packed sequences), got {given!r}"
+                )
+        max_seqlen_q, max_seqlen_k = q.shape[2], k.shape[2]
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, Real)):
+        raise TypeError(f"scale must be None or a Python number, got {type(scale).__name__}")
+    if scale is not None and not abs(float(scale)) < float("inf"):
+        raise ValueError(f"scale must be None or a finite number, got {scale!r}")
+    if scale is None:
+        scale = q.shape[-1] ** -0.5 if q.shape[-1] > 0 else 1.0
+    dropout_p = check_number("dropout_p", dropout_p, 0.0, 1.0, high_open=True)
+    return AttentionInputs(
+        q, k, v, alpha_t, alpha_value, alpha_checked, attn_mask, is_causal, float(scale), dropout_p,
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, backend,
+    )
