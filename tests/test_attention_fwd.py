@@ -1,7 +1,7 @@
 """The fused Triton forward (``kernels/entmax_attn_fwd.py``) against the float64 reference.
 
-Every kernel output is allocated poisoned (NaN / a sentinel) by an autouse fixture, so a value
-the kernel fails to write shows up as a mismatch. Errors follow GUIDE §4:
+Every kernel output is allocated poisoned (NaN, or the int32 max) by the ``poison_uninitialized``
+fixture of ``conftest.py``, so a value the kernel fails to write shows up as a mismatch. Errors follow GUIDE §4:
 ``err(kernel) <= 2 * err(reference run in the kernel's dtype) + EPS[dtype]``, both measured
 against the reference on float64 copies of the same (dtype-rounded) inputs.
 """
@@ -15,7 +15,6 @@ import torch
 import triton
 import triton.language as tl
 
-import sparse_attn.kernels.entmax_attn_fwd as fwd_mod
 from sparse_attn.kernels._common import dropout_keep, dropout_keep_mask
 from sparse_attn.kernels.entmax_attn_fwd import DEFAULT_MAX_SWEEPS, entmax_attn_fwd
 from sparse_attn.reference import entmax_attention_reference
@@ -30,18 +29,10 @@ TIE_MARGIN = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
 # A tile may be marked dead only if every reference weight in it is below this.
 DEAD_WEIGHT = 1e-6
 ALPHAS4 = [1.0, 1.25, 1.5, 2.0]
-POISON_INT = -12345
+# what the poison_uninitialized fixture fills int32 outputs with
+POISON_INT = torch.iinfo(torch.int32).max
 
-
-@pytest.fixture(autouse=True)
-def poison_outputs(monkeypatch):
-    """Allocate every kernel output filled with NaN (floats) or a sentinel (ints)."""
-
-    def poisoned(shape, dtype, device):
-        fill = float("nan") if dtype.is_floating_point else POISON_INT
-        return torch.full(shape, fill, dtype=dtype, device=device)
-
-    monkeypatch.setattr(fwd_mod, "_new_output", poisoned)
+pytestmark = pytest.mark.usefixtures("poison_uninitialized")
 
 
 def _rand(shape, gen, dtype, layout="bhnd", mult=1.0):
@@ -344,25 +335,29 @@ from triton.compiler import ASTSource
 import triton
 import sparse_attn.kernels.entmax_attn_fwd as fwd
 import sparse_attn.kernels.entmax_attn_bwd as bwd
+from sparse_attn.kernels._masking import mask_spec
 which = sys.argv[1]
-lowp = {"Q", "K", "V", "Out", "DO", "OUT", "DQ", "DK", "DV"}
-ints = {"Nnz", "NValid", "Live", "NSweeps", "CuSeqQ", "CuSeqK", "LIVE", "CU_Q", "CU_K"}
-floats = {"scale", "tol", "dropout_p", "inv_keep", "p_drop"}
-flags = dict(IS_CAUSAL=True, HAS_BIAS=True, IS_VARLEN=True, HAS_DROPOUT=True, DOT_PRECISION="tf32")
+lowp = {"Q", "K", "V", "OUT", "DO", "DQ", "DK", "DV"}
+ints = {"NNZ", "N_VALID", "LIVE", "N_SWEEPS", "CU_SEQLENS_Q", "CU_SEQLENS_K"}
+floats = {"scale", "tol", "dropout_p", "inv_keep"}
+flags = dict(HAS_BIAS=True, IS_VARLEN=True, HAS_DROPOUT=True, UPCAST=False, DOT_PRECISION="tf32", HEAD_DIM=80,
+             BLOCK_D=128, BLOCK_M=64, BLOCK_N=64)
+mask = mask_spec(True)
 if which == "fwd":
     kernel = fwd._entmax_attn_fwd_kernel
-    const = dict(HEAD_DIM=80, HEAD_DIM_PAD=128, BLOCK_M=64, BLOCK_N=64, INTERPRET=False, **flags)
+    const = flags
     options = {"num_warps": 8}
 else:
     kernel = getattr(bwd, "_entmax_attn_bwd_%s_kernel" % which)
-    const = dict(HEAD_DIM=80, BLOCK_D=128, BLOCK_M=64, BLOCK_N=64, HAS_LIVE=True, UPCAST=False,
-                 NEED_DALPHA=True, NEED_DBIAS=True, NEED_DBIAS_ROWS=True, NEED_DBIAS_COLS=True, **flags)
+    const = dict(HAS_LIVE=True, NEED_DALPHA=True, NEED_DBIAS=True, NEED_DBIAS_ROWS=True, NEED_DBIAS_COLS=True, **flags)
     options = {"num_warps": 8, "num_stages": 1}
 names = kernel.arg_names
 const = {n: v for n, v in const.items() if n in names}
 
 
 def sig(n):
+    if n == "MASK":
+        return ("constexpr",) * len(mask)
     if n in const:
         return "constexpr"
     if n in floats:
@@ -372,8 +367,9 @@ def sig(n):
     return "i32"
 
 
-src = ASTSource(fn=kernel, signature={n: sig(n) for n in names},
-                constexprs={(names.index(n),): v for n, v in const.items()})
+constexprs = {(names.index(n),): v for n, v in const.items()}
+constexprs.update({(names.index("MASK"), i): v for i, v in enumerate(mask)})
+src = ASTSource(fn=kernel, signature={n: sig(n) for n in names}, constexprs=constexprs)
 compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 assert compiled.asm["cubin"]
 print("built")
