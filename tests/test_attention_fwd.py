@@ -99,7 +99,8 @@ def _weights64(s, alpha, tau):
 def _run_case(B=1, Hq=4, Hk=2, Nq=33, Nk=33, D=16, alphas=ALPHAS4, dtype=torch.float32, causal=False,
               bias=None, layout="bhnd", mult=1.0, cu_q=None, cu_k=None, dropout_p=0.0, seed=0, seed_data=0,
               v_ones=False, device="cpu", **kw):
-    """Run kernel (on ``device``) and reference (CPU) on one random problem; check out, tau, lsum, nnz, n_valid, live."""
+    """Run kernel (on ``device``) and reference (CPU) on one random problem; check out, tau, lsum, nnz, n_valid,
+    live."""
     gen = torch.Generator().manual_seed(seed_data)
     if cu_q is not None:
         cu_q, cu_k = torch.tensor(cu_q, dtype=torch.int32), torch.tensor(cu_k, dtype=torch.int32)
@@ -209,7 +210,8 @@ def test_matches_reference_mixed_alpha(B, Hq, Hk, Nq, Nk, D, causal, kernel_devi
 
 @pytest.mark.parametrize("alpha", [1.0, 1.25, 1.5, 2.0])
 def test_single_alpha_small_tiles(alpha, kernel_device):
-    _run_case(device=kernel_device, Hq=2, Hk=1, Nq=40, Nk=70, D=16, alphas=[alpha, alpha], causal=alpha > 1.3, block_m=16, block_n=16)
+    _run_case(device=kernel_device, Hq=2, Hk=1, Nq=40, Nk=70, D=16, alphas=[alpha, alpha], causal=alpha > 1.3,
+              block_m=16, block_n=16)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -232,7 +234,8 @@ def test_scores_scaled_100(kernel_device):
 
 
 def test_rows_sum_to_one(kernel_device):
-    res, _, valid = _run_case(device=kernel_device, Nq=50, Nk=70, D=16, v_ones=True, causal=True, bias=_padding_bias, tol=1e-2)
+    res, _, valid = _run_case(device=kernel_device, Nq=50, Nk=70, D=16, v_ones=True, causal=True, bias=_padding_bias,
+                              tol=1e-2)
     rows = res.out[..., 0].double()
     assert torch.allclose(rows[valid], torch.ones_like(rows[valid]), atol=1e-6)
     assert (rows[~valid] == 0).all()
@@ -247,7 +250,8 @@ def test_fully_masked_and_empty(kernel_device):
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_varlen(causal, kernel_device):
-    _run_case(device=kernel_device, cu_q=[0, 5, 5, 38, 55], cu_k=[0, 7, 10, 50, 50], D=16, causal=causal, block_m=16, block_n=16)
+    _run_case(device=kernel_device, cu_q=[0, 5, 5, 38, 55], cu_k=[0, 7, 10, 50, 50], D=16, causal=causal, block_m=16,
+              block_n=16)
 
 
 def test_dropout_matches_replayed_mask(kernel_device):
@@ -260,7 +264,8 @@ def test_dropout_varlen(kernel_device):
 
 def test_dead_tiles_are_skipped_and_bitmap_words(kernel_device):
     """Sharp sparsemax over 40 key tiles (two bitmap words): many tiles die, none wrongly."""
-    res, p64, _ = _run_case(device=kernel_device, Hq=2, Hk=1, Nq=16, Nk=640, D=16, alphas=[2.0, 1.5], mult=2.0, block_m=16, block_n=16)
+    res, p64, _ = _run_case(device=kernel_device, Hq=2, Hk=1, Nq=16, Nk=640, D=16, alphas=[2.0, 1.5], mult=2.0,
+                            block_m=16, block_n=16)
     assert res.live.shape[-1] == 2
     n_live = sum(bin(int(w) & 0xFFFFFFFF).count("1") for w in res.live.flatten().tolist())
     assert n_live < 2 * 40
@@ -293,7 +298,8 @@ def test_near_alpha_one_accurate(alpha, kernel_device):
     _check_close("out", res.out, out64, out32, torch.float32, eps=EPS_NEAR_ONE)
     assert (res.n_sweeps < DEFAULT_MAX_SWEEPS).all(), f"sweeps {res.n_sweeps.max().item()} hit the cap"
     am1 = al.double().view(1, -1, 1, 1) - 1
-    lsum64 = ((am1 * _scores64(q, k, scale, None, False) - res.tau.double()[..., None]).clamp_min(0) ** (1 / am1)).sum(-1)
+    r64 = (am1 * _scores64(q, k, scale, None, False) - res.tau.double()[..., None]).clamp_min(0)
+    lsum64 = (r64 ** (1 / am1)).sum(-1)
     assert torch.allclose(res.lsum.double(), lsum64, rtol=1e-5, atol=0), "lsum does not match the saved tau"
 
 
@@ -389,11 +395,11 @@ def test_compiles_for_sm90(which):
 
 
 @triton.jit
-def _two_row_keep_kernel(Out, seed, row_a, row_b, n_cols, p_drop, BLOCK_N: tl.constexpr):
+def _two_row_keep_kernel(OUT, seed, row_a, row_b, n_cols, dropout_p, BLOCK_N: tl.constexpr):
     cols = tl.arange(0, BLOCK_N)
     rows = tl.where(tl.arange(0, 2) == 0, row_a, row_b)
-    keep = dropout_keep(seed, 0, rows, cols, n_cols, p_drop)
-    tl.store(Out + tl.arange(0, 2)[:, None] * BLOCK_N + cols[None, :], keep.to(tl.int8))
+    keep = dropout_keep(seed, 0, rows, cols, n_cols, dropout_p)
+    tl.store(OUT + tl.arange(0, 2)[:, None] * BLOCK_N + cols[None, :], keep.to(tl.int8))
 
 
 def test_dropout_streams_do_not_wrap_past_2_pow_31(kernel_device):
