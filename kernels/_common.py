@@ -1,8 +1,8 @@
 """Helpers shared by the Triton kernels: interpreter detection and the build choices that follow
 from it, the kernel arguments every attention kernel takes, row loads and stores, the dropout RNG
-and two accurate elementwise functions
-(``log2(1 + v)`` and the series of ``(e^y - 1 - y) / y^2``). Which keys a query may see, and the
-tile ranges that follow, live in ``_masking.py``.
+and two accurate elementwise functions (``log2(1 + v)`` and the series of ``(e^y - 1 - y) / y^2``).
+Which keys a query may see, the tile ranges that follow and the launch geometry live in
+``_masking.py``.
 
 The dropout keep-mask is a pure function of (seed, batch-head, row, column), so the
 backward replays exactly the mask the forward drew without storing it.
@@ -20,6 +20,7 @@ from ._masking import mask_spec
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
+
 
 def interpreting() -> bool:
     """True when Triton kernels run under the CPU interpreter (``TRITON_INTERPRET=1``)."""

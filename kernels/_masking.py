@@ -11,7 +11,8 @@ Coordinates are sequence-local: row ``i`` in ``[0, seqlen_q)``, key ``j`` in ``[
 (with varlen, counted from the sequence's first row / key, see :func:`seq_bounds`). Causal masking
 is bottom-right aligned (as flash-attn): row ``i`` sees key ``j`` iff ``j <= i + seqlen_k - seqlen_q``.
 The additive mask (``BIAS``) is applied by :func:`mask_scores` on top of this; on the host,
-:func:`dbias_mode` and :func:`sum_to_mask` say how its gradient is reduced to its broadcast shape.
+:func:`dbias_mode` and :func:`sum_to_mask` say how its gradient is reduced to its broadcast shape,
+and :func:`tile_plan` gives the launch geometry (grids, tile counts, liveness words).
 """
 
 from typing import NamedTuple
@@ -19,15 +20,14 @@ from typing import NamedTuple
 import triton
 import triton.language as tl
 
+# CUDA caps launch-grid axes 1 and 2 at 65535 programs; the attention grids are
+# (tiles, heads, batch entries or sequences), so heads and batch are each limited to this.
+MAX_GRID_YZ = 65535
+
 
 def mask_spec(is_causal: bool) -> tuple:
     """The ``MASK`` kernel argument: ``(IS_CAUSAL,)``, its entries compile-time constants."""
     return (tl.constexpr(bool(is_causal)),)
-
-
-# CUDA caps launch-grid axes 1 and 2 at 65535 programs; the attention grids are
-# (tiles, heads, batch entries or sequences), so heads and batch are each limited to this.
-MAX_GRID_YZ = 65535
 
 
 class TilePlan(NamedTuple):

@@ -10,8 +10,8 @@ conventions and ``docs/backward.md`` for the derivation. With ``U = p^(2-alpha)`
 Three kernels, no atomics, so every gradient is bitwise reproducible:
 
 * ``_entmax_attn_bwd_dq_kernel``, one program per (query tile, q head, batch): sweep 1 over the
-  live key tiles accumulates the row sums (``delta`` and the d alpha terms; skipped for
-  alpha = 1 heads without d alpha, where ``delta = dO . O``), sweep 2 accumulates dQ and writes dS.
+  live key tiles accumulates the row sums of ``delta`` (alpha > 1 only; alpha = 1 heads use
+  ``delta = dO . O``), sweep 2 accumulates dQ and the d alpha row sums and writes dS.
 * ``_entmax_attn_bwd_dkdv_kernel``, one program per (key tile, kv head, batch): loops over the q
   heads of its group and their live query tiles, so dK/dV of GQA are summed in a fixed order.
 * ``_entmax_attn_bwd_dbias_kernel`` (only for a mask broadcast over batch/heads but not over

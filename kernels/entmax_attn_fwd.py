@@ -383,16 +383,16 @@ def entmax_attn_fwd(
     """Fused entmax attention forward (one kernel launch).
 
     Arguments are validated by the caller (``sparse_attn.entmax_attention``); here only cheap
-    asserts and the launch-grid limit (``ValueError``, which the caller cannot see coming).
+    asserts and the launch-grid limit (``ValueError``).
 
     Args:
         q: ``(B, Hq, Nq, D)``, fp16/bf16/fp32, any strides; with varlen ``(1, Hq, total_q, D)``.
         k, v: ``(B, Hk, Nk, D)`` (``Hq % Hk == 0``, q head ``h`` reads kv head ``h // (Hq // Hk)``),
             same dtype and device as ``q``; with varlen ``(1, Hk, total_k, D)``. ``16 <= D <= 256``.
-        alpha: float32 ``(Hq,)`` on the device of ``q``, each in ``[1, 2]`` (mixed per head).
+        alpha: float32 ``(Hq,)`` (each in ``[1, 2]``, mixed per head), or a Python float for every head.
         scale: float multiplying ``q . k``.
-        bias: None or a float tensor expanded to ``(B, Hq, Nq, Nk)`` (zero strides allowed; ``-inf``
-            masks), added to the scaled scores. Default None.
+        bias: None or a float tensor broadcastable to ``(B, Hq, Nq, Nk)`` (read with zero strides;
+            ``-inf`` masks), added to the scaled scores. Default None.
         is_causal: bottom-right aligned causal mask (key ``j`` visible to row ``i`` iff
             ``j <= i + Nk - Nq``, per sequence; ``kernels/_masking.py``). Default False.
         cu_seqlens_q, cu_seqlens_k: int32 ``(nseq + 1,)`` packed-sequence offsets (then ``B == 1``).
