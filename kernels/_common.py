@@ -1,10 +1,14 @@
-"""Helpers shared by the Triton kernels: interpreter detection, the dropout RNG, the
-varlen sequence bounds and two accurate elementwise functions (``log2(1 + v)`` and the
-series of ``(e^y - 1 - y) / y^2``).
+"""Helpers shared by the Triton kernels: interpreter detection and the build choices that follow
+from it, the kernel arguments every attention kernel takes, row loads and stores, the dropout RNG
+and two accurate elementwise functions (``log2(1 + v)`` and the series of ``(e^y - 1 - y) / y^2``).
+Which keys a query may see, the tile ranges that follow and the launch geometry live in
+``_masking.py``.
 
 The dropout keep-mask is a pure function of (seed, batch-head, row, column), so the
 backward replays exactly the mask the forward drew without storing it.
 """
+
+from __future__ import annotations
 
 import os
 
@@ -12,11 +16,10 @@ import torch
 import triton
 import triton.language as tl
 
+from ._masking import mask_spec
+
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
-# CUDA caps launch-grid axes 1 and 2 at 65535 programs; the attention grids are
-# (tiles, heads, batch entries or sequences), so heads and batch are each limited to this.
-MAX_GRID_YZ = 65535
 
 
 def interpreting() -> bool:
@@ -24,8 +27,92 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def dot_precision(dtype: torch.dtype) -> str:
+    """``input_precision`` of the attention ``tl.dot``s: fp32 inputs keep fp32 accuracy on tensor cores
+    (3xTF32); fp16/bf16 ignore the setting; the interpreter computes in the input dtype whatever it says."""
+    if interpreting():
+        return "ieee"
+    return "tf32x3" if dtype == torch.float32 else "tf32"
+
+
+def attention_args(q, k, v, alpha, bias, cu_seqlens_q, cu_seqlens_k, scale, is_causal, dropout_p, seed) -> dict:
+    """The keyword arguments every attention kernel (forward, dQ, dK/dV, d bias) takes, named as in
+    CONTRIBUTING.md ("Naming in kernels/"). ``bias`` is broadcast to ``(B, Hq, Nq, Nk)`` by zero strides."""
+    is_varlen = cu_seqlens_q is not None
+    head_dim = q.shape[3]
+    bias_full = None if bias is None else bias.expand(*q.shape[:3], k.shape[2])
+    return dict(
+        Q=q, K=k, V=v, ALPHA=alpha_arg(alpha, q.shape[1], q.device), BIAS=q if bias is None else bias_full,
+        CU_SEQLENS_Q=cu_seqlens_q if is_varlen else q, CU_SEQLENS_K=cu_seqlens_k if is_varlen else q,
+        **stride_args("stride_q", q, "bhmd"), **stride_args("stride_k", k, "bhnd"),
+        **stride_args("stride_v", v, "bhnd"), **bias_stride_args(bias_full),
+        n_heads=q.shape[1], kv_group=q.shape[1] // k.shape[1], total_q=q.shape[2], total_k=k.shape[2],
+        scale=float(scale), dropout_p=float(dropout_p), seed=int(seed) & 0x7FFFFFFF, MASK=mask_spec(is_causal),
+        HEAD_DIM=head_dim, BLOCK_D=head_dim_block(head_dim), HAS_BIAS=bias is not None, IS_VARLEN=is_varlen,
+        HAS_DROPOUT=float(dropout_p) > 0.0, UPCAST=interpreting(), DOT_PRECISION=dot_precision(q.dtype),
+    )
+
+
+def alpha_arg(alpha, n_heads: int, device) -> torch.Tensor:
+    """The ``ALPHA`` kernel argument: float32 ``(Hq,)`` on ``device`` (a Python number is broadcast)."""
+    if not isinstance(alpha, torch.Tensor):
+        alpha = torch.full((n_heads,), float(alpha), dtype=torch.float32, device=device)
+    assert alpha.shape == (n_heads,), f"alpha: expected shape ({n_heads},), got {tuple(alpha.shape)}"
+    return alpha.detach().to(device=device, dtype=torch.float32).contiguous()
+
+
+def head_dim_block(head_dim: int) -> int:
+    """``BLOCK_D``: the head dim padded to a power of two >= 16 (``tl.dot`` needs >= 16 on a GPU)."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def stride_args(prefix: str, t: torch.Tensor, dims: str) -> dict:
+    """Kernel keyword arguments ``{prefix + dim: stride}``, e.g. ``stride_args("stride_q", q, "bhmd")``."""
+    return {prefix + d: st for d, st in zip(dims, t.stride(), strict=True)}
+
+
+def bias_stride_args(bias: torch.Tensor | None) -> dict:
+    """``stride_bias_b/h/m/n`` of a 4-d bias (broadcast dims have stride 0); all 0 without a bias."""
+    if bias is None:
+        return dict.fromkeys(("stride_bias_b", "stride_bias_h", "stride_bias_m", "stride_bias_n"), 0)
+    return stride_args("stride_bias_", bias, "bhmn")
+
+
 @triton.jit
-def dropout_keep(seed, bh, rows, cols, n_cols, p_drop):
+def slice_base(PTR, b, h, start, stride_b, stride_h, stride_n):
+    """Pointer to row ``start`` of batch entry ``b``, head ``h`` of a ``(batch, heads, seq, ...)`` tensor."""
+    return PTR + b.to(tl.int64) * stride_b + h.to(tl.int64) * stride_h + start.to(tl.int64) * stride_n
+
+
+@triton.jit
+def bias_base_ptr(BIAS, b, h, q_start, k_start, stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n):
+    """Pointer to the bias of row ``q_start``, key ``k_start`` of batch entry ``b``, head ``h``."""
+    return (slice_base(BIAS, b, h, q_start, stride_bias_b, stride_bias_h, stride_bias_m)
+            + k_start.to(tl.int64) * stride_bias_n)
+
+
+@triton.jit
+def load_rows(base, idx, offs_d, stride_n, stride_d, ok, d_ok, UPCAST: tl.constexpr):
+    """Rows ``idx [BLOCK]`` of a ``(seq, head_dim)`` slice as ``[BLOCK, BLOCK_D]`` (0 outside ``ok``, ``d_ok``).
+
+    ``UPCAST`` converts to float32 (the interpreter's bf16 ``tl.dot`` is wrong).
+    """
+    x = tl.load(base + idx[:, None].to(tl.int64) * stride_n + offs_d[None, :] * stride_d,
+                mask=ok[:, None] & d_ok[None, :], other=0.0)
+    if UPCAST:
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
+def store_rows(base, idx, offs_d, stride_n, stride_d, x, ok, d_ok):
+    """Store ``x [BLOCK, BLOCK_D]`` into rows ``idx`` of a ``(seq, head_dim)`` slice, cast to its dtype."""
+    tl.store(base + idx[:, None].to(tl.int64) * stride_n + offs_d[None, :] * stride_d, x.to(base.dtype.element_ty),
+             mask=ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def dropout_keep(seed, bh, rows, cols, n_cols, dropout_p):
     """Keep-mask ``[len(rows), len(cols)]`` for one (batch, head): True where the weight survives.
 
     ``seed`` is a 31-bit int, ``bh`` the flat batch-head index, ``rows``/``cols`` global
@@ -36,30 +123,7 @@ def dropout_keep(seed, bh, rows, cols, n_cols, p_drop):
     """
     key = (seed + bh * 40503) & 0x7FFFFFFF
     offs = rows[:, None].to(tl.int64) * n_cols + cols[None, :].to(tl.int64)
-    return tl.rand(key, offs) >= p_drop
-
-
-@triton.jit
-def seq_bounds(CU_Q, CU_K, seq, n_q, n_k, IS_VARLEN: tl.constexpr):
-    """``(batch index, first row, rows, first key, keys)`` of sequence ``seq`` (a batch entry unless varlen).
-
-    With ``IS_VARLEN`` sequence ``seq`` owns rows ``[CU_Q[seq], CU_Q[seq + 1])`` and keys
-    ``[CU_K[seq], CU_K[seq + 1])`` of batch entry 0; otherwise it is batch entry ``seq`` with
-    ``n_q`` rows and ``n_k`` keys starting at 0.
-    """
-    if IS_VARLEN:
-        b = seq * 0
-        q_start = tl.load(CU_Q + seq)
-        n_rows = tl.load(CU_Q + seq + 1) - q_start
-        k_start = tl.load(CU_K + seq)
-        n_keys = tl.load(CU_K + seq + 1) - k_start
-    else:
-        b = seq
-        q_start = seq * 0
-        n_rows = n_q
-        k_start = seq * 0
-        n_keys = n_k
-    return b, q_start, n_rows, k_start, n_keys
+    return tl.rand(key, offs) >= dropout_p
 
 
 @triton.jit
@@ -91,18 +155,18 @@ def expm1mx_series(y):
 
 
 @triton.jit
-def _dropout_mask_kernel(Out, seed, p_drop, n_rows, n_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _dropout_mask_kernel(OUT, seed, dropout_p, n_rows, n_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     bh = tl.program_id(1)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    out_base = Out + bh.to(tl.int64) * n_rows * n_cols
+    out_base = OUT + bh.to(tl.int64) * n_rows * n_cols
     for start_n in range(0, n_cols, BLOCK_N):
         cols = start_n + tl.arange(0, BLOCK_N)
-        keep = dropout_keep(seed, bh, rows, cols, n_cols, p_drop)
+        keep = dropout_keep(seed, bh, rows, cols, n_cols, dropout_p)
         ptrs = out_base + rows[:, None].to(tl.int64) * n_cols + cols[None, :]
         tl.store(ptrs, keep.to(tl.int8), mask=(rows[:, None] < n_rows) & (cols[None, :] < n_cols))
 
 
-def dropout_keep_mask(seed: int, batch_heads: int, n_rows: int, n_cols: int, p_drop: float, device) -> torch.Tensor:
+def dropout_keep_mask(seed: int, batch_heads: int, n_rows: int, n_cols: int, dropout_p: float, device) -> torch.Tensor:
     """Materialize the keep-mask the attention kernels draw, shape ``(batch_heads, n_rows, n_cols)``.
 
     For tests and the reference path only (it is O(N^2)); ``batch_heads`` indexes
@@ -111,5 +175,6 @@ def dropout_keep_mask(seed: int, batch_heads: int, n_rows: int, n_cols: int, p_d
     out = torch.empty((batch_heads, n_rows, n_cols), dtype=torch.int8, device=device)
     block_m = 16
     grid = (triton.cdiv(n_rows, block_m), batch_heads)
-    _dropout_mask_kernel[grid](out, seed, p_drop, n_rows, n_cols, BLOCK_M=block_m, BLOCK_N=32)
+    _dropout_mask_kernel[grid](OUT=out, seed=seed, dropout_p=dropout_p, n_rows=n_rows, n_cols=n_cols, BLOCK_M=block_m,
+                               BLOCK_N=32)
     return out.bool()

@@ -7,11 +7,11 @@ conventions and ``docs/backward.md`` for the derivation. With ``U = p^(2-alpha)`
     dP = dO V^T (times the replayed dropout factor)   delta_i = sum_j U_ij dP_ij / sum_j U_ij
     dS = U (dP - delta)    dQ = scale dS K    dK = scale dS^T Q    dV = P^T dO    d bias = dS
 
-Two kernels, no atomics, so every gradient is bitwise reproducible:
+Three kernels, no atomics, so every gradient is bitwise reproducible:
 
 * ``_entmax_attn_bwd_dq_kernel``, one program per (query tile, q head, batch): sweep 1 over the
-  live key tiles accumulates the row sums (``delta`` and the d alpha terms; skipped for
-  alpha = 1 heads without d alpha, where ``delta = dO . O``), sweep 2 accumulates dQ and writes dS.
+  live key tiles accumulates the row sums of ``delta`` (alpha > 1 only; alpha = 1 heads use
+  ``delta = dO . O``), sweep 2 accumulates dQ and the d alpha row sums and writes dS.
 * ``_entmax_attn_bwd_dkdv_kernel``, one program per (key tile, kv head, batch): loops over the q
   heads of its group and their live query tiles, so dK/dV of GQA are summed in a fixed order.
 * ``_entmax_attn_bwd_dbias_kernel`` (only for a mask broadcast over batch/heads but not over
@@ -23,11 +23,15 @@ no transcendental function per score, other values one ``log2`` and one ``exp2``
 
 from __future__ import annotations
 
+from collections import namedtuple
+
 import torch
 import triton
 import triton.language as tl
 
-from ._common import LN2, LOG2E, MAX_GRID_YZ, dropout_keep, expm1mx_series, interpreting, log2_1p, seq_bounds
+from . import _common, _masking
+from ._common import LN2, LOG2E, bias_base_ptr, dropout_keep, expm1mx_series, load_rows, log2_1p, slice_base, store_rows
+from ._masking import key_tile_range, mask_scores, query_tile_range, seq_bounds, tile_indices
 
 _DEFAULT_BLOCK = 64
 
@@ -91,25 +95,19 @@ def _dalpha_terms(p, u, alpha):
 
 @triton.jit
 def _tile(
-    q, do, k, v, tau, cu, cp, delta, alpha, scale, bias_base, stride_bias_m, stride_bias_n,
-    rows, cols, rows_loc, cols_loc, row_ok, col_ok, causal_shift, seed, bh, n_cols_drop, p_drop,
-    IS_CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    q, do, k, v, tau, cu, cp, delta, alpha, scale, bias_base, stride_bias_m, stride_bias_n, rows, cols, seqlen_q,
+    seqlen_k, rows_global, cols_global, total_k, seed, bh, dropout_p, MASK,
+    HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Recompute one tile: weights ``p``, ``U``, ``dP``, the dropped weights ``pd`` and
     ``dS = U (dP - delta)``, all ``[BLOCK_M, BLOCK_N]`` (``delta [BLOCK_M]``)."""
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
-    valid = row_ok[:, None] & col_ok[None, :]
-    if HAS_BIAS:
-        b_ptrs = bias_base + rows[:, None].to(tl.int64) * stride_bias_m + cols[None, :].to(tl.int64) * stride_bias_n
-        s += tl.load(b_ptrs, mask=valid, other=0.0).to(tl.float32)
-    if IS_CAUSAL:
-        valid = valid & (cols_loc[None, :] <= rows_loc[:, None] + causal_shift)
-    s = tl.where(valid, s, float("-inf"))
+    s = mask_scores(s, rows, cols, seqlen_q, seqlen_k, bias_base, stride_bias_m, stride_bias_n, 1.0, MASK, HAS_BIAS)
     p, u = _weights(s, tau, cu, cp, alpha)
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
     if HAS_DROPOUT:
-        keep = dropout_keep(seed, bh, rows, cols, n_cols_drop, p_drop)
-        fac = tl.where(keep, 1.0 / (1.0 - p_drop), 0.0)
+        keep = dropout_keep(seed, bh, rows_global, cols_global, total_k, dropout_p)
+        fac = tl.where(keep, 1.0 / (1.0 - dropout_p), 0.0)
         dp = dp * fac
         pd = p * fac
     else:
@@ -119,87 +117,80 @@ def _tile(
 
 
 @triton.jit
-def _is_live(word_ptr, bit, HAS_LIVE: tl.constexpr):
-    """Bit ``bit`` of the liveness word at ``word_ptr``; 1 without a bitmap (``HAS_LIVE`` False)."""
+def _live_row(LIVE, seq, h, qt, stride_live_b, stride_live_h, stride_live_m):
+    """Pointer to the liveness words of query tile ``qt``, head ``h``, sequence ``seq`` (docs/design.md)."""
+    return LIVE + seq.to(tl.int64) * stride_live_b + h.to(tl.int64) * stride_live_h + qt * stride_live_m
+
+
+@triton.jit
+def _is_live(live_row, kt, HAS_LIVE: tl.constexpr):
+    """Liveness bit of key tile ``kt`` in the words at ``live_row``; 1 without a bitmap (``HAS_LIVE`` False)."""
     live = 1
     if HAS_LIVE:
-        live = (tl.load(word_ptr) >> bit) & 1
+        live = (tl.load(live_row + kt // 32) >> (kt % 32)) & 1
     return live
 
 
 @triton.jit
-def _load_rows(base, idx, offs_d, stride_n, stride_d, ok, d_ok, UPCAST: tl.constexpr):
-    """Rows ``idx [BLOCK]`` of a ``(seq, head_dim)`` slice as ``[BLOCK, BLOCK_D]`` (0 outside ``ok``)."""
-    x = tl.load(base + idx[:, None].to(tl.int64) * stride_n + offs_d[None, :] * stride_d,
-                mask=ok[:, None] & d_ok[None, :], other=0.0)
-    if UPCAST:
-        x = x.to(tl.float32)
-    return x
-
-
-@triton.jit
 def _key_tile(
-    kt, q, do, tau, cu, cp, delta, alpha, scale, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
-    bias_base, stride_bias_m, stride_bias_n, k_start, Lk, rows, rows_loc, row_ok, causal_shift, offs_d, d_ok,
-    seed, bh, n_cols_drop, p_drop,
-    IS_CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
+    kt, q, do, tau, cu, cp, delta, alpha, scale, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+    bias_base, stride_bias_m, stride_bias_n, rows, rows_global, seqlen_q, seqlen_k, k_start, total_k, offs_d, d_ok,
+    seed, bh, dropout_p, MASK,
+    HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     """Key tile ``kt`` of a query tile: loads its K/V rows and recomputes it with ``_tile``.
 
     Returns ``p, u, dp, pd, ds`` (``[BLOCK_M, BLOCK_N]``), the keys ``k [BLOCK_N, BLOCK_D]``, their
-    global indices ``cols`` and in-sequence flags ``col_ok`` (``[BLOCK_N]``).
+    global indices ``cols_global`` and in-sequence flags ``col_ok`` (``[BLOCK_N]``).
     """
-    cols_loc = kt * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols = k_start + cols_loc
-    col_ok = cols_loc < Lk
-    k = _load_rows(K_base, cols, offs_d, stride_kn, stride_kd, col_ok, d_ok, UPCAST)
-    v = _load_rows(V_base, cols, offs_d, stride_vn, stride_vd, col_ok, d_ok, UPCAST)
+    cols, cols_global, col_ok = tile_indices(kt, k_start, seqlen_k, BLOCK_N)
+    k = load_rows(k_base, cols, offs_d, stride_kn, stride_kd, col_ok, d_ok, UPCAST)
+    v = load_rows(v_base, cols, offs_d, stride_vn, stride_vd, col_ok, d_ok, UPCAST)
     p, u, dp, pd, ds = _tile(
-        q, do, k, v, tau, cu, cp, delta, alpha, scale, bias_base, stride_bias_m, stride_bias_n,
-        rows, cols, rows_loc, cols_loc, row_ok, col_ok, causal_shift, seed, bh, n_cols_drop, p_drop,
-        IS_CAUSAL, HAS_BIAS, HAS_DROPOUT, DOT_PRECISION,
+        q, do, k, v, tau, cu, cp, delta, alpha, scale, bias_base, stride_bias_m, stride_bias_n, rows, cols, seqlen_q,
+        seqlen_k, rows_global, cols_global, total_k, seed, bh, dropout_p, MASK, HAS_BIAS, HAS_DROPOUT, DOT_PRECISION,
     )
-    return p, u, dp, pd, ds, k, cols, col_ok
+    return p, u, dp, pd, ds, k, cols_global, col_ok
 
 
 @triton.jit
 def _query_rows(
-    Q_base, DO_base, TAU, NORM, DELTA, bh, n_q, rows, row_ok, offs_d, d_ok, alpha,
+    q_base, do_base, TAU, NORM, DELTA, bh, total_q, rows, rows_global, row_ok, offs_d, d_ok, alpha,
     stride_qm, stride_qd, stride_dom, stride_dod, UPCAST: tl.constexpr,
 ):
     """Rows ``rows`` of one (batch, q head) after the dQ kernel: ``q``, ``do`` (``[BLOCK_M, BLOCK_D]``)
     and the per-row ``tau``, ``delta`` and weight factors ``cu``, ``cp`` from the saved ``NORM``."""
-    q = _load_rows(Q_base, rows, offs_d, stride_qm, stride_qd, row_ok, d_ok, UPCAST)
-    do = _load_rows(DO_base, rows, offs_d, stride_dom, stride_dod, row_ok, d_ok, UPCAST)
-    stat_off = bh.to(tl.int64) * n_q + rows.to(tl.int64)
-    tau = tl.load(TAU + stat_off, mask=row_ok, other=float("inf"))
-    norm = tl.load(NORM + stat_off, mask=row_ok, other=0.0)
-    delta = tl.load(DELTA + stat_off, mask=row_ok, other=0.0)
+    q = load_rows(q_base, rows, offs_d, stride_qm, stride_qd, row_ok, d_ok, UPCAST)
+    do = load_rows(do_base, rows, offs_d, stride_dom, stride_dod, row_ok, d_ok, UPCAST)
+    stat_offs = bh.to(tl.int64) * total_q + rows_global.to(tl.int64)
+    tau = tl.load(TAU + stat_offs, mask=row_ok, other=float("inf"))
+    norm = tl.load(NORM + stat_offs, mask=row_ok, other=0.0)
+    delta = tl.load(DELTA + stat_offs, mask=row_ok, other=0.0)
     cu, cp = _row_factors(alpha, norm)
     return q, do, tau, delta, cu, cp
 
 
 @triton.jit
 def _row_sums(
-    q, do, tau, valid, alpha, scale, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
-    bias_base, stride_bias_m, stride_bias_n, live_row, n_kt, k_start, Lk,
-    rows, rows_loc, row_ok, causal_shift, offs_d, d_ok, seed, bh, n_cols_drop, p_drop,
-    IS_CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LIVE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    q, do, tau, valid, alpha, scale, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+    bias_base, stride_bias_m, stride_bias_n, live_row, kt_lo, kt_hi, rows, rows_global, seqlen_q, seqlen_k, k_start,
+    total_k, offs_d, d_ok, seed, bh, dropout_p, MASK,
+    HAS_BIAS: tl.constexpr, HAS_LIVE: tl.constexpr, HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Sweep 1 (alpha > 1): per-row ``L = sum r^beta``, ``sum r^(beta-1)`` and ``sum r^(beta-1) dP``,
     each ``[BLOCK_M]``; ``valid`` is 1 for rows with a key, else 0."""
     l_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     su = tl.zeros([BLOCK_M], dtype=tl.float32)
     sud = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for kt in range(0, n_kt):
-        if _is_live(live_row + kt // 32, kt % 32, HAS_LIVE) != 0:
+    for kt in range(kt_lo, kt_hi):
+        if _is_live(live_row, kt, HAS_LIVE) != 0:
             # cu = cp = 1 gives U = r^(beta-1), p = r^beta; the dS output (delta unknown yet) is unused
-            p, u, dp, pd, ds, k, cols, col_ok = _key_tile(
-                kt, q, do, tau, valid, valid, valid, alpha, scale, K_base, V_base, stride_kn, stride_kd, stride_vn,
-                stride_vd, bias_base, stride_bias_m, stride_bias_n, k_start, Lk, rows, rows_loc, row_ok, causal_shift,
-                offs_d, d_ok, seed, bh, n_cols_drop, p_drop, IS_CAUSAL, HAS_BIAS, HAS_DROPOUT, UPCAST, DOT_PRECISION,
+            p, u, dp, pd, ds, k, cols_global, col_ok = _key_tile(
+                kt, q, do, tau, valid, valid, valid, alpha, scale, k_base, v_base, stride_kn, stride_kd, stride_vn,
+                stride_vd, bias_base, stride_bias_m, stride_bias_n, rows, rows_global, seqlen_q, seqlen_k, k_start,
+                total_k, offs_d, d_ok, seed, bh, dropout_p, MASK, HAS_BIAS, HAS_DROPOUT, UPCAST, DOT_PRECISION,
                 BLOCK_N,
             )
             l_sum += tl.sum(p, 1)
@@ -210,74 +201,63 @@ def _row_sums(
 
 @triton.jit
 def _entmax_attn_bwd_dq_kernel(
-    Q, K, V, DO, OUT, TAU, LSUM, ALPHA, BIAS, LIVE, CU_Q, CU_K,
+    Q, K, V, DO, OUT, TAU, LSUM, ALPHA, BIAS, LIVE, CU_SEQLENS_Q, CU_SEQLENS_K,
     DQ, DELTA, NORM, DALPHA, DBIAS, DBIAS_ROWS,
-    stride_qb, stride_qh, stride_qm, stride_qd,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_dob, stride_doh, stride_dom, stride_dod,
-    stride_ob, stride_oh, stride_om, stride_od,
-    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
-    stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n,
-    stride_live_b, stride_live_h, stride_live_m,
-    n_heads, kv_group, n_q, n_k, scale, p_drop, seed,
-    IS_CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LIVE: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, NEED_DALPHA: tl.constexpr, NEED_DBIAS: tl.constexpr, NEED_DBIAS_ROWS: tl.constexpr,
+    stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd, stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_ob, stride_oh, stride_om, stride_od, stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+    stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n, stride_live_b, stride_live_h, stride_live_m,
+    n_heads, kv_group, total_q, total_k, scale, dropout_p, seed, MASK,
+    IS_VARLEN: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LIVE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    NEED_DALPHA: tl.constexpr, NEED_DBIAS: tl.constexpr, NEED_DBIAS_ROWS: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
+    """One program per (query tile ``pid_m``, q head ``h``, batch entry or sequence ``seq``): delta, dQ, d alpha."""
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
     seq = tl.program_id(2)
-    hk = h // kv_group
-    b, q_start, Lq, k_start, Lk = seq_bounds(CU_Q, CU_K, seq, n_q, n_k, IS_VARLEN)
-    if pid_m * BLOCK_M >= Lq:
+    h_kv = h // kv_group
+    b, q_start, seqlen_q, k_start, seqlen_k = seq_bounds(CU_SEQLENS_Q, CU_SEQLENS_K, seq, total_q, total_k, IS_VARLEN)
+    if pid_m * BLOCK_M >= seqlen_q:
         return
-    b64 = b.to(tl.int64)
-    h64 = h.to(tl.int64)
     bh = b * n_heads + h
-    rows_loc = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rows = q_start + rows_loc
-    row_ok = rows_loc < Lq
+    rows, rows_global, row_ok = tile_indices(pid_m, q_start, seqlen_q, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
-    rows64 = rows.to(tl.int64)
 
-    q = _load_rows(Q + b64 * stride_qb + h64 * stride_qh, rows, offs_d, stride_qm, stride_qd, row_ok, d_ok, UPCAST)
-    do = _load_rows(DO + b64 * stride_dob + h64 * stride_doh, rows, offs_d, stride_dom, stride_dod, row_ok, d_ok,
-                    UPCAST)
-    stat_off = bh.to(tl.int64) * n_q + rows64
-    tau = tl.load(TAU + stat_off, mask=row_ok, other=float("inf"))
-    lsum = tl.load(LSUM + stat_off, mask=row_ok, other=0.0)
+    q = load_rows(slice_base(Q, b, h, q_start, stride_qb, stride_qh, stride_qm), rows, offs_d, stride_qm, stride_qd,
+                  row_ok, d_ok, UPCAST)
+    do = load_rows(slice_base(DO, b, h, q_start, stride_dob, stride_doh, stride_dom), rows, offs_d, stride_dom,
+                   stride_dod, row_ok, d_ok, UPCAST)
+    stat_offs = bh.to(tl.int64) * total_q + rows_global.to(tl.int64)
+    tau = tl.load(TAU + stat_offs, mask=row_ok, other=float("inf"))
+    lsum = tl.load(LSUM + stat_offs, mask=row_ok, other=0.0)
     alpha = tl.load(ALPHA + h)
 
-    K_base = K + b64 * stride_kb + hk.to(tl.int64) * stride_kh
-    V_base = V + b64 * stride_vb + hk.to(tl.int64) * stride_vh
-    bias_base = BIAS + b64 * stride_bias_b + h64 * stride_bias_h
-    live_row = LIVE + seq.to(tl.int64) * stride_live_b + h64 * stride_live_h + pid_m.to(tl.int64) * stride_live_m
-    causal_shift = Lk - Lq
-    hi = Lk
-    if IS_CAUSAL:
-        hi = tl.minimum(Lk, (pid_m + 1) * BLOCK_M + causal_shift)
-    n_kt = tl.cdiv(tl.maximum(hi, 0), BLOCK_N)
-    n_cols_drop = n_k
+    k_base = slice_base(K, b, h_kv, k_start, stride_kb, stride_kh, stride_kn)
+    v_base = slice_base(V, b, h_kv, k_start, stride_vb, stride_vh, stride_vn)
+    bias_base = bias_base_ptr(BIAS, b, h, q_start, k_start, stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n)
+    live_row = _live_row(LIVE, seq, h, pid_m.to(tl.int64), stride_live_b, stride_live_h, stride_live_m)
+    kt_lo, kt_hi = key_tile_range(pid_m, seqlen_q, seqlen_k, MASK, BLOCK_M, BLOCK_N)
 
     if alpha == 1.0:
         norm = lsum
-        o = _load_rows(OUT + b64 * stride_ob + h64 * stride_oh, rows, offs_d, stride_om, stride_od, row_ok, d_ok, False)
+        o = load_rows(slice_base(OUT, b, h, q_start, stride_ob, stride_oh, stride_om), rows, offs_d, stride_om,
+                      stride_od, row_ok, d_ok, False)
         delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
     else:
         # the row's own normalizer makes the weights sum to 1 in this kernel's arithmetic
         norm, su, sud = _row_sums(
-            q, do, tau, tl.where(lsum > 0.0, 1.0, 0.0), alpha, scale, K_base, V_base, stride_kn, stride_kd,
-            stride_vn, stride_vd, bias_base, stride_bias_m, stride_bias_n, live_row, n_kt, k_start, Lk,
-            rows, rows_loc, row_ok, causal_shift, offs_d, d_ok, seed, bh, n_cols_drop, p_drop,
-            IS_CAUSAL, HAS_BIAS, HAS_LIVE, HAS_DROPOUT, UPCAST, DOT_PRECISION, BLOCK_M, BLOCK_N,
+            q, do, tau, tl.where(lsum > 0.0, 1.0, 0.0), alpha, scale, k_base, v_base, stride_kn, stride_kd,
+            stride_vn, stride_vd, bias_base, stride_bias_m, stride_bias_n, live_row, kt_lo, kt_hi, rows, rows_global,
+            seqlen_q, seqlen_k, k_start, total_k, offs_d, d_ok, seed, bh, dropout_p, MASK,
+            HAS_BIAS, HAS_LIVE, HAS_DROPOUT, UPCAST, DOT_PRECISION, BLOCK_M, BLOCK_N,
         )
         has_u = su > 0.0
         delta = tl.where(has_u, sud / tl.where(has_u, su, 1.0), 0.0)
-    tl.store(DELTA + stat_off, delta, mask=row_ok)
-    tl.store(NORM + stat_off, norm, mask=row_ok)
+    tl.store(DELTA + stat_offs, delta, mask=row_ok)
+    tl.store(NORM + stat_offs, norm, mask=row_ok)
     cu, cp = _row_factors(alpha, norm)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -288,18 +268,18 @@ def _entmax_attn_bwd_dq_kernel(
     s_gd = tl.zeros([BLOCK_M], dtype=tl.float32)
     s_pld = tl.zeros([BLOCK_M], dtype=tl.float32)
     s_ds = tl.zeros([BLOCK_M], dtype=tl.float32)
-    dbias_base = DBIAS + bh.to(tl.int64) * n_q * n_k
-    for kt in range(0, n_kt):
-        if _is_live(live_row + kt // 32, kt % 32, HAS_LIVE) != 0:
-            p, u, dp, pd, ds, k, cols, col_ok = _key_tile(
-                kt, q, do, tau, cu, cp, delta, alpha, scale, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                bias_base, stride_bias_m, stride_bias_n, k_start, Lk, rows, rows_loc, row_ok, causal_shift, offs_d,
-                d_ok, seed, bh, n_cols_drop, p_drop, IS_CAUSAL, HAS_BIAS, HAS_DROPOUT, UPCAST, DOT_PRECISION, BLOCK_N,
+    dbias_base = DBIAS + bh.to(tl.int64) * total_q * total_k
+    for kt in range(kt_lo, kt_hi):
+        if _is_live(live_row, kt, HAS_LIVE) != 0:
+            p, u, dp, pd, ds, k, cols_global, col_ok = _key_tile(
+                kt, q, do, tau, cu, cp, delta, alpha, scale, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                bias_base, stride_bias_m, stride_bias_n, rows, rows_global, seqlen_q, seqlen_k, k_start, total_k,
+                offs_d, d_ok, seed, bh, dropout_p, MASK, HAS_BIAS, HAS_DROPOUT, UPCAST, DOT_PRECISION, BLOCK_N,
             )
             dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
             if NEED_DBIAS:
-                tl.store(dbias_base + rows64[:, None] * n_k + cols[None, :].to(tl.int64), ds,
-                         mask=row_ok[:, None] & col_ok[None, :])
+                tl.store(dbias_base + rows_global.to(tl.int64)[:, None] * total_k + cols_global.to(tl.int64)[None, :],
+                         ds, mask=row_ok[:, None] & col_ok[None, :])
             if NEED_DBIAS_ROWS:
                 s_ds += tl.sum(ds, 1)
             if NEED_DALPHA:
@@ -310,111 +290,91 @@ def _entmax_attn_bwd_dq_kernel(
                 s_g += tl.sum(pg, 1)
                 s_gd += tl.sum(pg * dp, 1)
                 s_pld += tl.sum(plogp * dp, 1)
-    dq_ptrs = DQ + b64 * stride_dqb + h64 * stride_dqh + rows64[:, None] * stride_dqm + offs_d[None, :] * stride_dqd
-    tl.store(dq_ptrs, (dq * scale).to(DQ.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    store_rows(slice_base(DQ, b, h, q_start, stride_dqb, stride_dqh, stride_dqm), rows, offs_d, stride_dqm, stride_dqd,
+               dq * scale, row_ok, d_ok)
     if NEED_DBIAS_ROWS:
-        tl.store(DBIAS_ROWS + stat_off, s_ds, mask=row_ok)
+        tl.store(DBIAS_ROWS + stat_offs, s_ds, mask=row_ok)
     if NEED_DALPHA:
         # sum_j dP_j dp_j/dalpha written with the row sums (docs/backward.md): no 1/(alpha-1) blow-up
         has_u = s_u > 0.0
         s_u = tl.where(has_u, s_u, 1.0)
         dalpha = (s_g * s_pd - s_gd) / s_u + (alpha - 1.0) * (s_pl * s_gd - s_g * s_pld) / s_u
-        tl.store(DALPHA + stat_off, tl.where(has_u, dalpha, 0.0), mask=row_ok)
+        tl.store(DALPHA + stat_offs, tl.where(has_u, dalpha, 0.0), mask=row_ok)
 
 
 @triton.jit
 def _entmax_attn_bwd_dkdv_kernel(
-    Q, K, V, DO, TAU, NORM, DELTA, ALPHA, BIAS, LIVE, CU_Q, CU_K,
+    Q, K, V, DO, TAU, NORM, DELTA, ALPHA, BIAS, LIVE, CU_SEQLENS_Q, CU_SEQLENS_K,
     DK, DV, DBIAS_COLS,
-    stride_qb, stride_qh, stride_qm, stride_qd,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_dob, stride_doh, stride_dom, stride_dod,
-    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
-    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-    stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n,
-    stride_live_b, stride_live_h, stride_live_m,
-    n_heads, n_kv_heads, kv_group, n_q, n_k, scale, p_drop, seed,
-    IS_CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LIVE: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, NEED_DBIAS_COLS: tl.constexpr,
+    stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd, stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+    stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n, stride_live_b, stride_live_h, stride_live_m,
+    n_heads, kv_group, total_q, total_k, scale, dropout_p, seed, MASK,
+    IS_VARLEN: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LIVE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    NEED_DBIAS_COLS: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
+    """One program per (key tile ``pid_n``, kv head ``h_kv``, batch entry or sequence ``seq``): dK, dV, d bias cols."""
     pid_n = tl.program_id(0)
-    hk = tl.program_id(1)
+    h_kv = tl.program_id(1)
     seq = tl.program_id(2)
-    b, q_start, Lq, k_start, Lk = seq_bounds(CU_Q, CU_K, seq, n_q, n_k, IS_VARLEN)
-    if pid_n * BLOCK_N >= Lk:
+    b, q_start, seqlen_q, k_start, seqlen_k = seq_bounds(CU_SEQLENS_Q, CU_SEQLENS_K, seq, total_q, total_k, IS_VARLEN)
+    if pid_n * BLOCK_N >= seqlen_k:
         return
-    b64 = b.to(tl.int64)
-    cols_loc = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols = k_start + cols_loc
-    col_ok = cols_loc < Lk
-    cols64 = cols.to(tl.int64)
+    cols, cols_global, col_ok = tile_indices(pid_n, k_start, seqlen_k, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
-    kv_mask = col_ok[:, None] & d_ok[None, :]
-    hk64 = hk.to(tl.int64)
-    k = _load_rows(K + b64 * stride_kb + hk64 * stride_kh, cols, offs_d, stride_kn, stride_kd, col_ok, d_ok, UPCAST)
-    v = _load_rows(V + b64 * stride_vb + hk64 * stride_vh, cols, offs_d, stride_vn, stride_vd, col_ok, d_ok, UPCAST)
+    k = load_rows(slice_base(K, b, h_kv, k_start, stride_kb, stride_kh, stride_kn), cols, offs_d, stride_kn, stride_kd,
+                  col_ok, d_ok, UPCAST)
+    v = load_rows(slice_base(V, b, h_kv, k_start, stride_vb, stride_vh, stride_vn), cols, offs_d, stride_vn, stride_vd,
+                  col_ok, d_ok, UPCAST)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    causal_shift = Lk - Lq
-    mt_lo = 0
-    if IS_CAUSAL:
-        mt_lo = tl.maximum(pid_n * BLOCK_N - causal_shift, 0) // BLOCK_M
-    n_mt = tl.cdiv(Lq, BLOCK_M)
-    word = pid_n // 32
-    bit = pid_n % 32
+    qt_lo, qt_hi = query_tile_range(pid_n, seqlen_q, seqlen_k, MASK, BLOCK_M, BLOCK_N)
     for g in range(0, kv_group):
-        h = hk * kv_group + g
+        h = h_kv * kv_group + g
         bh = b * n_heads + h
         alpha = tl.load(ALPHA + h)
-        h64 = h.to(tl.int64)
-        Q_base = Q + b64 * stride_qb + h64 * stride_qh
-        DO_base = DO + b64 * stride_dob + h64 * stride_doh
-        bias_base = BIAS + b64 * stride_bias_b + h64 * stride_bias_h
-        live_head = LIVE + seq.to(tl.int64) * stride_live_b + h64 * stride_live_h + word
+        q_base = slice_base(Q, b, h, q_start, stride_qb, stride_qh, stride_qm)
+        do_base = slice_base(DO, b, h, q_start, stride_dob, stride_doh, stride_dom)
+        bias_base = bias_base_ptr(BIAS, b, h, q_start, k_start, stride_bias_b, stride_bias_h, stride_bias_m,
+                                  stride_bias_n)
         col_ds = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for mt in range(mt_lo, n_mt):
-            if _is_live(live_head + mt * stride_live_m, bit, HAS_LIVE) != 0:
-                rows_loc = mt * BLOCK_M + tl.arange(0, BLOCK_M)
-                rows = q_start + rows_loc
-                row_ok = rows_loc < Lq
+        for qt in range(qt_lo, qt_hi):
+            if _is_live(_live_row(LIVE, seq, h, qt, stride_live_b, stride_live_h, stride_live_m), pid_n, HAS_LIVE) != 0:
+                rows, rows_global, row_ok = tile_indices(qt, q_start, seqlen_q, BLOCK_M)
                 q, do, tau, delta, cu, cp = _query_rows(
-                    Q_base, DO_base, TAU, NORM, DELTA, bh, n_q, rows, row_ok, offs_d, d_ok, alpha,
+                    q_base, do_base, TAU, NORM, DELTA, bh, total_q, rows, rows_global, row_ok, offs_d, d_ok, alpha,
                     stride_qm, stride_qd, stride_dom, stride_dod, UPCAST,
                 )
                 p, u, dp, pd, ds = _tile(
-                    q, do, k, v, tau, cu, cp, delta, alpha, scale, bias_base, stride_bias_m, stride_bias_n,
-                    rows, cols, rows_loc, cols_loc, row_ok, col_ok, causal_shift, seed, bh, n_k, p_drop,
-                    IS_CAUSAL, HAS_BIAS, HAS_DROPOUT, DOT_PRECISION,
+                    q, do, k, v, tau, cu, cp, delta, alpha, scale, bias_base, stride_bias_m, stride_bias_n, rows, cols,
+                    seqlen_q, seqlen_k, rows_global, cols_global, total_k, seed, bh, dropout_p, MASK, HAS_BIAS,
+                    HAS_DROPOUT, DOT_PRECISION,
                 )
                 dv += tl.dot(tl.trans(pd).to(do.dtype), do, input_precision=DOT_PRECISION)
                 dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=DOT_PRECISION)
                 if NEED_DBIAS_COLS:
                     col_ds += tl.sum(ds, 0)
         if NEED_DBIAS_COLS:
-            tl.store(DBIAS_COLS + bh.to(tl.int64) * n_k + cols64, col_ds, mask=col_ok)
-    dk_ptrs = DK + b64 * stride_dkb + hk64 * stride_dkh + cols64[:, None] * stride_dkn + offs_d[None, :] * stride_dkd
-    dv_ptrs = DV + b64 * stride_dvb + hk64 * stride_dvh + cols64[:, None] * stride_dvn + offs_d[None, :] * stride_dvd
-    tl.store(dk_ptrs, (dk * scale).to(DK.dtype.element_ty), mask=kv_mask)
-    tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=kv_mask)
+            tl.store(DBIAS_COLS + bh.to(tl.int64) * total_k + cols_global.to(tl.int64), col_ds, mask=col_ok)
+    store_rows(slice_base(DK, b, h_kv, k_start, stride_dkb, stride_dkh, stride_dkn), cols, offs_d, stride_dkn,
+               stride_dkd, dk * scale, col_ok, d_ok)
+    store_rows(slice_base(DV, b, h_kv, k_start, stride_dvb, stride_dvh, stride_dvn), cols, offs_d, stride_dvn,
+               stride_dvd, dv, col_ok, d_ok)
 
 
 @triton.jit
 def _entmax_attn_bwd_dbias_kernel(
-    Q, K, V, DO, TAU, NORM, DELTA, ALPHA, BIAS, LIVE, CU_Q, CU_K, DBIAS,
-    stride_qb, stride_qh, stride_qm, stride_qd,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_dob, stride_doh, stride_dom, stride_dod,
-    stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n,
-    stride_live_b, stride_live_h, stride_live_m,
-    stride_db_b, stride_db_h,
-    n_heads, kv_group, n_q, n_k, scale, p_drop, seed, n_b_loop, n_h_loop,
-    IS_CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LIVE: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr,
+    Q, K, V, DO, TAU, NORM, DELTA, ALPHA, BIAS, LIVE, CU_SEQLENS_Q, CU_SEQLENS_K, DBIAS,
+    stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd, stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n, stride_live_b, stride_live_h, stride_live_m,
+    stride_dbias_b, stride_dbias_h,
+    n_heads, kv_group, total_q, total_k, scale, dropout_p, seed, MASK, n_b_loop, n_h_loop,
+    IS_VARLEN: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LIVE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -430,95 +390,106 @@ def _entmax_attn_bwd_dbias_kernel(
     pid_b = tl.program_id(2)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
-    db_base = DBIAS + pid_b.to(tl.int64) * stride_db_b + pid_h.to(tl.int64) * stride_db_h
+    dbias_base = DBIAS + pid_b.to(tl.int64) * stride_dbias_b + pid_h.to(tl.int64) * stride_dbias_h
     for bi in range(0, n_b_loop):
         seq = pid_b + bi
-        b, q_start, Lq, k_start, Lk = seq_bounds(CU_Q, CU_K, seq, n_q, n_k, IS_VARLEN)
-        b64 = b.to(tl.int64)
-        rows_loc = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        rows = q_start + rows_loc
-        row_ok = rows_loc < Lq
-        rows64 = rows.to(tl.int64)
-        causal_shift = Lk - Lq
-        k_hi = Lk
-        if IS_CAUSAL:
-            k_hi = tl.minimum(Lk, (pid_m + 1) * BLOCK_M + causal_shift)
-        n_kt = tl.where(pid_m * BLOCK_M < Lq, tl.cdiv(tl.maximum(k_hi, 0), BLOCK_N), 0)
+        b, q_start, seqlen_q, k_start, seqlen_k = seq_bounds(CU_SEQLENS_Q, CU_SEQLENS_K, seq, total_q, total_k,
+                                                             IS_VARLEN)
+        rows, rows_global, row_ok = tile_indices(pid_m, q_start, seqlen_q, BLOCK_M)
+        kt_lo, kt_hi = key_tile_range(pid_m, seqlen_q, seqlen_k, MASK, BLOCK_M, BLOCK_N)
         for hj in range(0, n_h_loop):
             h = pid_h + hj
-            h64 = h.to(tl.int64)
-            hk = h // kv_group
+            h_kv = h // kv_group
             bh = b * n_heads + h
             alpha = tl.load(ALPHA + h)
             q, do, tau, delta, cu, cp = _query_rows(
-                Q + b64 * stride_qb + h64 * stride_qh, DO + b64 * stride_dob + h64 * stride_doh, TAU, NORM, DELTA,
-                bh, n_q, rows, row_ok, offs_d, d_ok, alpha, stride_qm, stride_qd, stride_dom, stride_dod, UPCAST,
+                slice_base(Q, b, h, q_start, stride_qb, stride_qh, stride_qm),
+                slice_base(DO, b, h, q_start, stride_dob, stride_doh, stride_dom), TAU, NORM, DELTA, bh, total_q, rows,
+                rows_global, row_ok, offs_d, d_ok, alpha, stride_qm, stride_qd, stride_dom, stride_dod, UPCAST,
             )
-            K_base = K + b64 * stride_kb + hk.to(tl.int64) * stride_kh
-            V_base = V + b64 * stride_vb + hk.to(tl.int64) * stride_vh
-            bias_base = BIAS + b64 * stride_bias_b + h64 * stride_bias_h
-            live_row = LIVE + seq.to(tl.int64) * stride_live_b + h64 * stride_live_h + pid_m.to(tl.int64) * stride_live_m
-            for kt in range(0, n_kt):
-                if _is_live(live_row + kt // 32, kt % 32, HAS_LIVE) != 0:
-                    p, u, dp, pd, ds, k, cols, col_ok = _key_tile(
-                        kt, q, do, tau, cu, cp, delta, alpha, scale, K_base, V_base, stride_kn, stride_kd, stride_vn,
-                        stride_vd, bias_base, stride_bias_m, stride_bias_n, k_start, Lk, rows, rows_loc, row_ok,
-                        causal_shift, offs_d, d_ok, seed, bh, n_k, p_drop, IS_CAUSAL, HAS_BIAS, HAS_DROPOUT, UPCAST,
+            k_base = slice_base(K, b, h_kv, k_start, stride_kb, stride_kh, stride_kn)
+            v_base = slice_base(V, b, h_kv, k_start, stride_vb, stride_vh, stride_vn)
+            bias_base = bias_base_ptr(BIAS, b, h, q_start, k_start, stride_bias_b, stride_bias_h, stride_bias_m,
+                                      stride_bias_n)
+            live_row = _live_row(LIVE, seq, h, pid_m.to(tl.int64), stride_live_b, stride_live_h, stride_live_m)
+            for kt in range(kt_lo, kt_hi):
+                if _is_live(live_row, kt, HAS_LIVE) != 0:
+                    p, u, dp, pd, ds, k, cols_global, col_ok = _key_tile(
+                        kt, q, do, tau, cu, cp, delta, alpha, scale, k_base, v_base, stride_kn, stride_kd, stride_vn,
+                        stride_vd, bias_base, stride_bias_m, stride_bias_n, rows, rows_global, seqlen_q, seqlen_k,
+                        k_start, total_k, offs_d, d_ok, seed, bh, dropout_p, MASK, HAS_BIAS, HAS_DROPOUT, UPCAST,
                         DOT_PRECISION, BLOCK_N,
                     )
-                    ptrs = db_base + rows64[:, None] * n_k + cols[None, :].to(tl.int64)
+                    ptrs = dbias_base + rows_global.to(tl.int64)[:, None] * total_k + cols_global.to(tl.int64)[None, :]
                     ok = row_ok[:, None] & col_ok[None, :]
                     tl.store(ptrs, tl.load(ptrs, mask=ok, other=0.0) + ds, mask=ok)
 
 
-def _new_grad(like: torch.Tensor) -> torch.Tensor:
-    """Allocate dq / dk / dv like ``like`` (the kernels overwrite every element; tests replace this to poison it)."""
-    return torch.empty_like(like)
+def _check_args(do, q, k, v, out, tau, lsum, bias, cu_seqlens_q, cu_seqlens_k, live, block_m, block_n):
+    """Cheap consistency asserts; ``sparse_attn.entmax_attention`` validates user input before this."""
+    assert q.ndim == 4 and q.dtype in (torch.float16, torch.bfloat16, torch.float32), f"q: got {q.dtype} {q.shape}"
+    assert all(t.dtype == q.dtype and t.device == q.device for t in (k, v, do, out)), "k, v, do, out: q's dtype"
+    assert do.shape == q.shape and out.shape == q.shape, f"do, out: expected shape {tuple(q.shape)}"
+    assert v.shape == k.shape and k.ndim == 4 and k.shape[0] == q.shape[0] and k.shape[3] == q.shape[3], "k, v: shape"
+    assert k.shape[1] > 0 and q.shape[1] % k.shape[1] == 0, f"k: kv heads must divide {q.shape[1]}, got {k.shape[1]}"
+    assert all(t.shape == q.shape[:3] and t.dtype == torch.float32 for t in (tau, lsum)), "tau, lsum: (B, Hq, Nq) fp32"
+    assert 16 <= q.shape[3] <= 256, f"q: head dim must be in [16, 256], got {q.shape[3]}"
+    assert bias is None or bias.is_floating_point(), "bias: expected a float tensor"
+    assert (cu_seqlens_q is None) == (cu_seqlens_k is None), "cu_seqlens_q, cu_seqlens_k: expected both or neither"
+    assert cu_seqlens_q is None or (q.shape[0] == 1 and cu_seqlens_q.dtype == cu_seqlens_k.dtype == torch.int32), (
+        "cu_seqlens_q, cu_seqlens_k: expected int32 offsets and batch 1")
+    assert live is None or (block_m is not None and block_n is not None), "block_m, block_n: required with live"
 
 
-def _shape4(bias):
-    """The mask's shape left-padded with ones to 4 dims."""
-    return (1,) * (4 - bias.ndim) + tuple(bias.shape)
+def _live_args(live, like) -> dict:
+    """``LIVE`` and its ``stride_live_b/h/m`` kernel arguments (``like`` and 0 without a bitmap)."""
+    live = like if live is None else live.contiguous()
+    strides = live.stride()[:3] if live is not like else (0, 0, 0)
+    return dict(LIVE=live, stride_live_b=strides[0], stride_live_h=strides[1], stride_live_m=strides[2])
 
 
-def _dbias_mode(bias, full):
-    """How the bias gradient is accumulated without a ``(B, Hq, Nq, Nk)`` buffer unless the mask has that size.
-
-    ``"rows"``: mask broadcast along keys, per-row sums of dS from the dQ kernel (``(B, Hq, Nq)``);
-    ``"cols"``: broadcast along queries, per-key sums from the dK/dV kernel (``(B, Hq, Nk)``);
-    ``"dense"``: a full ``(B, Hq, Nq, Nk)`` mask (or none), dS written by the dQ kernel;
-    ``"blocks"``: broadcast over batch and/or heads only, the dbias kernel sums into the mask's shape.
-    """
-    if bias is None:
-        return "dense"
-    shape4 = _shape4(bias)
-    if shape4[3] == 1:
-        return "rows"
-    if shape4[2] == 1:
-        return "cols"
-    if shape4[0] == full[0] and shape4[1] == full[1]:
-        return "dense"
-    return "blocks"
+def _zero_grads(q, k, v, bias, need_dalpha, need_dbias):
+    """The gradients of a problem without rows or keys: all zero."""
+    zeros32 = dict(dtype=torch.float32, device=q.device)
+    dalpha = torch.zeros(q.shape[1], **zeros32) if need_dalpha else None
+    dbias_shape = (*q.shape[:3], k.shape[2]) if bias is None else bias.shape
+    dbias = torch.zeros(dbias_shape, **zeros32) if need_dbias else None
+    return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), dalpha, dbias
 
 
-def _sum_to_mask(grad, bias):
-    """Sum a 4-d gradient over the dims the mask broadcasts along; shaped like ``bias`` (or 4-d if None)."""
-    if bias is None:
-        return grad
-    shape4 = _shape4(bias)
-    dims = [d for d in range(4) if shape4[d] == 1 and grad.shape[d] != 1]
-    if dims:
-        grad = grad.sum(dim=dims, keepdim=True)
-    return grad.reshape(bias.shape)
+# what the kernels write: gradients, per-row delta / norm / d alpha partials, and the d bias accumulation
+# mode (``_masking.dbias_mode``, None when not needed) with its buffers
+_Buffers = namedtuple("_Buffers", "dq dk dv delta norm dalpha_rows mode dbias dbias_rows dbias_cols")
 
 
-def _check_tensor(name, t, ndim, dtypes):
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if t.ndim != ndim:
-        raise ValueError(f"{name}: expected a {ndim}-d tensor, got shape {tuple(t.shape)}")
-    if t.dtype not in dtypes:
-        raise TypeError(f"{name}: expected dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
+def _buffers(q, k, v, bias, is_varlen, need_dalpha, need_dbias) -> _Buffers:
+    """Allocate what the kernels write; d bias buffers are zeroed float32 (``delta`` stands in where unused)."""
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if is_varlen:
+        # rows and keys outside every sequence are never visited
+        for g in (dq, dk, dv):
+            g.zero_()
+    full = (*q.shape[:3], k.shape[2])
+    delta = torch.empty(full[:3], dtype=torch.float32, device=q.device)
+    mode = _masking.dbias_mode(bias, full) if need_dbias else None
+    zeros32 = dict(dtype=torch.float32, device=q.device)
+    return _Buffers(
+        dq, dk, dv, delta, torch.empty_like(delta), torch.zeros_like(delta) if need_dalpha else delta, mode,
+        torch.zeros(full, **zeros32) if mode == "dense" else delta,
+        torch.zeros(full[:3], **zeros32) if mode == "rows" else delta,
+        torch.zeros((*full[:2], full[3]), **zeros32) if mode == "cols" else delta,
+    )
+
+
+def _common_args(q, k, v, do, tau, alpha, bias, cu_seqlens_q, cu_seqlens_k, live, scale, is_causal, dropout_p, seed,
+                 plan: _masking.TilePlan) -> dict:
+    """Keyword arguments (and launch options) the three backward kernels share."""
+    args = _common.attention_args(q, k, v, alpha, bias, cu_seqlens_q, cu_seqlens_k, scale, is_causal, dropout_p, seed)
+    return dict(
+        args, DO=do, TAU=tau.contiguous(), **_common.stride_args("stride_do", do, "bhmd"), **_live_args(live, q),
+        HAS_LIVE=live is not None, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
+        num_warps=4 if args["BLOCK_D"] <= 64 else 8, num_stages=1,
+    )
 
 
 def entmax_attn_bwd(
@@ -528,9 +499,12 @@ def entmax_attn_bwd(
 ):
     """Gradients of alpha-entmax attention from the forward's per-row statistics.
 
+    Arguments are validated by the caller (``sparse_attn.entmax_attention``); here only cheap
+    asserts and the launch-grid limit.
+
     Args:
         do: ``(B, Hq, Nq, D)`` gradient of the output, same dtype as ``q``; any strides.
-        q: ``(B, Hq, Nq, D)`` queries, float16 / bfloat16 / float32; any strides.
+        q: ``(B, Hq, Nq, D)`` queries, float16 / bfloat16 / float32; any strides. ``16 <= D <= 256``.
         k, v: ``(B, Hk, Nk, D)`` keys and values, dtype of ``q``; ``Hq % Hk == 0`` (GQA/MQA).
         out: ``(B, Hq, Nq, D)`` forward output (used for ``delta = dO . O`` on alpha = 1 heads).
         tau, lsum: float32 ``(B, Hq, Nq)`` forward statistics (``docs/design.md``): for
@@ -538,12 +512,11 @@ def entmax_attn_bwd(
             ``p = exp(s - tau)``. ``lsum == 0`` marks a row with no valid key (zero gradients).
             For alpha > 1 the kernel renormalizes with its own ``sum_j r^beta`` (docs/backward.md),
             so ``lsum`` is only read as that flag.
-        alpha: float32 ``(Hq,)`` per-head alpha in ``[1, 2]`` (a Python float is broadcast); the range is
-            checked here for CPU tensors only (no device sync), the public API checks it first.
+        alpha: float32 ``(Hq,)`` per-head alpha in ``[1, 2]`` (a Python float is broadcast).
         scale: float, scores are ``scale * q . k + bias``.
         bias: optional float tensor broadcastable (zero strides allowed) to ``(B, Hq, Nq, Nk)``;
             ``-inf`` marks masked pairs. Default None.
-        is_causal: bottom-right aligned causal mask. Default False.
+        is_causal: bottom-right aligned causal mask (``kernels/_masking.py``). Default False.
         cu_seqlens_q, cu_seqlens_k: int32 ``(nseq + 1,)`` for variable length (then ``B == 1``
             and ``Nq``/``Nk`` are the packed totals). Default None.
         max_seqlen_q, max_seqlen_k: longest sequences (computed from ``cu_seqlens`` when None).
@@ -564,159 +537,47 @@ def entmax_attn_bwd(
         ``_entmax_attn_bwd_dbias_kernel``.
 
     Raises:
-        ValueError: more than 65535 heads or batch entries (sequences): the launch grids are
-        ``(tiles, heads, batch or sequences)`` and CUDA caps grid axes 1 and 2 at 65535.
+        ValueError: more than 65535 heads or batch entries (sequences) (``_masking.tile_plan``).
     """
-    float_types = (torch.float16, torch.bfloat16, torch.float32)
-    _check_tensor("q", q, 4, float_types)
-    for name, t in (("k", k), ("v", v), ("do", do), ("out", out)):
-        _check_tensor(name, t, 4, (q.dtype,))
-        if t.device != q.device:
-            raise ValueError(f"{name}: expected device {q.device}, got {t.device}")
-    B, Hq, Nq, D = q.shape
-    Hk, Nk = k.shape[1], k.shape[2]
-    if k.shape[0] != B or k.shape[3] != D or v.shape != k.shape:
-        raise ValueError(f"k, v: expected shape ({B}, Hk, Nk, {D}) each, got {tuple(k.shape)} and {tuple(v.shape)}")
-    if do.shape != q.shape or out.shape != q.shape:
-        raise ValueError(f"do, out: expected shape {tuple(q.shape)}, got {tuple(do.shape)} and {tuple(out.shape)}")
-    if Hk == 0 or Hq % Hk != 0:
-        raise ValueError(f"k: number of kv heads must divide the {Hq} query heads, got {Hk}")
-    for name, t in (("tau", tau), ("lsum", lsum)):
-        _check_tensor(name, t, 3, (torch.float32,))
-        if tuple(t.shape) != (B, Hq, Nq):
-            raise ValueError(f"{name}: expected shape {(B, Hq, Nq)}, got {tuple(t.shape)}")
-    if not isinstance(alpha, torch.Tensor):
-        alpha = torch.full((Hq,), float(alpha), dtype=torch.float32, device=q.device)
-    if alpha.shape != (Hq,):
-        raise ValueError(f"alpha: expected shape ({Hq},), got {tuple(alpha.shape)}")
-    if alpha.device.type == "cpu" and not bool(((alpha >= 1.0) & (alpha <= 2.0)).all()):
-        raise ValueError(f"alpha: expected values in [1, 2], got {alpha.tolist()}")
-    alpha = alpha.detach().to(device=q.device, dtype=torch.float32).contiguous()
-    if not 0.0 <= float(dropout_p) < 1.0:
-        raise ValueError(f"dropout_p: expected a float in [0, 1), got {dropout_p}")
-    if not 16 <= D <= 256:
-        raise ValueError(f"q: expected head dim in [16, 256], got {D}")
-
-    if B * Hq * Nq == 0 or Nk == 0:
-        dalpha = torch.zeros(Hq, dtype=torch.float32, device=q.device) if need_dalpha else None
-        dbias_shape = (B, Hq, Nq, Nk) if bias is None else bias.shape
-        dbias = torch.zeros(dbias_shape, dtype=torch.float32, device=q.device) if need_dbias else None
-        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), dalpha, dbias
-
-    is_varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
-    if is_varlen:
-        if cu_seqlens_q is None or cu_seqlens_k is None:
-            raise ValueError("cu_seqlens_q, cu_seqlens_k: expected both or neither, got only one")
-        if B != 1:
-            raise ValueError(f"q: expected batch 1 with cu_seqlens (packed varlen), got {B}")
-        if cu_seqlens_q.shape != cu_seqlens_k.shape or cu_seqlens_q.ndim != 1:
-            raise ValueError(f"cu_seqlens_q, cu_seqlens_k: expected equal 1-d shapes, got {tuple(cu_seqlens_q.shape)} "
-                             f"and {tuple(cu_seqlens_k.shape)}")
-        cu_q = cu_seqlens_q.to(device=q.device, dtype=torch.int32).contiguous()
-        cu_k = cu_seqlens_k.to(device=q.device, dtype=torch.int32).contiguous()
-        n_seq = cu_q.shape[0] - 1
-        if max_seqlen_q is None:
-            max_seqlen_q = int((cu_q[1:] - cu_q[:-1]).max())
-        if max_seqlen_k is None:
-            max_seqlen_k = int((cu_k[1:] - cu_k[:-1]).max())
-    else:
-        cu_q = cu_k = torch.empty(1, dtype=torch.int32, device=q.device)
-        n_seq = B
-        max_seqlen_q, max_seqlen_k = Nq, Nk
-
-    if live is not None and (block_m is None or block_n is None):
-        raise ValueError("block_m, block_n: required with live (the forward's tile sizes), got None")
-    block_m = _DEFAULT_BLOCK if block_m is None else int(block_m)
-    block_n = _DEFAULT_BLOCK if block_n is None else int(block_n)
-    for name, val in (("block_m", block_m), ("block_n", block_n)):
-        if val < 16 or val & (val - 1):
-            raise ValueError(f"{name}: expected a power of two >= 16, got {val}")
-    n_qt = triton.cdiv(max(max_seqlen_q, 1), block_m)
-    if Hq > MAX_GRID_YZ or n_seq > MAX_GRID_YZ:
-        raise ValueError(f"q: expected at most {MAX_GRID_YZ} heads and {MAX_GRID_YZ} batch entries (sequences), "
-                         f"got {Hq} heads and {n_seq}")
-    n_words = triton.cdiv(triton.cdiv(max(max_seqlen_k, 1), block_n), 32)
-    if live is not None:
-        _check_tensor("live", live, 4, (torch.int32,))
-        if tuple(live.shape) != (n_seq, Hq, n_qt, n_words):
-            raise ValueError(f"live: expected shape {(n_seq, Hq, n_qt, n_words)}, got {tuple(live.shape)}")
-        live_t = live.contiguous()
-    else:
-        live_t = torch.empty(1, dtype=torch.int32, device=q.device)
-
-    if bias is not None:
-        if not isinstance(bias, torch.Tensor) or not bias.is_floating_point():
-            raise TypeError(f"bias: expected a float tensor, got {getattr(bias, 'dtype', type(bias).__name__)}")
-        try:
-            bias_t = bias.expand(B, Hq, Nq, Nk)
-        except RuntimeError:
-            raise ValueError(
-                f"bias: expected a shape broadcastable to {(B, Hq, Nq, Nk)}, got {tuple(bias.shape)}"
-            ) from None
-        bias_strides = bias_t.stride()
-    else:
-        bias_t = q
-        bias_strides = (0, 0, 0, 0)
-
-    tau = tau.contiguous()
-    lsum = lsum.contiguous()
-    upcast = interpreting() or q.dtype == torch.float32
-    precision = "tf32x3" if q.dtype == torch.float32 else "tf32"
-    block_d = max(16, triton.next_power_of_2(D))
-    num_warps = 4 if block_d <= 64 else 8
-
-    dq, dk, dv = _new_grad(q), _new_grad(k), _new_grad(v)
-    if is_varlen:
-        for g in (dq, dk, dv):
-            g.zero_()
-    delta = torch.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)
-    norm = torch.empty_like(delta)
-    dalpha_rows = torch.zeros((B, Hq, Nq), dtype=torch.float32, device=q.device) if need_dalpha else delta
-    dbias_mode = _dbias_mode(bias, (B, Hq, Nq, Nk)) if need_dbias else None
-    zeros32 = dict(dtype=torch.float32, device=q.device)
-    dbias = torch.zeros((B, Hq, Nq, Nk), **zeros32) if dbias_mode == "dense" else delta
-    dbias_rows = torch.zeros((B, Hq, Nq), **zeros32) if dbias_mode == "rows" else delta
-    dbias_cols = torch.zeros((B, Hq, Nk), **zeros32) if dbias_mode == "cols" else delta
-    common = dict(
-        IS_CAUSAL=bool(is_causal), IS_VARLEN=is_varlen, HAS_BIAS=bias is not None, HAS_LIVE=live is not None,
-        HAS_DROPOUT=float(dropout_p) > 0.0, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        UPCAST=upcast, DOT_PRECISION=precision, num_warps=num_warps, num_stages=1,
+    _check_args(do, q, k, v, out, tau, lsum, bias, cu_seqlens_q, cu_seqlens_k, live, block_m, block_n)
+    n_heads = q.shape[1]
+    if q.shape[0] * n_heads * q.shape[2] == 0 or k.shape[2] == 0:
+        return _zero_grads(q, k, v, bias, need_dalpha, need_dbias)
+    plan = _masking.tile_plan(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                              _DEFAULT_BLOCK if block_m is None else int(block_m),
+                              _DEFAULT_BLOCK if block_n is None else int(block_n))
+    live_shape = (plan.n_seq, n_heads, plan.n_q_tiles, plan.n_words)
+    assert live is None or (live.shape == live_shape and live.dtype == torch.int32), f"live: expected {live_shape}"
+    buf = _buffers(q, k, v, bias, cu_seqlens_q is not None, need_dalpha, need_dbias)
+    common = _common_args(q, k, v, do, tau, alpha, bias, cu_seqlens_q, cu_seqlens_k, live, scale, is_causal,
+                          dropout_p, seed, plan)
+    _entmax_attn_bwd_dq_kernel[(plan.n_q_tiles, n_heads, plan.n_seq)](
+        OUT=out, LSUM=lsum.contiguous(), DQ=buf.dq, DELTA=buf.delta, NORM=buf.norm, DALPHA=buf.dalpha_rows,
+        DBIAS=buf.dbias, DBIAS_ROWS=buf.dbias_rows, **_common.stride_args("stride_o", out, "bhmd"),
+        **_common.stride_args("stride_dq", buf.dq, "bhmd"), NEED_DALPHA=bool(need_dalpha),
+        NEED_DBIAS=buf.mode == "dense", NEED_DBIAS_ROWS=buf.mode == "rows", **common,
     )
-    live_strides = live_t.stride()[:3] if live is not None else (0, 0, 0)
-    seed = int(seed) & 0x7FFFFFFF
-    _entmax_attn_bwd_dq_kernel[(n_qt, Hq, n_seq)](
-        q, k, v, do, out, tau, lsum, alpha, bias_t, live_t, cu_q, cu_k,
-        dq, delta, norm, dalpha_rows, dbias, dbias_rows,
-        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *out.stride(), *dq.stride(),
-        *bias_strides, *live_strides,
-        Hq, Hq // Hk, Nq, Nk, float(scale), float(dropout_p), seed,
-        NEED_DALPHA=bool(need_dalpha), NEED_DBIAS=dbias_mode == "dense", NEED_DBIAS_ROWS=dbias_mode == "rows",
-        **common,
+    common.update(NORM=buf.norm, DELTA=buf.delta)
+    _entmax_attn_bwd_dkdv_kernel[(plan.n_k_tiles, k.shape[1], plan.n_seq)](
+        DK=buf.dk, DV=buf.dv, DBIAS_COLS=buf.dbias_cols, **_common.stride_args("stride_dk", buf.dk, "bhnd"),
+        **_common.stride_args("stride_dv", buf.dv, "bhnd"), NEED_DBIAS_COLS=buf.mode == "cols", **common,
     )
-    n_kt = triton.cdiv(max(max_seqlen_k, 1), block_n)
-    _entmax_attn_bwd_dkdv_kernel[(n_kt, Hk, n_seq)](
-        q, k, v, do, tau, norm, delta, alpha, bias_t, live_t, cu_q, cu_k,
-        dk, dv, dbias_cols,
-        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
-        *bias_strides, *live_strides,
-        Hq, Hk, Hq // Hk, Nq, Nk, float(scale), float(dropout_p), seed,
-        NEED_DBIAS_COLS=dbias_mode == "cols", **common,
-    )
-    if dbias_mode == "blocks":
-        shape4 = _shape4(bias)
-        dbias = torch.zeros(shape4, **zeros32)
-        full_b, full_h = shape4[0] != 1 or is_varlen, shape4[1] != 1
-        _entmax_attn_bwd_dbias_kernel[(n_qt, Hq if full_h else 1, n_seq if full_b else 1)](
-            q, k, v, do, tau, norm, delta, alpha, bias_t, live_t, cu_q, cu_k, dbias,
-            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *bias_strides, *live_strides,
-            0 if is_varlen else dbias.stride(0), dbias.stride(1),
-            Hq, Hq // Hk, Nq, Nk, float(scale), float(dropout_p), seed, 1 if full_b else n_seq, 1 if full_h else Hq,
-            **common,
-        )
-    dalpha = dalpha_rows.double().sum(dim=(0, 2)).float() if need_dalpha else None
-    if dbias_mode is None:
-        dbias = None
+    dalpha = buf.dalpha_rows.double().sum(dim=(0, 2)).float() if need_dalpha else None
+    if buf.mode is None:
+        return buf.dq, buf.dk, buf.dv, dalpha, None
+    if buf.mode == "blocks":
+        dbias = _dbias_blocks(_masking.mask_shape4(bias), cu_seqlens_q is not None, plan, n_heads, common)
     else:
-        dbias = {"rows": dbias_rows[..., None], "cols": dbias_cols[:, :, None]}.get(dbias_mode, dbias)
-        dbias = _sum_to_mask(dbias, bias)
-    return dq, dk, dv, dalpha, dbias
+        dbias = {"rows": buf.dbias_rows[..., None], "cols": buf.dbias_cols[:, :, None]}.get(buf.mode, buf.dbias)
+    return buf.dq, buf.dk, buf.dv, dalpha, _masking.sum_to_mask(dbias, bias)
+
+
+def _dbias_blocks(bias_shape, is_varlen, plan, n_heads, common):
+    """d bias of a mask broadcast over batch and/or heads only, in the mask's 4-d shape (dbias kernel)."""
+    dbias = torch.zeros(bias_shape, dtype=torch.float32, device=common["Q"].device)
+    full_b, full_h = bias_shape[0] != 1 or is_varlen, bias_shape[1] != 1
+    _entmax_attn_bwd_dbias_kernel[(plan.n_q_tiles, n_heads if full_h else 1, plan.n_seq if full_b else 1)](
+        DBIAS=dbias, stride_dbias_b=0 if is_varlen else dbias.stride(0), stride_dbias_h=dbias.stride(1),
+        n_b_loop=1 if full_b else plan.n_seq, n_h_loop=1 if full_h else n_heads, **common,
+    )
+    return dbias

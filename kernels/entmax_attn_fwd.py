@@ -17,13 +17,17 @@ conventions (statistics, bitmap layout, varlen, causal alignment, GQA, dropout) 
 ``docs/design.md``.
 """
 
-from typing import NamedTuple, Optional
+from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from ._common import LN2, LOG2E, MAX_GRID_YZ, dropout_keep, interpreting, log2_1p, seq_bounds
+from . import _common, _masking
+from ._common import LN2, LOG2E, bias_base_ptr, dropout_keep, load_rows, log2_1p, slice_base
+from ._masking import key_tile_range, mask_scores, seq_bounds
 
 DEFAULT_TOL = 1e-3
 DEFAULT_MAX_SWEEPS = 32
@@ -57,45 +61,33 @@ class EntmaxAttnFwdResult(NamedTuple):
 
 
 @triton.jit
-def _score_tile(q, k_base, bias_base, rows, cols, seqlen_q, seqlen_k, causal_off,
-                stride_kn, stride_kd, stride_bm, stride_bn, z_scale, b_scale,
-                HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HAS_BIAS: tl.constexpr,
-                IS_CAUSAL: tl.constexpr, INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Scores ``z_scale * q.k + b_scale * bias`` of one tile, ``-inf`` where masked. [BLOCK_M, BLOCK_N]"""
-    offs_d = tl.arange(0, HEAD_DIM_PAD)
-    col_ok = cols < seqlen_k
+def _score_tile(q, k_base, bias_base, rows, cols, seqlen_q, seqlen_k, stride_kn, stride_kd, stride_bias_m,
+                stride_bias_n, z_scale, bias_scale, MASK, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Scores ``z_scale * q.k + bias_scale * bias`` of one tile, ``-inf`` where masked. [BLOCK_M, BLOCK_N]"""
+    offs_d = tl.arange(0, BLOCK_D)
     k_ptrs = k_base + cols.to(tl.int64)[None, :] * stride_kn + offs_d.to(tl.int64)[:, None] * stride_kd
-    k = tl.load(k_ptrs, mask=col_ok[None, :] & (offs_d[:, None] < HEAD_DIM), other=0.0)  # [HEAD_DIM_PAD, BLOCK_N]
-    if INTERPRET:
+    k = tl.load(k_ptrs, mask=(cols[None, :] < seqlen_k) & (offs_d[:, None] < HEAD_DIM), other=0.0)  # [BLOCK_D, BLOCK_N]
+    if UPCAST:
         k = k.to(tl.float32)
     z = tl.dot(q, k, input_precision=DOT_PRECISION) * z_scale
-    ok = (rows[:, None] < seqlen_q) & col_ok[None, :]
-    if IS_CAUSAL:
-        ok = ok & (cols[None, :] <= rows[:, None] + causal_off)
-    if HAS_BIAS:
-        b_ptrs = bias_base + rows.to(tl.int64)[:, None] * stride_bm + cols.to(tl.int64)[None, :] * stride_bn
-        bias = tl.load(b_ptrs, mask=ok, other=0.0).to(tl.float32)
-        z = z + bias * b_scale
-    return tl.where(ok, z, float("-inf"))
+    return mask_scores(z, rows, cols, seqlen_q, seqlen_k, bias_base, stride_bias_m, stride_bias_n, bias_scale, MASK,
+                       HAS_BIAS)
 
 
 @triton.jit
-def _value_tile(v_base, cols, seqlen_k, stride_vn, stride_vd,
-                HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, INTERPRET: tl.constexpr):
-    """Value rows of one key tile. [BLOCK_N, HEAD_DIM_PAD]"""
-    offs_d = tl.arange(0, HEAD_DIM_PAD)
-    v_ptrs = v_base + cols.to(tl.int64)[:, None] * stride_vn + offs_d.to(tl.int64)[None, :] * stride_vd
-    v = tl.load(v_ptrs, mask=(cols[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM), other=0.0)
-    if INTERPRET:
-        v = v.to(tl.float32)
-    return v
+def _value_tile(v_base, cols, seqlen_k, stride_vn, stride_vd, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                UPCAST: tl.constexpr):
+    """Value rows of one key tile. [BLOCK_N, BLOCK_D]"""
+    offs_d = tl.arange(0, BLOCK_D)
+    return load_rows(v_base, cols, offs_d, stride_vn, stride_vd, cols < seqlen_k, offs_d < HEAD_DIM, UPCAST)
 
 
 @triton.jit
-def _apply_dropout(p, seed, bh, rows_global, cols_global, n_cols, dropout_p, inv_keep, HAS_DROPOUT: tl.constexpr):
+def _apply_dropout(p, seed, bh, rows_global, cols_global, total_k, dropout_p, inv_keep, HAS_DROPOUT: tl.constexpr):
     """Weights after dropout (kept ones scaled by ``inv_keep``). [BLOCK_M, BLOCK_N]"""
     if HAS_DROPOUT:
-        keep = dropout_keep(seed, bh, rows_global, cols_global, n_cols, dropout_p)
+        keep = dropout_keep(seed, bh, rows_global, cols_global, total_k, dropout_p)
         p = tl.where(keep, p * inv_keep, 0.0)
     return p
 
@@ -138,25 +130,24 @@ def _newton_step(f, g, beta, pow_kind):
 
 
 @triton.jit
-def _softmax_forward(q, k_base, v_base, bias_base, o_ptrs, o_mask, rows, seqlen_q, seqlen_k, causal_off,
-                     n_kt, n_words, live_base, stat_offs, Tau, Lsum, Nnz, NValid, sweep_ptr, scale,
-                     seed, bh, q_start, k_start, n_cols_total, dropout_p, inv_keep,
-                     stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                     HEAD_DIM_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, IS_CAUSAL: tl.constexpr,
-                     HAS_DROPOUT: tl.constexpr, INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _softmax_forward(q, k_base, v_base, bias_base, o_ptrs, o_mask, rows, rows_global, seqlen_q, seqlen_k, kt_lo, kt_hi,
+                     n_words, live_base, stat_offs, TAU, LSUM, NNZ, N_VALID, sweep_ptr, scale,
+                     seed, bh, k_start, total_k, dropout_p, inv_keep,
+                     stride_kn, stride_kd, stride_vn, stride_vd, stride_bias_m, stride_bias_n, MASK,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr,
+                     DOT_PRECISION: tl.constexpr):
     """alpha == 1: one online-softmax sweep (base-2 exponentials); writes out, stats and the bitmap."""
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_sum = tl.zeros([BLOCK_M], tl.float32)
     n_valid = tl.zeros([BLOCK_M], tl.int32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for w in range(0, n_words):
         word = tl.zeros([], tl.int32)
-        for kt in range(w * 32, tl.minimum(w * 32 + 32, n_kt)):
+        for kt in range(tl.maximum(w * 32, kt_lo), tl.minimum(w * 32 + 32, kt_hi)):
             cols = kt * BLOCK_N + tl.arange(0, BLOCK_N)
-            s = _score_tile(q, k_base, bias_base, rows, cols, seqlen_q, seqlen_k, causal_off,
-                            stride_kn, stride_kd, stride_bm, stride_bn, scale * LOG2E,
-                            LOG2E, HEAD_DIM, HEAD_DIM_PAD, HAS_BIAS, IS_CAUSAL, INTERPRET,
+            s = _score_tile(q, k_base, bias_base, rows, cols, seqlen_q, seqlen_k, stride_kn, stride_kd, stride_bias_m,
+                            stride_bias_n, scale * LOG2E, LOG2E, MASK, HEAD_DIM, BLOCK_D, HAS_BIAS, UPCAST,
                             DOT_PRECISION)
             ok = s > float("-inf")
             m_new = tl.maximum(m, tl.max(s, 1))
@@ -166,9 +157,8 @@ def _softmax_forward(q, k_base, v_base, bias_base, o_ptrs, o_mask, rows, seqlen_
             l_sum = l_sum * corr + tl.sum(p, 1)
             n_valid += tl.sum(ok.to(tl.int32), 1)
             word = word | (tl.max(ok.to(tl.int32)) << (kt - w * 32))
-            p = _apply_dropout(p, seed, bh, q_start + rows, k_start + cols, n_cols_total, dropout_p, inv_keep,
-                               HAS_DROPOUT)
-            v = _value_tile(v_base, cols, seqlen_k, stride_vn, stride_vd, HEAD_DIM, HEAD_DIM_PAD, INTERPRET)
+            p = _apply_dropout(p, seed, bh, rows_global, k_start + cols, total_k, dropout_p, inv_keep, HAS_DROPOUT)
+            v = _value_tile(v_base, cols, seqlen_k, stride_vn, stride_vd, HEAD_DIM, BLOCK_D, UPCAST)
             acc = acc * corr[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m = m_new
         tl.store(live_base + w, word)
@@ -177,51 +167,50 @@ def _softmax_forward(q, k_base, v_base, bias_base, o_ptrs, o_mask, rows, seqlen_
     out = acc / l_safe[:, None]
     row_ok = rows < seqlen_q
     tl.store(o_ptrs, out.to(o_ptrs.dtype.element_ty), mask=o_mask)
-    tl.store(Tau + stat_offs, tl.where(valid, (m + tl.log2(l_safe)) * LN2, float("inf")),
-             mask=row_ok)
-    tl.store(Lsum + stat_offs, tl.where(valid, 1.0, 0.0), mask=row_ok)
-    tl.store(Nnz + stat_offs, n_valid, mask=row_ok)
-    tl.store(NValid + stat_offs, n_valid, mask=row_ok)
+    tl.store(TAU + stat_offs, tl.where(valid, (m + tl.log2(l_safe)) * LN2, float("inf")), mask=row_ok)
+    tl.store(LSUM + stat_offs, tl.where(valid, 1.0, 0.0), mask=row_ok)
+    tl.store(NNZ + stat_offs, n_valid, mask=row_ok)
+    tl.store(N_VALID + stat_offs, n_valid, mask=row_ok)
     tl.store(sweep_ptr, 0)
 
 
 @triton.jit
-def _live_sweep(q, tau, beta, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, causal_off, n_kt, live_base,
-                z_scale, b_scale, pow_kind, seed, bh, q_start, k_start, n_cols_total, dropout_p, inv_keep,
-                stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn,
-                VALUES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, IS_CAUSAL: tl.constexpr,
-                HAS_DROPOUT: tl.constexpr, INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _live_sweep(q, tau, beta, k_base, v_base, bias_base, rows, rows_global, seqlen_q, seqlen_k, kt_lo, kt_hi,
+                live_base, z_scale, bias_scale, pow_kind, seed, bh, k_start, total_k, dropout_p, inv_keep,
+                stride_kn, stride_kd, stride_vn, stride_vd, stride_bias_m, stride_bias_n, MASK,
+                VALUES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr,
+                DOT_PRECISION: tl.constexpr):
     """One pass over the live key tiles at threshold ``tau``, re-marking tiles with no ``z > tau`` dead.
 
     ``tau`` [BLOCK_M] is shifted by +1 on the general-beta path (``pow_kind`` 0), see ``_tsallis_terms``.
 
     Returns ``(f, g, nnz, acc)``: ``f = sum [z - tau]_+^beta`` [BLOCK_M]; with VALUES also
-    ``nnz`` [BLOCK_M] and ``acc = sum p v`` [BLOCK_M, HEAD_DIM_PAD] (dropout applied), else
+    ``nnz`` [BLOCK_M] and ``acc = sum p v`` [BLOCK_M, BLOCK_D] (dropout applied), else
     ``g = sum [z - tau]_+^(beta-1)`` for the Newton step.
     """
     f = tl.zeros([BLOCK_M], tl.float32)
     g = tl.zeros([BLOCK_M], tl.float32)
     nnz = tl.zeros([BLOCK_M], tl.int32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
-    for w in range(0, tl.cdiv(n_kt, 32)):
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for w in range(kt_lo // 32, tl.cdiv(kt_hi, 32)):
         word = tl.load(live_base + w)
         new_word = tl.zeros([], tl.int32)
-        for kt in range(w * 32, tl.minimum(w * 32 + 32, n_kt)):
+        for kt in range(tl.maximum(w * 32, kt_lo), tl.minimum(w * 32 + 32, kt_hi)):
             bit = kt - w * 32
             if ((word >> bit) & 1) != 0:
                 cols = kt * BLOCK_N + tl.arange(0, BLOCK_N)
-                z = _score_tile(q, k_base, bias_base, rows, cols, seqlen_q, seqlen_k, causal_off,
-                                stride_kn, stride_kd, stride_bm, stride_bn, z_scale, b_scale,
-                                HEAD_DIM, HEAD_DIM_PAD, HAS_BIAS, IS_CAUSAL, INTERPRET, DOT_PRECISION)
+                z = _score_tile(q, k_base, bias_base, rows, cols, seqlen_q, seqlen_k, stride_kn, stride_kd,
+                                stride_bias_m, stride_bias_n, z_scale, bias_scale, MASK, HEAD_DIM, BLOCK_D, HAS_BIAS,
+                                UPCAST, DOT_PRECISION)
                 p, gp, pos = _tsallis_terms(z - tau[:, None], beta, pow_kind)
                 new_word = new_word | (tl.max(pos.to(tl.int32)) << bit)
                 if VALUES:
                     f += tl.sum(p, 1)
                     nnz += tl.sum(pos.to(tl.int32), 1)
-                    p = _apply_dropout(p, seed, bh, q_start + rows, k_start + cols, n_cols_total, dropout_p,
-                                       inv_keep, HAS_DROPOUT)
-                    v = _value_tile(v_base, cols, seqlen_k, stride_vn, stride_vd, HEAD_DIM, HEAD_DIM_PAD, INTERPRET)
+                    p = _apply_dropout(p, seed, bh, rows_global, k_start + cols, total_k, dropout_p, inv_keep,
+                                       HAS_DROPOUT)
+                    v = _value_tile(v_base, cols, seqlen_k, stride_vn, stride_vd, HEAD_DIM, BLOCK_D, UPCAST)
                     acc += tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
                 else:
                     f += tl.sum(p, 1)
@@ -232,13 +221,13 @@ def _live_sweep(q, tau, beta, k_base, v_base, bias_base, rows, seqlen_q, seqlen_
 
 
 @triton.jit
-def _entmax_forward(q, k_base, v_base, bias_base, o_ptrs, o_mask, rows, seqlen_q, seqlen_k, causal_off,
-                    n_kt, n_words, live_base, stat_offs, Tau, Lsum, Nnz, NValid, sweep_ptr, scale, alpha, tol, max_sweeps,
-                    seed, bh, q_start, k_start, n_cols_total, dropout_p, inv_keep,
-                    stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    HEAD_DIM_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, IS_CAUSAL: tl.constexpr,
-                    HAS_DROPOUT: tl.constexpr, INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _entmax_forward(q, k_base, v_base, bias_base, o_ptrs, o_mask, rows, rows_global, seqlen_q, seqlen_k, kt_lo, kt_hi,
+                    n_words, live_base, stat_offs, TAU, LSUM, NNZ, N_VALID, sweep_ptr, scale, alpha, tol, max_sweeps,
+                    seed, bh, k_start, total_k, dropout_p, inv_keep,
+                    stride_kn, stride_kd, stride_vn, stride_vd, stride_bias_m, stride_bias_n, MASK,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr,
+                    DOT_PRECISION: tl.constexpr):
     """alpha in (1, 2]: max sweep, Newton sweeps on the Tsallis norm, value sweep; writes everything."""
     am1 = alpha - 1.0
     beta = 1.0 / am1
@@ -248,11 +237,10 @@ def _entmax_forward(q, k_base, v_base, bias_base, o_ptrs, o_mask, rows, seqlen_q
     n_valid = tl.zeros([BLOCK_M], tl.int32)
     for w in range(0, n_words):
         word = tl.zeros([], tl.int32)
-        for kt in range(w * 32, tl.minimum(w * 32 + 32, n_kt)):
+        for kt in range(tl.maximum(w * 32, kt_lo), tl.minimum(w * 32 + 32, kt_hi)):
             cols = kt * BLOCK_N + tl.arange(0, BLOCK_N)
-            z = _score_tile(q, k_base, bias_base, rows, cols, seqlen_q, seqlen_k, causal_off,
-                            stride_kn, stride_kd, stride_bm, stride_bn, z_scale, am1,
-                            HEAD_DIM, HEAD_DIM_PAD, HAS_BIAS, IS_CAUSAL, INTERPRET, DOT_PRECISION)
+            z = _score_tile(q, k_base, bias_base, rows, cols, seqlen_q, seqlen_k, stride_kn, stride_kd, stride_bias_m,
+                            stride_bias_n, z_scale, am1, MASK, HEAD_DIM, BLOCK_D, HAS_BIAS, UPCAST, DOT_PRECISION)
             ok = z > float("-inf")
             m = tl.maximum(m, tl.max(z, 1))
             n_valid += tl.sum(ok.to(tl.int32), 1)
@@ -267,11 +255,10 @@ def _entmax_forward(q, k_base, v_base, bias_base, o_ptrs, o_mask, rows, seqlen_q
     go = (tl.max(valid.to(tl.int32)) > 0) & (n_sweeps < max_sweeps)
     while go:
         f, g, _, _ = _live_sweep(
-            q, tau, beta, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, causal_off, n_kt, live_base,
-            z_scale, am1, pow_kind, seed, bh, q_start, k_start, n_cols_total, dropout_p, inv_keep,
-            stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn,
-            False, BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, HAS_BIAS, IS_CAUSAL, HAS_DROPOUT, INTERPRET,
-            DOT_PRECISION)
+            q, tau, beta, k_base, v_base, bias_base, rows, rows_global, seqlen_q, seqlen_k, kt_lo, kt_hi, live_base,
+            z_scale, am1, pow_kind, seed, bh, k_start, total_k, dropout_p, inv_keep,
+            stride_kn, stride_kd, stride_vn, stride_vd, stride_bias_m, stride_bias_n, MASK,
+            False, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, HAS_BIAS, HAS_DROPOUT, UPCAST, DOT_PRECISION)
         err = tl.where(valid, tl.abs(f - 1.0), 0.0)
         tau = tl.where(valid, tau + _newton_step(f, g, beta, pow_kind), tau)
         n_sweeps += 1
@@ -280,96 +267,78 @@ def _entmax_forward(q, k_base, v_base, bias_base, o_ptrs, o_mask, rows, seqlen_q
     tau_saved = tau - shift
     tau = tau_saved + shift
     l_sum, _, nnz, acc = _live_sweep(
-        q, tau, beta, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, causal_off, n_kt, live_base,
-        z_scale, am1, pow_kind, seed, bh, q_start, k_start, n_cols_total, dropout_p, inv_keep,
-        stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn,
-        True, BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, HAS_BIAS, IS_CAUSAL, HAS_DROPOUT, INTERPRET,
-        DOT_PRECISION)
+        q, tau, beta, k_base, v_base, bias_base, rows, rows_global, seqlen_q, seqlen_k, kt_lo, kt_hi, live_base,
+        z_scale, am1, pow_kind, seed, bh, k_start, total_k, dropout_p, inv_keep,
+        stride_kn, stride_kd, stride_vn, stride_vd, stride_bias_m, stride_bias_n, MASK,
+        True, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, HAS_BIAS, HAS_DROPOUT, UPCAST, DOT_PRECISION)
     valid = valid & (l_sum > 0)
     l_safe = tl.where(valid, l_sum, 1.0)
     out = tl.where(valid[:, None], acc / l_safe[:, None], 0.0)
     row_ok = rows < seqlen_q
     tl.store(o_ptrs, out.to(o_ptrs.dtype.element_ty), mask=o_mask)
-    tl.store(Tau + stat_offs, tl.where(valid, tau_saved, float("inf")), mask=row_ok)
-    tl.store(Lsum + stat_offs, tl.where(valid, l_sum, 0.0), mask=row_ok)
-    tl.store(Nnz + stat_offs, tl.where(valid, nnz, 0), mask=row_ok)
-    tl.store(NValid + stat_offs, n_valid, mask=row_ok)
+    tl.store(TAU + stat_offs, tl.where(valid, tau_saved, float("inf")), mask=row_ok)
+    tl.store(LSUM + stat_offs, tl.where(valid, l_sum, 0.0), mask=row_ok)
+    tl.store(NNZ + stat_offs, tl.where(valid, nnz, 0), mask=row_ok)
+    tl.store(N_VALID + stat_offs, n_valid, mask=row_ok)
     tl.store(sweep_ptr, n_sweeps)
 
 
 @triton.jit
 def _entmax_attn_fwd_kernel(
-    Q, K, V, Out, Bias, Alpha, Tau, Lsum, Nnz, NValid, Live, NSweeps, CuSeqQ, CuSeqK,
+    Q, K, V, OUT, BIAS, ALPHA, TAU, LSUM, NNZ, N_VALID, LIVE, N_SWEEPS, CU_SEQLENS_Q, CU_SEQLENS_K,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_oh, stride_om, stride_od,
-    stride_bb, stride_bh, stride_bm, stride_bn,
-    n_heads, kv_group, seqlen_q_total, seqlen_k_total, n_q_tiles, n_words,
-    scale, tol, max_sweeps, seed, dropout_p, inv_keep,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n,
+    n_heads, kv_group, total_q, total_k, n_q_tiles, n_words,
+    scale, tol, max_sweeps, seed, dropout_p, inv_keep, MASK,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_BIAS: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
+    """One program per (query tile ``pid_m``, q head ``h``, batch entry or sequence ``seq``); see the module doc."""
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
-    b = tl.program_id(2)
-    batch, q_start, seqlen_q, k_start, seqlen_k = seq_bounds(CuSeqQ, CuSeqK, b, seqlen_q_total, seqlen_k_total,
-                                                             IS_VARLEN)
-    kv_h = h // kv_group
-    bh = batch * n_heads + h
+    seq = tl.program_id(2)
+    b, q_start, seqlen_q, k_start, seqlen_k = seq_bounds(CU_SEQLENS_Q, CU_SEQLENS_K, seq, total_q, total_k, IS_VARLEN)
+    h_kv = h // kv_group
+    bh = b * n_heads + h
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    offs_d = tl.arange(0, BLOCK_D)
     row_ok = rows < seqlen_q
     rows_global = (q_start + rows).to(tl.int64)
 
-    q_ptrs = (Q + batch.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+    q_ptrs = (Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
               + rows_global[:, None] * stride_qm + offs_d.to(tl.int64)[None, :] * stride_qd)
     q_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
-    q = tl.load(q_ptrs, mask=q_mask, other=0.0)  # [BLOCK_M, HEAD_DIM_PAD]
-    if INTERPRET:
+    q = tl.load(q_ptrs, mask=q_mask, other=0.0)  # [BLOCK_M, BLOCK_D]
+    if UPCAST:
         q = q.to(tl.float32)
-    o_ptrs = (Out + batch.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
+    o_ptrs = (OUT + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
               + rows_global[:, None] * stride_om + offs_d.to(tl.int64)[None, :] * stride_od)
-    k_base = K + batch.to(tl.int64) * stride_kb + kv_h.to(tl.int64) * stride_kh + k_start.to(tl.int64) * stride_kn
-    v_base = V + batch.to(tl.int64) * stride_vb + kv_h.to(tl.int64) * stride_vh + k_start.to(tl.int64) * stride_vn
-    bias_base = Bias
-    if HAS_BIAS:
-        bias_base = (Bias + batch.to(tl.int64) * stride_bb + h.to(tl.int64) * stride_bh
-                     + q_start.to(tl.int64) * stride_bm + k_start.to(tl.int64) * stride_bn)
-    stat_offs = bh.to(tl.int64) * seqlen_q_total + rows_global
-    tile_id = (b.to(tl.int64) * n_heads + h) * n_q_tiles + pid_m
-    live_base = Live + tile_id * n_words
-    sweep_ptr = NSweeps + tile_id
+    k_base = slice_base(K, b, h_kv, k_start, stride_kb, stride_kh, stride_kn)
+    v_base = slice_base(V, b, h_kv, k_start, stride_vb, stride_vh, stride_vn)
+    bias_base = bias_base_ptr(BIAS, b, h, q_start, k_start, stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n)
+    stat_offs = bh.to(tl.int64) * total_q + rows_global
+    tile_id = (seq.to(tl.int64) * n_heads + h) * n_q_tiles + pid_m
+    live_base = LIVE + tile_id * n_words
+    sweep_ptr = N_SWEEPS + tile_id
+    kt_lo, kt_hi = key_tile_range(pid_m, seqlen_q, seqlen_k, MASK, BLOCK_M, BLOCK_N)
 
-    causal_off = seqlen_k - seqlen_q
-    k_limit = seqlen_k
-    if IS_CAUSAL:
-        last_row = tl.minimum(pid_m * BLOCK_M + BLOCK_M, seqlen_q) - 1
-        k_limit = tl.maximum(tl.minimum(last_row + causal_off + 1, seqlen_k), 0)
-    k_limit = tl.where(pid_m * BLOCK_M < seqlen_q, k_limit, 0)
-    n_kt = tl.cdiv(k_limit, BLOCK_N)
-
-    alpha = tl.load(Alpha + h)
+    alpha = tl.load(ALPHA + h)
     if alpha == 1.0:
-        _softmax_forward(q, k_base, v_base, bias_base, o_ptrs, q_mask, rows, seqlen_q, seqlen_k, causal_off,
-                         n_kt, n_words, live_base, stat_offs, Tau, Lsum, Nnz, NValid, sweep_ptr, scale,
-                         seed, bh, q_start, k_start, seqlen_k_total, dropout_p, inv_keep,
-                         stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn,
-                         BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, HAS_BIAS, IS_CAUSAL, HAS_DROPOUT, INTERPRET,
-                         DOT_PRECISION)
+        _softmax_forward(q, k_base, v_base, bias_base, o_ptrs, q_mask, rows, rows_global, seqlen_q, seqlen_k, kt_lo,
+                         kt_hi, n_words, live_base, stat_offs, TAU, LSUM, NNZ, N_VALID, sweep_ptr, scale,
+                         seed, bh, k_start, total_k, dropout_p, inv_keep,
+                         stride_kn, stride_kd, stride_vn, stride_vd, stride_bias_m, stride_bias_n, MASK,
+                         BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, HAS_BIAS, HAS_DROPOUT, UPCAST, DOT_PRECISION)
     else:
-        _entmax_forward(q, k_base, v_base, bias_base, o_ptrs, q_mask, rows, seqlen_q, seqlen_k, causal_off,
-                        n_kt, n_words, live_base, stat_offs, Tau, Lsum, Nnz, NValid, sweep_ptr, scale, alpha, tol,
-                        max_sweeps, seed, bh, q_start, k_start, seqlen_k_total, dropout_p, inv_keep,
-                        stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn,
-                        BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, HAS_BIAS, IS_CAUSAL, HAS_DROPOUT, INTERPRET,
-                        DOT_PRECISION)
-
-
-def _new_output(shape, dtype, device) -> torch.Tensor:
-    """Allocate an output the kernel fully overwrites (tests replace this to poison the memory)."""
-    return torch.empty(shape, dtype=dtype, device=device)
+        _entmax_forward(q, k_base, v_base, bias_base, o_ptrs, q_mask, rows, rows_global, seqlen_q, seqlen_k, kt_lo,
+                        kt_hi, n_words, live_base, stat_offs, TAU, LSUM, NNZ, N_VALID, sweep_ptr, scale, alpha, tol,
+                        max_sweeps, seed, bh, k_start, total_k, dropout_p, inv_keep,
+                        stride_kn, stride_kd, stride_vn, stride_vd, stride_bias_m, stride_bias_n, MASK,
+                        BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, HAS_BIAS, HAS_DROPOUT, UPCAST, DOT_PRECISION)
 
 
 def _pick_config(head_dim: int, interpret: bool):
@@ -378,24 +347,16 @@ def _pick_config(head_dim: int, interpret: bool):
     GPU choices are the sm_90 builds with the fewest register spills (ptxas report, all four
     alpha paths compiled in); see docs/kernels.md.
     """
-    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
     if interpret:
         return 32, 32, 4, 1
-    if head_dim_pad <= 128:
+    if _common.head_dim_block(head_dim) <= 128:
         return 64, 64, 8, 2
     return 64, 32, 8, 1
 
 
-def _dot_precision(dtype, interpret: bool) -> str:
-    """fp32 inputs keep fp32 accuracy on tensor cores (3xTF32); fp16/bf16 ignore the setting."""
-    if interpret:
-        return "ieee"
-    return "tf32x3" if dtype == torch.float32 else "tf32"
-
-
 def fwd_block_sizes(head_dim: int) -> tuple:
     """Default ``(block_m, block_n)`` of :func:`entmax_attn_fwd` for this head dim (the liveness map's tiles)."""
-    block_m, block_n, _, _ = _pick_config(head_dim, interpreting())
+    block_m, block_n, _, _ = _pick_config(head_dim, _common.interpreting())
     return block_m, block_n
 
 
@@ -405,32 +366,35 @@ def entmax_attn_fwd(
     v: torch.Tensor,
     alpha: torch.Tensor,
     scale: float,
-    bias: Optional[torch.Tensor] = None,
+    bias: torch.Tensor | None = None,
     is_causal: bool = False,
-    cu_seqlens_q: Optional[torch.Tensor] = None,
-    cu_seqlens_k: Optional[torch.Tensor] = None,
-    max_seqlen_q: Optional[int] = None,
-    max_seqlen_k: Optional[int] = None,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
     dropout_p: float = 0.0,
     seed: int = 0,
-    tol: Optional[float] = None,
-    max_sweeps: Optional[int] = None,
+    tol: float | None = None,
+    max_sweeps: int | None = None,
     *,
-    block_m: Optional[int] = None,
-    block_n: Optional[int] = None,
+    block_m: int | None = None,
+    block_n: int | None = None,
 ) -> EntmaxAttnFwdResult:
-    """Fused entmax attention forward (one kernel launch). Inputs are assumed validated by the caller.
+    """Fused entmax attention forward (one kernel launch).
+
+    Arguments are validated by the caller (``sparse_attn.entmax_attention``); here only cheap
+    asserts and the launch-grid limit (``ValueError``).
 
     Args:
         q: ``(B, Hq, Nq, D)``, fp16/bf16/fp32, any strides; with varlen ``(1, Hq, total_q, D)``.
         k, v: ``(B, Hk, Nk, D)`` (``Hq % Hk == 0``, q head ``h`` reads kv head ``h // (Hq // Hk)``),
             same dtype and device as ``q``; with varlen ``(1, Hk, total_k, D)``. ``16 <= D <= 256``.
-        alpha: float32 ``(Hq,)`` on the device of ``q``, each in ``[1, 2]`` (mixed per head).
+        alpha: float32 ``(Hq,)`` (each in ``[1, 2]``, mixed per head), or a Python float for every head.
         scale: float multiplying ``q . k``.
-        bias: None or a float tensor expanded to ``(B, Hq, Nq, Nk)`` (zero strides allowed; ``-inf``
-            masks), added to the scaled scores. Default None.
+        bias: None or a float tensor broadcastable to ``(B, Hq, Nq, Nk)`` (read with zero strides;
+            ``-inf`` masks), added to the scaled scores. Default None.
         is_causal: bottom-right aligned causal mask (key ``j`` visible to row ``i`` iff
-            ``j <= i + Nk - Nq``, per sequence). Default False.
+            ``j <= i + Nk - Nq``, per sequence; ``kernels/_masking.py``). Default False.
         cu_seqlens_q, cu_seqlens_k: int32 ``(nseq + 1,)`` packed-sequence offsets (then ``B == 1``).
         max_seqlen_q, max_seqlen_k: longest sequences; computed from ``cu_seqlens`` when None.
         dropout_p: probability of dropping a weight after the entmax (kept ones scaled by
@@ -443,74 +407,44 @@ def entmax_attn_fwd(
 
     Returns:
         :class:`EntmaxAttnFwdResult` ``(out, tau, lsum, nnz, n_valid, live, n_sweeps, block_m, block_n)``.
-    """
-    batch, n_heads, seqlen_q_total, head_dim = q.shape
-    n_kv_heads, seqlen_k_total = k.shape[1], k.shape[2]
-    varlen = cu_seqlens_q is not None
-    if varlen:
-        n_seq = cu_seqlens_q.numel() - 1
-        if max_seqlen_q is None:
-            max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item()) if n_seq > 0 else 0
-        if max_seqlen_k is None:
-            max_seqlen_k = int((cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max().item()) if n_seq > 0 else 0
-        grid_b = n_seq
-    else:
-        max_seqlen_q, max_seqlen_k = seqlen_q_total, seqlen_k_total
-        grid_b = batch
-    if head_dim < 16 or head_dim > 256:
-        raise ValueError(f"q: head dim must be in [16, 256], got {head_dim}")
-    if n_heads > MAX_GRID_YZ or grid_b > MAX_GRID_YZ:
-        raise ValueError(f"q: expected at most {MAX_GRID_YZ} heads and {MAX_GRID_YZ} batch entries (sequences), "
-                         f"got {n_heads} heads and {grid_b}")
-    interpret = interpreting()
-    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
-    bm, bn, num_warps, num_stages = _pick_config(head_dim, interpret)
-    block_m = bm if block_m is None else block_m
-    block_n = bn if block_n is None else block_n
-    for name, val in (("block_m", block_m), ("block_n", block_n)):
-        if val < 16 or val & (val - 1):
-            raise ValueError(f"{name}: expected a power of two >= 16, got {val}")
-    tol = DEFAULT_TOL if tol is None else float(tol)
-    max_sweeps = DEFAULT_MAX_SWEEPS if max_sweeps is None else int(max_sweeps)
 
-    device = q.device
-    out = _new_output((batch, n_heads, seqlen_q_total, head_dim), q.dtype, device)
-    tau = _new_output((batch, n_heads, seqlen_q_total), torch.float32, device)
-    lsum = _new_output((batch, n_heads, seqlen_q_total), torch.float32, device)
-    nnz = _new_output((batch, n_heads, seqlen_q_total), torch.int32, device)
-    n_valid = _new_output((batch, n_heads, seqlen_q_total), torch.int32, device)
-    n_q_tiles = triton.cdiv(max_seqlen_q, block_m)
-    n_words = triton.cdiv(triton.cdiv(max_seqlen_k, block_n), 32)
-    live = _new_output((grid_b, n_heads, n_q_tiles, n_words), torch.int32, device)
-    n_sweeps = _new_output((grid_b, n_heads, n_q_tiles), torch.int32, device)
-    if varlen and out.numel() > 0:
+    Raises:
+        ValueError: more than 65535 heads or batch entries (sequences) (``_masking.tile_plan``).
+    """
+    batch, n_heads, total_q, head_dim = q.shape
+    assert 16 <= head_dim <= 256, f"q: head dim must be in [16, 256], got {head_dim}"
+    default_m, default_n, num_warps, num_stages = _pick_config(head_dim, _common.interpreting())
+    plan = _masking.tile_plan(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                              default_m if block_m is None else block_m, default_n if block_n is None else block_n)
+    n_seq, block_m, block_n, n_q_tiles = plan.n_seq, plan.block_m, plan.block_n, plan.n_q_tiles
+
+    stats = dict(size=(batch, n_heads, total_q), device=q.device)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    tau = torch.empty(**stats, dtype=torch.float32)
+    lsum = torch.empty(**stats, dtype=torch.float32)
+    nnz = torch.empty(**stats, dtype=torch.int32)
+    n_valid = torch.empty(**stats, dtype=torch.int32)
+    live = torch.empty((n_seq, n_heads, n_q_tiles, plan.n_words), dtype=torch.int32, device=q.device)
+    n_sweeps = torch.empty((n_seq, n_heads, n_q_tiles), dtype=torch.int32, device=q.device)
+    result = EntmaxAttnFwdResult(out, tau, lsum, nnz, n_valid, live, n_sweeps, block_m, block_n)
+    if cu_seqlens_q is not None and out.numel() > 0:
+        # rows outside every sequence are never visited
         out.zero_()
         tau.fill_(float("inf"))
         lsum.zero_()
         nnz.zero_()
         n_valid.zero_()
-    if n_q_tiles == 0 or grid_b == 0 or n_heads == 0:
-        return EntmaxAttnFwdResult(out, tau, lsum, nnz, n_valid, live, n_sweeps, block_m, block_n)
+    if n_q_tiles == 0 or n_seq == 0 or n_heads == 0:
+        return result
 
-    alpha = alpha.to(device=device, dtype=torch.float32).contiguous()
-    if bias is not None:
-        bias_strides = bias.stride()
-        bias_arg = bias
-    else:
-        bias_strides = (0, 0, 0, 0)
-        bias_arg = q
-    cu_q = cu_seqlens_q if varlen else q
-    cu_k = cu_seqlens_k if varlen else q
     dropout_p = float(dropout_p)
-    grid = (n_q_tiles, n_heads, grid_b)
-    _entmax_attn_fwd_kernel[grid](
-        q, k, v, out, bias_arg, alpha, tau, lsum, nnz, n_valid, live, n_sweeps, cu_q, cu_k,
-        *q.stride(), *k.stride(), *v.stride(), *out.stride(), *bias_strides,
-        n_heads, n_heads // n_kv_heads, seqlen_q_total, seqlen_k_total, n_q_tiles, n_words,
-        float(scale), tol, max_sweeps, int(seed), dropout_p, 1.0 / (1.0 - dropout_p) if dropout_p < 1 else 0.0,
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_M=block_m, BLOCK_N=block_n,
-        IS_CAUSAL=bool(is_causal), HAS_BIAS=bias is not None, IS_VARLEN=varlen, HAS_DROPOUT=dropout_p > 0,
-        INTERPRET=interpret, DOT_PRECISION=_dot_precision(q.dtype, interpret),
+    _entmax_attn_fwd_kernel[(n_q_tiles, n_heads, n_seq)](
+        **_common.attention_args(q, k, v, alpha, bias, cu_seqlens_q, cu_seqlens_k, scale, is_causal, dropout_p, seed),
+        OUT=out, TAU=tau, LSUM=lsum, NNZ=nnz, N_VALID=n_valid, LIVE=live, N_SWEEPS=n_sweeps,
+        **_common.stride_args("stride_o", out, "bhmd"), n_q_tiles=n_q_tiles, n_words=plan.n_words,
+        tol=DEFAULT_TOL if tol is None else float(tol),
+        max_sweeps=DEFAULT_MAX_SWEEPS if max_sweeps is None else int(max_sweeps),
+        inv_keep=1.0 / (1.0 - dropout_p) if dropout_p < 1 else 0.0, BLOCK_M=block_m, BLOCK_N=block_n,
         num_warps=num_warps, num_stages=num_stages,
     )
-    return EntmaxAttnFwdResult(out, tau, lsum, nnz, n_valid, live, n_sweeps, block_m, block_n)
+    return result

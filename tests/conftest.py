@@ -1,4 +1,4 @@
-"""Test setup: run Triton kernels under the interpreter when there is no GPU.
+"""Test setup: run Triton kernels under the interpreter when there is no GPU, and poison memory.
 
 ``TRITON_INTERPRET`` must be set before any module defining a ``@triton.jit``
 kernel is imported, so it is set here, at collection time.
@@ -37,3 +37,24 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def kernel_device():
     return KERNEL_DEVICE
+
+
+@pytest.fixture
+def poison_uninitialized():
+    """Every ``torch.empty``-like allocation in the test is filled with NaN (floats) or the dtype's max (ints).
+
+    So an output element a kernel fails to write shows up as a mismatch, with no hook in the
+    launchers. Uses torch's deterministic mode (``warn_only``: no op is refused) with
+    ``torch.utils.deterministic.fill_uninitialized_memory``; both settings are restored afterwards.
+    """
+    import torch.utils.deterministic as det
+
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+              det.fill_uninitialized_memory)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    det.fill_uninitialized_memory = True
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        det.fill_uninitialized_memory = before[2]

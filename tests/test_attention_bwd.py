@@ -8,9 +8,12 @@ the reference's threshold ``tau`` rounded to float32 and the matching renormaliz
 import pytest
 import torch
 
+from sparse_attn.attention import entmax_attention
 from sparse_attn.kernels._common import dropout_keep_mask
 from sparse_attn.kernels.entmax_attn_bwd import entmax_attn_bwd
 from sparse_attn.reference import entmax_attention_reference
+
+pytestmark = pytest.mark.usefixtures("poison_uninitialized")
 
 # Max abs error allowed, relative to the largest |reference gradient| of the same tensor.
 # Measured on CPU (interpreter): float32 <= 2e-6 for every alpha in [1, 2] (alpha = 1.0001
@@ -235,15 +238,18 @@ def test_after_fused_forward(alpha, causal, dropout_p, kernel_device):
 
 
 def test_bad_arguments(kernel_device):
+    """User errors are ValueError/TypeError of the public function (the launcher does not re-validate);
+    internal inconsistencies fail the launcher's asserts, which name the argument."""
     case = Case(device=kernel_device, B=1, Hq=2, Hk=2, Nq=16, Nk=16)
     with pytest.raises(ValueError, match="alpha"):
-        entmax_attn_bwd(case.do, case.q, case.k, case.v, case.out, case.tau, case.lsum,
-                        torch.tensor([0.5, 1.5]), 1.0)
-    with pytest.raises(ValueError, match="block_m"):
+        entmax_attention(case.q, case.k, case.v, torch.tensor([0.5, 1.5], device=kernel_device), backend="triton")
+    with pytest.raises(TypeError, match="share one dtype"):
+        entmax_attention(case.q, case.k.half(), case.v, 1.5, backend="triton")
+    with pytest.raises(AssertionError, match="block_m"):
         case.run(live=torch.zeros(1, 2, 1, 1, dtype=torch.int32))
-    with pytest.raises(TypeError, match="k"):
+    with pytest.raises(AssertionError, match="k, v, do, out"):
         entmax_attn_bwd(case.do, case.q, case.k.half(), case.v, case.out, case.tau, case.lsum, case.alpha32, 1.0)
-    with pytest.raises(ValueError, match="tau"):
+    with pytest.raises(AssertionError, match="tau"):
         entmax_attn_bwd(case.do, case.q, case.k, case.v, case.out, case.tau[:, :, :3], case.lsum, case.alpha32, 1.0)
 
 
@@ -293,8 +299,6 @@ def test_empty_inputs(kernel_device):
 
 
 def test_learnable_alpha_training_loop_on_fused_path(kernel_device):
-    from sparse_attn.attention import entmax_attention
-
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 16, 16, generator=gen, dtype=torch.float64) for _ in range(3))
     target = entmax_attention_reference(q, k, v, torch.tensor([1.1, 1.9], dtype=torch.float64), scale=1.0).float()
@@ -315,11 +319,14 @@ def test_learnable_alpha_training_loop_on_fused_path(kernel_device):
 
 
 def test_grid_limits_raise_value_error():
-    """Heads and batch are launch-grid axes 1 and 2 (CUDA caps each at 65535): more must fail clearly."""
+    """Heads and batch are launch-grid axes 1 and 2 (CUDA caps each at 65535): more must fail clearly,
+    in the backward launcher and through the public function."""
     q = torch.zeros(1, 65536, 1, 16)
     stats = torch.zeros(1, 65536, 1)
     with pytest.raises(ValueError, match="65535 heads"):
         entmax_attn_bwd(q, q, q, q, q, stats, stats, 1.5, 1.0)
+    with pytest.raises(ValueError, match="65535 heads"):
+        entmax_attention(q, q, q, 1.5, backend="triton")
 
 
 @pytest.mark.gpu

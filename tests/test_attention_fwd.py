@@ -1,7 +1,7 @@
 """The fused Triton forward (``kernels/entmax_attn_fwd.py``) against the float64 reference.
 
-Every kernel output is allocated poisoned (NaN / a sentinel) by an autouse fixture, so a value
-the kernel fails to write shows up as a mismatch. Errors follow GUIDE §4:
+Every kernel output is allocated poisoned (NaN, or the int32 max) by the ``poison_uninitialized``
+fixture of ``conftest.py``, so a value the kernel fails to write shows up as a mismatch. Errors follow GUIDE §4:
 ``err(kernel) <= 2 * err(reference run in the kernel's dtype) + EPS[dtype]``, both measured
 against the reference on float64 copies of the same (dtype-rounded) inputs.
 """
@@ -15,7 +15,6 @@ import torch
 import triton
 import triton.language as tl
 
-import sparse_attn.kernels.entmax_attn_fwd as fwd_mod
 from sparse_attn.kernels._common import dropout_keep, dropout_keep_mask
 from sparse_attn.kernels.entmax_attn_fwd import DEFAULT_MAX_SWEEPS, entmax_attn_fwd
 from sparse_attn.reference import entmax_attention_reference
@@ -30,18 +29,10 @@ TIE_MARGIN = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
 # A tile may be marked dead only if every reference weight in it is below this.
 DEAD_WEIGHT = 1e-6
 ALPHAS4 = [1.0, 1.25, 1.5, 2.0]
-POISON_INT = -12345
+# what the poison_uninitialized fixture fills int32 outputs with
+POISON_INT = torch.iinfo(torch.int32).max
 
-
-@pytest.fixture(autouse=True)
-def poison_outputs(monkeypatch):
-    """Allocate every kernel output filled with NaN (floats) or a sentinel (ints)."""
-
-    def poisoned(shape, dtype, device):
-        fill = float("nan") if dtype.is_floating_point else POISON_INT
-        return torch.full(shape, fill, dtype=dtype, device=device)
-
-    monkeypatch.setattr(fwd_mod, "_new_output", poisoned)
+pytestmark = pytest.mark.usefixtures("poison_uninitialized")
 
 
 def _rand(shape, gen, dtype, layout="bhnd", mult=1.0):
@@ -108,7 +99,8 @@ def _weights64(s, alpha, tau):
 def _run_case(B=1, Hq=4, Hk=2, Nq=33, Nk=33, D=16, alphas=ALPHAS4, dtype=torch.float32, causal=False,
               bias=None, layout="bhnd", mult=1.0, cu_q=None, cu_k=None, dropout_p=0.0, seed=0, seed_data=0,
               v_ones=False, device="cpu", **kw):
-    """Run kernel (on ``device``) and reference (CPU) on one random problem; check out, tau, lsum, nnz, n_valid, live."""
+    """Run kernel (on ``device``) and reference (CPU) on one random problem; check out, tau, lsum, nnz, n_valid,
+    live."""
     gen = torch.Generator().manual_seed(seed_data)
     if cu_q is not None:
         cu_q, cu_k = torch.tensor(cu_q, dtype=torch.int32), torch.tensor(cu_k, dtype=torch.int32)
@@ -218,7 +210,8 @@ def test_matches_reference_mixed_alpha(B, Hq, Hk, Nq, Nk, D, causal, kernel_devi
 
 @pytest.mark.parametrize("alpha", [1.0, 1.25, 1.5, 2.0])
 def test_single_alpha_small_tiles(alpha, kernel_device):
-    _run_case(device=kernel_device, Hq=2, Hk=1, Nq=40, Nk=70, D=16, alphas=[alpha, alpha], causal=alpha > 1.3, block_m=16, block_n=16)
+    _run_case(device=kernel_device, Hq=2, Hk=1, Nq=40, Nk=70, D=16, alphas=[alpha, alpha], causal=alpha > 1.3,
+              block_m=16, block_n=16)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -241,7 +234,8 @@ def test_scores_scaled_100(kernel_device):
 
 
 def test_rows_sum_to_one(kernel_device):
-    res, _, valid = _run_case(device=kernel_device, Nq=50, Nk=70, D=16, v_ones=True, causal=True, bias=_padding_bias, tol=1e-2)
+    res, _, valid = _run_case(device=kernel_device, Nq=50, Nk=70, D=16, v_ones=True, causal=True, bias=_padding_bias,
+                              tol=1e-2)
     rows = res.out[..., 0].double()
     assert torch.allclose(rows[valid], torch.ones_like(rows[valid]), atol=1e-6)
     assert (rows[~valid] == 0).all()
@@ -256,7 +250,8 @@ def test_fully_masked_and_empty(kernel_device):
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_varlen(causal, kernel_device):
-    _run_case(device=kernel_device, cu_q=[0, 5, 5, 38, 55], cu_k=[0, 7, 10, 50, 50], D=16, causal=causal, block_m=16, block_n=16)
+    _run_case(device=kernel_device, cu_q=[0, 5, 5, 38, 55], cu_k=[0, 7, 10, 50, 50], D=16, causal=causal, block_m=16,
+              block_n=16)
 
 
 def test_dropout_matches_replayed_mask(kernel_device):
@@ -269,7 +264,8 @@ def test_dropout_varlen(kernel_device):
 
 def test_dead_tiles_are_skipped_and_bitmap_words(kernel_device):
     """Sharp sparsemax over 40 key tiles (two bitmap words): many tiles die, none wrongly."""
-    res, p64, _ = _run_case(device=kernel_device, Hq=2, Hk=1, Nq=16, Nk=640, D=16, alphas=[2.0, 1.5], mult=2.0, block_m=16, block_n=16)
+    res, p64, _ = _run_case(device=kernel_device, Hq=2, Hk=1, Nq=16, Nk=640, D=16, alphas=[2.0, 1.5], mult=2.0,
+                            block_m=16, block_n=16)
     assert res.live.shape[-1] == 2
     n_live = sum(bin(int(w) & 0xFFFFFFFF).count("1") for w in res.live.flatten().tolist())
     assert n_live < 2 * 40
@@ -302,7 +298,8 @@ def test_near_alpha_one_accurate(alpha, kernel_device):
     _check_close("out", res.out, out64, out32, torch.float32, eps=EPS_NEAR_ONE)
     assert (res.n_sweeps < DEFAULT_MAX_SWEEPS).all(), f"sweeps {res.n_sweeps.max().item()} hit the cap"
     am1 = al.double().view(1, -1, 1, 1) - 1
-    lsum64 = ((am1 * _scores64(q, k, scale, None, False) - res.tau.double()[..., None]).clamp_min(0) ** (1 / am1)).sum(-1)
+    r64 = (am1 * _scores64(q, k, scale, None, False) - res.tau.double()[..., None]).clamp_min(0)
+    lsum64 = (r64 ** (1 / am1)).sum(-1)
     assert torch.allclose(res.lsum.double(), lsum64, rtol=1e-5, atol=0), "lsum does not match the saved tau"
 
 
@@ -344,25 +341,29 @@ from triton.compiler import ASTSource
 import triton
 import sparse_attn.kernels.entmax_attn_fwd as fwd
 import sparse_attn.kernels.entmax_attn_bwd as bwd
+from sparse_attn.kernels._masking import mask_spec
 which = sys.argv[1]
-lowp = {"Q", "K", "V", "Out", "DO", "OUT", "DQ", "DK", "DV"}
-ints = {"Nnz", "NValid", "Live", "NSweeps", "CuSeqQ", "CuSeqK", "LIVE", "CU_Q", "CU_K"}
-floats = {"scale", "tol", "dropout_p", "inv_keep", "p_drop"}
-flags = dict(IS_CAUSAL=True, HAS_BIAS=True, IS_VARLEN=True, HAS_DROPOUT=True, DOT_PRECISION="tf32")
+lowp = {"Q", "K", "V", "OUT", "DO", "DQ", "DK", "DV"}
+ints = {"NNZ", "N_VALID", "LIVE", "N_SWEEPS", "CU_SEQLENS_Q", "CU_SEQLENS_K"}
+floats = {"scale", "tol", "dropout_p", "inv_keep"}
+flags = dict(HAS_BIAS=True, IS_VARLEN=True, HAS_DROPOUT=True, UPCAST=False, DOT_PRECISION="tf32", HEAD_DIM=80,
+             BLOCK_D=128, BLOCK_M=64, BLOCK_N=64)
+mask = mask_spec(True)
 if which == "fwd":
     kernel = fwd._entmax_attn_fwd_kernel
-    const = dict(HEAD_DIM=80, HEAD_DIM_PAD=128, BLOCK_M=64, BLOCK_N=64, INTERPRET=False, **flags)
+    const = flags
     options = {"num_warps": 8}
 else:
     kernel = getattr(bwd, "_entmax_attn_bwd_%s_kernel" % which)
-    const = dict(HEAD_DIM=80, BLOCK_D=128, BLOCK_M=64, BLOCK_N=64, HAS_LIVE=True, UPCAST=False,
-                 NEED_DALPHA=True, NEED_DBIAS=True, NEED_DBIAS_ROWS=True, NEED_DBIAS_COLS=True, **flags)
+    const = dict(HAS_LIVE=True, NEED_DALPHA=True, NEED_DBIAS=True, NEED_DBIAS_ROWS=True, NEED_DBIAS_COLS=True, **flags)
     options = {"num_warps": 8, "num_stages": 1}
 names = kernel.arg_names
 const = {n: v for n, v in const.items() if n in names}
 
 
 def sig(n):
+    if n == "MASK":
+        return ("constexpr",) * len(mask)
     if n in const:
         return "constexpr"
     if n in floats:
@@ -372,8 +373,9 @@ def sig(n):
     return "i32"
 
 
-src = ASTSource(fn=kernel, signature={n: sig(n) for n in names},
-                constexprs={(names.index(n),): v for n, v in const.items()})
+constexprs = {(names.index(n),): v for n, v in const.items()}
+constexprs.update({(names.index("MASK"), i): v for i, v in enumerate(mask)})
+src = ASTSource(fn=kernel, signature={n: sig(n) for n in names}, constexprs=constexprs)
 compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 assert compiled.asm["cubin"]
 print("built")
@@ -393,11 +395,11 @@ def test_compiles_for_sm90(which):
 
 
 @triton.jit
-def _two_row_keep_kernel(Out, seed, row_a, row_b, n_cols, p_drop, BLOCK_N: tl.constexpr):
+def _two_row_keep_kernel(OUT, seed, row_a, row_b, n_cols, dropout_p, BLOCK_N: tl.constexpr):
     cols = tl.arange(0, BLOCK_N)
     rows = tl.where(tl.arange(0, 2) == 0, row_a, row_b)
-    keep = dropout_keep(seed, 0, rows, cols, n_cols, p_drop)
-    tl.store(Out + tl.arange(0, 2)[:, None] * BLOCK_N + cols[None, :], keep.to(tl.int8))
+    keep = dropout_keep(seed, 0, rows, cols, n_cols, dropout_p)
+    tl.store(OUT + tl.arange(0, 2)[:, None] * BLOCK_N + cols[None, :], keep.to(tl.int8))
 
 
 def test_dropout_streams_do_not_wrap_past_2_pow_31(kernel_device):
