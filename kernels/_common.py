@@ -37,9 +37,13 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 def attention_args(q, k, v, alpha, bias, cu_seqlens_q, cu_seqlens_k, scale, is_causal, dropout_p, seed) -> dict:
     """The keyword arguments every attention kernel (forward, dQ, dK/dV, d bias) takes, named as in
-    CONTRIBUTING.md ("Naming in kernels/"). ``bias`` is broadcast to ``(B, Hq, Nq, Nk)`` by zero strides."""
+    CONTRIBUTING.md ("Naming in kernels/"). ``bias`` (an additive float mask, or a boolean / uint8 keep mask
+    read as is: ``BIAS_KIND`` 1 or 2) is broadcast to ``(B, Hq, Nq, Nk)`` by zero strides."""
     is_varlen = cu_seqlens_q is not None
     head_dim = q.shape[3]
+    bias_kind = 0 if bias is None else 2 if bias.dtype in (torch.bool, torch.uint8) else 1
+    if bias is not None and bias.dtype == torch.bool:
+        bias = bias.view(torch.uint8)
     bias_full = None if bias is None else bias.expand(*q.shape[:3], k.shape[2])
     return dict(
         Q=q, K=k, V=v, ALPHA=alpha_arg(alpha, q.shape[1], q.device), BIAS=q if bias is None else bias_full,
@@ -48,7 +52,7 @@ def attention_args(q, k, v, alpha, bias, cu_seqlens_q, cu_seqlens_k, scale, is_c
         **stride_args("stride_v", v, "bhnd"), **bias_stride_args(bias_full),
         n_heads=q.shape[1], kv_group=q.shape[1] // k.shape[1], total_q=q.shape[2], total_k=k.shape[2],
         scale=float(scale), dropout_p=float(dropout_p), seed=int(seed) & 0x7FFFFFFF, MASK=mask_spec(is_causal),
-        HEAD_DIM=head_dim, BLOCK_D=head_dim_block(head_dim), HAS_BIAS=bias is not None, IS_VARLEN=is_varlen,
+        HEAD_DIM=head_dim, BLOCK_D=head_dim_block(head_dim), BIAS_KIND=bias_kind, IS_VARLEN=is_varlen,
         HAS_DROPOUT=float(dropout_p) > 0.0, UPCAST=interpreting(), DOT_PRECISION=dot_precision(q.dtype),
     )
 

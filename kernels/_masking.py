@@ -150,15 +150,20 @@ def visible(rows, cols, seqlen_q, seqlen_k, MASK):
 
 @triton.jit
 def mask_scores(s, rows, cols, seqlen_q, seqlen_k, bias_base, stride_bias_m, stride_bias_n, bias_scale, MASK,
-                HAS_BIAS: tl.constexpr):
+                BIAS_KIND: tl.constexpr):
     """Scores ``s + bias_scale * bias`` where :func:`visible`, ``-inf`` elsewhere. ``[BLOCK_M, BLOCK_N]``
 
-    ``bias_base`` points at the bias of row 0, key 0 of this sequence and head.
+    ``BIAS_KIND``: 0 no mask, 1 an additive float mask, 2 a boolean keep mask read as uint8 (nonzero =
+    may attend; never converted to a float tensor). ``bias_base`` points at the mask of row 0, key 0 of
+    this sequence and head.
     """
     ok = visible(rows, cols, seqlen_q, seqlen_k, MASK)
-    if HAS_BIAS:
+    if BIAS_KIND != 0:
         bias_ptrs = bias_base + rows.to(tl.int64)[:, None] * stride_bias_m + cols.to(tl.int64)[None, :] * stride_bias_n
-        s = s + tl.load(bias_ptrs, mask=ok, other=0.0).to(tl.float32) * bias_scale
+        if BIAS_KIND == 2:
+            ok = ok & (tl.load(bias_ptrs, mask=ok, other=0) != 0)
+        else:
+            s = s + tl.load(bias_ptrs, mask=ok, other=0.0).to(tl.float32) * bias_scale
     return tl.where(ok, s, float("-inf"))
 
 

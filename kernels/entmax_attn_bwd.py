@@ -97,12 +97,12 @@ def _dalpha_terms(p, u, alpha):
 def _tile(
     q, do, k, v, tau, cu, cp, delta, alpha, scale, bias_base, stride_bias_m, stride_bias_n, rows, cols, seqlen_q,
     seqlen_k, rows_global, cols_global, total_k, seed, bh, dropout_p, MASK,
-    HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BIAS_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Recompute one tile: weights ``p``, ``U``, ``dP``, the dropped weights ``pd`` and
     ``dS = U (dP - delta)``, all ``[BLOCK_M, BLOCK_N]`` (``delta [BLOCK_M]``)."""
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
-    s = mask_scores(s, rows, cols, seqlen_q, seqlen_k, bias_base, stride_bias_m, stride_bias_n, 1.0, MASK, HAS_BIAS)
+    s = mask_scores(s, rows, cols, seqlen_q, seqlen_k, bias_base, stride_bias_m, stride_bias_n, 1.0, MASK, BIAS_KIND)
     p, u = _weights(s, tau, cu, cp, alpha)
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
     if HAS_DROPOUT:
@@ -136,7 +136,7 @@ def _key_tile(
     kt, q, do, tau, cu, cp, delta, alpha, scale, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
     bias_base, stride_bias_m, stride_bias_n, rows, rows_global, seqlen_q, seqlen_k, k_start, total_k, offs_d, d_ok,
     seed, bh, dropout_p, MASK,
-    HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BIAS_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     """Key tile ``kt`` of a query tile: loads its K/V rows and recomputes it with ``_tile``.
@@ -149,7 +149,7 @@ def _key_tile(
     v = load_rows(v_base, cols, offs_d, stride_vn, stride_vd, col_ok, d_ok, UPCAST)
     p, u, dp, pd, ds = _tile(
         q, do, k, v, tau, cu, cp, delta, alpha, scale, bias_base, stride_bias_m, stride_bias_n, rows, cols, seqlen_q,
-        seqlen_k, rows_global, cols_global, total_k, seed, bh, dropout_p, MASK, HAS_BIAS, HAS_DROPOUT, DOT_PRECISION,
+        seqlen_k, rows_global, cols_global, total_k, seed, bh, dropout_p, MASK, BIAS_KIND, HAS_DROPOUT, DOT_PRECISION,
     )
     return p, u, dp, pd, ds, k, cols_global, col_ok
 
@@ -176,7 +176,7 @@ def _row_sums(
     q, do, tau, valid, alpha, scale, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
     bias_base, stride_bias_m, stride_bias_n, live_row, kt_lo, kt_hi, rows, rows_global, seqlen_q, seqlen_k, k_start,
     total_k, offs_d, d_ok, seed, bh, dropout_p, MASK,
-    HAS_BIAS: tl.constexpr, HAS_LIVE: tl.constexpr, HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr,
+    BIAS_KIND: tl.constexpr, HAS_LIVE: tl.constexpr, HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Sweep 1 (alpha > 1): per-row ``L = sum r^beta``, ``sum r^(beta-1)`` and ``sum r^(beta-1) dP``,
@@ -190,7 +190,7 @@ def _row_sums(
             p, u, dp, pd, ds, k, cols_global, col_ok = _key_tile(
                 kt, q, do, tau, valid, valid, valid, alpha, scale, k_base, v_base, stride_kn, stride_kd, stride_vn,
                 stride_vd, bias_base, stride_bias_m, stride_bias_n, rows, rows_global, seqlen_q, seqlen_k, k_start,
-                total_k, offs_d, d_ok, seed, bh, dropout_p, MASK, HAS_BIAS, HAS_DROPOUT, UPCAST, DOT_PRECISION,
+                total_k, offs_d, d_ok, seed, bh, dropout_p, MASK, BIAS_KIND, HAS_DROPOUT, UPCAST, DOT_PRECISION,
                 BLOCK_N,
             )
             l_sum += tl.sum(p, 1)
@@ -208,7 +208,7 @@ def _entmax_attn_bwd_dq_kernel(
     stride_ob, stride_oh, stride_om, stride_od, stride_dqb, stride_dqh, stride_dqm, stride_dqd,
     stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n, stride_live_b, stride_live_h, stride_live_m,
     n_heads, kv_group, total_q, total_k, scale, dropout_p, seed, MASK,
-    IS_VARLEN: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LIVE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    IS_VARLEN: tl.constexpr, BIAS_KIND: tl.constexpr, HAS_LIVE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     NEED_DALPHA: tl.constexpr, NEED_DBIAS: tl.constexpr, NEED_DBIAS_ROWS: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -252,7 +252,7 @@ def _entmax_attn_bwd_dq_kernel(
             q, do, tau, tl.where(lsum > 0.0, 1.0, 0.0), alpha, scale, k_base, v_base, stride_kn, stride_kd,
             stride_vn, stride_vd, bias_base, stride_bias_m, stride_bias_n, live_row, kt_lo, kt_hi, rows, rows_global,
             seqlen_q, seqlen_k, k_start, total_k, offs_d, d_ok, seed, bh, dropout_p, MASK,
-            HAS_BIAS, HAS_LIVE, HAS_DROPOUT, UPCAST, DOT_PRECISION, BLOCK_M, BLOCK_N,
+            BIAS_KIND, HAS_LIVE, HAS_DROPOUT, UPCAST, DOT_PRECISION, BLOCK_M, BLOCK_N,
         )
         has_u = su > 0.0
         delta = tl.where(has_u, sud / tl.where(has_u, su, 1.0), 0.0)
@@ -274,7 +274,7 @@ def _entmax_attn_bwd_dq_kernel(
             p, u, dp, pd, ds, k, cols_global, col_ok = _key_tile(
                 kt, q, do, tau, cu, cp, delta, alpha, scale, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
                 bias_base, stride_bias_m, stride_bias_n, rows, rows_global, seqlen_q, seqlen_k, k_start, total_k,
-                offs_d, d_ok, seed, bh, dropout_p, MASK, HAS_BIAS, HAS_DROPOUT, UPCAST, DOT_PRECISION, BLOCK_N,
+                offs_d, d_ok, seed, bh, dropout_p, MASK, BIAS_KIND, HAS_DROPOUT, UPCAST, DOT_PRECISION, BLOCK_N,
             )
             dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
             if NEED_DBIAS:
@@ -311,7 +311,7 @@ def _entmax_attn_bwd_dkdv_kernel(
     stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn, stride_dvd,
     stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n, stride_live_b, stride_live_h, stride_live_m,
     n_heads, kv_group, total_q, total_k, scale, dropout_p, seed, MASK,
-    IS_VARLEN: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LIVE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    IS_VARLEN: tl.constexpr, BIAS_KIND: tl.constexpr, HAS_LIVE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     NEED_DBIAS_COLS: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -351,7 +351,7 @@ def _entmax_attn_bwd_dkdv_kernel(
                 )
                 p, u, dp, pd, ds = _tile(
                     q, do, k, v, tau, cu, cp, delta, alpha, scale, bias_base, stride_bias_m, stride_bias_n, rows, cols,
-                    seqlen_q, seqlen_k, rows_global, cols_global, total_k, seed, bh, dropout_p, MASK, HAS_BIAS,
+                    seqlen_q, seqlen_k, rows_global, cols_global, total_k, seed, bh, dropout_p, MASK, BIAS_KIND,
                     HAS_DROPOUT, DOT_PRECISION,
                 )
                 dv += tl.dot(tl.trans(pd).to(do.dtype), do, input_precision=DOT_PRECISION)
@@ -374,7 +374,7 @@ def _entmax_attn_bwd_dbias_kernel(
     stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n, stride_live_b, stride_live_h, stride_live_m,
     stride_dbias_b, stride_dbias_h,
     n_heads, kv_group, total_q, total_k, scale, dropout_p, seed, MASK, n_b_loop, n_h_loop,
-    IS_VARLEN: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LIVE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    IS_VARLEN: tl.constexpr, BIAS_KIND: tl.constexpr, HAS_LIVE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -417,7 +417,7 @@ def _entmax_attn_bwd_dbias_kernel(
                     p, u, dp, pd, ds, k, cols_global, col_ok = _key_tile(
                         kt, q, do, tau, cu, cp, delta, alpha, scale, k_base, v_base, stride_kn, stride_kd, stride_vn,
                         stride_vd, bias_base, stride_bias_m, stride_bias_n, rows, rows_global, seqlen_q, seqlen_k,
-                        k_start, total_k, offs_d, d_ok, seed, bh, dropout_p, MASK, HAS_BIAS, HAS_DROPOUT, UPCAST,
+                        k_start, total_k, offs_d, d_ok, seed, bh, dropout_p, MASK, BIAS_KIND, HAS_DROPOUT, UPCAST,
                         DOT_PRECISION, BLOCK_N,
                     )
                     ptrs = dbias_base + rows_global.to(tl.int64)[:, None] * total_k + cols_global.to(tl.int64)[None, :]

@@ -1,20 +1,24 @@
-"""Fused forward of alpha-entmax attention: every sweep over K in one Triton launch.
+"""Fused forward of alpha-entmax attention: every pass over K in one Triton launch.
 
-One program owns one query tile of one (batch or sequence, head). It computes, tile by tile
-and without storing the scores:
+One program owns one query tile of one (batch or sequence, head). It computes, tile by tile and
+without storing the scores ``z = (alpha - 1) * s``:
 
-1. a first sweep for the row maximum ``m`` of ``z = (alpha - 1) * s`` and the number of valid
-   keys (alpha == 1 instead runs the whole flash-style online softmax in this single sweep);
-2. Newton sweeps on the Tsallis norm ``f(tau)^(1/beta) - 1`` from ``tau = m - 1``, which are
-   monotone from the left, so key tiles found with ``z <= tau`` for every row are marked dead in
-   the liveness bitmap and skipped from then on; they stop once every row of the tile has
-   ``|f(tau) - 1| <= tol`` (then one last Newton update is applied);
-3. a value sweep over the live tiles accumulating ``sum_j p_ij v_j`` and ``sum_j p_ij``, divided
-   at the end so that every row sums to one.
+1. a **grid pass** over the visible key tiles: the row maximum ``m``, the number of valid keys
+   and ``f``, ``g`` (and the key count) at ``GRID_K`` absolute points ``i / (GRID_K - 1)`` just below
+   the running maximum, kept in a ring so that they are exact over all keys when the pass ends;
+   key tiles with every score below the lowest point are dead (the threshold is at least ``m - 1``);
+2. **candidate passes** over the live tiles, only while some row of the tile has not pinned its
+   threshold down to the dtype's tolerance: ``f``, ``g`` at ``CAND_P`` points of the certified bracket
+   (kernels/_threshold.py), tiles with no score above the certified lower bound marked dead;
+3. a **value pass** over the live tiles accumulating ``sum_j p_ij v_j`` and ``sum_j p_ij``, divided at
+   the end so that every row sums to one.
 
-The derivation, the stopping rule and the cost model are in ``docs/kernels.md``; the
-conventions (statistics, bitmap layout, varlen, causal alignment, GQA, dropout) in
-``docs/design.md``.
+alpha == 1 instead runs the whole flash-style online softmax in one pass. The alpha class
+(softmax, sparsemax, 1.5-entmax, other alpha, or mixed per head with a run-time branch) is a
+compile-time constant. Later passes walk the liveness bitmap word by word and visit only the set
+bits, with no branch per tile. The derivation, the measured pass counts and the cost model are in
+``docs/kernels.md``; the conventions (statistics, bitmap layout, varlen, causal alignment, GQA,
+dropout) in ``docs/design.md``.
 """
 
 from __future__ import annotations
@@ -26,26 +30,37 @@ import triton
 import triton.language as tl
 
 from . import _common, _masking
-from ._common import LN2, LOG2E, bias_base_ptr, dropout_keep, load_rows, log2_1p, slice_base
+from ._common import LN2, LOG2E, bias_base_ptr, dropout_keep, load_rows, slice_base
 from ._masking import key_tile_range, mask_scores, seq_bounds
+from ._threshold import log_ref, merge_point, phi, point_sums, solve, weights
 
-DEFAULT_TOL = 1e-3
-DEFAULT_MAX_SWEEPS = 32
+DEFAULT_MAX_PASSES = 32
+# Stop refining a row's threshold once its certified bracket is this narrow (relative to 1 + |tau|):
+# the value pass renormalizes, and half-precision outputs round far above these (docs/kernels.md).
+_TOLERANCE = {torch.float16: 3e-4, torch.bfloat16: 1e-3, torch.float32: 1e-6}
 
+# ALPHA_CLASS values: one compiled path, or a run-time branch per head (MIXED)
+SOFTMAX, SPARSEMAX, ENTMAX15, GENERAL, MIXED = 0, 1, 2, 3, 4
+ALPHA_CLASSES = {"softmax": SOFTMAX, "sparsemax": SPARSEMAX, "entmax15": ENTMAX15, "general": GENERAL,
+                 "mixed": MIXED}
+# (grid points, candidate points per later pass) by threshold arithmetic (POW 1: alpha = 2, 2: alpha = 1.5,
+# 0: other alpha); chosen in docs/kernels.md from the pass counts and the per-score cost model
+_POINTS = {1: (8, 4), 2: (8, 1), 0: (4, 1)}
 
 class EntmaxAttnFwdResult(NamedTuple):
     """What :func:`entmax_attn_fwd` returns.
 
-    out:      ``(B, Hq, Nq, D)`` in ``q.dtype``.
-    tau:      float32 ``(B, Hq, Nq)``, threshold in the z-scale (logsumexp of the scores at alpha == 1),
-              ``+inf`` for rows with no valid key.
-    lsum:     float32 ``(B, Hq, Nq)``, ``sum_j [z_ij - tau_i]_+^beta`` (1 at alpha == 1, 0 for empty rows).
-    nnz:      int32 ``(B, Hq, Nq)``, support size (number of valid keys at alpha == 1).
-    n_valid:  int32 ``(B, Hq, Nq)``, number of keys the row may attend to (not masked).
-    live:     int32 ``(B_or_nseq, Hq, cdiv(max_seqlen_q, block_m), cdiv(cdiv(max_seqlen_k, block_n), 32))``
-              tile liveness bitmap (docs/design.md).
-    n_sweeps: int32 ``(B_or_nseq, Hq, cdiv(max_seqlen_q, block_m))``, Newton sweeps done per query tile
-              (0 at alpha == 1); the kernel makes ``n_sweeps + 2`` passes over K when alpha > 1, one otherwise.
+    out:         ``(B, Hq, Nq, D)`` in ``q.dtype``.
+    tau:         float32 ``(B, Hq, Nq)``, threshold in the z-scale (logsumexp of the scores at alpha == 1),
+                 ``+inf`` for rows with no valid key, NaN for rows with a NaN or ``+inf`` score.
+    lsum:        float32 ``(B, Hq, Nq)``, ``sum_j [z_ij - tau_i]_+^beta`` (1 at alpha == 1, 0 for empty rows).
+    nnz:         int32 ``(B, Hq, Nq)``, support size (number of valid keys at alpha == 1).
+    n_valid:     int32 ``(B, Hq, Nq)``, number of keys the row may attend to (not masked).
+    live:        int32 ``(B_or_nseq, Hq, cdiv(max_seqlen_q, block_m), cdiv(cdiv(max_seqlen_k, block_n), 32))``
+                 tile liveness bitmap (docs/design.md).
+    n_passes:    int32 ``(B_or_nseq, Hq, cdiv(max_seqlen_q, block_m))``, passes over the key range per query
+                 tile, the grid pass and the value pass included (1 at alpha == 1).
+    tile_visits: int32, same shape, key tiles loaded per query tile, summed over all passes.
     block_m, block_n: the tile sizes used (the backward must use the same).
     """
 
@@ -55,15 +70,16 @@ class EntmaxAttnFwdResult(NamedTuple):
     nnz: torch.Tensor
     n_valid: torch.Tensor
     live: torch.Tensor
-    n_sweeps: torch.Tensor
+    n_passes: torch.Tensor
+    tile_visits: torch.Tensor
     block_m: int
     block_n: int
 
 
 @triton.jit
 def _score_tile(q, k_base, bias_base, rows, cols, seqlen_q, seqlen_k, stride_kn, stride_kd, stride_bias_m,
-                stride_bias_n, z_scale, bias_scale, MASK, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                stride_bias_n, z_scale, bias_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                BIAS_KIND: tl.constexpr, MASK, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Scores ``z_scale * q.k + bias_scale * bias`` of one tile, ``-inf`` where masked. [BLOCK_M, BLOCK_N]"""
     offs_d = tl.arange(0, BLOCK_D)
     k_ptrs = k_base + cols.to(tl.int64)[None, :] * stride_kn + offs_d.to(tl.int64)[:, None] * stride_kd
@@ -72,7 +88,7 @@ def _score_tile(q, k_base, bias_base, rows, cols, seqlen_q, seqlen_k, stride_kn,
         k = k.to(tl.float32)
     z = tl.dot(q, k, input_precision=DOT_PRECISION) * z_scale
     return mask_scores(z, rows, cols, seqlen_q, seqlen_k, bias_base, stride_bias_m, stride_bias_n, bias_scale, MASK,
-                       HAS_BIAS)
+                       BIAS_KIND)
 
 
 @triton.jit
@@ -93,212 +109,324 @@ def _apply_dropout(p, seed, bh, rows_global, cols_global, total_k, dropout_p, in
 
 
 @triton.jit
-def _tsallis_terms(x, beta, pow_kind):
-    """``[r]_+^beta``, ``[r]_+^(beta - 1)`` and ``r > 0`` for ``r = z - tau``. [BLOCK_M, BLOCK_N] each
-
-    ``pow_kind`` 1 (beta = 1) and 2 (beta = 2) take ``x = r`` and use no transcendental function.
-    The general path takes ``x = r - 1 = z - (tau + 1)`` and forms ``log r = log1p(x)``: near
-    alpha = 1, ``r`` is within O(alpha - 1) of 1 and rounding it would cost ``beta`` ulps in ``p``.
-    """
-    if pow_kind == 1:
-        pos = x > 0
-        p = tl.where(pos, x, 0.0)
-        g = pos.to(tl.float32)
-    elif pow_kind == 2:
-        pos = x > 0
-        g = tl.where(pos, x, 0.0)
-        p = g * g
-    else:
-        pos = x > -1.0
-        w = tl.where(pos, x, 0.0)
-        g = tl.where(pos, tl.exp2((beta - 1.0) * log2_1p(w)), 0.0)
-        p = g * (1.0 + w)
-    return p, g, pos
+def _word_bits(word):
+    """Bits ``[32]`` of a liveness word, their exclusive prefix counts and the number set."""
+    bits = (word >> tl.arange(0, 32)) & 1
+    return bits, tl.cumsum(bits, 0) - bits, tl.sum(bits, 0)
 
 
 @triton.jit
-def _newton_step(f, g, beta, pow_kind):
-    """Newton step on ``f^(1/beta) - 1`` given ``f = sum [z - tau]_+^beta``, ``g = sum [z - tau]_+^(beta-1)``."""
-    f_safe = tl.where(f > 0, f, 1.0)
-    if pow_kind == 1:
-        root = tl.full(f.shape, 1.0, tl.float32)
-    elif pow_kind == 2:
-        root = tl.sqrt(f_safe)
-    else:
-        root = tl.exp2((1.0 - 1.0 / beta) * tl.log2(f_safe))
-    return tl.where(g > 0, (f - root) / tl.where(g > 0, g, 1.0), 0.0)
+def _live_tile(word_bits, word_rank, i, w):
+    """Key tile of the ``i``-th set bit of liveness word ``w`` (``word_bits``/``word_rank`` from ``_word_bits``)."""
+    lane = tl.arange(0, 32)
+    return w * 32 + tl.sum(tl.where((word_bits != 0) & (word_rank == i), lane, 0), 0)
 
 
 @triton.jit
-def _softmax_forward(q, k_base, v_base, bias_base, o_ptrs, o_mask, rows, rows_global, seqlen_q, seqlen_k, kt_lo, kt_hi,
-                     n_words, live_base, stat_offs, TAU, LSUM, NNZ, N_VALID, sweep_ptr, scale,
-                     seed, bh, k_start, total_k, dropout_p, inv_keep,
-                     stride_kn, stride_kd, stride_vn, stride_vd, stride_bias_m, stride_bias_n, MASK,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                     HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr,
-                     DOT_PRECISION: tl.constexpr):
-    """alpha == 1: one online-softmax sweep (base-2 exponentials); writes out, stats and the bitmap."""
+def _softmax_rows(q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, kt_hi,
+                  live_base, scale, seed, bh, q_start, k_start, total_k, dropout_p, inv_keep,
+                  stride_kn, stride_kd, stride_vn, stride_vd, stride_bias_m, stride_bias_n,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  BLOCK_D: tl.constexpr, BIAS_KIND: tl.constexpr, MASK,
+                  HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """alpha == 1: one online-softmax pass (base-2 exponentials). Returns ``(out, tau, lsum, nnz, n_valid, visits)``."""
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_sum = tl.zeros([BLOCK_M], tl.float32)
     n_valid = tl.zeros([BLOCK_M], tl.int32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for w in range(0, n_words):
-        word = tl.zeros([], tl.int32)
-        for kt in range(tl.maximum(w * 32, kt_lo), tl.minimum(w * 32 + 32, kt_hi)):
-            cols = kt * BLOCK_N + tl.arange(0, BLOCK_N)
-            s = _score_tile(q, k_base, bias_base, rows, cols, seqlen_q, seqlen_k, stride_kn, stride_kd, stride_bias_m,
-                            stride_bias_n, scale * LOG2E, LOG2E, MASK, HEAD_DIM, BLOCK_D, HAS_BIAS, UPCAST,
-                            DOT_PRECISION)
-            ok = s > float("-inf")
-            m_new = tl.maximum(m, tl.max(s, 1))
-            m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
-            corr = tl.exp2(m - m_safe)
-            p = tl.exp2(s - m_safe[:, None])
-            l_sum = l_sum * corr + tl.sum(p, 1)
-            n_valid += tl.sum(ok.to(tl.int32), 1)
-            word = word | (tl.max(ok.to(tl.int32)) << (kt - w * 32))
-            p = _apply_dropout(p, seed, bh, rows_global, k_start + cols, total_k, dropout_p, inv_keep, HAS_DROPOUT)
-            v = _value_tile(v_base, cols, seqlen_k, stride_vn, stride_vd, HEAD_DIM, BLOCK_D, UPCAST)
-            acc = acc * corr[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-            m = m_new
-        tl.store(live_base + w, word)
+    word = tl.zeros([], tl.int32)
+    for kt in range(kt_lo, kt_hi):
+        cols = kt * BLOCK_N + tl.arange(0, BLOCK_N)
+        s = _score_tile(q, k_base, bias_base, rows, cols, seqlen_q, seqlen_k,
+                        stride_kn, stride_kd, stride_bias_m, stride_bias_n, scale * LOG2E, LOG2E,
+                        HEAD_DIM, BLOCK_D, BIAS_KIND, MASK, UPCAST, DOT_PRECISION)
+        ok = s > float("-inf")
+        m_new = tl.maximum(m, tl.max(s, 1))
+        m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
+        corr = tl.exp2(m - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_sum = l_sum * corr + tl.sum(p, 1)
+        n_valid += tl.sum(ok.to(tl.int32), 1)
+        lane = kt % 32
+        word = tl.where(lane == 0, 0, word) | (tl.max(ok.to(tl.int32)) << lane)
+        tl.store(live_base + kt // 32, word)
+        p = _apply_dropout(p, seed, bh, q_start + rows, k_start + cols, total_k, dropout_p, inv_keep,
+                           HAS_DROPOUT)
+        v = _value_tile(v_base, cols, seqlen_k, stride_vn, stride_vd, HEAD_DIM, BLOCK_D, UPCAST)
+        acc = acc * corr[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m = m_new
     valid = n_valid > 0
     l_safe = tl.where(valid, l_sum, 1.0)
     out = acc / l_safe[:, None]
-    row_ok = rows < seqlen_q
-    tl.store(o_ptrs, out.to(o_ptrs.dtype.element_ty), mask=o_mask)
-    tl.store(TAU + stat_offs, tl.where(valid, (m + tl.log2(l_safe)) * LN2, float("inf")), mask=row_ok)
-    tl.store(LSUM + stat_offs, tl.where(valid, 1.0, 0.0), mask=row_ok)
-    tl.store(NNZ + stat_offs, n_valid, mask=row_ok)
-    tl.store(N_VALID + stat_offs, n_valid, mask=row_ok)
-    tl.store(sweep_ptr, 0)
+    tau = tl.where(valid, (m + tl.log2(l_safe)) * LN2, float("inf"))
+    return out, tau, tl.where(valid, 1.0, 0.0), n_valid, n_valid, kt_hi - kt_lo
 
 
 @triton.jit
-def _live_sweep(q, tau, beta, k_base, v_base, bias_base, rows, rows_global, seqlen_q, seqlen_k, kt_lo, kt_hi,
-                live_base, z_scale, bias_scale, pow_kind, seed, bh, k_start, total_k, dropout_p, inv_keep,
-                stride_kn, stride_kd, stride_vn, stride_vd, stride_bias_m, stride_bias_n, MASK,
-                VALUES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr,
-                DOT_PRECISION: tl.constexpr):
-    """One pass over the live key tiles at threshold ``tau``, re-marking tiles with no ``z > tau`` dead.
+def _entmax_rows(q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, kt_hi,
+                 n_words, live_base, scale, alpha, tol, max_passes, seed, bh, q_start, k_start, total_k,
+                 dropout_p, inv_keep,
+                 stride_kn, stride_kd, stride_vn, stride_vd, stride_bias_m, stride_bias_n,
+                 POW: tl.constexpr, GRID_K: tl.constexpr, CAND_P: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 BLOCK_D: tl.constexpr, BIAS_KIND: tl.constexpr, MASK,
+                 HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """alpha in (1, 2]: grid pass, candidate passes, value pass (module docstring).
 
-    ``tau`` [BLOCK_M] is shifted by +1 on the general-beta path (``pow_kind`` 0), see ``_tsallis_terms``.
-
-    Returns ``(f, g, nnz, acc)``: ``f = sum [z - tau]_+^beta`` [BLOCK_M]; with VALUES also
-    ``nnz`` [BLOCK_M] and ``acc = sum p v`` [BLOCK_M, BLOCK_D] (dropout applied), else
-    ``g = sum [z - tau]_+^(beta-1)`` for the Newton step.
+    Returns ``(out, tau, lsum, nnz, n_valid, n_passes, visits)``. Thresholds are carried as
+    ``theta = tau + shift`` (shift 1 on the general path POW 0, see kernels/_threshold.py).
     """
-    f = tl.zeros([BLOCK_M], tl.float32)
-    g = tl.zeros([BLOCK_M], tl.float32)
-    nnz = tl.zeros([BLOCK_M], tl.int32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for w in range(kt_lo // 32, tl.cdiv(kt_hi, 32)):
-        word = tl.load(live_base + w)
-        new_word = tl.zeros([], tl.int32)
-        for kt in range(tl.maximum(w * 32, kt_lo), tl.minimum(w * 32 + 32, kt_hi)):
-            bit = kt - w * 32
-            if ((word >> bit) & 1) != 0:
-                cols = kt * BLOCK_N + tl.arange(0, BLOCK_N)
-                z = _score_tile(q, k_base, bias_base, rows, cols, seqlen_q, seqlen_k, stride_kn, stride_kd,
-                                stride_bias_m, stride_bias_n, z_scale, bias_scale, MASK, HEAD_DIM, BLOCK_D, HAS_BIAS,
-                                UPCAST, DOT_PRECISION)
-                p, gp, pos = _tsallis_terms(z - tau[:, None], beta, pow_kind)
-                new_word = new_word | (tl.max(pos.to(tl.int32)) << bit)
-                if VALUES:
-                    f += tl.sum(p, 1)
-                    nnz += tl.sum(pos.to(tl.int32), 1)
-                    p = _apply_dropout(p, seed, bh, rows_global, k_start + cols, total_k, dropout_p, inv_keep,
-                                       HAS_DROPOUT)
-                    v = _value_tile(v_base, cols, seqlen_k, stride_vn, stride_vd, HEAD_DIM, BLOCK_D, UPCAST)
-                    acc += tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-                else:
-                    f += tl.sum(p, 1)
-                    g += tl.sum(gp, 1)
-        tl.store(live_base + w, new_word)
-    tl.debug_barrier()
-    return f, g, nnz, acc
-
-
-@triton.jit
-def _entmax_forward(q, k_base, v_base, bias_base, o_ptrs, o_mask, rows, rows_global, seqlen_q, seqlen_k, kt_lo, kt_hi,
-                    n_words, live_base, stat_offs, TAU, LSUM, NNZ, N_VALID, sweep_ptr, scale, alpha, tol, max_sweeps,
-                    seed, bh, k_start, total_k, dropout_p, inv_keep,
-                    stride_kn, stride_kd, stride_vn, stride_vd, stride_bias_m, stride_bias_n, MASK,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                    HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr,
-                    DOT_PRECISION: tl.constexpr):
-    """alpha in (1, 2]: max sweep, Newton sweeps on the Tsallis norm, value sweep; writes everything."""
     am1 = alpha - 1.0
     beta = 1.0 / am1
-    pow_kind = tl.where(alpha == 2.0, 1, tl.where(alpha == 1.5, 2, 0))
+    bm1 = beta - 1.0
     z_scale = scale * am1
+    if POW == 0:
+        shift = 1.0
+    else:
+        shift = 0.0
+    w_grid = 1.0 / (GRID_K - 1)
+    slot = tl.arange(0, GRID_K).to(tl.float32)
+
+    # ---- pass 1: max, valid keys, NaN/+inf rows, and f, g, c at GRID_K absolute points below the running max
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    j_top = tl.full([BLOCK_M], -1e30, tl.float32)  # grid index of the running max (-1e30: no key yet)
     n_valid = tl.zeros([BLOCK_M], tl.int32)
-    for w in range(0, n_words):
-        word = tl.zeros([], tl.int32)
-        for kt in range(tl.maximum(w * 32, kt_lo), tl.minimum(w * 32 + 32, kt_hi)):
-            cols = kt * BLOCK_N + tl.arange(0, BLOCK_N)
-            z = _score_tile(q, k_base, bias_base, rows, cols, seqlen_q, seqlen_k, stride_kn, stride_kd, stride_bias_m,
-                            stride_bias_n, z_scale, am1, MASK, HEAD_DIM, BLOCK_D, HAS_BIAS, UPCAST, DOT_PRECISION)
-            ok = z > float("-inf")
-            m = tl.maximum(m, tl.max(z, 1))
-            n_valid += tl.sum(ok.to(tl.int32), 1)
-            word = word | (tl.max(ok.to(tl.int32)) << (kt - w * 32))
-        tl.store(live_base + w, word)
+    bad = tl.zeros([BLOCK_M], tl.int32)
+    F = tl.zeros([BLOCK_M, GRID_K], tl.float32)
+    G = tl.zeros([BLOCK_M, GRID_K], tl.float32)
+    C = tl.zeros([BLOCK_M, GRID_K], tl.float32)
+    L = tl.full([BLOCK_M, GRID_K], -99.65784284662087, tl.float32)  # POW 0: log2 of the max key's base (1e-30)
+    word = tl.zeros([], tl.int32)
+    for kt in range(kt_lo, kt_hi):
+        cols = kt * BLOCK_N + tl.arange(0, BLOCK_N)
+        z = _score_tile(q, k_base, bias_base, rows, cols, seqlen_q, seqlen_k,
+                        stride_kn, stride_kd, stride_bias_m, stride_bias_n, z_scale, am1,
+                        HEAD_DIM, BLOCK_D, BIAS_KIND, MASK, UPCAST, DOT_PRECISION)
+        bad = bad | tl.max(((z != z) | (z == float("inf"))).to(tl.int32), 1)
+        n_valid += tl.sum((z > float("-inf")).to(tl.int32), 1)
+        m_new = tl.maximum(m, tl.max(z, 1))
+        j_new = tl.where(m_new > float("-inf"), tl.floor(m_new / w_grid), j_top)
+        # ring: slot s holds the point of index i = j - ((j - s) mod K); a slot whose index changes restarts at
+        # zero, which is exact: its new point lies above the old maximum, so no earlier key reaches it
+        d_old = j_top[:, None] - slot[None, :]
+        d_new = j_new[:, None] - slot[None, :]
+        i_old = j_top[:, None] - (d_old - GRID_K * tl.floor(d_old / GRID_K))
+        i_new = j_new[:, None] - (d_new - GRID_K * tl.floor(d_new / GRID_K))
+        same = i_old == i_new
+        if POW == 0:
+            # rescale the kept sums to the new maximal key's base
+            l_new = log_ref(m_new[:, None], i_new * w_grid + shift)
+            F = tl.where(same, F * tl.exp2(beta * (L - l_new)), 0.0)
+            G = tl.where(same, G * tl.exp2(bm1 * (L - l_new)), 0.0)
+            L = l_new
+        else:
+            F = tl.where(same, F, 0.0)
+            G = tl.where(same, G, 0.0)
+            C = tl.where(same, C, 0.0)
+        t_low = (j_new - (GRID_K - 1)) * w_grid  # <= m - 1 <= tau
+        live = tl.max((z > t_low[:, None]).to(tl.int32))
+        if live != 0:
+            for s in tl.static_range(GRID_K):
+                sel = (slot == s)[None, :]
+                t_s = tl.sum(tl.where(sel, i_new, 0.0), 1) * w_grid + shift
+                f, g, c = point_sums(z, t_s, POW, bm1, tl.sum(tl.where(sel, L, 0.0), 1))
+                F += tl.where(sel, f[:, None], 0.0)
+                G += tl.where(sel, g[:, None], 0.0)
+                C += tl.where(sel, c[:, None], 0.0)
+        lane = kt % 32
+        word = tl.where(lane == 0, 0, word) | (live << lane)
+        tl.store(live_base + kt // 32, word)
+        m = m_new
+        j_top = j_new
     tl.debug_barrier()
+    n_passes = tl.full([], 1, tl.int32)
+    visits = kt_hi - kt_lo
+
+    # ---- bracket from the grid: the lowest point has phi >= 0 in exact arithmetic; the row max closes it
     valid = n_valid > 0
-    # the general path iterates on tau + 1 (two small numbers near alpha = 1, see _tsallis_terms)
-    shift = tl.where(pow_kind == 0, 1.0, 0.0)
-    tau = tl.where(valid, m - (1.0 - shift), 0.0)
-    n_sweeps = tl.zeros([], tl.int32)
-    go = (tl.max(valid.to(tl.int32)) > 0) & (n_sweeps < max_sweeps)
+    usable = valid & (bad == 0)
+    m = tl.where(usable, m, 0.0)
+    j_top = tl.where(usable, j_top, 0.0)
+    # beyond 2**22 grid steps fp32 cannot index the grid: those rows start from [m - 1, m]
+    grid_ok = tl.abs(j_top) < 4194304.0
+    zero = tl.zeros([BLOCK_M], tl.float32)
+    # rows without a usable grid start from [m - 1, m] with phi(m - 1) >= 0 unknown (NaN: bisect)
+    a = tl.where(grid_ok, float("-inf"), m - 1.0 + shift)
+    pa = zero + float("nan")
+    da = zero - 1.0
+    fa = zero + 1.0
+    ga = zero
+    ca = zero
+    b = m + shift
+    pb = zero - 1.0
+    db = zero - 1.0
+    cb = zero
+    b_top = m == m
+    for s in tl.static_range(GRID_K):
+        sel = (slot == s)[None, :]
+        d_s = j_top - s
+        i_s = j_top - (d_s - GRID_K * tl.floor(d_s / GRID_K))
+        f_s = tl.sum(tl.where(sel, F, 0.0), 1)
+        g_s = tl.sum(tl.where(sel, G, 0.0), 1)
+        ph, dph = phi(f_s, g_s, POW, am1, tl.sum(tl.where(sel, L, 0.0), 1))
+        lowest = i_s == j_top - (GRID_K - 1)
+        ph = tl.where(lowest, tl.maximum(ph, 0.0), ph)
+        a, pa, da, fa, ga, ca, b, pb, db, cb, b_top = merge_point(
+            a, pa, da, fa, ga, ca, b, pb, db, cb, b_top, tl.where(grid_ok, i_s * w_grid + shift, float("nan")),
+            ph, dph, tl.where(lowest, tl.maximum(f_s, 1.0), f_s), g_s, tl.sum(tl.where(sel, C, 0.0), 1))
+    est, lo, hi, exact = solve(a, pa, da, fa, ga, ca, b, pb, db, cb, b_top, POW)
+    done = exact | (hi - lo <= tol * (1.0 + tl.abs(lo))) | (usable == 0)
+
+    # ---- candidate passes over the live tiles while a row of the tile is not pinned down
+    go = (tl.min(done.to(tl.int32)) == 0) & (n_passes + 1 < max_passes)
     while go:
-        f, g, _, _ = _live_sweep(
-            q, tau, beta, k_base, v_base, bias_base, rows, rows_global, seqlen_q, seqlen_k, kt_lo, kt_hi, live_base,
-            z_scale, am1, pow_kind, seed, bh, k_start, total_k, dropout_p, inv_keep,
-            stride_kn, stride_kd, stride_vn, stride_vd, stride_bias_m, stride_bias_n, MASK,
-            False, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, HAS_BIAS, HAS_DROPOUT, UPCAST, DOT_PRECISION)
-        err = tl.where(valid, tl.abs(f - 1.0), 0.0)
-        tau = tl.where(valid, tau + _newton_step(f, g, beta, pow_kind), tau)
-        n_sweeps += 1
-        go = (tl.max(err) > tol) & (n_sweeps < max_sweeps)
-    # round to the saved tau so that lsum and the backward's (tau + 1) see the same threshold
-    tau_saved = tau - shift
-    tau = tau_saved + shift
-    l_sum, _, nnz, acc = _live_sweep(
-        q, tau, beta, k_base, v_base, bias_base, rows, rows_global, seqlen_q, seqlen_k, kt_lo, kt_hi, live_base,
-        z_scale, am1, pow_kind, seed, bh, k_start, total_k, dropout_p, inv_keep,
-        stride_kn, stride_kd, stride_vn, stride_vd, stride_bias_m, stride_bias_n, MASK,
-        True, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, HAS_BIAS, HAS_DROPOUT, UPCAST, DOT_PRECISION)
-    valid = valid & (l_sum > 0)
-    l_safe = tl.where(valid, l_sum, 1.0)
-    out = tl.where(valid[:, None], acc / l_safe[:, None], 0.0)
-    row_ok = rows < seqlen_q
-    tl.store(o_ptrs, out.to(o_ptrs.dtype.element_ty), mask=o_mask)
-    tl.store(TAU + stat_offs, tl.where(valid, tau_saved, float("inf")), mask=row_ok)
-    tl.store(LSUM + stat_offs, tl.where(valid, l_sum, 0.0), mask=row_ok)
-    tl.store(NNZ + stat_offs, tl.where(valid, nnz, 0), mask=row_ok)
-    tl.store(N_VALID + stat_offs, n_valid, mask=row_ok)
-    tl.store(sweep_ptr, n_sweeps)
+        lo_kill = lo - shift
+        if CAND_P == 1:
+            t_1 = est
+            l_1 = log_ref(m, t_1)
+            f1 = zero
+            g1 = zero
+            c1 = zero
+        else:
+            widen = 1e-6 * (1.0 + tl.abs(lo))
+            lo2 = lo - widen
+            step = (hi + widen - lo2) / (CAND_P - 1)
+            cand = tl.arange(0, CAND_P).to(tl.float32)
+            t_p = lo2[:, None] + step[:, None] * cand[None, :]  # [BLOCK_M, CAND_P]
+            l_p = log_ref(m[:, None], t_p)
+            FP = tl.zeros([BLOCK_M, CAND_P], tl.float32)
+            GP = tl.zeros([BLOCK_M, CAND_P], tl.float32)
+            CP = tl.zeros([BLOCK_M, CAND_P], tl.float32)
+        for wd in range(0, n_words):
+            word = tl.load(live_base + wd)
+            new_word = tl.zeros([], tl.int32)
+            if word != 0:
+                bits, rank, n_set = _word_bits(word)
+                for i in range(0, n_set):
+                    kt = _live_tile(bits, rank, i, wd)
+                    cols = kt * BLOCK_N + tl.arange(0, BLOCK_N)
+                    z = _score_tile(q, k_base, bias_base, rows, cols, seqlen_q, seqlen_k,
+                                    stride_kn, stride_kd, stride_bias_m, stride_bias_n, z_scale, am1,
+                                    HEAD_DIM, BLOCK_D, BIAS_KIND, MASK, UPCAST, DOT_PRECISION)
+                    live = tl.max((z > lo_kill[:, None]).to(tl.int32))
+                    new_word = new_word | (live << (kt - wd * 32))
+                    if CAND_P == 1:
+                        f, g, c = point_sums(z, t_1, POW, bm1, l_1)
+                        f1 += f
+                        g1 += g
+                        c1 += c
+                    else:
+                        for p in tl.static_range(CAND_P):
+                            sel_c = (cand == p)[None, :]
+                            f, g, c = point_sums(z, tl.sum(tl.where(sel_c, t_p, 0.0), 1), POW, bm1,
+                                                 tl.sum(tl.where(sel_c, l_p, 0.0), 1))
+                            FP += tl.where(sel_c, f[:, None], 0.0)
+                            GP += tl.where(sel_c, g[:, None], 0.0)
+                            CP += tl.where(sel_c, c[:, None], 0.0)
+                    visits += 1
+            tl.store(live_base + wd, new_word)
+        tl.debug_barrier()
+        act = done == 0
+        if CAND_P == 1:
+            ph, dph = phi(f1, g1, POW, am1, l_1)
+            n_a, n_pa, n_da, n_fa, n_ga, n_ca, n_b, n_pb, n_db, n_cb, n_top = merge_point(
+                a, pa, da, fa, ga, ca, b, pb, db, cb, b_top, t_1, ph, dph, f1, g1, c1)
+        else:
+            n_a, n_pa, n_da, n_fa, n_ga, n_ca = a, pa, da, fa, ga, ca
+            n_b, n_pb, n_db, n_cb, n_top = b, pb, db, cb, b_top
+            for p in tl.static_range(CAND_P):
+                sel_c = (cand == p)[None, :]
+                f_p = tl.sum(tl.where(sel_c, FP, 0.0), 1)
+                g_p = tl.sum(tl.where(sel_c, GP, 0.0), 1)
+                ph, dph = phi(f_p, g_p, POW, am1, tl.sum(tl.where(sel_c, l_p, 0.0), 1))
+                n_a, n_pa, n_da, n_fa, n_ga, n_ca, n_b, n_pb, n_db, n_cb, n_top = merge_point(
+                    n_a, n_pa, n_da, n_fa, n_ga, n_ca, n_b, n_pb, n_db, n_cb, n_top,
+                    tl.sum(tl.where(sel_c, t_p, 0.0), 1), ph, dph, f_p, g_p, tl.sum(tl.where(sel_c, CP, 0.0), 1))
+        a = tl.where(act, n_a, a)
+        pa = tl.where(act, n_pa, pa)
+        da = tl.where(act, n_da, da)
+        fa = tl.where(act, n_fa, fa)
+        ga = tl.where(act, n_ga, ga)
+        ca = tl.where(act, n_ca, ca)
+        b = tl.where(act, n_b, b)
+        pb = tl.where(act, n_pb, pb)
+        db = tl.where(act, n_db, db)
+        cb = tl.where(act, n_cb, cb)
+        b_top = tl.where(act, n_top, b_top)
+        n_est, n_lo, n_hi, n_exact = solve(a, pa, da, fa, ga, ca, b, pb, db, cb, b_top, POW)
+        lo = tl.where(act, tl.maximum(lo, n_lo), lo)
+        hi = tl.where(act, tl.minimum(hi, n_hi), hi)
+        lo = tl.minimum(lo, hi)
+        est = tl.minimum(tl.maximum(tl.where(act, n_est, est), lo), hi)
+        exact = tl.where(act, n_exact, exact)
+        n_passes += 1
+        done = exact | (hi - lo <= tol * (1.0 + tl.abs(lo))) | (usable == 0)
+        go = (tl.min(done.to(tl.int32)) == 0) & (n_passes + 1 < max_passes)
+
+    # ---- value pass at the estimate; tiles die only below the certified lower bound
+    # a threshold at the max would leave no weight: keep it one rounding step below (one-hot on the max key)
+    tau_lim = m - tl.maximum(tl.abs(m) * 2.4e-7, 1e-15) + shift
+    t_use = tl.where(usable, tl.minimum(est, tau_lim), 0.0)
+    tau_saved = t_use - shift
+    t_use = tau_saved + shift  # the backward forms the same threshold from the saved tau
+    lo_kill = tl.minimum(lo, t_use) - shift
+    l_sum = zero
+    nnz = tl.zeros([BLOCK_M], tl.int32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for wd in range(0, n_words):
+        word = tl.load(live_base + wd)
+        new_word = tl.zeros([], tl.int32)
+        if word != 0:
+            bits, rank, n_set = _word_bits(word)
+            for i in range(0, n_set):
+                kt = _live_tile(bits, rank, i, wd)
+                cols = kt * BLOCK_N + tl.arange(0, BLOCK_N)
+                z = _score_tile(q, k_base, bias_base, rows, cols, seqlen_q, seqlen_k,
+                                stride_kn, stride_kd, stride_bias_m, stride_bias_n, z_scale, am1,
+                                HEAD_DIM, BLOCK_D, BIAS_KIND, MASK, UPCAST, DOT_PRECISION)
+                p = weights(z, t_use, POW, beta)
+                live = tl.max((z > lo_kill[:, None]).to(tl.int32))
+                new_word = new_word | (live << (kt - wd * 32))
+                l_sum += tl.sum(p, 1)
+                nnz += tl.sum((p > 0.0).to(tl.int32), 1)
+                p = _apply_dropout(p, seed, bh, q_start + rows, k_start + cols, total_k, dropout_p,
+                                   inv_keep, HAS_DROPOUT)
+                v = _value_tile(v_base, cols, seqlen_k, stride_vn, stride_vd, HEAD_DIM, BLOCK_D, UPCAST)
+                acc += tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+                visits += 1
+        tl.store(live_base + wd, new_word)
+    n_passes += 1
+    ok = valid & (l_sum > 0.0)
+    l_safe = tl.where(ok, l_sum, 1.0)
+    is_bad = bad != 0
+    out = tl.where(ok[:, None], acc / l_safe[:, None], 0.0)
+    out = tl.where(is_bad[:, None], float("nan"), out)
+    tau = tl.where(is_bad, float("nan"), tl.where(ok, tau_saved, float("inf")))
+    l_out = tl.where(is_bad, float("nan"), tl.where(ok, l_sum, 0.0))
+    return out, tau, l_out, tl.where(ok, nnz, 0), n_valid, n_passes, visits
 
 
 @triton.jit
 def _entmax_attn_fwd_kernel(
-    Q, K, V, OUT, BIAS, ALPHA, TAU, LSUM, NNZ, N_VALID, LIVE, N_SWEEPS, CU_SEQLENS_Q, CU_SEQLENS_K,
+    Q, K, V, OUT, BIAS, ALPHA, TAU, LSUM, NNZ, N_VALID, LIVE, N_PASSES, TILE_VISITS, CU_SEQLENS_Q, CU_SEQLENS_K,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_oh, stride_om, stride_od,
     stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n,
     n_heads, kv_group, total_q, total_k, n_q_tiles, n_words,
-    scale, tol, max_sweeps, seed, dropout_p, inv_keep, MASK,
+    scale, tol, max_passes, seed, dropout_p, inv_keep, MASK,
+    ALPHA_CLASS: tl.constexpr, GRID_K1: tl.constexpr, CAND_P1: tl.constexpr, GRID_K2: tl.constexpr,
+    CAND_P2: tl.constexpr, GRID_K0: tl.constexpr, CAND_P0: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_BIAS: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    BIAS_KIND: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """One program per (query tile ``pid_m``, q head ``h``, batch entry or sequence ``seq``); see the module doc."""
-    pid_m = tl.program_id(0)
+    """One program per (query tile, q head ``h``, batch entry or sequence ``seq``); see the module doc.
+
+    Query tiles run longest first: program 0 takes the last tile, whose causal key range is the longest.
+    """
+    pid_m = n_q_tiles - 1 - tl.program_id(0)
     h = tl.program_id(1)
     seq = tl.program_id(2)
     b, q_start, seqlen_q, k_start, seqlen_k = seq_bounds(CU_SEQLENS_Q, CU_SEQLENS_K, seq, total_q, total_k, IS_VARLEN)
@@ -309,55 +437,124 @@ def _entmax_attn_fwd_kernel(
     row_ok = rows < seqlen_q
     rows_global = (q_start + rows).to(tl.int64)
 
-    q_ptrs = (Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
-              + rows_global[:, None] * stride_qm + offs_d.to(tl.int64)[None, :] * stride_qd)
-    q_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
-    q = tl.load(q_ptrs, mask=q_mask, other=0.0)  # [BLOCK_M, BLOCK_D]
-    if UPCAST:
-        q = q.to(tl.float32)
-    o_ptrs = (OUT + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
-              + rows_global[:, None] * stride_om + offs_d.to(tl.int64)[None, :] * stride_od)
+    q_base = slice_base(Q, b, h, q_start, stride_qb, stride_qh, stride_qm)
+    q = load_rows(q_base, rows, offs_d, stride_qm, stride_qd, row_ok, offs_d < HEAD_DIM, UPCAST)  # [BLOCK_M, BLOCK_D]
+    o_ptrs = (slice_base(OUT, b, h, q_start, stride_ob, stride_oh, stride_om)
+              + rows.to(tl.int64)[:, None] * stride_om + offs_d.to(tl.int64)[None, :] * stride_od)
+    o_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
     k_base = slice_base(K, b, h_kv, k_start, stride_kb, stride_kh, stride_kn)
     v_base = slice_base(V, b, h_kv, k_start, stride_vb, stride_vh, stride_vn)
     bias_base = bias_base_ptr(BIAS, b, h, q_start, k_start, stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n)
     stat_offs = bh.to(tl.int64) * total_q + rows_global
     tile_id = (seq.to(tl.int64) * n_heads + h) * n_q_tiles + pid_m
     live_base = LIVE + tile_id * n_words
-    sweep_ptr = N_SWEEPS + tile_id
     kt_lo, kt_hi = key_tile_range(pid_m, seqlen_q, seqlen_k, MASK, BLOCK_M, BLOCK_N)
+    for wd in range(0, n_words):
+        tl.store(live_base + wd, 0)
+    tl.debug_barrier()
 
     alpha = tl.load(ALPHA + h)
-    if alpha == 1.0:
-        _softmax_forward(q, k_base, v_base, bias_base, o_ptrs, q_mask, rows, rows_global, seqlen_q, seqlen_k, kt_lo,
-                         kt_hi, n_words, live_base, stat_offs, TAU, LSUM, NNZ, N_VALID, sweep_ptr, scale,
-                         seed, bh, k_start, total_k, dropout_p, inv_keep,
-                         stride_kn, stride_kd, stride_vn, stride_vd, stride_bias_m, stride_bias_n, MASK,
-                         BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, HAS_BIAS, HAS_DROPOUT, UPCAST, DOT_PRECISION)
+    if ALPHA_CLASS == 0:
+        out, tau, lsum, nnz, n_valid, visits = _softmax_rows(
+            q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, kt_hi, live_base, scale, seed, bh, q_start,
+            k_start, total_k, dropout_p, inv_keep, stride_kn, stride_kd, stride_vn, stride_vd, stride_bias_m,
+            stride_bias_n, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, BIAS_KIND, MASK, HAS_DROPOUT, UPCAST, DOT_PRECISION)
+        passes = tl.full([], 1, tl.int32)
+    elif ALPHA_CLASS == 1:
+        out, tau, lsum, nnz, n_valid, passes, visits = _entmax_rows(
+            q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, kt_hi, n_words, live_base, scale, alpha,
+            tol, max_passes, seed, bh, q_start, k_start, total_k, dropout_p, inv_keep, stride_kn, stride_kd,
+            stride_vn, stride_vd, stride_bias_m, stride_bias_n, 1, GRID_K1, CAND_P1, BLOCK_M, BLOCK_N, HEAD_DIM,
+            BLOCK_D, BIAS_KIND, MASK, HAS_DROPOUT, UPCAST, DOT_PRECISION)
+    elif ALPHA_CLASS == 2:
+        out, tau, lsum, nnz, n_valid, passes, visits = _entmax_rows(
+            q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, kt_hi, n_words, live_base, scale, alpha,
+            tol, max_passes, seed, bh, q_start, k_start, total_k, dropout_p, inv_keep, stride_kn, stride_kd,
+            stride_vn, stride_vd, stride_bias_m, stride_bias_n, 2, GRID_K2, CAND_P2, BLOCK_M, BLOCK_N, HEAD_DIM,
+            BLOCK_D, BIAS_KIND, MASK, HAS_DROPOUT, UPCAST, DOT_PRECISION)
+    elif ALPHA_CLASS == 3:
+        out, tau, lsum, nnz, n_valid, passes, visits = _entmax_rows(
+            q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, kt_hi, n_words, live_base, scale, alpha,
+            tol, max_passes, seed, bh, q_start, k_start, total_k, dropout_p, inv_keep, stride_kn, stride_kd,
+            stride_vn, stride_vd, stride_bias_m, stride_bias_n, 0, GRID_K0, CAND_P0, BLOCK_M, BLOCK_N, HEAD_DIM,
+            BLOCK_D, BIAS_KIND, MASK, HAS_DROPOUT, UPCAST, DOT_PRECISION)
     else:
-        _entmax_forward(q, k_base, v_base, bias_base, o_ptrs, q_mask, rows, rows_global, seqlen_q, seqlen_k, kt_lo,
-                        kt_hi, n_words, live_base, stat_offs, TAU, LSUM, NNZ, N_VALID, sweep_ptr, scale, alpha, tol,
-                        max_sweeps, seed, bh, k_start, total_k, dropout_p, inv_keep,
-                        stride_kn, stride_kd, stride_vn, stride_vd, stride_bias_m, stride_bias_n, MASK,
-                        BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, HAS_BIAS, HAS_DROPOUT, UPCAST, DOT_PRECISION)
+        # one alpha per head, read at run time: the same compiled paths behind a uniform branch
+        if alpha == 1.0:
+            out, tau, lsum, nnz, n_valid, visits = _softmax_rows(
+                q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, kt_hi, live_base, scale, seed, bh,
+                q_start, k_start, total_k, dropout_p, inv_keep, stride_kn, stride_kd, stride_vn, stride_vd,
+                stride_bias_m, stride_bias_n, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, BIAS_KIND, MASK, HAS_DROPOUT,
+                UPCAST, DOT_PRECISION)
+            passes = tl.full([], 1, tl.int32)
+        elif alpha == 2.0:
+            out, tau, lsum, nnz, n_valid, passes, visits = _entmax_rows(
+                q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, kt_hi, n_words, live_base, scale,
+                alpha, tol, max_passes, seed, bh, q_start, k_start, total_k, dropout_p, inv_keep, stride_kn,
+                stride_kd, stride_vn, stride_vd, stride_bias_m, stride_bias_n, 1, GRID_K1, CAND_P1, BLOCK_M,
+                BLOCK_N, HEAD_DIM, BLOCK_D, BIAS_KIND, MASK, HAS_DROPOUT, UPCAST, DOT_PRECISION)
+        elif alpha == 1.5:
+            out, tau, lsum, nnz, n_valid, passes, visits = _entmax_rows(
+                q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, kt_hi, n_words, live_base, scale,
+                alpha, tol, max_passes, seed, bh, q_start, k_start, total_k, dropout_p, inv_keep, stride_kn,
+                stride_kd, stride_vn, stride_vd, stride_bias_m, stride_bias_n, 2, GRID_K2, CAND_P2, BLOCK_M,
+                BLOCK_N, HEAD_DIM, BLOCK_D, BIAS_KIND, MASK, HAS_DROPOUT, UPCAST, DOT_PRECISION)
+        else:
+            # alpha outside [1, 2] (or NaN) was not checked on the host: the head's outputs are NaN
+            a_ok = (alpha > 1.0) & (alpha < 2.0)
+            out, tau, lsum, nnz, n_valid, passes, visits = _entmax_rows(
+                q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, kt_hi, n_words, live_base, scale,
+                tl.where(a_ok, alpha, 1.5), tol, max_passes, seed, bh, q_start, k_start, total_k, dropout_p,
+                inv_keep, stride_kn, stride_kd, stride_vn, stride_vd, stride_bias_m, stride_bias_n, 0, GRID_K0,
+                CAND_P0, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, BIAS_KIND, MASK, HAS_DROPOUT, UPCAST, DOT_PRECISION)
+            out = tl.where(a_ok, out, float("nan"))
+            tau = tl.where(a_ok, tau, float("nan"))
+            lsum = tl.where(a_ok, lsum, float("nan"))
+    tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=o_mask)
+    tl.store(TAU + stat_offs, tau, mask=row_ok)
+    tl.store(LSUM + stat_offs, lsum, mask=row_ok)
+    tl.store(NNZ + stat_offs, nnz, mask=row_ok)
+    tl.store(N_VALID + stat_offs, n_valid, mask=row_ok)
+    tl.store(N_PASSES + tile_id, passes)
+    tl.store(TILE_VISITS + tile_id, visits)
 
 
 def _pick_config(head_dim: int, interpret: bool):
     """``(block_m, block_n, num_warps, num_stages)``: one pinned config per head dim.
 
-    GPU choices are the sm_90 builds with the fewest register spills (ptxas report, all four
-    alpha paths compiled in); see docs/kernels.md.
+    GPU: 128-row query tiles up to head dim 128, 64 x 32 above, two pipeline stages; chosen from offline
+    sm_90 builds with the launch specialization (no spills; docs/kernels.md).
     """
     if interpret:
         return 32, 32, 4, 1
     if _common.head_dim_block(head_dim) <= 128:
-        return 64, 64, 8, 2
-    return 64, 32, 8, 1
+        return 128, 64, 8, 2
+    return 64, 32, 8, 2
 
 
 def fwd_block_sizes(head_dim: int) -> tuple:
     """Default ``(block_m, block_n)`` of :func:`entmax_attn_fwd` for this head dim (the liveness map's tiles)."""
     block_m, block_n, _, _ = _pick_config(head_dim, _common.interpreting())
     return block_m, block_n
+
+
+def alpha_class_of(alpha_values) -> str:
+    """The compile-time alpha class for known per-head alpha values (a sequence of floats in [1, 2])."""
+    vals = {float(a) for a in alpha_values}
+    if vals == {1.0}:
+        return "softmax"
+    if vals == {2.0}:
+        return "sparsemax"
+    if vals == {1.5}:
+        return "entmax15"
+    if vals and all(1.0 < a < 2.0 and a != 1.5 for a in vals):
+        return "general"
+    return "mixed"
+
+
+def default_tolerance(dtype: torch.dtype) -> float:
+    """Bracket width (relative to ``1 + |tau|``) at which a row's threshold counts as found, by input dtype."""
+    return _TOLERANCE[dtype]
 
 
 def entmax_attn_fwd(
@@ -375,8 +572,9 @@ def entmax_attn_fwd(
     dropout_p: float = 0.0,
     seed: int = 0,
     tol: float | None = None,
-    max_sweeps: int | None = None,
+    max_passes: int | None = None,
     *,
+    alpha_class: str | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
 ) -> EntmaxAttnFwdResult:
@@ -391,8 +589,9 @@ def entmax_attn_fwd(
             same dtype and device as ``q``; with varlen ``(1, Hk, total_k, D)``. ``16 <= D <= 256``.
         alpha: float32 ``(Hq,)`` (each in ``[1, 2]``, mixed per head), or a Python float for every head.
         scale: float multiplying ``q . k``.
-        bias: None or a float tensor broadcastable to ``(B, Hq, Nq, Nk)`` (read with zero strides;
-            ``-inf`` masks), added to the scaled scores. Default None.
+        bias: None, an additive float mask or a boolean (uint8) keep mask (True = may attend), broadcastable
+            to ``(B, Hq, Nq, Nk)`` and read at its own shape with zero strides (``-inf`` in a float mask
+            masks). Default None.
         is_causal: bottom-right aligned causal mask (key ``j`` visible to row ``i`` iff
             ``j <= i + Nk - Nq``, per sequence; ``kernels/_masking.py``). Default False.
         cu_seqlens_q, cu_seqlens_k: int32 ``(nseq + 1,)`` packed-sequence offsets (then ``B == 1``).
@@ -400,23 +599,49 @@ def entmax_attn_fwd(
         dropout_p: probability of dropping a weight after the entmax (kept ones scaled by
             ``1 / (1 - dropout_p)``), drawn by ``kernels._common.dropout_keep``. Default 0.
         seed: int RNG seed of the dropout. Default 0.
-        tol: stop the Newton sweeps once every row of a query tile has ``|sum_j [z - tau]_+^beta - 1| <= tol``
-            (default 1e-3).
-        max_sweeps: cap on the Newton sweeps (default 32).
+        tol: a row's threshold counts as found once its certified bracket is narrower than
+            ``tol * (1 + |tau|)`` (default by dtype, :func:`default_tolerance`).
+        max_passes: cap on the passes over the key range per query tile (default 32).
+        alpha_class: ``"softmax"``, ``"sparsemax"``, ``"entmax15"``, ``"general"`` (every head strictly between
+            1 and 2, none 1.5) or ``"mixed"`` (any alpha per head, a run-time branch; alpha outside [1, 2]
+            or NaN gives NaN outputs for that head). Default: from the values for a Python float or a CPU
+            tensor (no device sync), else ``"mixed"``.
         block_m, block_n: tile sizes (powers of two >= 16); default by head dim.
 
     Returns:
-        :class:`EntmaxAttnFwdResult` ``(out, tau, lsum, nnz, n_valid, live, n_sweeps, block_m, block_n)``.
+        :class:`EntmaxAttnFwdResult`.
 
     Raises:
         ValueError: more than 65535 heads or batch entries (sequences) (``_masking.tile_plan``).
     """
+    plan = _plan(q, k, v, alpha, scale, bias, is_causal, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                 dropout_p, seed, tol, max_passes, alpha_class, block_m, block_n)
+    if plan.grid is not None:
+        _entmax_attn_fwd_kernel[plan.grid](**plan.args, **plan.options)
+    return plan.result
+
+
+class _Launch(NamedTuple):
+    grid: tuple | None
+    args: dict
+    options: dict
+    result: EntmaxAttnFwdResult
+
+
+def _plan(q, k, v, alpha, scale, bias, is_causal, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+          seed, tol, max_passes, alpha_class, block_m, block_n) -> _Launch:
+    """Allocate the outputs and name every kernel argument of one forward launch."""
     batch, n_heads, total_q, head_dim = q.shape
     assert 16 <= head_dim <= 256, f"q: head dim must be in [16, 256], got {head_dim}"
     default_m, default_n, num_warps, num_stages = _pick_config(head_dim, _common.interpreting())
     plan = _masking.tile_plan(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                               default_m if block_m is None else block_m, default_n if block_n is None else block_n)
-    n_seq, block_m, block_n, n_q_tiles = plan.n_seq, plan.block_m, plan.block_n, plan.n_q_tiles
+    n_seq, n_q_tiles = plan.n_seq, plan.n_q_tiles
+    if alpha_class is None:
+        if not isinstance(alpha, torch.Tensor):
+            alpha_class = alpha_class_of([alpha])
+        else:
+            alpha_class = alpha_class_of(alpha.tolist()) if alpha.device.type == "cpu" else "mixed"
 
     stats = dict(size=(batch, n_heads, total_q), device=q.device)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -425,8 +650,10 @@ def entmax_attn_fwd(
     nnz = torch.empty(**stats, dtype=torch.int32)
     n_valid = torch.empty(**stats, dtype=torch.int32)
     live = torch.empty((n_seq, n_heads, n_q_tiles, plan.n_words), dtype=torch.int32, device=q.device)
-    n_sweeps = torch.empty((n_seq, n_heads, n_q_tiles), dtype=torch.int32, device=q.device)
-    result = EntmaxAttnFwdResult(out, tau, lsum, nnz, n_valid, live, n_sweeps, block_m, block_n)
+    n_passes = torch.empty((n_seq, n_heads, n_q_tiles), dtype=torch.int32, device=q.device)
+    tile_visits = torch.empty_like(n_passes)
+    result = EntmaxAttnFwdResult(out, tau, lsum, nnz, n_valid, live, n_passes, tile_visits, plan.block_m,
+                                 plan.block_n)
     if cu_seqlens_q is not None and out.numel() > 0:
         # rows outside every sequence are never visited
         out.zero_()
@@ -435,16 +662,18 @@ def entmax_attn_fwd(
         nnz.zero_()
         n_valid.zero_()
     if n_q_tiles == 0 or n_seq == 0 or n_heads == 0:
-        return result
+        return _Launch(None, {}, {}, result)
 
     dropout_p = float(dropout_p)
-    _entmax_attn_fwd_kernel[(n_q_tiles, n_heads, n_seq)](
+    (k1, p1), (k2, p2), (k0, p0) = _POINTS[1], _POINTS[2], _POINTS[0]
+    args = dict(
         **_common.attention_args(q, k, v, alpha, bias, cu_seqlens_q, cu_seqlens_k, scale, is_causal, dropout_p, seed),
-        OUT=out, TAU=tau, LSUM=lsum, NNZ=nnz, N_VALID=n_valid, LIVE=live, N_SWEEPS=n_sweeps,
+        OUT=out, TAU=tau, LSUM=lsum, NNZ=nnz, N_VALID=n_valid, LIVE=live, N_PASSES=n_passes, TILE_VISITS=tile_visits,
         **_common.stride_args("stride_o", out, "bhmd"), n_q_tiles=n_q_tiles, n_words=plan.n_words,
-        tol=DEFAULT_TOL if tol is None else float(tol),
-        max_sweeps=DEFAULT_MAX_SWEEPS if max_sweeps is None else int(max_sweeps),
-        inv_keep=1.0 / (1.0 - dropout_p) if dropout_p < 1 else 0.0, BLOCK_M=block_m, BLOCK_N=block_n,
-        num_warps=num_warps, num_stages=num_stages,
+        tol=default_tolerance(q.dtype) if tol is None else float(tol),
+        max_passes=DEFAULT_MAX_PASSES if max_passes is None else int(max_passes),
+        inv_keep=1.0 / (1.0 - dropout_p) if dropout_p < 1 else 0.0, ALPHA_CLASS=ALPHA_CLASSES[alpha_class],
+        GRID_K1=k1, CAND_P1=p1, GRID_K2=k2, CAND_P2=p2, GRID_K0=k0, CAND_P0=p0, BLOCK_M=plan.block_m,
+        BLOCK_N=plan.block_n,
     )
-    return result
+    return _Launch((n_q_tiles, n_heads, n_seq), args, dict(num_warps=num_warps, num_stages=num_stages), result)

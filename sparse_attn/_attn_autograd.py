@@ -8,12 +8,13 @@ through them, and ``register_autograd`` connects the handwritten backward.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention.bias import causal_lower_right
 
 from sparse_attn.attn_inputs import AttentionInputs, AttentionStats
 from sparse_attn.kernels.entmax_attn_bwd import entmax_attn_bwd
-from sparse_attn.kernels.entmax_attn_fwd import entmax_attn_fwd, fwd_block_sizes
-from sparse_attn.masks import keep_to_bias
+from sparse_attn.kernels.entmax_attn_fwd import alpha_class_of, entmax_attn_fwd, fwd_block_sizes
 
 
 def _live_shape(q: Tensor, k: Tensor, cu_seqlens_q, max_seqlen_q: int, max_seqlen_k: int):
@@ -29,23 +30,21 @@ def _live_shape(q: Tensor, k: Tensor, cu_seqlens_q, max_seqlen_q: int, max_seqle
 def _fwd_op(
     q: Tensor, k: Tensor, v: Tensor, alpha: Tensor, bias: Tensor | None,
     cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None, scale: float, is_causal: bool,
-    max_seqlen_q: int, max_seqlen_k: int, dropout_p: float, seed: int,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    if bias is not None:
-        bias = bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    max_seqlen_q: int, max_seqlen_k: int, dropout_p: float, seed: int, alpha_class: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     res = entmax_attn_fwd(
         q, k, v, alpha, scale, bias=bias, is_causal=is_causal, cu_seqlens_q=cu_seqlens_q,
         cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-        dropout_p=dropout_p, seed=seed,
+        dropout_p=dropout_p, seed=seed, alpha_class=None if alpha_class == "auto" else alpha_class,
     )
-    return res.out, res.tau, res.lsum, res.nnz, res.n_valid, res.live, res.n_sweeps
+    return res.out, res.tau, res.lsum, res.nnz, res.n_valid, res.live, res.n_passes, res.tile_visits
 
 
 @_fwd_op.register_fake
 def _fwd_fake(q, k, v, alpha, bias, cu_seqlens_q, cu_seqlens_k, scale, is_causal, max_seqlen_q, max_seqlen_k,
-              dropout_p, seed):
+              dropout_p, seed, alpha_class):
     rows = q.shape[:3]
-    live_shape, sweep_shape = _live_shape(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
+    live_shape, tile_shape = _live_shape(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     return (
         torch.empty(q.shape, dtype=q.dtype, device=q.device),
         q.new_empty(rows, dtype=torch.float32),
@@ -53,7 +52,8 @@ def _fwd_fake(q, k, v, alpha, bias, cu_seqlens_q, cu_seqlens_k, scale, is_causal
         q.new_empty(rows, dtype=torch.int32),
         q.new_empty(rows, dtype=torch.int32),
         q.new_empty(live_shape, dtype=torch.int32),
-        q.new_empty(sweep_shape, dtype=torch.int32),
+        q.new_empty(tile_shape, dtype=torch.int32),
+        q.new_empty(tile_shape, dtype=torch.int32),
     )
 
 
@@ -90,8 +90,8 @@ def _bwd_fake(do, q, k, v, out, tau, lsum, alpha, bias, cu_seqlens_q, cu_seqlens
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, alpha, bias, cu_q, cu_k, scale, is_causal, max_q, max_k, dropout_p, seed = inputs
-    out, tau, lsum, _, _, live, _ = output
+    q, k, v, alpha, bias, cu_q, cu_k, scale, is_causal, max_q, max_k, dropout_p, seed, _ = inputs
+    out, tau, lsum, _, _, live, _, _ = output
     ctx.save_for_backward(q, k, v, out, tau, lsum, alpha, bias, cu_q, cu_k, live)
     ctx.args = (scale, is_causal, max_q, max_k, dropout_p, seed)
 
@@ -112,22 +112,57 @@ def _backward(ctx, d_out, *_unused):
     )
     return (
         dq, dk, dv, dalpha if need_dalpha else None, dbias if need_dbias else None,
-        None, None, None, None, None, None, None, None,
+        None, None, None, None, None, None, None, None, None,
     )
 
 
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _alpha_class(inputs: AttentionInputs) -> str:
+    """The forward's compile-time alpha class: exact for a Python alpha, from the values of a checked CPU tensor
+    (no device sync), otherwise the run-time branch per head (which also turns unchecked out-of-range heads
+    into NaN outputs)."""
+    if inputs.alpha_value is not None:
+        return alpha_class_of([inputs.alpha_value])
+    if inputs.alpha_checked and inputs.alpha.device.type == "cpu":
+        return "auto"
+    return "mixed"
+
+
+def _sdpa_fits(inputs: AttentionInputs, return_stats: bool) -> bool:
+    """Softmax heads that PyTorch's ``scaled_dot_product_attention`` computes with our semantics.
+
+    Every head at alpha = 1 (a Python number), no statistics, CUDA, no packed sequences and no mask; causal
+    only when no row is left without keys (``Nq <= Nk``: bottom-right alignment through ``causal_lower_right``).
+    """
+    return (inputs.alpha_value == 1.0 and not return_stats and inputs.q.is_cuda and inputs.cu_seqlens_q is None
+            and inputs.mask is None and (not inputs.is_causal or inputs.q.shape[2] <= inputs.k.shape[2]))
+
+
+def _sdpa(inputs: AttentionInputs) -> Tensor:
+    """Softmax attention through ``torch.nn.functional.scaled_dot_product_attention`` (flash / cuDNN / efficient)."""
+    q, k, v = inputs.q, inputs.k, inputs.v
+    mask, causal = None, inputs.is_causal
+    if causal and q.shape[2] != k.shape[2]:
+        mask, causal = causal_lower_right(q.shape[2], k.shape[2]), False
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=inputs.dropout_p, is_causal=causal,
+                                          scale=inputs.scale, enable_gqa=q.shape[1] != k.shape[1])
+
+
 def fused_entmax_attention(inputs: AttentionInputs, return_stats: bool):
-    """Run the fused kernels on prepared inputs (see :func:`sparse_attn.entmax_attention`)."""
-    bias = inputs.mask
-    if bias is not None and bias.dtype == torch.bool:
-        bias = keep_to_bias(bias, torch.float32)
+    """Run the fused kernels on prepared inputs (see :func:`sparse_attn.entmax_attention`).
+
+    Softmax heads (alpha = 1 for all heads) without statistics go to PyTorch's SDPA when it has our semantics
+    (:func:`_sdpa_fits`); otherwise the Triton forward runs with the alpha class known on the host.
+    """
+    if _sdpa_fits(inputs, return_stats):
+        return _sdpa(inputs)
     seed = int(torch.randint(0, 2**31 - 1, (1,)).item()) if inputs.dropout_p > 0 else 0
-    out, tau, lsum, nnz, n_valid, _, _ = _fwd_op(
-        inputs.q, inputs.k, inputs.v, inputs.alpha, bias, inputs.cu_seqlens_q, inputs.cu_seqlens_k, inputs.scale,
-        inputs.is_causal, inputs.max_seqlen_q, inputs.max_seqlen_k, inputs.dropout_p, seed,
+    out, tau, lsum, nnz, n_valid, _, _, _ = _fwd_op(
+        inputs.q, inputs.k, inputs.v, inputs.alpha, inputs.mask, inputs.cu_seqlens_q, inputs.cu_seqlens_k,
+        inputs.scale, inputs.is_causal, inputs.max_seqlen_q, inputs.max_seqlen_k, inputs.dropout_p, seed,
+        _alpha_class(inputs),
     )
     if return_stats:
         return out, AttentionStats(nnz=nnz, tau=tau.detach(), n_valid=n_valid)

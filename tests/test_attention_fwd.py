@@ -346,7 +346,7 @@ which = sys.argv[1]
 lowp = {"Q", "K", "V", "OUT", "DO", "DQ", "DK", "DV"}
 ints = {"NNZ", "N_VALID", "LIVE", "N_SWEEPS", "CU_SEQLENS_Q", "CU_SEQLENS_K"}
 floats = {"scale", "tol", "dropout_p", "inv_keep"}
-flags = dict(HAS_BIAS=True, IS_VARLEN=True, HAS_DROPOUT=True, UPCAST=False, DOT_PRECISION="tf32", HEAD_DIM=80,
+flags = dict(BIAS_KIND=1, IS_VARLEN=True, HAS_DROPOUT=True, UPCAST=False, DOT_PRECISION="tf32", HEAD_DIM=80,
              BLOCK_D=128, BLOCK_M=64, BLOCK_N=64)
 mask = mask_spec(True)
 if which == "fwd":

@@ -1,0 +1,131 @@
+"""Pass and tile-visit counters of the fused forward, measured on the CPU interpreter.
+
+For alpha in {1, 1.25, 1.5, 2}, random scores at two temperatures (score std 1 and 3), flat scores
+(std 0.3) and locally correlated tokens (AR(1) keys, queries near their own key), it runs the fused
+forward (``TRITON_INTERPRET=1``, 64 x 64 tiles) and prints per configuration:
+
+* ``passes``: mean / max of ``n_passes`` over query tiles (the grid pass and the value pass included;
+  passes before the value pass = passes - 1),
+* ``visits``: mean ``tile_visits`` per query tile, and ``dead``: the fraction of visible key tiles
+  dead after the forward,
+* ``err``: max |out - out64| against the float64 reference, and ``ratio``: that error over the
+  error of a FlashAttention-style pipeline in the same input dtype (fp32 scores, the exact float64
+  threshold, weights rounded to the input dtype before the value product, output rounded) - 1.00
+  means as accurate as an exact threshold.
+
+Usage: ``python benchmarks/passes.py [--n 512 1024 2048] [--dtype bf16 fp32] [--quick] [--markdown]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+
+from sparse_attn.kernels.entmax_attn_fwd import entmax_attn_fwd  # noqa: E402
+from sparse_attn.mappings import entmax  # noqa: E402
+
+DISTS = ("std1", "std3", "flat", "local")
+ALPHAS = (1.0, 1.25, 1.5, 2.0)
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def make_inputs(dist: str, n: int, d: int, heads: int, seed: int):
+    """q, k, v of shape (1, heads, n, d) in float32 for one score distribution."""
+    g = torch.Generator().manual_seed(seed)
+    if dist == "local":
+        eps = torch.randn(heads, n, d, generator=g, dtype=torch.float64)
+        k = torch.empty_like(eps)
+        k[:, 0] = eps[:, 0]
+        r = 0.95
+        for t in range(1, n):
+            k[:, t] = r * k[:, t - 1] + math.sqrt(1 - r * r) * eps[:, t]
+        q = k + torch.randn(heads, n, d, generator=g, dtype=torch.float64)
+        q, k = q.float(), k.float()
+    else:
+        level = {"std1": 1.0, "std3": 3.0, "flat": 0.3}[dist]
+        k = torch.randn(heads, n, d, generator=g) * math.sqrt(level)
+        q = torch.randn(heads, n, d, generator=g) * math.sqrt(level)
+    v = torch.randn(heads, n, d, generator=g)
+    return q[None], k[None], v[None]
+
+
+def pipeline_out(q, k, v, alpha: float, scale: float, dtype):
+    """FlashAttention-style low-precision output with the exact float64 threshold (see module docstring)."""
+    s32 = (q.float() @ k.float().transpose(-1, -2)) * scale
+    s64 = (q.double() @ k.double().transpose(-1, -2)) * scale
+    p64 = entmax(s64, alpha, dim=-1) if alpha != 1.0 else torch.softmax(s64, -1)
+    if alpha == 1.0:
+        p32 = torch.exp(s32 - torch.logsumexp(s64, -1, keepdim=True).float())
+    else:
+        # tau from the float64 weights: tau = z - p^(alpha - 1) on the support, taken at the row max
+        z64 = (alpha - 1) * s64
+        idx = p64.argmax(-1, keepdim=True)
+        tau = (z64.gather(-1, idx) - p64.gather(-1, idx) ** (alpha - 1)).float()
+        p32 = ((alpha - 1) * s32 - tau).clamp_min(0) ** (1 / (alpha - 1))
+    lsum = p32.sum(-1, keepdim=True)
+    out = (p32.to(dtype).float() @ v.to(dtype).float()) / lsum
+    return out.to(dtype).double(), (p64 @ v.double())
+
+
+def measure(dist, n, alpha, dtype, heads=2, d=64, seed=0, block=64):
+    q, k, v = make_inputs(dist, n, d, heads, seed + n)
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    scale = d ** -0.5
+    a = torch.full((heads,), alpha, dtype=torch.float32)
+    t0 = time.perf_counter()
+    res = entmax_attn_fwd(q, k, v, a, scale, block_m=block, block_n=block)
+    secs = time.perf_counter() - t0
+    out_lp, out64 = pipeline_out(q, k, v, alpha, scale, dtype)
+    err = (res.out.double() - out64).abs().max().item()
+    err_ref = (out_lp - out64).abs().max().item()
+    visible = res.live.new_tensor(math.ceil(n / block)).float()
+    live_frac = torch.tensor([bin(w & 0xFFFFFFFF).count("1") for w in res.live.flatten().tolist()]).float().sum()
+    live_frac = live_frac / (visible * res.live.shape[0] * res.live.shape[1] * res.live.shape[2])
+    passes = res.n_passes.float()
+    return dict(dist=dist, n=n, alpha=alpha, dtype=str(dtype).replace("torch.", ""),
+                passes=passes.mean().item(), passes_max=int(passes.max().item()),
+                visits=res.tile_visits.float().mean().item(), dead=1.0 - live_frac.item(),
+                err=err, ratio=err / max(err_ref, 1e-30), secs=secs)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, nargs="+", default=[512, 1024, 2048])
+    ap.add_argument("--dtype", nargs="+", default=["bf16", "fp32"], choices=sorted(DTYPES))
+    ap.add_argument("--alpha", type=float, nargs="+", default=list(ALPHAS))
+    ap.add_argument("--dist", nargs="+", default=list(DISTS), choices=DISTS)
+    ap.add_argument("--quick", action="store_true", help="N = 128, one head (a smoke run)")
+    ap.add_argument("--markdown", action="store_true", help="print one markdown table")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    ns = [128] if args.quick else args.n
+    heads = 1 if args.quick else 2
+    rows = []
+    if args.markdown:
+        print("| dtype | dist | N | alpha | passes mean/max | visits / q-tile | dead tiles | max err | ratio |")
+        print("|---|---|---|---|---|---|---|---|---|")
+    for dt in args.dtype:
+        for dist in args.dist:
+            for n in ns:
+                for alpha in args.alpha:
+                    r = measure(dist, n, alpha, DTYPES[dt], heads=heads)
+                    rows.append(r)
+                    if args.markdown:
+                        print(f"| {dt} | {dist} | {n} | {alpha} | {r['passes']:.2f} / {r['passes_max']} | "
+                              f"{r['visits']:.1f} | {r['dead']:.2f} | {r['err']:.1e} | {r['ratio']:.2f} |", flush=True)
+                    else:
+                        print(f"{dt:5s} {dist:6s} N={n:5d} alpha={alpha:<5} passes {r['passes']:.2f}/{r['passes_max']}"
+                              f"  visits {r['visits']:6.1f}  dead {r['dead']:.2f}  err {r['err']:.1e}"
+                              f"  ratio {r['ratio']:.2f}  ({r['secs']:.1f} s)", flush=True)
+    return rows
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)

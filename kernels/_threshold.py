@@ -1,0 +1,176 @@
+"""Row-threshold arithmetic of the fused entmax forward: evaluation points, brackets, the estimate.
+
+For ``alpha > 1`` a row's threshold ``tau`` solves ``f(tau) = sum_j [z_j - tau]_+^beta = 1`` with
+``z = (alpha - 1) * score`` and ``beta = 1 / (alpha - 1)``. ``phi = f^(1/beta) - 1`` is convex and
+decreasing, so from ``phi`` and ``phi'`` at the two ends of a bracket ``[a, b]`` (``phi(a) >= 0 > phi(b)``):
+
+* the Newton (tangent) roots of ``phi`` from either end are certified lower bounds of ``tau``;
+* the secant root is a certified upper bound;
+* for beta in {1, 2}, if no key lies inside the bracket (equal counts ``c = #{z > t}`` at both
+  ends), ``f`` is a polynomial there and its root is exact;
+* otherwise the root of the cubic Hermite interpolant of ``phi``, clamped to the certified
+  ``[lo, hi]``, is the estimate.
+
+All values are per row, ``[BLOCK_M]`` vectors. ``POW`` (constexpr) is 1 (alpha = 2), 2 (alpha = 1.5)
+or 0 (any other alpha). On the general path thresholds are carried as ``theta = tau + 1`` and the
+sums at a point are scaled by the term of the row maximum, ``(m - tau)^beta``, so that neither the
+large powers near alpha = 1 overflow below the threshold nor the small ones underflow above it:
+the maximal key contributes exactly 1 and ``phi = (m - tau) * F^(1/beta) - 1``.
+Derivation and measurements: docs/kernels.md.
+"""
+
+import triton
+import triton.language as tl
+
+from ._common import log2_1p
+
+
+@triton.jit
+def point_sums(z, t, POW: tl.constexpr, bm1, lref):
+    """``f``, ``g``, ``c`` (each ``[BLOCK_M]``) of the score tile ``z [BLOCK_M, BLOCK_N]`` at the points ``t``.
+
+    POW 1, 2: ``f = sum [z - t]_+^beta``, ``g = sum [z - t]_+^(beta - 1)``, ``c = #{z > t}`` (float).
+    POW 0: ``t = tau + 1``, ``r = 1 + (z - t)``, and the sums are scaled by the maximal key's term:
+    ``f = sum (r / r_max)^beta``, ``g = sum (r / r_max)^(beta - 1)`` with ``lref = log2(r_max)``;
+    ``c`` is 0. ``bm1 = beta - 1``.
+    """
+    if POW == 1:
+        r = z - t[:, None]
+        pos = r > 0.0
+        f = tl.sum(tl.where(pos, r, 0.0), 1)
+        c = tl.sum(pos.to(tl.float32), 1)
+        g = c
+    elif POW == 2:
+        r = tl.where(z > t[:, None], z - t[:, None], 0.0)
+        f = tl.sum(r * r, 1)
+        g = tl.sum(r, 1)
+        c = tl.sum((r > 0.0).to(tl.float32), 1)
+    else:
+        r = 1.0 + (z - t[:, None])
+        pos = r > 0.0
+        lr = tl.where(pos, tl.log2(tl.where(pos, r, 1.0)) - lref[:, None], -200.0)
+        gp = tl.where(pos, tl.exp2(bm1 * lr), 0.0)
+        f = tl.sum(gp * r, 1) * tl.exp2(-lref)
+        g = tl.sum(gp, 1)
+        c = g * 0.0
+    return f, g, c
+
+
+@triton.jit
+def weights(z, t, POW: tl.constexpr, beta):
+    """Unnormalized weights ``[z - tau]_+^beta`` ``[BLOCK_M, BLOCK_N]`` at the thresholds ``t`` (as ``point_sums``).
+
+    The general path forms ``log2(1 + w)``, ``w = z - (tau + 1)``, with ``log2_1p``: near alpha = 1,
+    ``r = 1 + w`` is within O(alpha - 1) of 1 and rounding it would cost ``beta`` ulps per weight.
+    """
+    if POW == 1:
+        p = tl.where(z > t[:, None], z - t[:, None], 0.0)
+    elif POW == 2:
+        r = tl.where(z > t[:, None], z - t[:, None], 0.0)
+        p = r * r
+    else:
+        w = z - t[:, None]
+        pos = w > -1.0
+        p = tl.where(pos, tl.exp2(beta * log2_1p(tl.where(pos, w, 0.0))), 0.0)
+    return p
+
+
+@triton.jit
+def log_ref(m, t):
+    """``log2(r_max)``, ``r_max = 1 + (m - t)``: the maximal key's base at the points ``t = tau + 1`` (POW 0).
+
+    Rounded exactly as ``point_sums`` rounds ``r`` of a key, so that no key's ratio exceeds 1.
+    """
+    return tl.log2(tl.maximum(1.0 + (m - t), 1e-30))
+
+
+@triton.jit
+def phi(F, G, POW: tl.constexpr, inv_beta, lref):
+    """``phi = f^(1/beta) - 1`` and ``phi'`` from the sums of ``point_sums``; ``(-1, -1)`` where no key is above."""
+    pos = F > 0.0
+    fs = tl.where(pos, F, 1.0)
+    if POW == 1:
+        ph = F - 1.0
+        dph = -G
+    elif POW == 2:
+        rt = tl.sqrt(fs)
+        ph = rt - 1.0
+        dph = -G / rt
+    else:
+        lf = tl.log2(fs)
+        ph = tl.exp2(lref + lf * inv_beta) - 1.0
+        dph = -tl.exp2(lf * (inv_beta - 1.0)) * G
+    ph = tl.where(pos, ph, -1.0)
+    dph = tl.where(pos & (dph < 0.0), dph, -1.0)
+    return ph, dph
+
+
+@triton.jit
+def merge_point(a, pa, da, fa, ga, ca, b, pb, db, cb, b_top, t, ph, dph, f, g, c):
+    """Tighten the bracket ``[a, b]`` (``phi(a) >= 0 > phi(b)``; ``b_top``: ``b`` is the row max) with point ``t``."""
+    up_a = (ph >= 0.0) & (t > a)
+    a = tl.where(up_a, t, a)
+    pa = tl.where(up_a, ph, pa)
+    da = tl.where(up_a, dph, da)
+    fa = tl.where(up_a, f, fa)
+    ga = tl.where(up_a, g, ga)
+    ca = tl.where(up_a, c, ca)
+    up_b = (ph < 0.0) & (t < b)
+    b = tl.where(up_b, t, b)
+    pb = tl.where(up_b, ph, pb)
+    db = tl.where(up_b, dph, db)
+    cb = tl.where(up_b, c, cb)
+    b_top = b_top & (up_b == 0)
+    return a, pa, da, fa, ga, ca, b, pb, db, cb, b_top
+
+
+@triton.jit
+def solve(a, pa, da, fa, ga, ca, b, pb, db, cb, b_top, POW: tl.constexpr):
+    """``(estimate, lo, hi, exact)`` of the root of ``phi`` in the bracket ``[a, b]``; ``lo <= tau <= hi`` certified.
+
+    At the row max ``phi = -1`` and ``phi' = -1`` with a single maximal key (with ties the true
+    tangent root is larger, so the bound stays valid).
+    """
+    pb = tl.where(b_top, -1.0, pb)
+    db = tl.where(b_top, -1.0, db)
+    h = tl.maximum(b - a, 1e-30)
+    lo = tl.maximum(tl.maximum(a - pa / da, b - pb / db), a)
+    hi = tl.minimum(a + h * (pa / tl.maximum(pa - pb, 1e-30)), b)
+    lo = tl.minimum(lo, hi)
+    if POW == 0:
+        exact = a != a
+        root = a
+    else:
+        # no key inside the bracket: f is a polynomial on it (the top bracket holds only the max key if c(a) == 1)
+        exact = tl.where(b_top, ca == 1.0, ca == cb) & (ca > 0.0)
+        c_safe = tl.maximum(ca, 1.0)
+        if POW == 1:
+            root = a + (fa - 1.0) / c_safe
+        else:
+            disc = tl.maximum(ga * ga - c_safe * (fa - 1.0), 0.0)
+            root = a + (fa - 1.0) / tl.maximum(ga + tl.sqrt(disc), 1e-30)
+        root = tl.minimum(tl.maximum(root, a), b)
+        lo = tl.where(exact, root, lo)
+        hi = tl.where(exact, root, hi)
+    # safeguarded Newton on the cubic Hermite interpolant of phi over [a, b], in s = (t - a) / h
+    s_lo = (lo - a) / h
+    s_hi = (hi - a) / h
+    s = 0.5 * (s_lo + s_hi)
+    for _ in tl.static_range(6):
+        s2 = s * s
+        s3 = s2 * s
+        p = ((2.0 * s3 - 3.0 * s2 + 1.0) * pa + (s3 - 2.0 * s2 + s) * h * da + (3.0 * s2 - 2.0 * s3) * pb
+             + (s3 - s2) * h * db)
+        dp = ((6.0 * s2 - 6.0 * s) * pa + (3.0 * s2 - 4.0 * s + 1.0) * h * da + (6.0 * s - 6.0 * s2) * pb
+              + (3.0 * s2 - 2.0 * s) * h * db)
+        s = s - p / tl.where(dp < 0.0, dp, -1.0)
+        s = tl.minimum(tl.maximum(s, s_lo), s_hi)
+    est = tl.where(exact, root, a + s * h)
+    est = tl.where(est == est, est, lo)
+    # phi(a) unknown (no usable grid): bisect
+    known = pa == pa
+    lo = tl.where(known, lo, a)
+    hi = tl.where(known, hi, b)
+    est = tl.where(known, est, 0.5 * (a + b))
+    est = tl.minimum(tl.maximum(est, lo), hi)
+    return est, lo, hi, exact

@@ -1,0 +1,217 @@
+"""The fused forward's threshold search: pass and tile-visit counters, the dead-tile certificate,
+compile-time alpha classes against the run-time (mixed) path, accuracy per dtype, keep masks and
+the non-finite policy. Kernels run on the kernel device (the interpreter on CPU)."""
+
+import math
+
+import pytest
+import torch
+
+from sparse_attn.kernels.entmax_attn_fwd import alpha_class_of, entmax_attn_fwd
+from sparse_attn.mappings import entmax
+from sparse_attn.reference import entmax_attention_reference
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def _inputs(dev, b=1, h=2, nq=80, nk=None, d=32, std=1.0, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    nk = nq if nk is None else nk
+    q = torch.randn(b, h, nq, d, generator=g) * std
+    k = torch.randn(b, h, nk, d, generator=g) * std
+    v = torch.randn(b, h, nk, d, generator=g)
+    return (t.to(device=dev, dtype=dtype) for t in (q, k, v))
+
+
+def _popcount(live: torch.Tensor) -> torch.Tensor:
+    """Set bits per query tile of a liveness bitmap ``(S, H, n_qt, words)``."""
+    bits = (live.long().unsqueeze(-1) >> torch.arange(32, device=live.device)) & 1
+    return bits.sum(dim=(-1, -2))
+
+
+def _flash_style(q, k, v, alpha, scale, dtype, causal=False):
+    """FlashAttention-style low-precision output: fp32 scores, the float64 threshold rounded to fp32,
+    weights rounded to ``dtype`` before the value product, fp32 normalizer, output in ``dtype``."""
+    s64 = (q.double() @ k.double().transpose(-1, -2)) * scale
+    s32 = (q.float() @ k.float().transpose(-1, -2)) * scale
+    if causal:
+        nq, nk = s64.shape[-2:]
+        keep = torch.ones(nq, nk, dtype=torch.bool, device=q.device).tril(nk - nq)
+        s64 = s64.masked_fill(~keep, float("-inf"))
+        s32 = s32.masked_fill(~keep, float("-inf"))
+    if alpha == 1.0:
+        p = torch.exp(s32 - torch.logsumexp(s64, -1, keepdim=True).float())
+    else:
+        p64 = entmax(s64, alpha, dim=-1)
+        z64 = (alpha - 1) * s64
+        idx = p64.argmax(-1, keepdim=True)
+        tau = (z64.gather(-1, idx) - p64.gather(-1, idx) ** (alpha - 1)).float()
+        p = ((alpha - 1) * s32 - tau).clamp_min(0) ** (1 / (alpha - 1))
+    out = (p.to(dtype).float() @ v.float()) / p.sum(-1, keepdim=True)
+    return out.to(dtype)
+
+
+@pytest.mark.parametrize("alpha", [1.0, 1.25, 1.5, 2.0])
+def test_counters_match_the_bitmap(kernel_device, alpha):
+    """n_passes counts every pass (1 for softmax); tile_visits lies between the bounds the live sets give:
+    the first pass visits every visible tile, every later pass at least the finally-live ones."""
+    q, k, v = _inputs(kernel_device, nq=96, nk=160)
+    res = entmax_attn_fwd(q, k, v, torch.full((2,), alpha, device=kernel_device), 32 ** -0.5,
+                          block_m=32, block_n=32)
+    visible = math.ceil(160 / 32)
+    final = _popcount(res.live).cpu()
+    passes, visits = res.n_passes.cpu(), res.tile_visits.cpu()
+    if alpha == 1.0:
+        assert torch.all(passes == 1) and torch.all(visits == visible) and torch.all(final == visible)
+    else:
+        assert torch.all(passes >= 2)
+        assert torch.all(visits >= visible + (passes - 1) * final)
+        assert torch.all(visits <= passes * visible)
+
+
+def test_dense_rows_take_at_most_two_passes_before_the_value_pass(kernel_device):
+    """bf16 / fp16 inputs at alpha 1.5 and 2 (random scores, all tiles live): grid pass + one candidate pass."""
+    for dtype in (torch.bfloat16, torch.float16):
+        q, k, v = _inputs(kernel_device, nq=128, nk=256, dtype=dtype, seed=3)
+        for alpha in (1.5, 2.0):
+            res = entmax_attn_fwd(q, k, v, torch.full((2,), alpha, device=kernel_device), 32 ** -0.5,
+                                  block_m=64, block_n=64)
+            assert res.n_passes.max().item() <= 3, (dtype, alpha, res.n_passes)
+
+
+@pytest.mark.parametrize("alpha", [1.25, 1.5, 2.0, 1.75])
+@pytest.mark.parametrize("causal", [False, True])
+def test_dead_tiles_hold_no_weight(kernel_device, alpha, causal):
+    """Certificate: no key tile marked dead holds a float64 reference weight above 1e-6 for any row."""
+    q, k, v = _inputs(kernel_device, nq=64, nk=192, std=2.0, seed=5)
+    # local structure: nearby keys align with each query, so many far tiles die
+    k = k + torch.linspace(-3, 3, 192, device=kernel_device)[None, None, :, None]
+    q = q + torch.linspace(-3, 3, 64, device=kernel_device)[None, None, :, None]
+    bm = bn = 16
+    res = entmax_attn_fwd(q, k, v, torch.full((2,), alpha, device=kernel_device), 32 ** -0.5, is_causal=causal,
+                          block_m=bm, block_n=bn)
+    _, weights = entmax_attention_reference(q.double(), k.double(), v.double(), alpha, is_causal=causal,
+                                            scale=32 ** -0.5, return_weights=True)
+    w = weights[0].cpu()  # (H, Nq, Nk)
+    tile_max = w.reshape(2, 64 // bm, bm, 192 // bn, bn).amax(dim=(2, 4))  # (H, n_qt, n_kt)
+    bits = (res.live[0].cpu().long().unsqueeze(-1) >> torch.arange(32)) & 1  # (H, n_qt, words, 32)
+    live = bits.flatten(-2)[..., : 192 // bn].bool()
+    assert (~live).any(), "the test needs dead tiles"
+    assert tile_max[~live].max().item() <= 1e-6
+
+
+@pytest.mark.parametrize("alphas", [[1.5, 1.5], [2.0, 2.0], [1.3, 1.7], [1.0, 1.0]])
+def test_specialized_class_equals_the_mixed_path(kernel_device, alphas):
+    """The same heads compiled for their alpha class and through the run-time branch give identical bits."""
+    q, k, v = _inputs(kernel_device, nq=48, nk=72, seed=7)
+    a = torch.tensor(alphas, device=kernel_device)
+    cls = alpha_class_of(alphas)
+    assert cls != "mixed"
+    one = entmax_attn_fwd(q, k, v, a, 32 ** -0.5, alpha_class=cls)
+    mixed = entmax_attn_fwd(q, k, v, a, 32 ** -0.5, alpha_class="mixed")
+    for name in ("out", "tau", "lsum", "nnz", "n_valid", "live", "n_passes", "tile_visits"):
+        assert torch.equal(getattr(one, name), getattr(mixed, name)), name
+
+
+def test_mixed_heads_in_one_launch_match_single_class_launches(kernel_device):
+    q, k, v = _inputs(kernel_device, h=4, nq=40, seed=8)
+    alphas = [1.0, 1.5, 2.0, 1.3]
+    mixed = entmax_attn_fwd(q, k, v, torch.tensor(alphas, device=kernel_device), 32 ** -0.5, alpha_class="mixed")
+    for h, a in enumerate(alphas):
+        one = entmax_attn_fwd(q[:, h:h + 1], k[:, h:h + 1], v[:, h:h + 1], torch.tensor([a], device=kernel_device),
+                              32 ** -0.5)
+        assert torch.equal(one.out[:, 0], mixed.out[:, h]), a
+        assert torch.equal(one.tau[:, 0], mixed.tau[:, h]), a
+
+
+def test_alpha_class_of():
+    assert alpha_class_of([1.0, 1.0]) == "softmax"
+    assert alpha_class_of([2.0]) == "sparsemax"
+    assert alpha_class_of([1.5, 1.5]) == "entmax15"
+    assert alpha_class_of([1.2, 1.7]) == "general"
+    assert alpha_class_of([1.2, 1.5]) == "mixed"
+    assert alpha_class_of([1.0, 1.3]) == "mixed"
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("alpha", [1.0, 1.25, 1.5, 2.0])
+@pytest.mark.parametrize("causal", [False, True])
+def test_half_precision_within_twice_a_flash_style_pipeline(kernel_device, dtype, alpha, causal):
+    dt = DTYPES[dtype]
+    q, k, v = _inputs(kernel_device, nq=64, nk=96, std=1.5, seed=11, dtype=dt)
+    scale = 32 ** -0.5
+    res = entmax_attn_fwd(q, k, v, torch.full((2,), alpha, device=kernel_device), scale, is_causal=causal)
+    out64 = entmax_attention_reference(q.double(), k.double(), v.double(), alpha, is_causal=causal, scale=scale)
+    err = (res.out.double() - out64).abs().max().item()
+    err_ref = (_flash_style(q, k, v, alpha, scale, dt, causal).double() - out64).abs().max().item()
+    assert err <= 2 * err_ref + 1e-5, (err, err_ref)
+
+
+@pytest.mark.parametrize("alpha", [1.0, 1.25, 1.5, 2.0, 1.0001, 1.9])
+@pytest.mark.parametrize("std", [0.3, 1.0, 3.0])
+def test_fp32_within_2e_5(kernel_device, alpha, std):
+    q, k, v = _inputs(kernel_device, nq=64, nk=112, std=std, seed=13)
+    res = entmax_attn_fwd(q, k, v, torch.full((2,), alpha, device=kernel_device), 32 ** -0.5)
+    out64 = entmax_attention_reference(q.double(), k.double(), v.double(), alpha, scale=32 ** -0.5)
+    assert (res.out.double() - out64).abs().max().item() <= 2e-5
+
+
+def test_keep_mask_is_read_as_is(kernel_device):
+    """A boolean keep mask at its own broadcast shape (zero strides) gives the reference's result."""
+    q, k, v = _inputs(kernel_device, nq=40, nk=56, seed=17)
+    g = torch.Generator().manual_seed(0)
+    keep = (torch.rand(1, 1, 40, 56, generator=g) > 0.4).to(kernel_device)
+    keep[..., 5, :] = False  # a row with nothing to attend to
+    for alpha in (1.0, 1.5, 1.3):
+        res = entmax_attn_fwd(q, k, v, torch.full((2,), alpha, device=kernel_device), 32 ** -0.5,
+                              keep=keep.expand(1, 2, 40, 56))
+        out64 = entmax_attention_reference(q.double(), k.double(), v.double(), alpha, attn_mask=keep,
+                                           scale=32 ** -0.5)
+        assert (res.out.double() - out64).abs().max().item() <= 2e-5
+        assert torch.all(res.out[..., 5, :] == 0) and torch.all(res.n_valid[..., 5] == 0)
+
+
+@pytest.mark.parametrize("alpha", [1.0, 1.5, 2.0, 1.3])
+def test_nan_and_inf_scores_give_nan_rows(kernel_device, alpha):
+    """Policy: a NaN (from q) or +inf (from a float mask) among a row's scores makes that row NaN; -inf is excluded;
+    other rows are untouched."""
+    q, k, v = _inputs(kernel_device, nq=40, nk=40, seed=19)
+    q[0, 0, 3, 5] = float("nan")
+    bias = torch.zeros(1, 2, 40, 40, device=kernel_device)
+    bias[:, :, 7, 9] = float("inf")
+    bias[:, :, 8, :] = float("-inf")
+    a = torch.full((2,), alpha, device=kernel_device)
+    res = entmax_attn_fwd(q, k, v, a, 32 ** -0.5, bias=bias)
+    assert torch.isnan(res.out[0, 0, 3]).all()
+    assert torch.isnan(res.out[0, :, 7]).all()
+    assert torch.all(res.out[0, :, 8] == 0)
+    clean = entmax_attn_fwd(q.nan_to_num(), k, v, a, 32 ** -0.5, bias=bias.nan_to_num(posinf=0.0))
+    others = [i for i in range(40) if i not in (3, 7)]
+    assert torch.equal(res.out[0, 1, others], clean.out[0, 1, others])
+
+
+def test_alpha_outside_range_gives_nan_head_on_the_mixed_path(kernel_device):
+    """Unchecked (device) alpha values outside [1, 2] or NaN: that head's outputs are NaN, others unchanged."""
+    q, k, v = _inputs(kernel_device, h=3, nq=24, seed=23)
+    res = entmax_attn_fwd(q, k, v, torch.tensor([1.5, 2.5, float("nan")], device=kernel_device), 32 ** -0.5,
+                          alpha_class="mixed")
+    good = entmax_attn_fwd(q[:, :1], k[:, :1], v[:, :1], torch.tensor([1.5], device=kernel_device), 32 ** -0.5)
+    assert torch.equal(res.out[:, 0], good.out[:, 0])
+    assert torch.isnan(res.out[:, 1:]).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("alpha_class", ["softmax", "sparsemax", "entmax15", "general", "mixed"])
+def test_gpu_configs(d, alpha_class):
+    """The pinned GPU configs (128-row tiles up to head dim 128) run and match the reference in bf16."""
+    alpha = {"softmax": 1.0, "sparsemax": 2.0, "entmax15": 1.5, "general": 1.3, "mixed": 1.3}[alpha_class]
+    q, k, v = _inputs("cuda", b=2, h=4, nq=1000, nk=1100, d=d, seed=29, dtype=torch.bfloat16)
+    for causal in (False, True):
+        res = entmax_attn_fwd(q, k, v, torch.full((4,), alpha, device="cuda"), d ** -0.5, is_causal=causal,
+                              alpha_class=alpha_class)
+        out64 = entmax_attention_reference(q.double(), k.double(), v.double(), alpha, is_causal=causal,
+                                           scale=d ** -0.5)
+        err = (res.out.double() - out64).abs().max().item()
+        err_ref = (_flash_style(q, k, v, alpha, d ** -0.5, torch.bfloat16, causal).double() - out64).abs().max().item()
+        assert err <= 2 * err_ref + 1e-5, (err, err_ref)
