@@ -9,6 +9,7 @@ that the saved model's alphas come back in ``sparsify_stats.py``.
 import csv
 import json
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -175,6 +176,17 @@ def test_a_decoder_model_folder_works(tmp_path):
 def test_bad_options_stop_with_a_message(argv, message, tmp_path):
     with pytest.raises(SystemExit, match=message):
         sparsify.main([*argv, "--out", str(tmp_path), "--no-progress"])
+
+
+@pytest.mark.parametrize("script, args, message", [
+    ("sparsify.py", ["--alpha-init", "1"], "--alpha-init must be in (1, 2)"),
+    ("sparsify_stats.py", ["--alpha", "3"], "--alpha must be in [1, 2]"),
+])
+def test_scripts_run_from_another_folder(script, args, message, tmp_path):
+    done = subprocess.run([sys.executable, str(EXAMPLES / script), *args], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 1, done.stderr
+    assert message in done.stderr and "Traceback" not in done.stderr, done.stderr
 
 
 def test_bad_text_file_is_a_value_error(tmp_path):
