@@ -30,12 +30,12 @@ SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "effici
 COLUMNS = (
     "group", "method", "backend", "alpha", "mode", "dtype", "batch", "heads", "seq_q", "seq_k",
     "head_dim", "causal", "score_mult", "target_density", "status", "note", "ms", "ms_q20",
-    "ms_q80", "tflops", "peak_mem_mib", "density", "tiles_skipped", "sweeps_mean", "sweeps_max",
+    "ms_q80", "tflops", "peak_mem_mib", "density", "tiles_skipped", "passes_mean", "passes_max", "visits_mean",
     "time_vs_sdpa_flash", "max_abs_err",
 )
 FLOAT_COLUMNS = (
     "score_mult", "target_density", "ms", "ms_q20", "ms_q80", "tflops", "peak_mem_mib", "density",
-    "tiles_skipped", "sweeps_mean", "sweeps_max", "time_vs_sdpa_flash", "max_abs_err",
+    "tiles_skipped", "passes_mean", "passes_max", "visits_mean", "time_vs_sdpa_flash", "max_abs_err",
 )
 INT_COLUMNS = ("batch", "heads", "seq_q", "seq_k", "head_dim")
 CASE_COLUMNS = ("group", "dtype", "batch", "heads", "seq_q", "seq_k", "head_dim", "causal",

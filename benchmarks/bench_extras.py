@@ -1,5 +1,5 @@
 """The untimed numbers of a benchmark row: max error against the float64 reference and, for the fused
-kernels, realized density, fraction of key tiles skipped and Newton sweeps."""
+kernels, realized density, fraction of key tiles skipped, passes over K and tile visits."""
 
 from __future__ import annotations
 
@@ -38,19 +38,21 @@ def count_live_tiles(live: torch.Tensor, n_key_tiles: int) -> int:
 
 
 def tile_stats(res, seq_q: int, seq_k: int, causal: bool, batch_heads: int, blocks: tuple[int, int]) -> dict:
-    """Fraction of visitable tiles a fused forward result marks dead, and its Newton sweeps per query tile.
+    """Fraction of visitable tiles a fused forward result marks dead, its passes over K and key tiles loaded
+    per query tile.
 
     ``res`` is what :func:`sparse_attn.kernels.entmax_attn_fwd.entmax_attn_fwd` returns (``live``,
-    ``n_sweeps``); ``blocks`` its ``(block_m, block_n)``.
+    ``n_passes``, ``tile_visits``); ``blocks`` its ``(block_m, block_n)``.
     """
     block_m, block_n = blocks
     visit = visitable_tiles(seq_q, seq_k, block_m, block_n, causal) * batch_heads
     live = count_live_tiles(res.live, -(-seq_k // block_n))
-    sweeps = res.n_sweeps.float()
+    passes = res.n_passes.float()
     return {
         "tiles_skipped": 1.0 - live / visit if visit else float("nan"),
-        "sweeps_mean": float(sweeps.mean().item()),
-        "sweeps_max": float(sweeps.max().item()),
+        "passes_mean": float(passes.mean().item()),
+        "passes_max": float(passes.max().item()),
+        "visits_mean": float(res.tile_visits.float().mean().item()),
     }
 
 
@@ -95,7 +97,7 @@ def reference_error(fn_out: torch.Tensor, inputs: Inputs, alpha, max_elems: int,
 def case_extras(method: Method, inputs: Inputs, fwd, args, ref_cache: dict, device: str,
                 out: torch.Tensor | None = None) -> dict:
     """Untimed per-(case, method) numbers: max error vs the float64 reference and, for ``sparse_attn``,
-    realized density, fraction of tiles skipped and Newton sweeps (one call of the fused forward).
+    realized density, fraction of tiles skipped, passes and tile visits (one call of the fused forward).
 
     ``out`` is the output of a timed forward when there was one (else the method runs once more).
     """

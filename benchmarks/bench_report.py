@@ -56,8 +56,8 @@ def read_csv(path: Path) -> list[dict]:
 MD_CASE_COLUMNS = (
     ("method", "method"), ("backend", "backend"), ("alpha", "α"), ("batch", "B"), ("heads", "H"),
     ("seq_q", "N"), ("head_dim", "D"), ("causal", "causal"), ("score_mult", "score ×"),
-    ("density", "density"), ("tiles_skipped", "tiles skipped"), ("sweeps_mean", "sweeps mean"),
-    ("sweeps_max", "sweeps max"), ("max_abs_err", "max err"),
+    ("density", "density"), ("tiles_skipped", "tiles skipped"), ("passes_mean", "passes mean"),
+    ("passes_max", "passes max"), ("visits_mean", "tile visits"), ("max_abs_err", "max err"),
 )
 def _mode_cells(row: dict | None) -> list[str]:
     """``ms (q20-q80)``, ``TFLOP/s``, ``time / SDPA flash`` and peak MiB of one mode, or its status."""
@@ -141,7 +141,7 @@ def _series_label(r: dict) -> str:
 
 
 def write_plots(out: Path, stamp: dict, rows: list[dict]) -> list[Path]:
-    """``plot_grid.png`` (TFLOP/s vs seq), ``plot_sparsity.png`` (time ratio, skipped tiles, sweeps vs density),
+    """``plot_grid.png`` (TFLOP/s vs seq), ``plot_sparsity.png`` (time ratio, skipped tiles, passes vs density),
     ``plot_mixed.png``."""
     try:
         import matplotlib
@@ -183,7 +183,7 @@ def _plot_grid(plt, grid: list[dict], footer: str, path: Path) -> Path:
 
 
 def _plot_sparsity(plt, sweep: list[dict], footer: str, path: Path) -> Path:
-    """Time / SDPA flash, fraction of tiles skipped and Newton sweeps against realized density."""
+    """Time / SDPA flash, fraction of tiles skipped and passes over K against realized density."""
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     for mode in MODES:
         for alpha in sorted({r["alpha"] for r in sweep if r["method"] == "sparse_attn"}):
@@ -192,11 +192,11 @@ def _plot_sparsity(plt, sweep: list[dict], footer: str, path: Path) -> Path:
             axes[0].plot([p[0] for p in sel], [p[1] for p in sel], marker="o", label=f"{mode} α={alpha}")
     fwd_rows = [r for r in sweep if r["method"] == "sparse_attn" and r["mode"] == "fwd"]
     for alpha in sorted({r["alpha"] for r in fwd_rows}):
-        sel = sorted((_num(r["density"]), _num(r["tiles_skipped"]), _num(r["sweeps_mean"]))
+        sel = sorted((_num(r["density"]), _num(r["tiles_skipped"]), _num(r["passes_mean"]))
                      for r in fwd_rows if r["alpha"] == alpha)
         axes[1].plot([p[0] for p in sel], [p[1] for p in sel], marker="o", label=f"α={alpha}")
         axes[2].plot([p[0] for p in sel], [p[2] for p in sel], marker="o", label=f"α={alpha}")
-    for ax, ylabel in zip(axes, ("time / SDPA flash", "fraction of tiles skipped", "Newton sweeps (mean per q tile)")):
+    for ax, ylabel in zip(axes, ("time / SDPA flash", "fraction of tiles skipped", "passes over K (mean per q tile)")):
         ax.set_xscale("log")
         ax.set_xlabel("realized density (nnz / valid keys)")
         ax.set_ylabel(ylabel)

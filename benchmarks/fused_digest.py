@@ -2,7 +2,7 @@
 
 Runs ``sparse_attn.entmax_attention(..., backend="triton")`` forward and backward (autograd) on a
 fixed set of seeded random problems, plus the forward launcher itself for the statistics the
-public function does not return (``lsum``, ``live``, ``n_sweeps``) and, for causal problems, both
+public function does not return (``lsum``, ``live``, ``n_passes``, ``tile_visits``) and, for causal problems, both
 launchers at 16 x 16 tiles (several tiles per sequence, so the causal tile ranges matter), and
 writes the sha256 of every result tensor (out, stats, dq, dk, dv, dalpha, dbias, ...) to a JSON
 file. Two runs of the same kernels give identical files; compare a run before and after a change with ``--check``.
@@ -110,13 +110,13 @@ def run_case(c: dict, seed: int, device: str) -> dict:
     q, k, v, alpha = (t.detach() for t in (q, k, v, alpha))
     full_bias = None if bias is None else bias.expand(b, hq, nq, nk)
     fwd = entmax_attn_fwd(q, k, v, alpha, d**-0.5, bias=full_bias, **launch)
-    res.update({f"launcher_{f}": digest(getattr(fwd, f)) for f in ("out", "tau", "lsum", "nnz", "live", "n_sweeps")})
+    res.update({f"launcher_{f}": digest(getattr(fwd, f)) for f in ("out", "tau", "lsum", "nnz", "live", "n_passes", "tile_visits")})
     if kw["is_causal"]:
         # 16 x 16 tiles: several query and key tiles per sequence, so the causal tile ranges are exercised
         fwd = entmax_attn_fwd(q, k, v, alpha, d**-0.5, bias=full_bias, block_m=16, block_n=16, **launch)
         bwd = entmax_attn_bwd(do, q, k, v, fwd.out, fwd.tau, fwd.lsum, alpha, d**-0.5, bias=bias, live=fwd.live,
                               block_m=16, block_n=16, need_dalpha=True, need_dbias=bias is not None, **launch)
-        res.update({f"tiles16_{f}": digest(getattr(fwd, f)) for f in ("out", "tau", "lsum", "nnz", "live", "n_sweeps")})
+        res.update({f"tiles16_{f}": digest(getattr(fwd, f)) for f in ("out", "tau", "lsum", "nnz", "live", "n_passes", "tile_visits")})
         res.update({f"tiles16_{f}": digest(t) for f, t in zip(["dq", "dk", "dv", "dalpha", "dbias"], bwd)})
     return res
 

@@ -7,9 +7,10 @@ stride-1 constants and the 16-divisibility hints from them, as it would at launc
 read with the ptxas/cuobjdump bundled with Triton.
 
 Usage: ``python benchmarks/sm90_build.py [--d 64 128 256] [--classes ...] [--markdown]``.
-Columns: regs per thread, spill bytes (local memory), static shared memory, SASS instructions in
-total, LDGSTS (cp.async) and UTMALDG (TMA) loads, LDG (plain global loads), HGMMA/HMMA (tensor-core
-matrix instructions), MUFU (special-function unit ops: exp2, log2, rsqrt, rcp).
+Columns: regs per thread, spill bytes (stack + local memory per thread) and spill stores (STL), shared
+memory (dynamic, bytes), SASS instructions in total, LDGSTS (cp.async) and UTMALDG (TMA) loads, LDG (plain
+global loads), HGMMA/HMMA (tensor-core matrix instructions), MUFU (special-function unit ops: exp2, log2,
+rsqrt, rcp).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from triton.compiler import ASTSource, make_backend  # noqa: E402
 from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
 import sparse_attn.kernels.entmax_attn_fwd as fwd  # noqa: E402
+from sparse_attn.kernels._masking import tile_plan  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -82,22 +84,50 @@ def analyse(compiled) -> dict:
         return int(m.group(1)) if m else 0
     ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass)
     count = lambda prefix: sum(1 for o in ops if o.startswith(prefix))  # noqa: E731
-    return dict(regs=field("REG"), spill=field("LOCAL"), smem=field("SHARED"), sass=len(ops),
+    return dict(regs=field("REG"), spill=field("STACK") + field("LOCAL"), stl=count("STL"),
+                smem=compiled.metadata.shared, sass=len(ops),
                 ldgsts=count("LDGSTS"), tma=count("UTMALDG"), ldg=count("LDG") - count("LDGSTS") - count("LDGDEPBAR"),
                 mma=count("HGMMA") + count("HMMA"), mufu=count("MUFU"))
 
 
-ALPHA_OF_CLASS = {"softmax": 1.0, "sparsemax": 2.0, "entmax15": 1.5, "general": 1.25, "mixed": 1.25}
+ALPHA_OF_CLASS = {"softmax": 1.0, "sparsemax": 2.0, "entmax15": 1.5, "general": 1.25}
 
 
-def fwd_case(head_dim: int, alpha_class: str, causal: bool = True, dtype=torch.bfloat16, n: int = 1024):
-    """Build the forward for one configuration as the launcher launches it; returns the analysis dict."""
-    q, k, v = (torch.empty(1, 4, n, head_dim, dtype=dtype) for _ in range(3))
-    alpha = torch.full((4,), ALPHA_OF_CLASS[alpha_class])
+def _problem(head_dim, n, dtype, varlen, heads=4):
+    """CPU tensors shaped like a real call (contiguous, 16-byte aligned), and varlen offsets."""
+    b = 1 if varlen else 2
+    q, k, v = (torch.empty(b, heads, n, head_dim, dtype=dtype) for _ in range(3))
+    cu = torch.tensor([0, n // 3, n], dtype=torch.int32) if varlen else None
+    return q, k, v, cu
+
+
+def fwd_case(head_dim: int, alpha_class: str, causal: bool = True, dtype=torch.bfloat16, n: int = 1024,
+             mask: str | None = None, dropout: bool = False, varlen: bool = False):
+    """Build the forward for one configuration as the launcher launches it; returns the analysis dict.
+
+    ``mask``: None, ``"float"`` (an additive ``(B, 1, Nq, Nk)`` bias) or ``"bool"`` (a keep mask).
+    """
+    q, k, v, cu = _problem(head_dim, n, dtype, varlen)
+    alpha = torch.full((q.shape[1],), ALPHA_OF_CLASS[alpha_class])
+    bias = None if mask is None else torch.empty(q.shape[0], 1, n, n, dtype=torch.bool if mask == "bool" else dtype)
     extra = {"alpha_class": alpha_class} if "alpha_class" in fwd.entmax_attn_fwd.__code__.co_varnames else {}
-    kernel, launches = captured_launches(fwd, "_entmax_attn_fwd_kernel", fwd.entmax_attn_fwd, q, k, v, alpha,
-                                         head_dim ** -0.5, is_causal=causal, **extra)
-    (grid, args, kwargs), = launches
+    tuned = getattr(fwd, "_entmax_attn_fwd_autotuned", None)
+    if tuned is not None:  # the autotuned kernel: record its launch, build it with the pinned config
+        cap = _Capture(tuned)
+        fwd._entmax_attn_fwd_autotuned = cap
+        try:
+            fwd.entmax_attn_fwd(q, k, v, alpha, head_dim ** -0.5, bias=bias, is_causal=causal, cu_seqlens_q=cu,
+                                cu_seqlens_k=cu, dropout_p=0.1 if dropout else 0.0, **extra)
+        finally:
+            fwd._entmax_attn_fwd_autotuned = tuned
+        _, _, warps, stages = fwd._pick_config(head_dim, False)
+        kernel, launches = fwd._entmax_attn_fwd_kernel, [(g, a, {**kw, "num_warps": warps, "num_stages": stages})
+                                                         for g, a, kw in cap.launches]
+    else:
+        kernel, launches = captured_launches(fwd, "_entmax_attn_fwd_kernel", fwd.entmax_attn_fwd, q, k, v, alpha,
+                                             head_dim ** -0.5, bias=bias, is_causal=causal, cu_seqlens_q=cu,
+                                             cu_seqlens_k=cu, dropout_p=0.1 if dropout else 0.0, **extra)
+    grid, args, kwargs = launches[-1]
     info = analyse(compile_like_launch(kernel, args, kwargs))
     info.update(kernel="fwd", d=head_dim, alpha=alpha_class if extra else "all (run time)",
                 block=f"{kwargs['BLOCK_M']}x{kwargs['BLOCK_N']}", warps=kwargs.get("num_warps", 4),
@@ -105,26 +135,93 @@ def fwd_case(head_dim: int, alpha_class: str, causal: bool = True, dtype=torch.b
     return info
 
 
-COLUMNS = ("kernel", "d", "alpha", "block", "warps", "stages", "regs", "spill", "smem", "sass", "ldgsts", "tma",
-           "ldg", "mma", "mufu")
+def bwd_cases(head_dim: int, need_dalpha: bool = True, mask: str | None = "blocks", causal: bool = True,
+              dtype=torch.bfloat16, n: int = 1024, dropout: bool = False, varlen: bool = False):
+    """Build every backward kernel one launch of ``entmax_attn_bwd`` starts; one analysis dict per kernel.
+
+    ``mask``: None, ``"bool"``, or the float-mask gradient mode: ``"dense"`` ``(B, H, N, N)``, ``"rows"``
+    ``(B, H, N, 1)``, ``"cols"`` ``(B, 1, 1, N)``, ``"blocks"`` ``(1, H, N, N)``.
+    """
+    from sparse_attn.kernels import entmax_attn_bwd as bwd
+
+    q, k, v, cu = _problem(head_dim, n, dtype, varlen)
+    bsz, heads = q.shape[:2]
+    shapes = {"dense": (bsz, heads, n, n), "rows": (bsz, heads, n, 1), "cols": (bsz, 1, 1, n),
+              "blocks": (1, heads, n, n), "bool": (bsz, 1, n, n)}
+    bias = None if mask is None else torch.empty(shapes[mask], dtype=torch.bool if mask == "bool" else dtype)
+    block_m, block_n = fwd.fwd_block_sizes(head_dim)
+    plan = tile_plan(q, k, cu, cu, None, None, block_m, block_n)
+    live = torch.empty(plan.n_seq, heads, plan.n_q_tiles, plan.n_words, dtype=torch.int32)
+    stats = torch.empty(bsz, heads, n)
+    names = ("_entmax_attn_bwd_dq_kernel", "_entmax_attn_bwd_dkdv_kernel", "_entmax_attn_bwd_dbias_kernel")
+    kernels = {name: getattr(bwd, name) for name in names}
+    caps = {name: _Capture(kernel) for name, kernel in kernels.items()}
+    for name, cap in caps.items():
+        setattr(bwd, name, cap)
+    try:
+        bwd.entmax_attn_bwd(torch.empty_like(q), q, k, v, torch.empty_like(q), stats, stats,
+                            torch.full((heads,), 1.25), head_dim ** -0.5, bias=bias, is_causal=causal,
+                            cu_seqlens_q=cu, cu_seqlens_k=cu, dropout_p=0.1 if dropout else 0.0, live=live,
+                            block_m=block_m, block_n=block_n, need_dalpha=need_dalpha,
+                            need_dbias=mask not in (None, "bool"))
+    finally:
+        for name, kernel in kernels.items():
+            setattr(bwd, name, kernel)
+    out = []
+    for name, cap in caps.items():
+        for _, args, kwargs in cap.launches:
+            info = analyse(compile_like_launch(kernels[name], args, kwargs))
+            info.update(kernel=name.replace("_entmax_attn_bwd_", "bwd_").replace("_kernel", ""), d=head_dim,
+                        alpha=f"dalpha={int(need_dalpha)} mask={mask}",
+                        block=f"{kwargs['BLOCK_M']}x{kwargs['BLOCK_N']}", warps=kwargs.get("num_warps", 4),
+                        stages=kwargs.get("num_stages", 3))
+            out.append(info)
+    return out
+
+
+COLUMNS = ("kernel", "d", "alpha", "block", "warps", "stages", "regs", "spill", "stl", "smem", "sass", "ldgsts",
+           "tma", "ldg", "mma", "mufu")
+
+
+def check() -> int:
+    """CI: the GPU builds the interpreter never exercises compile for sm_90: the forward's general-alpha class
+    (the largest path) with a float mask, dropout and varlen, its 1.5-entmax class with a boolean mask; the
+    three backward kernels with d alpha and a mask gradient reduced by the d bias kernel."""
+    fwd_case(80, "general", mask="float", dropout=True, varlen=True)
+    fwd_case(64, "entmax15", mask="bool", causal=False)
+    bwd_cases(80, need_dalpha=True, mask="blocks", dropout=True)
+    print("built")
+    return 0
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--d", type=int, nargs="+", default=[64, 128, 256])
     ap.add_argument("--classes", nargs="+", default=list(ALPHA_OF_CLASS))
+    ap.add_argument("--bwd", action="store_true", help="also the backward kernels (with and without d alpha)")
     ap.add_argument("--markdown", action="store_true")
+    ap.add_argument("--check", action="store_true", help="build one set of feature-complete kernels and exit")
     args = ap.parse_args(argv)
+    if args.check:
+        return check()
+
+    def show(info):
+        if args.markdown:
+            print("| " + " | ".join(str(info[c]) for c in COLUMNS) + " |", flush=True)
+        else:
+            print("  ".join(f"{c}={info[c]}" for c in COLUMNS), flush=True)
+
     if args.markdown:
         print("| " + " | ".join(COLUMNS) + " |")
         print("|" + "---|" * len(COLUMNS))
     for d in args.d:
         for cls in args.classes:
-            info = fwd_case(d, cls)
-            if args.markdown:
-                print("| " + " | ".join(str(info[c]) for c in COLUMNS) + " |", flush=True)
-            else:
-                print("  ".join(f"{c}={info[c]}" for c in COLUMNS), flush=True)
+            show(fwd_case(d, cls))
+        if args.bwd:
+            for need_dalpha in (False, True):
+                for mask in (None, "blocks"):
+                    for info in bwd_cases(d, need_dalpha=need_dalpha, mask=mask):
+                        show(info)
     return 0
 
 

@@ -48,6 +48,7 @@ def point_sums(z, t, POW: tl.constexpr, bm1, lref):
     else:
         r = 1.0 + (z - t[:, None])
         pos = r > 0.0
+        r = tl.where(pos, r, 0.0)
         lr = tl.where(pos, tl.log2(tl.where(pos, r, 1.0)) - lref[:, None], -200.0)
         gp = tl.where(pos, tl.exp2(bm1 * lr), 0.0)
         f = tl.sum(gp * r, 1) * tl.exp2(-lref)

@@ -117,9 +117,12 @@ def _tile(
 
 
 @triton.jit
-def _live_row(LIVE, seq, h, qt, stride_live_b, stride_live_h, stride_live_m):
-    """Pointer to the liveness words of query tile ``qt``, head ``h``, sequence ``seq`` (docs/design.md)."""
-    return LIVE + seq.to(tl.int64) * stride_live_b + h.to(tl.int64) * stride_live_h + qt * stride_live_m
+def _live_row(LIVE, seq, h, qt, stride_live_b, stride_live_h, stride_live_m, BLOCK_M: tl.constexpr,
+              LIVE_BLOCK_M: tl.constexpr):
+    """Liveness words of query tile ``qt`` (of ``BLOCK_M`` rows) of one (sequence, head): the forward's bitmap row
+    of the ``LIVE_BLOCK_M``-row tile holding it (the backward's tiles divide the forward's)."""
+    return (LIVE + seq.to(tl.int64) * stride_live_b + h.to(tl.int64) * stride_live_h
+            + (qt * BLOCK_M // LIVE_BLOCK_M) * stride_live_m)
 
 
 @triton.jit
@@ -208,7 +211,8 @@ def _entmax_attn_bwd_dq_kernel(
     stride_ob, stride_oh, stride_om, stride_od, stride_dqb, stride_dqh, stride_dqm, stride_dqd,
     stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n, stride_live_b, stride_live_h, stride_live_m,
     n_heads, kv_group, total_q, total_k, scale, dropout_p, seed, MASK,
-    IS_VARLEN: tl.constexpr, BIAS_KIND: tl.constexpr, HAS_LIVE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    IS_VARLEN: tl.constexpr, BIAS_KIND: tl.constexpr, HAS_LIVE: tl.constexpr, LIVE_BLOCK_M: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
     NEED_DALPHA: tl.constexpr, NEED_DBIAS: tl.constexpr, NEED_DBIAS_ROWS: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -238,7 +242,8 @@ def _entmax_attn_bwd_dq_kernel(
     k_base = slice_base(K, b, h_kv, k_start, stride_kb, stride_kh, stride_kn)
     v_base = slice_base(V, b, h_kv, k_start, stride_vb, stride_vh, stride_vn)
     bias_base = bias_base_ptr(BIAS, b, h, q_start, k_start, stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n)
-    live_row = _live_row(LIVE, seq, h, pid_m.to(tl.int64), stride_live_b, stride_live_h, stride_live_m)
+    live_row = _live_row(LIVE, seq, h, pid_m.to(tl.int64), stride_live_b, stride_live_h, stride_live_m, BLOCK_M,
+                         LIVE_BLOCK_M)
     kt_lo, kt_hi = key_tile_range(pid_m, seqlen_q, seqlen_k, MASK, BLOCK_M, BLOCK_N)
 
     if alpha == 1.0:
@@ -311,7 +316,8 @@ def _entmax_attn_bwd_dkdv_kernel(
     stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn, stride_dvd,
     stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n, stride_live_b, stride_live_h, stride_live_m,
     n_heads, kv_group, total_q, total_k, scale, dropout_p, seed, MASK,
-    IS_VARLEN: tl.constexpr, BIAS_KIND: tl.constexpr, HAS_LIVE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    IS_VARLEN: tl.constexpr, BIAS_KIND: tl.constexpr, HAS_LIVE: tl.constexpr, LIVE_BLOCK_M: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
     NEED_DBIAS_COLS: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -343,7 +349,9 @@ def _entmax_attn_bwd_dkdv_kernel(
                                   stride_bias_n)
         col_ds = tl.zeros([BLOCK_N], dtype=tl.float32)
         for qt in range(qt_lo, qt_hi):
-            if _is_live(_live_row(LIVE, seq, h, qt, stride_live_b, stride_live_h, stride_live_m), pid_n, HAS_LIVE) != 0:
+            live_row = _live_row(LIVE, seq, h, qt, stride_live_b, stride_live_h, stride_live_m, BLOCK_M,
+                                 LIVE_BLOCK_M)
+            if _is_live(live_row, pid_n, HAS_LIVE) != 0:
                 rows, rows_global, row_ok = tile_indices(qt, q_start, seqlen_q, BLOCK_M)
                 q, do, tau, delta, cu, cp = _query_rows(
                     q_base, do_base, TAU, NORM, DELTA, bh, total_q, rows, rows_global, row_ok, offs_d, d_ok, alpha,
@@ -374,7 +382,8 @@ def _entmax_attn_bwd_dbias_kernel(
     stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n, stride_live_b, stride_live_h, stride_live_m,
     stride_dbias_b, stride_dbias_h,
     n_heads, kv_group, total_q, total_k, scale, dropout_p, seed, MASK, n_b_loop, n_h_loop,
-    IS_VARLEN: tl.constexpr, BIAS_KIND: tl.constexpr, HAS_LIVE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    IS_VARLEN: tl.constexpr, BIAS_KIND: tl.constexpr, HAS_LIVE: tl.constexpr, LIVE_BLOCK_M: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -411,7 +420,8 @@ def _entmax_attn_bwd_dbias_kernel(
             v_base = slice_base(V, b, h_kv, k_start, stride_vb, stride_vh, stride_vn)
             bias_base = bias_base_ptr(BIAS, b, h, q_start, k_start, stride_bias_b, stride_bias_h, stride_bias_m,
                                       stride_bias_n)
-            live_row = _live_row(LIVE, seq, h, pid_m.to(tl.int64), stride_live_b, stride_live_h, stride_live_m)
+            live_row = _live_row(LIVE, seq, h, pid_m.to(tl.int64), stride_live_b, stride_live_h, stride_live_m,
+                                 BLOCK_M, LIVE_BLOCK_M)
             for kt in range(kt_lo, kt_hi):
                 if _is_live(live_row, kt, HAS_LIVE) != 0:
                     p, u, dp, pd, ds, k, cols_global, col_ok = _key_tile(
@@ -434,7 +444,7 @@ def _check_args(do, q, k, v, out, tau, lsum, bias, cu_seqlens_q, cu_seqlens_k, l
     assert k.shape[1] > 0 and q.shape[1] % k.shape[1] == 0, f"k: kv heads must divide {q.shape[1]}, got {k.shape[1]}"
     assert all(t.shape == q.shape[:3] and t.dtype == torch.float32 for t in (tau, lsum)), "tau, lsum: (B, Hq, Nq) fp32"
     assert 16 <= q.shape[3] <= 256, f"q: head dim must be in [16, 256], got {q.shape[3]}"
-    assert bias is None or bias.is_floating_point(), "bias: expected a float tensor"
+    assert bias is None or bias.is_floating_point() or bias.dtype in (torch.bool, torch.uint8), "bias: float or bool"
     assert (cu_seqlens_q is None) == (cu_seqlens_k is None), "cu_seqlens_q, cu_seqlens_k: expected both or neither"
     assert cu_seqlens_q is None or (q.shape[0] == 1 and cu_seqlens_q.dtype == cu_seqlens_k.dtype == torch.int32), (
         "cu_seqlens_q, cu_seqlens_k: expected int32 offsets and batch 1")
@@ -482,12 +492,12 @@ def _buffers(q, k, v, bias, is_varlen, need_dalpha, need_dbias) -> _Buffers:
 
 
 def _common_args(q, k, v, do, tau, alpha, bias, cu_seqlens_q, cu_seqlens_k, live, scale, is_causal, dropout_p, seed,
-                 plan: _masking.TilePlan) -> dict:
+                 plan: _masking.TilePlan, live_block_m: int) -> dict:
     """Keyword arguments (and launch options) the three backward kernels share."""
     args = _common.attention_args(q, k, v, alpha, bias, cu_seqlens_q, cu_seqlens_k, scale, is_causal, dropout_p, seed)
     return dict(
         args, DO=do, TAU=tau.contiguous(), **_common.stride_args("stride_do", do, "bhmd"), **_live_args(live, q),
-        HAS_LIVE=live is not None, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
+        HAS_LIVE=live is not None, LIVE_BLOCK_M=live_block_m, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
         num_warps=4 if args["BLOCK_D"] <= 64 else 8, num_stages=1,
     )
 
@@ -523,7 +533,8 @@ def entmax_attn_bwd(
         dropout_p, seed: dropout of the forward, replayed with ``kernels._common.dropout_keep``.
         live: optional int32 ``(B or nseq, Hq, cdiv(max_seqlen_q, block_m), words)`` tile
             liveness bits of the forward; dead tiles are skipped. Requires ``block_m``/``block_n``.
-        block_m, block_n: tile sizes (powers of two >= 16); default 64.
+        block_m, block_n: the forward's tile sizes (powers of two >= 16; default 64), which index ``live``;
+            the backward's query tiles have ``min(block_m, 64)`` rows and its key tiles ``block_n`` keys.
         need_dalpha: also return the alpha gradient. Default False.
         need_dbias: also return the bias gradient. Default False.
 
@@ -543,14 +554,17 @@ def entmax_attn_bwd(
     n_heads = q.shape[1]
     if q.shape[0] * n_heads * q.shape[2] == 0 or k.shape[2] == 0:
         return _zero_grads(q, k, v, bias, need_dalpha, need_dbias)
-    plan = _masking.tile_plan(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                              _DEFAULT_BLOCK if block_m is None else int(block_m),
-                              _DEFAULT_BLOCK if block_n is None else int(block_n))
-    live_shape = (plan.n_seq, n_heads, plan.n_q_tiles, plan.n_words)
+    # the bitmap's tiles are the forward's (block_m x block_n); the backward's query tiles divide them
+    live_m = _DEFAULT_BLOCK if block_m is None else int(block_m)
+    block_n = _DEFAULT_BLOCK if block_n is None else int(block_n)
+    live_plan = _masking.tile_plan(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, live_m, block_n)
+    live_shape = (live_plan.n_seq, n_heads, live_plan.n_q_tiles, live_plan.n_words)
     assert live is None or (live.shape == live_shape and live.dtype == torch.int32), f"live: expected {live_shape}"
+    plan = _masking.tile_plan(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                              min(live_m, _DEFAULT_BLOCK), block_n)
     buf = _buffers(q, k, v, bias, cu_seqlens_q is not None, need_dalpha, need_dbias)
     common = _common_args(q, k, v, do, tau, alpha, bias, cu_seqlens_q, cu_seqlens_k, live, scale, is_causal,
-                          dropout_p, seed, plan)
+                          dropout_p, seed, plan, live_m)
     _entmax_attn_bwd_dq_kernel[(plan.n_q_tiles, n_heads, plan.n_seq)](
         OUT=out, LSUM=lsum.contiguous(), DQ=buf.dq, DELTA=buf.delta, NORM=buf.norm, DALPHA=buf.dalpha_rows,
         DBIAS=buf.dbias, DBIAS_ROWS=buf.dbias_rows, **_common.stride_args("stride_o", out, "bhmd"),

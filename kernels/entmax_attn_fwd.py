@@ -39,10 +39,9 @@ DEFAULT_MAX_PASSES = 32
 # the value pass renormalizes, and half-precision outputs round far above these (docs/kernels.md).
 _TOLERANCE = {torch.float16: 3e-4, torch.bfloat16: 1e-3, torch.float32: 1e-6}
 
-# ALPHA_CLASS values: one compiled path, or a run-time branch per head (MIXED)
-SOFTMAX, SPARSEMAX, ENTMAX15, GENERAL, MIXED = 0, 1, 2, 3, 4
-ALPHA_CLASSES = {"softmax": SOFTMAX, "sparsemax": SPARSEMAX, "entmax15": ENTMAX15, "general": GENERAL,
-                 "mixed": MIXED}
+# ALPHA_CLASS values, one compiled path each. "mixed" alpha (classes unknown on the host) launches all four,
+# each over every head, and a program whose head is of another class returns at once (HEAD_FILTER).
+ALPHA_CLASSES = {"softmax": 0, "sparsemax": 1, "entmax15": 2, "general": 3}
 # (grid points, candidate points per later pass) by threshold arithmetic (POW 1: alpha = 2, 2: alpha = 1.5,
 # 0: other alpha); chosen in docs/kernels.md from the pass counts and the per-score cost model
 _POINTS = {1: (8, 4), 2: (8, 1), 0: (4, 1)}
@@ -232,7 +231,8 @@ def _entmax_rows(q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, 
                 f, g, c = point_sums(z, t_s, POW, bm1, tl.sum(tl.where(sel, L, 0.0), 1))
                 F += tl.where(sel, f[:, None], 0.0)
                 G += tl.where(sel, g[:, None], 0.0)
-                C += tl.where(sel, c[:, None], 0.0)
+                if POW != 0:
+                    C += tl.where(sel, c[:, None], 0.0)
         lane = kt % 32
         word = tl.where(lane == 0, 0, word) | (live << lane)
         tl.store(live_base + kt // 32, word)
@@ -322,7 +322,8 @@ def _entmax_rows(q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, 
                                                  tl.sum(tl.where(sel_c, l_p, 0.0), 1))
                             FP += tl.where(sel_c, f[:, None], 0.0)
                             GP += tl.where(sel_c, g[:, None], 0.0)
-                            CP += tl.where(sel_c, c[:, None], 0.0)
+                            if POW != 0:
+                                CP += tl.where(sel_c, c[:, None], 0.0)
                     visits += 1
             tl.store(live_base + wd, new_word)
         tl.debug_barrier()
@@ -416,8 +417,8 @@ def _entmax_attn_fwd_kernel(
     stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n,
     n_heads, kv_group, total_q, total_k, n_q_tiles, n_words,
     scale, tol, max_passes, seed, dropout_p, inv_keep, MASK,
-    ALPHA_CLASS: tl.constexpr, GRID_K1: tl.constexpr, CAND_P1: tl.constexpr, GRID_K2: tl.constexpr,
-    CAND_P2: tl.constexpr, GRID_K0: tl.constexpr, CAND_P0: tl.constexpr,
+    ALPHA_CLASS: tl.constexpr, HEAD_FILTER: tl.constexpr, GRID_K1: tl.constexpr, CAND_P1: tl.constexpr,
+    GRID_K2: tl.constexpr, CAND_P2: tl.constexpr, GRID_K0: tl.constexpr, CAND_P0: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BIAS_KIND: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -429,6 +430,12 @@ def _entmax_attn_fwd_kernel(
     pid_m = n_q_tiles - 1 - tl.program_id(0)
     h = tl.program_id(1)
     seq = tl.program_id(2)
+    if HEAD_FILTER:
+        # one launch per alpha class over all heads: a program whose head is of another class has nothing to do
+        a_h = tl.load(ALPHA + h)
+        cls = tl.where(a_h == 1.0, 0, tl.where(a_h == 2.0, 1, tl.where(a_h == 1.5, 2, 3)))
+        if cls != ALPHA_CLASS:
+            return
     b, q_start, seqlen_q, k_start, seqlen_k = seq_bounds(CU_SEQLENS_Q, CU_SEQLENS_K, seq, total_q, total_k, IS_VARLEN)
     h_kv = h // kv_group
     bh = b * n_heads + h
@@ -460,56 +467,29 @@ def _entmax_attn_fwd_kernel(
             k_start, total_k, dropout_p, inv_keep, stride_kn, stride_kd, stride_vn, stride_vd, stride_bias_m,
             stride_bias_n, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, BIAS_KIND, MASK, HAS_DROPOUT, UPCAST, DOT_PRECISION)
         passes = tl.full([], 1, tl.int32)
-    elif ALPHA_CLASS == 1:
-        out, tau, lsum, nnz, n_valid, passes, visits = _entmax_rows(
-            q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, kt_hi, n_words, live_base, scale, alpha,
-            tol, max_passes, seed, bh, q_start, k_start, total_k, dropout_p, inv_keep, stride_kn, stride_kd,
-            stride_vn, stride_vd, stride_bias_m, stride_bias_n, 1, GRID_K1, CAND_P1, BLOCK_M, BLOCK_N, HEAD_DIM,
-            BLOCK_D, BIAS_KIND, MASK, HAS_DROPOUT, UPCAST, DOT_PRECISION)
-    elif ALPHA_CLASS == 2:
-        out, tau, lsum, nnz, n_valid, passes, visits = _entmax_rows(
-            q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, kt_hi, n_words, live_base, scale, alpha,
-            tol, max_passes, seed, bh, q_start, k_start, total_k, dropout_p, inv_keep, stride_kn, stride_kd,
-            stride_vn, stride_vd, stride_bias_m, stride_bias_n, 2, GRID_K2, CAND_P2, BLOCK_M, BLOCK_N, HEAD_DIM,
-            BLOCK_D, BIAS_KIND, MASK, HAS_DROPOUT, UPCAST, DOT_PRECISION)
-    elif ALPHA_CLASS == 3:
-        out, tau, lsum, nnz, n_valid, passes, visits = _entmax_rows(
-            q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, kt_hi, n_words, live_base, scale, alpha,
-            tol, max_passes, seed, bh, q_start, k_start, total_k, dropout_p, inv_keep, stride_kn, stride_kd,
-            stride_vn, stride_vd, stride_bias_m, stride_bias_n, 0, GRID_K0, CAND_P0, BLOCK_M, BLOCK_N, HEAD_DIM,
-            BLOCK_D, BIAS_KIND, MASK, HAS_DROPOUT, UPCAST, DOT_PRECISION)
     else:
-        # one alpha per head, read at run time: the same compiled paths behind a uniform branch
-        if alpha == 1.0:
-            out, tau, lsum, nnz, n_valid, visits = _softmax_rows(
-                q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, kt_hi, live_base, scale, seed, bh,
-                q_start, k_start, total_k, dropout_p, inv_keep, stride_kn, stride_kd, stride_vn, stride_vd,
-                stride_bias_m, stride_bias_n, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, BIAS_KIND, MASK, HAS_DROPOUT,
-                UPCAST, DOT_PRECISION)
-            passes = tl.full([], 1, tl.int32)
-        elif alpha == 2.0:
-            out, tau, lsum, nnz, n_valid, passes, visits = _entmax_rows(
-                q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, kt_hi, n_words, live_base, scale,
-                alpha, tol, max_passes, seed, bh, q_start, k_start, total_k, dropout_p, inv_keep, stride_kn,
-                stride_kd, stride_vn, stride_vd, stride_bias_m, stride_bias_n, 1, GRID_K1, CAND_P1, BLOCK_M,
-                BLOCK_N, HEAD_DIM, BLOCK_D, BIAS_KIND, MASK, HAS_DROPOUT, UPCAST, DOT_PRECISION)
-        elif alpha == 1.5:
-            out, tau, lsum, nnz, n_valid, passes, visits = _entmax_rows(
-                q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, kt_hi, n_words, live_base, scale,
-                alpha, tol, max_passes, seed, bh, q_start, k_start, total_k, dropout_p, inv_keep, stride_kn,
-                stride_kd, stride_vn, stride_vd, stride_bias_m, stride_bias_n, 2, GRID_K2, CAND_P2, BLOCK_M,
-                BLOCK_N, HEAD_DIM, BLOCK_D, BIAS_KIND, MASK, HAS_DROPOUT, UPCAST, DOT_PRECISION)
+        if ALPHA_CLASS == 1:
+            POW: tl.constexpr = 1
+            GRID_K: tl.constexpr = GRID_K1
+            CAND_P: tl.constexpr = CAND_P1
+        elif ALPHA_CLASS == 2:
+            POW: tl.constexpr = 2
+            GRID_K: tl.constexpr = GRID_K2
+            CAND_P: tl.constexpr = CAND_P2
         else:
-            # alpha outside [1, 2] (or NaN) was not checked on the host: the head's outputs are NaN
-            a_ok = (alpha > 1.0) & (alpha < 2.0)
-            out, tau, lsum, nnz, n_valid, passes, visits = _entmax_rows(
-                q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, kt_hi, n_words, live_base, scale,
-                tl.where(a_ok, alpha, 1.5), tol, max_passes, seed, bh, q_start, k_start, total_k, dropout_p,
-                inv_keep, stride_kn, stride_kd, stride_vn, stride_vd, stride_bias_m, stride_bias_n, 0, GRID_K0,
-                CAND_P0, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, BIAS_KIND, MASK, HAS_DROPOUT, UPCAST, DOT_PRECISION)
-            out = tl.where(a_ok, out, float("nan"))
-            tau = tl.where(a_ok, tau, float("nan"))
-            lsum = tl.where(a_ok, lsum, float("nan"))
+            POW: tl.constexpr = 0
+            GRID_K: tl.constexpr = GRID_K0
+            CAND_P: tl.constexpr = CAND_P0
+        # unchecked device alpha outside [1, 2] (or NaN) reaches the general class: that head's outputs are NaN
+        a_ok = (alpha >= 1.0) & (alpha <= 2.0)
+        out, tau, lsum, nnz, n_valid, passes, visits = _entmax_rows(
+            q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, kt_hi, n_words, live_base, scale,
+            tl.where(a_ok, alpha, 1.5), tol, max_passes, seed, bh, q_start, k_start, total_k, dropout_p, inv_keep,
+            stride_kn, stride_kd, stride_vn, stride_vd, stride_bias_m, stride_bias_n, POW, GRID_K, CAND_P, BLOCK_M,
+            BLOCK_N, HEAD_DIM, BLOCK_D, BIAS_KIND, MASK, HAS_DROPOUT, UPCAST, DOT_PRECISION)
+        out = tl.where(a_ok, out, float("nan"))
+        tau = tl.where(a_ok, tau, float("nan"))
+        lsum = tl.where(a_ok, lsum, float("nan"))
     tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=o_mask)
     tl.store(TAU + stat_offs, tau, mask=row_ok)
     tl.store(LSUM + stat_offs, lsum, mask=row_ok)
@@ -519,16 +499,36 @@ def _entmax_attn_fwd_kernel(
     tl.store(TILE_VISITS + tile_id, visits)
 
 
+def _autotune_configs():
+    """GPU configs tried by ``triton.autotune``: warps and pipeline stages (the block sizes are pinned per head dim,
+    they fix the bitmap's shape); the first is the pinned one, built without spills offline (docs/kernels.md)."""
+    return [triton.Config({}, num_warps=8, num_stages=2), triton.Config({}, num_warps=8, num_stages=3),
+            triton.Config({}, num_warps=4, num_stages=2)]
+
+
+# on a GPU the kernel is autotuned per head dim, tile, alpha class, mask kind, causal flag and precision;
+# the interpreter runs one pinned config (autotuning several fails there)
+_entmax_attn_fwd_autotuned = triton.autotune(
+    configs=_autotune_configs(),
+    key=["HEAD_DIM", "BLOCK_M", "BLOCK_N", "ALPHA_CLASS", "HEAD_FILTER", "BIAS_KIND", "MASK", "IS_VARLEN",
+         "HAS_DROPOUT", "DOT_PRECISION"],
+)(_entmax_attn_fwd_kernel)
+
+
 def _pick_config(head_dim: int, interpret: bool):
     """``(block_m, block_n, num_warps, num_stages)``: one pinned config per head dim.
 
-    GPU: 128-row query tiles up to head dim 128, 64 x 32 above, two pipeline stages; chosen from offline
-    sm_90 builds with the launch specialization (no spills; docs/kernels.md).
+    GPU: 128-row query tiles up to head dim 128 (128 x 64 up to 64, 128 x 32 up to 128: 128 x 64 spills on the
+    general-alpha path there), 64 x 32 above; 8 warps, two pipeline stages. Chosen from offline sm_90 builds with
+    the launch specialization, the smallest tiles that keep every alpha class free of spills (docs/kernels.md).
     """
     if interpret:
         return 32, 32, 4, 1
-    if _common.head_dim_block(head_dim) <= 128:
+    head_dim_block = _common.head_dim_block(head_dim)
+    if head_dim_block <= 64:
         return 128, 64, 8, 2
+    if head_dim_block <= 128:
+        return 128, 32, 8, 2
     return 64, 32, 8, 2
 
 
@@ -603,9 +603,9 @@ def entmax_attn_fwd(
             ``tol * (1 + |tau|)`` (default by dtype, :func:`default_tolerance`).
         max_passes: cap on the passes over the key range per query tile (default 32).
         alpha_class: ``"softmax"``, ``"sparsemax"``, ``"entmax15"``, ``"general"`` (every head strictly between
-            1 and 2, none 1.5) or ``"mixed"`` (any alpha per head, a run-time branch; alpha outside [1, 2]
-            or NaN gives NaN outputs for that head). Default: from the values for a Python float or a CPU
-            tensor (no device sync), else ``"mixed"``.
+            1 and 2, none 1.5) or ``"mixed"`` (any alpha per head: one launch per class over every head, a
+            program skipping heads of other classes; alpha outside [1, 2] or NaN gives NaN outputs for that
+            head). Default: from the values for a Python float or a CPU tensor (no device sync), else ``"mixed"``.
         block_m, block_n: tile sizes (powers of two >= 16); default by head dim.
 
     Returns:
@@ -616,14 +616,17 @@ def entmax_attn_fwd(
     """
     plan = _plan(q, k, v, alpha, scale, bias, is_causal, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                  dropout_p, seed, tol, max_passes, alpha_class, block_m, block_n)
-    if plan.grid is not None:
-        _entmax_attn_fwd_kernel[plan.grid](**plan.args, **plan.options)
+    for args in plan.launches:
+        if _common.interpreting():
+            _entmax_attn_fwd_kernel[plan.grid](**args, **plan.options)
+        else:
+            _entmax_attn_fwd_autotuned[plan.grid](**args)
     return plan.result
 
 
 class _Launch(NamedTuple):
     grid: tuple | None
-    args: dict
+    launches: list
     options: dict
     result: EntmaxAttnFwdResult
 
@@ -662,7 +665,7 @@ def _plan(q, k, v, alpha, scale, bias, is_causal, cu_seqlens_q, cu_seqlens_k, ma
         nnz.zero_()
         n_valid.zero_()
     if n_q_tiles == 0 or n_seq == 0 or n_heads == 0:
-        return _Launch(None, {}, {}, result)
+        return _Launch(None, [], {}, result)
 
     dropout_p = float(dropout_p)
     (k1, p1), (k2, p2), (k0, p0) = _POINTS[1], _POINTS[2], _POINTS[0]
@@ -672,8 +675,9 @@ def _plan(q, k, v, alpha, scale, bias, is_causal, cu_seqlens_q, cu_seqlens_k, ma
         **_common.stride_args("stride_o", out, "bhmd"), n_q_tiles=n_q_tiles, n_words=plan.n_words,
         tol=default_tolerance(q.dtype) if tol is None else float(tol),
         max_passes=DEFAULT_MAX_PASSES if max_passes is None else int(max_passes),
-        inv_keep=1.0 / (1.0 - dropout_p) if dropout_p < 1 else 0.0, ALPHA_CLASS=ALPHA_CLASSES[alpha_class],
-        GRID_K1=k1, CAND_P1=p1, GRID_K2=k2, CAND_P2=p2, GRID_K0=k0, CAND_P0=p0, BLOCK_M=plan.block_m,
-        BLOCK_N=plan.block_n,
+        inv_keep=1.0 / (1.0 - dropout_p) if dropout_p < 1 else 0.0, GRID_K1=k1, CAND_P1=p1, GRID_K2=k2, CAND_P2=p2,
+        GRID_K0=k0, CAND_P0=p0, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
     )
-    return _Launch((n_q_tiles, n_heads, n_seq), args, dict(num_warps=num_warps, num_stages=num_stages), result)
+    classes = list(ALPHA_CLASSES.values()) if alpha_class == "mixed" else [ALPHA_CLASSES[alpha_class]]
+    launches = [dict(args, ALPHA_CLASS=c, HEAD_FILTER=alpha_class == "mixed") for c in classes]
+    return _Launch((n_q_tiles, n_heads, n_seq), launches, dict(num_warps=num_warps, num_stages=num_stages), result)

@@ -111,15 +111,15 @@ def check_every_benchmarked_call_matches_the_float64_reference(rows):
         assert r["max_abs_err"] <= FP32_OUTPUT_TOL, r
 
 
-def check_fused_rows_report_density_tiles_and_sweeps(rows):
+def check_fused_rows_report_density_tiles_and_passes(rows):
     fused = [r for r in rows if r["method"] == "sparse_attn"]
     assert fused and all(r["status"] == "ok" for r in fused), [r["note"] for r in fused if r["status"] != "ok"]
     for r in fused:
         assert 0 < r["density"] <= 1
         assert 0 <= r["tiles_skipped"] <= 1
-        assert 0 <= r["sweeps_mean"] <= r["sweeps_max"]
+        assert 1 <= r["passes_mean"] <= r["passes_max"] and r["visits_mean"] >= r["passes_mean"]
         if r["alpha"] == "1":
-            assert r["density"] == 1.0 and r["tiles_skipped"] == 0.0 and r["sweeps_max"] == 0
+            assert r["density"] == 1.0 and r["tiles_skipped"] == 0.0 and r["passes_max"] == 1
     sweep = sorted((r["target_density"], r["density"]) for r in fused
                    if r["group"] == "sparsity" and r["mode"] == "fwd")
     assert len(sweep) >= 2
@@ -154,7 +154,7 @@ def test_smoke_run(bench, tmp_path):
     missing = _fused_missing(bench)
     if missing:
         pytest.skip(f"fused-kernel columns not checked: {missing}")
-    check_fused_rows_report_density_tiles_and_sweeps(rows)
+    check_fused_rows_report_density_tiles_and_passes(rows)
 
 
 @pytest.mark.parametrize("seq_q,seq_k,block_m,block_n", [(64, 64, 16, 16), (50, 70, 16, 32), (70, 33, 32, 16),

@@ -164,7 +164,7 @@ def test_keep_mask_is_read_as_is(kernel_device):
     keep[..., 5, :] = False  # a row with nothing to attend to
     for alpha in (1.0, 1.5, 1.3):
         res = entmax_attn_fwd(q, k, v, torch.full((2,), alpha, device=kernel_device), 32 ** -0.5,
-                              keep=keep.expand(1, 2, 40, 56))
+                              bias=keep)
         out64 = entmax_attention_reference(q.double(), k.double(), v.double(), alpha, attn_mask=keep,
                                            scale=32 ** -0.5)
         assert (res.out.double() - out64).abs().max().item() <= 2e-5
@@ -185,9 +185,13 @@ def test_nan_and_inf_scores_give_nan_rows(kernel_device, alpha):
     assert torch.isnan(res.out[0, 0, 3]).all()
     assert torch.isnan(res.out[0, :, 7]).all()
     assert torch.all(res.out[0, :, 8] == 0)
-    clean = entmax_attn_fwd(q.nan_to_num(), k, v, a, 32 ** -0.5, bias=bias.nan_to_num(posinf=0.0))
-    others = [i for i in range(40) if i not in (3, 7)]
-    assert torch.equal(res.out[0, 1, others], clean.out[0, 1, others])
+    # the other rows: as the reference gives them (rows of a tile stop together, so not bitwise a clean run's)
+    out64 = entmax_attention_reference(q.double(), k.double(), v.double(), alpha, attn_mask=bias.double(),
+                                       scale=32 ** -0.5)
+    others = [i for i in range(40) if i not in (3, 7, 8)]
+    assert (res.out[0, 1, others].double() - out64[0, 1, others]).abs().max().item() <= 2e-5
+    assert (res.out[0, 0, [i for i in others if i != 3]].double() - out64[0, 0, [i for i in others if i != 3]]
+            ).abs().max().item() <= 2e-5
 
 
 def test_alpha_outside_range_gives_nan_head_on_the_mixed_path(kernel_device):
