@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from test_modules import host_reads_outside
+from helpers import TOL, assert_close_to_ref, host_reads_outside, qkv, reference_entmax
 
 import sparse_attn._attn_autograd as autograd_mod
 import sparse_attn._validation as validation
@@ -23,32 +23,9 @@ from sparse_attn.attention import entmax_attention
 from sparse_attn.reference import causal_keep, entmax_attention_reference
 
 
-def _bisect_entmax(s: torch.Tensor, alpha: float) -> torch.Tensor:
-    """Row-wise alpha-entmax of a float64 matrix by plain bisection on tau (independent oracle)."""
-    z = (alpha - 1) * s
-    lo = z.max(-1, keepdim=True).values - 1
-    hi = z.max(-1, keepdim=True).values
-    for _ in range(200):
-        mid = (lo + hi) / 2
-        f = torch.clamp(z - mid, min=0) ** (1 / (alpha - 1))
-        big = f.sum(-1, keepdim=True) > 1
-        lo = torch.where(big, mid, lo)
-        hi = torch.where(big, hi, mid)
-    p = torch.clamp(z - lo, min=0) ** (1 / (alpha - 1))
-    return p / p.sum(-1, keepdim=True)
-
-
-def _qkv(b=2, hq=4, hk=4, nq=9, nk=11, d=8, dtype=torch.float64, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(b, hq, nq, d, generator=g, dtype=dtype)
-    k = torch.randn(b, hk, nk, d, generator=g, dtype=dtype)
-    v = torch.randn(b, hk, nk, d, generator=g, dtype=dtype)
-    return q, k, v
-
-
 @pytest.mark.parametrize("causal", [False, True])
 def test_reference_alpha1_is_softmax_attention(causal):
-    q, k, v = _qkv(nq=7, nk=7)
+    q, k, v = qkv(nq=7, nk=7)
     mask = torch.rand(2, 1, 7, 7, generator=torch.Generator().manual_seed(1)) > 0.3
     mask[..., 0] = True
     out = entmax_attention(q, k, v, alpha=1.0, attn_mask=mask, is_causal=causal)
@@ -59,11 +36,11 @@ def test_reference_alpha1_is_softmax_attention(causal):
 
 @pytest.mark.parametrize("alpha", [1.25, 1.5, 2.0])
 def test_reference_matches_bisection(alpha):
-    q, k, v = _qkv(hk=2, nq=5, nk=13)
+    q, k, v = qkv(hk=2, nq=5, nk=13)
     bias = torch.randn(1, 4, 5, 13, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
     out, stats = entmax_attention(q, k, v, alpha, attn_mask=bias, enable_gqa=True, scale=0.7, return_stats=True)
     kk, vv = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
-    p = _bisect_entmax(0.7 * q @ kk.transpose(-1, -2) + bias, alpha)
+    p = reference_entmax(0.7 * q @ kk.transpose(-1, -2) + bias, alpha)
     torch.testing.assert_close(out, p @ vv, rtol=1e-7, atol=1e-8)
     # support agrees away from ties (keys whose weight is below 1e-9 may fall either way)
     assert (stats.nnz >= (p > 1e-9).sum(-1)).all() and (stats.nnz <= (p > 0).sum(-1)).all()
@@ -75,7 +52,7 @@ def test_reference_matches_bisection(alpha):
 
 
 def test_reference_per_head_alpha_and_bottom_right_causal():
-    q, k, v = _qkv(hq=3, hk=3, nq=4, nk=9)
+    q, k, v = qkv(hq=3, hk=3, nq=4, nk=9)
     alpha = torch.tensor([1.0, 1.5, 2.0], dtype=torch.float64)
     out = entmax_attention(q, k, v, alpha, is_causal=True)
     keep = causal_keep(4, 9, "cpu")
@@ -83,7 +60,7 @@ def test_reference_per_head_alpha_and_bottom_right_causal():
     s = (q @ k.transpose(-1, -2)) * 8**-0.5
     s = s.masked_fill(~keep, float("-inf"))
     for h, a in enumerate([1.0, 1.5, 2.0]):
-        p = torch.softmax(s[:, h], -1) if a == 1.0 else _bisect_entmax(s[:, h], a)
+        p = torch.softmax(s[:, h], -1) if a == 1.0 else reference_entmax(s[:, h], a)
         torch.testing.assert_close(out[:, h], p @ v[:, h], rtol=1e-7, atol=1e-8)
 
 
@@ -105,7 +82,7 @@ def test_reference_varlen_equals_separate_calls():
 
 
 def test_reference_fully_masked_rows_give_zeros_and_zero_grads():
-    q, k, v = _qkv(nq=4, nk=5)
+    q, k, v = qkv(nq=4, nk=5)
     q.requires_grad_(True)
     mask = torch.ones(4, 5, dtype=torch.bool)
     mask[2] = False
@@ -119,7 +96,7 @@ def test_reference_fully_masked_rows_give_zeros_and_zero_grads():
 
 
 def test_reference_gradcheck_inputs_alpha_and_bias():
-    q, k, v = _qkv(b=1, hq=2, hk=2, nq=3, nk=5, d=4)
+    q, k, v = qkv(b=1, hq=2, hk=2, nq=3, nk=5, d=4)
     alpha = torch.tensor([1.3, 1.7], dtype=torch.float64, requires_grad=True)
     bias = torch.randn(1, 1, 3, 5, dtype=torch.float64, requires_grad=True)
     for t in (q, k, v):
@@ -132,7 +109,7 @@ def test_reference_gradcheck_inputs_alpha_and_bias():
 
 
 def test_transposed_layout_is_accepted():
-    q, k, v = _qkv()
+    q, k, v = qkv()
     qt = q.transpose(1, 2).contiguous().transpose(1, 2)
     assert not qt.is_contiguous()
     torch.testing.assert_close(entmax_attention(qt, k, v), entmax_attention(q, k, v))
@@ -145,7 +122,7 @@ def test_backend_auto_on_cpu_uses_reference(monkeypatch):
         raise AssertionError("backend='auto' on CPU tensors must not take the fused path")
 
     monkeypatch.setattr(fused, "fused_entmax_attention", fail)
-    q, k, v = (t.float() for t in _qkv())
+    q, k, v = (t.float() for t in qkv())
     out = entmax_attention(q, k, v, backend="auto")
     torch.testing.assert_close(out, entmax_attention(q, k, v, backend="reference"), rtol=0, atol=0)
     assert out.dtype == torch.float32
@@ -153,7 +130,7 @@ def test_backend_auto_on_cpu_uses_reference(monkeypatch):
 
 def test_backend_triton_on_cpu_without_interpreter_raises(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    q, k, v = (t.float() for t in _qkv(d=16))
+    q, k, v = (t.float() for t in qkv(d=16))
     with pytest.raises(ValueError, match="backend='triton' needs CUDA tensors"):
         entmax_attention(q, k, v, backend="triton")
 
@@ -177,7 +154,7 @@ def test_reference_without_keys_gives_zeros_and_gradients(alpha):
 
 
 def test_reference_softmax_support_counts_every_valid_key():
-    q, k, v = _qkv(hq=2, hk=2, nq=3, nk=6)
+    q, k, v = qkv(hq=2, hk=2, nq=3, nk=6)
     q = q * 60  # exp underflows for most keys, yet softmax gives each of them a positive weight
     mask = torch.ones(3, 6, dtype=torch.bool)
     mask[:, 4:] = False
@@ -188,7 +165,7 @@ def test_reference_softmax_support_counts_every_valid_key():
 
 
 def test_alpha_tensor_dtype_and_shape_variants():
-    q, k, v = _qkv(hq=4, hk=4)
+    q, k, v = qkv(hq=4, hk=4)
     base = entmax_attention(q, k, v, 1.5)
     for alpha in (torch.tensor(1.5), torch.tensor([1.5]), torch.full((4,), 1.5, dtype=torch.float16)):
         torch.testing.assert_close(entmax_attention(q, k, v, alpha), base)
@@ -237,11 +214,6 @@ def _lowp_case(case, dtype, gen):
     return q, k, v, bias
 
 
-# Slack added to twice the baseline's error (GUIDE section 4); measured reference errors were at
-# most 0.7x (fp16) and 1x (bf16) the baseline's on these cases.
-LOWP_EPS = {torch.float16: 1e-4, torch.bfloat16: 1e-3}
-
-
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("case", ["gauss", "large", "alibi40"])
 @pytest.mark.parametrize("alpha", [1.0, 1.25, 1.5, 2.0])
@@ -263,13 +235,11 @@ def test_reference_low_precision_within_twice_the_low_precision_baseline(dtype, 
         base = _flash_style(q, k, v, alpha, bias, scale)
     out = entmax_attention(q, k, v, alpha, attn_mask=bias)
     assert out.dtype == dtype and torch.isfinite(out).all()
-    err = (out.double() - exact).abs().max().item()
-    err_base = (base.double() - exact).abs().max().item()
-    assert err <= 2 * err_base + LOWP_EPS[dtype], f"reference {err:.3e} vs baseline {err_base:.3e}"
+    assert_close_to_ref(out, exact, base, dtype, eps=TOL["eps_attention_lowp"][dtype])
 
 
 def test_reference_computes_in_float32_and_float64_on_request():
-    q, k, v = _qkv(dtype=torch.float32, seed=4)
+    q, k, v = qkv(dtype=torch.float32, seed=4)
     exact, st64 = entmax_attention_reference(q.double(), k.double(), v.double(), 1.3, return_stats=True)
     out32, st32 = entmax_attention_reference(q, k, v, 1.3, return_stats=True)
     out64, st = entmax_attention_reference(q, k, v, 1.3, return_stats=True, compute_dtype=torch.float64)
@@ -283,7 +253,7 @@ def test_reference_computes_in_float32_and_float64_on_request():
 
 
 def test_reference_ignores_autocast():
-    q, k, v = _qkv(dtype=torch.float32, seed=5)
+    q, k, v = qkv(dtype=torch.float32, seed=5)
     plain = entmax_attention(q, k, v, 1.5)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         auto = entmax_attention(q, k, v, 1.5)
@@ -293,7 +263,7 @@ def test_reference_ignores_autocast():
 
 def _nan_case(source):
     """float64 inputs with one non-finite entry; returns (q, k, v, mask, bad rows (B, H, Nq), clean inputs)."""
-    q, k, v = _qkv(b=2, hq=2, hk=2, nq=5, nk=6, seed=6)
+    q, k, v = qkv(b=2, hq=2, hk=2, nq=5, nk=6, seed=6)
     mask = torch.zeros(5, 6, dtype=torch.float64)
     mask[:2, 4] = float("-inf")
     bad = torch.zeros(2, 2, 5, dtype=torch.bool)
@@ -333,7 +303,7 @@ def test_reference_nonfinite_scores_give_nan_rows(alpha, source):
 
 
 def test_reference_float_mask_minus_inf_is_exclusion_and_empty_rows_are_zero():
-    q, k, v = _qkv(b=1, hq=2, hk=2, nq=4, nk=5, seed=7)
+    q, k, v = qkv(b=1, hq=2, hk=2, nq=4, nk=5, seed=7)
     keep = torch.rand(4, 5, generator=torch.Generator().manual_seed(8)) > 0.4
     keep[2] = False
     bias = torch.zeros(4, 5, dtype=torch.float64).masked_fill(~keep, float("-inf"))
@@ -347,7 +317,7 @@ def test_reference_float_mask_minus_inf_is_exclusion_and_empty_rows_are_zero():
 
 
 def test_reference_nonfinite_value_reaches_every_row_of_the_dense_product():
-    q, k, v = _qkv(b=1, hq=1, hk=1, nq=3, nk=4, seed=9)
+    q, k, v = qkv(b=1, hq=1, hk=1, nq=3, nk=4, seed=9)
     v[0, 0, 1, 0] = float("nan")
     keep = torch.ones(3, 4, dtype=torch.bool)
     keep[0, 1] = False
@@ -365,7 +335,7 @@ def device_like(monkeypatch):
 
 
 def test_unchecked_out_of_range_alpha_gives_nan_heads(device_like):
-    q, k, v = _qkv(seed=10)
+    q, k, v = qkv(seed=10)
     q.requires_grad_(True)
     alpha = torch.tensor([1.5, float("nan"), 2.5, 1.2], dtype=torch.float64, requires_grad=True)
     out = entmax_attention(q, k, v, alpha)
@@ -497,12 +467,12 @@ def test_head_dim_zero_attends_uniformly():
 
 
 def test_reference_returns_weights():
-    q, k, v = _qkv(hq=4, hk=2, nq=5, nk=13, seed=12)
+    q, k, v = qkv(hq=4, hk=2, nq=5, nk=13, seed=12)
     bias = torch.randn(1, 4, 5, 13, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
     out, w, stats = entmax_attention_reference(q, k, v, 1.5, attn_mask=bias, scale=0.7, return_weights=True,
                                                return_stats=True)
     kk = k.repeat_interleave(2, 1)
-    p = _bisect_entmax(0.7 * q @ kk.transpose(-1, -2) + bias, 1.5)
+    p = reference_entmax(0.7 * q @ kk.transpose(-1, -2) + bias, 1.5)
     assert w.shape == (2, 4, 5, 13) and w.dtype == torch.float64
     torch.testing.assert_close(w, p, rtol=1e-7, atol=1e-9)
     torch.testing.assert_close(out, w @ v.repeat_interleave(2, 1))
@@ -534,7 +504,7 @@ def test_reference_varlen_weights_are_block_diagonal():
 
 
 def test_reference_accepts_grouped_heads_without_the_flag():
-    q, k, v = _qkv(hq=4, hk=2, seed=14)
+    q, k, v = qkv(hq=4, hk=2, seed=14)
     torch.testing.assert_close(entmax_attention_reference(q, k, v), entmax_attention(q, k, v, enable_gqa=True))
 
 
@@ -642,7 +612,7 @@ def test_bad_arguments_raise_clear_errors(row, call):
     kwargs = dict(kwargs)
     kv_heads, batch = kwargs.pop("kv_heads", 4), kwargs.pop("batch", 2)
     kv_dtype = kwargs.pop("kv_dtype", torch.float32)
-    q, k, v = _qkv(b=batch, hq=4, hk=kv_heads, d=16, dtype=torch.float32)
+    q, k, v = qkv(b=batch, hq=4, hk=kv_heads, d=16, dtype=torch.float32)
     args = [kwargs.pop(name, t) for name, t in (("q", q), ("k", k.to(kv_dtype)), ("v", v.to(kv_dtype)))]
     if call == "reference function":
         fn = entmax_attention_reference

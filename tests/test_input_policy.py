@@ -12,6 +12,7 @@ import re
 
 import pytest
 import torch
+from helpers import TOL
 
 import sparse_attn as sa
 from sparse_attn._triton_rows import entmax_rows_triton
@@ -21,9 +22,6 @@ from sparse_attn.kernels.structured import isotonic_nonincreasing_rows, tv_prox_
 NAN_ROW, POS_INF_ROW, EMPTY_ROW = 1, 2, 3
 GOOD_ROWS = [0, 4, 5]  # row 4 has -inf entries
 N_ROWS, N_COLS = 6, 7
-# Good rows computed in a batch with bad rows vs alone: the same operations on the same
-# values, up to the rounding of batched reductions.
-SAME_TOL = {torch.float64: 1e-12, torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 1e-2}
 ROW_ALPHA = torch.tensor([1.3, 1.5, 2.0, 1.0, 1.7, 1.0])
 
 
@@ -118,7 +116,7 @@ def test_nonfinite_rows(name, dtype, kernel_device):
     xs = _scores(dtype)[GOOD_ROWS].to(device).requires_grad_()
     ys, alpha_s = fn(xs, GOOD_ROWS)
     ys.backward(g[GOOD_ROWS])
-    tol = SAME_TOL[dtype]
+    tol = TOL["same_values"][dtype]
     torch.testing.assert_close(yd[GOOD_ROWS], ys.detach().cpu(), atol=tol, rtol=0)
     torch.testing.assert_close(gx[GOOD_ROWS], xs.grad.cpu(), atol=tol, rtol=0)
     if alpha is not None:
