@@ -1,9 +1,10 @@
-"""The public entmax_attention: argument validation and the reference backend (the oracle).
+"""The public entmax_attention and its reference backend (the oracle).
 
 The reference is checked here against computations that do not share its code path:
-SDPA at alpha = 1, and a per-row bisection written in this file for alpha > 1; its float16 /
+SDPA at alpha = 1, and the float64 bisection of tests/helpers.py for alpha > 1; its float16 /
 bfloat16 accuracy against PyTorch's own low-precision attention and a FlashAttention-style
-pipeline; the non-finite policy; empty problems; and the argument checks of every entry point.
+pipeline; the non-finite policy; empty problems; the checks switch and host reads. The table of
+bad arguments of every entry point is in tests/test_input_policy.py.
 """
 
 import os
@@ -515,109 +516,3 @@ def test_max_seqlen_upper_bound_gives_the_same_result(kernel_device):
     kw = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, is_causal=True, backend="triton")
     torch.testing.assert_close(entmax_attention(q, k, v, **kw, max_seqlen_q=40, max_seqlen_k=13),
                                entmax_attention(q, k, v, **kw), rtol=0, atol=0)
-
-
-_M = "meta"
-_CU = torch.tensor([0, 4, 9], dtype=torch.int32)
-_CU_K = torch.tensor([0, 5, 11], dtype=torch.int32)
-_VARLEN = dict(batch=1, cu_seqlens_q=_CU, cu_seqlens_k=_CU_K)
-_NAN_MASK = torch.zeros(9, 11).index_fill(1, torch.tensor([3]), float("nan"))
-_INF_MASK = torch.zeros(9, 11).index_fill(1, torch.tensor([3]), float("inf"))
-
-# (targets, arguments, error, message): targets "a" = entmax_attention with every backend,
-# "r" = entmax_attention_reference, "t" = entmax_attention with backend="triton" only.
-_BAD = [
-    ("ar", dict(q="x"), TypeError, "q must be a torch.Tensor"),
-    ("ar", dict(v=[1.0]), TypeError, "v must be a torch.Tensor"),
-    ("ar", dict(q=torch.zeros(2, 4, 9)), ValueError, "q must have shape"),
-    ("ar", dict(q=torch.zeros(2, 4, 9, 16, dtype=torch.int64)), TypeError, "q must be float16"),
-    ("ar", dict(k=torch.zeros(2, 4, 11, 16, dtype=torch.float64)), TypeError, "share one dtype"),
-    ("ar", dict(v=torch.zeros(2, 4, 11, 16, device=_M)), ValueError, "q, k and v must be on one device"),
-    ("ar", dict(v=torch.zeros(2, 4, 12, 16)), ValueError, "k and v must agree in"),
-    ("ar", dict(q=torch.zeros(3, 4, 9, 16)), ValueError, "same batch size"),
-    ("ar", dict(q=torch.zeros(2, 4, 9, 6)), ValueError, "same head_dim"),
-    ("ar", dict(q=torch.zeros(2, 5, 9, 16), enable_gqa=True, kv_heads=2), ValueError, "multiple of the number"),
-    ("ar", dict(q=torch.zeros(2, 4, 9, 16), kv_heads=0), ValueError, "multiple of the number"),
-    ("a", dict(kv_heads=2), ValueError, "enable_gqa=True"),
-    ("ar", dict(alpha=0.5), ValueError, r"alpha must be finite and in \[1, 2\]"),
-    ("ar", dict(alpha=2.5), ValueError, r"alpha must be finite and in \[1, 2\]"),
-    ("ar", dict(alpha=float("nan")), ValueError, "alpha must be finite"),
-    ("ar", dict(alpha=float("inf")), ValueError, "alpha must be finite"),
-    ("ar", dict(alpha=torch.tensor([1.5, 1.2, 3.0, 1.0])), ValueError, r"alpha must be finite and in \[1, 2\]"),
-    ("ar", dict(alpha=torch.tensor([1.5, float("nan"), 1.0, 1.0])), ValueError, r"alpha must be finite"),
-    ("ar", dict(alpha=torch.tensor([1.5, 1.2])), ValueError, "alpha must be a float or a tensor of shape"),
-    ("ar", dict(alpha=torch.ones(4, 1)), ValueError, "alpha must be a float or a tensor of shape"),
-    ("ar", dict(alpha=torch.ones(0)), ValueError, "alpha must be a float or a tensor of shape"),
-    ("ar", dict(alpha=torch.tensor([1, 2, 1, 2])), TypeError, "floating-point tensor"),
-    ("ar", dict(alpha=torch.ones(4, device=_M)), ValueError, "alpha must be on the device of q"),
-    ("ar", dict(alpha="1.5"), TypeError, "alpha must be a float or a tensor"),
-    ("ar", dict(alpha=True), TypeError, "alpha must be a float or a tensor"),
-    ("ar", dict(attn_mask=torch.zeros(2, 4, 9, 10, dtype=torch.bool)), ValueError, "attn_mask must be broadcastable"),
-    ("ar", dict(attn_mask=torch.zeros(1, 2, 4, 9, 11)), ValueError, "attn_mask must be broadcastable"),
-    ("ar", dict(attn_mask=torch.zeros(9, 11, dtype=torch.int32)), TypeError, "attn_mask must be boolean"),
-    ("ar", dict(attn_mask=[[True]]), TypeError, "attn_mask must be a torch.Tensor"),
-    ("ar", dict(attn_mask=torch.zeros(9, 11, device=_M)), ValueError, "attn_mask must be on the device"),
-    ("t", dict(attn_mask=_NAN_MASK), ValueError, "float attn_mask must be finite or -inf"),
-    ("t", dict(attn_mask=_INF_MASK), ValueError, "float attn_mask must be finite or -inf"),
-    ("ar", dict(dropout_p=1.0), ValueError, r"dropout_p must be finite and in \[0, 1\)"),
-    ("ar", dict(dropout_p=-0.1), ValueError, r"dropout_p must be finite and in \[0, 1\)"),
-    ("ar", dict(dropout_p=float("nan")), ValueError, "dropout_p must be finite"),
-    ("ar", dict(dropout_p="0.1"), TypeError, "dropout_p must be a Python number"),
-    ("ar", dict(scale=float("inf")), ValueError, "scale must be None or a finite number"),
-    ("ar", dict(scale=float("nan")), ValueError, "scale must be None or a finite number"),
-    ("ar", dict(scale=torch.tensor(0.5)), TypeError, "scale must be None or a Python number"),
-    ("ar", dict(enable_gqa="no"), TypeError, "enable_gqa must be a bool"),
-    ("ar", dict(return_stats=1), TypeError, "return_stats must be a bool"),
-    ("ar", dict(is_causal=None), TypeError, "is_causal must be a bool"),
-    ("a", dict(backend="cuda"), ValueError, "backend must be one of"),
-    ("t", dict(q=torch.zeros(2, 4, 9, 16, dtype=torch.float64), kv_dtype=torch.float64), TypeError,
-     "the triton backend takes float16"),
-    ("t", dict(q=torch.zeros(2, 4, 9, 8), k=torch.zeros(2, 4, 11, 8), v=torch.zeros(2, 4, 11, 8)), ValueError,
-     r"head_dim in \[16, 256\]"),
-    ("t", dict(v=torch.zeros(2, 4, 11, 32)), ValueError, "v with the head_dim of q"),
-    ("ar", dict(cu_seqlens_q=_CU), ValueError, "must be given together"),
-    ("ar", dict(cu_seqlens_q=_CU, cu_seqlens_k=_CU_K), ValueError, "batch size 1"),
-    ("ar", dict(_VARLEN, cu_seqlens_q=torch.tensor([0.0, 9.0])), TypeError, "cu_seqlens_q must be a 1-d int32"),
-    ("ar", dict(_VARLEN, cu_seqlens_k=_CU_K[None]), TypeError, "cu_seqlens_k must be a 1-d int32"),
-    ("ar", dict(_VARLEN, cu_seqlens_q=_CU.to(_M)), ValueError, "cu_seqlens_q must be on the device of q"),
-    ("ar", dict(_VARLEN, cu_seqlens_q=_CU[:1], cu_seqlens_k=_CU_K[:1]), ValueError, "at least two offsets"),
-    ("ar", dict(_VARLEN, cu_seqlens_k=torch.tensor([0, 11], dtype=torch.int32)), ValueError,
-     "same number of sequences"),
-    ("ar", dict(_VARLEN, cu_seqlens_q=torch.tensor([0, 4, 8], dtype=torch.int32)), ValueError,
-     "end at the packed length 9"),
-    ("ar", dict(_VARLEN, cu_seqlens_q=torch.tensor([1, 4, 9], dtype=torch.int32)), ValueError, "start at 0"),
-    ("ar", dict(_VARLEN, cu_seqlens_q=torch.tensor([0, 6, 4, 9], dtype=torch.int64),
-                cu_seqlens_k=torch.tensor([0, 5, 5, 11], dtype=torch.int64)), ValueError, "non-decreasing"),
-    ("ar", dict(max_seqlen_q=9), ValueError, "max_seqlen_q is only used with cu_seqlens"),
-    ("ar", dict(_VARLEN, max_seqlen_k=5.0), TypeError, "max_seqlen_k must be None or an int"),
-    ("ar", dict(_VARLEN, max_seqlen_q=-1), ValueError, "max_seqlen_q must be at least"),
-    ("ar", dict(_VARLEN, max_seqlen_k=5), ValueError, r"max_seqlen_k must be at least the longest sequence \(6\)"),
-    ("r", dict(compute_dtype=torch.float16), ValueError, "compute_dtype must be None, torch.float32"),
-    ("r", dict(generator="seed"), TypeError, "generator must be a torch.Generator"),
-    ("r", dict(return_weights=1), TypeError, "return_weights must be a bool"),
-    ("r", dict(dropout_mask=torch.ones(9, 11)), TypeError, "dropout_mask must be a boolean tensor"),
-    ("r", dict(dropout_mask=[[True]]), TypeError, "dropout_mask must be a torch.Tensor"),
-    ("r", dict(dropout_mask=torch.ones(9, 12, dtype=torch.bool)), ValueError, "dropout_mask must be broadcastable"),
-    ("r", dict(dropout_mask=torch.ones(9, 11, dtype=torch.bool, device=_M)), ValueError,
-     "dropout_mask must be on the device"),
-]
-_CALLS = {"a": ("auto", "reference", "triton"), "r": ("reference function",), "t": ("triton",)}
-_BAD_CALLS = [(row, call) for row in range(len(_BAD)) for code in _BAD[row][0] for call in _CALLS[code]]
-
-
-@pytest.mark.parametrize("row,call", _BAD_CALLS)
-def test_bad_arguments_raise_clear_errors(row, call):
-    """Every entry point and backend names the bad argument (inputs float32, head dim 16)."""
-    _, kwargs, err, match = _BAD[row]
-    kwargs = dict(kwargs)
-    kv_heads, batch = kwargs.pop("kv_heads", 4), kwargs.pop("batch", 2)
-    kv_dtype = kwargs.pop("kv_dtype", torch.float32)
-    q, k, v = qkv(b=batch, hq=4, hk=kv_heads, d=16, dtype=torch.float32)
-    args = [kwargs.pop(name, t) for name, t in (("q", q), ("k", k.to(kv_dtype)), ("v", v.to(kv_dtype)))]
-    if call == "reference function":
-        fn = entmax_attention_reference
-    else:
-        kwargs.setdefault("backend", call)
-        fn = entmax_attention
-    with pytest.raises(err, match=match):
-        fn(*args, **kwargs)

@@ -279,25 +279,6 @@ def test_low_precision_against_float64(dtype):
         torch.testing.assert_close(a.to(F64), fn(z.to(F64), u.to(F64)), atol=TOL["lowp_vs_f64"][dtype], rtol=0)
 
 
-_Z = torch.randn(3, 4)
-_U = torch.ones(3, 4)
-_BAD_CALLS = [
-    (lambda: csparsemax([1.0], _U), TypeError, "z must be"),
-    (lambda: csoftmax(_Z, 1.0), TypeError, "u must be a torch.Tensor"),
-    (lambda: csparsemax(_Z, torch.ones(3, 4, dtype=torch.int64)), TypeError, "u must be a floating"),
-    (lambda: csparsemax(_Z, torch.ones(2, 4)), ValueError, "u must be broadcastable"),
-    (lambda: csoftmax(_Z, torch.ones(2, 3, 4)), ValueError, "u must be broadcastable"),
-    (lambda: csparsemax(_Z, _U, dim=3), ValueError, "dim must be"),
-    (lambda: csoftmax(_Z, _U, mask=torch.ones(3, 4, dtype=torch.int64)), TypeError, "mask must be a boolean"),
-]
-
-
-@pytest.mark.parametrize("call,exc,match", _BAD_CALLS)
-def test_errors(call, exc, match):
-    with pytest.raises(exc, match=match):
-        call()
-
-
 # ---------------------------------------------------------------- fertility-constrained attention
 
 
@@ -413,37 +394,9 @@ def test_fertility_module_errors():
         module(torch.randn(4))
 
 
-_SCORES = torch.randn(3, 4, 5)
-_BAD_FERTILITY_INPUTS = [
-    (dict(src_lengths=torch.tensor([[5], [3], [2]])), ValueError,
-     r"src_lengths must be broadcastable to \(3,\), got shape \(3, 1\)"),
-    (dict(src_lengths=torch.tensor([5, 3])), ValueError,
-     r"src_lengths must be broadcastable to \(3,\), got shape \(2,\)"),
-    (dict(src_lengths=torch.tensor([6, 3, 2])), ValueError, r"src_lengths must be in \[0, 5\].*\[2, 6\]"),
-    (dict(src_lengths=torch.tensor([-1, 3, 2])), ValueError, r"src_lengths must be in \[0, 5\].*\[-1, 3\]"),
-    (dict(src_lengths=torch.tensor([5.0, 3.0, 2.0])), TypeError, "src_lengths must be an integer tensor"),
-    (dict(src_mask=torch.ones(2, 5, dtype=torch.bool)), ValueError,
-     r"src_mask must be broadcastable to \(3, 5\), got shape \(2, 5\)"),
-    (dict(tgt_mask=torch.ones(3, 4)), TypeError, "tgt_mask must be a boolean tensor.*float32"),
-    (dict(tgt_mask=torch.ones(3, 5, dtype=torch.bool)), ValueError,
-     r"tgt_mask must be broadcastable to \(3, 4\), got shape \(3, 5\)"),
-    (dict(tgt_mask=[True] * 4), TypeError, "tgt_mask must be a torch.Tensor"),
-]
-
-
-@pytest.mark.parametrize("kwargs,exc,match", _BAD_FERTILITY_INPUTS)
-def test_fertility_input_errors(kwargs, exc, match):
-    with pytest.raises(exc, match=match):
-        FertilityAttention(fertility=1.0)(_SCORES, **kwargs)
-
-
-def test_fertility_step_mask_errors_and_broadcast_lengths():
+def test_fertility_broadcast_lengths():
     module = FertilityAttention(fertility=1.0)
-    with pytest.raises(ValueError, match=r"step_mask must be broadcastable to \(3,\), got shape \(4,\)"):
-        module.step(_SCORES[:, 0], step_mask=torch.ones(4, dtype=torch.bool))
-    with pytest.raises(TypeError, match="step_mask must be a boolean tensor"):
-        module.step(_SCORES[:, 0], step_mask=torch.ones(3, dtype=torch.int64))
-    attn, _ = module(_SCORES, src_lengths=torch.tensor(3))
+    attn, _ = module(torch.randn(3, 4, 5), src_lengths=torch.tensor(3))
     assert attn.shape == (3, 4, 6) and (attn[..., 3:5] == 0).all()
     mh, _ = module(torch.randn(2, 3, 4, 5), src_lengths=torch.tensor([[5], [2]]))
     assert mh.shape == (2, 3, 4, 6) and (mh[1, :, :, 2:5] == 0).all()
