@@ -37,3 +37,12 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def kernel_device():
     return KERNEL_DEVICE
+
+
+# Hypothesis profiles (tests/test_fuzz.py): "ci", the default, runs few examples, the same ones on every run,
+# and writes nothing to .hypothesis/; HYPOTHESIS_PROFILE=dev runs more, random ones.
+from hypothesis import settings  # noqa: E402
+
+settings.register_profile("ci", max_examples=60, deadline=None, derandomize=True, database=None, print_blob=True)
+settings.register_profile("dev", max_examples=200, deadline=None, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
