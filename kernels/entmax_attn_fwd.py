@@ -222,7 +222,10 @@ def _entmax_rows(q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, 
             F = tl.where(same, F, 0.0)
             G = tl.where(same, G, 0.0)
             C = tl.where(same, C, 0.0)
-        t_low = (j_new - (GRID_K - 1)) * w_grid  # <= m - 1 <= tau
+        # the lowest point is <= m - 1 <= tau up to rounding: tiles below it are dead (a few ulps of margin; none
+        # where fp32 cannot index the grid, see grid_ok below)
+        t_low = (j_new - (GRID_K - 1)) * w_grid
+        t_low = tl.where(tl.abs(j_new) < 4194304.0, t_low - 4.8e-7 * tl.abs(t_low), float("-inf"))
         live = tl.max((z > t_low[:, None]).to(tl.int32))
         if live != 0:
             for s in tl.static_range(GRID_K):

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from sparse_attn._validation import check_bool, check_number, values_checkable
 from sparse_attn.kernels._common import interpreting
-from sparse_attn.masks import check_mask, check_mask_values
+from sparse_attn.masks import check_mask
 
 __all__ = [
     "AttentionInputs",
@@ -238,14 +238,14 @@ def prepare_attention(
     attn_mask: Tensor | None = None, is_causal: bool = False, scale: float | None = None, dropout_p: float = 0.0,
     enable_gqa: bool = False, cu_seqlens_q: Tensor | None = None, cu_seqlens_k: Tensor | None = None,
     max_seqlen_q: int | None = None, max_seqlen_k: int | None = None, backend: str = "auto",
-    alpha_in_range: bool = False, mask_values_checked: bool = False,
+    alpha_in_range: bool = False,
 ) -> AttentionInputs:
     """Validate the arguments of :func:`sparse_attn.entmax_attention` and normalize them.
 
-    Arguments as :func:`sparse_attn.entmax_attention`, plus two promises callers may make:
+    Arguments as :func:`sparse_attn.entmax_attention`, plus a promise callers may make:
     ``alpha_in_range`` (a tensor alpha's values are in [1, 2], e.g. a module's alpha, valid by
-    construction: they are not read) and ``mask_values_checked`` (the caller checked a float
-    mask's values under its own argument names). Problems with no query, key, head or batch entry
+    construction: they are not read). Float masks are not checked for NaN / +inf: such entries make
+    their rows NaN on every backend (the non-finite policy). Problems with no query, key, head or batch entry
     run on the reference (their output is empty or zero).
 
     Returns:
@@ -263,8 +263,6 @@ def prepare_attention(
     alpha_t, alpha_value, alpha_checked = _normalize_alpha(alpha, q, alpha_in_range)
     shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
     check_mask("attn_mask", attn_mask, q.device, shape)
-    if backend == "triton" and not mask_values_checked:
-        check_mask_values("attn_mask", attn_mask)
     if varlen:
         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k = _check_cu_seqlens(
             cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q, max_seqlen_k)

@@ -20,8 +20,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from sparse_attn._validation import values_checkable
-
 __all__ = [
     "causal_keep",
     "keep_to_bias",
@@ -29,7 +27,6 @@ __all__ = [
     "from_mha_mask",
     "key_padding_to_mask",
     "check_mask",
-    "check_mask_values",
 ]
 
 _NEG_INF = float("-inf")
@@ -111,13 +108,3 @@ def check_mask(name: str, mask, device, shape=None, keep_means: str = "True = at
         )
 
 
-def check_mask_values(name: str, mask: Tensor | None) -> None:
-    """Raise ``ValueError`` if a float mask holds NaN or ``+inf`` (``-inf`` = masked is fine).
-
-    Runs only where reading the values is free or asked for (see
-    :func:`sparse_attn.set_checks`); boolean masks and None pass.
-    """
-    if mask is None or mask.dtype == torch.bool or not values_checkable(mask):
-        return
-    if bool((torch.isnan(mask) | (mask == float("inf"))).any()):
-        raise ValueError(f"a float {name} must be finite or -inf (masked), got NaN or +inf entries")

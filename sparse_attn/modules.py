@@ -23,7 +23,6 @@ from sparse_attn.attn_inputs import check_head_alpha, prepare_attention
 from sparse_attn.masks import (
     causal_keep,
     check_mask,
-    check_mask_values,
     combine_masks,
     from_mha_mask,
     key_padding_to_mask,
@@ -463,11 +462,8 @@ class EntmaxMultiheadAttention(_HeadAlphaMixin, nn.MultiheadAttention):
         inputs = prepare_attention(
             q, k, v, self._alpha_arg(), attn_mask=mask, is_causal=causal,
             dropout_p=self.dropout if self.training else 0.0, backend="reference" if dense else self.backend,
-            alpha_in_range=True, mask_values_checked=True,
+            alpha_in_range=True,
         )
-        if inputs.backend == "triton":
-            check_mask_values("key_padding_mask", key_padding_mask)
-            check_mask_values("attn_mask", attn_mask)
 
         out, weights = run_layer_attention(inputs, dense, sink)
         out = self.out_proj(out.transpose(1, 2).reshape(n, l_q, self.embed_dim))

@@ -267,9 +267,6 @@ def test_bad_arguments(kernel_device):
     assert entmax_rows_triton(torch.empty(0, 5, device=kernel_device), 1.5).shape == (0, 5)
 
 
-@pytest.mark.xfail(strict=True, reason="library bug: entmax_rows_triton moves dim last and reshapes to (rows, 1); "
-                   "when dim has size 1 that view keeps a non-unit column stride, which the launcher rejects "
-                   "(ValueError 'x must have unit stride along columns'; dy likewise in the backward)")
 @pytest.mark.parametrize("shape,dim", [((1, 2), 0), ((2, 1, 3), 1)])
 def test_rows_of_length_one_along_any_dim(shape, dim, kernel_device):
     x = torch.randn(*shape, device=kernel_device, requires_grad=True)

@@ -41,7 +41,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without transfor
 from sparse_attn._validation import check_number
 from sparse_attn.attention import run_layer_attention
 from sparse_attn.attn_inputs import prepare_attention
-from sparse_attn.masks import check_mask, check_mask_values, combine_masks
+from sparse_attn.masks import check_mask, combine_masks
 from sparse_attn.modules import EntmaxAlpha, resolve_learnable
 from sparse_attn.stats import head_stats_sink, register_layer_type
 
@@ -135,11 +135,8 @@ def entmax_attention_forward(
     inputs = prepare_attention(
         query, key, value, alpha, attn_mask=combine_masks(attention_mask, position_bias), is_causal=causal,
         scale=scaling, dropout_p=dropout, enable_gqa=n_kv != n_heads, backend="reference" if dense else backend,
-        alpha_in_range=alpha_in_range, mask_values_checked=True,
+        alpha_in_range=alpha_in_range,
     )
-    if inputs.backend == "triton":
-        check_mask_values("attention_mask", attention_mask)
-        check_mask_values("position_bias", position_bias)
     out, weights = run_layer_attention(inputs, dense, sink)
     return out.transpose(1, 2).contiguous(), weights if output_attentions else None
 
