@@ -377,7 +377,8 @@ def test_fused_path_refuses_variants_naming_them(name, backend, monkeypatch):
         monkeypatch.setattr(attn_inputs, "_on_kernel_device", lambda t: True)
     with pytest.raises(ValueError, match=match) as info:
         entmax_attention(q, k, v, 1.5, enable_gqa=True, backend=backend.removesuffix("_on_cuda"), **kwargs)
-    assert "backend='reference'" in str(info.value) and "not supported by the fused Triton kernels yet" in str(info.value)
+    message = str(info.value)
+    assert "backend='reference'" in message and "not supported by the fused Triton kernels yet" in message
 
 
 def test_several_variants_are_named_together_and_reference_or_cpu_auto_runs_them():
