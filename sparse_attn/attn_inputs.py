@@ -59,7 +59,9 @@ class AttentionStats(NamedTuple):
     n_valid: int32, number of keys the query may attend to (not masked).
 
     On the reference, a row whose scores hold NaN or ``+inf`` (a NaN output row) has
-    ``tau = NaN`` and ``nnz = 0``.
+    ``tau = NaN`` and ``nnz = 0``. With ``sinks``, ``tau`` is the threshold (logsumexp) of the row
+    including its sink, finite even for a row with no valid key, while ``nnz`` and ``n_valid`` count
+    real keys only.
     """
 
     nnz: Tensor

@@ -141,12 +141,13 @@ def _enter(module: nn.Module, args) -> None:
 
 
 def _leave(module: nn.Module, args, output) -> None:
+    """Stop routing; warn (once) when the forward returned without any SDPA call (output None: it raised)."""
     state = getattr(module, _STATE)
     if not state.active:
         return
     router = state.active.pop()
     router.__exit__(None, None, None)
-    if router.calls == 0 and not state.warned and not torch.compiler.is_compiling():
+    if router.calls == 0 and output is not None and not state.warned and not torch.compiler.is_compiling():
         state.warned = True
         warnings.warn(
             f"{type(module).__name__} routes scaled_dot_product_attention to entmax attention, but its forward made "
