@@ -198,8 +198,8 @@ def _closure(fn) -> list:
 
 
 _AND_MASK_CODE = and_masks(causal_mask_function).__code__
-_OVERLAY_CODES = {sliding_window_overlay(1).__code__: "causal", sliding_window_bidirectional_overlay(1).__code__:
-                  "bidirectional"}
+_CAUSAL_OVERLAY_CODE = sliding_window_overlay(1).__code__
+_BIDIRECTIONAL_OVERLAY_CODE = sliding_window_bidirectional_overlay(1).__code__
 
 
 def _mask_structure(mask_function) -> tuple[str, int | None] | None:
@@ -214,10 +214,14 @@ def _mask_structure(mask_function) -> tuple[str, int | None] | None:
     if getattr(mask_function, "__code__", None) is not _AND_MASK_CODE or len(parts) != 1 or len(parts[0]) != 2:
         return None
     overlay, base = parts[0]
-    kind = _OVERLAY_CODES.get(getattr(overlay, "__code__", None))
-    width = _closure(overlay)
-    if kind is None or base is not {"causal": causal_mask_function, "bidirectional": bidirectional_mask_function}[kind]:
+    code = getattr(overlay, "__code__", None)
+    if code is _CAUSAL_OVERLAY_CODE and base is causal_mask_function:
+        kind = "causal"
+    elif code is _BIDIRECTIONAL_OVERLAY_CODE and base is bidirectional_mask_function:
+        kind = "bidirectional"
+    else:
         return None
+    width = _closure(overlay)
     return (kind, width[0]) if len(width) == 1 and isinstance(width[0], int) else None
 
 
@@ -242,9 +246,11 @@ def entmax_mask(
     mask (True = attend); the attention function then applies causal masking and the sliding window
     itself (``window_size``, never materialized). Every other pattern (chunked attention, overlays,
     packed sequences, static caches) gets transformers' materialized boolean ``(B, 1, Nq, Nk)`` mask
-    from ``sdpa_mask``, which the attention function takes as complete. Arguments as ``sdpa_mask``.
+    from ``sdpa_mask``, which the attention function takes as complete; so does every pattern while
+    ``torch.compile`` traces (the recognition reads function closures). Arguments as ``sdpa_mask``.
     """
-    structure = _mask_structure(mask_function)
+    # the pattern is recognized by function identity and closures, which torch.compile does not trace
+    structure = None if torch.compiler.is_compiling() else _mask_structure(mask_function)
     kind, width = structure if structure is not None else (None, None)
     aligned = (isinstance(q_offset, int) and isinstance(kv_offset, int)
                and kv_offset + kv_length == q_offset + q_length)
