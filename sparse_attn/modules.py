@@ -497,7 +497,9 @@ def swap_attention(model: nn.Module, alpha: float | Tensor = 1.5, learnable: boo
             deprecated alias of ``learnable``).
 
     Returns:
-        ``[(qualified_name, replaced_module), ...]`` in model order (one entry per replaced module).
+        ``[(qualified_name, replaced_module), ...]`` in model order (one entry per replaced module). When
+        nothing was replaced a ``UserWarning`` says so (and names the modules that call
+        ``scaled_dot_product_attention`` directly, which :func:`sparse_attn.sdpa.swap_sdpa_attention` handles).
     """
     learnable = resolve_learnable(learnable, kw.pop("learnable_alpha", None), default=False)
     if not isinstance(model, nn.Module):
@@ -523,7 +525,25 @@ def swap_attention(model: nn.Module, alpha: float | Tensor = 1.5, learnable: boo
         for m in model.modules():
             if isinstance(m, nn.TransformerEncoder):
                 m.use_nested_tensor = False
+    else:
+        _warn_nothing_swapped(model)
     return replaced
+
+
+def _warn_nothing_swapped(model: nn.Module) -> None:
+    from sparse_attn.sdpa import sdpa_modules
+
+    done = sum(isinstance(m, EntmaxMultiheadAttention) for m in model.modules())
+    sdpa = [name or "(the model)" for name, _ in sdpa_modules(model)]
+    hint = (f"; {len(sdpa)} module(s) call torch.nn.functional.scaled_dot_product_attention directly "
+            f"(e.g. {sdpa[0]!r}): use sparse_attn.sdpa.swap_sdpa_attention(model) for those" if sdpa else
+            "; for modules that call torch.nn.functional.scaled_dot_product_attention use "
+            "sparse_attn.sdpa.swap_sdpa_attention, for Hugging Face models attn_implementation='entmax'")
+    warnings.warn(
+        f"swap_attention replaced nothing: {type(model).__name__} has no nn.MultiheadAttention left to replace "
+        f"({done} EntmaxMultiheadAttention already){hint}",
+        UserWarning, stacklevel=3,
+    )
 
 
 register_layer_type(lambda m: isinstance(m, EntmaxMultiheadAttention), lambda m: m.alpha)

@@ -271,8 +271,6 @@ HF_BAD = [
     ("forward", dict(position_bias=torch.zeros(1, H, 5, 5, dtype=torch.bool)), TypeError,
      "position_bias must be a floating"),
     ("forward", dict(position_bias=torch.zeros(1, 3, 5, 5)), ValueError, "position_bias must be broadcastable"),
-    ("forward", dict(softcap=30.0), ValueError, "does not support softcap"),
-    ("forward", dict(sliding_window=4), ValueError, "needs an explicit mask"),
     ("forward", dict(entmax_alpha=2.5), ValueError, r"alpha must be finite and in \[1, 2\]"),
     ("forward", dict(entmax_backend="cuda"), ValueError, "backend must be one of"),
     ("attach", dict(model=torch.nn.Linear(2, 2)), ValueError, "no attention module"),
