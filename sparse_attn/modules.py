@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from sparse_attn._validation import check_bool
 from sparse_attn.attention import run_layer_attention
 from sparse_attn.attn_inputs import check_head_alpha, prepare_attention
 from sparse_attn.masks import (
@@ -67,6 +68,17 @@ def resolve_learnable(learnable, learnable_alpha, default: bool) -> bool:
     return learnable
 
 
+
+def _check_factory(device, dtype) -> None:
+    """``device`` (None or anything ``torch.device`` accepts) and ``dtype`` (None or a floating-point dtype)."""
+    if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+        raise TypeError(f"dtype must be None or a floating-point torch.dtype, got {dtype!r}")
+    if device is not None:
+        try:
+            torch.device(device)
+        except (RuntimeError, TypeError):
+            raise ValueError(f"device must be None or a torch device, got {device!r}") from None
+
 class _HeadAlphaMixin:
     """Per-head alpha shared by the modules: fixed (a float or a buffer) or learnable (``alpha_logit``).
 
@@ -77,6 +89,7 @@ class _HeadAlphaMixin:
     """
 
     def _init_alpha(self, alpha, learnable, alpha_min, alpha_max, alpha_init, device, dtype) -> None:
+        _check_factory(device, dtype)
         alpha_dtype = torch.float64 if dtype == torch.float64 else torch.float32
         self._alpha_float = None
         self.alpha_min = _check_unit_interval("alpha_min", alpha_min)
@@ -255,6 +268,10 @@ class EntmaxMultiheadAttention(_HeadAlphaMixin, nn.MultiheadAttention):
         learnable_alpha: bool | None = None,
     ) -> None:
         nn.Module.__init__(self)
+        for name, flag in (("bias", bias), ("add_bias_kv", add_bias_kv), ("add_zero_attn", add_zero_attn),
+                           ("batch_first", batch_first)):
+            check_bool(name, flag)
+        _check_factory(device, dtype)
         for name, val in (("embed_dim", embed_dim), ("num_heads", num_heads), ("kdim", kdim), ("vdim", vdim)):
             if val is None and name in ("kdim", "vdim"):
                 continue
@@ -425,9 +442,11 @@ class EntmaxMultiheadAttention(_HeadAlphaMixin, nn.MultiheadAttention):
         Returns ``(out, weights)``: ``out`` shaped like ``query`` (with ``embed_dim`` features);
         ``weights`` ``(N, L, S)`` (or ``(N, num_heads, L, S)`` when ``average_attn_weights`` is
         False; without the batch dimension for unbatched input) when ``need_weights``, else None.
-        A NaN or ``+inf`` in a float mask makes its rows NaN (CPU / reference path); on the fused
-        path it raises ``ValueError`` naming ``key_padding_mask`` or ``attn_mask``.
+        A NaN or ``+inf`` in a float mask makes its rows NaN (the non-finite policy, every path).
         """
+        for name, flag in (("need_weights", need_weights), ("average_attn_weights", average_attn_weights),
+                           ("is_causal", is_causal)):
+            check_bool(name, flag)
         self._check_inputs(query, key, value)
         self_attn = query is key and key is value
         batched = query.dim() == 3

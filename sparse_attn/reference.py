@@ -180,6 +180,9 @@ def reference_forward(
         bad_head = None if inputs.alpha_checked else ~((alpha >= 1) & (alpha <= 2))
     mask = inputs.mask
     bias, keep = (mask, None) if mask is not None and mask.dtype != torch.bool else (None, mask)
+    if bias is not None:
+        # cast at the mask's own shape: its gradient is then summed over the broadcast dims in the compute dtype
+        bias = bias.to(ct)
     full_shape = (q.shape[0], n_heads, q.shape[2], k.shape[2])
     if dropout_mask is not None:
         dropout_mask = dropout_mask.expand(full_shape)

@@ -326,10 +326,7 @@ def test_reference_nonfinite_value_reaches_every_row_of_the_dense_product():
     assert torch.isnan(out[0, 0, :, 0]).all() and torch.isfinite(out[0, 0, :, 1:]).all()
 
 
-@pytest.mark.parametrize("packed", [False, pytest.param(True, marks=pytest.mark.xfail(strict=True, reason=(
-    "library bug (reference): with cu_seqlens the reference expands a float mask to the packed score shape and "
-    "casts each sequence's slice to float32, so the gradient of a broadcast fp16/bf16 mask is rounded to the mask "
-    "dtype element by element before the broadcast sum (here 4e-3 fp16, 2.5e-2 bf16 on an exact 0)")))])
+@pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_reference_low_precision_mask_gradient_is_summed_in_float32(packed, dtype):
     """A per-row float mask has gradient 0 (each row of dS sums to 0): summed in float32 it stays at float32
