@@ -42,6 +42,7 @@ from torch import Tensor
 from sparse_attn._validation import check_bool, check_int
 from sparse_attn.attention import entmax_attention
 from sparse_attn.attn_inputs import AttentionStats, check_head_alpha, prepare_attention
+from sparse_attn.masks import check_mask
 from sparse_attn.modules import EntmaxMultiheadAttention
 from sparse_attn.stats import head_stats_sink
 
@@ -347,9 +348,10 @@ def _check_local(q, k, v, key_padding_mask) -> None:
             raise ValueError(f"{name} must have shape (batch, heads, seq_local, head_dim), got {tuple(t.shape)}")
     if key_padding_mask is None:
         return
-    if not isinstance(key_padding_mask, Tensor) or key_padding_mask.dtype != torch.bool:
+    if not isinstance(key_padding_mask, Tensor) or not (
+            key_padding_mask.dtype == torch.bool or key_padding_mask.is_floating_point()):
         got = key_padding_mask.dtype if isinstance(key_padding_mask, Tensor) else type(key_padding_mask).__name__
-        raise TypeError(f"key_padding_mask must be a boolean tensor (True = real key), got {got}")
+        raise TypeError(f"key_padding_mask must be a boolean (True = real key) or float (additive) tensor, got {got}")
     if tuple(key_padding_mask.shape) != (k.shape[0], k.shape[2]):
         raise ValueError(f"key_padding_mask must have shape (batch, seq_local) = {(k.shape[0], k.shape[2])}, "
                          f"got {tuple(key_padding_mask.shape)}")
@@ -358,10 +360,12 @@ def _check_local(q, k, v, key_padding_mask) -> None:
 
 
 def _gather_key_mask(key_padding_mask, lay: _Layout):
-    """The local ``(B, N_local)`` keep mask of the keys, gathered to ``(B, 1, 1, N)``, or None."""
+    """The local ``(B, N_local)`` key mask (bool keep or float additive), gathered to ``(B, 1, 1, N)``, or None."""
     if key_padding_mask is None:
         return None
-    return _all_gather_seq([key_padding_mask.to(torch.uint8)], 1, lay)[0].bool()[:, None, None, :]
+    if key_padding_mask.dtype == torch.bool:
+        return _all_gather_seq([key_padding_mask.to(torch.uint8)], 1, lay)[0].bool()[:, None, None, :]
+    return _GatherSequence.apply(lay, 1, key_padding_mask)[0][:, None, None, :]
 
 
 def _cat_results(results, return_stats: bool):
@@ -415,8 +419,9 @@ def context_parallel_attention(
             (DDP / FSDP2 do, see the module docstring). Default 1.5.
         group: None (the default group), a ``ProcessGroup`` or a 1-d ``DeviceMesh``.
         is_causal: causal attention over the global positions.
-        key_padding_mask: bool ``(B, N_local_k)``, True = a real key (padding is False), this rank's
-            shard of the mask (e.g. of :func:`pad_for_context_parallel`'s ``keep``).
+        key_padding_mask: ``(B, N_local_k)``, this rank's shard of a mask over the keys: bool, True =
+            a real key (e.g. :func:`pad_for_context_parallel`'s ``keep``), or float, added to the
+            scores (``-inf`` = excluded; differentiable).
         scale, dropout_p, enable_gqa, backend: as :func:`sparse_attn.entmax_attention`. Dropout
             masks are drawn on each rank (they differ from a single process's).
         return_stats: also return :class:`sparse_attn.AttentionStats` of the local rows, each
@@ -494,12 +499,13 @@ def ulysses_attention(
             holds its heads' entries; sum it over the group). Default 1.5.
         group: None (the default group), a ``ProcessGroup`` or a 1-d ``DeviceMesh``.
         attn_fn: the attention, called as ``attn_fn(q, k, v, alpha, is_causal=..., **options)`` on
-            ``(B, Hq / P, N, D)`` head shards, where the options are ``attn_mask`` (bool
-            ``(B, 1, 1, N)``, only with a key padding mask), ``enable_gqa=True`` and
+            ``(B, Hq / P, N, D)`` head shards, where the options are ``attn_mask`` (``(B, 1, 1, N)``,
+            only with a key padding mask), ``enable_gqa=True`` and
             ``return_stats=True`` (only when asked) and ``**kwargs``. Default
             :func:`sparse_attn.entmax_attention`.
         is_causal: causal attention over the global positions.
-        key_padding_mask: bool ``(B, N_local)``, True = a real key, this rank's shard.
+        key_padding_mask: ``(B, N_local)``, this rank's shard of a key mask, as in
+            :func:`context_parallel_attention` (bool True = real key, or float additive).
         enable_gqa: allow ``Hk < Hq``.
         return_stats: also return ``attn_fn``'s :class:`sparse_attn.AttentionStats`, brought back to
             this rank's rows for all heads, ``(B, Hq, N_local)`` each.
@@ -603,9 +609,10 @@ class ContextParallelMultiheadAttention(EntmaxMultiheadAttention):
         load_balance: the sharding layout. Default True.
 
     Forward: as ``nn.MultiheadAttention.forward`` with these limits (others raise
-    ``ValueError``): ``need_weights=False``; no ``attn_mask`` (use ``is_causal=True`` for causal
-    attention over the global positions); ``key_padding_mask`` bool ``(N, S_local)``, True = padding
-    (the ``nn.MultiheadAttention`` convention); no ``add_bias_kv`` / ``add_zero_attn``. A
+    ``ValueError``): batched input; ``need_weights=False``; no ``attn_mask`` (use
+    ``is_causal=True`` for causal attention over the global positions); ``key_padding_mask``
+    ``(N, S_local)`` as in ``nn.MultiheadAttention`` (bool True = padding, or float additive);
+    no ``add_bias_kv`` / ``add_zero_attn``. A
     :func:`sparse_attn.record_head_stats` recorder gets the statistics of every rank's rows, so
     its densities are those of the whole sequence (head diversity needs dense weights and is not
     available).
@@ -662,9 +669,8 @@ class ContextParallelMultiheadAttention(EntmaxMultiheadAttention):
         n, l_q = query.shape[:2]
         keep = None
         if key_padding_mask is not None:
-            if not isinstance(key_padding_mask, Tensor) or key_padding_mask.dtype != torch.bool:
-                raise TypeError("key_padding_mask must be a boolean tensor (True = padding) with context parallelism")
-            keep = ~key_padding_mask
+            check_mask("key_padding_mask", key_padding_mask, query.device, keep_means="True = padding")
+            keep = ~key_padding_mask if key_padding_mask.dtype == torch.bool else key_padding_mask
         q, k, v = self._project(query, key, value, query is key and key is value)
         heads = (self.num_heads, self.head_dim)
         q, k, v = (t.unflatten(-1, heads).transpose(1, 2) for t in (q, k, v))

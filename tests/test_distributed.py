@@ -82,10 +82,15 @@ def _case_attention(rank, world, scheme, cfg):
     keep = None
     if "lengths" in cfg:
         keep = torch.arange(n)[None, :] < torch.tensor(cfg["lengths"])[:, None]
+    if cfg.get("float_mask"):
+        bias = torch.randn(b, n, generator=torch.Generator().manual_seed(3), dtype=dtype)
+        keep = bias.masked_fill(~keep, float("-inf")) if keep is not None else bias
     gqa = h_kv != h
     leaves = [t.clone().requires_grad_() for t in (q, k, v, alpha)]
+    bias_leaf = keep.clone().requires_grad_() if cfg.get("float_mask") else None
     want, want_stats = entmax_attention(*leaves, is_causal=causal, enable_gqa=gqa, return_stats=True,
-                                        attn_mask=None if keep is None else keep[:, None, None, :])
+                                        attn_mask=None if keep is None else (
+                                            bias_leaf if bias_leaf is not None else keep)[:, None, None, :])
     (want * dout).sum().backward()
 
     def shard(t, dim=2):
@@ -93,9 +98,12 @@ def _case_attention(rank, world, scheme, cfg):
 
     ql, kl, vl = (shard(t).requires_grad_() for t in (q, k, v))
     a = alpha.clone().requires_grad_()
+    kpm = None if keep is None else shard(keep, dim=1).requires_grad_(bias_leaf is not None)
     out, stats = SCHEMES[scheme](ql, kl, vl, a, is_causal=causal, enable_gqa=gqa, return_stats=True,
-                                 key_padding_mask=None if keep is None else shard(keep, dim=1), load_balance=lb)
+                                 key_padding_mask=kpm, load_balance=lb)
     (out * shard(dout)).sum().backward()
+    if bias_leaf is not None:
+        _close("dmask", kpm.grad, shard(bias_leaf.grad, dim=1), TOL[dtype])
     dist.all_reduce(a.grad)
     tol = TOL[dtype]
     _close("out", out, shard(want), tol)
@@ -114,7 +122,7 @@ FAST_CASES = [
     ("allgather", dict(lengths=[13, 9])),
     ("allgather", dict(causal=False, shape=(2, 4, 2, 16, 8, 8))),
     ("allgather", dict(load_balance=False, shape=(2, 4, 2, 16, 8, 8), dtype=torch.float32)),
-    ("allgather", dict(causal=False, shape=(1, 2, 2, 8, 8, 4), lengths=[5])),
+    ("allgather", dict(causal=False, shape=(1, 2, 2, 8, 8, 4), lengths=[5], float_mask=True)),
     ("ulysses", dict(lengths=[16, 11], shape=(2, 4, 2, 16, 8, 8))),
     ("ulysses", dict(causal=False, shape=(2, 4, 1, 16, 8, 8))),
 ]
@@ -125,7 +133,7 @@ SLOW_CASES = [
     ("allgather", dict(dtype=torch.float32, shape=(1, 4, 1, 24, 16, 16))),
     ("ulysses", dict(lengths=[13, 9])),
     ("ulysses", dict(shape=(2, 8, 2, 16, 8, 8))),
-    ("ulysses", dict(causal=False, load_balance=False, shape=(2, 4, 4, 8, 8, 4))),
+    ("ulysses", dict(causal=False, load_balance=False, shape=(2, 4, 4, 8, 8, 4), float_mask=True)),
     ("ulysses", dict(dtype=torch.float32, shape=(1, 8, 8, 24, 16, 16))),
 ]
 
@@ -204,50 +212,66 @@ def test_module_matches_one_process(scheme):
     _launch(2, _case_module, scheme)
 
 
-def _case_fsdp(rank, world, scheme, steps):
-    """Three Adam steps with FSDP2 over the context-parallel mesh match three steps of one process."""
+def _case_training(rank, world, scheme, wrapper, dp):
+    """Three Adam steps with FSDP2 (or DDP) and context parallelism match three steps of one process.
+
+    ``dp > 1``: a ``(dp, cp)`` mesh, each data-parallel group taking one batch element and
+    sharding its sequence over ``cp``; FSDP2 shards over ``cp`` and replicates over ``dp`` (HSDP).
+    """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
 
-    mesh = init_device_mesh("cpu", (world,))
+    if dp > 1:
+        mesh = init_device_mesh("cpu", (dp, world // dp), mesh_dim_names=("dp", "cp"))
+        cp_group, batch = mesh["cp"], slice(mesh.get_local_rank("dp"), mesh.get_local_rank("dp") + 1)
+    else:
+        mesh = cp_group = init_device_mesh("cpu", (world,))
+        batch = slice(None)
     torch.manual_seed(0)
     ref = _TinyModel(torch.float64)
     cp = _TinyModel(torch.float64)
     cp.load_state_dict(ref.state_dict())
-    enable_context_parallel(cp, mesh, scheme=scheme)
-    fully_shard(cp.attn, mesh=mesh)
-    fully_shard(cp, mesh=mesh)
+    enable_context_parallel(cp, cp_group, scheme=scheme)
+    if wrapper == "fsdp2":
+        fully_shard(cp.attn, mesh=mesh)
+        fully_shard(cp, mesh=mesh)
+        wrapped = cp
+    else:
+        wrapped = DistributedDataParallel(cp)
     opt_ref = torch.optim.Adam(ref.parameters(), lr=0.05)
     opt_cp = torch.optim.Adam(cp.parameters(), lr=0.05)
     x, y, pad = _batch(torch.float64)
     n_real = (~pad).sum()
-    xs, ys, pads = (shard_sequence(t, mesh, dim=1) for t in (x, y, pad))
-    for _ in range(steps):
+    xs, ys, pads = (shard_sequence(t[batch], cp_group, dim=1) for t in (x, y, pad))
+    for _ in range(3):
         opt_ref.zero_grad()
         loss_ref = _loss(ref, x, y, pad, n_real)
         loss_ref.backward()
         opt_ref.step()
         opt_cp.zero_grad()
-        loss_cp = _loss(cp, xs, ys, pads, n_real) * world  # FSDP averages the gradients over the mesh
+        loss_cp = _loss(wrapped, xs, ys, pads, n_real) * world  # the wrappers average the gradients over all ranks
         loss_cp.backward()
         opt_cp.step()
         total = loss_cp.detach() / world
         dist.all_reduce(total)
         _close("loss", total, loss_ref.detach(), 1e-9)
     for (name, p), q in zip(ref.named_parameters(), cp.parameters()):
-        _close(name, q.full_tensor(), p.detach(), 1e-8)
+        _close(name, q.full_tensor() if wrapper == "fsdp2" else q.detach(), p.detach(), 1e-8)
     assert (ref.attn.alpha - torch.tensor([1.2, 1.5, 1.8, 1.4], dtype=torch.float64)).abs().min() > 1e-3
 
 
 @pytest.mark.parametrize("scheme", ["allgather", pytest.param("ulysses", marks=[pytest.mark.slow, slow])])
 def test_fsdp2_training_with_learnable_alpha(scheme):
-    _launch(2, _case_fsdp, scheme, 3)
+    _launch(2, _case_training, scheme, "fsdp2", 1)
 
 
 @pytest.mark.slow
 @slow
-def test_fsdp2_training_four_ranks():
-    _launch(4, _case_fsdp, "allgather", 3)
+@pytest.mark.parametrize("scheme,wrapper,world,dp", [("allgather", "ddp", 2, 1), ("ulysses", "fsdp2", 4, 1),
+                                                     ("allgather", "fsdp2", 4, 2)])
+def test_training_more_layouts(scheme, wrapper, world, dp):
+    _launch(world, _case_training, scheme, wrapper, dp)
 
 
 def _case_errors(rank, world):
@@ -265,7 +289,7 @@ def _case_errors(rank, world):
     with pytest.raises(ValueError, match="key_padding_mask"):
         context_parallel_attention(q, q, q, key_padding_mask=torch.ones(1, 4, dtype=torch.bool))
     with pytest.raises(TypeError, match="key_padding_mask"):
-        ulysses_attention(q, q, q, key_padding_mask=torch.ones(1, 6))
+        ulysses_attention(q, q, q, key_padding_mask=torch.ones(1, 6, dtype=torch.int64))
     with pytest.raises(ValueError, match="alpha"):
         context_parallel_attention(q, q, q, alpha=2.5)
     with pytest.raises(ValueError, match="same seq_local"):
