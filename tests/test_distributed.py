@@ -99,8 +99,12 @@ def _case_attention(rank, world, scheme, cfg):
     ql, kl, vl = (shard(t).requires_grad_() for t in (q, k, v))
     a = alpha.clone().requires_grad_()
     kpm = None if keep is None else shard(keep, dim=1).requires_grad_(bias_leaf is not None)
-    out, stats = SCHEMES[scheme](ql, kl, vl, a, is_causal=causal, enable_gqa=gqa, return_stats=True,
-                                 key_padding_mask=kpm, load_balance=lb)
+    call = SCHEMES[scheme]
+    if cfg.get("checkpoint"):  # recomputed in the backward: the collectives run again, in the same order
+        def call(*args, **kw):
+            return torch.utils.checkpoint.checkpoint(SCHEMES[scheme], *args, use_reentrant=False, **kw)
+    out, stats = call(ql, kl, vl, a, is_causal=causal, enable_gqa=gqa, return_stats=True, key_padding_mask=kpm,
+                      load_balance=lb)
     (out * shard(dout)).sum().backward()
     if bias_leaf is not None:
         _close("dmask", kpm.grad, shard(bias_leaf.grad, dim=1), TOL[dtype])
@@ -120,6 +124,7 @@ def _case_attention(rank, world, scheme, cfg):
 
 FAST_CASES = [
     ("allgather", dict(lengths=[13, 9])),
+    ("allgather", dict(checkpoint=True, shape=(1, 4, 2, 8, 8, 8))),
     ("allgather", dict(causal=False, shape=(2, 4, 2, 16, 8, 8))),
     ("allgather", dict(load_balance=False, shape=(2, 4, 2, 16, 8, 8), dtype=torch.float32)),
     ("allgather", dict(causal=False, shape=(1, 2, 2, 8, 8, 4), lengths=[5], float_mask=True)),
@@ -132,6 +137,7 @@ SLOW_CASES = [
     ("allgather", dict(causal=False, load_balance=False, lengths=[30, 1], shape=(2, 4, 4, 32, 8, 8))),
     ("allgather", dict(dtype=torch.float32, shape=(1, 4, 1, 24, 16, 16))),
     ("ulysses", dict(lengths=[13, 9])),
+    ("ulysses", dict(checkpoint=True, causal=False)),
     ("ulysses", dict(shape=(2, 8, 2, 16, 8, 8))),
     ("ulysses", dict(causal=False, load_balance=False, shape=(2, 4, 4, 8, 8, 4), float_mask=True)),
     ("ulysses", dict(dtype=torch.float32, shape=(1, 8, 8, 24, 16, 16))),
