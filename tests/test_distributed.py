@@ -58,11 +58,12 @@ def _launch(world, case, *args, timeout=120.0):
                 pytest.fail(f"{case.__name__} on {world} processes did not finish within {timeout} s")
 
 
-def _problem(b, h, h_kv, n, d, dv, dtype, seed=0):
+def _problem(b, h, h_kv, n, d, dv, dtype, seed=0, n_k=None):
     g = torch.Generator().manual_seed(seed)
+    n_k = n if n_k is None else n_k
     q = 2 * torch.randn(b, h, n, d, generator=g, dtype=dtype)
-    k = 2 * torch.randn(b, h_kv, n, d, generator=g, dtype=dtype)
-    v = torch.randn(b, h_kv, n, dv, generator=g, dtype=dtype)
+    k = 2 * torch.randn(b, h_kv, n_k, d, generator=g, dtype=dtype)
+    v = torch.randn(b, h_kv, n_k, dv, generator=g, dtype=dtype)
     dout = torch.randn(b, h, n, dv, generator=g, dtype=dtype)
     alpha = torch.tensor([1.5, 1.25, 2.0, 1.0, 1.75, 1.1, 1.6, 1.9], dtype=dtype)[:h]
     return q, k, v, alpha, dout
@@ -78,12 +79,13 @@ def _case_attention(rank, world, scheme, cfg):
     """Forward and backward (q, k, v, alpha) of one scheme against ``entmax_attention`` on the whole sequence."""
     b, h, h_kv, n, d, dv = cfg.get("shape", (2, 4, 4, 16, 8, 8))
     dtype, causal, lb = cfg.get("dtype", torch.float64), cfg.get("causal", True), cfg.get("load_balance", True)
-    q, k, v, alpha, dout = _problem(b, h, h_kv, n, d, dv, dtype)
+    n_k = cfg.get("n_k", n)  # cross-attention: keys sharded like the queries, another length
+    q, k, v, alpha, dout = _problem(b, h, h_kv, n, d, dv, dtype, n_k=n_k)
     keep = None
     if "lengths" in cfg:
-        keep = torch.arange(n)[None, :] < torch.tensor(cfg["lengths"])[:, None]
+        keep = torch.arange(n_k)[None, :] < torch.tensor(cfg["lengths"])[:, None]
     if cfg.get("float_mask"):
-        bias = torch.randn(b, n, generator=torch.Generator().manual_seed(3), dtype=dtype)
+        bias = torch.randn(b, n_k, generator=torch.Generator().manual_seed(3), dtype=dtype)
         keep = bias.masked_fill(~keep, float("-inf")) if keep is not None else bias
     gqa = h_kv != h
     leaves = [t.clone().requires_grad_() for t in (q, k, v, alpha)]
@@ -128,6 +130,7 @@ FAST_CASES = [
     ("allgather", dict(causal=False, shape=(2, 4, 2, 16, 8, 8))),
     ("allgather", dict(load_balance=False, shape=(2, 4, 2, 16, 8, 8), dtype=torch.float32)),
     ("allgather", dict(causal=False, shape=(1, 2, 2, 8, 8, 4), lengths=[5], float_mask=True)),
+    ("allgather", dict(causal=False, shape=(2, 2, 1, 8, 8, 8), n_k=24, lengths=[24, 17])),
     ("ulysses", dict(lengths=[16, 11], shape=(2, 4, 2, 16, 8, 8))),
     ("ulysses", dict(causal=False, shape=(2, 4, 1, 16, 8, 8))),
 ]
