@@ -102,8 +102,8 @@ def _layout(group, load_balance: bool, world_size: int | None = None, rank: int 
                              f"world_size={world_size}")
         return _Layout(None, world_size, rank, load_balance)
     if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("torch.distributed is not initialized: call torch.distributed.init_process_group "
-                           "(or pass world_size and rank to the sharding helpers) first")
+        raise RuntimeError("torch.distributed is not initialized: call torch.distributed.init_process_group first "
+                           "(shard_positions and pad_for_context_parallel need no process group)")
     from torch.distributed.device_mesh import DeviceMesh
 
     if isinstance(group, DeviceMesh):

@@ -2,8 +2,8 @@
 
 Every case runs on each of 2 or 4 forked processes joined by a file store; each process builds the
 whole problem from one seed, computes the single-process result itself and compares its own shard
-of the parallel result with it. Cases with 4 processes and the longer training runs are marked
-``slow`` and run only with ``SPARSE_ATTN_SLOW_TESTS=1``.
+of the parallel result with it. The 2-process cases again on 4 processes and the example script
+are marked ``slow`` and run only with ``SPARSE_ATTN_SLOW_TESTS=1``.
 """
 
 import os
@@ -44,8 +44,19 @@ def _worker(rank, world, store_path, case, args):
         dist.destroy_process_group()
 
 
+def _warm_up():
+    """Import once, before forking, what every child would otherwise import for itself (sympy alone takes seconds)."""
+    import torch._dynamo  # noqa: F401  (activation checkpointing imports it)
+    import torch.distributed.device_mesh  # noqa: F401
+    import torch.distributed.fsdp  # noqa: F401
+    import torch.utils.checkpoint  # noqa: F401
+
+    torch.broadcast_shapes((1,), (2,))  # imports torch.fx.experimental.symbolic_shapes
+
+
 def _launch(world, case, *args, timeout=120.0):
     """Run ``case(rank, world, *args)`` on ``world`` forked processes; a failure's traceback is re-raised here."""
+    _warm_up()
     with tempfile.TemporaryDirectory() as tmp:
         ctx = mp.start_processes(_worker, args=(world, os.path.join(tmp, "store"), case, args), nprocs=world,
                                  join=False, start_method="fork")
@@ -124,7 +135,7 @@ def _case_attention(rank, world, scheme, cfg):
     _close("density", gather_head_density(stats), dens / valid.sum((0, 2)), 1e-12)
 
 
-FAST_CASES = [
+CASES = [
     ("allgather", dict(lengths=[13, 9])),
     ("allgather", dict(checkpoint=True, shape=(1, 4, 2, 8, 8, 8))),
     ("allgather", dict(causal=False, shape=(2, 4, 2, 16, 8, 8))),
@@ -134,7 +145,7 @@ FAST_CASES = [
     ("ulysses", dict(lengths=[16, 11], shape=(2, 4, 2, 16, 8, 8))),
     ("ulysses", dict(causal=False, shape=(2, 4, 1, 16, 8, 8))),
 ]
-SLOW_CASES = [
+FOUR_RANK_CASES = [
     ("allgather", dict()),
     ("allgather", dict(lengths=[13, 3], shape=(2, 8, 2, 32, 8, 8))),
     ("allgather", dict(causal=False, load_balance=False, lengths=[30, 1], shape=(2, 4, 4, 32, 8, 8))),
@@ -152,15 +163,20 @@ def _case_id(case):
     return scheme + "".join(f"-{k}={v}" for k, v in cfg.items()).replace(" ", "")
 
 
-@pytest.mark.parametrize("case", FAST_CASES, ids=_case_id)
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_two_ranks_match_one_process(case):
     _launch(2, _case_attention, *case)
 
 
+@pytest.mark.parametrize("case", FOUR_RANK_CASES, ids=_case_id)
+def test_four_ranks_match_one_process(case):
+    _launch(4, _case_attention, *case)
+
+
 @pytest.mark.slow
 @slow
-@pytest.mark.parametrize("case", FAST_CASES + SLOW_CASES, ids=_case_id)
-def test_four_ranks_match_one_process(case):
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_four_ranks_match_one_process_more(case):
     _launch(4, _case_attention, *case)
 
 
@@ -270,16 +286,10 @@ def _case_training(rank, world, scheme, wrapper, dp):
     assert (ref.attn.alpha - torch.tensor([1.2, 1.5, 1.8, 1.4], dtype=torch.float64)).abs().min() > 1e-3
 
 
-@pytest.mark.parametrize("scheme", ["allgather", pytest.param("ulysses", marks=[pytest.mark.slow, slow])])
-def test_fsdp2_training_with_learnable_alpha(scheme):
-    _launch(2, _case_training, scheme, "fsdp2", 1)
-
-
-@pytest.mark.slow
-@slow
-@pytest.mark.parametrize("scheme,wrapper,world,dp", [("allgather", "ddp", 2, 1), ("ulysses", "fsdp2", 4, 1),
-                                                     ("allgather", "fsdp2", 4, 2)])
-def test_training_more_layouts(scheme, wrapper, world, dp):
+@pytest.mark.parametrize("scheme,wrapper,world,dp", [
+    ("allgather", "fsdp2", 2, 1), ("ulysses", "fsdp2", 2, 1), ("allgather", "ddp", 2, 1),
+    ("ulysses", "fsdp2", 4, 1), ("allgather", "fsdp2", 4, 2)])
+def test_training_with_learnable_alpha(scheme, wrapper, world, dp):
     _launch(world, _case_training, scheme, wrapper, dp)
 
 
