@@ -100,6 +100,8 @@ def _case_attention(rank, world, scheme, cfg):
         keep = bias.masked_fill(~keep, float("-inf")) if keep is not None else bias
     gqa = h_kv != h
     leaves = [t.clone().requires_grad_() for t in (q, k, v, alpha)]
+    if "alpha" in cfg:  # one Python float for every head
+        leaves[3] = cfg["alpha"]
     bias_leaf = keep.clone().requires_grad_() if cfg.get("float_mask") else None
     want, want_stats = entmax_attention(*leaves, is_causal=causal, enable_gqa=gqa, return_stats=True,
                                         attn_mask=None if keep is None else (
@@ -110,7 +112,7 @@ def _case_attention(rank, world, scheme, cfg):
         return shard_sequence(t, dim=dim, load_balance=lb)
 
     ql, kl, vl = (shard(t).requires_grad_() for t in (q, k, v))
-    a = alpha.clone().requires_grad_()
+    a = alpha.clone().requires_grad_() if "alpha" not in cfg else cfg["alpha"]
     kpm = None if keep is None else shard(keep, dim=1).requires_grad_(bias_leaf is not None)
     call = SCHEMES[scheme]
     if cfg.get("checkpoint"):  # recomputed in the backward: the collectives run again, in the same order
@@ -121,13 +123,14 @@ def _case_attention(rank, world, scheme, cfg):
     (out * shard(dout)).sum().backward()
     if bias_leaf is not None:
         _close("dmask", kpm.grad, shard(bias_leaf.grad, dim=1), TOL[dtype])
-    dist.all_reduce(a.grad)
     tol = TOL[dtype]
+    if "alpha" not in cfg:
+        dist.all_reduce(a.grad)
+        _close("dalpha", a.grad, leaves[3].grad, tol)
     _close("out", out, shard(want), tol)
     _close("unshard(out)", unshard_sequence(out.detach(), load_balance=lb), want, tol)
     for name, got, leaf in (("dq", ql.grad, leaves[0]), ("dk", kl.grad, leaves[1]), ("dv", vl.grad, leaves[2])):
         _close(name, got, shard(leaf.grad), tol)
-    _close("dalpha", a.grad, leaves[3].grad, tol)
     assert torch.equal(stats.nnz, shard(want_stats.nnz)) and torch.equal(stats.n_valid, shard(want_stats.n_valid))
     _close("tau", stats.tau, shard(want_stats.tau), tol)
     valid = want_stats.n_valid > 0
@@ -138,6 +141,7 @@ def _case_attention(rank, world, scheme, cfg):
 CASES = [
     ("allgather", dict(lengths=[13, 9])),
     ("allgather", dict(checkpoint=True, shape=(1, 4, 2, 8, 8, 8))),
+    ("allgather", dict(float_mask=True, lengths=[16, 6], alpha=1.3)),
     ("allgather", dict(causal=False, shape=(2, 4, 2, 16, 8, 8))),
     ("allgather", dict(load_balance=False, shape=(2, 4, 2, 16, 8, 8), dtype=torch.float32)),
     ("allgather", dict(causal=False, shape=(1, 2, 2, 8, 8, 4), lengths=[5], float_mask=True)),
@@ -152,6 +156,7 @@ FOUR_RANK_CASES = [
     ("allgather", dict(dtype=torch.float32, shape=(1, 4, 1, 24, 16, 16))),
     ("ulysses", dict(lengths=[13, 9])),
     ("ulysses", dict(checkpoint=True, causal=False)),
+    ("ulysses", dict(float_mask=True, alpha=2.0, shape=(1, 4, 4, 8, 8, 8))),
     ("ulysses", dict(shape=(2, 8, 2, 16, 8, 8))),
     ("ulysses", dict(causal=False, load_balance=False, shape=(2, 4, 4, 8, 8, 4), float_mask=True)),
     ("ulysses", dict(dtype=torch.float32, shape=(1, 8, 8, 24, 16, 16))),
