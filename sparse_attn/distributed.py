@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from sparse_attn._validation import check_bool, check_int
+from sparse_attn._validation import check_bool, check_int, values_checkable
 from sparse_attn.attention import entmax_attention
 from sparse_attn.attn_inputs import AttentionStats, check_head_alpha, prepare_attention
 from sparse_attn.masks import check_mask
@@ -333,6 +333,8 @@ def pad_for_context_parallel(x: Tensor, world_size: int, *, dim: int = 2, length
     elif not isinstance(lengths, Tensor) or lengths.dtype.is_floating_point or tuple(lengths.shape) != (x.shape[0],):
         got = f"{lengths.dtype} tensor of shape {tuple(lengths.shape)}" if isinstance(lengths, Tensor) else lengths
         raise ValueError(f"lengths must be an integer tensor of shape ({x.shape[0]},), got {got}")
+    elif values_checkable(lengths) and bool(((lengths < 0) | (lengths > n)).any()):
+        raise ValueError(f"lengths must lie in [0, {n}] (the unpadded length), got {lengths.tolist()}")
     n_pad = -n % lay.n_chunks
     pad = [0, 0] * (x.dim() - 1 - dim) + [0, n_pad]
     x_padded = torch.nn.functional.pad(x, pad, value=value) if n_pad else x

@@ -356,6 +356,8 @@ def test_helpers_without_a_process_group():
     assert xp.shape == (1, 2, 9, 4) and keep.all()
     with pytest.raises(ValueError, match="lengths"):
         pad_for_context_parallel(x, 2, dim=1, lengths=torch.tensor([1.0, 2.0]))
+    with pytest.raises(ValueError, match="lengths"):
+        pad_for_context_parallel(x, 2, dim=1, lengths=torch.tensor([8, 2]))
     if not dist.is_initialized():
         with pytest.raises(RuntimeError, match="init_process_group"):
             context_parallel_attention(torch.randn(1, 1, 4, 8), torch.randn(1, 1, 4, 8), torch.randn(1, 1, 4, 8))
