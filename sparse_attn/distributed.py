@@ -495,8 +495,8 @@ def ulysses_attention(
     output of the whole sequence for ``H / P`` heads.
 
     Args:
-        q: ``(B, Hq, N_local, D)``; k, v: ``(B, Hk, N_local, D)`` / ``(B, Hk, N_local, Dv)``, sharded
-            alike (see :func:`shard_sequence`).
+        q: ``(B, Hq, N_local, D)``; k, v: ``(B, Hk, N_local_k, D)`` / ``(B, Hk, N_local_k, Dv)``, sharded
+            alike (see :func:`shard_sequence`; ``N_local_k == N_local`` when ``is_causal``).
         alpha: float, or a ``(Hq,)`` / ``()`` tensor replicated on every rank (each rank's gradient
             holds its heads' entries; sum it over the group). Default 1.5.
         group: None (the default group), a ``ProcessGroup`` or a 1-d ``DeviceMesh``.
@@ -529,10 +529,11 @@ def ulysses_attention(
         prepare_attention(q, k, v, alpha, is_causal=is_causal, enable_gqa=enable_gqa, **kwargs)
     elif not callable(attn_fn):
         raise TypeError(f"attn_fn must be callable, got {type(attn_fn).__name__}")
-    if q.shape[2] != k.shape[2]:
-        raise ValueError(f"ulysses_attention needs q and k sharded from one sequence (the same seq_local), "
+    if is_causal and q.shape[2] != k.shape[2]:
+        raise ValueError(f"is_causal needs q and k sharded from one sequence (the same seq_local), "
                          f"got {q.shape[2]} and {k.shape[2]}")
     _chunk_size(q.shape[2], lay, "q.shape[2] (seq_local)")
+    _chunk_size(k.shape[2], lay, "k.shape[2] (seq_local)")
     h_q, h_k = q.shape[1], k.shape[1]
     if h_k != h_q and not enable_gqa:
         raise ValueError(f"q has {h_q} heads and k/v have {h_k}: pass enable_gqa=True")

@@ -157,6 +157,7 @@ FOUR_RANK_CASES = [
     ("ulysses", dict(lengths=[13, 9])),
     ("ulysses", dict(checkpoint=True, causal=False)),
     ("ulysses", dict(float_mask=True, alpha=2.0, shape=(1, 4, 4, 8, 8, 8))),
+    ("ulysses", dict(causal=False, shape=(2, 4, 2, 8, 8, 4), n_k=24, lengths=[24, 17])),
     ("ulysses", dict(shape=(2, 8, 2, 16, 8, 8))),
     ("ulysses", dict(causal=False, load_balance=False, shape=(2, 4, 4, 8, 8, 4), float_mask=True)),
     ("ulysses", dict(dtype=torch.float32, shape=(1, 8, 8, 24, 16, 16))),
