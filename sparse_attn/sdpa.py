@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from sparse_attn._validation import check_number
 from sparse_attn.attention import run_layer_attention
 from sparse_attn.attn_inputs import check_head_alpha, prepare_attention
 from sparse_attn.masks import causal_keep, combine_masks
@@ -339,6 +340,8 @@ def entmax_sdpa(alpha: float | Tensor = 1.5, backend: str = "auto"):
         check_head_alpha("alpha", alpha, alpha.numel() or 1)
     elif isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
         raise TypeError(f"alpha must be a float or a tensor, got {type(alpha).__name__}")
+    else:
+        alpha = check_number("alpha", alpha, 1.0, 2.0)
     if not isinstance(backend, str) or backend not in ("auto", "triton", "reference"):
         raise ValueError(f"backend must be one of ('auto', 'triton', 'reference'), got {backend!r}")
     with _Router(None, alpha, backend):

@@ -653,9 +653,20 @@ def _two_attention_layers():
     return nn.Sequential(nn.MultiheadAttention(E, H), nn.MultiheadAttention(E, H))
 
 
+class _SdpaBlock(nn.Module):
+    """A module whose forward calls SDPA, as swap_sdpa_attention looks for."""
+
+    num_heads = H
+
+    def forward(self, q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+
 # (callable name, arguments, error, message). "mha": sa.EntmaxMultiheadAttention(E, H, **kw);
 # "forward": sa.EntmaxMultiheadAttention(E, H)(query, key, value, **kw) with (L, N, E) = (5, 2, 16) inputs;
-# "alpha": sa.EntmaxAlpha(H, **kw); "swap": sa.swap_attention(**kw); "from_mha": from_mha(**kw).
+# "alpha": sa.EntmaxAlpha(H, **kw); "swap": sa.swap_attention(**kw); "from_mha": from_mha(**kw);
+# "sdpa_attach" / "sdpa_swap": attach_entmax_sdpa / swap_sdpa_attention on a small module; "sdpa_context": entering
+# the entmax_sdpa(**kw) block.
 MODULE_BAD = [
     ("mha", dict(alpha=0.5), ValueError, "alpha must be finite and in"),
     ("mha", dict(alpha=float("nan")), ValueError, "alpha must be finite and in"),
@@ -722,6 +733,19 @@ MODULE_BAD = [
     ("swap", dict(learnable=None, alpha_max=3.0), ValueError, "alpha_max must be finite"),
     ("from_mha", dict(mha=nn.Linear(2, 2)), TypeError, "mha must be an nn.MultiheadAttention"),
     ("from_mha", dict(alpha=0.9), ValueError, "alpha must be finite and in"),
+    ("sdpa_attach", dict(module="m"), TypeError, "module must be an nn.Module"),
+    ("sdpa_attach", dict(num_heads=0), ValueError, "num_heads must be a positive int"),
+    ("sdpa_attach", dict(num_heads=None), ValueError, "cannot tell the number of heads"),
+    ("sdpa_attach", dict(backend="cuda"), ValueError, "backend must be one of"),
+    ("sdpa_attach", dict(alpha=2.5), ValueError, "alpha must be finite and in"),
+    ("sdpa_attach", dict(learnable="yes"), TypeError, "learnable must be a bool"),
+    ("sdpa_swap", dict(model=3), TypeError, "model must be an nn.Module"),
+    ("sdpa_swap", dict(modules=3), TypeError, "modules must be None, a class"),
+    ("sdpa_swap", dict(alpha=0.5), ValueError, "alpha must be finite and in"),
+    ("sdpa_context", dict(alpha="1.5"), TypeError, "alpha must be a float or a tensor"),
+    ("sdpa_context", dict(alpha=torch.ones(2, 2)), ValueError, "alpha must be a float or a tensor of shape"),
+    ("sdpa_context", dict(alpha=2.5), ValueError, r"alpha must be finite and in \[1, 2\]"),
+    ("sdpa_context", dict(backend="fast"), ValueError, "backend must be one of"),
 ]
 
 
@@ -743,6 +767,15 @@ def test_module_bad_arguments(kind, kwargs, err, match, kernel_device):
         call = lambda: sa.EntmaxAlpha(kwargs.pop("num_heads", H), **kwargs)  # noqa: E731
     elif kind == "swap":
         call = lambda: sa.swap_attention(kwargs.pop("model", _two_attention_layers()), **kwargs)  # noqa: E731
+    elif kind == "sdpa_attach":
+        module, heads = kwargs.pop("module", nn.Linear(4, 4)), kwargs.pop("num_heads", H)
+        call = lambda: sa.attach_entmax_sdpa(module, num_heads=heads, **kwargs)  # noqa: E731
+    elif kind == "sdpa_swap":
+        call = lambda: sa.swap_sdpa_attention(kwargs.pop("model", _SdpaBlock()), **kwargs)  # noqa: E731
+    elif kind == "sdpa_context":
+        def call():
+            with sa.entmax_sdpa(**kwargs):
+                pass
     else:
         call = lambda: sa.EntmaxMultiheadAttention.from_mha(kwargs.pop("mha", nn.MultiheadAttention(E, H)), **kwargs)  # noqa: E731
     with pytest.raises(err, match=match):
@@ -752,7 +785,8 @@ def test_module_bad_arguments(kind, kwargs, err, match, kernel_device):
 # The public callable each kind of MODULE_BAD row calls.
 MODULE_TARGETS = {"mha": sa.EntmaxMultiheadAttention, "forward": sa.EntmaxMultiheadAttention,
                   "forward_triton": sa.EntmaxMultiheadAttention, "alpha": sa.EntmaxAlpha, "swap": sa.swap_attention,
-                  "from_mha": sa.EntmaxMultiheadAttention}
+                  "from_mha": sa.EntmaxMultiheadAttention, "sdpa_attach": sa.attach_entmax_sdpa,
+                  "sdpa_swap": sa.swap_sdpa_attention, "sdpa_context": sa.entmax_sdpa}
 # Public names without bad-input rows, and why.
 NO_BAD_INPUT_ROWS = {
     "checks_enabled": "takes no argument",
