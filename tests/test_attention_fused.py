@@ -376,8 +376,10 @@ def test_backward_op_returns_mask_shaped_gradient(kernel_device):
     q, k, v = (t.detach() for t in _leaves([(2, 2, 17, 16)] * 3, gen, kernel_device))
     mask = torch.randn(2, 1, 1, 17, generator=gen).to(kernel_device)
     alpha = torch.tensor([1.5, 2.0], device=kernel_device)
-    out, tau, lsum, _, _, live, _, _ = _fwd_op(q, k, v, alpha, mask, None, None, 0.25, False, 17, 17, 0.0, 0, "mixed")
-    args = (out, q, k, v, out, tau, lsum, alpha, mask, None, None, live, 0.25, False, 17, 17, 0.0, 0, False, True)
+    out, tau, lsum, _, _, live, _, _ = _fwd_op(q, k, v, alpha, mask, None, None, 0.25, False, [-1, -1], 17, 17, 0.0,
+                                               0, "mixed")
+    args = (out, q, k, v, out, tau, lsum, alpha, mask, None, None, live, 0.25, False, [-1, -1], 17, 17, 0.0, 0, False,
+            True)
     dbias = torch.ops.sparse_attn.entmax_attn_bwd(*args)[4]
     assert dbias.shape == mask.shape
     from torch._subclasses.fake_tensor import FakeTensorMode
