@@ -2,14 +2,15 @@
 kernel (forward, dQ, dK/dV, d bias) takes its structural mask and its loop bounds from.
 
 A launcher builds the mask once with :func:`mask_spec` and passes it to its kernel as the single
-argument ``MASK``; kernels hand ``MASK`` on to the helpers here and never read its fields. Today it
-holds one compile-time flag, causal. A new structural mask (a sliding window ``(left, right)``, a
-query offset for a KV cache) is a new field of ``mask_spec`` read by :func:`visible`,
-:func:`key_tile_range` and :func:`query_tile_range`; the kernels do not change.
+argument ``MASK``; kernels hand ``MASK`` on to the helpers here and never read its fields. It holds
+the causal flag and a sliding window ``(left, right)``; a new structural mask (a query offset for a
+KV cache, ...) is a new field of ``mask_spec`` read by :func:`visible`, :func:`key_tile_range` and
+:func:`query_tile_range`; the kernels do not change.
 
 Coordinates are sequence-local: row ``i`` in ``[0, seqlen_q)``, key ``j`` in ``[0, seqlen_k)``
-(with varlen, counted from the sequence's first row / key, see :func:`seq_bounds`). Causal masking
-is bottom-right aligned (as flash-attn): row ``i`` sees key ``j`` iff ``j <= i + seqlen_k - seqlen_q``.
+(with varlen, counted from the sequence's first row / key, see :func:`seq_bounds`). Both are bottom-right
+aligned (as flash-attn): with ``d = j - (i + seqlen_k - seqlen_q)``, causal keeps ``d <= 0`` and the
+window ``-left <= d <= right`` (a side of ``-1`` is unbounded).
 The additive mask (``BIAS``) is applied by :func:`mask_scores` on top of this; on the host,
 :func:`dbias_mode` and :func:`sum_to_mask` say how its gradient is reduced to its broadcast shape,
 and :func:`tile_plan` gives the launch geometry (grids, tile counts, liveness words).
@@ -25,9 +26,20 @@ import triton.language as tl
 MAX_GRID_YZ = 65535
 
 
-def mask_spec(is_causal: bool) -> tuple:
-    """The ``MASK`` kernel argument: ``(IS_CAUSAL,)``, its entries compile-time constants."""
-    return (tl.constexpr(bool(is_causal)),)
+# window sides at least this wide are unbounded for any sequence the kernels index with int32
+_UNBOUNDED_SIDE = 2**30
+
+
+def mask_spec(is_causal: bool, window_size: tuple | None = None) -> tuple:
+    """The ``MASK`` kernel argument ``(IS_CAUSAL, HAS_LEFT, HAS_RIGHT, left, right)``: three compile-time flags
+    and the window's sides as run-time ints (one build serves every window width).
+
+    ``window_size``: ``(left, right)`` ints >= -1 (``-1`` = unbounded on that side) or None for no window.
+    """
+    left, right = (-1, -1) if window_size is None else (int(w) for w in window_size)
+    has_left, has_right = 0 <= left < _UNBOUNDED_SIDE, 0 <= right < _UNBOUNDED_SIDE
+    return (tl.constexpr(bool(is_causal)), tl.constexpr(has_left), tl.constexpr(has_right),
+            left if has_left else 0, right if has_right else 0)
 
 
 class TilePlan(NamedTuple):
@@ -143,8 +155,14 @@ def tile_indices(tile, start, seqlen, BLOCK: tl.constexpr):
 def visible(rows, cols, seqlen_q, seqlen_k, MASK):
     """``[BLOCK_M, BLOCK_N]`` True where row ``rows[i]`` may attend to key ``cols[j]`` (both in the sequence)."""
     ok = (rows[:, None] < seqlen_q) & (cols[None, :] < seqlen_k)
-    if MASK[0]:
-        ok = ok & (cols[None, :] <= rows[:, None] + (seqlen_k - seqlen_q))
+    if MASK[0] or MASK[1] or MASK[2]:
+        d = cols[None, :] - rows[:, None] - (seqlen_k - seqlen_q)
+        if MASK[0]:
+            ok = ok & (d <= 0)
+        if MASK[2]:
+            ok = ok & (d <= MASK[4])
+        if MASK[1]:
+            ok = ok & (d >= -MASK[3])
     return ok
 
 
@@ -171,20 +189,35 @@ def mask_scores(s, rows, cols, seqlen_q, seqlen_k, bias_base, stride_bias_m, str
 def key_tile_range(pid_m, seqlen_q, seqlen_k, MASK, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """``(kt_lo, kt_hi)``: query tile ``pid_m`` may see keys of key tiles ``[kt_lo, kt_hi)`` only.
 
-    Empty for a tile that starts past the sequence end.
+    Empty (``kt_lo == kt_hi``) for a tile that starts past the sequence end or whose rows see no key.
     """
+    shift = seqlen_k - seqlen_q
+    last_row = tl.minimum((pid_m + 1) * BLOCK_M, seqlen_q) - 1
     k_hi = seqlen_k
     if MASK[0]:
-        last_row = tl.minimum((pid_m + 1) * BLOCK_M, seqlen_q) - 1
-        k_hi = tl.minimum(last_row + (seqlen_k - seqlen_q) + 1, seqlen_k)
+        k_hi = tl.minimum(last_row + shift + 1, k_hi)
+    if MASK[2]:
+        k_hi = tl.minimum(last_row + shift + MASK[4] + 1, k_hi)
     k_hi = tl.where(pid_m * BLOCK_M < seqlen_q, tl.maximum(k_hi, 0), 0)
-    return 0, tl.cdiv(k_hi, BLOCK_N)
+    kt_hi = tl.cdiv(k_hi, BLOCK_N)
+    kt_lo = kt_hi * 0
+    if MASK[1]:
+        kt_lo = tl.minimum(tl.maximum(pid_m * BLOCK_M + shift - MASK[3], 0) // BLOCK_N, kt_hi)
+    return kt_lo, kt_hi
 
 
 @triton.jit
 def query_tile_range(pid_n, seqlen_q, seqlen_k, MASK, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """``(qt_lo, qt_hi)``: key tile ``pid_n`` may be seen by rows of query tiles ``[qt_lo, qt_hi)`` only."""
-    qt_lo = 0
+    """``(qt_lo, qt_hi)``: key tile ``pid_n`` may be seen by rows of query tiles ``[qt_lo, qt_hi)`` only
+    (possibly empty: ``qt_lo >= qt_hi``)."""
+    shift = seqlen_k - seqlen_q
+    row_lo = pid_n * 0
     if MASK[0]:
-        qt_lo = tl.maximum(pid_n * BLOCK_N - (seqlen_k - seqlen_q), 0) // BLOCK_M
-    return qt_lo, tl.cdiv(seqlen_q, BLOCK_M)
+        row_lo = tl.maximum(pid_n * BLOCK_N - shift, row_lo)
+    if MASK[2]:
+        row_lo = tl.maximum(pid_n * BLOCK_N - shift - MASK[4], row_lo)
+    row_hi = seqlen_q
+    if MASK[1]:
+        last_col = tl.minimum((pid_n + 1) * BLOCK_N, seqlen_k) - 1
+        row_hi = tl.maximum(tl.minimum(last_col - shift + MASK[3] + 1, row_hi), 0)
+    return row_lo // BLOCK_M, tl.cdiv(row_hi, BLOCK_M)

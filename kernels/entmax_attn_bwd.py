@@ -491,10 +491,11 @@ def _buffers(q, k, v, bias, is_varlen, need_dalpha, need_dbias) -> _Buffers:
     )
 
 
-def _common_args(q, k, v, do, tau, alpha, bias, cu_seqlens_q, cu_seqlens_k, live, scale, is_causal, dropout_p, seed,
-                 plan: _masking.TilePlan, live_block_m: int) -> dict:
+def _common_args(q, k, v, do, tau, alpha, bias, cu_seqlens_q, cu_seqlens_k, live, scale, is_causal, window_size,
+                 dropout_p, seed, plan: _masking.TilePlan, live_block_m: int) -> dict:
     """Keyword arguments (and launch options) the three backward kernels share."""
-    args = _common.attention_args(q, k, v, alpha, bias, cu_seqlens_q, cu_seqlens_k, scale, is_causal, dropout_p, seed)
+    args = _common.attention_args(q, k, v, alpha, bias, cu_seqlens_q, cu_seqlens_k, scale, is_causal, dropout_p, seed,
+                                  window_size)
     return dict(
         args, DO=do, TAU=tau.contiguous(), **_common.stride_args("stride_do", do, "bhmd"), **_live_args(live, q),
         HAS_LIVE=live is not None, LIVE_BLOCK_M=live_block_m, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
@@ -505,7 +506,7 @@ def _common_args(q, k, v, do, tau, alpha, bias, cu_seqlens_q, cu_seqlens_k, live
 def entmax_attn_bwd(
     do, q, k, v, out, tau, lsum, alpha, scale, bias=None, is_causal=False, cu_seqlens_q=None,
     cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, dropout_p=0.0, seed=0,
-    live=None, block_m=None, block_n=None, need_dalpha=False, need_dbias=False,
+    live=None, block_m=None, block_n=None, need_dalpha=False, need_dbias=False, window_size=None,
 ):
     """Gradients of alpha-entmax attention from the forward's per-row statistics.
 
@@ -537,6 +538,7 @@ def entmax_attn_bwd(
             the backward's query tiles have ``min(block_m, 64)`` rows and its key tiles ``block_n`` keys.
         need_dalpha: also return the alpha gradient. Default False.
         need_dbias: also return the bias gradient. Default False.
+        window_size: the forward's ``(left, right)`` sliding window (``entmax_attn_fwd``), or None.
 
     Returns:
         ``(dq, dk, dv, dalpha, dbias)``: ``dq`` like ``q``, ``dk``/``dv`` like ``k``/``v``
@@ -564,7 +566,7 @@ def entmax_attn_bwd(
                               min(live_m, _DEFAULT_BLOCK), block_n)
     buf = _buffers(q, k, v, bias, cu_seqlens_q is not None, need_dalpha, need_dbias)
     common = _common_args(q, k, v, do, tau, alpha, bias, cu_seqlens_q, cu_seqlens_k, live, scale, is_causal,
-                          dropout_p, seed, plan, live_m)
+                          window_size, dropout_p, seed, plan, live_m)
     _entmax_attn_bwd_dq_kernel[(plan.n_q_tiles, n_heads, plan.n_seq)](
         OUT=out, LSUM=lsum.contiguous(), DQ=buf.dq, DELTA=buf.delta, NORM=buf.norm, DALPHA=buf.dalpha_rows,
         DBIAS=buf.dbias, DBIAS_ROWS=buf.dbias_rows, **_common.stride_args("stride_o", out, "bhmd"),

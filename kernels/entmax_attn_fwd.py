@@ -580,6 +580,7 @@ def entmax_attn_fwd(
     alpha_class: str | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
+    window_size: tuple | None = None,
 ) -> EntmaxAttnFwdResult:
     """Fused entmax attention forward (one kernel launch).
 
@@ -597,6 +598,9 @@ def entmax_attn_fwd(
             masks). Default None.
         is_causal: bottom-right aligned causal mask (key ``j`` visible to row ``i`` iff
             ``j <= i + Nk - Nq``, per sequence; ``kernels/_masking.py``). Default False.
+        window_size: ``(left, right)`` sliding window, bottom-right aligned like ``is_causal``: row ``i`` sees key
+            ``j`` iff ``i + Nk - Nq - left <= j <= i + Nk - Nq + right`` (``-1`` = unbounded side); key tiles
+            outside it are never visited. Default None (no window).
         cu_seqlens_q, cu_seqlens_k: int32 ``(nseq + 1,)`` packed-sequence offsets (then ``B == 1``).
         max_seqlen_q, max_seqlen_k: longest sequences; computed from ``cu_seqlens`` when None.
         dropout_p: probability of dropping a weight after the entmax (kept ones scaled by
@@ -618,7 +622,7 @@ def entmax_attn_fwd(
         ValueError: more than 65535 heads or batch entries (sequences) (``_masking.tile_plan``).
     """
     plan = _plan(q, k, v, alpha, scale, bias, is_causal, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                 dropout_p, seed, tol, max_passes, alpha_class, block_m, block_n)
+                 dropout_p, seed, tol, max_passes, alpha_class, block_m, block_n, window_size)
     for args in plan.launches:
         if _common.interpreting():
             _entmax_attn_fwd_kernel[plan.grid](**args, **plan.options)
@@ -635,7 +639,7 @@ class _Launch(NamedTuple):
 
 
 def _plan(q, k, v, alpha, scale, bias, is_causal, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-          seed, tol, max_passes, alpha_class, block_m, block_n) -> _Launch:
+          seed, tol, max_passes, alpha_class, block_m, block_n, window_size=None) -> _Launch:
     """Allocate the outputs and name every kernel argument of one forward launch."""
     batch, n_heads, total_q, head_dim = q.shape
     assert 16 <= head_dim <= 256, f"q: head dim must be in [16, 256], got {head_dim}"
@@ -673,7 +677,8 @@ def _plan(q, k, v, alpha, scale, bias, is_causal, cu_seqlens_q, cu_seqlens_k, ma
     dropout_p = float(dropout_p)
     (k1, p1), (k2, p2), (k0, p0) = _POINTS[1], _POINTS[2], _POINTS[0]
     args = dict(
-        **_common.attention_args(q, k, v, alpha, bias, cu_seqlens_q, cu_seqlens_k, scale, is_causal, dropout_p, seed),
+        **_common.attention_args(q, k, v, alpha, bias, cu_seqlens_q, cu_seqlens_k, scale, is_causal, dropout_p, seed,
+                                 window_size),
         OUT=out, TAU=tau, LSUM=lsum, NNZ=nnz, N_VALID=n_valid, LIVE=live, N_PASSES=n_passes, TILE_VISITS=tile_visits,
         **_common.stride_args("stride_o", out, "bhmd"), n_q_tiles=n_q_tiles, n_words=plan.n_words,
         tol=default_tolerance(q.dtype) if tol is None else float(tol),

@@ -165,8 +165,6 @@ def unfused_variants(q: Tensor, v: Tensor, window_size=None, alibi_slopes=None, 
     :func:`prepare_attention` (``window_size`` etc. already normalized: None when unused).
     """
     missing = []
-    if window_size is not None:
-        missing.append(f"window_size={window_size} (sliding-window attention)")
     if alibi_slopes is not None:
         missing.append("alibi_slopes (ALiBi)")
     if sinks is not None:

@@ -124,6 +124,70 @@ def test_fused_varlen_forward_and_backward(kernel_device):
         _close(g, g64, REL_TOL["dalpha" if gname == "dalpha" else "grad"], gname)
 
 
+# (nq, nk, window_size, is_causal, alpha per head): windows narrower than a tile, spanning tiles, one-sided,
+# with Nq != Nk (bottom-right aligned), rows whose window holds no key (zeros), mixed alpha per head
+WINDOW_CASES = {
+    "causal_sliding": (70, 70, (9, 0), True, [1.5, 1.0]),
+    "two_sided": (70, 70, (20, 3), False, [2.0, 1.3]),
+    "right_only_cross": (40, 75, (-1, 5), False, [1.5, 1.5]),
+    "left_only_more_queries": (75, 40, (10, -1), False, [1.25, 2.0]),
+    "causal_and_right": (70, 70, (33, 4), True, [1.0, 1.5]),
+    "empty_rows": (66, 30, (2, 0), False, [1.5, 2.0]),
+}
+
+
+@pytest.mark.parametrize("name", list(WINDOW_CASES))
+def test_fused_sliding_window_forward_and_backward(name, kernel_device):
+    """window_size on the kernels (no mask tensor) against the reference, which builds the window's mask."""
+    nq, nk, window, causal, alphas = WINDOW_CASES[name]
+    gen = torch.Generator().manual_seed(len(name))
+    q, k, v = _leaves([(1, 2, nq, 16), (1, 2, nk, 16), (1, 2, nk, 16)], gen, kernel_device)
+    alpha = torch.tensor(alphas, device=kernel_device, requires_grad=True)
+    out, out64, grads, grads64 = _run_both(q, k, v, alpha, is_causal=causal, window_size=window)
+    _close(out, out64, REL_TOL["out"], "out")
+    for g, g64, gname in zip(grads, grads64, ["dq", "dk", "dv", "dalpha"]):
+        _close(g, g64, REL_TOL["dalpha" if gname == "dalpha" else "grad"], gname)
+
+
+def test_fused_sliding_window_varlen_and_float_mask_gradient(kernel_device):
+    gen = torch.Generator().manual_seed(21)
+    cu_q = torch.tensor([0, 37, 37, 70], dtype=torch.int32, device=kernel_device)
+    cu_k = torch.tensor([0, 40, 44, 80], dtype=torch.int32, device=kernel_device)
+    q, k, v = _leaves([(1, 2, 70, 16), (1, 2, 80, 16), (1, 2, 80, 16)], gen, kernel_device)
+    alpha = torch.tensor([1.5, 2.0], device=kernel_device, requires_grad=True)
+    out, out64, grads, grads64 = _run_both(q, k, v, alpha, is_causal=True, window_size=(12, 0), cu_seqlens_q=cu_q,
+                                           cu_seqlens_k=cu_k)
+    _close(out, out64, REL_TOL["out"], "out")
+    for g, g64, gname in zip(grads, grads64, ["dq", "dk", "dv", "dalpha"]):
+        _close(g, g64, REL_TOL["dalpha" if gname == "dalpha" else "grad"], gname)
+    q, k, v = _leaves([(2, 2, 40, 16), (2, 2, 50, 16), (2, 2, 50, 16)], gen, kernel_device)
+    mask = torch.randn(1, 2, 1, 50, generator=gen).to(kernel_device).requires_grad_()
+    out, out64, grads, grads64 = _run_both(q, k, v, 1.5, mask=mask, window_size=(6, 6))
+    _close(out, out64, REL_TOL["out"], "out")
+    for g, g64, gname in zip(grads, grads64, ["dq", "dk", "dv", "dmask"]):
+        _close(g, g64, REL_TOL["grad"], gname)
+
+
+def test_fused_sliding_window_skips_key_tiles_outside_it(kernel_device):
+    """The forward loads only the key tiles a query tile's window reaches: with a causal window of 8 keys
+    over 128 (interpreter tiles 32 x 32), each of the 4 query tiles loads at most 2 key tiles per pass."""
+    from sparse_attn.kernels.entmax_attn_fwd import entmax_attn_fwd
+
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 1, 128, 16, generator=gen).to(kernel_device) for _ in range(3))
+    alpha = torch.tensor([1.5], device=kernel_device)
+    full = entmax_attn_fwd(q, k, v, alpha, 0.25, is_causal=True)
+    win = entmax_attn_fwd(q, k, v, alpha, 0.25, is_causal=True, window_size=(7, 0))
+    if full.block_m != 32 or full.block_n != 32:
+        pytest.skip("the tile counts below are for the interpreter's 32 x 32 tiles")
+    per_pass = (win.tile_visits.double() / win.n_passes.double()).flatten()
+    assert (per_pass <= 2).all() and per_pass[0] == 1, per_pass.tolist()
+    assert (full.tile_visits.flatten() / full.n_passes.flatten()).tolist() != per_pass.tolist()
+    ref = entmax_attention_reference(q.double(), k.double(), v.double(), 1.5, is_causal=True, window_size=(7, 0),
+                                     scale=0.25)
+    _close(win.out, ref, REL_TOL["out"], "out")
+
+
 def test_fused_fp16_within_twice_the_reference_error(kernel_device):
     gen = torch.Generator().manual_seed(10)
     q, k, v = (t.half() for t in _leaves([(1, 2, 40, 16)] * 3, gen, kernel_device))
@@ -160,7 +224,7 @@ def test_fused_dropout_replays_the_forward_mask(kernel_device):
     q, k, v = _leaves([(1, 2, 24, 16)] * 3, gen, kernel_device)
     alpha = torch.tensor([1.5, 1.0], device=kernel_device, requires_grad=True)
     seed, p_drop, scale = 1234, 0.3, 0.25
-    out = _fwd_op(q, k, v, alpha, None, None, None, scale, False, 24, 24, p_drop, seed, "mixed")[0]
+    out = _fwd_op(q, k, v, alpha, None, None, None, scale, False, [-1, -1], 24, 24, p_drop, seed, "mixed")[0]
     do = torch.randn(out.shape, generator=gen).to(kernel_device)
     grads = torch.autograd.grad((out * do).sum(), [q, k, v, alpha])
     keep = dropout_keep_mask(seed, 2, 24, 24, p_drop, kernel_device).reshape(1, 2, 24, 24)
@@ -312,8 +376,10 @@ def test_backward_op_returns_mask_shaped_gradient(kernel_device):
     q, k, v = (t.detach() for t in _leaves([(2, 2, 17, 16)] * 3, gen, kernel_device))
     mask = torch.randn(2, 1, 1, 17, generator=gen).to(kernel_device)
     alpha = torch.tensor([1.5, 2.0], device=kernel_device)
-    out, tau, lsum, _, _, live, _, _ = _fwd_op(q, k, v, alpha, mask, None, None, 0.25, False, 17, 17, 0.0, 0, "mixed")
-    args = (out, q, k, v, out, tau, lsum, alpha, mask, None, None, live, 0.25, False, 17, 17, 0.0, 0, False, True)
+    out, tau, lsum, _, _, live, _, _ = _fwd_op(q, k, v, alpha, mask, None, None, 0.25, False, [-1, -1], 17, 17, 0.0,
+                                               0, "mixed")
+    args = (out, q, k, v, out, tau, lsum, alpha, mask, None, None, live, 0.25, False, [-1, -1], 17, 17, 0.0, 0, False,
+            True)
     dbias = torch.ops.sparse_attn.entmax_attn_bwd(*args)[4]
     assert dbias.shape == mask.shape
     from torch._subclasses.fake_tensor import FakeTensorMode

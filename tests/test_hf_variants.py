@@ -295,13 +295,22 @@ def test_bad_variant_arguments_raise_clear_errors(row):
         entmax_hf.entmax_attention_forward(_llama_attention(), *_qkv(), mask, **kwargs)
 
 
-@pytest.mark.parametrize("kwargs", [dict(softcap=30.0), dict(s_aux=torch.zeros(4)), dict(sliding_window=4),
-                                    dict(dv=8)])
+@pytest.mark.parametrize("kwargs", [dict(softcap=30.0), dict(s_aux=torch.zeros(4)), dict(dv=8)])
 def test_fused_backend_refuses_variants_and_names_the_config_remedy(kwargs):
     kwargs = dict(kwargs)
     q, k, v = _qkv(dv=kwargs.pop("dv", 16))
     with pytest.raises(ValueError, match="not supported by the fused Triton kernels yet.*config.entmax_backend"):
         entmax_hf.entmax_attention_forward(_llama_attention(backend="triton"), q, k, v, None, **kwargs)
+
+
+def test_fused_backend_runs_sliding_windows_in_the_kernels():
+    """``sliding_window`` reaches the kernels as ``window_size`` (no mask tensor) and matches the reference."""
+    q, k, v = _qkv(n=40)
+    out = entmax_hf.entmax_attention_forward(_llama_attention(backend="triton"), q, k, v, None, sliding_window=5,
+                                             is_causal=True)[0]
+    ref = entmax_hf.entmax_attention_forward(_llama_attention(backend="reference"), q.double(), k.double(),
+                                             v.double(), None, sliding_window=5, is_causal=True)[0]
+    torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4)
 
 
 NON_ROUTING = {
