@@ -4,7 +4,7 @@ The reference is checked here against computations that do not share its code pa
 SDPA at alpha = 1, and the float64 bisection of tests/helpers.py for alpha > 1; its float16 /
 bfloat16 accuracy against PyTorch's own low-precision attention and a FlashAttention-style
 pipeline; the non-finite policy; empty problems; the checks switch and host reads. The table of
-bad arguments of every entry point is in tests/test_input_policy.py.
+bad arguments of every entry point is in tests/test_bad_arguments.py.
 """
 
 import os
