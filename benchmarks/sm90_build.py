@@ -102,13 +102,16 @@ def _problem(head_dim, n, dtype, varlen, heads=4):
 
 
 def fwd_case(head_dim: int, alpha_class: str, causal: bool = True, dtype=torch.bfloat16, n: int = 1024,
-             mask: str | None = None, dropout: bool = False, varlen: bool = False, window_size=None):
+             mask: str | None = None, dropout: bool = False, varlen: bool = False, window_size=None,
+             softcap: float | None = None, alibi: bool = False):
     """Build the forward for one configuration as the launcher launches it; returns the analysis dict.
 
     ``mask``: None, ``"float"`` (an additive ``(B, 1, Nq, Nk)`` bias) or ``"bool"`` (a keep mask);
-    ``window_size``: a sliding window ``(left, right)`` or None.
+    ``window_size``: a sliding window ``(left, right)`` or None; ``softcap``, ``alibi``: soft-capping, ALiBi slopes.
     """
     q, k, v, cu = _problem(head_dim, n, dtype, varlen)
+    variants = dict(window_size=window_size, softcap=softcap,
+                    alibi_slopes=torch.empty(q.shape[1], dtype=torch.float32) if alibi else None)
     alpha = torch.full((q.shape[1],), ALPHA_OF_CLASS[alpha_class])
     bias = None if mask is None else torch.empty(q.shape[0], 1, n, n, dtype=torch.bool if mask == "bool" else dtype)
     extra = {"alpha_class": alpha_class} if "alpha_class" in fwd.entmax_attn_fwd.__code__.co_varnames else {}
@@ -118,7 +121,7 @@ def fwd_case(head_dim: int, alpha_class: str, causal: bool = True, dtype=torch.b
         fwd._entmax_attn_fwd_autotuned = cap
         try:
             fwd.entmax_attn_fwd(q, k, v, alpha, head_dim ** -0.5, bias=bias, is_causal=causal, cu_seqlens_q=cu,
-                                cu_seqlens_k=cu, dropout_p=0.1 if dropout else 0.0, window_size=window_size, **extra)
+                                cu_seqlens_k=cu, dropout_p=0.1 if dropout else 0.0, **variants, **extra)
         finally:
             fwd._entmax_attn_fwd_autotuned = tuned
         _, _, warps, stages = fwd._pick_config(head_dim, False)
@@ -128,7 +131,7 @@ def fwd_case(head_dim: int, alpha_class: str, causal: bool = True, dtype=torch.b
         kernel, launches = captured_launches(fwd, "_entmax_attn_fwd_kernel", fwd.entmax_attn_fwd, q, k, v, alpha,
                                              head_dim ** -0.5, bias=bias, is_causal=causal, cu_seqlens_q=cu,
                                              cu_seqlens_k=cu, dropout_p=0.1 if dropout else 0.0,
-                                             window_size=window_size, **extra)
+                                             **variants, **extra)
     grid, args, kwargs = launches[-1]
     info = analyse(compile_like_launch(kernel, args, kwargs))
     info.update(kernel="fwd", d=head_dim, alpha=alpha_class if extra else "all (run time)",
@@ -138,7 +141,8 @@ def fwd_case(head_dim: int, alpha_class: str, causal: bool = True, dtype=torch.b
 
 
 def bwd_cases(head_dim: int, need_dalpha: bool = True, mask: str | None = "blocks", causal: bool = True,
-              dtype=torch.bfloat16, n: int = 1024, dropout: bool = False, varlen: bool = False, window_size=None):
+              dtype=torch.bfloat16, n: int = 1024, dropout: bool = False, varlen: bool = False, window_size=None,
+              softcap: float | None = None, alibi: bool = False):
     """Build every backward kernel one launch of ``entmax_attn_bwd`` starts; one analysis dict per kernel.
 
     ``mask``: None, ``"bool"``, or the float-mask gradient mode: ``"dense"`` ``(B, H, N, N)``, ``"rows"``
@@ -165,7 +169,8 @@ def bwd_cases(head_dim: int, need_dalpha: bool = True, mask: str | None = "block
                             torch.full((heads,), 1.25), head_dim ** -0.5, bias=bias, is_causal=causal,
                             cu_seqlens_q=cu, cu_seqlens_k=cu, dropout_p=0.1 if dropout else 0.0, live=live,
                             block_m=block_m, block_n=block_n, need_dalpha=need_dalpha,
-                            need_dbias=mask not in (None, "bool"), window_size=window_size)
+                            need_dbias=mask not in (None, "bool"), window_size=window_size, softcap=softcap,
+                            alibi_slopes=torch.empty(heads, dtype=torch.float32) if alibi else None)
     finally:
         for name, kernel in kernels.items():
             setattr(bwd, name, kernel)
@@ -187,12 +192,12 @@ COLUMNS = ("kernel", "d", "alpha", "block", "warps", "stages", "regs", "spill", 
 
 def check() -> int:
     """CI: the GPU builds the interpreter never exercises compile for sm_90: the forward's general-alpha class
-    (the largest path) with a float mask, dropout and varlen, its 1.5-entmax class with a boolean mask and a
-    sliding window; the three backward kernels with d alpha, a window and a mask gradient reduced by the d bias
-    kernel."""
-    fwd_case(80, "general", mask="float", dropout=True, varlen=True)
-    fwd_case(64, "entmax15", mask="bool", causal=False, window_size=(255, 16))
-    bwd_cases(80, need_dalpha=True, mask="blocks", dropout=True, window_size=(255, -1))
+    (the largest path) with a float mask, dropout, varlen and ALiBi, its 1.5-entmax class with a boolean mask, a
+    sliding window and soft-capping; the three backward kernels with d alpha, a window, ALiBi, soft-capping and a
+    mask gradient reduced by the d bias kernel."""
+    fwd_case(80, "general", mask="float", dropout=True, varlen=True, alibi=True)
+    fwd_case(64, "entmax15", mask="bool", causal=False, window_size=(255, 16), softcap=30.0)
+    bwd_cases(80, need_dalpha=True, mask="blocks", dropout=True, window_size=(255, -1), softcap=30.0, alibi=True)
     print("built")
     return 0
 

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._masking import mask_spec
+from ._masking import mask_spec, score_spec
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
@@ -36,11 +36,13 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 
 def attention_args(q, k, v, alpha, bias, cu_seqlens_q, cu_seqlens_k, scale, is_causal, dropout_p, seed,
-                   window_size=None) -> dict:
+                   window_size=None, alibi_slopes=None, softcap=None) -> dict:
     """The keyword arguments every attention kernel (forward, dQ, dK/dV, d bias) takes, named as in
     CONTRIBUTING.md ("Naming in kernels/"). ``bias`` (an additive float mask, or a boolean / uint8 keep mask
     read as is: ``BIAS_KIND`` 1 or 2) is broadcast to ``(B, Hq, Nq, Nk)`` by zero strides; ``is_causal`` and
-    ``window_size`` become the structural mask ``MASK`` (``_masking.mask_spec``)."""
+    ``window_size`` become the structural mask ``MASK`` (``_masking.mask_spec``); ``softcap`` and
+    ``alibi_slopes`` (float32 ``(Hq,)`` or ``(B or nseq, Hq)``) the score modifications ``SCORE`` and ``ALIBI``
+    (``_masking.score_spec``)."""
     is_varlen = cu_seqlens_q is not None
     head_dim = q.shape[3]
     bias_kind = 0 if bias is None else 2 if bias.dtype in (torch.bool, torch.uint8) else 1
@@ -54,10 +56,21 @@ def attention_args(q, k, v, alpha, bias, cu_seqlens_q, cu_seqlens_k, scale, is_c
         **stride_args("stride_v", v, "bhnd"), **bias_stride_args(bias_full),
         n_heads=q.shape[1], kv_group=q.shape[1] // k.shape[1], total_q=q.shape[2], total_k=k.shape[2],
         scale=float(scale), dropout_p=float(dropout_p), seed=int(seed) & 0x7FFFFFFF,
-        MASK=mask_spec(is_causal, window_size),
+        MASK=mask_spec(is_causal, window_size), SCORE=score_spec(softcap, alibi_slopes is not None),
+        **alibi_args(alibi_slopes, q),
         HEAD_DIM=head_dim, BLOCK_D=head_dim_block(head_dim), BIAS_KIND=bias_kind, IS_VARLEN=is_varlen,
         HAS_DROPOUT=float(dropout_p) > 0.0, UPCAST=interpreting(), DOT_PRECISION=dot_precision(q.dtype),
     )
+
+
+def alibi_args(alibi_slopes, like) -> dict:
+    """``ALIBI`` and ``stride_alibi_b/h``: the slopes ``(Hq,)`` (batch stride 0) or ``(B or nseq, Hq)``."""
+    if alibi_slopes is None:
+        return dict(ALIBI=like, stride_alibi_b=0, stride_alibi_h=0)
+    slopes = alibi_slopes.to(device=like.device, dtype=torch.float32)
+    if slopes.dim() == 1:
+        return dict(ALIBI=slopes, stride_alibi_b=0, stride_alibi_h=slopes.stride(0))
+    return dict(ALIBI=slopes, stride_alibi_b=slopes.stride(0), stride_alibi_h=slopes.stride(1))
 
 
 def alpha_arg(alpha, n_heads: int, device) -> torch.Tensor:

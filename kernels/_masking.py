@@ -11,6 +11,8 @@ Coordinates are sequence-local: row ``i`` in ``[0, seqlen_q)``, key ``j`` in ``[
 (with varlen, counted from the sequence's first row / key, see :func:`seq_bounds`). Both are bottom-right
 aligned (as flash-attn): with ``d = j - (i + seqlen_k - seqlen_q)``, causal keeps ``d <= 0`` and the
 window ``-left <= d <= right`` (a side of ``-1`` is unbounded).
+Before masks, scores can be soft-capped (:func:`soft_cap`) and get ALiBi's ``-slope * |d|``
+(:func:`mask_scores`), as described by the ``SCORE`` argument of :func:`score_spec`.
 The additive mask (``BIAS``) is applied by :func:`mask_scores` on top of this; on the host,
 :func:`dbias_mode` and :func:`sum_to_mask` say how its gradient is reduced to its broadcast shape,
 and :func:`tile_plan` gives the launch geometry (grids, tile counts, liveness words).
@@ -40,6 +42,14 @@ def mask_spec(is_causal: bool, window_size: tuple | None = None) -> tuple:
     has_left, has_right = 0 <= left < _UNBOUNDED_SIDE, 0 <= right < _UNBOUNDED_SIDE
     return (tl.constexpr(bool(is_causal)), tl.constexpr(has_left), tl.constexpr(has_right),
             left if has_left else 0, right if has_right else 0)
+
+
+def score_spec(softcap: float | None, has_alibi: bool) -> tuple:
+    """The ``SCORE`` kernel argument ``(HAS_SOFTCAP, softcap, HAS_ALIBI)``: how scores are modified before
+    masks: ``softcap * tanh(s / softcap)`` (a run-time float, 1.0 when off) and ALiBi slopes read by
+    :func:`alibi_slope`."""
+    return (tl.constexpr(softcap is not None), float(softcap) if softcap is not None else 1.0,
+            tl.constexpr(bool(has_alibi)))
 
 
 class TilePlan(NamedTuple):
@@ -167,15 +177,41 @@ def visible(rows, cols, seqlen_q, seqlen_k, MASK):
 
 
 @triton.jit
+def alibi_slope(ALIBI, seq, h, stride_alibi_b, stride_alibi_h, SCORE):
+    """ALiBi slope of sequence (batch entry) ``seq`` and q head ``h`` (float32 scalar; 0 without ALiBi)."""
+    if SCORE[2]:
+        return tl.load(ALIBI + seq.to(tl.int64) * stride_alibi_b + h.to(tl.int64) * stride_alibi_h).to(tl.float32)
+    return 0.0
+
+
+@triton.jit
+def soft_cap(s, cap, SCORE):
+    """``cap * tanh(s / cap)`` of finite scores when ``SCORE`` soft-caps (``cap`` = its softcap times the
+    caller's score scale), ``s`` unchanged otherwise and at non-finite entries. ``tanh`` as
+    ``1 - 2 / (exp(2x) + 1)``: exact limits at large ``|x|``, absolute error of a few float32 ulps of
+    ``cap`` near 0."""
+    if SCORE[0]:
+        # tensor-first arithmetic: ``cap`` may be a compile-time constant (a Python float times a constexpr)
+        t = 1.0 - 2.0 / (tl.exp2(s * (2.0 * 1.4426950408889634 / cap)) + 1.0)
+        s = tl.where(tl.abs(s) == float("inf"), s, t * cap)
+    return s
+
+
+@triton.jit
 def mask_scores(s, rows, cols, seqlen_q, seqlen_k, bias_base, stride_bias_m, stride_bias_n, bias_scale, MASK,
-                BIAS_KIND: tl.constexpr):
-    """Scores ``s + bias_scale * bias`` where :func:`visible`, ``-inf`` elsewhere. ``[BLOCK_M, BLOCK_N]``
+                BIAS_KIND: tl.constexpr, slope, SCORE):
+    """Scores ``s + bias_scale * (bias - slope * |d|)`` where :func:`visible`, ``-inf`` elsewhere.
+    ``[BLOCK_M, BLOCK_N]``
 
     ``BIAS_KIND``: 0 no mask, 1 an additive float mask, 2 a boolean keep mask read as uint8 (nonzero =
     may attend; never converted to a float tensor). ``bias_base`` points at the mask of row 0, key 0 of
-    this sequence and head.
+    this sequence and head. The ALiBi term (``SCORE[2]``, ``slope`` from :func:`alibi_slope`) uses the
+    bottom-right distance ``d = j - (i + seqlen_k - seqlen_q)``.
     """
     ok = visible(rows, cols, seqlen_q, seqlen_k, MASK)
+    if SCORE[2]:
+        d = (cols[None, :] - rows[:, None] - (seqlen_k - seqlen_q)).to(tl.float32)
+        s = s - (bias_scale * slope) * tl.abs(d)
     if BIAS_KIND != 0:
         bias_ptrs = bias_base + rows.to(tl.int64)[:, None] * stride_bias_m + cols.to(tl.int64)[None, :] * stride_bias_n
         if BIAS_KIND == 2:

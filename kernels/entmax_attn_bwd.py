@@ -31,7 +31,15 @@ import triton.language as tl
 
 from . import _common, _masking
 from ._common import LN2, LOG2E, bias_base_ptr, dropout_keep, expm1mx_series, load_rows, log2_1p, slice_base, store_rows
-from ._masking import key_tile_range, mask_scores, query_tile_range, seq_bounds, tile_indices
+from ._masking import (
+    alibi_slope,
+    key_tile_range,
+    mask_scores,
+    query_tile_range,
+    seq_bounds,
+    soft_cap,
+    tile_indices,
+)
 
 _DEFAULT_BLOCK = 64
 
@@ -97,13 +105,15 @@ def _dalpha_terms(p, u, alpha):
 def _tile(
     q, do, k, v, tau, cu, cp, delta, alpha, scale, bias_base, stride_bias_m, stride_bias_n, rows, cols, seqlen_q,
     seqlen_k, rows_global, cols_global, total_k, seed, bh, dropout_p, MASK,
-    BIAS_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BIAS_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, slope, SCORE,
 ):
-    """Recompute one tile: weights ``p``, ``U``, ``dP``, the dropped weights ``pd`` and
-    ``dS = U (dP - delta)``, all ``[BLOCK_M, BLOCK_N]`` (``delta [BLOCK_M]``)."""
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
-    s = mask_scores(s, rows, cols, seqlen_q, seqlen_k, bias_base, stride_bias_m, stride_bias_n, 1.0, MASK, BIAS_KIND)
-    p, u = _weights(s, tau, cu, cp, alpha)
+    """Recompute one tile: weights ``p``, ``U``, ``dP``, the dropped weights ``pd``, ``dS = U (dP - delta)``
+    (the gradient of the final scores, that of the mask) and ``dS_qk``, that of ``scale * q.k`` (``dS`` times
+    the soft cap's derivative ``1 - tanh^2``), all ``[BLOCK_M, BLOCK_N]`` (``delta [BLOCK_M]``)."""
+    s = soft_cap(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale, SCORE[1], SCORE)
+    s_m = mask_scores(s, rows, cols, seqlen_q, seqlen_k, bias_base, stride_bias_m, stride_bias_n, 1.0, MASK,
+                      BIAS_KIND, slope, SCORE)
+    p, u = _weights(s_m, tau, cu, cp, alpha)
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
     if HAS_DROPOUT:
         keep = dropout_keep(seed, bh, rows_global, cols_global, total_k, dropout_p)
@@ -113,7 +123,11 @@ def _tile(
     else:
         pd = p
     ds = u * (dp - delta[:, None])
-    return p, u, dp, pd, ds
+    ds_qk = ds
+    if SCORE[0]:
+        t = s / SCORE[1]
+        ds_qk = ds * (1.0 - t * t)
+    return p, u, dp, pd, ds, ds_qk
 
 
 @triton.jit
@@ -140,21 +154,22 @@ def _key_tile(
     bias_base, stride_bias_m, stride_bias_n, rows, rows_global, seqlen_q, seqlen_k, k_start, total_k, offs_d, d_ok,
     seed, bh, dropout_p, MASK,
     BIAS_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, slope, SCORE,
 ):
     """Key tile ``kt`` of a query tile: loads its K/V rows and recomputes it with ``_tile``.
 
-    Returns ``p, u, dp, pd, ds`` (``[BLOCK_M, BLOCK_N]``), the keys ``k [BLOCK_N, BLOCK_D]``, their
+    Returns ``p, u, dp, pd, ds, ds_qk`` (``[BLOCK_M, BLOCK_N]``), the keys ``k [BLOCK_N, BLOCK_D]``, their
     global indices ``cols_global`` and in-sequence flags ``col_ok`` (``[BLOCK_N]``).
     """
     cols, cols_global, col_ok = tile_indices(kt, k_start, seqlen_k, BLOCK_N)
     k = load_rows(k_base, cols, offs_d, stride_kn, stride_kd, col_ok, d_ok, UPCAST)
     v = load_rows(v_base, cols, offs_d, stride_vn, stride_vd, col_ok, d_ok, UPCAST)
-    p, u, dp, pd, ds = _tile(
+    p, u, dp, pd, ds, ds_qk = _tile(
         q, do, k, v, tau, cu, cp, delta, alpha, scale, bias_base, stride_bias_m, stride_bias_n, rows, cols, seqlen_q,
         seqlen_k, rows_global, cols_global, total_k, seed, bh, dropout_p, MASK, BIAS_KIND, HAS_DROPOUT, DOT_PRECISION,
+        slope, SCORE,
     )
-    return p, u, dp, pd, ds, k, cols_global, col_ok
+    return p, u, dp, pd, ds, ds_qk, k, cols_global, col_ok
 
 
 @triton.jit
@@ -180,7 +195,7 @@ def _row_sums(
     bias_base, stride_bias_m, stride_bias_n, live_row, kt_lo, kt_hi, rows, rows_global, seqlen_q, seqlen_k, k_start,
     total_k, offs_d, d_ok, seed, bh, dropout_p, MASK,
     BIAS_KIND: tl.constexpr, HAS_LIVE: tl.constexpr, HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, slope, SCORE,
 ):
     """Sweep 1 (alpha > 1): per-row ``L = sum r^beta``, ``sum r^(beta-1)`` and ``sum r^(beta-1) dP``,
     each ``[BLOCK_M]``; ``valid`` is 1 for rows with a key, else 0."""
@@ -190,11 +205,11 @@ def _row_sums(
     for kt in range(kt_lo, kt_hi):
         if _is_live(live_row, kt, HAS_LIVE) != 0:
             # cu = cp = 1 gives U = r^(beta-1), p = r^beta; the dS output (delta unknown yet) is unused
-            p, u, dp, pd, ds, k, cols_global, col_ok = _key_tile(
+            p, u, dp, pd, ds, ds_qk, k, cols_global, col_ok = _key_tile(
                 kt, q, do, tau, valid, valid, valid, alpha, scale, k_base, v_base, stride_kn, stride_kd, stride_vn,
                 stride_vd, bias_base, stride_bias_m, stride_bias_n, rows, rows_global, seqlen_q, seqlen_k, k_start,
                 total_k, offs_d, d_ok, seed, bh, dropout_p, MASK, BIAS_KIND, HAS_DROPOUT, UPCAST, DOT_PRECISION,
-                BLOCK_N,
+                BLOCK_N, slope, SCORE,
             )
             l_sum += tl.sum(p, 1)
             su += tl.sum(u, 1)
@@ -204,13 +219,14 @@ def _row_sums(
 
 @triton.jit
 def _entmax_attn_bwd_dq_kernel(
-    Q, K, V, DO, OUT, TAU, LSUM, ALPHA, BIAS, LIVE, CU_SEQLENS_Q, CU_SEQLENS_K,
+    Q, K, V, DO, OUT, TAU, LSUM, ALPHA, BIAS, LIVE, CU_SEQLENS_Q, CU_SEQLENS_K, ALIBI,
     DQ, DELTA, NORM, DALPHA, DBIAS, DBIAS_ROWS,
     stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd, stride_dob, stride_doh, stride_dom, stride_dod,
     stride_ob, stride_oh, stride_om, stride_od, stride_dqb, stride_dqh, stride_dqm, stride_dqd,
     stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n, stride_live_b, stride_live_h, stride_live_m,
-    n_heads, kv_group, total_q, total_k, scale, dropout_p, seed, MASK,
+    stride_alibi_b, stride_alibi_h,
+    n_heads, kv_group, total_q, total_k, scale, dropout_p, seed, MASK, SCORE,
     IS_VARLEN: tl.constexpr, BIAS_KIND: tl.constexpr, HAS_LIVE: tl.constexpr, LIVE_BLOCK_M: tl.constexpr,
     HAS_DROPOUT: tl.constexpr,
     NEED_DALPHA: tl.constexpr, NEED_DBIAS: tl.constexpr, NEED_DBIAS_ROWS: tl.constexpr,
@@ -245,6 +261,7 @@ def _entmax_attn_bwd_dq_kernel(
     live_row = _live_row(LIVE, seq, h, pid_m.to(tl.int64), stride_live_b, stride_live_h, stride_live_m, BLOCK_M,
                          LIVE_BLOCK_M)
     kt_lo, kt_hi = key_tile_range(pid_m, seqlen_q, seqlen_k, MASK, BLOCK_M, BLOCK_N)
+    slope = alibi_slope(ALIBI, seq, h, stride_alibi_b, stride_alibi_h, SCORE)
 
     if alpha == 1.0:
         norm = lsum
@@ -257,7 +274,7 @@ def _entmax_attn_bwd_dq_kernel(
             q, do, tau, tl.where(lsum > 0.0, 1.0, 0.0), alpha, scale, k_base, v_base, stride_kn, stride_kd,
             stride_vn, stride_vd, bias_base, stride_bias_m, stride_bias_n, live_row, kt_lo, kt_hi, rows, rows_global,
             seqlen_q, seqlen_k, k_start, total_k, offs_d, d_ok, seed, bh, dropout_p, MASK,
-            BIAS_KIND, HAS_LIVE, HAS_DROPOUT, UPCAST, DOT_PRECISION, BLOCK_M, BLOCK_N,
+            BIAS_KIND, HAS_LIVE, HAS_DROPOUT, UPCAST, DOT_PRECISION, BLOCK_M, BLOCK_N, slope, SCORE,
         )
         has_u = su > 0.0
         delta = tl.where(has_u, sud / tl.where(has_u, su, 1.0), 0.0)
@@ -276,12 +293,13 @@ def _entmax_attn_bwd_dq_kernel(
     dbias_base = DBIAS + bh.to(tl.int64) * total_q * total_k
     for kt in range(kt_lo, kt_hi):
         if _is_live(live_row, kt, HAS_LIVE) != 0:
-            p, u, dp, pd, ds, k, cols_global, col_ok = _key_tile(
+            p, u, dp, pd, ds, ds_qk, k, cols_global, col_ok = _key_tile(
                 kt, q, do, tau, cu, cp, delta, alpha, scale, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
                 bias_base, stride_bias_m, stride_bias_n, rows, rows_global, seqlen_q, seqlen_k, k_start, total_k,
                 offs_d, d_ok, seed, bh, dropout_p, MASK, BIAS_KIND, HAS_DROPOUT, UPCAST, DOT_PRECISION, BLOCK_N,
+                slope, SCORE,
             )
-            dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
+            dq += tl.dot(ds_qk.to(k.dtype), k, input_precision=DOT_PRECISION)
             if NEED_DBIAS:
                 tl.store(dbias_base + rows_global.to(tl.int64)[:, None] * total_k + cols_global.to(tl.int64)[None, :],
                          ds, mask=row_ok[:, None] & col_ok[None, :])
@@ -309,13 +327,14 @@ def _entmax_attn_bwd_dq_kernel(
 
 @triton.jit
 def _entmax_attn_bwd_dkdv_kernel(
-    Q, K, V, DO, TAU, NORM, DELTA, ALPHA, BIAS, LIVE, CU_SEQLENS_Q, CU_SEQLENS_K,
+    Q, K, V, DO, TAU, NORM, DELTA, ALPHA, BIAS, LIVE, CU_SEQLENS_Q, CU_SEQLENS_K, ALIBI,
     DK, DV, DBIAS_COLS,
     stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd, stride_dob, stride_doh, stride_dom, stride_dod,
     stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn, stride_dvd,
     stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n, stride_live_b, stride_live_h, stride_live_m,
-    n_heads, kv_group, total_q, total_k, scale, dropout_p, seed, MASK,
+    stride_alibi_b, stride_alibi_h,
+    n_heads, kv_group, total_q, total_k, scale, dropout_p, seed, MASK, SCORE,
     IS_VARLEN: tl.constexpr, BIAS_KIND: tl.constexpr, HAS_LIVE: tl.constexpr, LIVE_BLOCK_M: tl.constexpr,
     HAS_DROPOUT: tl.constexpr,
     NEED_DBIAS_COLS: tl.constexpr,
@@ -343,6 +362,7 @@ def _entmax_attn_bwd_dkdv_kernel(
         h = h_kv * kv_group + g
         bh = b * n_heads + h
         alpha = tl.load(ALPHA + h)
+        slope = alibi_slope(ALIBI, seq, h, stride_alibi_b, stride_alibi_h, SCORE)
         q_base = slice_base(Q, b, h, q_start, stride_qb, stride_qh, stride_qm)
         do_base = slice_base(DO, b, h, q_start, stride_dob, stride_doh, stride_dom)
         bias_base = bias_base_ptr(BIAS, b, h, q_start, k_start, stride_bias_b, stride_bias_h, stride_bias_m,
@@ -357,13 +377,13 @@ def _entmax_attn_bwd_dkdv_kernel(
                     q_base, do_base, TAU, NORM, DELTA, bh, total_q, rows, rows_global, row_ok, offs_d, d_ok, alpha,
                     stride_qm, stride_qd, stride_dom, stride_dod, UPCAST,
                 )
-                p, u, dp, pd, ds = _tile(
+                p, u, dp, pd, ds, ds_qk = _tile(
                     q, do, k, v, tau, cu, cp, delta, alpha, scale, bias_base, stride_bias_m, stride_bias_n, rows, cols,
                     seqlen_q, seqlen_k, rows_global, cols_global, total_k, seed, bh, dropout_p, MASK, BIAS_KIND,
-                    HAS_DROPOUT, DOT_PRECISION,
+                    HAS_DROPOUT, DOT_PRECISION, slope, SCORE,
                 )
                 dv += tl.dot(tl.trans(pd).to(do.dtype), do, input_precision=DOT_PRECISION)
-                dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=DOT_PRECISION)
+                dk += tl.dot(tl.trans(ds_qk).to(q.dtype), q, input_precision=DOT_PRECISION)
                 if NEED_DBIAS_COLS:
                     col_ds += tl.sum(ds, 0)
         if NEED_DBIAS_COLS:
@@ -376,12 +396,12 @@ def _entmax_attn_bwd_dkdv_kernel(
 
 @triton.jit
 def _entmax_attn_bwd_dbias_kernel(
-    Q, K, V, DO, TAU, NORM, DELTA, ALPHA, BIAS, LIVE, CU_SEQLENS_Q, CU_SEQLENS_K, DBIAS,
+    Q, K, V, DO, TAU, NORM, DELTA, ALPHA, BIAS, LIVE, CU_SEQLENS_Q, CU_SEQLENS_K, ALIBI, DBIAS,
     stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd, stride_dob, stride_doh, stride_dom, stride_dod,
     stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n, stride_live_b, stride_live_h, stride_live_m,
-    stride_dbias_b, stride_dbias_h,
-    n_heads, kv_group, total_q, total_k, scale, dropout_p, seed, MASK, n_b_loop, n_h_loop,
+    stride_dbias_b, stride_dbias_h, stride_alibi_b, stride_alibi_h,
+    n_heads, kv_group, total_q, total_k, scale, dropout_p, seed, MASK, SCORE, n_b_loop, n_h_loop,
     IS_VARLEN: tl.constexpr, BIAS_KIND: tl.constexpr, HAS_LIVE: tl.constexpr, LIVE_BLOCK_M: tl.constexpr,
     HAS_DROPOUT: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -411,6 +431,7 @@ def _entmax_attn_bwd_dbias_kernel(
             h_kv = h // kv_group
             bh = b * n_heads + h
             alpha = tl.load(ALPHA + h)
+            slope = alibi_slope(ALIBI, seq, h, stride_alibi_b, stride_alibi_h, SCORE)
             q, do, tau, delta, cu, cp = _query_rows(
                 slice_base(Q, b, h, q_start, stride_qb, stride_qh, stride_qm),
                 slice_base(DO, b, h, q_start, stride_dob, stride_doh, stride_dom), TAU, NORM, DELTA, bh, total_q, rows,
@@ -424,11 +445,11 @@ def _entmax_attn_bwd_dbias_kernel(
                                  BLOCK_M, LIVE_BLOCK_M)
             for kt in range(kt_lo, kt_hi):
                 if _is_live(live_row, kt, HAS_LIVE) != 0:
-                    p, u, dp, pd, ds, k, cols_global, col_ok = _key_tile(
+                    p, u, dp, pd, ds, ds_qk, k, cols_global, col_ok = _key_tile(
                         kt, q, do, tau, cu, cp, delta, alpha, scale, k_base, v_base, stride_kn, stride_kd, stride_vn,
                         stride_vd, bias_base, stride_bias_m, stride_bias_n, rows, rows_global, seqlen_q, seqlen_k,
                         k_start, total_k, offs_d, d_ok, seed, bh, dropout_p, MASK, BIAS_KIND, HAS_DROPOUT, UPCAST,
-                        DOT_PRECISION, BLOCK_N,
+                        DOT_PRECISION, BLOCK_N, slope, SCORE,
                     )
                     ptrs = dbias_base + rows_global.to(tl.int64)[:, None] * total_k + cols_global.to(tl.int64)[None, :]
                     ok = row_ok[:, None] & col_ok[None, :]
@@ -492,10 +513,10 @@ def _buffers(q, k, v, bias, is_varlen, need_dalpha, need_dbias) -> _Buffers:
 
 
 def _common_args(q, k, v, do, tau, alpha, bias, cu_seqlens_q, cu_seqlens_k, live, scale, is_causal, window_size,
-                 dropout_p, seed, plan: _masking.TilePlan, live_block_m: int) -> dict:
+                 alibi_slopes, softcap, dropout_p, seed, plan: _masking.TilePlan, live_block_m: int) -> dict:
     """Keyword arguments (and launch options) the three backward kernels share."""
     args = _common.attention_args(q, k, v, alpha, bias, cu_seqlens_q, cu_seqlens_k, scale, is_causal, dropout_p, seed,
-                                  window_size)
+                                  window_size, alibi_slopes, softcap)
     return dict(
         args, DO=do, TAU=tau.contiguous(), **_common.stride_args("stride_do", do, "bhmd"), **_live_args(live, q),
         HAS_LIVE=live is not None, LIVE_BLOCK_M=live_block_m, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
@@ -507,6 +528,7 @@ def entmax_attn_bwd(
     do, q, k, v, out, tau, lsum, alpha, scale, bias=None, is_causal=False, cu_seqlens_q=None,
     cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, dropout_p=0.0, seed=0,
     live=None, block_m=None, block_n=None, need_dalpha=False, need_dbias=False, window_size=None,
+    alibi_slopes=None, softcap=None,
 ):
     """Gradients of alpha-entmax attention from the forward's per-row statistics.
 
@@ -538,7 +560,8 @@ def entmax_attn_bwd(
             the backward's query tiles have ``min(block_m, 64)`` rows and its key tiles ``block_n`` keys.
         need_dalpha: also return the alpha gradient. Default False.
         need_dbias: also return the bias gradient. Default False.
-        window_size: the forward's ``(left, right)`` sliding window (``entmax_attn_fwd``), or None.
+        window_size, alibi_slopes, softcap: the forward's sliding window, ALiBi slopes and soft cap
+            (``entmax_attn_fwd``), or None.
 
     Returns:
         ``(dq, dk, dv, dalpha, dbias)``: ``dq`` like ``q``, ``dk``/``dv`` like ``k``/``v``
@@ -566,7 +589,7 @@ def entmax_attn_bwd(
                               min(live_m, _DEFAULT_BLOCK), block_n)
     buf = _buffers(q, k, v, bias, cu_seqlens_q is not None, need_dalpha, need_dbias)
     common = _common_args(q, k, v, do, tau, alpha, bias, cu_seqlens_q, cu_seqlens_k, live, scale, is_causal,
-                          window_size, dropout_p, seed, plan, live_m)
+                          window_size, alibi_slopes, softcap, dropout_p, seed, plan, live_m)
     _entmax_attn_bwd_dq_kernel[(plan.n_q_tiles, n_heads, plan.n_seq)](
         OUT=out, LSUM=lsum.contiguous(), DQ=buf.dq, DELTA=buf.delta, NORM=buf.norm, DALPHA=buf.dalpha_rows,
         DBIAS=buf.dbias, DBIAS_ROWS=buf.dbias_rows, **_common.stride_args("stride_o", out, "bhmd"),

@@ -31,7 +31,7 @@ import triton.language as tl
 
 from . import _common, _masking
 from ._common import LN2, LOG2E, bias_base_ptr, dropout_keep, load_rows, slice_base
-from ._masking import key_tile_range, mask_scores, seq_bounds
+from ._masking import alibi_slope, key_tile_range, mask_scores, seq_bounds, soft_cap
 from ._threshold import log_ref, merge_point, phi, point_sums, solve, weights
 
 DEFAULT_MAX_PASSES = 32
@@ -78,16 +78,17 @@ class EntmaxAttnFwdResult(NamedTuple):
 @triton.jit
 def _score_tile(q, k_base, bias_base, rows, cols, seqlen_q, seqlen_k, stride_kn, stride_kd, stride_bias_m,
                 stride_bias_n, z_scale, bias_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                BIAS_KIND: tl.constexpr, MASK, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Scores ``z_scale * q.k + bias_scale * bias`` of one tile, ``-inf`` where masked. [BLOCK_M, BLOCK_N]"""
+                BIAS_KIND: tl.constexpr, MASK, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, slope, SCORE):
+    """Scores ``z_scale * q.k`` (soft-capped in the same scale) ``+ bias_scale * (bias - slope * |d|)`` of one
+    tile, ``-inf`` where masked (``kernels/_masking.py``). [BLOCK_M, BLOCK_N]"""
     offs_d = tl.arange(0, BLOCK_D)
     k_ptrs = k_base + cols.to(tl.int64)[None, :] * stride_kn + offs_d.to(tl.int64)[:, None] * stride_kd
     k = tl.load(k_ptrs, mask=(cols[None, :] < seqlen_k) & (offs_d[:, None] < HEAD_DIM), other=0.0)  # [BLOCK_D, BLOCK_N]
     if UPCAST:
         k = k.to(tl.float32)
-    z = tl.dot(q, k, input_precision=DOT_PRECISION) * z_scale
+    z = soft_cap(tl.dot(q, k, input_precision=DOT_PRECISION) * z_scale, SCORE[1] * bias_scale, SCORE)
     return mask_scores(z, rows, cols, seqlen_q, seqlen_k, bias_base, stride_bias_m, stride_bias_n, bias_scale, MASK,
-                       BIAS_KIND)
+                       BIAS_KIND, slope, SCORE)
 
 
 @triton.jit
@@ -127,7 +128,7 @@ def _softmax_rows(q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo,
                   stride_kn, stride_kd, stride_vn, stride_vd, stride_bias_m, stride_bias_n,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
                   BLOCK_D: tl.constexpr, BIAS_KIND: tl.constexpr, MASK,
-                  HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                  HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, slope, SCORE):
     """alpha == 1: one online-softmax pass (base-2 exponentials). Returns ``(out, tau, lsum, nnz, n_valid, visits)``."""
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_sum = tl.zeros([BLOCK_M], tl.float32)
@@ -138,7 +139,7 @@ def _softmax_rows(q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo,
         cols = kt * BLOCK_N + tl.arange(0, BLOCK_N)
         s = _score_tile(q, k_base, bias_base, rows, cols, seqlen_q, seqlen_k,
                         stride_kn, stride_kd, stride_bias_m, stride_bias_n, scale * LOG2E, LOG2E,
-                        HEAD_DIM, BLOCK_D, BIAS_KIND, MASK, UPCAST, DOT_PRECISION)
+                        HEAD_DIM, BLOCK_D, BIAS_KIND, MASK, UPCAST, DOT_PRECISION, slope, SCORE)
         ok = s > float("-inf")
         m_new = tl.maximum(m, tl.max(s, 1))
         m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
@@ -169,7 +170,7 @@ def _entmax_rows(q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, 
                  POW: tl.constexpr, GRID_K: tl.constexpr, CAND_P: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
                  BLOCK_D: tl.constexpr, BIAS_KIND: tl.constexpr, MASK,
-                 HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                 HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, slope, SCORE):
     """alpha in (1, 2]: grid pass, candidate passes, value pass (module docstring).
 
     Returns ``(out, tau, lsum, nnz, n_valid, n_passes, visits)``. Thresholds are carried as
@@ -200,7 +201,7 @@ def _entmax_rows(q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, 
         cols = kt * BLOCK_N + tl.arange(0, BLOCK_N)
         z = _score_tile(q, k_base, bias_base, rows, cols, seqlen_q, seqlen_k,
                         stride_kn, stride_kd, stride_bias_m, stride_bias_n, z_scale, am1,
-                        HEAD_DIM, BLOCK_D, BIAS_KIND, MASK, UPCAST, DOT_PRECISION)
+                        HEAD_DIM, BLOCK_D, BIAS_KIND, MASK, UPCAST, DOT_PRECISION, slope, SCORE)
         bad = bad | tl.max(((z != z) | (z == float("inf"))).to(tl.int32), 1)
         n_valid += tl.sum((z > float("-inf")).to(tl.int32), 1)
         m_new = tl.maximum(m, tl.max(z, 1))
@@ -310,7 +311,7 @@ def _entmax_rows(q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, 
                     cols = kt * BLOCK_N + tl.arange(0, BLOCK_N)
                     z = _score_tile(q, k_base, bias_base, rows, cols, seqlen_q, seqlen_k,
                                     stride_kn, stride_kd, stride_bias_m, stride_bias_n, z_scale, am1,
-                                    HEAD_DIM, BLOCK_D, BIAS_KIND, MASK, UPCAST, DOT_PRECISION)
+                                    HEAD_DIM, BLOCK_D, BIAS_KIND, MASK, UPCAST, DOT_PRECISION, slope, SCORE)
                     live = tl.max((z > lo_kill[:, None]).to(tl.int32))
                     new_word = new_word | (live << (kt - wd * 32))
                     if CAND_P == 1:
@@ -387,7 +388,7 @@ def _entmax_rows(q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, 
                 cols = kt * BLOCK_N + tl.arange(0, BLOCK_N)
                 z = _score_tile(q, k_base, bias_base, rows, cols, seqlen_q, seqlen_k,
                                 stride_kn, stride_kd, stride_bias_m, stride_bias_n, z_scale, am1,
-                                HEAD_DIM, BLOCK_D, BIAS_KIND, MASK, UPCAST, DOT_PRECISION)
+                                HEAD_DIM, BLOCK_D, BIAS_KIND, MASK, UPCAST, DOT_PRECISION, slope, SCORE)
                 p = weights(z, t_use, POW, beta)
                 live = tl.max((z > lo_kill[:, None]).to(tl.int32))
                 new_word = new_word | (live << (kt - wd * 32))
@@ -412,14 +413,14 @@ def _entmax_rows(q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, 
 
 @triton.jit
 def _entmax_attn_fwd_kernel(
-    Q, K, V, OUT, BIAS, ALPHA, TAU, LSUM, NNZ, N_VALID, LIVE, N_PASSES, TILE_VISITS, CU_SEQLENS_Q, CU_SEQLENS_K,
+    Q, K, V, OUT, BIAS, ALPHA, TAU, LSUM, NNZ, N_VALID, LIVE, N_PASSES, TILE_VISITS, CU_SEQLENS_Q, CU_SEQLENS_K, ALIBI,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_oh, stride_om, stride_od,
-    stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n,
+    stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n, stride_alibi_b, stride_alibi_h,
     n_heads, kv_group, total_q, total_k, n_q_tiles, n_words,
-    scale, tol, max_passes, seed, dropout_p, inv_keep, MASK,
+    scale, tol, max_passes, seed, dropout_p, inv_keep, MASK, SCORE,
     ALPHA_CLASS: tl.constexpr, HEAD_FILTER: tl.constexpr, GRID_K1: tl.constexpr, CAND_P1: tl.constexpr,
     GRID_K2: tl.constexpr, CAND_P2: tl.constexpr, GRID_K0: tl.constexpr, CAND_P0: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -459,6 +460,7 @@ def _entmax_attn_fwd_kernel(
     tile_id = (seq.to(tl.int64) * n_heads + h) * n_q_tiles + pid_m
     live_base = LIVE + tile_id * n_words
     kt_lo, kt_hi = key_tile_range(pid_m, seqlen_q, seqlen_k, MASK, BLOCK_M, BLOCK_N)
+    slope = alibi_slope(ALIBI, seq, h, stride_alibi_b, stride_alibi_h, SCORE)
     for wd in range(0, n_words):
         tl.store(live_base + wd, 0)
     tl.debug_barrier()
@@ -468,7 +470,8 @@ def _entmax_attn_fwd_kernel(
         out, tau, lsum, nnz, n_valid, visits = _softmax_rows(
             q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, kt_hi, live_base, scale, seed, bh, q_start,
             k_start, total_k, dropout_p, inv_keep, stride_kn, stride_kd, stride_vn, stride_vd, stride_bias_m,
-            stride_bias_n, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, BIAS_KIND, MASK, HAS_DROPOUT, UPCAST, DOT_PRECISION)
+            stride_bias_n, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, BIAS_KIND, MASK, HAS_DROPOUT, UPCAST, DOT_PRECISION,
+            slope, SCORE)
         passes = tl.full([], 1, tl.int32)
     else:
         if ALPHA_CLASS == 1:
@@ -489,7 +492,7 @@ def _entmax_attn_fwd_kernel(
             q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, kt_hi, n_words, live_base, scale,
             tl.where(a_ok, alpha, 1.5), tol, max_passes, seed, bh, q_start, k_start, total_k, dropout_p, inv_keep,
             stride_kn, stride_kd, stride_vn, stride_vd, stride_bias_m, stride_bias_n, POW, GRID_K, CAND_P, BLOCK_M,
-            BLOCK_N, HEAD_DIM, BLOCK_D, BIAS_KIND, MASK, HAS_DROPOUT, UPCAST, DOT_PRECISION)
+            BLOCK_N, HEAD_DIM, BLOCK_D, BIAS_KIND, MASK, HAS_DROPOUT, UPCAST, DOT_PRECISION, slope, SCORE)
         out = tl.where(a_ok, out, float("nan"))
         tau = tl.where(a_ok, tau, float("nan"))
         lsum = tl.where(a_ok, lsum, float("nan"))
@@ -513,7 +516,7 @@ def _autotune_configs():
 # the interpreter runs one pinned config (autotuning several fails there)
 _entmax_attn_fwd_autotuned = triton.autotune(
     configs=_autotune_configs(),
-    key=["HEAD_DIM", "BLOCK_M", "BLOCK_N", "ALPHA_CLASS", "HEAD_FILTER", "BIAS_KIND", "MASK", "IS_VARLEN",
+    key=["HEAD_DIM", "BLOCK_M", "BLOCK_N", "ALPHA_CLASS", "HEAD_FILTER", "BIAS_KIND", "MASK", "SCORE", "IS_VARLEN",
          "HAS_DROPOUT", "DOT_PRECISION"],
 )(_entmax_attn_fwd_kernel)
 
@@ -581,6 +584,8 @@ def entmax_attn_fwd(
     block_m: int | None = None,
     block_n: int | None = None,
     window_size: tuple | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> EntmaxAttnFwdResult:
     """Fused entmax attention forward (one kernel launch).
 
@@ -601,6 +606,10 @@ def entmax_attn_fwd(
         window_size: ``(left, right)`` sliding window, bottom-right aligned like ``is_causal``: row ``i`` sees key
             ``j`` iff ``i + Nk - Nq - left <= j <= i + Nk - Nq + right`` (``-1`` = unbounded side); key tiles
             outside it are never visited. Default None (no window).
+        alibi_slopes: float32 ``(Hq,)`` or ``(B or nseq, Hq)``: adds ``-slope * |i + Nk - Nq - j|`` to the scores
+            (flash-attn's ALiBi), computed in the kernel. Default None.
+        softcap: scores ``scale * q.k`` become ``softcap * tanh(scale * q.k / softcap)`` before masks and
+            ALiBi. Default None (off).
         cu_seqlens_q, cu_seqlens_k: int32 ``(nseq + 1,)`` packed-sequence offsets (then ``B == 1``).
         max_seqlen_q, max_seqlen_k: longest sequences; computed from ``cu_seqlens`` when None.
         dropout_p: probability of dropping a weight after the entmax (kept ones scaled by
@@ -622,7 +631,7 @@ def entmax_attn_fwd(
         ValueError: more than 65535 heads or batch entries (sequences) (``_masking.tile_plan``).
     """
     plan = _plan(q, k, v, alpha, scale, bias, is_causal, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                 dropout_p, seed, tol, max_passes, alpha_class, block_m, block_n, window_size)
+                 dropout_p, seed, tol, max_passes, alpha_class, block_m, block_n, window_size, alibi_slopes, softcap)
     for args in plan.launches:
         if _common.interpreting():
             _entmax_attn_fwd_kernel[plan.grid](**args, **plan.options)
@@ -639,7 +648,8 @@ class _Launch(NamedTuple):
 
 
 def _plan(q, k, v, alpha, scale, bias, is_causal, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-          seed, tol, max_passes, alpha_class, block_m, block_n, window_size=None) -> _Launch:
+          seed, tol, max_passes, alpha_class, block_m, block_n, window_size=None, alibi_slopes=None,
+          softcap=None) -> _Launch:
     """Allocate the outputs and name every kernel argument of one forward launch."""
     batch, n_heads, total_q, head_dim = q.shape
     assert 16 <= head_dim <= 256, f"q: head dim must be in [16, 256], got {head_dim}"
@@ -678,7 +688,7 @@ def _plan(q, k, v, alpha, scale, bias, is_causal, cu_seqlens_q, cu_seqlens_k, ma
     (k1, p1), (k2, p2), (k0, p0) = _POINTS[1], _POINTS[2], _POINTS[0]
     args = dict(
         **_common.attention_args(q, k, v, alpha, bias, cu_seqlens_q, cu_seqlens_k, scale, is_causal, dropout_p, seed,
-                                 window_size),
+                                 window_size, alibi_slopes, softcap),
         OUT=out, TAU=tau, LSUM=lsum, NNZ=nnz, N_VALID=n_valid, LIVE=live, N_PASSES=n_passes, TILE_VISITS=tile_visits,
         **_common.stride_args("stride_o", out, "bhmd"), n_q_tiles=n_q_tiles, n_words=plan.n_words,
         tol=default_tolerance(q.dtype) if tol is None else float(tol),

@@ -30,10 +30,12 @@ def _live_shape(q: Tensor, k: Tensor, cu_seqlens_q, max_seqlen_q: int, max_seqle
 def _fwd_op(
     q: Tensor, k: Tensor, v: Tensor, alpha: Tensor, bias: Tensor | None,
     cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None, scale: float, is_causal: bool,
-    window: list[int], max_seqlen_q: int, max_seqlen_k: int, dropout_p: float, seed: int, alpha_class: str,
+    window: list[int], alibi_slopes: Tensor | None, softcap: float | None, max_seqlen_q: int, max_seqlen_k: int,
+    dropout_p: float, seed: int, alpha_class: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     res = entmax_attn_fwd(
-        q, k, v, alpha, scale, bias=bias, is_causal=is_causal, window_size=window, cu_seqlens_q=cu_seqlens_q,
+        q, k, v, alpha, scale, bias=bias, is_causal=is_causal, window_size=window, alibi_slopes=alibi_slopes,
+        softcap=softcap, cu_seqlens_q=cu_seqlens_q,
         cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
         dropout_p=dropout_p, seed=seed, alpha_class=None if alpha_class == "auto" else alpha_class,
     )
@@ -41,8 +43,8 @@ def _fwd_op(
 
 
 @_fwd_op.register_fake
-def _fwd_fake(q, k, v, alpha, bias, cu_seqlens_q, cu_seqlens_k, scale, is_causal, window, max_seqlen_q,
-              max_seqlen_k, dropout_p, seed, alpha_class):
+def _fwd_fake(q, k, v, alpha, bias, cu_seqlens_q, cu_seqlens_k, scale, is_causal, window, alibi_slopes, softcap,
+              max_seqlen_q, max_seqlen_k, dropout_p, seed, alpha_class):
     rows = q.shape[:3]
     live_shape, tile_shape = _live_shape(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     return (
@@ -61,12 +63,14 @@ def _fwd_fake(q, k, v, alpha, bias, cu_seqlens_q, cu_seqlens_k, scale, is_causal
 def _bwd_op(
     do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, tau: Tensor, lsum: Tensor,
     alpha: Tensor, bias: Tensor | None, cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None,
-    live: Tensor, scale: float, is_causal: bool, window: list[int], max_seqlen_q: int, max_seqlen_k: int,
-    dropout_p: float, seed: int, need_dalpha: bool, need_dbias: bool,
+    live: Tensor, scale: float, is_causal: bool, window: list[int], alibi_slopes: Tensor | None,
+    softcap: float | None, max_seqlen_q: int, max_seqlen_k: int, dropout_p: float, seed: int, need_dalpha: bool,
+    need_dbias: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     block_m, block_n = fwd_block_sizes(q.shape[-1])
     dq, dk, dv, dalpha, dbias = entmax_attn_bwd(
         do, q, k, v, out, tau, lsum, alpha, scale, bias=bias, is_causal=is_causal, window_size=window,
+        alibi_slopes=alibi_slopes, softcap=softcap,
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k, dropout_p=dropout_p, seed=seed, live=live,
         block_m=block_m, block_n=block_n, need_dalpha=need_dalpha, need_dbias=need_dbias,
@@ -80,7 +84,7 @@ def _bwd_op(
 
 @_bwd_op.register_fake
 def _bwd_fake(do, q, k, v, out, tau, lsum, alpha, bias, cu_seqlens_q, cu_seqlens_k, live, scale, is_causal, window,
-              max_seqlen_q, max_seqlen_k, dropout_p, seed, need_dalpha, need_dbias):
+              alibi_slopes, softcap, max_seqlen_q, max_seqlen_k, dropout_p, seed, need_dalpha, need_dbias):
     dbias_shape = bias.shape if need_dbias else (0,)
     return (
         torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
@@ -90,10 +94,11 @@ def _bwd_fake(do, q, k, v, out, tau, lsum, alpha, bias, cu_seqlens_q, cu_seqlens
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, alpha, bias, cu_q, cu_k, scale, is_causal, window, max_q, max_k, dropout_p, seed, _ = inputs
+    q, k, v, alpha, bias, cu_q, cu_k, scale, is_causal, window, slopes, softcap = inputs[:12]
+    max_q, max_k, dropout_p, seed = inputs[12:16]
     out, tau, lsum, _, _, live, _, _ = output
-    ctx.save_for_backward(q, k, v, out, tau, lsum, alpha, bias, cu_q, cu_k, live)
-    ctx.args = (scale, is_causal, window, max_q, max_k, dropout_p, seed)
+    ctx.save_for_backward(q, k, v, out, tau, lsum, alpha, bias, cu_q, cu_k, live, slopes)
+    ctx.args = (scale, is_causal, window, softcap, max_q, max_k, dropout_p, seed)
 
 
 def _backward(ctx, d_out, *_unused):
@@ -102,17 +107,17 @@ def _backward(ctx, d_out, *_unused):
             "entmax_attention's fused backward is not differentiable: double backward "
             "(create_graph=True) is not supported; use backend='reference' for higher-order gradients"
         )
-    q, k, v, out, tau, lsum, alpha, bias, cu_q, cu_k, live = ctx.saved_tensors
-    scale, is_causal, window, max_q, max_k, dropout_p, seed = ctx.args
+    q, k, v, out, tau, lsum, alpha, bias, cu_q, cu_k, live, slopes = ctx.saved_tensors
+    scale, is_causal, window, softcap, max_q, max_k, dropout_p, seed = ctx.args
     need_dalpha = ctx.needs_input_grad[3]
     need_dbias = bias is not None and ctx.needs_input_grad[4]
     dq, dk, dv, dalpha, dbias = _bwd_op(
         d_out.contiguous(), q, k, v, out, tau, lsum, alpha, bias, cu_q, cu_k, live, scale,
-        is_causal, window, max_q, max_k, dropout_p, seed, need_dalpha, need_dbias,
+        is_causal, window, slopes, softcap, max_q, max_k, dropout_p, seed, need_dalpha, need_dbias,
     )
     return (
         dq, dk, dv, dalpha if need_dalpha else None, dbias if need_dbias else None,
-        None, None, None, None, None, None, None, None, None, None,
+        None, None, None, None, None, None, None, None, None, None, None, None,
     )
 
 
@@ -133,11 +138,13 @@ def _alpha_class(inputs: AttentionInputs) -> str:
 def _sdpa_fits(inputs: AttentionInputs, return_stats: bool) -> bool:
     """Softmax heads that PyTorch's ``scaled_dot_product_attention`` computes with our semantics.
 
-    Every head at alpha = 1 (a Python number), no statistics, CUDA, no packed sequences, no mask or window; causal
+    Every head at alpha = 1 (a Python number), no statistics, CUDA, no packed sequences, no mask, window, ALiBi or
+    soft cap; causal
     only when no row is left without keys (``Nq <= Nk``: bottom-right alignment through ``causal_lower_right``).
     """
     return (inputs.alpha_value == 1.0 and not return_stats and inputs.q.is_cuda and inputs.cu_seqlens_q is None
-            and inputs.mask is None and inputs.window_size is None
+            and inputs.mask is None and inputs.window_size is None and inputs.alibi_slopes is None
+            and inputs.softcap is None
             and (not inputs.is_causal or inputs.q.shape[2] <= inputs.k.shape[2]))
 
 
@@ -162,7 +169,8 @@ def fused_entmax_attention(inputs: AttentionInputs, return_stats: bool):
     seed = int(torch.randint(0, 2**31 - 1, (1,)).item()) if inputs.dropout_p > 0 else 0
     out, tau, lsum, nnz, n_valid, _, _, _ = _fwd_op(
         inputs.q, inputs.k, inputs.v, inputs.alpha, inputs.mask, inputs.cu_seqlens_q, inputs.cu_seqlens_k,
-        inputs.scale, inputs.is_causal, list(inputs.window_size or (-1, -1)), inputs.max_seqlen_q,
+        inputs.scale, inputs.is_causal, list(inputs.window_size or (-1, -1)), inputs.alibi_slopes, inputs.softcap,
+        inputs.max_seqlen_q,
         inputs.max_seqlen_k, inputs.dropout_p, seed, _alpha_class(inputs),
     )
     if return_stats:

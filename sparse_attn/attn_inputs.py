@@ -165,12 +165,10 @@ def unfused_variants(q: Tensor, v: Tensor, window_size=None, alibi_slopes=None, 
     :func:`prepare_attention` (``window_size`` etc. already normalized: None when unused).
     """
     missing = []
-    if alibi_slopes is not None:
-        missing.append("alibi_slopes (ALiBi)")
+    if alibi_slopes is not None and alibi_slopes.requires_grad and torch.is_grad_enabled():
+        missing.append("alibi_slopes that require grad (the kernels give no gradient for the slopes; detach them)")
     if sinks is not None:
         missing.append("sinks (per-head attention sinks)")
-    if softcap is not None:
-        missing.append(f"softcap={softcap} (logit soft-capping)")
     if v.shape[-1] != q.shape[-1]:
         missing.append(f"v of head_dim {v.shape[-1]} (the kernels need v with the head_dim of q, {q.shape[-1]})")
     return missing

@@ -168,6 +168,49 @@ def test_fused_sliding_window_varlen_and_float_mask_gradient(kernel_device):
         _close(g, g64, REL_TOL["grad"], gname)
 
 
+# (nq, nk, options, alpha per head): ALiBi per head and per batch entry, soft-capping, both with causal masking,
+# a window, Nq != Nk and a float mask (its gradient), mixed alpha per head
+SCORE_CASES = {
+    "alibi_heads": (40, 40, dict(alibi=(2,), is_causal=True), [1.5, 1.0]),
+    "alibi_batch_cross": (33, 45, dict(alibi=(2, 2)), [2.0, 1.25]),
+    "softcap": (40, 40, dict(softcap=1.5), [1.5, 2.0]),
+    "softcap_causal_window": (45, 40, dict(softcap=2.0, is_causal=True, window_size=(12, 0)), [1.3, 1.0]),
+    "alibi_softcap_mask": (35, 35, dict(alibi=(2,), softcap=3.0, mask=True), [1.5, 1.7]),
+}
+
+
+@pytest.mark.parametrize("name", list(SCORE_CASES))
+def test_fused_alibi_and_softcap_forward_and_backward(name, kernel_device):
+    """ALiBi slopes and soft-capping computed in the kernels (no bias tensor) against the reference."""
+    nq, nk, opts, alphas = SCORE_CASES[name]
+    opts = dict(opts)
+    gen = torch.Generator().manual_seed(len(name) + 40)
+    q, k, v = _leaves([(2, 2, nq, 16), (2, 2, nk, 16), (2, 2, nk, 16)], gen, kernel_device)
+    q.data *= 2.0  # larger scores: the soft cap bends them
+    if "alibi" in opts:
+        opts["alibi_slopes"] = (torch.rand(*opts.pop("alibi"), generator=gen) / 4).to(kernel_device)
+    mask = torch.randn(2, 1, 1, nk, generator=gen).to(kernel_device).requires_grad_() if opts.pop("mask", 0) else None
+    alpha = torch.tensor(alphas, device=kernel_device, requires_grad=True)
+    out, out64, grads, grads64 = _run_both(q, k, v, alpha, mask=mask, **opts)
+    _close(out, out64, REL_TOL["out"], "out")
+    names = ["dq", "dk", "dv", "dalpha"] + (["dmask"] if mask is not None else [])
+    for g, g64, gname in zip(grads, grads64, names, strict=True):
+        _close(g, g64, REL_TOL["dalpha" if gname == "dalpha" else "grad"], gname)
+
+
+def test_fused_alibi_per_sequence_with_varlen(kernel_device):
+    gen = torch.Generator().manual_seed(44)
+    cu_q = torch.tensor([0, 20, 45], dtype=torch.int32, device=kernel_device)
+    cu_k = torch.tensor([0, 30, 50], dtype=torch.int32, device=kernel_device)
+    q, k, v = _leaves([(1, 2, 45, 16), (1, 2, 50, 16), (1, 2, 50, 16)], gen, kernel_device)
+    slopes = torch.tensor([[0.5, 0.1], [0.05, 0.3]], device=kernel_device)
+    out, out64, grads, grads64 = _run_both(q, k, v, 1.5, is_causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                           alibi_slopes=slopes, softcap=2.5)
+    _close(out, out64, REL_TOL["out"], "out")
+    for g, g64, gname in zip(grads, grads64, ["dq", "dk", "dv"], strict=True):
+        _close(g, g64, REL_TOL["grad"], gname)
+
+
 def test_fused_sliding_window_skips_key_tiles_outside_it(kernel_device):
     """The forward loads only the key tiles a query tile's window reaches: with a causal window of 8 keys
     over 128 (interpreter tiles 32 x 32), each of the 4 query tiles loads at most 2 key tiles per pass."""
@@ -224,7 +267,8 @@ def test_fused_dropout_replays_the_forward_mask(kernel_device):
     q, k, v = _leaves([(1, 2, 24, 16)] * 3, gen, kernel_device)
     alpha = torch.tensor([1.5, 1.0], device=kernel_device, requires_grad=True)
     seed, p_drop, scale = 1234, 0.3, 0.25
-    out = _fwd_op(q, k, v, alpha, None, None, None, scale, False, [-1, -1], 24, 24, p_drop, seed, "mixed")[0]
+    out = _fwd_op(q, k, v, alpha, None, None, None, scale, False, [-1, -1], None, None, 24, 24, p_drop, seed,
+                  "mixed")[0]
     do = torch.randn(out.shape, generator=gen).to(kernel_device)
     grads = torch.autograd.grad((out * do).sum(), [q, k, v, alpha])
     keep = dropout_keep_mask(seed, 2, 24, 24, p_drop, kernel_device).reshape(1, 2, 24, 24)
@@ -376,9 +420,10 @@ def test_backward_op_returns_mask_shaped_gradient(kernel_device):
     q, k, v = (t.detach() for t in _leaves([(2, 2, 17, 16)] * 3, gen, kernel_device))
     mask = torch.randn(2, 1, 1, 17, generator=gen).to(kernel_device)
     alpha = torch.tensor([1.5, 2.0], device=kernel_device)
-    out, tau, lsum, _, _, live, _, _ = _fwd_op(q, k, v, alpha, mask, None, None, 0.25, False, [-1, -1], 17, 17, 0.0,
+    variants = ([-1, -1], None, None)  # window, alibi slopes, softcap
+    out, tau, lsum, _, _, live, _, _ = _fwd_op(q, k, v, alpha, mask, None, None, 0.25, False, *variants, 17, 17, 0.0,
                                                0, "mixed")
-    args = (out, q, k, v, out, tau, lsum, alpha, mask, None, None, live, 0.25, False, [-1, -1], 17, 17, 0.0, 0, False,
+    args = (out, q, k, v, out, tau, lsum, alpha, mask, None, None, live, 0.25, False, *variants, 17, 17, 0.0, 0, False,
             True)
     dbias = torch.ops.sparse_attn.entmax_attn_bwd(*args)[4]
     assert dbias.shape == mask.shape

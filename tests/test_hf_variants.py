@@ -295,7 +295,7 @@ def test_bad_variant_arguments_raise_clear_errors(row):
         entmax_hf.entmax_attention_forward(_llama_attention(), *_qkv(), mask, **kwargs)
 
 
-@pytest.mark.parametrize("kwargs", [dict(softcap=30.0), dict(s_aux=torch.zeros(4)), dict(dv=8)])
+@pytest.mark.parametrize("kwargs", [dict(s_aux=torch.zeros(4)), dict(dv=8)])
 def test_fused_backend_refuses_variants_and_names_the_config_remedy(kwargs):
     kwargs = dict(kwargs)
     q, k, v = _qkv(dv=kwargs.pop("dv", 16))
@@ -303,13 +303,15 @@ def test_fused_backend_refuses_variants_and_names_the_config_remedy(kwargs):
         entmax_hf.entmax_attention_forward(_llama_attention(backend="triton"), q, k, v, None, **kwargs)
 
 
-def test_fused_backend_runs_sliding_windows_in_the_kernels():
-    """``sliding_window`` reaches the kernels as ``window_size`` (no mask tensor) and matches the reference."""
+@pytest.mark.parametrize("kwargs", [dict(sliding_window=5), dict(softcap=2.0), dict(sliding_window=7, softcap=1.5)])
+def test_fused_backend_runs_windows_and_softcap_in_the_kernels(kwargs):
+    """``sliding_window`` (as ``window_size``, no mask tensor) and Gemma-2's ``softcap`` reach the kernels and
+    match the reference."""
     q, k, v = _qkv(n=40)
-    out = entmax_hf.entmax_attention_forward(_llama_attention(backend="triton"), q, k, v, None, sliding_window=5,
-                                             is_causal=True)[0]
+    out = entmax_hf.entmax_attention_forward(_llama_attention(backend="triton"), q, k, v, None, is_causal=True,
+                                             **kwargs)[0]
     ref = entmax_hf.entmax_attention_forward(_llama_attention(backend="reference"), q.double(), k.double(),
-                                             v.double(), None, sliding_window=5, is_causal=True)[0]
+                                             v.double(), None, is_causal=True, **kwargs)[0]
     torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4)
 
 
