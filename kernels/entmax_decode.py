@@ -45,17 +45,17 @@ from ._threshold import log_ref, phi, point_sums, solve, weights
 from .entmax_attn_fwd import ALPHA_CLASSES, alpha_class_of, default_tolerance
 
 # (grid points, candidate points per later pass) by threshold arithmetic (POW 1: alpha = 2, 2: alpha = 1.5,
-# 0: other alpha). Decoding reads far more bytes per score than it computes, so points are cheap: more than
-# the forward takes, fewer launches (docs/decode.md).
-DECODE_POINTS = {1: (16, 8), 2: (16, 8), 0: (8, 4)}
-# passes per decode step (score pass and value pass included) by input dtype; candidate launches after a
-# row tile has converged return at once
-DEFAULT_MAX_PASSES = {torch.float16: 4, torch.bfloat16: 4, torch.float32: 6}
+# 0: other alpha): the fewest that keep bfloat16 at one candidate pass and float32 at two on the measured
+# caches (docs/decode.md); candidate passes read only the stored scores, so their points cost no cache reads
+DECODE_POINTS = {1: (8, 8), 2: (8, 8), 0: (8, 4)}
+# launches of the split kernel per decode step (score pass and value pass included) by input dtype; a candidate
+# launch whose row tile has converged returns after its merge
+DEFAULT_MAX_PASSES = {torch.float16: 3, torch.bfloat16: 3, torch.float32: 5}
 # per-row merged threshold state carried from launch to launch (columns of STATE)
-N_STATE = 19
-# per-split, per-row partial results of the value (or softmax) pass: max (log2 scale, softmax only),
-# sum of weights, support size, valid keys
-N_PART = 4
+N_STATE = tl.constexpr(19)
+# per-split, per-row results: of the score pass (GRID_ROW: max, grid index, valid keys, NaN flag) and of the value
+# (or softmax) pass (PART_ROW: max in log2 scale for softmax, sum of weights, support size, valid keys)
+N_PART = tl.constexpr(4)
 # Nq * Hq / Hk rows per program at most; more rows take more row tiles (each reads the cache again)
 MAX_BLOCK_M = 32
 
@@ -298,7 +298,7 @@ def _grid_state(GRID_ROW, GRID_PTS, split_rows, n_splits, active, am1, beta, bm1
     n_valid = tl.zeros([BLOCK_M], tl.float32)
     bad = tl.zeros([BLOCK_M], tl.float32)
     for s in range(0, n_splits):
-        row = GRID_ROW + (split_rows + s) * 4
+        row = GRID_ROW + (split_rows + s) * N_PART
         m = tl.maximum(m, tl.load(row, mask=active, other=float("-inf")))
         j_top = tl.maximum(j_top, tl.load(row + 1, mask=active, other=-1e30))
         n_valid += tl.load(row + 2, mask=active, other=0.0)
@@ -314,7 +314,7 @@ def _grid_state(GRID_ROW, GRID_PTS, split_rows, n_splits, active, am1, beta, bm1
     G = tl.zeros([BLOCK_M, GRID_K], tl.float32)
     C = tl.zeros([BLOCK_M, GRID_K], tl.float32)
     for s in range(0, n_splits):
-        row = GRID_ROW + (split_rows + s) * 4
+        row = GRID_ROW + (split_rows + s) * N_PART
         m_s = tl.load(row, mask=usable, other=float("-inf"))
         j_s = tl.load(row + 1, mask=usable, other=-1e30)
         pts = GRID_PTS + (split_rows + s)[:, None] * (3 * GRID_K) + tl.arange(0, GRID_K)[None, :]
@@ -358,8 +358,8 @@ def _grid_state(GRID_ROW, GRID_PTS, split_rows, n_splits, active, am1, beta, bm1
 @triton.jit
 def _store_state(STATE, state_rows, active, m, a, pa, da, fa, ga, ca, b, pb, db, cb, b_top, est, lo, hi, exact,
                  usable, bad, passes):
-    """Store the row state (19 columns of ``STATE``; flags as 0/1 floats, ``passes`` run so far)."""
-    base = STATE + state_rows * 19
+    """Store the row state (``N_STATE`` columns of ``STATE``; flags as 0/1 floats, ``passes`` run so far)."""
+    base = STATE + state_rows * N_STATE
     tl.store(base, m, mask=active)
     tl.store(base + 1, a, mask=active)
     tl.store(base + 2, pa, mask=active)
@@ -384,7 +384,7 @@ def _store_state(STATE, state_rows, active, m, a, pa, da, fa, ga, ca, b, pb, db,
 @triton.jit
 def _load_state(STATE, state_rows, active):
     """The state :func:`_store_state` stored (inactive rows: unusable, done)."""
-    base = STATE + state_rows * 19
+    base = STATE + state_rows * N_STATE
     return (tl.load(base, mask=active, other=0.0), tl.load(base + 1, mask=active, other=0.0),
             tl.load(base + 2, mask=active, other=0.0), tl.load(base + 3, mask=active, other=-1.0),
             tl.load(base + 4, mask=active, other=1.0), tl.load(base + 5, mask=active, other=0.0),
@@ -398,9 +398,14 @@ def _load_state(STATE, state_rows, active):
 
 
 @triton.jit
-def _done(exact, lo, hi, usable, tol):
-    """Rows whose threshold needs no more passes: exact, bracket narrower than ``tol (1 + |lo|)``, or unusable."""
-    return (exact != 0.0) | (hi - lo <= tol * (1.0 + tl.abs(lo))) | (usable == 0.0)
+def _done(exact, lo, hi, da, beta, usable, tol):
+    """Rows whose threshold needs no more passes: exact, unusable, or a certified bracket so narrow that moving the
+    threshold across it changes the row's total weight by at most ``tol`` (relative): ``(hi - lo) beta |phi'(a)|``,
+    ``|phi'(a)|`` close to ``g(tau) = sum_j p_j^(1 - 1/beta)`` near the root (docs/decode.md), or float32 cannot
+    split it further (a few ulps of ``lo``)."""
+    width = hi - lo
+    return ((exact != 0.0) | (usable == 0.0) | (width * tl.maximum(beta * tl.abs(da), 1.0) <= tol)
+            | (width <= 4.8e-7 * (1.0 + tl.abs(lo))))
 
 
 @triton.jit
@@ -432,7 +437,7 @@ def _merge_cands(CAND, split_rows, n_splits, active, m, a, pa, da, fa, ga, ca, b
         FP += tl.load(pts, mask=active[:, None], other=0.0)
         GP += tl.load(pts + CAND_P, mask=active[:, None], other=0.0)
         CP += tl.load(pts + 2 * CAND_P, mask=active[:, None], other=0.0)
-    act = (_done(exact, lo, hi, usable, tol) == 0) & active
+    act = (_done(exact, lo, hi, da, 1.0 / am1, usable, tol) == 0) & active
     ph, dph = phi(FP, GP, POW, am1[:, None], l_p)
     # rows that are done take no point (NaN compares false), so their bracket stays well formed
     n_a, n_pa, n_da, n_fa, n_ga, n_ca, n_b, n_pb, n_db, n_cb, n_top = _merge_points(
@@ -488,9 +493,9 @@ def _store_partials(PART_ROW, PART_ACC, split_rows, active, m, l_sum, nnz, acc, 
                     BLOCK_D: tl.constexpr):
     """One split's value-pass results: max (log2 scale; 0 for entmax), sum of weights, support size, ``acc``."""
     offs_d = tl.arange(0, BLOCK_D)
-    tl.store(PART_ROW + split_rows * 4, m, mask=active)
-    tl.store(PART_ROW + split_rows * 4 + 1, l_sum, mask=active)
-    tl.store(PART_ROW + split_rows * 4 + 2, nnz.to(tl.float32), mask=active)
+    tl.store(PART_ROW + split_rows * N_PART, m, mask=active)
+    tl.store(PART_ROW + split_rows * N_PART + 1, l_sum, mask=active)
+    tl.store(PART_ROW + split_rows * N_PART + 2, nnz.to(tl.float32), mask=active)
     tl.store(PART_ACC + split_rows[:, None] * HEAD_DIM + offs_d[None, :], acc,
              mask=active[:, None] & (offs_d[None, :] < HEAD_DIM))
 
@@ -546,7 +551,7 @@ def _entmax_decode_split_kernel(
             stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n, stride_tb, stride_tn, page_size, MASK,
             BLOCK_M, BLOCK_N, BIAS_KIND, IS_PAGED, HEAD_DIM, BLOCK_D, UPCAST, DOT_PRECISION)
         _store_partials(PART_ROW, PART_ACC, split_rows + split, active, m, l_sum, n_valid, acc, HEAD_DIM, BLOCK_D)
-        tl.store(PART_ROW + (split_rows + split) * 4 + 3, n_valid.to(tl.float32), mask=active)
+        tl.store(PART_ROW + (split_rows + split) * N_PART + 3, n_valid.to(tl.float32), mask=active)
         tl.store(reads, kt_hi - kt_lo)
         tl.store(reads + n_slots - 1, kt_hi - kt_lo)
         if split == 0:
@@ -575,12 +580,12 @@ def _entmax_decode_split_kernel(
             scale * am1, am1, beta, bm1, shift, stride_kb, stride_kh, stride_kn, stride_kd, stride_bias_b,
             stride_bias_h, stride_bias_m, stride_bias_n, stride_tb, stride_tn, page_size, MASK, POW, GRID_K,
             BLOCK_M, BLOCK_N, BIAS_KIND, IS_PAGED, HEAD_DIM, BLOCK_D, UPCAST, DOT_PRECISION)
-        row = GRID_ROW + (split_rows + split) * 4
+        row = GRID_ROW + (split_rows + split) * N_PART
         tl.store(row, m, mask=active)
         tl.store(row + 1, j_top, mask=active)
         tl.store(row + 2, n_valid.to(tl.float32), mask=active)
         tl.store(row + 3, tl.where(a_ok, bad, 1).to(tl.float32), mask=active)
-        tl.store(PART_ROW + (split_rows + split) * 4 + 3, n_valid.to(tl.float32), mask=active)
+        tl.store(PART_ROW + (split_rows + split) * N_PART + 3, n_valid.to(tl.float32), mask=active)
         _store_points(GRID_PTS, split_rows + split, active, F, G, C, GRID_K)
         tl.store(live_n, n_live)
         tl.store(reads, kt_hi - kt_lo)
@@ -593,7 +598,7 @@ def _entmax_decode_split_kernel(
     else:
         (m, a, pa, da, fa, ga, ca, bb, pb, db, cb, b_top, est, lo, hi, exact, usable, bad, passes) = _load_state(
             STATE_IN, state_rows, active)
-        ran = tl.max((_done(exact, lo, hi, usable, tol) == 0).to(tl.int32), 0)
+        ran = tl.max((_done(exact, lo, hi, da, beta, usable, tol) == 0).to(tl.int32), 0)
         if ran != 0:
             a, pa, da, fa, ga, ca, bb, pb, db, cb, b_top, est, lo, hi, exact = _merge_cands(
                 CAND_IN, split_rows, n_splits, active, m, a, pa, da, fa, ga, ca, bb, pb, db, cb, b_top, est, lo, hi,
@@ -604,7 +609,7 @@ def _entmax_decode_split_kernel(
     ok_row = usable != 0.0
 
     if PHASE == 1:
-        go = tl.max((_done(exact, lo, hi, usable, tol) == 0).to(tl.int32), 0)
+        go = tl.max((_done(exact, lo, hi, da, beta, usable, tol) == 0).to(tl.int32), 0)
         if split == 0:
             _store_state(STATE_OUT, state_rows, active, m, a, pa, da, fa, ga, ca, bb, pb, db, cb, b_top, est, lo,
                          hi, exact, usable, bad, passes)
@@ -639,21 +644,28 @@ def _entmax_decode_split_kernel(
     l_sum = tl.zeros([BLOCK_M], tl.float32)
     nnz = tl.zeros([BLOCK_M], tl.int32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    # weights of the live blocks; those holding a positive weight are listed again (in place: the list only
+    # shrinks) and only their value rows are read, by a second loop without branches (its loads pipeline)
     v_reads = tl.zeros([], tl.int32)
     for idx in range(0, n_in):
         kt = tl.load(list_base + idx)
-        cols = kt * BLOCK_N + col_blk
-        z = tl.load(Z + z_rows[:, None] + cols[None, :], mask=ok_row[:, None], other=float("-inf"))
+        z = tl.load(Z + z_rows[:, None] + (kt * BLOCK_N + col_blk)[None, :], mask=ok_row[:, None],
+                    other=float("-inf"))
         p = weights(z, t_use, POW, beta[:, None])
         l_sum += tl.sum(p, 1)
         nnz += tl.sum((p > 0.0).to(tl.int32), 1)
-        if tl.max(p) > 0.0:
-            col_ok = cols < seqlen_k
-            outer, inner = _cache_rows(BLOCK_TABLE, b, cols, col_ok, stride_tb, stride_tn, page_size, IS_PAGED)
-            v = _cache_tile(V, outer, inner, h_kv, col_ok, stride_vb, stride_vh, stride_vn, stride_vd, HEAD_DIM,
-                            BLOCK_D, False, UPCAST)
-            acc += tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-            v_reads += 1
+        pos = (tl.max(p) > 0.0).to(tl.int32)
+        tl.store(list_base + v_reads, kt, mask=pos != 0)
+        v_reads += pos
+    for idx in range(0, v_reads):
+        cols = tl.load(list_base + idx) * BLOCK_N + col_blk
+        z = tl.load(Z + z_rows[:, None] + cols[None, :], mask=ok_row[:, None], other=float("-inf"))
+        p = weights(z, t_use, POW, beta[:, None])
+        col_ok = cols < seqlen_k
+        outer, inner = _cache_rows(BLOCK_TABLE, b, cols, col_ok, stride_tb, stride_tn, page_size, IS_PAGED)
+        v = _cache_tile(V, outer, inner, h_kv, col_ok, stride_vb, stride_vh, stride_vn, stride_vd, HEAD_DIM,
+                        BLOCK_D, False, UPCAST)
+        acc += tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     is_bad = bad != 0.0
     _store_partials(PART_ROW, PART_ACC, split_rows + split, active, tl.zeros([BLOCK_M], tl.float32),
                     tl.where(is_bad, float("nan"), l_sum), tl.where(is_bad, 0, nnz), acc, HEAD_DIM, BLOCK_D)
@@ -683,14 +695,14 @@ def _entmax_decode_combine_kernel(
     d_ok = offs_d < HEAD_DIM
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     for s in range(0, n_splits):
-        m = tl.maximum(m, tl.load(PART_ROW + (split_rows + s) * 4, mask=row_ok, other=float("-inf")))
+        m = tl.maximum(m, tl.load(PART_ROW + (split_rows + s) * N_PART, mask=row_ok, other=float("-inf")))
     m_safe = tl.where(m > float("-inf"), m, 0.0)
     l_sum = tl.zeros([BLOCK_M], tl.float32)
     nnz = tl.zeros([BLOCK_M], tl.float32)
     n_valid = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for s in range(0, n_splits):
-        row = PART_ROW + (split_rows + s) * 4
+        row = PART_ROW + (split_rows + s) * N_PART
         w = tl.exp2(tl.load(row, mask=row_ok, other=float("-inf")) - m_safe)
         l_sum += w * tl.load(row + 1, mask=row_ok, other=0.0)
         nnz += tl.load(row + 2, mask=row_ok, other=0.0)
@@ -838,7 +850,8 @@ def entmax_decode_fwd(
         Z=torch.empty((batch, n_kv_heads, n_rows, n_kblocks * block_n), **ws),
         LIST=torch.empty((*tiles, n_kblocks), dtype=torch.int32, device=dev),
         LIVE_N=torch.empty((*tiles, n_splits), dtype=torch.int32, device=dev),
-        PART_ROW=torch.empty((*per_split, N_PART), **ws), PART_ACC=torch.empty((*per_split, head_dim), **ws), TAU=tau,
+        PART_ROW=torch.empty((*per_split, N_PART.value), **ws), PART_ACC=torch.empty((*per_split, head_dim), **ws),
+        TAU=tau,
         **_common.stride_args("stride_q", q, "bhmd"),
         **_cache_strides("stride_k", k_cache, paged), **_cache_strides("stride_v", v_cache, paged),
         **_bias_args(bias, q, capacity),
@@ -856,9 +869,9 @@ def entmax_decode_fwd(
     pow_of = {1: 1, 2: 2, 3: 0}
     for launch, cls in enumerate(classes):
         grid_k, cand_p = DECODE_POINTS[pow_of.get(cls, 1)]
-        state = [torch.empty((batch, n_kv_heads, rows_pad, N_STATE), **ws) for _ in range(2)]
+        state = [torch.empty((batch, n_kv_heads, rows_pad, N_STATE.value), **ws) for _ in range(2)]
         cand = [torch.empty((*per_split, 3, cand_p), **ws) for _ in range(2)]
-        args = dict(common, GRID_ROW=torch.empty((*per_split, 4), **ws),
+        args = dict(common, GRID_ROW=torch.empty((*per_split, N_PART.value), **ws),
                     GRID_PTS=torch.empty((*per_split, 3, grid_k), **ws), BLOCKS_READ=blocks_read[launch],
                     N_PASSES=n_passes[launch], ALPHA_CLASS=cls, GRID_K=grid_k, CAND_P=cand_p)
         phases = [(0, False)] if cls == 0 else [(0, False)] + [(1, p == 1) for p in range(1, max_passes - 1)]
