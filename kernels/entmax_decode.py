@@ -788,7 +788,8 @@ def entmax_decode_fwd(
             queries are the last ``Nq`` keys). Default False.
         max_seqlen_k: bound on ``cache_seqlens`` (default the capacity); the splits cover this many keys.
         num_splits: key-range splits per (batch entry, kv head); default :func:`default_num_splits`.
-        tol: bracket width (relative to ``1 + |tau|``) at which a row's threshold counts as found (default by dtype).
+        tol: change of a row's total weight across its certified bracket at which its threshold counts as found
+            (default by dtype).
         max_passes: passes per step, score and value pass included (``>= 2``; default by dtype).
         alpha_class: as :func:`sparse_attn.kernels.entmax_attn_fwd.entmax_attn_fwd` (default from the values for a
             Python float or a CPU tensor, else ``"mixed"``).

@@ -16,11 +16,11 @@ import torch
 from torch import Tensor
 
 from sparse_attn._validation import check_bool, check_number, values_checkable
-from sparse_attn.attn_inputs import AttentionStats, check_head_alpha, resolve_backend
-from sparse_attn.masks import check_mask, check_mask_values, combine_masks
+from sparse_attn.attn_inputs import AttentionInputs, AttentionStats, check_head_alpha, resolve_backend
+from sparse_attn.masks import check_mask, combine_masks
 from sparse_attn.reference import entmax_attention_reference
 
-__all__ = ["entmax_decode", "MAX_DECODE_QUERIES"]
+__all__ = ["entmax_decode", "MAX_DECODE_QUERIES", "decode_attention", "decode_fits", "decode_unsupported"]
 
 MAX_DECODE_QUERIES = 16
 """Queries per sequence the decode kernels take (longer query chunks: :func:`sparse_attn.entmax_attention`)."""
@@ -194,8 +194,8 @@ def entmax_decode(
             ``block_table[b, j // page_size]``, slot ``j % page_size``. Default None (contiguous cache).
         attn_mask: boolean keep mask (True = may attend) or additive float mask, broadcastable to
             ``(B, Hq, Nq, capacity)`` and indexed by key position (``capacity``: ``Nk``, or
-            ``max_pages_per_seq * page_size``); e.g. a left-padding mask. NaN or ``+inf`` entries raise
-            ``ValueError`` on the triton backend when checked, and give NaN rows otherwise.
+            ``max_pages_per_seq * page_size``); e.g. a left-padding mask. NaN or ``+inf`` entries give NaN rows
+            (the non-finite policy), ``-inf`` entries exclude their keys.
         is_causal: the queries are the last ``Nq`` keys of their sequence: query ``i`` sees key ``j`` iff
             ``j <= i + cache_seqlens[b] - Nq``. Default False (every query sees the whole cache).
         scale: score scale, default ``1 / sqrt(D)``.
@@ -239,11 +239,60 @@ def entmax_decode(
         return entmax_attention_reference(q, k, v, alpha, attn_mask=combine_masks(attn_mask, keep), scale=scale,
                                           enable_gqa=True, return_stats=return_stats)
 
-    check_mask_values("attn_mask", attn_mask)
     from sparse_attn.kernels.entmax_decode import entmax_decode_fwd
 
     res = entmax_decode_fwd(q, k_cache, v_cache, seqlens, alpha_k, scale, block_table=block_table, bias=attn_mask,
                             is_causal=is_causal, max_seqlen_k=bound, num_splits=num_splits)
+    if not return_stats:
+        return res.out
+    return res.out, AttentionStats(res.nnz, res.tau, res.n_valid)
+
+
+def decode_unsupported(inputs: AttentionInputs) -> list[str]:
+    """What keeps a fused-path call off the decode kernels, as phrases (empty: they can run it).
+
+    The decode kernels implement masks (boolean or float), bottom-right causal masking, GQA/MQA and per-head
+    alpha, forward only. The attention variants (:func:`sparse_attn.attn_inputs.unfused_variants`) are refused
+    on the fused path before any kernel is picked; they are listed here too, so that a variant the general
+    forward gains later is routed to it, never silently dropped by the decode kernels.
+    """
+    why = []
+    if inputs.cu_seqlens_q is not None:
+        why.append("packed sequences (cu_seqlens)")
+    if inputs.dropout_p > 0:
+        why.append("dropout")
+    if (inputs.window_size is not None or inputs.alibi_slopes is not None or inputs.sinks is not None
+            or inputs.softcap is not None or inputs.v.shape[-1] != inputs.q.shape[-1]):
+        why.append("attention variants")
+    tensors = (inputs.q, inputs.k, inputs.v, inputs.alpha, inputs.mask)
+    if torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad for t in tensors):
+        why.append("gradients (the decode kernels have no backward)")
+    if torch.compiler.is_compiling():
+        why.append("torch.compile tracing")
+    return why
+
+
+def decode_fits(inputs: AttentionInputs) -> bool:
+    """Whether the fused path runs ``inputs`` on the split-K decode kernels instead of the general forward.
+
+    A decoding step: ``1 <= Nq <= MAX_DECODE_QUERIES`` queries per sequence against more keys than queries (a KV
+    cache; ``Nk > Nq``), on the triton backend, with nothing from :func:`decode_unsupported`.
+    """
+    n_q, n_k = inputs.q.shape[2], inputs.k.shape[2]
+    return (inputs.backend == "triton" and 1 <= n_q <= MAX_DECODE_QUERIES and n_k > n_q
+            and not decode_unsupported(inputs))
+
+
+def decode_attention(inputs: AttentionInputs, return_stats: bool = False):
+    """Run prepared inputs for which :func:`decode_fits` holds on the decode kernels: ``k``, ``v`` are a contiguous
+    cache of ``Nk`` keys for every sequence. Returns ``out`` ``(B, Hq, Nq, D)`` or ``(out, AttentionStats)``."""
+    from sparse_attn.kernels.entmax_decode import entmax_decode_fwd
+
+    q, k = inputs.q, inputs.k
+    seqlens = torch.full((q.shape[0],), k.shape[2], dtype=torch.int32, device=q.device)
+    alpha = inputs.alpha_value if inputs.alpha_value is not None else inputs.alpha.detach().float().contiguous()
+    res = entmax_decode_fwd(q, k, inputs.v, seqlens, alpha, inputs.scale, bias=inputs.mask, is_causal=inputs.is_causal,
+                            max_seqlen_k=k.shape[2])
     if not return_stats:
         return res.out
     return res.out, AttentionStats(res.nnz, res.tau, res.n_valid)
