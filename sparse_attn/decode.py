@@ -28,6 +28,30 @@ MAX_DECODE_QUERIES = 16
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
+@torch.library.custom_op("sparse_attn::entmax_decode", mutates_args=())
+def _decode_op(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor, alpha: Tensor, alpha_value: float | None,
+    scale: float, block_table: Tensor | None, bias: Tensor | None, is_causal: bool, max_seqlen_k: int | None,
+    num_splits: int | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The decode kernels as a custom op (forward only): ``(out, tau, nnz, n_valid)``; ``alpha`` float32 ``(Hq,)``,
+    ``alpha_value`` the Python number it holds when it was given as one (one compile-time alpha class)."""
+    from sparse_attn.kernels import entmax_decode as kernels
+
+    res = kernels.entmax_decode_fwd(
+        q, k_cache, v_cache, cache_seqlens, alpha if alpha_value is None else alpha_value, scale,
+        block_table=block_table, bias=bias, is_causal=is_causal, max_seqlen_k=max_seqlen_k, num_splits=num_splits)
+    return res.out, res.tau, res.nnz, res.n_valid
+
+
+@_decode_op.register_fake
+def _decode_fake(q, k_cache, v_cache, cache_seqlens, alpha, alpha_value, scale, block_table, bias, is_causal,
+                 max_seqlen_k, num_splits):
+    rows = q.shape[:3]
+    return (torch.empty(q.shape, dtype=q.dtype, device=q.device), q.new_empty(rows, dtype=torch.float32),
+            q.new_empty(rows, dtype=torch.int32), q.new_empty(rows, dtype=torch.int32))
+
+
 def _check_cache(q: Tensor, k_cache, v_cache, block_table) -> tuple[int, int]:
     """Check the cache tensors against ``q``; return ``(n_kv_heads, capacity)`` (keys a sequence may hold)."""
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
@@ -117,18 +141,20 @@ def _max_seqlen(max_seqlen_k, seqlens: Tensor, capacity: int) -> int | None:
     return int(max_seqlen_k)
 
 
-def _alpha(alpha, n_heads: int, device):
-    """``alpha`` for the kernels: a Python float, or a float32 ``(Hq,)`` tensor (values checked when readable)."""
+def _alpha(alpha, n_heads: int, device) -> tuple[Tensor, float | None]:
+    """``alpha`` for the kernels: a float32 ``(Hq,)`` tensor (values checked when readable) and the Python number
+    it holds when given as one."""
     check_head_alpha("alpha", alpha, n_heads)
     if not isinstance(alpha, Tensor):
-        return check_number("alpha", alpha, 1.0, 2.0)
+        value = check_number("alpha", alpha, 1.0, 2.0)
+        return torch.full((n_heads,), value, dtype=torch.float32, device=device), value
     if alpha.device != device and alpha.device.type != "cpu":
         raise ValueError(f"alpha must be on the device of q ({device}) or on the CPU, got {alpha.device}")
     if values_checkable(alpha):
         vals = alpha.detach()
         if not bool(((vals >= 1) & (vals <= 2)).all()):
             raise ValueError(f"alpha must be finite and in [1, 2], got {vals.flatten().tolist()}")
-    return alpha.detach().to(torch.float32).reshape(-1).expand(n_heads).contiguous()
+    return alpha.detach().to(torch.float32).reshape(-1).expand(n_heads).contiguous(), None
 
 
 def _gathered(cache: Tensor, block_table: Tensor | None, seqlens: Tensor) -> Tensor:
@@ -221,7 +247,7 @@ def entmax_decode(
     if backend == "triton" and q.shape[2] > MAX_DECODE_QUERIES:
         raise ValueError(f"q: the decode kernels take at most {MAX_DECODE_QUERIES} queries per sequence, got "
                          f"{q.shape[2]}; use sparse_attn.entmax_attention for longer query chunks")
-    alpha_k = _alpha(alpha, q.shape[1], q.device)
+    alpha_t, alpha_value = _alpha(alpha, q.shape[1], q.device)
     check_mask("attn_mask", attn_mask, q.device, (q.shape[0], q.shape[1], q.shape[2], capacity))
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, Real)):
         raise TypeError(f"scale must be None or a Python number, got {type(scale).__name__}")
@@ -239,13 +265,9 @@ def entmax_decode(
         return entmax_attention_reference(q, k, v, alpha, attn_mask=combine_masks(attn_mask, keep), scale=scale,
                                           enable_gqa=True, return_stats=return_stats)
 
-    from sparse_attn.kernels.entmax_decode import entmax_decode_fwd
-
-    res = entmax_decode_fwd(q, k_cache, v_cache, seqlens, alpha_k, scale, block_table=block_table, bias=attn_mask,
-                            is_causal=is_causal, max_seqlen_k=bound, num_splits=num_splits)
-    if not return_stats:
-        return res.out
-    return res.out, AttentionStats(res.nnz, res.tau, res.n_valid)
+    out, tau, nnz, n_valid = _decode_op(q, k_cache, v_cache, seqlens, alpha_t, alpha_value, scale, block_table,
+                                        attn_mask, is_causal, bound, num_splits)
+    return (out, AttentionStats(nnz, tau, n_valid)) if return_stats else out
 
 
 def decode_unsupported(inputs: AttentionInputs) -> list[str]:
@@ -267,8 +289,6 @@ def decode_unsupported(inputs: AttentionInputs) -> list[str]:
     tensors = (inputs.q, inputs.k, inputs.v, inputs.alpha, inputs.mask)
     if torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad for t in tensors):
         why.append("gradients (the decode kernels have no backward)")
-    if torch.compiler.is_compiling():
-        why.append("torch.compile tracing")
     return why
 
 
@@ -286,13 +306,9 @@ def decode_fits(inputs: AttentionInputs) -> bool:
 def decode_attention(inputs: AttentionInputs, return_stats: bool = False):
     """Run prepared inputs for which :func:`decode_fits` holds on the decode kernels: ``k``, ``v`` are a contiguous
     cache of ``Nk`` keys for every sequence. Returns ``out`` ``(B, Hq, Nq, D)`` or ``(out, AttentionStats)``."""
-    from sparse_attn.kernels.entmax_decode import entmax_decode_fwd
-
     q, k = inputs.q, inputs.k
     seqlens = torch.full((q.shape[0],), k.shape[2], dtype=torch.int32, device=q.device)
-    alpha = inputs.alpha_value if inputs.alpha_value is not None else inputs.alpha.detach().float().contiguous()
-    res = entmax_decode_fwd(q, k, inputs.v, seqlens, alpha, inputs.scale, bias=inputs.mask, is_causal=inputs.is_causal,
-                            max_seqlen_k=k.shape[2])
-    if not return_stats:
-        return res.out
-    return res.out, AttentionStats(res.nnz, res.tau, res.n_valid)
+    out, tau, nnz, n_valid = _decode_op(q, k, inputs.v, seqlens, inputs.alpha.detach().float().contiguous(),
+                                        inputs.alpha_value, inputs.scale, None, inputs.mask, inputs.is_causal,
+                                        k.shape[2], None)
+    return (out, AttentionStats(nnz, tau, n_valid)) if return_stats else out

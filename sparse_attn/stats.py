@@ -229,10 +229,12 @@ class HeadStatsRecorder:
         return out
 
     def density_history(self) -> Tensor:
-        """Density per call, layer and head, float64 ``(n_calls, n_layers, n_heads)``: entry ``[c, i, h]`` is head
-        ``h``'s mean density over the rows of layer ``i``'s ``c``-th recorded call (with ``generate()``: call 0 the
-        prompt, call ``c`` the step whose query is the ``c``-th generated token); NaN where a layer made fewer calls or a
-        call had no row with a valid key. Needs ``record_head_stats(model, history=True)``."""
+        """Density per call, layer and head, float64 ``(n_calls, n_layers, n_heads)``.
+
+        Entry ``[c, i, h]`` is head ``h``'s mean density over the rows of layer ``i``'s ``c``-th recorded call (with
+        ``generate()``: call 0 the prompt, call ``c`` the step whose query is the ``c``-th generated token); NaN where
+        a layer made fewer calls or a call had no row with a valid key. Needs ``record_head_stats(model,
+        history=True)``."""
         if not any(sink.history for sink in self._sinks):
             raise RuntimeError("the density per call was not recorded: use record_head_stats(model, history=True)")
         n_calls = max(len(sink.steps) for sink in self._sinks)

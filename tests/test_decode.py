@@ -465,6 +465,23 @@ def test_training_calls_take_the_general_forward(monkeypatch):
     torch.testing.assert_close(out_decode, out.detach(), atol=EPS[torch.float32], rtol=0)
 
 
+def test_decode_step_compiles_fullgraph(monkeypatch):
+    """The decode kernels are a custom op (``sparse_attn::entmax_decode``): a decoding step of ``entmax_attention``
+    compiles with ``fullgraph=True``, runs the decode kernels and equals eager."""
+    calls = _spy_decode(monkeypatch)
+    gen = torch.Generator().manual_seed(15)
+    q, k, v = (torch.randn(1, h, n, 16, generator=gen) for h, n in ((2, 1), (1, 30), (1, 30)))
+    alpha = torch.tensor([1.5, 2.0])
+
+    def step(q, k, v, alpha):
+        return entmax_attention(q, k, v, alpha, enable_gqa=True, backend="triton")
+
+    with torch.no_grad():
+        eager = step(q, k, v, alpha)
+        compiled = torch.compile(step, fullgraph=True, backend="aot_eager")(q, k, v, alpha)
+    assert calls == [1, 1] and torch.equal(compiled, eager)
+
+
 def test_hf_generate_takes_the_decode_path_and_records_stats(monkeypatch):
     """A tiny Llama (GQA, left padding, per-head alpha) with ``attn_implementation="entmax"`` on the fused backend:
     every ``generate()`` step after the prompt runs the decode kernels, the logits of each step match a recomputation
