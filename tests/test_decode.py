@@ -155,13 +155,13 @@ def test_half_precision(dtype, alpha):
 def test_split_counts(num_splits):
     """Every split count gives the reference's result; splits beyond the key blocks are not launched."""
     alpha = 2.0 if num_splits % 2 else 1.5
-    _run(B=1, Hq=2, Hk=1, N=256, D=16, alpha=alpha, num_splits=num_splits, seed=num_splits)
+    _run(B=1, Hq=2, Hk=1, N=128, D=16, alpha=alpha, num_splits=num_splits, seed=num_splits)
 
 
 def test_long_context_few_thousand_keys():
     """3000 keys in 128-key blocks and 8 splits, one sequence shorter than the capacity."""
     gen = torch.Generator().manual_seed(5)
-    N, seqlens = 3000, torch.tensor([3000, 2100], dtype=torch.int32)
+    N, seqlens = 3000, torch.tensor([3000, 1000], dtype=torch.int32)
     q = torch.randn(2, 2, 1, 32, generator=gen)
     k, v = _cache(gen, 2, 1, N, 32, torch.float32), _cache(gen, 2, 1, N, 32, torch.float32)
     res = entmax_decode_fwd(q, k, v, seqlens, 1.5, 32 ** -0.5, num_splits=8, block_n=128)
@@ -169,7 +169,7 @@ def test_long_context_few_thousand_keys():
     out_lp, _ = _reference(q, k, v, 1.5, seqlens, dtype=torch.float32)
     _check("out", res.out, out64, out_lp, torch.float32)
     assert torch.equal(res.n_valid, st64.n_valid)
-    assert torch.equal(res.blocks_read[..., 0].sum(-1).flatten(), torch.tensor([24, 17], dtype=torch.int32))
+    assert torch.equal(res.blocks_read[..., 0].sum(-1).flatten(), torch.tensor([24, 8], dtype=torch.int32))
 
 
 def test_empty_and_one_token_caches():
@@ -216,19 +216,18 @@ def test_nan_and_inf_give_nan_rows():
     bias[0, 3, 0, 2] = float("inf")
     bias[0, 2, 0, :10] = float("-inf")
     alpha = torch.tensor(MIXED)
-    res = entmax_decode_fwd(q, k, v, seqlens, alpha, D ** -0.5, bias=bias, num_splits=2)
+    # the public entry point: a +inf mask entry gives a NaN row, no exception (the non-finite policy)
+    out, st = entmax_decode(q, k, v, seqlens, alpha, attn_mask=bias, num_splits=2, return_stats=True, backend="triton")
     bad = torch.zeros(B, Hq, 1, dtype=torch.bool)
     bad[0, 1] = bad[1, 2] = bad[1, 3] = bad[0, 3] = True
-    assert torch.isnan(res.out[bad]).all() and torch.isnan(res.tau[bad]).all() and (res.nnz[bad] == 0).all()
-    assert not torch.isnan(res.out[~bad]).any()
+    assert torch.isnan(out[bad]).all() and torch.isnan(st.tau[bad]).all() and (st.nnz[bad] == 0).all()
+    assert not torch.isnan(out[~bad]).any()
     k_ok, q_ok = k.clone(), q.clone()
     k_ok[1, 1, 5, 0] = 0.0
     q_ok[0, 1, 0, 3] = 0.0
     bias_ok = bias.masked_fill(bad[..., None].expand_as(bias), 0.0)
     out64, _ = _reference(q_ok, k_ok.nan_to_num(), v.nan_to_num(), alpha, seqlens, mask=bias_ok)
-    assert _max_err(res.out[~bad], out64[~bad]) < 1e-5
-    out = entmax_decode(q[:1], k[:1], v[:1], seqlens[:1], alpha, attn_mask=bias[:1], num_splits=2, backend="triton")
-    assert torch.equal(torch.isnan(out), torch.isnan(res.out[:1]))  # a +inf mask entry: a NaN row, no exception
+    assert _max_err(out[~bad], out64[~bad]) < 1e-5
 
 
 def test_value_blocks_without_weight_are_not_read():
