@@ -13,6 +13,7 @@ from torch import Tensor
 from torch.nn.attention.bias import causal_lower_right
 
 from sparse_attn.attn_inputs import AttentionInputs, AttentionStats
+from sparse_attn.decode import decode_attention, decode_fits
 from sparse_attn.kernels.entmax_attn_bwd import entmax_attn_bwd
 from sparse_attn.kernels.entmax_attn_fwd import alpha_class_of, entmax_attn_fwd, fwd_block_sizes
 
@@ -162,10 +163,14 @@ def fused_entmax_attention(inputs: AttentionInputs, return_stats: bool):
     """Run the fused kernels on prepared inputs (see :func:`sparse_attn.entmax_attention`).
 
     Softmax heads (alpha = 1 for all heads) without statistics go to PyTorch's SDPA when it has our semantics
-    (:func:`_sdpa_fits`); otherwise the Triton forward runs with the alpha class known on the host.
+    (:func:`_sdpa_fits`); decoding steps (a few queries against a KV cache, no gradient) to the split-K decode
+    kernels (:func:`sparse_attn.decode.decode_fits`); otherwise the Triton forward runs with the alpha class known
+    on the host.
     """
     if _sdpa_fits(inputs, return_stats):
         return _sdpa(inputs)
+    if decode_fits(inputs):
+        return decode_attention(inputs, return_stats)
     seed = int(torch.randint(0, 2**31 - 1, (1,)).item()) if inputs.dropout_p > 0 else 0
     out, tau, lsum, nnz, n_valid, _, _, _ = _fwd_op(
         inputs.q, inputs.k, inputs.v, inputs.alpha, inputs.mask, inputs.cu_seqlens_q, inputs.cu_seqlens_k,

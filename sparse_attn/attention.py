@@ -82,6 +82,9 @@ def entmax_attention(
     The variants (``window_size``, ``alibi_slopes``, ``sinks``, ``softcap``, ``Dv != D``) follow
     flash-attn's semantics; the fused kernels do not implement them yet, so they run on the reference
     (CPU tensors, or ``backend="reference"``): the fused path raises ``ValueError`` for them.
+    Decoding steps on the fused path (1 to 16 queries against more keys, nothing requiring grad, no
+    dropout or packed sequences) run the split-K decode kernels (:func:`sparse_attn.decode.decode_fits`,
+    docs/decode.md); everything else the general fused forward.
 
     Args:
         q: ``(B, Hq, Nq, D)`` queries; any strides (a ``(B, N, H, D)`` tensor ``.transpose(1, 2)``

@@ -16,6 +16,11 @@ not materialized). The recorder accumulates, per layer and head:
   keys of the row, so ``0 <= JS <= 1``), averaged over the query rows with ``n >= 2``. This
   needs the weights, so those calls take the dense (materialized) path.
 
+With ``history=True`` the recorder also keeps each call's per-head density
+(:meth:`HeadStatsRecorder.density_history`): during ``generate()`` one call per layer and step,
+so a generation loop gets the head densities of every generated token (on CUDA the decoding steps
+run the split-K decode kernels, whose per-row statistics cost nothing extra; docs/decode.md).
+
 The recorder attaches a :class:`HeadStatsSink` to each layer (the instance attribute
 ``_head_stats_sink``, read by the layer through :func:`head_stats_sink`, removed on exit); the
 recorder's state is not global. Which modules are entmax attention layers is told by
@@ -118,8 +123,9 @@ def js_head_diversity(p: Tensor, n_valid: Tensor) -> tuple[Tensor, Tensor]:
 class _LayerSink:
     """Accumulator one layer reports to (called by the layer's forward)."""
 
-    def __init__(self, wants_weights: bool):
+    def __init__(self, wants_weights: bool, history: bool = False):
         self.wants_weights = wants_weights
+        self.history = history
         self.reset()
 
     def reset(self) -> None:
@@ -129,6 +135,7 @@ class _LayerSink:
         self.js_sum = None
         self.js_rows = None
         self.calls = 0
+        self.steps = []
 
     def __call__(self, nnz: Tensor, n_valid: Tensor, alpha: Tensor, weights: Tensor | None) -> None:
         with torch.no_grad():
@@ -138,6 +145,8 @@ class _LayerSink:
             dens, cnt = frac.sum(dims), valid.sum(dims).to(torch.float64)
             self.density_sum = dens if self.density_sum is None else self.density_sum + dens
             self.rows = cnt if self.rows is None else self.rows + cnt
+            if self.history:
+                self.steps.append(torch.where(cnt > 0, dens / cnt.clamp_min(1), math.nan))
             self.alpha = alpha.detach().reshape(-1).expand(frac.shape[1])
             if self.wants_weights and weights is not None:
                 js, rows = js_head_diversity(weights, n_valid)
@@ -153,16 +162,19 @@ class HeadStatsRecorder:
         model: the model; every entmax attention layer inside it is recorded.
         diversity: also record the Jensen-Shannon head diversity (dense weights on those calls).
             Default False.
+        history: also keep each call's per-head density (:meth:`density_history`). Default False.
 
     Attributes:
         layer_names: qualified names of the recorded layers, in model order.
     """
 
-    def __init__(self, model: nn.Module, diversity: bool = False):
+    def __init__(self, model: nn.Module, diversity: bool = False, history: bool = False):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
         if not isinstance(diversity, bool):
             raise TypeError(f"diversity must be a bool, got {type(diversity).__name__}")
+        if not isinstance(history, bool):
+            raise TypeError(f"history must be a bool, got {type(history).__name__}")
         self.model = model
         self.with_diversity = diversity
         self._layers = [(name, m) for name, m in model.named_modules() if _is_recordable(m)]
@@ -174,7 +186,7 @@ class HeadStatsRecorder:
                 "(or call model.set_attn_implementation('entmax'))"
             )
         self.layer_names = [name for name, _ in self._layers]
-        self._sinks = [_LayerSink(diversity) for _ in self._layers]
+        self._sinks = [_LayerSink(diversity, history) for _ in self._layers]
         self._active = False
 
     def __enter__(self) -> HeadStatsRecorder:
@@ -214,6 +226,22 @@ class HeadStatsRecorder:
             if sink.rows is not None:
                 d = sink.density_sum.cpu() / sink.rows.cpu()
                 out[i, : d.numel()] = torch.where(sink.rows.cpu() > 0, d, math.nan)
+        return out
+
+    def density_history(self) -> Tensor:
+        """Density per call, layer and head, float64 ``(n_calls, n_layers, n_heads)``.
+
+        Entry ``[c, i, h]`` is head ``h``'s mean density over the rows of layer ``i``'s ``c``-th recorded call (with
+        ``generate()``: call 0 the prompt, call ``c`` the step whose query is the ``c``-th generated token); NaN where
+        a layer made fewer calls or a call had no row with a valid key. Needs ``record_head_stats(model,
+        history=True)``."""
+        if not any(sink.history for sink in self._sinks):
+            raise RuntimeError("the density per call was not recorded: use record_head_stats(model, history=True)")
+        n_calls = max(len(sink.steps) for sink in self._sinks)
+        out = torch.full((n_calls, len(self._layers), self._n_heads()), math.nan, dtype=torch.float64)
+        for i, sink in enumerate(self._sinks):
+            for c, dens in enumerate(sink.steps):
+                out[c, i, : dens.numel()] = dens.cpu()
         return out
 
     def alphas(self) -> Tensor:
@@ -305,11 +333,13 @@ class HeadStatsRecorder:
         return fig
 
 
-def record_head_stats(model: nn.Module, diversity: bool = False) -> HeadStatsRecorder:
+def record_head_stats(model: nn.Module, diversity: bool = False, history: bool = False) -> HeadStatsRecorder:
     """A :class:`HeadStatsRecorder` for ``model``; use it as ``with record_head_stats(model) as rec:``.
 
     Args:
         model: model containing entmax attention layers.
         diversity: also record the Jensen-Shannon head diversity (eq. 11). Default False.
+        history: also keep each call's per-head density (``rec.density_history()``, e.g. per generated
+            token). Default False.
     """
-    return HeadStatsRecorder(model, diversity=diversity)
+    return HeadStatsRecorder(model, diversity=diversity, history=history)

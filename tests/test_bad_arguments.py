@@ -204,6 +204,7 @@ BAD_INPUTS = [
     (sa.record_head_stats, dict(model="model"), TypeError, "model must be an nn.Module"),
     (sa.record_head_stats, dict(model=nn.Linear(2, 2)), ValueError, "Linear contains no entmax attention layer"),
     (sa.record_head_stats, dict(model=_ATTENTION_MODEL, diversity="yes"), TypeError, "diversity must be a bool"),
+    (sa.record_head_stats, dict(model=_ATTENTION_MODEL, history=1), TypeError, "history must be a bool"),
     (sa.HeadStatsRecorder, dict(model=_ATTENTION_MODEL, diversity=1), TypeError, "diversity must be a bool"),
     (sa.HeadStatsRecorder, dict(model=None), TypeError, "model must be an nn.Module"),
 ]

@@ -110,6 +110,29 @@ def test_density_alpha_and_diversity_match_materialized_weights():
         fast.diversity()
 
 
+def test_density_history_per_call():
+    """history=True keeps each call's per-head density (computed here from materialized weights), NaN for a layer
+    that made fewer calls; the accumulated density is unchanged; without history it raises."""
+    model = TwoLayers()
+    batches = [_batch(1), _batch(2, n=3, l_q=4, s=5), _batch(3, l_q=1)]
+    want = torch.full((3, 2, H), math.nan, dtype=torch.float64)
+    with torch.no_grad():
+        for c, (x, mem, kpm) in enumerate(batches):
+            _, weights = model(x, mem, kpm, need_weights=True)
+            for layer, (w, valid) in enumerate(zip(weights, _valid_keys(x.shape[1], mem.shape[1], kpm))):
+                want[c, layer] = ((w > 0).sum(-1).double() / valid.sum(-1).double()).mean((0, 2))
+    with record_head_stats(model, history=True) as rec:
+        for x, mem, kpm in batches:
+            model(x, mem, kpm)
+        model.self_attn(batches[0][0], batches[0][0], batches[0][0], is_causal=True)
+    torch.testing.assert_close(rec.density_history()[:3], want, atol=1e-12, rtol=0)
+    assert rec.density_history().shape == (4, 2, H) and torch.isnan(rec.density_history()[3, 1]).all()
+    with record_head_stats(model) as plain:
+        model(*batches[0])
+    with pytest.raises(RuntimeError, match="history=True"):
+        plain.density_history()
+
+
 def test_density_path_does_not_materialize(monkeypatch):
     model = TwoLayers()
 

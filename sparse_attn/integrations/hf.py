@@ -18,8 +18,10 @@ to ``config.entmax``, and :func:`from_pretrained` rebuilds them when loading.
 :func:`sparse_attn.record_head_stats` records every attention module of a model whose
 configuration uses entmax attention, with or without attached alphas.
 Query and key/value heads may differ (GQA/MQA); causal masks are bottom-right aligned, so
-``generate()`` with a KV cache works. Attention variants pass as arguments of
-:func:`sparse_attn.entmax_attention`: a layer's ``sliding_window`` as ``window_size`` (Mistral, Gemma 2/3,
+``generate()`` with a KV cache works; on the fused backend its steps after the prompt (at most 16 new queries
+against the cache, no gradient) run the split-K decode kernels (docs/decode.md), and
+``record_head_stats(model, history=True)`` gives the head densities of every step. Attention variants pass as
+arguments of :func:`sparse_attn.entmax_attention`: a layer's ``sliding_window`` as ``window_size`` (Mistral, Gemma 2/3,
 gpt-oss, ModernBERT: the mask builder :func:`entmax_mask` leaves windows and causality to the attention
 function, so they are never materialized), gpt-oss's sinks (``s_aux``) as ``sinks``, Gemma-2's
 ``softcap``, ``alibi_slopes``, and value heads narrower than query/key heads (DeepSeek-V3).

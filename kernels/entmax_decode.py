@@ -1,0 +1,911 @@
+"""Split-K entmax attention for decoding: a few queries per sequence against a long, possibly paged, KV cache.
+
+One program owns one key range (a *split*) of one (batch entry, kv head, row tile); its rows are the
+``Nq x (Hq / Hk)`` queries that read that kv head (GQA packing: every q head of a group shares one read of
+the cache). For alpha > 1 a decode step is a short chain of launches of one kernel, every split working on
+its own key blocks and every later launch first combining what all splits of the previous one wrote:
+
+1. **score pass** (``PHASE 0``): the scores ``z = (alpha - 1) s`` of the split's keys are computed once
+   from the cache and stored (``Z``, float32, ``Nq x Hq / Hk`` rows per kv head: a fraction of the key
+   cache's own size), together with the split's row max, valid-key count, NaN flag and ``f``, ``g``, ``c``
+   at ``GRID_K`` absolute grid points ``i / (GRID_K - 1)`` below the split's own running max (the forward's
+   ring, kernels/entmax_attn_fwd.py). Blocks whose scores all lie below the lowest point are dead.
+2. **candidate passes** (``PHASE 1``, at most ``max_passes - 2`` launches): every program merges the
+   splits' grid sums into the global sums (exact: the grid is absolute, so a point above a split's own
+   max simply has nothing from that split), or the previous pass's candidate sums into the previous
+   bracket, solves for a certified bracket and an estimate (kernels/_threshold.py) and, while a row of
+   its tile is not pinned down, evaluates ``CAND_P`` points of the bracket over its live blocks, reading
+   the stored scores (not the cache) and dropping blocks below the certified lower bound.
+3. **value pass** (``PHASE 2``): the final threshold (same merge and solve), then for every live block
+   the weights; the block's value rows are read only when some weight is positive. Partial
+   ``sum_j p_j v_j``, ``sum_j p_j`` and support sizes per split.
+4. **combine** (second kernel): ``out = sum_s acc_s / sum_s l_s`` and the statistics.
+
+alpha == 1 is flash-decoding: one pass per split (online softmax) and the same combine, rescaled by the
+split maxima. A launch whose row tile has nothing left to refine returns after its merge, so the
+number of launches is fixed on the host (no synchronization) while the passes actually run adapt.
+Every program of a launch computes the same merge from the same inputs with the same code, so all
+splits use bitwise the same threshold. No atomics: each split writes only its own slots; split 0
+also writes the merged state the next launch starts from (two buffers, alternating).
+Derivation, measurements and the offline sm_90 builds: docs/decode.md.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from . import _common
+from ._common import LN2, LOG2E
+from ._masking import mask_spec, visible
+from ._threshold import log_ref, phi, point_sums, solve, weights
+from .entmax_attn_fwd import ALPHA_CLASSES, alpha_class_of, default_tolerance
+
+# (grid points, candidate points per later pass) by threshold arithmetic (POW 1: alpha = 2, 2: alpha = 1.5,
+# 0: other alpha): the fewest that keep bfloat16 at one candidate pass and float32 at two on the measured
+# caches (docs/decode.md); candidate passes read only the stored scores, so their points cost no cache reads
+DECODE_POINTS = {1: (8, 8), 2: (8, 8), 0: (8, 4)}
+# launches of the split kernel per decode step (score pass and value pass included) by input dtype; a candidate
+# launch whose row tile has converged returns after its merge
+DEFAULT_MAX_PASSES = {torch.float16: 3, torch.bfloat16: 3, torch.float32: 5}
+# per-row merged threshold state carried from launch to launch (columns of STATE)
+N_STATE = tl.constexpr(19)
+# per-split, per-row results: of the score pass (GRID_ROW: max, grid index, valid keys, NaN flag) and of the value
+# (or softmax) pass (PART_ROW: max in log2 scale for softmax, sum of weights, support size, valid keys)
+N_PART = tl.constexpr(4)
+# Nq * Hq / Hk rows per program at most; more rows take more row tiles (each reads the cache again)
+MAX_BLOCK_M = 32
+
+
+class EntmaxDecodeResult(NamedTuple):
+    """What :func:`entmax_decode_fwd` returns.
+
+    out:         ``(B, Hq, Nq, D)`` in ``q.dtype``.
+    tau:         float32 ``(B, Hq, Nq)``: the threshold in the z-scale (logsumexp of the scores at alpha == 1),
+                 ``+inf`` for rows with no valid key, NaN for rows with a NaN or ``+inf`` score.
+    nnz:         int32 ``(B, Hq, Nq)``: support size (valid keys at alpha == 1; 0 for NaN rows).
+    n_valid:     int32 ``(B, Hq, Nq)``: keys the row may attend to.
+    n_passes:    int32 ``(n_launches, B, Hk, n_row_tiles)``: passes that ran per row tile (score and value pass
+                 included; 1 for softmax), one entry per alpha-class launch (0 where a launch had no row of
+                 its class in the tile).
+    blocks_read: int32 ``(n_launches, B, Hk, n_row_tiles, n_splits, max_passes + 1)``: key blocks read per split
+                 and pass. Column 0: cache key blocks of the score pass (softmax: its only pass); 1 .. max_passes
+                 - 2: score blocks of each candidate pass (from the stored scores); max_passes - 1: score blocks
+                 of the value pass; max_passes: cache value blocks (those with a positive weight).
+    n_splits, block_n: the key-range splits and the key block size used.
+    """
+
+    out: torch.Tensor
+    tau: torch.Tensor
+    nnz: torch.Tensor
+    n_valid: torch.Tensor
+    n_passes: torch.Tensor
+    blocks_read: torch.Tensor
+    n_splits: int
+    block_n: int
+
+
+@triton.jit
+def _packed_rows(ALPHA, rt, h_kv, kv_group, seqlen_q, n_rows, ALPHA_CLASS: tl.constexpr, FILTER: tl.constexpr,
+                 BLOCK_M: tl.constexpr):
+    """Rows of row tile ``rt``: packed index ``r = g * Nq + i`` (q head ``h = h_kv * group + g``, query ``i``).
+
+    Returns ``(r, i, h, active, alpha)``, each ``[BLOCK_M]``: ``active`` marks rows that exist and, with
+    ``FILTER``, whose head is of this launch's alpha class; ``alpha`` is 1.5 outside.
+    """
+    r = rt * BLOCK_M + tl.arange(0, BLOCK_M)
+    g = r // seqlen_q
+    i = r - g * seqlen_q
+    h = h_kv * kv_group + g
+    active = r < n_rows
+    alpha = tl.load(ALPHA + h, mask=active, other=1.5)
+    if FILTER:
+        cls = tl.where(alpha == 1.0, 0, tl.where(alpha == 2.0, 1, tl.where(alpha == 1.5, 2, 3)))
+        active = active & (cls == ALPHA_CLASS)
+    return r, i, h, active, tl.where(active, alpha, 1.5)
+
+
+@triton.jit
+def _cache_rows(BLOCK_TABLE, b, cols, col_ok, stride_tb, stride_tn, page_size, IS_PAGED: tl.constexpr):
+    """``(outer, inner)`` int64 ``[BLOCK_N]`` indices of the keys ``cols`` of batch entry ``b`` in the cache:
+    ``(b, col)`` for a contiguous cache, ``(page, slot)`` through the block table for a paged one."""
+    if IS_PAGED:
+        page = tl.load(BLOCK_TABLE + b.to(tl.int64) * stride_tb + (cols // page_size).to(tl.int64) * stride_tn,
+                       mask=col_ok, other=0)
+        return page.to(tl.int64), (cols % page_size).to(tl.int64)
+    return cols.to(tl.int64) * 0 + b.to(tl.int64), cols.to(tl.int64)
+
+
+@triton.jit
+def _cache_tile(PTR, outer, inner, h_kv, col_ok, stride_b, stride_h, stride_n, stride_d, HEAD_DIM: tl.constexpr,
+                BLOCK_D: tl.constexpr, TRANSPOSED: tl.constexpr, UPCAST: tl.constexpr):
+    """Rows of the cache at ``(outer, inner)``: ``[BLOCK_N, BLOCK_D]``, or ``[BLOCK_D, BLOCK_N]`` if ``TRANSPOSED``."""
+    offs_d = tl.arange(0, BLOCK_D)
+    row = outer * stride_b + inner * stride_n + h_kv.to(tl.int64) * stride_h
+    if TRANSPOSED:
+        x = tl.load(PTR + row[None, :] + offs_d.to(tl.int64)[:, None] * stride_d,
+                    mask=col_ok[None, :] & (offs_d[:, None] < HEAD_DIM), other=0.0)
+    else:
+        x = tl.load(PTR + row[:, None] + offs_d.to(tl.int64)[None, :] * stride_d,
+                    mask=col_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    if UPCAST:
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
+def _scores(q, K, BIAS, BLOCK_TABLE, b, h_kv, h, i, active, cols, seqlen_q, seqlen_k, z_scale, bias_scale,
+            stride_kb, stride_kh, stride_kn, stride_kd, stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n,
+            stride_tb, stride_tn, page_size, MASK, BIAS_KIND: tl.constexpr, IS_PAGED: tl.constexpr,
+            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Scores ``z_scale * q.k + bias_scale * bias`` of one key block, ``-inf`` where not visible. [BLOCK_M, BLOCK_N]
+
+    ``z_scale``, ``bias_scale`` are per row ``[BLOCK_M]``; the mask is read per packed row at ``(b, h, i)``.
+    """
+    col_ok = cols < seqlen_k
+    outer, inner = _cache_rows(BLOCK_TABLE, b, cols, col_ok, stride_tb, stride_tn, page_size, IS_PAGED)
+    k = _cache_tile(K, outer, inner, h_kv, col_ok, stride_kb, stride_kh, stride_kn, stride_kd, HEAD_DIM, BLOCK_D,
+                    True, UPCAST)
+    z = tl.dot(q, k, input_precision=DOT_PRECISION) * z_scale[:, None]
+    ok = visible(i, cols, seqlen_q, seqlen_k, MASK) & active[:, None]
+    if BIAS_KIND != 0:
+        row_off = b.to(tl.int64) * stride_bias_b + h.to(tl.int64) * stride_bias_h + i.to(tl.int64) * stride_bias_m
+        ptrs = BIAS + row_off[:, None] + cols.to(tl.int64)[None, :] * stride_bias_n
+        if BIAS_KIND == 2:
+            ok = ok & (tl.load(ptrs, mask=ok, other=0) != 0)
+        else:
+            z = z + tl.load(ptrs, mask=ok, other=0.0).to(tl.float32) * bias_scale[:, None]
+    return tl.where(ok, z, float("-inf"))
+
+
+@triton.jit
+def _ring_index(j, slot, GRID_K: tl.constexpr):
+    """Grid index held by ring slot ``slot`` when the top index is ``j``: ``j - ((j - slot) mod GRID_K)``."""
+    d = j - slot
+    return j - (d - GRID_K * tl.floor(d / GRID_K))
+
+
+@triton.jit
+def _col(x, sel):
+    """Column ``sel`` (a ``[1, N]`` one-hot mask) of ``x [BLOCK_M, N]`` as ``[BLOCK_M]``."""
+    return tl.sum(tl.where(sel, x, 0.0), 1)
+
+
+@triton.jit
+def _merge_points(a, pa, da, fa, ga, ca, b, pb, db, cb, b_top, t, ph, dph, f, g, c, N: tl.constexpr):
+    """``_threshold.merge_point`` for ``N`` points at once (``t``, ``ph``, ``dph``, ``f``, ``g``, ``c``:
+    ``[BLOCK_M, N]``): the bracket ends move to the highest point with ``phi >= 0`` above ``a`` and the lowest
+    with ``phi < 0`` below ``b`` (the first such column on ties), as merging them one by one would."""
+    idx = tl.arange(0, N)[None, :]
+    up_a = (ph >= 0.0) & (t > a[:, None])
+    best_a = tl.max(tl.where(up_a, t, float("-inf")), 1)
+    sel_a = idx == tl.min(tl.where(up_a & (t == best_a[:, None]), idx, N), 1)[:, None]
+    has_a = best_a > float("-inf")
+    up_b = (ph < 0.0) & (t < b[:, None])
+    best_b = tl.min(tl.where(up_b, t, float("inf")), 1)
+    sel_b = idx == tl.min(tl.where(up_b & (t == best_b[:, None]), idx, N), 1)[:, None]
+    has_b = best_b < float("inf")
+    return (tl.where(has_a, best_a, a), tl.where(has_a, _col(ph, sel_a), pa), tl.where(has_a, _col(dph, sel_a), da),
+            tl.where(has_a, _col(f, sel_a), fa), tl.where(has_a, _col(g, sel_a), ga),
+            tl.where(has_a, _col(c, sel_a), ca), tl.where(has_b, best_b, b), tl.where(has_b, _col(ph, sel_b), pb),
+            tl.where(has_b, _col(dph, sel_b), db), tl.where(has_b, _col(c, sel_b), cb), b_top & (has_b == 0))
+
+
+@triton.jit
+def _point_tiles(z, t, lref, bm1, POW: tl.constexpr, N: tl.constexpr):
+    """``f``, ``g``, ``c`` (``[BLOCK_M, N]``) of the score tile ``z`` at the ``N`` points ``t [BLOCK_M, N]``
+    (``lref``: the log of the max key's base there, POW 0; ``c`` is 0 for POW 0), one ``point_sums`` per point."""
+    col = tl.arange(0, N)[None, :]
+    F = tl.zeros(t.shape, tl.float32)
+    G = tl.zeros(t.shape, tl.float32)
+    C = tl.zeros(t.shape, tl.float32)
+    for p in tl.static_range(N):
+        sel = col == p
+        f, g, c = point_sums(z, tl.sum(tl.where(sel, t, 0.0), 1), POW, bm1[:, None],
+                             tl.sum(tl.where(sel, lref, 0.0), 1))
+        F += tl.where(sel, f[:, None], 0.0)
+        G += tl.where(sel, g[:, None], 0.0)
+        C += tl.where(sel, c[:, None], 0.0)
+    return F, G, C
+
+
+@triton.jit
+def _store_points(PTS, split_rows, active, F, G, C, N: tl.constexpr):
+    """Store one split's ``[BLOCK_M, N]`` point sums (``f``, ``g``, ``c`` of each row, ``3 N`` floats per row)."""
+    pts = PTS + split_rows[:, None] * (3 * N) + tl.arange(0, N)[None, :]
+    tl.store(pts, F, mask=active[:, None])
+    tl.store(pts + N, G, mask=active[:, None])
+    tl.store(pts + 2 * N, C, mask=active[:, None])
+
+
+@triton.jit
+def _grid_pass(q, K, BIAS, BLOCK_TABLE, Z, z_rows, list_base, b, h_kv, h, i, active, kt_lo, kt_hi, seqlen_q,
+               seqlen_k, z_scale, bias_scale, beta, bm1, shift,
+               stride_kb, stride_kh, stride_kn, stride_kd, stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n,
+               stride_tb, stride_tn, page_size, MASK, POW: tl.constexpr, GRID_K: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BIAS_KIND: tl.constexpr, IS_PAGED: tl.constexpr,
+               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """The score pass over key blocks ``[kt_lo, kt_hi)``: stores the scores and lists the live blocks.
+
+    Returns ``(m, j_top, n_valid, bad, F, G, C, n_live)``: the split's row max, its grid index, valid keys,
+    NaN/+inf flag and the ``[BLOCK_M, GRID_K]`` sums at the ring's points (POW 0: scaled by the split max's
+    term), and the number of live blocks written to ``list_base``.
+    """
+    w_grid = 1.0 / (GRID_K - 1)
+    slot = tl.arange(0, GRID_K).to(tl.float32)
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    j_top = tl.full([BLOCK_M], -1e30, tl.float32)  # grid index of the running max (-1e30: no key yet)
+    n_valid = tl.zeros([BLOCK_M], tl.int32)
+    bad = tl.zeros([BLOCK_M], tl.int32)
+    F = tl.zeros([BLOCK_M, GRID_K], tl.float32)
+    G = tl.zeros([BLOCK_M, GRID_K], tl.float32)
+    C = tl.zeros([BLOCK_M, GRID_K], tl.float32)
+    L = tl.full([BLOCK_M, GRID_K], -99.65784284662087, tl.float32)  # POW 0: log2 of the max key's base (1e-30)
+    n_live = tl.zeros([], tl.int32)
+    for kt in range(kt_lo, kt_hi):
+        cols = kt * BLOCK_N + tl.arange(0, BLOCK_N)
+        z = _scores(q, K, BIAS, BLOCK_TABLE, b, h_kv, h, i, active, cols, seqlen_q, seqlen_k, z_scale, bias_scale,
+                    stride_kb, stride_kh, stride_kn, stride_kd, stride_bias_b, stride_bias_h, stride_bias_m,
+                    stride_bias_n, stride_tb, stride_tn, page_size, MASK, BIAS_KIND, IS_PAGED, HEAD_DIM, BLOCK_D,
+                    UPCAST, DOT_PRECISION)
+        tl.store(Z + z_rows[:, None] + cols[None, :], z, mask=active[:, None])
+        bad = bad | tl.max(((z != z) | (z == float("inf"))).to(tl.int32), 1)
+        n_valid += tl.sum((z != float("-inf")).to(tl.int32), 1)
+        m_new = tl.maximum(m, tl.max(z, 1))
+        j_new = tl.where(m_new > float("-inf"), tl.floor(m_new / w_grid), j_top)
+        # a slot whose point changes restarts at zero: its new point lies above every earlier key
+        i_new = _ring_index(j_new[:, None], slot[None, :], GRID_K)
+        same = _ring_index(j_top[:, None], slot[None, :], GRID_K) == i_new
+        if POW == 0:
+            l_new = log_ref(m_new[:, None], i_new * w_grid + shift)
+            F = tl.where(same, F * tl.exp2(beta[:, None] * (L - l_new)), 0.0)
+            G = tl.where(same, G * tl.exp2(bm1[:, None] * (L - l_new)), 0.0)
+            L = l_new
+        else:
+            F = tl.where(same, F, 0.0)
+            G = tl.where(same, G, 0.0)
+            C = tl.where(same, C, 0.0)
+        t_low = (j_new - (GRID_K - 1)) * w_grid  # <= m - 1 <= tau
+        live = tl.max((z > t_low[:, None]).to(tl.int32))
+        if live != 0:
+            f, g, c = _point_tiles(z, i_new * w_grid + shift, L, bm1, POW, GRID_K)
+            F += f
+            G += g
+            C += c
+        tl.store(list_base + n_live, kt, mask=live != 0)
+        n_live += live
+        m = m_new
+        j_top = j_new
+    return m, j_top, n_valid, bad, F, G, C, n_live
+
+
+@triton.jit
+def _grid_state(GRID_ROW, GRID_PTS, split_rows, n_splits, active, am1, beta, bm1, shift, POW: tl.constexpr,
+                GRID_K: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Merge the splits' score-pass results into the global row state and solve the first bracket.
+
+    The grid is absolute, so split ``s`` holds the sums at the global points ``(J - GRID_K, J]`` that are not
+    above its own top index ``J_s``, and nothing at the others (each of its keys lies below its max).
+    Returns the state tuple of :func:`_store_state`.
+    """
+    w_grid = 1.0 / (GRID_K - 1)
+    slot = tl.arange(0, GRID_K).to(tl.float32)
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    j_top = tl.full([BLOCK_M], -1e30, tl.float32)
+    n_valid = tl.zeros([BLOCK_M], tl.float32)
+    bad = tl.zeros([BLOCK_M], tl.float32)
+    for s in range(0, n_splits):
+        row = GRID_ROW + (split_rows + s) * N_PART
+        m = tl.maximum(m, tl.load(row, mask=active, other=float("-inf")))
+        j_top = tl.maximum(j_top, tl.load(row + 1, mask=active, other=-1e30))
+        n_valid += tl.load(row + 2, mask=active, other=0.0)
+        bad = tl.maximum(bad, tl.load(row + 3, mask=active, other=0.0))
+    valid = n_valid > 0.0
+    usable = valid & (bad == 0.0) & active
+    m = tl.where(usable, m, 0.0)
+    j_top = tl.where(usable, j_top, 0.0)
+    i_glob = _ring_index(j_top[:, None], slot[None, :], GRID_K)
+    t_glob = i_glob * w_grid + shift
+    l_glob = log_ref(m[:, None], t_glob)
+    F = tl.zeros([BLOCK_M, GRID_K], tl.float32)
+    G = tl.zeros([BLOCK_M, GRID_K], tl.float32)
+    C = tl.zeros([BLOCK_M, GRID_K], tl.float32)
+    for s in range(0, n_splits):
+        row = GRID_ROW + (split_rows + s) * N_PART
+        m_s = tl.load(row, mask=usable, other=float("-inf"))
+        j_s = tl.load(row + 1, mask=usable, other=-1e30)
+        pts = GRID_PTS + (split_rows + s)[:, None] * (3 * GRID_K) + tl.arange(0, GRID_K)[None, :]
+        same = (_ring_index(j_s[:, None], slot[None, :], GRID_K) == i_glob) & usable[:, None]
+        f_s = tl.load(pts, mask=same, other=0.0)
+        g_s = tl.load(pts + GRID_K, mask=same, other=0.0)
+        if POW == 0:
+            # rescale from the split max's term to the global max's
+            d_l = log_ref(m_s[:, None], t_glob) - l_glob
+            F += tl.where(same, f_s * tl.exp2(beta[:, None] * d_l), 0.0)
+            G += tl.where(same, g_s * tl.exp2(bm1[:, None] * d_l), 0.0)
+        else:
+            F += f_s
+            G += g_s
+            C += tl.load(pts + 2 * GRID_K, mask=same, other=0.0)
+    # beyond 2**22 grid steps fp32 cannot index the grid: those rows start from [m - 1, m], phi(m - 1) unknown
+    grid_ok = tl.abs(j_top) < 4194304.0
+    zero = tl.zeros([BLOCK_M], tl.float32)
+    a = tl.where(grid_ok, float("-inf"), m - 1.0 + shift)
+    pa = zero + float("nan")
+    da = zero - 1.0
+    fa = zero + 1.0
+    ga = zero
+    ca = zero
+    b = m + shift
+    pb = zero - 1.0
+    db = zero - 1.0
+    cb = zero
+    b_top = m == m
+    ph, dph = phi(F, G, POW, am1[:, None], l_glob)
+    # the lowest point is <= m - 1, where f >= 1 in exact arithmetic
+    lowest = i_glob == (j_top - (GRID_K - 1))[:, None]
+    a, pa, da, fa, ga, ca, b, pb, db, cb, b_top = _merge_points(
+        a, pa, da, fa, ga, ca, b, pb, db, cb, b_top, tl.where(grid_ok[:, None], t_glob, float("nan")),
+        tl.where(lowest, tl.maximum(ph, 0.0), ph), dph, tl.where(lowest, tl.maximum(F, 1.0), F), G, C, GRID_K)
+    est, lo, hi, exact = solve(a, pa, da, fa, ga, ca, b, pb, db, cb, b_top, POW)
+    return (m, a, pa, da, fa, ga, ca, b, pb, db, cb, b_top.to(tl.float32), est, lo, hi, exact.to(tl.float32),
+            usable.to(tl.float32), tl.where(active, bad, 0.0), tl.full([], 1.0, tl.float32))
+
+
+@triton.jit
+def _store_state(STATE, state_rows, active, m, a, pa, da, fa, ga, ca, b, pb, db, cb, b_top, est, lo, hi, exact,
+                 usable, bad, passes):
+    """Store the row state (``N_STATE`` columns of ``STATE``; flags as 0/1 floats, ``passes`` run so far)."""
+    base = STATE + state_rows * N_STATE
+    tl.store(base, m, mask=active)
+    tl.store(base + 1, a, mask=active)
+    tl.store(base + 2, pa, mask=active)
+    tl.store(base + 3, da, mask=active)
+    tl.store(base + 4, fa, mask=active)
+    tl.store(base + 5, ga, mask=active)
+    tl.store(base + 6, ca, mask=active)
+    tl.store(base + 7, b, mask=active)
+    tl.store(base + 8, pb, mask=active)
+    tl.store(base + 9, db, mask=active)
+    tl.store(base + 10, cb, mask=active)
+    tl.store(base + 11, b_top, mask=active)
+    tl.store(base + 12, est, mask=active)
+    tl.store(base + 13, lo, mask=active)
+    tl.store(base + 14, hi, mask=active)
+    tl.store(base + 15, exact, mask=active)
+    tl.store(base + 16, usable, mask=active)
+    tl.store(base + 17, bad, mask=active)
+    tl.store(base + 18, passes, mask=active)
+
+
+@triton.jit
+def _load_state(STATE, state_rows, active):
+    """The state :func:`_store_state` stored (inactive rows: unusable, done)."""
+    base = STATE + state_rows * N_STATE
+    return (tl.load(base, mask=active, other=0.0), tl.load(base + 1, mask=active, other=0.0),
+            tl.load(base + 2, mask=active, other=0.0), tl.load(base + 3, mask=active, other=-1.0),
+            tl.load(base + 4, mask=active, other=1.0), tl.load(base + 5, mask=active, other=0.0),
+            tl.load(base + 6, mask=active, other=0.0), tl.load(base + 7, mask=active, other=0.0),
+            tl.load(base + 8, mask=active, other=-1.0), tl.load(base + 9, mask=active, other=-1.0),
+            tl.load(base + 10, mask=active, other=0.0), tl.load(base + 11, mask=active, other=1.0),
+            tl.load(base + 12, mask=active, other=0.0), tl.load(base + 13, mask=active, other=0.0),
+            tl.load(base + 14, mask=active, other=0.0), tl.load(base + 15, mask=active, other=1.0),
+            tl.load(base + 16, mask=active, other=0.0), tl.load(base + 17, mask=active, other=0.0),
+            tl.max(tl.load(base + 18, mask=active, other=0.0), 0))
+
+
+@triton.jit
+def _done(exact, lo, hi, da, beta, usable, tol):
+    """Rows whose threshold needs no more passes: exact, unusable, or a certified bracket so narrow that moving the
+    threshold across it changes the row's total weight by at most ``tol`` (relative): ``(hi - lo) beta |phi'(a)|``,
+    ``|phi'(a)|`` close to ``g(tau) = sum_j p_j^(1 - 1/beta)`` near the root (docs/decode.md), or float32 cannot
+    split it further (a few ulps of ``lo``)."""
+    width = hi - lo
+    return ((exact != 0.0) | (usable == 0.0) | (width * tl.maximum(beta * tl.abs(da), 1.0) <= tol)
+            | (width <= 4.8e-7 * (1.0 + tl.abs(lo))))
+
+
+@triton.jit
+def _cand_points(m, lo, hi, est, shift, CAND_P: tl.constexpr):
+    """The ``[BLOCK_M, CAND_P]`` points of a candidate pass (the estimate if one, else evenly over a slightly
+    widened certified bracket) and the log of the max key's base there (POW 0)."""
+    cand = tl.arange(0, CAND_P).to(tl.float32)
+    if CAND_P == 1:
+        t_p = est[:, None] + cand[None, :]
+    else:
+        widen = 1e-6 * (1.0 + tl.abs(lo))
+        lo2 = lo - widen
+        t_p = lo2[:, None] + ((hi + widen - lo2) / (CAND_P - 1))[:, None] * cand[None, :]
+    return t_p, log_ref(m[:, None], t_p)
+
+
+@triton.jit
+def _merge_cands(CAND, split_rows, n_splits, active, m, a, pa, da, fa, ga, ca, b, pb, db, cb, b_top, est, lo, hi,
+                 exact, usable, am1, shift, tol, POW: tl.constexpr, CAND_P: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Merge the candidate sums of all splits at the points of the state into its bracket and solve again
+    (rows already done are left as they are). Returns the updated bracket, estimate and certified bounds."""
+    t_p, l_p = _cand_points(m, lo, hi, est, shift, CAND_P)
+    cand = tl.arange(0, CAND_P)
+    FP = tl.zeros([BLOCK_M, CAND_P], tl.float32)
+    GP = tl.zeros([BLOCK_M, CAND_P], tl.float32)
+    CP = tl.zeros([BLOCK_M, CAND_P], tl.float32)
+    for s in range(0, n_splits):
+        pts = CAND + (split_rows + s)[:, None] * (3 * CAND_P) + cand[None, :]
+        FP += tl.load(pts, mask=active[:, None], other=0.0)
+        GP += tl.load(pts + CAND_P, mask=active[:, None], other=0.0)
+        CP += tl.load(pts + 2 * CAND_P, mask=active[:, None], other=0.0)
+    act = (_done(exact, lo, hi, da, 1.0 / am1, usable, tol) == 0) & active
+    ph, dph = phi(FP, GP, POW, am1[:, None], l_p)
+    # rows that are done take no point (NaN compares false), so their bracket stays well formed
+    n_a, n_pa, n_da, n_fa, n_ga, n_ca, n_b, n_pb, n_db, n_cb, n_top = _merge_points(
+        a, pa, da, fa, ga, ca, b, pb, db, cb, b_top != 0.0, tl.where(act[:, None], t_p, float("nan")), ph, dph, FP,
+        GP, CP, CAND_P)
+    n_est, n_lo, n_hi, n_exact = solve(n_a, n_pa, n_da, n_fa, n_ga, n_ca, n_b, n_pb, n_db, n_cb, n_top, POW)
+    n_lo = tl.maximum(lo, n_lo)
+    n_hi = tl.minimum(hi, n_hi)
+    n_lo = tl.minimum(n_lo, n_hi)
+    n_est = tl.minimum(tl.maximum(n_est, n_lo), n_hi)
+    return (tl.where(act, n_a, a), tl.where(act, n_pa, pa), tl.where(act, n_da, da), tl.where(act, n_fa, fa),
+            tl.where(act, n_ga, ga), tl.where(act, n_ca, ca), tl.where(act, n_b, b), tl.where(act, n_pb, pb),
+            tl.where(act, n_db, db), tl.where(act, n_cb, cb), tl.where(act, n_top.to(tl.float32), b_top),
+            tl.where(act, n_est, est), tl.where(act, n_lo, lo), tl.where(act, n_hi, hi),
+            tl.where(act, n_exact.to(tl.float32), exact))
+
+
+@triton.jit
+def _softmax_split(q, K, V, BIAS, BLOCK_TABLE, b, h_kv, h, i, active, kt_lo, kt_hi, seqlen_q, seqlen_k, scale,
+                   stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd,
+                   stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n, stride_tb, stride_tn, page_size, MASK,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BIAS_KIND: tl.constexpr, IS_PAGED: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """alpha == 1 on key blocks ``[kt_lo, kt_hi)``: online softmax (base 2). Returns ``(m, l, acc, n_valid)``."""
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_sum = tl.zeros([BLOCK_M], tl.float32)
+    n_valid = tl.zeros([BLOCK_M], tl.int32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    log2e = tl.zeros([BLOCK_M], tl.float32) + LOG2E
+    for kt in range(kt_lo, kt_hi):
+        cols = kt * BLOCK_N + tl.arange(0, BLOCK_N)
+        s = _scores(q, K, BIAS, BLOCK_TABLE, b, h_kv, h, i, active, cols, seqlen_q, seqlen_k, log2e * scale, log2e,
+                    stride_kb, stride_kh, stride_kn, stride_kd, stride_bias_b, stride_bias_h, stride_bias_m,
+                    stride_bias_n, stride_tb, stride_tn, page_size, MASK, BIAS_KIND, IS_PAGED, HEAD_DIM, BLOCK_D,
+                    UPCAST, DOT_PRECISION)
+        n_valid += tl.sum((s != float("-inf")).to(tl.int32), 1)
+        m_new = tl.maximum(m, tl.max(s, 1))
+        m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
+        corr = tl.exp2(m - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        col_ok = cols < seqlen_k
+        outer, inner = _cache_rows(BLOCK_TABLE, b, cols, col_ok, stride_tb, stride_tn, page_size, IS_PAGED)
+        v = _cache_tile(V, outer, inner, h_kv, col_ok, stride_vb, stride_vh, stride_vn, stride_vd, HEAD_DIM, BLOCK_D,
+                        False, UPCAST)
+        l_sum = l_sum * corr + tl.sum(p, 1)
+        acc = acc * corr[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m = m_new
+    return m, l_sum, acc, n_valid
+
+
+@triton.jit
+def _store_partials(PART_ROW, PART_ACC, split_rows, active, m, l_sum, nnz, acc, HEAD_DIM: tl.constexpr,
+                    BLOCK_D: tl.constexpr):
+    """One split's value-pass results: max (log2 scale; 0 for entmax), sum of weights, support size, ``acc``."""
+    offs_d = tl.arange(0, BLOCK_D)
+    tl.store(PART_ROW + split_rows * N_PART, m, mask=active)
+    tl.store(PART_ROW + split_rows * N_PART + 1, l_sum, mask=active)
+    tl.store(PART_ROW + split_rows * N_PART + 2, nnz.to(tl.float32), mask=active)
+    tl.store(PART_ACC + split_rows[:, None] * HEAD_DIM + offs_d[None, :], acc,
+             mask=active[:, None] & (offs_d[None, :] < HEAD_DIM))
+
+
+@triton.jit
+def _entmax_decode_split_kernel(
+    Q, K, V, BIAS, ALPHA, BLOCK_TABLE, CACHE_SEQLENS, Z, LIST, LIVE_N, GRID_ROW, GRID_PTS, CAND_IN, CAND_OUT,
+    STATE_IN, STATE_OUT, PART_ROW, PART_ACC, TAU, BLOCKS_READ, N_PASSES,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n,
+    stride_tb, stride_tn, page_size,
+    n_heads, n_kv_heads, kv_group, seqlen_q, n_rows, n_row_tiles, n_splits, blocks_per_split, n_kblocks,
+    max_seqlen_k, scale, tol, pass_slot, n_slots, MASK,
+    ALPHA_CLASS: tl.constexpr, FILTER: tl.constexpr, PHASE: tl.constexpr, FROM_GRID: tl.constexpr,
+    GRID_K: tl.constexpr, CAND_P: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BIAS_KIND: tl.constexpr, IS_PAGED: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One program per (split, kv head x row tile, batch entry); ``PHASE`` 0 score pass, 1 candidate pass,
+    2 value pass (module docstring). ``ALPHA_CLASS`` 0 (softmax) runs its single pass whatever ``PHASE``."""
+    split = tl.program_id(0)
+    h_kv = tl.program_id(1) // n_row_tiles
+    rt = tl.program_id(1) % n_row_tiles
+    b = tl.program_id(2)
+    r, i, h, active, alpha = _packed_rows(ALPHA, rt, h_kv, kv_group, seqlen_q, n_rows, ALPHA_CLASS, FILTER, BLOCK_M)
+    if tl.max(active.to(tl.int32)) == 0:
+        return
+    seqlen_k = tl.minimum(tl.maximum(tl.load(CACHE_SEQLENS + b), 0), max_seqlen_k)
+    kt_lo = split * blocks_per_split
+    kt_hi = tl.maximum(tl.minimum(kt_lo + blocks_per_split, tl.cdiv(seqlen_k, BLOCK_N)), kt_lo)
+    tile = (b * n_kv_heads + h_kv) * n_row_tiles + rt
+    rows_pad = n_row_tiles * BLOCK_M
+    split_rows = (((b * n_kv_heads + h_kv) * rows_pad + r) * n_splits).to(tl.int64)  # [BLOCK_M]
+    state_rows = ((b * n_kv_heads + h_kv) * rows_pad + r).to(tl.int64)
+    z_rows = ((b * n_kv_heads + h_kv) * n_rows + r).to(tl.int64) * (n_kblocks * BLOCK_N)
+    list_base = LIST + tile.to(tl.int64) * n_kblocks + kt_lo
+    live_n = LIVE_N + tile.to(tl.int64) * n_splits + split
+    reads = BLOCKS_READ + (tile.to(tl.int64) * n_splits + split) * n_slots
+    offs_d = tl.arange(0, BLOCK_D)
+    q_rows = b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh + i.to(tl.int64) * stride_qm
+    q = tl.load(Q + q_rows[:, None] + offs_d[None, :] * stride_qd, mask=active[:, None] & (offs_d[None, :] < HEAD_DIM),
+                other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    stat_offs = (b.to(tl.int64) * n_heads + h) * seqlen_q + i
+
+    if ALPHA_CLASS == 0:
+        m, l_sum, acc, n_valid = _softmax_split(
+            q, K, V, BIAS, BLOCK_TABLE, b, h_kv, h, i, active, kt_lo, kt_hi, seqlen_q, seqlen_k, scale,
+            stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd,
+            stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n, stride_tb, stride_tn, page_size, MASK,
+            BLOCK_M, BLOCK_N, BIAS_KIND, IS_PAGED, HEAD_DIM, BLOCK_D, UPCAST, DOT_PRECISION)
+        _store_partials(PART_ROW, PART_ACC, split_rows + split, active, m, l_sum, n_valid, acc, HEAD_DIM, BLOCK_D)
+        tl.store(PART_ROW + (split_rows + split) * N_PART + 3, n_valid.to(tl.float32), mask=active)
+        tl.store(reads, kt_hi - kt_lo)
+        tl.store(reads + n_slots - 1, kt_hi - kt_lo)
+        if split == 0:
+            tl.store(N_PASSES + tile, 1)
+        return
+
+    if ALPHA_CLASS == 1:
+        POW: tl.constexpr = 1
+    elif ALPHA_CLASS == 2:
+        POW: tl.constexpr = 2
+    else:
+        POW: tl.constexpr = 0
+    # unchecked device alpha outside [1, 2] (or NaN) reaches the general class: those rows are NaN
+    a_ok = (alpha >= 1.0) & (alpha <= 2.0)
+    am1 = tl.where(a_ok, alpha, 1.5) - 1.0
+    beta = 1.0 / am1
+    bm1 = beta - 1.0
+    if POW == 0:
+        shift = 1.0
+    else:
+        shift = 0.0
+
+    if PHASE == 0:
+        m, j_top, n_valid, bad, F, G, C, n_live = _grid_pass(
+            q, K, BIAS, BLOCK_TABLE, Z, z_rows, list_base, b, h_kv, h, i, active, kt_lo, kt_hi, seqlen_q, seqlen_k,
+            scale * am1, am1, beta, bm1, shift, stride_kb, stride_kh, stride_kn, stride_kd, stride_bias_b,
+            stride_bias_h, stride_bias_m, stride_bias_n, stride_tb, stride_tn, page_size, MASK, POW, GRID_K,
+            BLOCK_M, BLOCK_N, BIAS_KIND, IS_PAGED, HEAD_DIM, BLOCK_D, UPCAST, DOT_PRECISION)
+        row = GRID_ROW + (split_rows + split) * N_PART
+        tl.store(row, m, mask=active)
+        tl.store(row + 1, j_top, mask=active)
+        tl.store(row + 2, n_valid.to(tl.float32), mask=active)
+        tl.store(row + 3, tl.where(a_ok, bad, 1).to(tl.float32), mask=active)
+        tl.store(PART_ROW + (split_rows + split) * N_PART + 3, n_valid.to(tl.float32), mask=active)
+        _store_points(GRID_PTS, split_rows + split, active, F, G, C, GRID_K)
+        tl.store(live_n, n_live)
+        tl.store(reads, kt_hi - kt_lo)
+        return
+
+    # the state after the previous pass: merged grid sums, or the previous state merged with its candidates
+    if FROM_GRID:
+        (m, a, pa, da, fa, ga, ca, bb, pb, db, cb, b_top, est, lo, hi, exact, usable, bad, passes) = _grid_state(
+            GRID_ROW, GRID_PTS, split_rows, n_splits, active, am1, beta, bm1, shift, POW, GRID_K, BLOCK_M)
+    else:
+        (m, a, pa, da, fa, ga, ca, bb, pb, db, cb, b_top, est, lo, hi, exact, usable, bad, passes) = _load_state(
+            STATE_IN, state_rows, active)
+        ran = tl.max((_done(exact, lo, hi, da, beta, usable, tol) == 0).to(tl.int32), 0)
+        if ran != 0:
+            a, pa, da, fa, ga, ca, bb, pb, db, cb, b_top, est, lo, hi, exact = _merge_cands(
+                CAND_IN, split_rows, n_splits, active, m, a, pa, da, fa, ga, ca, bb, pb, db, cb, b_top, est, lo, hi,
+                exact, usable, am1, shift, tol, POW, CAND_P, BLOCK_M)
+            passes += 1.0
+    n_in = tl.load(live_n)
+    col_blk = tl.arange(0, BLOCK_N)
+    ok_row = usable != 0.0
+
+    if PHASE == 1:
+        go = tl.max((_done(exact, lo, hi, da, beta, usable, tol) == 0).to(tl.int32), 0)
+        if split == 0:
+            _store_state(STATE_OUT, state_rows, active, m, a, pa, da, fa, ga, ca, bb, pb, db, cb, b_top, est, lo,
+                         hi, exact, usable, bad, passes)
+        if go != 0:
+            t_p, l_p = _cand_points(m, lo, hi, est, shift, CAND_P)
+            FP = tl.zeros([BLOCK_M, CAND_P], tl.float32)
+            GP = tl.zeros([BLOCK_M, CAND_P], tl.float32)
+            CP = tl.zeros([BLOCK_M, CAND_P], tl.float32)
+            lo_kill = lo - shift
+            n_out = tl.zeros([], tl.int32)
+            for idx in range(0, n_in):
+                kt = tl.load(list_base + idx)
+                z = tl.load(Z + z_rows[:, None] + (kt * BLOCK_N + col_blk)[None, :], mask=ok_row[:, None],
+                            other=float("-inf"))
+                live = tl.max((z > lo_kill[:, None]).to(tl.int32))
+                tl.store(list_base + n_out, kt, mask=live != 0)
+                n_out += live
+                f, g, c = _point_tiles(z, t_p, l_p, bm1, POW, CAND_P)
+                FP += f
+                GP += g
+                CP += c
+            _store_points(CAND_OUT, split_rows + split, active, FP, GP, CP, CAND_P)
+            tl.store(live_n, n_out)
+            tl.store(reads + pass_slot, n_in)
+        return
+
+    # value pass at the estimate; a threshold at the max would leave no weight: keep it one rounding step below
+    tau_lim = m - tl.maximum(tl.abs(m) * 2.4e-7, 1e-15) + shift
+    t_use = tl.where(ok_row, tl.minimum(est, tau_lim), 0.0)
+    tau_row = t_use - shift
+    t_use = tau_row + shift
+    l_sum = tl.zeros([BLOCK_M], tl.float32)
+    nnz = tl.zeros([BLOCK_M], tl.int32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    # weights of the live blocks; those holding a positive weight are listed again (in place: the list only
+    # shrinks) and only their value rows are read, by a second loop without branches (its loads pipeline)
+    v_reads = tl.zeros([], tl.int32)
+    for idx in range(0, n_in):
+        kt = tl.load(list_base + idx)
+        z = tl.load(Z + z_rows[:, None] + (kt * BLOCK_N + col_blk)[None, :], mask=ok_row[:, None],
+                    other=float("-inf"))
+        p = weights(z, t_use, POW, beta[:, None])
+        l_sum += tl.sum(p, 1)
+        nnz += tl.sum((p > 0.0).to(tl.int32), 1)
+        pos = (tl.max(p) > 0.0).to(tl.int32)
+        tl.store(list_base + v_reads, kt, mask=pos != 0)
+        v_reads += pos
+    for idx in range(0, v_reads):
+        cols = tl.load(list_base + idx) * BLOCK_N + col_blk
+        z = tl.load(Z + z_rows[:, None] + cols[None, :], mask=ok_row[:, None], other=float("-inf"))
+        p = weights(z, t_use, POW, beta[:, None])
+        col_ok = cols < seqlen_k
+        outer, inner = _cache_rows(BLOCK_TABLE, b, cols, col_ok, stride_tb, stride_tn, page_size, IS_PAGED)
+        v = _cache_tile(V, outer, inner, h_kv, col_ok, stride_vb, stride_vh, stride_vn, stride_vd, HEAD_DIM,
+                        BLOCK_D, False, UPCAST)
+        acc += tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    is_bad = bad != 0.0
+    _store_partials(PART_ROW, PART_ACC, split_rows + split, active, tl.zeros([BLOCK_M], tl.float32),
+                    tl.where(is_bad, float("nan"), l_sum), tl.where(is_bad, 0, nnz), acc, HEAD_DIM, BLOCK_D)
+    tl.store(reads + pass_slot, n_in)
+    tl.store(reads + pass_slot + 1, v_reads)
+    if split == 0:
+        tau = tl.where(is_bad, float("nan"), tl.where(ok_row, tau_row, float("inf")))
+        tl.store(TAU + stat_offs, tau, mask=active)
+        tl.store(N_PASSES + tile, passes.to(tl.int32) + 1)
+
+
+@triton.jit
+def _entmax_decode_combine_kernel(
+    OUT, TAU, NNZ, N_VALID, ALPHA, PART_ROW, PART_ACC,
+    stride_ob, stride_oh, stride_om, stride_od,
+    n_heads, n_kv_heads, kv_group, seqlen_q, n_rows, n_row_tiles, n_splits,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """One program per (kv head x row tile, batch entry): ``out = sum_s w_s acc_s / sum_s w_s l_s`` with
+    ``w_s = 2^(m_s - max m)`` (1 for entmax rows, whose split maxima are 0), and the row statistics."""
+    h_kv = tl.program_id(0) // n_row_tiles
+    rt = tl.program_id(0) % n_row_tiles
+    b = tl.program_id(1)
+    r, i, h, row_ok, alpha = _packed_rows(ALPHA, rt, h_kv, kv_group, seqlen_q, n_rows, 0, False, BLOCK_M)
+    split_rows = (((b * n_kv_heads + h_kv) * (n_row_tiles * BLOCK_M) + r) * n_splits).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    for s in range(0, n_splits):
+        m = tl.maximum(m, tl.load(PART_ROW + (split_rows + s) * N_PART, mask=row_ok, other=float("-inf")))
+    m_safe = tl.where(m > float("-inf"), m, 0.0)
+    l_sum = tl.zeros([BLOCK_M], tl.float32)
+    nnz = tl.zeros([BLOCK_M], tl.float32)
+    n_valid = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for s in range(0, n_splits):
+        row = PART_ROW + (split_rows + s) * N_PART
+        w = tl.exp2(tl.load(row, mask=row_ok, other=float("-inf")) - m_safe)
+        l_sum += w * tl.load(row + 1, mask=row_ok, other=0.0)
+        nnz += tl.load(row + 2, mask=row_ok, other=0.0)
+        n_valid += tl.load(row + 3, mask=row_ok, other=0.0)
+        part = tl.load(PART_ACC + (split_rows + s)[:, None] * HEAD_DIM + offs_d[None, :],
+                       mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        acc += w[:, None] * part
+    is_bad = l_sum != l_sum
+    ok = l_sum > 0.0
+    out = tl.where(ok[:, None], acc / tl.where(ok, l_sum, 1.0)[:, None], 0.0)
+    out = tl.where(is_bad[:, None], float("nan"), out)
+    o_rows = b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + i.to(tl.int64) * stride_om
+    tl.store(OUT + o_rows[:, None] + offs_d[None, :] * stride_od, out.to(OUT.dtype.element_ty),
+             mask=row_ok[:, None] & d_ok[None, :])
+    stat_offs = (b.to(tl.int64) * n_heads + h) * seqlen_q + i
+    tl.store(NNZ + stat_offs, tl.where(is_bad, 0.0, nnz).to(tl.int32), mask=row_ok)
+    tl.store(N_VALID + stat_offs, n_valid.to(tl.int32), mask=row_ok)
+    tau_soft = tl.where(n_valid > 0.0, (m_safe + tl.log2(tl.where(ok, l_sum, 1.0))) * LN2, float("inf"))
+    tl.store(TAU + stat_offs, tl.where(is_bad, float("nan"), tau_soft), mask=row_ok & (alpha == 1.0))
+
+
+def _pick_config(head_dim: int, n_rows: int, interpret: bool):
+    """``(block_m, block_n, num_warps, num_stages)``: packed rows padded to a power of two >= 16 (``tl.dot``),
+    at most ``MAX_BLOCK_M``; 64-key blocks up to head dim 128, 32 above (16 under the interpreter)."""
+    block_m = min(MAX_BLOCK_M, max(16, triton.next_power_of_2(max(n_rows, 1))))
+    if interpret:
+        return block_m, 16, 4, 1
+    return block_m, 64 if _common.head_dim_block(head_dim) <= 128 else 32, 4, 2
+
+
+def default_num_splits(batch: int, n_kv_heads: int, n_row_tiles: int, n_kblocks: int, device) -> int:
+    """Key-range splits: enough programs to fill the GPU twice over, at least 4 key blocks per split, at most 32
+    splits (each later launch merges every split's results); 4 at most under the interpreter."""
+    if n_kblocks == 0:
+        return 1
+    if device.type == "cuda":
+        want = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+        cap = 32
+    else:
+        want, cap = 4, 4
+    splits = triton.cdiv(want, max(batch * n_kv_heads * n_row_tiles, 1))
+    return max(1, min(splits, cap, triton.cdiv(n_kblocks, 4)))
+
+
+def entmax_decode_fwd(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    alpha,
+    scale: float,
+    *,
+    block_table: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    is_causal: bool = False,
+    max_seqlen_k: int | None = None,
+    num_splits: int | None = None,
+    tol: float | None = None,
+    max_passes: int | None = None,
+    alpha_class: str | None = None,
+    block_n: int | None = None,
+) -> EntmaxDecodeResult:
+    """Split-K entmax attention of a few queries per sequence over a KV cache (a chain of kernel launches, no
+    host synchronization).
+
+    Arguments are validated by the caller (``sparse_attn.decode.entmax_decode``); here only cheap asserts.
+
+    Args:
+        q: ``(B, Hq, Nq, D)``, fp16/bf16/fp32, any strides; ``16 <= D <= 256``.
+        k_cache, v_cache: contiguous layout ``(B, Hk, Nk, D)`` (any strides: a ``(B, Nk, Hk, D)`` cache
+            ``.transpose(1, 2)``), or with ``block_table`` a page pool ``(num_pages, page_size, Hk, D)``
+            (flash-attn / vLLM layout, any strides). ``Hq % Hk == 0``; q head ``h`` reads kv head
+            ``h // (Hq // Hk)``.
+        cache_seqlens: int32 ``(B,)``, valid keys per sequence (the keys of the current queries included);
+            values are clamped to ``[0, max_seqlen_k]``.
+        alpha: float32 ``(Hq,)`` (each in [1, 2], mixed per head), or a Python float.
+        scale: float multiplying ``q . k``.
+        block_table: int32 ``(B, max_pages_per_seq)``: page ``j // page_size`` of sequence ``b`` is
+            ``block_table[b, j // page_size]``. Default None (contiguous cache).
+        bias: None, an additive float mask or a boolean keep mask, broadcastable to ``(B, Hq, Nq, Nk_cap)``
+            (``Nk_cap``: the cache's key capacity), indexed by key position. Default None.
+        is_causal: query ``i`` of a sequence with ``L`` keys sees key ``j`` iff ``j <= i + L - Nq`` (the
+            queries are the last ``Nq`` keys). Default False.
+        max_seqlen_k: bound on ``cache_seqlens`` (default the capacity); the splits cover this many keys.
+        num_splits: key-range splits per (batch entry, kv head); default :func:`default_num_splits`.
+        tol: change of a row's total weight across its certified bracket at which its threshold counts as found
+            (default by dtype).
+        max_passes: passes per step, score and value pass included (``>= 2``; default by dtype).
+        alpha_class: as :func:`sparse_attn.kernels.entmax_attn_fwd.entmax_attn_fwd` (default from the values for a
+            Python float or a CPU tensor, else ``"mixed"``).
+        block_n: keys per block (a power of two >= 16); default by head dim.
+
+    Returns:
+        :class:`EntmaxDecodeResult`.
+    """
+    batch, n_heads, seqlen_q, head_dim = q.shape
+    paged = block_table is not None
+    n_kv_heads = k_cache.shape[2] if paged else k_cache.shape[1]
+    capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[2]
+    assert 16 <= head_dim <= 256 and n_heads % max(n_kv_heads, 1) == 0
+    kv_group = n_heads // max(n_kv_heads, 1)
+    n_rows = kv_group * seqlen_q
+    block_m, default_n, num_warps, num_stages = _pick_config(head_dim, n_rows, _common.interpreting())
+    block_n = default_n if block_n is None else block_n
+    assert block_n >= 16 and block_n & (block_n - 1) == 0, f"block_n: got {block_n}"
+    max_seqlen_k = capacity if max_seqlen_k is None else min(int(max_seqlen_k), capacity)
+    n_row_tiles = triton.cdiv(n_rows, block_m)
+    n_kblocks = triton.cdiv(max_seqlen_k, block_n)
+    if num_splits is None:
+        num_splits = default_num_splits(batch, n_kv_heads, n_row_tiles, n_kblocks, q.device)
+    blocks_per_split = max(triton.cdiv(n_kblocks, max(int(num_splits), 1)), 1)
+    n_splits = max(triton.cdiv(n_kblocks, blocks_per_split), 1)
+    if max_passes is None:
+        max_passes = DEFAULT_MAX_PASSES[q.dtype]
+    assert max_passes >= 2, f"max_passes: got {max_passes}"
+    if alpha_class is None:
+        if not isinstance(alpha, torch.Tensor):
+            alpha_class = alpha_class_of([alpha])
+        else:
+            alpha_class = alpha_class_of(alpha.tolist()) if alpha.device.type == "cpu" else "mixed"
+    if alpha_class == "mixed" and isinstance(alpha, torch.Tensor) and alpha.device.type == "cpu":
+        classes = sorted({ALPHA_CLASSES[alpha_class_of([a])] if 1 <= a <= 2 else 3 for a in alpha.tolist()})
+    else:
+        classes = list(ALPHA_CLASSES.values()) if alpha_class == "mixed" else [ALPHA_CLASSES[alpha_class]]
+
+    dev = q.device
+    stats = dict(size=(batch, n_heads, seqlen_q), device=dev)
+    out = torch.empty(q.shape, dtype=q.dtype, device=dev)
+    tau = torch.empty(**stats, dtype=torch.float32)
+    nnz = torch.empty(**stats, dtype=torch.int32)
+    n_valid = torch.empty(**stats, dtype=torch.int32)
+    n_slots = max_passes + 1
+    tiles = (batch, n_kv_heads, n_row_tiles)
+    n_passes = torch.zeros((len(classes), *tiles), dtype=torch.int32, device=dev)
+    blocks_read = torch.zeros((len(classes), *tiles, n_splits, n_slots), dtype=torch.int32, device=dev)
+    result = EntmaxDecodeResult(out, tau, nnz, n_valid, n_passes, blocks_read, n_splits, block_n)
+    if out.numel() == 0:
+        return result
+
+    rows_pad = n_row_tiles * block_m
+    ws = dict(dtype=torch.float32, device=dev)
+    per_split = (batch, n_kv_heads, rows_pad, n_splits)
+    common = dict(
+        Q=q, K=k_cache, V=v_cache, ALPHA=_common.alpha_arg(alpha, n_heads, dev),
+        BLOCK_TABLE=block_table if paged else cache_seqlens, CACHE_SEQLENS=cache_seqlens,
+        Z=torch.empty((batch, n_kv_heads, n_rows, n_kblocks * block_n), **ws),
+        LIST=torch.empty((*tiles, n_kblocks), dtype=torch.int32, device=dev),
+        LIVE_N=torch.empty((*tiles, n_splits), dtype=torch.int32, device=dev),
+        PART_ROW=torch.empty((*per_split, N_PART.value), **ws), PART_ACC=torch.empty((*per_split, head_dim), **ws),
+        TAU=tau,
+        **_common.stride_args("stride_q", q, "bhmd"),
+        **_cache_strides("stride_k", k_cache, paged), **_cache_strides("stride_v", v_cache, paged),
+        **_bias_args(bias, q, capacity),
+        stride_tb=block_table.stride(0) if paged else 0, stride_tn=block_table.stride(1) if paged else 0,
+        page_size=k_cache.shape[1] if paged else 1,
+        n_heads=n_heads, n_kv_heads=n_kv_heads, kv_group=kv_group, seqlen_q=seqlen_q, n_rows=n_rows,
+        n_row_tiles=n_row_tiles, n_splits=n_splits, blocks_per_split=blocks_per_split, n_kblocks=n_kblocks,
+        max_seqlen_k=max_seqlen_k, scale=float(scale), tol=default_tolerance(q.dtype) if tol is None else float(tol),
+        n_slots=n_slots, MASK=mask_spec(is_causal), FILTER=len(classes) > 1,
+        HEAD_DIM=head_dim, BLOCK_D=_common.head_dim_block(head_dim), BLOCK_M=block_m, BLOCK_N=block_n,
+        IS_PAGED=paged, UPCAST=_common.interpreting(), DOT_PRECISION=_common.dot_precision(q.dtype),
+    )
+    options = {} if _common.interpreting() else dict(num_warps=num_warps, num_stages=num_stages)
+    grid = (n_splits, n_kv_heads * n_row_tiles, batch)
+    pow_of = {1: 1, 2: 2, 3: 0}
+    for launch, cls in enumerate(classes):
+        grid_k, cand_p = DECODE_POINTS[pow_of.get(cls, 1)]
+        state = [torch.empty((batch, n_kv_heads, rows_pad, N_STATE.value), **ws) for _ in range(2)]
+        cand = [torch.empty((*per_split, 3, cand_p), **ws) for _ in range(2)]
+        args = dict(common, GRID_ROW=torch.empty((*per_split, N_PART.value), **ws),
+                    GRID_PTS=torch.empty((*per_split, 3, grid_k), **ws), BLOCKS_READ=blocks_read[launch],
+                    N_PASSES=n_passes[launch], ALPHA_CLASS=cls, GRID_K=grid_k, CAND_P=cand_p)
+        phases = [(0, False)] if cls == 0 else [(0, False)] + [(1, p == 1) for p in range(1, max_passes - 1)]
+        if cls != 0:
+            phases.append((2, max_passes == 2))
+        for p, (phase, from_grid) in enumerate(phases):
+            _entmax_decode_split_kernel[grid](
+                **args, CAND_IN=cand[(p + 1) % 2], CAND_OUT=cand[p % 2], STATE_IN=state[(p + 1) % 2],
+                STATE_OUT=state[p % 2], pass_slot=p, PHASE=phase, FROM_GRID=from_grid, **options)
+    _entmax_decode_combine_kernel[(n_kv_heads * n_row_tiles, batch)](
+        OUT=out, TAU=tau, NNZ=nnz, N_VALID=n_valid, ALPHA=common["ALPHA"], PART_ROW=common["PART_ROW"],
+        PART_ACC=common["PART_ACC"], **_common.stride_args("stride_o", out, "bhmd"), n_heads=n_heads,
+        n_kv_heads=n_kv_heads, kv_group=kv_group, seqlen_q=seqlen_q, n_rows=n_rows, n_row_tiles=n_row_tiles,
+        n_splits=n_splits, HEAD_DIM=head_dim, BLOCK_D=common["BLOCK_D"], BLOCK_M=block_m, **options)
+    return result
+
+
+def _cache_strides(prefix: str, cache: torch.Tensor, paged: bool) -> dict:
+    """``stride_<x>b/h/n/d`` of a cache: ``(B, Hk, Nk, D)``, or a page pool ``(pages, page_size, Hk, D)`` whose
+    ``b`` stride steps pages and ``n`` stride slots within a page."""
+    if paged:
+        st = cache.stride()
+        return {prefix + "b": st[0], prefix + "n": st[1], prefix + "h": st[2], prefix + "d": st[3]}
+    return _common.stride_args(prefix, cache, "bhnd")
+
+
+def _bias_args(bias, q, capacity: int) -> dict:
+    """``BIAS``, ``BIAS_KIND`` and the bias strides, the mask broadcast to ``(B, Hq, Nq, capacity)`` by zero strides
+    (``q`` stands in for a missing mask)."""
+    if bias is None:
+        return dict(BIAS=q, BIAS_KIND=0, **_common.bias_stride_args(None))
+    kind = 2 if bias.dtype in (torch.bool, torch.uint8) else 1
+    if bias.dtype == torch.bool:
+        bias = bias.view(torch.uint8)
+    full = bias.expand(*q.shape[:3], capacity)
+    return dict(BIAS=full, BIAS_KIND=kind, **_common.bias_stride_args(full))

@@ -1,0 +1,556 @@
+"""Split-K decoding (``sparse_attn.decode.entmax_decode``, ``kernels/entmax_decode.py``) against the float64 reference.
+
+The reference is ``entmax_attention_reference`` on the cache gathered into a contiguous float64 ``(B, Hk, Nk, D)``
+tensor with a keep mask for ``cache_seqlens`` (and causality), built here independently of the decode module.
+Errors follow GUIDE §4: ``err(kernel) <= 2 * err(reference in the kernel's dtype, fp32 scores) + EPS[dtype]``.
+Kernel outputs are allocated poisoned (``poison_uninitialized``), so a value the kernels fail to write shows up.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from helpers import TOL, assert_close_to_ref
+
+import sparse_attn.kernels.entmax_decode as decode_kernels
+from sparse_attn import AttentionStats, entmax_attention, record_head_stats
+from sparse_attn.attn_inputs import prepare_attention
+from sparse_attn.decode import decode_fits, decode_unsupported, entmax_decode
+from sparse_attn.kernels.entmax_decode import entmax_decode_fwd
+from sparse_attn.reference import entmax_attention_reference
+
+# Absolute slack added to twice the reference's own error in the kernel dtype (the fused kernels' slack).
+EPS = TOL["eps_attention_kernel"]
+# Keys whose float64 z is within this of the float64 tau count as ties for the support-size check.
+TIE_MARGIN = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
+MIXED = [1.0, 1.5, 2.0, 1.25]
+
+pytestmark = pytest.mark.usefixtures("poison_uninitialized")
+
+
+def _cache(gen, B, Hk, N, D, dtype, layout="bhnd", mult=1.0):
+    """Random ``(B, Hk, N, D)`` cache tensor; ``layout="bnhd"`` returns a transposed view of a ``(B, N, Hk, D)``."""
+    x = (torch.randn(B, N, Hk, D, generator=gen, dtype=torch.float64) * mult).to(dtype)
+    return x.transpose(1, 2) if layout == "bnhd" else x.transpose(1, 2).contiguous()
+
+
+def _page(k, v, seqlens, page_size, gen):
+    """Scatter contiguous ``(B, Hk, N, D)`` caches into a shuffled page pool ``(pages, page_size, Hk, D)`` with spare
+    pages; slots past each sequence hold NaN (never read). Returns ``(k_pool, v_pool, block_table)``."""
+    B, Hk, N, D = k.shape
+    per_seq = -(-N // page_size)
+    n_pages = B * per_seq + 3
+    order = torch.randperm(n_pages, generator=gen)
+    table = order[: B * per_seq].view(B, per_seq).to(torch.int32)
+    pools = []
+    for x in (k, v):
+        pool = torch.full((n_pages, page_size, Hk, D), float("nan"), dtype=x.dtype)
+        for b in range(B):
+            for j in range(int(seqlens[b])):
+                pool[table[b, j // page_size], j % page_size] = x[b, :, j]
+        pools.append(pool)
+    return pools[0], pools[1], table
+
+
+def _keep(seqlens, Nq, N, causal):
+    cols = torch.arange(N)
+    lengths = torch.as_tensor(seqlens).long()[:, None, None, None]
+    keep = cols < lengths
+    if causal:
+        keep = keep & (cols <= torch.arange(Nq)[None, None, :, None] + lengths - Nq)
+    return keep
+
+
+def _reference(q, k, v, alpha, seqlens, causal=False, mask=None, dtype=torch.float64):
+    """Reference on the contiguous cache in ``dtype`` (float64: the truth; else fp32 scores, output in ``dtype``)."""
+    keep = _keep(seqlens, q.shape[2], k.shape[2], causal)
+    if mask is not None:
+        keep = torch.where(keep, mask.double(), float("-inf")) if mask.is_floating_point() else keep & mask
+        keep = keep.to(dtype) if keep.is_floating_point() else keep
+    a = alpha.to(dtype if dtype == torch.float64 else torch.float32) if isinstance(alpha, torch.Tensor) else alpha
+    return entmax_attention_reference(q.to(dtype), k.to(dtype), v.to(dtype), a, attn_mask=keep, enable_gqa=True,
+                                      return_stats=True)
+
+
+def _max_err(a, b):
+    return (a.double() - b.double()).abs().nan_to_num(0.0).max().item() if a.numel() else 0.0
+
+
+def _check(name, got, want64, ref_lp, dtype):
+    assert_close_to_ref(got, want64, ref_lp, dtype, eps=EPS[dtype], name=name)
+
+
+def _run(B=2, Hq=4, Hk=2, Nq=1, N=40, D=16, alpha=1.5, seqlens=None, dtype=torch.float32, layout="bhnd",
+         page_size=None, causal=False, mask=None, num_splits=2, seed=0, mult=1.0, q_mult=1.0):
+    """Decode on the triton backend (interpreter on CPU) and check out, tau, nnz, n_valid against the reference."""
+    gen = torch.Generator().manual_seed(seed)
+    seqlens = torch.tensor([N] * B if seqlens is None else seqlens, dtype=torch.int32)
+    q = (torch.randn(B, Hq, Nq, D, generator=gen, dtype=torch.float64) * q_mult * mult).to(dtype)
+    k = _cache(gen, B, Hk, N, D, dtype, layout, mult)
+    v = _cache(gen, B, Hk, N, D, dtype, layout)
+    alpha_t = torch.tensor(alpha, dtype=torch.float32) if isinstance(alpha, list) else alpha
+    if page_size is None:
+        kc, vc, table = k, v, None
+    else:
+        kc, vc, table = _page(k, v, seqlens, page_size, gen)
+    out, st = entmax_decode(q, kc, vc, seqlens, alpha_t, block_table=table, attn_mask=mask, is_causal=causal,
+                            num_splits=num_splits, return_stats=True, backend="triton")
+    out64, st64 = _reference(q, k, v, alpha_t, seqlens, causal, mask)
+    out_lp, st_lp = _reference(q, k, v, alpha_t, seqlens, causal, mask, dtype=dtype)
+    assert isinstance(st, AttentionStats) and out.shape == q.shape and out.dtype == dtype
+    assert not torch.isnan(out).any()
+    _check("out", out, out64, out_lp, dtype)
+    assert torch.equal(st.n_valid, st64.n_valid)
+    valid = st64.n_valid > 0
+    assert torch.equal(valid, torch.isfinite(st.tau))
+    zero = torch.zeros_like(st64.tau)
+    _check("tau", torch.where(valid, st.tau.double(), zero), torch.where(valid, st64.tau, zero),
+           torch.where(valid, st_lp.tau.double(), zero), dtype)
+    assert (out[~valid] == 0).all() and (st.nnz[~valid] == 0).all()
+    a = (alpha_t if isinstance(alpha_t, torch.Tensor) else torch.tensor(alpha)).double().expand(Hq)
+    soft = (a == 1).view(1, -1, 1).expand_as(valid)
+    assert torch.equal(st.nnz[soft], st.n_valid[soft])
+    # the support away from ties: keys clearly above tau are in, clearly below are out
+    kk = k.double().repeat_interleave(Hq // Hk, 1)
+    s = (q.double() @ kk.transpose(-1, -2)) * D ** -0.5
+    keep = _keep(seqlens, Nq, N, causal)
+    if mask is not None and mask.is_floating_point():
+        s = s + mask.double()
+    elif mask is not None:
+        keep = keep & mask
+    s = s.masked_fill(~keep, float("-inf"))
+    gap = (a.view(1, -1, 1, 1) - 1) * s - st64.tau[..., None]
+    lo, hi = (gap > TIE_MARGIN[dtype]).sum(-1), (gap > -TIE_MARGIN[dtype]).sum(-1)
+    ent = ~soft & valid
+    assert ((st.nnz >= lo) & (st.nnz <= hi))[ent].all(), "support differs from the reference away from ties"
+    return out, st
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(alpha=1.5, Hq=4, Hk=2, seqlens=[37, 40]),
+        dict(alpha=2.0, Hq=4, Hk=1, Nq=2, layout="bnhd", num_splits=3),
+        dict(alpha=1.25, Hq=2, Hk=2, page_size=16, seqlens=[0, 1, 45], B=3, N=45),
+        dict(alpha=1.0, Hq=4, Hk=2, page_size=5, seqlens=[23, 40]),
+        dict(alpha=MIXED, Hq=4, Hk=1, Nq=3, causal=True, page_size=7, seqlens=[33, 2], N=33, D=24),
+        dict(alpha=MIXED * 2, Hq=8, Hk=2, Nq=1, seqlens=[18, 29], N=29, D=32, num_splits=1),
+        dict(alpha=[1.1, 1.75], Hq=2, Hk=1, Nq=2, seqlens=[31], B=1, N=31, mult=2.0),
+    ],
+    ids=["gqa-varlen", "mqa-bnhd-nq2", "paged-mha-empty-onetoken", "softmax-paged", "mixed-causal-paged",
+         "mixed-gqa4", "general-per-head"],
+)
+def test_matches_reference(case):
+    _run(**case)
+
+
+@pytest.mark.parametrize("dtype,alpha", [(torch.float16, MIXED), (torch.bfloat16, 1.5)], ids=["fp16-mixed", "bf16"])
+def test_half_precision(dtype, alpha):
+    _run(Hq=4, Hk=2, Nq=2, N=37, D=32, alpha=alpha, dtype=dtype, seqlens=[37, 21], page_size=8, causal=True)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 7, 16])
+def test_split_counts(num_splits):
+    """Every split count gives the reference's result; splits beyond the key blocks are not launched."""
+    alpha = 2.0 if num_splits % 2 else 1.5
+    _run(B=1, Hq=2, Hk=1, N=128, D=16, alpha=alpha, num_splits=num_splits, seed=num_splits)
+
+
+def test_long_context_few_thousand_keys():
+    """3000 keys in 128-key blocks and 8 splits, one sequence shorter than the capacity."""
+    gen = torch.Generator().manual_seed(5)
+    N, seqlens = 3000, torch.tensor([3000, 1000], dtype=torch.int32)
+    q = torch.randn(2, 2, 1, 32, generator=gen)
+    k, v = _cache(gen, 2, 1, N, 32, torch.float32), _cache(gen, 2, 1, N, 32, torch.float32)
+    res = entmax_decode_fwd(q, k, v, seqlens, 1.5, 32 ** -0.5, num_splits=8, block_n=128)
+    out64, st64 = _reference(q, k, v, 1.5, seqlens)
+    out_lp, _ = _reference(q, k, v, 1.5, seqlens, dtype=torch.float32)
+    _check("out", res.out, out64, out_lp, torch.float32)
+    assert torch.equal(res.n_valid, st64.n_valid)
+    assert torch.equal(res.blocks_read[..., 0].sum(-1).flatten(), torch.tensor([24, 8], dtype=torch.int32))
+
+
+def test_empty_and_one_token_caches():
+    """Length 0 gives zeros, tau = +inf, nnz = 0; length 1 gives that key's value row (weight 1) for every alpha."""
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(3, 4, 1, 16, generator=gen)
+    k, v = _cache(gen, 3, 2, 20, 16, torch.float32), _cache(gen, 3, 2, 20, 16, torch.float32)
+    seqlens = torch.tensor([0, 1, 0], dtype=torch.int32)
+    out, st = entmax_decode(q, k, v, seqlens, torch.tensor(MIXED), return_stats=True, backend="triton")
+    assert (out[0] == 0).all() and (out[2] == 0).all()
+    assert torch.isinf(st.tau[0]).all() and (st.tau[0] > 0).all() and (st.nnz[0] == 0).all()
+    assert torch.allclose(out[1], v[1, :, :1].repeat_interleave(2, 0), atol=1e-6)
+    assert (st.nnz[1] == 1).all() and (st.n_valid[1] == 1).all()
+    out0 = entmax_decode(q, k[:, :, :0], v[:, :, :0], 0, 1.5, backend="triton")
+    assert out0.shape == q.shape and (out0 == 0).all()
+
+
+def test_masks_padding_and_float_bias():
+    """A left-padding keep mask and an ALiBi-like float bias (with -inf entries), indexed by key position."""
+    B, N = 2, 40
+    keep = torch.ones(B, 1, 1, N, dtype=torch.bool)
+    keep[0, ..., :7] = False
+    _run(B=B, Hq=4, Hk=2, Nq=2, N=N, mask=keep, causal=True, seqlens=[40, 31])
+    gen = torch.Generator().manual_seed(3)
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625]).view(1, 4, 1, 1)
+    bias = -slopes * (N - 1 - torch.arange(N)).float()
+    bias = bias.masked_fill(torch.rand(1, 1, 1, N, generator=gen) < 0.15, float("-inf"))
+    _run(B=B, Hq=4, Hk=2, N=N, mask=bias, alpha=MIXED, page_size=8)
+
+
+def test_nan_and_inf_give_nan_rows():
+    """NaN in q, NaN in a valid key, +inf in a float mask: NaN rows (tau NaN, nnz 0); garbage past the cache length
+    and -inf mask entries change nothing."""
+    gen = torch.Generator().manual_seed(4)
+    B, Hq, Hk, N, D = 2, 4, 2, 30, 16
+    q = torch.randn(B, Hq, 1, D, generator=gen)
+    k, v = _cache(gen, B, Hk, N, D, torch.float32), _cache(gen, B, Hk, N, D, torch.float32)
+    seqlens = torch.tensor([30, 20], dtype=torch.int32)
+    q[0, 1, 0, 3] = float("nan")
+    k[1, 1, 5, 0] = float("nan")  # valid key of batch 1, kv head 1: q heads 2, 3
+    k[1, 0, 25] = float("nan")  # past the length of batch 1: never read
+    v[1, 0, 25] = float("nan")
+    bias = torch.zeros(B, Hq, 1, N)
+    bias[0, 3, 0, 2] = float("inf")
+    bias[0, 2, 0, :10] = float("-inf")
+    alpha = torch.tensor(MIXED)
+    # the public entry point: a +inf mask entry gives a NaN row, no exception (the non-finite policy)
+    out, st = entmax_decode(q, k, v, seqlens, alpha, attn_mask=bias, num_splits=2, return_stats=True, backend="triton")
+    bad = torch.zeros(B, Hq, 1, dtype=torch.bool)
+    bad[0, 1] = bad[1, 2] = bad[1, 3] = bad[0, 3] = True
+    assert torch.isnan(out[bad]).all() and torch.isnan(st.tau[bad]).all() and (st.nnz[bad] == 0).all()
+    assert not torch.isnan(out[~bad]).any()
+    k_ok, q_ok = k.clone(), q.clone()
+    k_ok[1, 1, 5, 0] = 0.0
+    q_ok[0, 1, 0, 3] = 0.0
+    bias_ok = bias.masked_fill(bad[..., None].expand_as(bias), 0.0)
+    out64, _ = _reference(q_ok, k_ok.nan_to_num(), v.nan_to_num(), alpha, seqlens, mask=bias_ok)
+    assert _max_err(out[~bad], out64[~bad]) < 1e-5
+
+
+def test_value_blocks_without_weight_are_not_read():
+    """Locally correlated cache (the query near the last key): value rows of blocks with no weight hold NaN, and
+    the output is still finite and right; the value pass read fewer blocks than the score pass."""
+    gen = torch.Generator().manual_seed(6)
+    N, D = 256, 16
+    k = torch.randn(1, 1, N, D, generator=gen) * 0.3
+    k[..., -20:, :] += torch.randn(1, 1, 1, D, generator=gen) * 2.0
+    q = k[:, :, -1:].expand(1, 2, 1, D).clone() * 2.0
+    v = torch.randn(1, 1, N, D, generator=gen)
+    seqlens = torch.tensor([N], dtype=torch.int32)
+    for alpha in (1.5, 2.0):
+        out64, st64 = _reference(q, k, v, alpha, seqlens)
+        z = (alpha - 1) * (q.double() @ k.double().transpose(-1, -2)) * D ** -0.5
+        weight = (z - st64.tau[..., None] + 1e-3).clamp_min(0).amax(dim=(1, 2))[0]  # (N,): any row, with margin
+        block_dead = weight.view(-1, 16).amax(-1) == 0
+        assert block_dead.sum() >= 8
+        v_poison = v.clone()
+        v_poison[0, 0, block_dead.repeat_interleave(16)] = float("nan")
+        res = entmax_decode_fwd(q, k, v_poison, seqlens, alpha, D ** -0.5, num_splits=3)
+        assert _max_err(res.out, out64) < 2e-5 and not torch.isnan(res.out).any()
+        reads = res.blocks_read.sum(dim=(0, 1, 2, 3, 4))
+        assert reads[0] == N // 16 and reads[-1] <= (~block_dead).sum() and reads[-1] < reads[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_threshold_pinned_in_total_weight(dtype):
+    """Large scores (z up to ~20, a few keys in the support): the kernel's threshold puts the row's total weight
+    ``sum_j [z_j - tau]_+^beta`` (float64 scores) within about the dtype's tolerance of 1, whatever |tau| (the
+    stopping rule bounds the change of total weight across the bracket, not its width relative to 1 + |tau|)."""
+    gen = torch.Generator().manual_seed(11)
+    N, D = 96, 16
+    k = torch.randn(1, 1, N, D, generator=gen) * 0.3
+    k[..., -12:, :] += torch.randn(1, 1, 1, D, generator=gen)
+    q = (k[:, :, -1:] * 1.5 + torch.randn(1, 4, 1, D, generator=gen) * 0.3).to(dtype)
+    k, v = k.to(dtype), torch.randn(1, 1, N, D, generator=gen).to(dtype)
+    alpha = torch.tensor([1.5, 2.0, 1.25, 1.75])
+    res = entmax_decode_fwd(q, k, v, torch.tensor([N], dtype=torch.int32), alpha, 4.0, num_splits=2)
+    z = (alpha.double().view(1, -1, 1, 1) - 1) * 4 * (q.double() @ k.double().transpose(-1, -2))
+    assert z.amax() > 5
+    beta = 1 / (alpha.double().view(1, -1, 1, 1) - 1)
+    mass = ((z - res.tau.double()[..., None]).clamp_min(0) ** beta).sum(-1)
+    tol = {torch.bfloat16: 1e-3, torch.float16: 3e-4}[dtype]
+    assert ((mass - 1).abs() <= 2 * tol).all(), (mass - 1).abs().max()
+
+
+@pytest.mark.parametrize("alpha", [1.0, 1.5, 2.0, 1.25])
+def test_counters(alpha):
+    """Passes within [2, max_passes] (1 for softmax); the score pass reads every block of each sequence once;
+    later passes read no more blocks than the pass before; V blocks <= score blocks of the value pass."""
+    gen = torch.Generator().manual_seed(7)
+    seqlens = torch.tensor([90, 17], dtype=torch.int32)
+    q = torch.randn(2, 4, 1, 16, generator=gen)
+    k, v = _cache(gen, 2, 2, 90, 16, torch.float32), _cache(gen, 2, 2, 90, 16, torch.float32)
+    res = entmax_decode_fwd(q, k, v, seqlens, alpha, 0.25, num_splits=3)
+    n_slots = res.blocks_read.shape[-1]
+    assert res.n_splits == 3 and res.block_n == 16 and n_slots == 6  # float32: 5 passes at most
+    reads = res.blocks_read.sum(dim=(0, 4))  # (B, Hk, row tiles, slots)
+    assert (reads[..., 0] == torch.tensor([6, 2]).view(2, 1, 1)).all()
+    if alpha == 1.0:
+        assert (res.n_passes == 1).all() and torch.equal(reads[..., -1], reads[..., 0])
+        assert (reads[..., 1:-1] == 0).all()
+        return
+    cand, zval, vals = reads[..., 1:-2], reads[..., -2], reads[..., -1]
+    # candidate passes that ran read ever fewer blocks; the skipped ones (rows pinned down) read none
+    assert (cand.diff(dim=-1) <= 0).all() and (cand[..., 0] <= reads[..., 0]).all()
+    assert torch.equal(res.n_passes[0], 2 + (cand > 0).sum(-1))
+    last = torch.where(cand > 0, cand, reads[..., :1]).amin(-1)
+    assert (zval <= last).all() and (vals <= zval).all() and (vals >= 1).all()
+
+
+def test_mixed_launches_equal_single_class_launches():
+    """alpha_class="mixed" (four filtered launches, as a CUDA alpha gets) gives bitwise the outputs of per-class
+    launches; a head whose unchecked alpha is outside [1, 2] is NaN."""
+    gen = torch.Generator().manual_seed(8)
+    q = torch.randn(1, 4, 2, 16, generator=gen)
+    k, v = _cache(gen, 1, 2, 40, 16, torch.float32), _cache(gen, 1, 2, 40, 16, torch.float32)
+    seqlens = torch.tensor([40], dtype=torch.int32)
+    alpha = torch.tensor(MIXED)
+    mixed = entmax_decode_fwd(q, k, v, seqlens, alpha, 0.25, alpha_class="mixed", num_splits=2)
+    for h, a in enumerate(MIXED):
+        kv = h // 2
+        one = entmax_decode_fwd(q[:, h:h + 1], k[:, kv:kv + 1], v[:, kv:kv + 1], seqlens, a, 0.25, num_splits=2)
+        assert torch.equal(mixed.out[:, h:h + 1], one.out) and torch.equal(mixed.tau[:, h:h + 1], one.tau)
+        assert torch.equal(mixed.nnz[:, h:h + 1], one.nnz)
+    bad = entmax_decode_fwd(q, k, v, seqlens, torch.tensor([1.5, 2.5, 2.0, 1.0]), 0.25, alpha_class="mixed")
+    assert torch.isnan(bad.out[:, 1]).all() and torch.isnan(bad.tau[:, 1]).all()
+    assert not torch.isnan(bad.out[:, [0, 2, 3]]).any()
+
+
+def test_reference_backend_gathers_pages():
+    """backend="reference" (CPU "auto") on a paged cache equals the contiguous float64 reference."""
+    gen = torch.Generator().manual_seed(9)
+    q = torch.randn(2, 4, 2, 16, generator=gen, dtype=torch.float64)
+    k, v = _cache(gen, 2, 2, 30, 16, torch.float64), _cache(gen, 2, 2, 30, 16, torch.float64)
+    seqlens = torch.tensor([30, 11], dtype=torch.int32)
+    kp, vp, table = _page(k, v, seqlens, 4, gen)
+    out, st = entmax_decode(q, kp, vp, seqlens, 1.5, block_table=table, is_causal=True, return_stats=True)
+    out64, st64 = _reference(q, k, v, 1.5, seqlens, causal=True)
+    assert torch.allclose(out, out64, atol=1e-12) and torch.equal(st.nnz, st64.nnz)
+
+
+def _bad_call(**overrides):
+    gen = torch.Generator().manual_seed(0)
+    args = dict(q=torch.randn(2, 4, 1, 16, generator=gen), k_cache=torch.randn(2, 2, 10, 16, generator=gen),
+                v_cache=torch.randn(2, 2, 10, 16, generator=gen), cache_seqlens=torch.tensor([10, 4]), alpha=1.5)
+    args.update(overrides)
+    return entmax_decode(**args)
+
+
+@pytest.mark.parametrize(
+    "overrides,exc,match",
+    [
+        (dict(q=torch.randn(2, 3, 1, 16)), ValueError, "multiple of the number of kv heads"),
+        (dict(q=torch.randn(2, 4, 17, 16), backend="triton"), ValueError, "at most 16 queries"),
+        (dict(k_cache=torch.randn(3, 2, 10, 16), v_cache=torch.randn(3, 2, 10, 16)), ValueError, "batch size"),
+        (dict(v_cache=torch.randn(2, 2, 9, 16)), ValueError, "k_cache and v_cache"),
+        (dict(k_cache=torch.randn(2, 2, 10, 16).half()), TypeError, "one dtype"),
+        (dict(cache_seqlens=torch.tensor([11, 4])), ValueError, "cache_seqlens must lie in"),
+        (dict(cache_seqlens=torch.tensor([1.0, 2.0])), TypeError, "cache_seqlens"),
+        (dict(cache_seqlens=torch.tensor([1])), ValueError, r"cache_seqlens must have shape \(2,\)"),
+        (dict(cache_seqlens=-1), ValueError, "cache_seqlens"),
+        (dict(alpha=2.5), ValueError, "alpha"),
+        (dict(alpha=torch.tensor([1.5, 0.5, 1.5, 1.5])), ValueError, "alpha"),
+        (dict(alpha=torch.ones(3)), ValueError, "alpha"),
+        (dict(attn_mask=torch.ones(2, 1, 1, 9, dtype=torch.bool)), ValueError, "attn_mask"),
+        (dict(attn_mask=torch.ones(2, 1, 1, 10, dtype=torch.int32)), TypeError, "attn_mask"),
+        (dict(block_table=torch.zeros(2, 3)), TypeError, "block_table"),
+        (dict(block_table=torch.zeros(3, 3, dtype=torch.int32)), ValueError, "block_table"),
+        (dict(k_cache=torch.randn(4, 5, 2, 16), v_cache=torch.randn(4, 5, 2, 16),
+              block_table=torch.tensor([[0, 1], [2, 4]], dtype=torch.int32), cache_seqlens=torch.tensor([10, 7])),
+         ValueError, "block_table"),
+        (dict(max_seqlen_k=3), ValueError, "max_seqlen_k"),
+        (dict(num_splits=0), ValueError, "num_splits"),
+        (dict(scale=float("nan")), ValueError, "scale"),
+        (dict(is_causal=1), TypeError, "is_causal"),
+        (dict(backend="cuda"), ValueError, "backend"),
+    ],
+)
+def test_bad_arguments(overrides, exc, match):
+    with pytest.raises(exc, match=match):
+        _bad_call(**overrides)
+
+
+def _spy_decode(monkeypatch) -> list:
+    """Record every launch chain of the decode kernels (``entmax_decode_fwd``) as the number of queries per sequence."""
+    calls, real = [], decode_kernels.entmax_decode_fwd
+
+    def spy(q, *args, **kwargs):
+        calls.append(q.shape[2])
+        return real(q, *args, **kwargs)
+
+    monkeypatch.setattr(decode_kernels, "entmax_decode_fwd", spy)
+    return calls
+
+
+@pytest.mark.parametrize(
+    "alpha,n_q,causal,mask_kind",
+    [(MIXED, 1, False, "padding"), (1.5, 16, True, "float")],
+    ids=["mixed-padding-nq1", "entmax15-causal-float-nq16"],
+)
+def test_entmax_attention_runs_decoding_steps_on_the_decode_kernels(monkeypatch, alpha, n_q, causal, mask_kind):
+    """``entmax_attention`` on the fused path with Nq <= 16 queries against a longer cache (GQA, per-head alpha,
+    left padding or a float bias with -inf, bottom-right causal) takes the decode kernels, once, and matches the
+    float64 reference, statistics included."""
+    calls = _spy_decode(monkeypatch)
+    gen = torch.Generator().manual_seed(12)
+    B, Hq, Hk, N, D = 2, 4, 2, 45, 16
+    q = torch.randn(B, Hq, n_q, D, generator=gen)
+    k, v = _cache(gen, B, Hk, N, D, torch.float32), _cache(gen, B, Hk, N, D, torch.float32)
+    mask = None
+    if mask_kind == "padding":
+        mask = torch.ones(B, 1, 1, N, dtype=torch.bool)
+        mask[1, ..., :9] = False
+    elif mask_kind == "float":
+        mask = torch.randn(1, Hq, n_q, N, generator=gen).masked_fill(torch.rand(1, 1, 1, N, generator=gen) < 0.2,
+                                                                    float("-inf"))
+    a = torch.tensor(alpha) if isinstance(alpha, list) else alpha
+    out, st = entmax_attention(q, k, v, a, attn_mask=mask, is_causal=causal, enable_gqa=True, return_stats=True,
+                               backend="triton")
+    assert calls == [n_q]
+    kw = dict(is_causal=causal, enable_gqa=True, return_stats=True)
+    a64 = a.double() if isinstance(a, torch.Tensor) else a
+    out64, st64 = entmax_attention_reference(q.double(), k.double(), v.double(), a64, attn_mask=mask, **kw)
+    out32, st32 = entmax_attention_reference(q, k, v, a, attn_mask=mask, **kw)
+    _check("out", out, out64, out32, torch.float32)
+    _check("tau", st.tau, st64.tau, st32.tau, torch.float32)
+    assert torch.equal(st.n_valid, st64.n_valid) and st.nnz.shape == st64.nnz.shape
+
+
+def test_decode_path_rules():
+    """Which fused-path calls run on the decode kernels: 1..16 queries against more keys, nothing needing a
+    gradient, no dropout, no packed sequences, no attention variant; the variants are refused on the fused path
+    before any kernel is picked (never silently dropped)."""
+    gen = torch.Generator().manual_seed(13)
+    q, k, v = (torch.randn(2, 4, n, 16, generator=gen) for n in (1, 20, 20))
+
+    def fits(q=q, k=k, v=v, **kw):
+        return decode_fits(prepare_attention(q, k, v, 1.5, backend="triton", **kw))
+
+    assert fits() and fits(q=torch.randn(2, 4, 16, 16), is_causal=True)
+    assert not fits(q=torch.randn(2, 4, 17, 16)) and not fits(k=k[:, :, :1], v=v[:, :, :1])
+    assert not fits(dropout_p=0.1)
+    assert not decode_fits(prepare_attention(q, k, v, 1.5, backend="reference"))
+    qg = q.clone().requires_grad_()
+    assert not fits(q=qg)
+    with torch.no_grad():
+        assert fits(q=qg)
+    packed = dict(q=q.transpose(0, 2).reshape(1, 4, 2, 16), k=k[:1, :, :6], v=v[:1, :, :6],
+                  cu_seqlens_q=torch.tensor([0, 1, 2], dtype=torch.int32),
+                  cu_seqlens_k=torch.tensor([0, 3, 6], dtype=torch.int32))
+    assert not fits(**packed)
+    inputs = prepare_attention(q, k, v, 1.5, backend="triton")
+    for variant in (dict(window_size=(4, 0)), dict(softcap=5.0), dict(sinks=torch.zeros(4)),
+                    dict(alibi_slopes=torch.ones(4)), dict(v=v[..., :8])):
+        assert "attention variants" in decode_unsupported(inputs._replace(**variant))
+        with pytest.raises(ValueError, match="not supported by the fused Triton kernels"):
+            entmax_attention(q, k, variant.pop("v", v), 1.5, backend="triton", **variant)
+
+
+def test_training_calls_take_the_general_forward(monkeypatch):
+    """A decoding-shaped call whose inputs require grad runs the general fused forward (the decode kernels have no
+    backward), and gives the same output as the decode kernels under no_grad."""
+    calls = _spy_decode(monkeypatch)
+    gen = torch.Generator().manual_seed(14)
+    q, k, v = (torch.randn(1, 2, n, 16, generator=gen) for n in (1, 30, 30))
+    alpha = torch.tensor([1.5, 2.0], requires_grad=True)
+    out = entmax_attention(q, k, v, alpha, backend="triton")
+    assert calls == [] and out.requires_grad
+    with torch.no_grad():
+        out_decode = entmax_attention(q, k, v, alpha, backend="triton")
+    assert calls == [1]
+    torch.testing.assert_close(out_decode, out.detach(), atol=EPS[torch.float32], rtol=0)
+
+
+def test_decode_step_compiles_fullgraph(monkeypatch):
+    """The decode kernels are a custom op (``sparse_attn::entmax_decode``): a decoding step of ``entmax_attention``
+    compiles with ``fullgraph=True``, runs the decode kernels and equals eager."""
+    calls = _spy_decode(monkeypatch)
+    gen = torch.Generator().manual_seed(15)
+    q, k, v = (torch.randn(1, h, n, 16, generator=gen) for h, n in ((2, 1), (1, 30), (1, 30)))
+    alpha = torch.tensor([1.5, 2.0])
+
+    def step(q, k, v, alpha):
+        return entmax_attention(q, k, v, alpha, enable_gqa=True, backend="triton")
+
+    with torch.no_grad():
+        eager = step(q, k, v, alpha)
+        compiled = torch.compile(step, fullgraph=True, backend="aot_eager")(q, k, v, alpha)
+    assert calls == [1, 1] and torch.equal(compiled, eager)
+
+
+def test_hf_generate_takes_the_decode_path_and_records_stats(monkeypatch):
+    """A tiny Llama (GQA, left padding, per-head alpha) with ``attn_implementation="entmax"`` on the fused backend:
+    every ``generate()`` step after the prompt runs the decode kernels, the logits of each step match a recomputation
+    of the whole sequence on the float64-capable reference, and ``record_head_stats(history=True)`` holds one
+    density per step, layer and head."""
+    pytest.importorskip("transformers")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import sparse_attn.integrations.hf as entmax_hf
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64, pad_token_id=0,
+                         bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM._from_config(config, attn_implementation="entmax").eval()
+    for name, p in model.named_parameters():
+        if "q_proj" in name or "k_proj" in name:
+            torch.nn.init.normal_(p, std=0.5)  # sharper scores: sparse weights
+    entmax_hf.attach_entmax_alpha(model, alpha=[1.5, 2.0], learnable=False)
+    model.config.entmax_backend = "triton"
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, 64, (2, 7), generator=gen)
+    mask = torch.ones(2, 7, dtype=torch.long)
+    ids[1, :2], mask[1, :2] = 0, 0
+    calls = _spy_decode(monkeypatch)
+    new = 3
+    with torch.no_grad(), record_head_stats(model, history=True) as rec:
+        res = model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True)
+    assert calls == [1] * (new - 1) * config.num_hidden_layers
+    hist = rec.density_history()
+    assert hist.shape == (new, config.num_hidden_layers, 2)
+    assert ((hist > 0) & (hist <= 1)).all() and (hist[1:] < 1).any()
+    model.config.entmax_backend = "reference"
+    full_mask = torch.cat([mask, torch.ones(2, new, dtype=torch.long)], dim=1)
+    with torch.no_grad():
+        logits = model(res.sequences, attention_mask=full_mask).logits
+    tol = TOL["fused_vs_reference_f32"]["out"]
+    for t, step in enumerate(res.logits):
+        torch.testing.assert_close(step, logits[:, ids.shape[1] - 1 + t], atol=tol, rtol=tol)
+    assert torch.equal(res.sequences[:, ids.shape[1]:], torch.stack([s.argmax(-1) for s in res.logits], 1))
+
+
+_DECODE_BENCH = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "decode.py")
+
+
+def test_compiles_for_sm90():
+    """Every launch of a decode step (score, candidate and value passes of each alpha class, the combine) compiles
+    for sm_90 with the specialization a real launch gets, paged, with a float mask
+    (benchmarks/decode.py --sm90-check)."""
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
+    proc = subprocess.run([sys.executable, _DECODE_BENCH, "--sm90-check"], env=env, capture_output=True, text=True,
+                          timeout=900)
+    if "ptxas" in proc.stderr and "not found" in proc.stderr:
+        pytest.skip("no ptxas in this triton install")
+    assert proc.returncode == 0 and "built" in proc.stdout, proc.stderr[-3000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_gpu_matches_reference(dtype):
+    """On a GPU: a longer paged cache, mixed alpha, the real block sizes and default splits."""
+    gen = torch.Generator().manual_seed(10)
+    B, Hq, Hk, N, D = 3, 8, 2, 5000, 128
+    seqlens = torch.tensor([5000, 1, 3333], dtype=torch.int32)
+    q = torch.randn(B, Hq, 1, D, generator=gen).to(dtype)
+    k, v = _cache(gen, B, Hk, N, D, dtype), _cache(gen, B, Hk, N, D, dtype)
+    kp, vp, table = _page(k, v, seqlens, 16, gen)
+    alpha = torch.tensor([1.0, 1.5, 2.0, 1.25] * 2)
+    out = entmax_decode(q.cuda(), kp.cuda(), vp.cuda(), seqlens.cuda(), alpha.cuda(), block_table=table.cuda())
+    out64, _ = _reference(q, k, v, alpha, seqlens)
+    out_lp, _ = _reference(q, k, v, alpha, seqlens, dtype=dtype)
+    _check("out", out.cpu(), out64, out_lp, dtype)
