@@ -110,13 +110,16 @@ def run_case(c: dict, seed: int, device: str) -> dict:
     q, k, v, alpha = (t.detach() for t in (q, k, v, alpha))
     full_bias = None if bias is None else bias.expand(b, hq, nq, nk)
     fwd = entmax_attn_fwd(q, k, v, alpha, d**-0.5, bias=full_bias, **launch)
-    res.update({f"launcher_{f}": digest(getattr(fwd, f)) for f in ("out", "tau", "lsum", "nnz", "live", "n_passes", "tile_visits")})
+    fields = ("out", "tau", "lsum", "nnz", "live", "n_passes", "tile_visits")
+    res.update({f"launcher_{f}": digest(getattr(fwd, f)) for f in fields})
     if kw["is_causal"]:
         # 16 x 16 tiles: several query and key tiles per sequence, so the causal tile ranges are exercised
-        fwd = entmax_attn_fwd(q, k, v, alpha, d**-0.5, bias=full_bias, block_m=16, block_n=16, **launch)
+        fwd = entmax_attn_fwd(q, k, v, alpha, d**-0.5, bias=full_bias, block_m=16, block_n=16, need_out_u=True,
+                              **launch)
         bwd = entmax_attn_bwd(do, q, k, v, fwd.out, fwd.tau, fwd.lsum, alpha, d**-0.5, bias=bias, live=fwd.live,
-                              block_m=16, block_n=16, need_dalpha=True, need_dbias=bias is not None, **launch)
-        res.update({f"tiles16_{f}": digest(getattr(fwd, f)) for f in ("out", "tau", "lsum", "nnz", "live", "n_passes", "tile_visits")})
+                              block_m=16, block_n=16, need_dalpha=True, need_dbias=bias is not None, out_u=fwd.out_u,
+                              **launch)
+        res.update({f"tiles16_{f}": digest(getattr(fwd, f)) for f in fields})
         res.update({f"tiles16_{f}": digest(t) for f, t in zip(["dq", "dk", "dv", "dalpha", "dbias"], bwd)})
     return res
 

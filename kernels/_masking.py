@@ -12,7 +12,9 @@ Coordinates are sequence-local: row ``i`` in ``[0, seqlen_q)``, key ``j`` in ``[
 is bottom-right aligned (as flash-attn): row ``i`` sees key ``j`` iff ``j <= i + seqlen_k - seqlen_q``.
 The additive mask (``BIAS``) is applied by :func:`mask_scores` on top of this; on the host,
 :func:`dbias_mode` and :func:`sum_to_mask` say how its gradient is reduced to its broadcast shape,
-and :func:`tile_plan` gives the launch geometry (grids, tile counts, liveness words).
+and :func:`tile_plan` gives the launch geometry (grids, tile counts, liveness words). Loops over the live tiles
+of a liveness word (or of any 32 tiles) walk a compacted list built in registers by :func:`word_bits` /
+:func:`bit_rank` and :func:`live_tile`, with no branch per tile, so their loads can be pipelined.
 """
 
 from typing import NamedTuple
@@ -188,3 +190,24 @@ def query_tile_range(pid_n, seqlen_q, seqlen_k, MASK, BLOCK_M: tl.constexpr, BLO
     if MASK[0]:
         qt_lo = tl.maximum(pid_n * BLOCK_N - (seqlen_k - seqlen_q), 0) // BLOCK_M
     return qt_lo, tl.cdiv(seqlen_q, BLOCK_M)
+
+
+@triton.jit
+def bit_rank(bits):
+    """Exclusive prefix counts of ``bits [32]`` (int32, 0 or 1) and the number set."""
+    return tl.cumsum(bits, 0) - bits, tl.sum(bits, 0)
+
+
+@triton.jit
+def word_bits(word):
+    """Bits ``[32]`` of a liveness word, their exclusive prefix counts and the number set."""
+    bits = (word >> tl.arange(0, 32)) & 1
+    rank, n_set = bit_rank(bits)
+    return bits, rank, n_set
+
+
+@triton.jit
+def live_tile(bits, rank, i, w):
+    """Tile ``32 w + lane`` of the ``i``-th set bit (``bits``, ``rank`` from :func:`word_bits` or :func:`bit_rank`)."""
+    lane = tl.arange(0, 32)
+    return w * 32 + tl.sum(tl.where((bits != 0) & (rank == i), lane, 0), 0)

@@ -75,6 +75,11 @@ class Case:
         with torch.no_grad():
             eye = torch.eye(Nk, dtype=torch.float64).expand(B, Hk, Nk, Nk)
             self.p = entmax_attention_reference(q, k, eye, alpha64, **kw)
+            # what the forward's value pass saves for delta: sum_j U_ij v_j (dropped) / sum_j U_ij, U = p^(2 - alpha)
+            u = torch.where(self.p > 0, self.p ** (2.0 - alphas.view(1, Hq, 1, 1)), torch.zeros_like(self.p))
+            u_drop = u if keep is None else u * keep / (1.0 - dropout_p)
+            u_sum = u.sum(-1, keepdim=True)
+            out_u = u_drop @ v.detach().repeat_interleave(Hq // Hk, dim=1) / torch.where(u_sum > 0, u_sum, 1.0)
         tau64 = stats.tau.double()
         tau32 = tau64.float()
         beta = 1.0 / (alphas.view(1, Hq, 1, 1) - 1.0).clamp_min(1e-300)
@@ -87,6 +92,7 @@ class Case:
         self.lsum = torch.where(valid, lsum, torch.zeros_like(lsum)).float()
         self.q, self.k, self.v, self.do = (t.detach().to(dtype) for t in (q, k, v, do))
         self.out = out.detach().to(dtype)
+        self.out_u = out_u.to(dtype)
         bias = None
         if mask is not None:
             bias = mask.detach().float()
@@ -97,7 +103,7 @@ class Case:
         self.to(device)
 
     def to(self, device):
-        for name in ("q", "k", "v", "do", "out", "tau", "lsum", "alpha32", "bias", "cu_q", "cu_k"):
+        for name in ("q", "k", "v", "do", "out", "out_u", "tau", "lsum", "alpha32", "bias", "cu_q", "cu_k"):
             t = getattr(self, name)
             if t is not None:
                 setattr(self, name, t.to(device))
@@ -105,7 +111,7 @@ class Case:
 
     def run(self, **kw):
         args = dict(bias=self.bias, is_causal=self.causal, cu_seqlens_q=self.cu_q, cu_seqlens_k=self.cu_k,
-                    dropout_p=self.dropout_p, seed=self.seed, need_dalpha=True)
+                    dropout_p=self.dropout_p, seed=self.seed, need_dalpha=True, out_u=self.out_u)
         args.update(kw)
         return entmax_attn_bwd(self.do, self.q, self.k, self.v, self.out, self.tau, self.lsum, self.alpha32,
                                self.scale, **args)
@@ -116,10 +122,11 @@ class Case:
 
         bias = None if self.bias is None else self.bias.expand(*self.q.shape[:3], self.k.shape[2])
         fwd = entmax_attn_fwd(self.q, self.k, self.v, self.alpha32, self.scale, bias=bias, is_causal=self.causal,
-                              cu_seqlens_q=self.cu_q, cu_seqlens_k=self.cu_k, dropout_p=self.dropout_p, seed=self.seed)
+                              cu_seqlens_q=self.cu_q, cu_seqlens_k=self.cu_k, dropout_p=self.dropout_p, seed=self.seed,
+                              need_out_u=True)
         args = dict(bias=self.bias, is_causal=self.causal, cu_seqlens_q=self.cu_q, cu_seqlens_k=self.cu_k,
                     dropout_p=self.dropout_p, seed=self.seed, need_dalpha=True, live=fwd.live,
-                    block_m=fwd.block_m, block_n=fwd.block_n)
+                    block_m=fwd.block_m, block_n=fwd.block_n, out_u=fwd.out_u)
         args.update(kw)
         return entmax_attn_bwd(self.do, self.q, self.k, self.v, fwd.out, fwd.tau, fwd.lsum, self.alpha32,
                                self.scale, **args)
