@@ -140,8 +140,10 @@ def fwd_case(head_dim: int, alpha_class: str, causal: bool = True, dtype=torch.b
 
 
 def bwd_cases(head_dim: int, need_dalpha: bool = True, mask: str | None = "blocks", causal: bool = True,
-              dtype=torch.bfloat16, n: int = 1024, dropout: bool = False, varlen: bool = False):
-    """Build every backward kernel one launch of ``entmax_attn_bwd`` starts; one analysis dict per kernel.
+              dtype=torch.bfloat16, n: int = 1024, dropout: bool = False, varlen: bool = False,
+              kernels=("dq", "dkdv", "dbias")):
+    """Build the backward kernels (those of ``kernels`` among ``"dq"``, ``"dkdv"``, ``"dbias"``) one launch of
+    ``entmax_attn_bwd`` starts; one analysis dict per kernel.
 
     ``mask``: None, ``"bool"``, or the float-mask gradient mode: ``"dense"`` ``(B, H, N, N)``, ``"rows"``
     ``(B, H, N, 1)``, ``"cols"`` ``(B, 1, 1, N)``, ``"blocks"`` ``(1, H, N, N)``.
@@ -175,9 +177,9 @@ def bwd_cases(head_dim: int, need_dalpha: bool = True, mask: str | None = "block
     config = bwd._pick_config(head_dim, False)
     out = []
     for name, cap in caps.items():
-        for _, args, kwargs in cap.launches:
-            warps, stages = config[name]
-            kwargs = {**kwargs, "num_warps": warps, "num_stages": stages}
+        for _, args, kwargs in cap.launches if name in kernels else []:
+            _, warps, stages, maxnreg = config[name]
+            kwargs = {**kwargs, "num_warps": warps, "num_stages": stages, "maxnreg": maxnreg}
             info = analyse(compile_like_launch(getattr(bwd, f"_entmax_attn_bwd_{name}_kernel"), args, kwargs))
             info.update(kernel=f"bwd_{name}", d=head_dim,
                         alpha=f"dalpha={int(need_dalpha)} mask={mask}",

@@ -19,9 +19,10 @@ atomics, so every gradient is bitwise reproducible:
   queries or keys): one program per mask block sums dS over the broadcast (batch, head) pairs.
 
 Every loop walks a compacted list of its live tiles built from the liveness bits in registers
-(``_masking.word_bits``), with no branch per tile, so its loads are pipelined. Alpha is read per head at
-run time: alpha = 1 uses ``exp2``, alpha = 1.5 and alpha = 2 use no transcendental function per score,
-other values one ``log2`` and one ``exp2``.
+(``_masking.bit_rank``, ``live_tile``), with no branch per tile, so its loads are pipelined. The alpha
+class is a compile-time constant as in the forward (``_common.ALPHA_CLASSES``; device alpha: one filtered
+launch per class): alpha = 1 uses ``exp2``, alpha = 1.5 and alpha = 2 use no transcendental function per
+score, other values one ``log2``, one ``exp2`` and one division.
 """
 
 from __future__ import annotations
@@ -33,7 +34,18 @@ import triton
 import triton.language as tl
 
 from . import _common, _masking
-from ._common import LN2, LOG2E, bias_base_ptr, dropout_keep, expm1mx_series, load_rows, log2_1p, slice_base, store_rows
+from ._common import (
+    LN2,
+    LOG2E,
+    alpha_class_id,
+    bias_base_ptr,
+    dropout_keep,
+    expm1mx_series,
+    load_rows,
+    log2_1p,
+    slice_base,
+    store_rows,
+)
 from ._masking import bit_rank, key_tile_range, live_tile, mask_scores, query_tile_range, seq_bounds, tile_indices
 
 _DEFAULT_BLOCK = 64
@@ -50,7 +62,7 @@ def _row_factors(alpha, lsum):
 
 
 @triton.jit
-def _weights(s, tau, cu, cp, log_l, alpha):
+def _weights(s, tau, cu, cp, log_l, alpha, ALPHA_CLASS: tl.constexpr):
     """Weights ``p``, ``U = p^(2-alpha)`` and ``log p`` (0 where ``p == 0``) of a score tile ``s [BLOCK_M, BLOCK_N]``
     (masked = -inf), each ``[BLOCK_M, BLOCK_N]``.
 
@@ -59,18 +71,19 @@ def _weights(s, tau, cu, cp, log_l, alpha):
     For a general alpha, ``log r = log1p(w)`` with ``w = (alpha-1) s - (tau + 1)``: near alpha = 1
     ``r`` is within O(alpha-1) of 1, and rounding ``r`` itself would cost ``beta`` ulps in ``p``; ``log p`` is then
     ``beta log r - log L`` (no second logarithm). ``log p`` is dead code unless d alpha is asked for.
+    ``ALPHA_CLASS`` (``_common.ALPHA_CLASSES``) picks the path at compile time.
     """
-    if alpha == 1.0:
+    if ALPHA_CLASS == 0:
         t = s - tau[:, None]
         p = tl.exp2(t * LOG2E)
         u = p
         logp = tl.where(p > 0.0, t, 0.0)
-    elif alpha == 2.0:
+    elif ALPHA_CLASS == 1:
         r = tl.maximum(s - tau[:, None], 0.0)
         u = tl.where(r > 0.0, cu[:, None], 0.0)
         p = r * cp[:, None]
         logp = tl.where(p > 0.0, tl.log2(tl.where(p > 0.0, p, 1.0)) * LN2, 0.0)
-    elif alpha == 1.5:
+    elif ALPHA_CLASS == 2:
         r = tl.maximum(s * 0.5 - tau[:, None], 0.0)
         u = r * cu[:, None]
         p = u * r * cp[:, None]
@@ -107,13 +120,13 @@ def _dalpha_terms(p, u, logp, alpha, inv_eps2):
 def _tile(
     q, do, k, v, tau, cu, cp, log_l, delta, alpha, scale, bias_base, stride_bias_m, stride_bias_n, rows, cols,
     seqlen_q, seqlen_k, rows_global, cols_global, total_k, seed, bh, dropout_p, MASK,
-    BIAS_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ALPHA_CLASS: tl.constexpr, BIAS_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Recompute one tile: weights ``p``, ``U``, ``log p``, ``dP``, the dropped weights ``pd`` and
     ``dS = U (dP - delta)``, all ``[BLOCK_M, BLOCK_N]`` (row statistics ``[BLOCK_M]``)."""
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
     s = mask_scores(s, rows, cols, seqlen_q, seqlen_k, bias_base, stride_bias_m, stride_bias_n, 1.0, MASK, BIAS_KIND)
-    p, u, logp = _weights(s, tau, cu, cp, log_l, alpha)
+    p, u, logp = _weights(s, tau, cu, cp, log_l, alpha, ALPHA_CLASS)
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
     if HAS_DROPOUT:
         keep = dropout_keep(seed, bh, rows_global, cols_global, total_k, dropout_p)
@@ -124,6 +137,18 @@ def _tile(
         pd = p
     ds = u * (dp - delta[:, None])
     return p, u, logp, dp, pd, ds
+
+
+@triton.jit
+def _in_launch(alpha, ALPHA_CLASS: tl.constexpr, HEAD_FILTER: tl.constexpr):
+    """True when this launch computes the head with this alpha: always, or with ``HEAD_FILTER`` (one launch per
+    alpha class) when the head is of class ``ALPHA_CLASS``."""
+    cls = alpha_class_id(alpha)
+    if HEAD_FILTER:
+        mine = cls == ALPHA_CLASS
+    else:
+        mine = cls >= 0
+    return mine
 
 
 @triton.jit
@@ -164,7 +189,7 @@ def _column_tile_bits(live_col, c, kt, qt_lo, qt_hi, stride_live_m, HAS_LIVE: tl
 def _key_tile(
     kt, q, do, tau, cu, cp, log_l, delta, alpha, scale, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
     bias_base, stride_bias_m, stride_bias_n, rows, rows_global, seqlen_q, seqlen_k, k_start, total_k, offs_d, d_ok,
-    seed, bh, dropout_p, MASK,
+    seed, bh, dropout_p, MASK, ALPHA_CLASS: tl.constexpr,
     BIAS_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -178,8 +203,8 @@ def _key_tile(
     v = load_rows(v_base, cols, offs_d, stride_vn, stride_vd, col_ok, d_ok, UPCAST)
     p, u, logp, dp, pd, ds = _tile(
         q, do, k, v, tau, cu, cp, log_l, delta, alpha, scale, bias_base, stride_bias_m, stride_bias_n, rows, cols,
-        seqlen_q, seqlen_k, rows_global, cols_global, total_k, seed, bh, dropout_p, MASK, BIAS_KIND, HAS_DROPOUT,
-        DOT_PRECISION,
+        seqlen_q, seqlen_k, rows_global, cols_global, total_k, seed, bh, dropout_p, MASK, ALPHA_CLASS, BIAS_KIND,
+        HAS_DROPOUT, DOT_PRECISION,
     )
     return p, u, logp, dp, ds, k, cols_global, col_ok
 
@@ -211,16 +236,24 @@ def _entmax_attn_bwd_dq_kernel(
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
     stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n, stride_live_b, stride_live_h, stride_live_m,
     n_heads, kv_group, total_q, total_k, scale, dropout_p, seed, MASK,
+    ALPHA_CLASS: tl.constexpr, HEAD_FILTER: tl.constexpr,
     IS_VARLEN: tl.constexpr, BIAS_KIND: tl.constexpr, HAS_LIVE: tl.constexpr, LIVE_BLOCK_M: tl.constexpr,
     HAS_DROPOUT: tl.constexpr,
     NEED_DALPHA: tl.constexpr, NEED_DBIAS: tl.constexpr, NEED_DBIAS_ROWS: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """One program per (query tile ``pid_m``, q head ``h``, batch entry or sequence ``seq``): delta, dQ, d alpha."""
+    """One program per (query tile ``pid_m``, q head ``h``, batch entry or sequence ``seq``): delta, dQ, d alpha.
+
+    With ``HEAD_FILTER`` (one launch per alpha class) a program whose head is of another class returns at once.
+    """
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
     seq = tl.program_id(2)
+    alpha = tl.load(ALPHA + h)
+    if HEAD_FILTER:
+        if alpha_class_id(alpha) != ALPHA_CLASS:
+            return
     h_kv = h // kv_group
     b, q_start, seqlen_q, k_start, seqlen_k = seq_bounds(CU_SEQLENS_Q, CU_SEQLENS_K, seq, total_q, total_k, IS_VARLEN)
     if pid_m * BLOCK_M >= seqlen_q:
@@ -237,10 +270,9 @@ def _entmax_attn_bwd_dq_kernel(
     stat_offs = bh.to(tl.int64) * total_q + rows_global.to(tl.int64)
     tau = tl.load(TAU + stat_offs, mask=row_ok, other=float("inf"))
     lsum = tl.load(LSUM + stat_offs, mask=row_ok, other=0.0)
-    alpha = tl.load(ALPHA + h)
 
     # delta = dO . (sum_j U v_j / sum_j U): out_u from the forward's value pass, the output itself at alpha = 1
-    if alpha == 1.0:
+    if ALPHA_CLASS == 0:
         o = load_rows(slice_base(OUT, b, h, q_start, stride_ob, stride_oh, stride_om), rows, offs_d, stride_om,
                       stride_od, row_ok, d_ok, False)
     else:
@@ -274,8 +306,8 @@ def _entmax_attn_bwd_dq_kernel(
             p, u, logp, dp, ds, k, cols_global, col_ok = _key_tile(
                 kt, q, do, tau, cu, cp, log_l, delta, alpha, scale, k_base, v_base, stride_kn, stride_kd, stride_vn,
                 stride_vd, bias_base, stride_bias_m, stride_bias_n, rows, rows_global, seqlen_q, seqlen_k, k_start,
-                total_k, offs_d, d_ok, seed, bh, dropout_p, MASK, BIAS_KIND, HAS_DROPOUT, UPCAST, DOT_PRECISION,
-                BLOCK_N,
+                total_k, offs_d, d_ok, seed, bh, dropout_p, MASK, ALPHA_CLASS, BIAS_KIND, HAS_DROPOUT, UPCAST,
+                DOT_PRECISION, BLOCK_N,
             )
             dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
             if NEED_DBIAS:
@@ -312,13 +344,19 @@ def _entmax_attn_bwd_dkdv_kernel(
     stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn, stride_dvd,
     stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n, stride_live_b, stride_live_h, stride_live_m,
     n_heads, kv_group, total_q, total_k, scale, dropout_p, seed, MASK,
+    ALPHA_CLASS: tl.constexpr, HEAD_FILTER: tl.constexpr,
     IS_VARLEN: tl.constexpr, BIAS_KIND: tl.constexpr, HAS_LIVE: tl.constexpr, LIVE_BLOCK_M: tl.constexpr,
     HAS_DROPOUT: tl.constexpr,
     NEED_DBIAS_COLS: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """One program per (key tile ``pid_n``, kv head ``h_kv``, batch entry or sequence ``seq``): dK, dV, d bias cols."""
+    """One program per (key tile ``pid_n``, kv head ``h_kv``, batch entry or sequence ``seq``): dK, dV, d bias cols.
+
+    With ``HEAD_FILTER`` (one launch per alpha class) only the group's heads of this class are summed, and added to
+    what the launches before wrote (the launcher passes zeroed float32 ``DK``, ``DV``); a program with none of them
+    writes nothing.
+    """
     pid_n = tl.program_id(0)
     h_kv = tl.program_id(1)
     seq = tl.program_id(2)
@@ -335,41 +373,50 @@ def _entmax_attn_bwd_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     qt_lo, qt_hi = query_tile_range(pid_n, seqlen_q, seqlen_k, MASK, BLOCK_M, BLOCK_N)
+    n_done = tl.zeros([], dtype=tl.int32)
     for g in range(0, kv_group):
         h = h_kv * kv_group + g
-        bh = b * n_heads + h
         alpha = tl.load(ALPHA + h)
-        q_base = slice_base(Q, b, h, q_start, stride_qb, stride_qh, stride_qm)
-        do_base = slice_base(DO, b, h, q_start, stride_dob, stride_doh, stride_dom)
-        bias_base = bias_base_ptr(BIAS, b, h, q_start, k_start, stride_bias_b, stride_bias_h, stride_bias_m,
-                                  stride_bias_n)
-        live_col = _live_base(LIVE, seq, h, stride_live_b, stride_live_h) + pid_n // 32
-        col_ds = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for c in range(qt_lo // 32, tl.cdiv(qt_hi, 32)):
-            bits, rank, n_set = _column_tile_bits(live_col, c, pid_n, qt_lo, qt_hi, stride_live_m, HAS_LIVE, BLOCK_M,
-                                                  LIVE_BLOCK_M)
-            for i in range(0, n_set):
-                qt = live_tile(bits, rank, i, c)
-                rows, rows_global, row_ok = tile_indices(qt, q_start, seqlen_q, BLOCK_M)
-                q, do, tau, delta, cu, cp, log_l = _query_rows(
-                    q_base, do_base, TAU, LSUM, DELTA, bh, total_q, rows, rows_global, row_ok, offs_d, d_ok, alpha,
-                    stride_qm, stride_qd, stride_dom, stride_dod, UPCAST,
-                )
-                p, u, logp, dp, pd, ds = _tile(
-                    q, do, k, v, tau, cu, cp, log_l, delta, alpha, scale, bias_base, stride_bias_m, stride_bias_n,
-                    rows, cols, seqlen_q, seqlen_k, rows_global, cols_global, total_k, seed, bh, dropout_p, MASK,
-                    BIAS_KIND, HAS_DROPOUT, DOT_PRECISION,
-                )
-                dv += tl.dot(tl.trans(pd).to(do.dtype), do, input_precision=DOT_PRECISION)
-                dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=DOT_PRECISION)
-                if NEED_DBIAS_COLS:
-                    col_ds += tl.sum(ds, 0)
-        if NEED_DBIAS_COLS:
-            tl.store(DBIAS_COLS + bh.to(tl.int64) * total_k + cols_global.to(tl.int64), col_ds, mask=col_ok)
-    store_rows(slice_base(DK, b, h_kv, k_start, stride_dkb, stride_dkh, stride_dkn), cols, offs_d, stride_dkn,
-               stride_dkd, dk * scale, col_ok, d_ok)
-    store_rows(slice_base(DV, b, h_kv, k_start, stride_dvb, stride_dvh, stride_dvn), cols, offs_d, stride_dvn,
-               stride_dvd, dv, col_ok, d_ok)
+        if _in_launch(alpha, ALPHA_CLASS, HEAD_FILTER):
+            bh = b * n_heads + h
+            q_base = slice_base(Q, b, h, q_start, stride_qb, stride_qh, stride_qm)
+            do_base = slice_base(DO, b, h, q_start, stride_dob, stride_doh, stride_dom)
+            bias_base = bias_base_ptr(BIAS, b, h, q_start, k_start, stride_bias_b, stride_bias_h, stride_bias_m,
+                                      stride_bias_n)
+            live_col = _live_base(LIVE, seq, h, stride_live_b, stride_live_h) + pid_n // 32
+            col_ds = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for c in range(qt_lo // 32, tl.cdiv(qt_hi, 32)):
+                bits, rank, n_set = _column_tile_bits(live_col, c, pid_n, qt_lo, qt_hi, stride_live_m, HAS_LIVE,
+                                                      BLOCK_M, LIVE_BLOCK_M)
+                for i in range(0, n_set):
+                    qt = live_tile(bits, rank, i, c)
+                    rows, rows_global, row_ok = tile_indices(qt, q_start, seqlen_q, BLOCK_M)
+                    q, do, tau, delta, cu, cp, log_l = _query_rows(
+                        q_base, do_base, TAU, LSUM, DELTA, bh, total_q, rows, rows_global, row_ok, offs_d, d_ok,
+                        alpha, stride_qm, stride_qd, stride_dom, stride_dod, UPCAST,
+                    )
+                    p, u, logp, dp, pd, ds = _tile(
+                        q, do, k, v, tau, cu, cp, log_l, delta, alpha, scale, bias_base, stride_bias_m,
+                        stride_bias_n, rows, cols, seqlen_q, seqlen_k, rows_global, cols_global, total_k, seed, bh,
+                        dropout_p, MASK, ALPHA_CLASS, BIAS_KIND, HAS_DROPOUT, DOT_PRECISION,
+                    )
+                    dv += tl.dot(tl.trans(pd).to(do.dtype), do, input_precision=DOT_PRECISION)
+                    dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=DOT_PRECISION)
+                    if NEED_DBIAS_COLS:
+                        col_ds += tl.sum(ds, 0)
+            if NEED_DBIAS_COLS:
+                tl.store(DBIAS_COLS + bh.to(tl.int64) * total_k + cols_global.to(tl.int64), col_ds, mask=col_ok)
+            n_done += 1
+    dk = dk * scale
+    dk_base = slice_base(DK, b, h_kv, k_start, stride_dkb, stride_dkh, stride_dkn)
+    dv_base = slice_base(DV, b, h_kv, k_start, stride_dvb, stride_dvh, stride_dvn)
+    write = col_ok
+    if HEAD_FILTER:
+        write = col_ok & (tl.zeros([BLOCK_N], tl.int32) + n_done > 0)  # a [BLOCK_N] mask: the interpreter needs one
+        dk += load_rows(dk_base, cols, offs_d, stride_dkn, stride_dkd, write, d_ok, False).to(tl.float32)
+        dv += load_rows(dv_base, cols, offs_d, stride_dvn, stride_dvd, write, d_ok, False).to(tl.float32)
+    store_rows(dk_base, cols, offs_d, stride_dkn, stride_dkd, dk, write, d_ok)
+    store_rows(dv_base, cols, offs_d, stride_dvn, stride_dvd, dv, write, d_ok)
 
 
 @triton.jit
@@ -380,6 +427,7 @@ def _entmax_attn_bwd_dbias_kernel(
     stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n, stride_live_b, stride_live_h, stride_live_m,
     stride_dbias_b, stride_dbias_h,
     n_heads, kv_group, total_q, total_k, scale, dropout_p, seed, MASK, n_b_loop, n_h_loop,
+    ALPHA_CLASS: tl.constexpr, HEAD_FILTER: tl.constexpr,
     IS_VARLEN: tl.constexpr, BIAS_KIND: tl.constexpr, HAS_LIVE: tl.constexpr, LIVE_BLOCK_M: tl.constexpr,
     HAS_DROPOUT: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -390,7 +438,8 @@ def _entmax_attn_bwd_dbias_kernel(
     One program per (query tile, mask head, mask batch entry or sequence) owns its ``(Nq, Nk)``
     block of ``DBIAS`` (zero-initialized) and adds ``dS`` of every (batch, head) the mask is
     broadcast over, in a fixed order: no atomics. With ``n_b_loop`` / ``n_h_loop`` > 1 the grid
-    axis 2 / 1 has one program and ``b`` / ``h`` run over ``range(n_b_loop)`` / ``range(n_h_loop)``.
+    axis 2 / 1 has one program and ``b`` / ``h`` run over ``range(n_b_loop)`` / ``range(n_h_loop)``. With
+    ``HEAD_FILTER`` (one launch per alpha class) the heads of other classes are skipped.
     """
     pid_m = tl.program_id(0)
     pid_h = tl.program_id(1)
@@ -420,15 +469,16 @@ def _entmax_attn_bwd_dbias_kernel(
                                       stride_bias_n)
             live_row = (_live_base(LIVE, seq, h, stride_live_b, stride_live_h)
                         + (pid_m * BLOCK_M // LIVE_BLOCK_M).to(tl.int64) * stride_live_m)
-            for wd in range(kt_lo // 32, tl.cdiv(kt_hi, 32)):
-                bits, rank, n_set = _row_tile_bits(live_row, wd, kt_lo, kt_hi, HAS_LIVE)
+            kt_end = tl.where(_in_launch(alpha, ALPHA_CLASS, HEAD_FILTER), kt_hi, kt_lo)  # no tiles: another launch's
+            for wd in range(kt_lo // 32, tl.cdiv(kt_end, 32)):
+                bits, rank, n_set = _row_tile_bits(live_row, wd, kt_lo, kt_end, HAS_LIVE)
                 for i in range(0, n_set):
                     kt = live_tile(bits, rank, i, wd)
                     p, u, logp, dp, ds, k, cols_global, col_ok = _key_tile(
                         kt, q, do, tau, cu, cp, log_l, delta, alpha, scale, k_base, v_base, stride_kn, stride_kd,
                         stride_vn, stride_vd, bias_base, stride_bias_m, stride_bias_n, rows, rows_global, seqlen_q,
-                        seqlen_k, k_start, total_k, offs_d, d_ok, seed, bh, dropout_p, MASK, BIAS_KIND, HAS_DROPOUT,
-                        UPCAST, DOT_PRECISION, BLOCK_N,
+                        seqlen_k, k_start, total_k, offs_d, d_ok, seed, bh, dropout_p, MASK, ALPHA_CLASS, BIAS_KIND,
+                        HAS_DROPOUT, UPCAST, DOT_PRECISION, BLOCK_N,
                     )
                     ptrs = dbias_base + rows_global.to(tl.int64)[:, None] * total_k + cols_global.to(tl.int64)[None, :]
                     ok = row_ok[:, None] & col_ok[None, :]
@@ -436,58 +486,69 @@ def _entmax_attn_bwd_dbias_kernel(
 
 
 def _pick_config(head_dim: int, interpret: bool) -> dict:
-    """Query-tile rows of the backward (at most; they must divide the forward's) and the pinned ``(num_warps,
-    num_stages)`` of each kernel for this head dim: the configs of the offline sm_90 builds (docs/backward.md) and
-    the first ``triton.autotune`` tries on a GPU; the interpreter runs them as is."""
+    """``{kernel: (block_m, num_warps, num_stages, maxnreg)}`` for ``"dq"``, ``"dkdv"``, ``"dbias"``: the query-tile
+    rows (at most; they must divide the forward's) and the pinned launch config of each backward kernel for this head
+    dim. On a GPU these are the configs of the offline sm_90 builds (docs/backward.md), free of spills, and the first
+    ``triton.autotune`` tries; the interpreter runs them as is (``maxnreg`` None: no register cap option)."""
     if interpret:
-        return dict(block_m=_DEFAULT_BLOCK, dq=(4, 1), dkdv=(4, 1), dbias=(4, 1))
+        return dict.fromkeys(("dq", "dkdv", "dbias"), (_DEFAULT_BLOCK, 4, 1, None))
     warps = 4 if _common.head_dim_block(head_dim) <= 64 else 8
-    return dict(block_m=_DEFAULT_BLOCK, dq=(warps, 2), dkdv=(warps, 2), dbias=(warps, 2))
+    return dict.fromkeys(("dq", "dkdv", "dbias"), (_DEFAULT_BLOCK, warps, 2, _MAXNREG))
+
+
+# ptxas on its own caps some of these kernels at 128 registers (two CTAs per SM) and spills; an explicit
+# ``maxnreg`` lets it use what the kernel needs. The autotuner also tries ptxas's own choice.
+_MAXNREG = 255
 
 
 def _autotune_configs():
-    """GPU configs tried by ``triton.autotune`` (warps and pipeline stages only; the tiles index the forward's bitmap),
-    pruned per launch to the pinned config of its head dim first and two neighbours (``_prune_configs``)."""
-    return [triton.Config({}, num_warps=w, num_stages=s) for w in (4, 8) for s in (1, 2, 3)]
+    """GPU configs tried by ``triton.autotune`` (warps, pipeline stages and the register cap only; the tiles index the
+    forward's bitmap), pruned per launch to the pinned config of its head dim first and two neighbours
+    (``_prune_configs``)."""
+    return [triton.Config({}, num_warps=w, num_stages=s, maxnreg=m) for w in (4, 8) for s in (1, 2, 3)
+            for m in (_MAXNREG, None)]
 
 
 def _prune_configs(kernel: str):
     """``early_config_prune`` of ``kernel``'s autotuner: its pinned config for the launch's head dim first, then one
-    more pipeline stage, then the other warp count."""
+    more pipeline stage, then ptxas's own register choice."""
 
     def prune(configs, named_args, **kwargs):
-        warps, stages = _pick_config({**named_args, **kwargs}["HEAD_DIM"], False)[kernel]
-        keep = [(warps, stages), (warps, stages + 1), ({4: 8, 8: 4}[warps], stages)]
-        return [c for w_s in keep for c in configs if (c.num_warps, c.num_stages) == w_s]
+        _, warps, stages, maxnreg = _pick_config({**named_args, **kwargs}["HEAD_DIM"], False)[kernel]
+        keep = [(warps, stages, maxnreg), (warps, stages + 1, maxnreg), (warps, stages, None)]
+        return [c for want in keep for c in configs if (c.num_warps, c.num_stages, c.maxnreg) == want]
     return prune
 
 
-_TUNE_KEY = ["HEAD_DIM", "BLOCK_M", "BLOCK_N", "BIAS_KIND", "MASK", "IS_VARLEN", "HAS_LIVE", "HAS_DROPOUT",
-             "DOT_PRECISION"]
-# on a GPU each kernel is autotuned over warps / stages per head dim, tile, feature flags and precision;
-# the interpreter runs the pinned config (autotuning several fails there)
+_TUNE_KEY = ["HEAD_DIM", "BLOCK_M", "BLOCK_N", "ALPHA_CLASS", "HEAD_FILTER", "BIAS_KIND", "MASK", "IS_VARLEN",
+             "HAS_LIVE", "HAS_DROPOUT", "DOT_PRECISION"]
+# on a GPU each kernel is autotuned per head dim, tile, alpha class, feature flags and precision; the interpreter
+# runs the pinned config (autotuning several fails there)
 _entmax_attn_bwd_dq_autotuned = triton.autotune(
     configs=_autotune_configs(), key=_TUNE_KEY + ["NEED_DALPHA", "NEED_DBIAS", "NEED_DBIAS_ROWS"],
     prune_configs_by={"early_config_prune": _prune_configs("dq")},
 )(_entmax_attn_bwd_dq_kernel)
+# the dK/dV kernel adds into DK, DV with HEAD_FILTER, the dbias kernel into DBIAS: every autotuning run restores them
 _entmax_attn_bwd_dkdv_autotuned = triton.autotune(
-    configs=_autotune_configs(), key=_TUNE_KEY + ["NEED_DBIAS_COLS"],
+    configs=_autotune_configs(), key=_TUNE_KEY + ["NEED_DBIAS_COLS"], restore_value=["DK", "DV"],
     prune_configs_by={"early_config_prune": _prune_configs("dkdv")},
 )(_entmax_attn_bwd_dkdv_kernel)
-# the dbias kernel adds into DBIAS: every autotuning run starts from zeros
 _entmax_attn_bwd_dbias_autotuned = triton.autotune(
-    configs=_autotune_configs(), key=_TUNE_KEY, reset_to_zero=["DBIAS"],
+    configs=_autotune_configs(), key=_TUNE_KEY, restore_value=["DBIAS"],
     prune_configs_by={"early_config_prune": _prune_configs("dbias")},
 )(_entmax_attn_bwd_dbias_kernel)
 
 
-def _launch(name: str, grid: tuple, args: dict) -> None:
-    """Launch kernel ``name`` (``"dq"``, ``"dkdv"``, ``"dbias"``): autotuned on a GPU, pinned under the interpreter."""
-    if _common.interpreting():
-        warps, stages = _pick_config(args["HEAD_DIM"], True)[name]
-        globals()[f"_entmax_attn_bwd_{name}_kernel"][grid](**args, num_warps=warps, num_stages=stages)
-    else:
-        globals()[f"_entmax_attn_bwd_{name}_autotuned"][grid](**args)
+def _launch(name: str, grid: tuple, args: dict, alpha_class: str) -> None:
+    """Launch kernel ``name`` (``"dq"``, ``"dkdv"``, ``"dbias"``) once per alpha class (``_common.class_launches``):
+    autotuned on a GPU, pinned under the interpreter."""
+    for cls, head_filter in _common.class_launches(alpha_class):
+        launch = dict(args, ALPHA_CLASS=cls, HEAD_FILTER=head_filter)
+        if _common.interpreting():
+            _, warps, stages, _ = _pick_config(args["HEAD_DIM"], True)[name]
+            globals()[f"_entmax_attn_bwd_{name}_kernel"][grid](**launch, num_warps=warps, num_stages=stages)
+        else:
+            globals()[f"_entmax_attn_bwd_{name}_autotuned"][grid](**launch)
 
 
 def _check_args(do, q, k, v, out, out_u, tau, lsum, bias, cu_seqlens_q, cu_seqlens_k, live, block_m, block_n):
@@ -505,15 +566,6 @@ def _check_args(do, q, k, v, out, out_u, tau, lsum, bias, cu_seqlens_q, cu_seqle
     assert cu_seqlens_q is None or (q.shape[0] == 1 and cu_seqlens_q.dtype == cu_seqlens_k.dtype == torch.int32), (
         "cu_seqlens_q, cu_seqlens_k: expected int32 offsets and batch 1")
     assert live is None or (block_m is not None and block_n is not None), "block_m, block_n: required with live"
-
-
-def _every_head_softmax(alpha, alpha_class) -> bool:
-    """True when every head is known on the host to have alpha = 1 (no ``out_u`` needed); no device sync."""
-    if alpha_class is not None:
-        return alpha_class == "softmax"
-    if not isinstance(alpha, torch.Tensor):
-        return float(alpha) == 1.0
-    return alpha.device.type == "cpu" and bool((alpha == 1.0).all())
 
 
 def _live_args(live, like) -> dict:
@@ -557,13 +609,12 @@ def _buffers(q, k, v, bias, is_varlen, need_dalpha, need_dbias) -> _Buffers:
 
 
 def _common_args(q, k, v, do, tau, lsum, alpha, bias, cu_seqlens_q, cu_seqlens_k, live, scale, is_causal, dropout_p,
-                 seed, plan: _masking.TilePlan, live_block_m: int) -> dict:
+                 seed, live_block_m: int, block_n: int) -> dict:
     """Keyword arguments the three backward kernels share."""
     args = _common.attention_args(q, k, v, alpha, bias, cu_seqlens_q, cu_seqlens_k, scale, is_causal, dropout_p, seed)
     return dict(
         args, DO=do, TAU=tau.contiguous(), LSUM=lsum.contiguous(), **_common.stride_args("stride_do", do, "bhmd"),
-        **_live_args(live, q), HAS_LIVE=live is not None, LIVE_BLOCK_M=live_block_m, BLOCK_M=plan.block_m,
-        BLOCK_N=plan.block_n,
+        **_live_args(live, q), HAS_LIVE=live is not None, LIVE_BLOCK_M=live_block_m, BLOCK_N=block_n,
     )
 
 
@@ -603,9 +654,10 @@ def entmax_attn_bwd(
         need_dbias: also return the bias gradient. Default False.
         out_u: ``(B, Hq, Nq, D)`` in ``q.dtype``, the forward's ``sum_j U_ij v_j / sum_j U_ij``
             (``entmax_attn_fwd(..., need_out_u=True).out_u``), from which ``delta = dO . out_u``; read on heads with
-            alpha != 1 only, so it may be None when every head is known to be softmax. Default None.
-        alpha_class: the forward's alpha class (``"softmax"`` means every head has alpha = 1); default from the
-            values of a Python float or a CPU tensor.
+            alpha != 1 only, so it may be None when every head is softmax. Default None.
+        alpha_class: compile-time alpha class as in ``entmax_attn_fwd`` (``"softmax"``, ``"sparsemax"``,
+            ``"entmax15"``, ``"general"`` or ``"mixed"``: one filtered launch of each kernel per class); default from
+            the values of a Python float or a CPU tensor (no device sync), else ``"mixed"``.
 
     Returns:
         ``(dq, dk, dv, dalpha, dbias)``: ``dq`` like ``q``, ``dk``/``dv`` like ``k``/``v``
@@ -630,41 +682,52 @@ def entmax_attn_bwd(
     live_plan = _masking.tile_plan(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, live_m, block_n)
     live_shape = (live_plan.n_seq, n_heads, live_plan.n_q_tiles, live_plan.n_words)
     assert live is None or (live.shape == live_shape and live.dtype == torch.int32), f"live: expected {live_shape}"
-    assert out_u is not None or _every_head_softmax(alpha, alpha_class), (
+    alpha_class = _common.resolve_alpha_class(alpha, alpha_class)
+    assert out_u is not None or alpha_class == "softmax", (
         "out_u: required unless every head has alpha = 1 (entmax_attn_fwd(..., need_out_u=True).out_u)")
-    plan = _masking.tile_plan(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                              min(live_m, config["block_m"]), block_n)
+    # query tiles of each kernel: at most its configured rows, dividing the forward's
+    plans = {name: _masking.tile_plan(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                      min(live_m, block_m), block_n) for name, (block_m, *_) in config.items()}
     buf = _buffers(q, k, v, bias, cu_seqlens_q is not None, need_dalpha, need_dbias)
+    if alpha_class == "mixed":
+        # each class launch of the dK/dV kernel adds the group's heads of its class: partial sums in float32
+        buf = buf._replace(dk=torch.zeros(k.shape, dtype=torch.float32, device=k.device),
+                           dv=torch.zeros(v.shape, dtype=torch.float32, device=v.device))
     common = _common_args(q, k, v, do, tau, lsum, alpha, bias, cu_seqlens_q, cu_seqlens_k, live, scale, is_causal,
-                          dropout_p, seed, plan, live_m)
+                          dropout_p, seed, live_m, block_n)
     out_u = out if out_u is None else out_u
+    plan = plans["dq"]
     _launch("dq", (plan.n_q_tiles, n_heads, plan.n_seq), dict(
         common, OUT=out, OUT_U=out_u, DQ=buf.dq, DELTA=buf.delta, DALPHA=buf.dalpha_rows, DBIAS=buf.dbias,
         DBIAS_ROWS=buf.dbias_rows, **_common.stride_args("stride_o", out, "bhmd"),
         **_common.stride_args("stride_ou", out_u, "bhmd"), **_common.stride_args("stride_dq", buf.dq, "bhmd"),
         NEED_DALPHA=bool(need_dalpha), NEED_DBIAS=buf.mode == "dense", NEED_DBIAS_ROWS=buf.mode == "rows",
-    ))
+        BLOCK_M=plan.block_m,
+    ), alpha_class)
     common.update(DELTA=buf.delta)
+    plan = plans["dkdv"]
     _launch("dkdv", (plan.n_k_tiles, k.shape[1], plan.n_seq), dict(
         common, DK=buf.dk, DV=buf.dv, DBIAS_COLS=buf.dbias_cols, **_common.stride_args("stride_dk", buf.dk, "bhnd"),
-        **_common.stride_args("stride_dv", buf.dv, "bhnd"), NEED_DBIAS_COLS=buf.mode == "cols",
-    ))
+        **_common.stride_args("stride_dv", buf.dv, "bhnd"), NEED_DBIAS_COLS=buf.mode == "cols", BLOCK_M=plan.block_m,
+    ), alpha_class)
     dalpha = buf.dalpha_rows.double().sum(dim=(0, 2)).float() if need_dalpha else None
+    buf = buf._replace(dk=buf.dk.to(k.dtype), dv=buf.dv.to(v.dtype))
     if buf.mode is None:
         return buf.dq, buf.dk, buf.dv, dalpha, None
     if buf.mode == "blocks":
-        dbias = _dbias_blocks(_masking.mask_shape4(bias), cu_seqlens_q is not None, plan, n_heads, common)
+        dbias = _dbias_blocks(_masking.mask_shape4(bias), cu_seqlens_q is not None, plans["dbias"], n_heads,
+                              dict(common, BLOCK_M=plans["dbias"].block_m), alpha_class)
     else:
         dbias = {"rows": buf.dbias_rows[..., None], "cols": buf.dbias_cols[:, :, None]}.get(buf.mode, buf.dbias)
     return buf.dq, buf.dk, buf.dv, dalpha, _masking.sum_to_mask(dbias, bias)
 
 
-def _dbias_blocks(bias_shape, is_varlen, plan, n_heads, common):
+def _dbias_blocks(bias_shape, is_varlen, plan, n_heads, common, alpha_class):
     """d bias of a mask broadcast over batch and/or heads only, in the mask's 4-d shape (dbias kernel)."""
     dbias = torch.zeros(bias_shape, dtype=torch.float32, device=common["Q"].device)
     full_b, full_h = bias_shape[0] != 1 or is_varlen, bias_shape[1] != 1
     _launch("dbias", (plan.n_q_tiles, n_heads if full_h else 1, plan.n_seq if full_b else 1), dict(
         common, DBIAS=dbias, stride_dbias_b=0 if is_varlen else dbias.stride(0), stride_dbias_h=dbias.stride(1),
         n_b_loop=1 if full_b else plan.n_seq, n_h_loop=1 if full_h else n_heads,
-    ))
+    ), alpha_class)
     return dbias

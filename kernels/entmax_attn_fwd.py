@@ -31,7 +31,19 @@ import triton
 import triton.language as tl
 
 from . import _common, _masking
-from ._common import LN2, LOG2E, bias_base_ptr, dropout_keep, load_rows, slice_base, store_rows
+from ._common import (
+    LN2,
+    LOG2E,
+    alpha_class_id,
+    bias_base_ptr,
+    class_launches,
+    dropout_keep,
+    load_rows,
+    resolve_alpha_class,
+    slice_base,
+    store_rows,
+)
+from ._common import alpha_class_of as alpha_class_of  # re-exported: the public place of the class rule
 from ._masking import key_tile_range, live_tile, mask_scores, seq_bounds, word_bits
 from ._threshold import log_ref, merge_point, phi, point_sums, solve, weights
 
@@ -40,9 +52,6 @@ DEFAULT_MAX_PASSES = 32
 # the value pass renormalizes, and half-precision outputs round far above these (docs/kernels.md).
 _TOLERANCE = {torch.float16: 3e-4, torch.bfloat16: 1e-3, torch.float32: 1e-6}
 
-# ALPHA_CLASS values, one compiled path each. "mixed" alpha (classes unknown on the host) launches all four,
-# each over every head, and a program whose head is of another class returns at once (HEAD_FILTER).
-ALPHA_CLASSES = {"softmax": 0, "sparsemax": 1, "entmax15": 2, "general": 3}
 # (grid points, candidate points per later pass) by threshold arithmetic (POW 1: alpha = 2, 2: alpha = 1.5,
 # 0: other alpha); chosen in docs/kernels.md from the pass counts and the per-score cost model
 _POINTS = {1: (8, 4), 2: (8, 1), 0: (4, 1)}
@@ -53,8 +62,8 @@ class EntmaxAttnFwdResult(NamedTuple):
     out:         ``(B, Hq, Nq, D)`` in ``q.dtype``.
     out_u:       ``(B, Hq, Nq, D)`` in ``q.dtype``, ``sum_j U_ij v_j / sum_j U_ij`` with ``U = p^(2 - alpha)`` (dropout
                  applied to the numerator's weights), from which the backward takes ``delta = dO . out_u``
-                 (docs/backward.md); only with ``need_out_u`` and a class other than softmax, else None.
-                 Rows of alpha = 1 heads are not written (there ``U = p`` and ``out`` serves).
+                 (docs/backward.md); only with ``need_out_u``, else None. Rows of alpha = 1 heads are not
+                 written (there ``U = p`` and the backward reads ``out``).
     tau:         float32 ``(B, Hq, Nq)``, threshold in the z-scale (logsumexp of the scores at alpha == 1),
                  ``+inf`` for rows with no valid key, NaN for rows with a NaN or ``+inf`` score.
     lsum:        float32 ``(B, Hq, Nq)``, ``sum_j [z_ij - tau_i]_+^beta`` (1 at alpha == 1, 0 for empty rows).
@@ -463,9 +472,7 @@ def _entmax_attn_fwd_kernel(
     seq = tl.program_id(2)
     if HEAD_FILTER:
         # one launch per alpha class over all heads: a program whose head is of another class has nothing to do
-        a_h = tl.load(ALPHA + h)
-        cls = tl.where(a_h == 1.0, 0, tl.where(a_h == 2.0, 1, tl.where(a_h == 1.5, 2, 3)))
-        if cls != ALPHA_CLASS:
+        if alpha_class_id(tl.load(ALPHA + h)) != ALPHA_CLASS:
             return
     b, q_start, seqlen_q, k_start, seqlen_k = seq_bounds(CU_SEQLENS_Q, CU_SEQLENS_K, seq, total_q, total_k, IS_VARLEN)
     h_kv = h // kv_group
@@ -572,20 +579,6 @@ def fwd_block_sizes(head_dim: int) -> tuple:
     return block_m, block_n
 
 
-def alpha_class_of(alpha_values) -> str:
-    """The compile-time alpha class for known per-head alpha values (a sequence of floats in [1, 2])."""
-    vals = {float(a) for a in alpha_values}
-    if vals == {1.0}:
-        return "softmax"
-    if vals == {2.0}:
-        return "sparsemax"
-    if vals == {1.5}:
-        return "entmax15"
-    if vals and all(1.0 < a < 2.0 and a != 1.5 for a in vals):
-        return "general"
-    return "mixed"
-
-
 def default_tolerance(dtype: torch.dtype) -> float:
     """Bracket width (relative to ``1 + |tau|``) at which a row's threshold counts as found, by input dtype."""
     return _TOLERANCE[dtype]
@@ -677,15 +670,11 @@ def _plan(q, k, v, alpha, scale, bias, is_causal, cu_seqlens_q, cu_seqlens_k, ma
     plan = _masking.tile_plan(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                               default_m if block_m is None else block_m, default_n if block_n is None else block_n)
     n_seq, n_q_tiles = plan.n_seq, plan.n_q_tiles
-    if alpha_class is None:
-        if not isinstance(alpha, torch.Tensor):
-            alpha_class = alpha_class_of([alpha])
-        else:
-            alpha_class = alpha_class_of(alpha.tolist()) if alpha.device.type == "cpu" else "mixed"
+    alpha_class = resolve_alpha_class(alpha, alpha_class)
 
     stats = dict(size=(batch, n_heads, total_q), device=q.device)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    out_u = torch.empty_like(out) if need_out_u and alpha_class != "softmax" else None
+    out_u = torch.empty_like(out) if need_out_u else None
     tau = torch.empty(**stats, dtype=torch.float32)
     lsum = torch.empty(**stats, dtype=torch.float32)
     nnz = torch.empty(**stats, dtype=torch.int32)
@@ -720,6 +709,5 @@ def _plan(q, k, v, alpha, scale, bias, is_causal, cu_seqlens_q, cu_seqlens_k, ma
         inv_keep=1.0 / (1.0 - dropout_p) if dropout_p < 1 else 0.0, GRID_K1=k1, CAND_P1=p1, GRID_K2=k2, CAND_P2=p2,
         GRID_K0=k0, CAND_P0=p0, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
     )
-    classes = list(ALPHA_CLASSES.values()) if alpha_class == "mixed" else [ALPHA_CLASSES[alpha_class]]
-    launches = [dict(args, ALPHA_CLASS=c, HEAD_FILTER=alpha_class == "mixed") for c in classes]
+    launches = [dict(args, ALPHA_CLASS=c, HEAD_FILTER=f) for c, f in class_launches(alpha_class)]
     return _Launch((n_q_tiles, n_heads, n_seq), launches, dict(num_warps=num_warps, num_stages=num_stages), result)

@@ -116,14 +116,18 @@ class Case:
         return entmax_attn_bwd(self.do, self.q, self.k, self.v, self.out, self.tau, self.lsum, self.alpha32,
                                self.scale, **args)
 
-    def run_after_forward(self, **kw):
-        """The fused forward's out/tau/lsum/live fed to the backward (the autograd path)."""
+    def forward(self, **kw):
+        """The fused forward on this problem (``kw``: launcher options)."""
         from sparse_attn.kernels.entmax_attn_fwd import entmax_attn_fwd
 
         bias = None if self.bias is None else self.bias.expand(*self.q.shape[:3], self.k.shape[2])
-        fwd = entmax_attn_fwd(self.q, self.k, self.v, self.alpha32, self.scale, bias=bias, is_causal=self.causal,
-                              cu_seqlens_q=self.cu_q, cu_seqlens_k=self.cu_k, dropout_p=self.dropout_p, seed=self.seed,
-                              need_out_u=True)
+        return entmax_attn_fwd(self.q, self.k, self.v, self.alpha32, self.scale, bias=bias, is_causal=self.causal,
+                               cu_seqlens_q=self.cu_q, cu_seqlens_k=self.cu_k, dropout_p=self.dropout_p,
+                               seed=self.seed, **kw)
+
+    def run_after_forward(self, fwd_kw=None, **kw):
+        """The fused forward's out/tau/lsum/live/out_u fed to the backward (the autograd path)."""
+        fwd = self.forward(need_out_u=True, **(fwd_kw or {}))
         args = dict(bias=self.bias, is_causal=self.causal, cu_seqlens_q=self.cu_q, cu_seqlens_k=self.cu_k,
                     dropout_p=self.dropout_p, seed=self.seed, need_dalpha=True, live=fwd.live,
                     block_m=fwd.block_m, block_n=fwd.block_n, out_u=fwd.out_u)
@@ -353,3 +357,112 @@ def test_varlen_broadcast_mask_dbias(shape, kernel_device):
     assert res[4].shape == shape
     names = ("dq", "dk", "dv", "dalpha") + (("dbias",) if shape[-1] > 1 else ())
     case.check(res, names=names)
+
+
+FWD_FIELDS = ("out", "tau", "lsum", "nnz", "n_valid", "live", "n_passes", "tile_visits")
+
+
+@pytest.mark.parametrize("kw", [
+    dict(alpha=[1.0, 1.3, 1.5, 2.0], Hq=4, Hk=2, causal=True, dropout_p=0.25, mask="float"),
+    dict(alpha=[1.0001, 1.7], Hq=2, Hk=1, cu_q=[0, 9, 9, 40], cu_k=[0, 13, 20, 47], causal=True, mask="bool"),
+    dict(alpha=2.0, Nq=33, Nk=50),
+])
+def test_training_forward_equals_inference_forward(kw, kernel_device):
+    """The forward with the backward's bookkeeping (need_out_u) gives bitwise the outputs and statistics of the
+    inference forward, and out_u = sum_j U_ij v_j (dropped) / sum_j U_ij matches the float64 reference."""
+    kw = dict(kw)
+    mask_kind = kw.pop("mask", None)
+    shape = (1 if "cu_q" in kw else 2, 1, 40 if "cu_q" in kw else kw.get("Nq", 40), 47 if "cu_q" in kw else
+             kw.get("Nk", 40))
+    gen = torch.Generator().manual_seed(31)
+    mask = None
+    if mask_kind == "float":
+        mask = torch.randn(*shape, generator=gen)
+        mask[..., 2, :] = float("-inf")
+    elif mask_kind == "bool":
+        mask = torch.rand(*shape, generator=gen) > 0.3
+    case = Case(device=kernel_device, mask=mask, seed=7, **kw)
+    infer = case.forward()
+    train = case.forward(need_out_u=True)
+    assert infer.out_u is None and train.out_u.shape == case.q.shape and train.out_u.dtype == case.q.dtype
+    for name in FWD_FIELDS:
+        assert torch.equal(getattr(infer, name), getattr(train, name)), name
+    soft = (case.alpha32 == 1.0).to(kernel_device)  # rows of alpha = 1 heads are not written (out serves there)
+    got = torch.where(soft.view(1, -1, 1, 1), case.out_u, train.out_u)
+    if case.cu_q is not None:  # rows outside every sequence
+        got = got[:, :, : int(case.cu_q[-1])]
+    err = (got.double() - case.out_u.double()).abs().max().item()
+    assert err <= 2e-5 * case.out_u.abs().max().item(), err
+
+
+def test_out_u_only_when_gradients_are_needed(kernel_device, monkeypatch):
+    """The autograd op asks the forward for out_u only in grad mode with an input requiring grad: inference
+    (torch.no_grad, or no input requiring grad) does not pay for it, and the outputs are the same."""
+    import sparse_attn._attn_autograd as autograd_mod
+
+    asked = []
+    real = autograd_mod.entmax_attn_fwd
+
+    def recording(*args, **kw):
+        asked.append(kw["need_out_u"])
+        return real(*args, **kw)
+
+    monkeypatch.setattr(autograd_mod, "entmax_attn_fwd", recording)
+    gen = torch.Generator().manual_seed(32)
+    q, k, v = (torch.randn(1, 2, 20, 16, generator=gen).to(kernel_device) for _ in range(3))
+    alpha = torch.tensor([1.5, 1.2], device=kernel_device)
+    plain = entmax_attention(q, k, v, alpha, backend="triton")
+    with torch.no_grad():
+        no_grad = entmax_attention(q.requires_grad_(), k, v, alpha, backend="triton")
+    graded = entmax_attention(q, k, v, alpha, backend="triton")
+    only_alpha = entmax_attention(q.detach(), k, v, alpha.requires_grad_(), backend="triton")
+    softmax = entmax_attention(q, k, v, 1.0, backend="triton", return_stats=True)[0]
+    assert asked == [False, False, True, True, False]  # softmax: delta = dO . out, no out_u
+    assert torch.equal(plain, no_grad) and torch.equal(plain, graded.detach()) and torch.equal(plain, only_alpha)
+    assert softmax.requires_grad
+
+
+def test_backward_without_out_u(kernel_device):
+    """out_u is required unless every head is softmax (where delta = dO . out)."""
+    case = Case(device=kernel_device, B=1, Hq=2, Hk=1, Nq=20, Nk=24, alpha=1.5)
+    with pytest.raises(AssertionError, match="out_u"):
+        case.run(out_u=None)
+    soft = Case(device=kernel_device, B=1, Hq=2, Hk=1, Nq=20, Nk=24, alpha=1.0)
+    soft.check(soft.run(out_u=None, alpha_class="softmax"))
+    soft.check(entmax_attn_bwd(soft.do, soft.q, soft.k, soft.v, soft.out, soft.tau, soft.lsum, 1.0, soft.scale,
+                               need_dalpha=True))
+
+
+def test_mixed_class_launches_match_single_class_launches(kernel_device):
+    """A device alpha starts one filtered launch per alpha class; a head gets bitwise the gradients of a launch of
+    its class alone (one q head per kv head, so no cross-class dK/dV sums)."""
+    case = Case(device=kernel_device, B=1, Hq=4, Hk=4, Nq=37, Nk=45, alpha=[1.0, 2.0, 1.5, 1.3], causal=True)
+    mixed = case.run(block_m=16, block_n=16, alpha_class="mixed")
+    for h in range(4):
+        one = slice(h, h + 1)
+        single = entmax_attn_bwd(case.do[:, one], case.q[:, one], case.k[:, one], case.v[:, one], case.out[:, one],
+                                 case.tau[:, one], case.lsum[:, one], case.alpha32[one], case.scale, is_causal=True,
+                                 need_dalpha=True, block_m=16, block_n=16, out_u=case.out_u[:, one])
+        for got, want in zip(mixed[:3], single[:3]):
+            assert torch.equal(got[:, one], want)
+        assert torch.equal(mixed[3][one], single[3])
+    case.check(mixed)
+
+
+def test_many_tiles_and_backward_tiles_inside_forward_tiles(kernel_device):
+    """More than 32 query and key tiles (two liveness words per row, two 32-tile chunks per key-tile column), and
+    backward query tiles that are halves of the forward's 128-row tiles (the bitmap's rows)."""
+    n = 544
+    idx = torch.arange(n)
+    # a sliding window of 24 keys plus the first 16 keys: few live tiles per row (the interpreter is slow), rows
+    # past key tile 32 live in both words
+    mask = ((idx[:, None] - idx[None, :]).abs() < 24) | (idx[None, :] < 16)
+    mask = mask.expand(1, 1, n, n)
+    case = Case(device=kernel_device, B=1, Hq=1, Hk=1, Nq=n, Nk=n, D=16, alpha=2.0, scale=3.0, mask=mask,
+                causal=True)
+    live = _live_from_weights(case.p, 16, 16).to(kernel_device)
+    assert live.shape[-1] == 2 and (live[..., 0] != -1).any(), "the test needs two words per row and dead tiles"
+    assert ((live[..., 0] != 0) & (live[..., 1] != 0)).any(), "the test needs rows with live tiles in both words"
+    case.check(case.run(block_m=16, block_n=16, live=live))
+    halves = case.run(block_m=128, block_n=16, live=_live_from_weights(case.p, 128, 16).to(kernel_device))
+    case.check(halves)
