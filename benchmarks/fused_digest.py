@@ -56,6 +56,8 @@ CASES = {
 }
 
 
+_FWD_FIELDS = ("out", "tau", "lsum", "nnz", "live", "n_passes", "tile_visits")
+
 def digest(t) -> str | None:
     """sha256 of a tensor's dtype, shape and bytes (None stays None)."""
     if t is None:
@@ -110,8 +112,7 @@ def run_case(c: dict, seed: int, device: str) -> dict:
     q, k, v, alpha = (t.detach() for t in (q, k, v, alpha))
     full_bias = None if bias is None else bias.expand(b, hq, nq, nk)
     fwd = entmax_attn_fwd(q, k, v, alpha, d**-0.5, bias=full_bias, **launch)
-    fields = ("out", "tau", "lsum", "nnz", "live", "n_passes", "tile_visits")
-    res.update({f"launcher_{f}": digest(getattr(fwd, f)) for f in fields})
+    res.update({f"launcher_{f}": digest(getattr(fwd, f)) for f in _FWD_FIELDS})
     if kw["is_causal"]:
         # 16 x 16 tiles: several query and key tiles per sequence, so the causal tile ranges are exercised
         fwd = entmax_attn_fwd(q, k, v, alpha, d**-0.5, bias=full_bias, block_m=16, block_n=16, need_out_u=True,
@@ -119,7 +120,7 @@ def run_case(c: dict, seed: int, device: str) -> dict:
         bwd = entmax_attn_bwd(do, q, k, v, fwd.out, fwd.tau, fwd.lsum, alpha, d**-0.5, bias=bias, live=fwd.live,
                               block_m=16, block_n=16, need_dalpha=True, need_dbias=bias is not None, out_u=fwd.out_u,
                               **launch)
-        res.update({f"tiles16_{f}": digest(getattr(fwd, f)) for f in fields})
+        res.update({f"tiles16_{f}": digest(getattr(fwd, f)) for f in _FWD_FIELDS})
         res.update({f"tiles16_{f}": digest(t) for f, t in zip(["dq", "dk", "dv", "dalpha", "dbias"], bwd)})
     return res
 

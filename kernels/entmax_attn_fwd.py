@@ -247,7 +247,10 @@ def _entmax_rows(q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, 
             F = tl.where(same, F, 0.0)
             G = tl.where(same, G, 0.0)
             C = tl.where(same, C, 0.0)
-        t_low = (j_new - (GRID_K - 1)) * w_grid  # <= m - 1 <= tau
+        # the lowest point is <= m - 1 <= tau up to rounding: tiles below it are dead (a few ulps of margin; none
+        # where fp32 cannot index the grid, see grid_ok below)
+        t_low = (j_new - (GRID_K - 1)) * w_grid
+        t_low = tl.where(tl.abs(j_new) < 4194304.0, t_low - 4.8e-7 * tl.abs(t_low), float("-inf"))
         live = tl.max((z > t_low[:, None]).to(tl.int32))
         if live != 0:
             for s in tl.static_range(GRID_K):
@@ -300,7 +303,7 @@ def _entmax_rows(q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, 
             a, pa, da, fa, ga, ca, b, pb, db, cb, b_top, tl.where(grid_ok, i_s * w_grid + shift, float("nan")),
             ph, dph, tl.where(lowest, tl.maximum(f_s, 1.0), f_s), g_s, tl.sum(tl.where(sel, C, 0.0), 1))
     est, lo, hi, exact = solve(a, pa, da, fa, ga, ca, b, pb, db, cb, b_top, POW)
-    done = exact | (hi - lo <= tol * (1.0 + tl.abs(lo))) | (usable == 0)
+    done = exact | (hi - lo <= tol + 4.8e-7 * tl.abs(lo)) | (usable == 0)
 
     # ---- candidate passes over the live tiles while a row of the tile is not pinned down
     go = (tl.min(done.to(tl.int32)) == 0) & (n_passes + 1 < max_passes)
@@ -386,7 +389,7 @@ def _entmax_rows(q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, 
         est = tl.minimum(tl.maximum(tl.where(act, n_est, est), lo), hi)
         exact = tl.where(act, n_exact, exact)
         n_passes += 1
-        done = exact | (hi - lo <= tol * (1.0 + tl.abs(lo))) | (usable == 0)
+        done = exact | (hi - lo <= tol + 4.8e-7 * tl.abs(lo)) | (usable == 0)
         go = (tl.min(done.to(tl.int32)) == 0) & (n_passes + 1 < max_passes)
 
     # ---- value pass at the estimate; tiles die only below the certified lower bound

@@ -311,7 +311,7 @@ def _check_launch(name: str, x: torch.Tensor, mode: int) -> None:
     if not isinstance(x, torch.Tensor) or x.ndim != 2 or x.dtype not in _DTYPES:
         got = f"{x.dtype} tensor of shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
         raise TypeError(f"{name} must be a 2-d float16, bfloat16 or float32 tensor, got {got}")
-    if x.stride(1) != 1:
+    if x.stride(1) != 1 and x.shape[1] > 1:  # a single column has no column stride to speak of
         raise ValueError(f"{name} must have unit stride along columns, got strides {tuple(x.stride())}")
     if mode not in (MODE_SOFTMAX, MODE_SPARSEMAX, MODE_ENTMAX15, MODE_GENERAL):
         raise ValueError(f"mode must be one of MODE_SOFTMAX/SPARSEMAX/ENTMAX15/GENERAL (0-3), got {mode!r}")

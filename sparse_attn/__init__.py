@@ -25,6 +25,7 @@ from sparse_attn.mappings import (
     sparsemax,
 )
 from sparse_attn.modules import EntmaxAlpha, EntmaxMultiheadAttention, swap_attention
+from sparse_attn.sdpa import attach_entmax_sdpa, entmax_sdpa, swap_sdpa_attention
 from sparse_attn.stats import HeadStatsRecorder, record_head_stats
 from sparse_attn.structured import (
     Fusedmax,
@@ -60,6 +61,9 @@ __all__ = [
     "EntmaxMultiheadAttention",
     "EntmaxAlpha",
     "swap_attention",
+    "swap_sdpa_attention",
+    "attach_entmax_sdpa",
+    "entmax_sdpa",
     "record_head_stats",
     "HeadStatsRecorder",
     "fusedmax",

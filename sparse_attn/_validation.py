@@ -214,12 +214,6 @@ def values_checkable(*tensors) -> bool:
     return devices <= _FREE_READ_DEVICES or _CHECKS_ENABLED
 
 
-def check_bool(name: str, value) -> None:
-    """Raise ``TypeError`` unless ``value`` is a Python bool."""
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
-
-
 def check_number(name: str, value, low: float, high: float, high_open: bool = False) -> float:
     """Check a Python real number in ``[low, high]`` (``[low, high)`` when ``high_open``); return it as float."""
     if isinstance(value, bool) or not isinstance(value, Real):

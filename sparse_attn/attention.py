@@ -69,18 +69,25 @@ def entmax_attention(
     max_seqlen_k: int | None = None,
     return_stats: bool = False,
     backend: str = "auto",
+    window_size: tuple[int, int] | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
 ):
     """Attention whose weights are alpha-entmax of the scores, computed tile by tile.
 
     ``out_i = sum_j p_ij v_j`` with ``p_i = alpha-entmax(s_i)``, ``s_ij = scale * q_i . k_j + bias_ij``
     (masked pairs ``-inf``). ``alpha = 1`` is softmax, ``alpha = 2`` sparsemax; for alpha > 1 the
     weights are ``[(alpha - 1) s_ij - tau_i]_+^(1/(alpha-1))``, exactly zero below the threshold.
+    The variants (``window_size``, ``alibi_slopes``, ``sinks``, ``softcap``, ``Dv != D``) follow
+    flash-attn's semantics; the fused kernels do not implement them yet, so they run on the reference
+    (CPU tensors, or ``backend="reference"``): the fused path raises ``ValueError`` for them.
 
     Args:
         q: ``(B, Hq, Nq, D)`` queries; any strides (a ``(B, N, H, D)`` tensor ``.transpose(1, 2)``
             works without a copy). float16, bfloat16, float32 (float64 on the reference backend).
         k, v: ``(B, Hk, Nk, D)`` keys and ``(B, Hk, Nk, Dv)`` values, same dtype and device as
-            ``q``. ``Dv != D`` runs on the reference only.
+            ``q``. ``Dv != D`` (e.g. DeepSeek-V3's attention) runs on the reference only.
         alpha: float in [1, 2], or a tensor of shape ``(Hq,)`` (one alpha per q head, mixed freely;
             differentiable) or ``()``. Default 1.5. A tensor's values are checked when it is on
             the CPU or with :func:`sparse_attn.set_checks` on; otherwise (CUDA) a head whose alpha
@@ -106,7 +113,25 @@ def entmax_attention(
             number of valid keys, each ``(B, Hq, Nq)``) without materializing the weights.
         backend: ``"auto"`` (Triton for CUDA fp16/bf16/fp32 tensors with ``16 <= D <= 256``, the
             reference otherwise), ``"triton"`` or ``"reference"``. Problems without any query,
-            key, head or batch entry run on the reference.
+            key, head or batch entry run on the reference. A variant the fused kernels lack raises
+            ``ValueError`` on ``"triton"`` and where ``"auto"`` picks them (never a silent dense fallback).
+        window_size: ``(left, right)`` sliding window, as flash-attn: query ``i`` sees key ``j`` iff
+            ``i + Nk - Nq - left <= j <= i + Nk - Nq + right`` (per sequence with varlen), ``-1`` =
+            unbounded on that side; intersected with ``is_causal`` and ``attn_mask``. Default None
+            (= ``(-1, -1)``). Mistral's ``sliding_window=W`` with causal masking is ``(W - 1, 0)``.
+        alibi_slopes: ``(Hq,)`` or ``(B, Hq)`` (varlen: ``(nseq, Hq)``) floating tensor on ``q``'s device:
+            the bias ``-slope * |i + Nk - Nq - j|`` is added to the scaled scores (after ``softcap``),
+            as flash-attn. Computed in float32 (float64 for float64 inputs). Default None.
+        sinks: ``(Hq,)`` floating tensor, one learned sink logit per head (gpt-oss's ``s_aux``),
+            differentiable. Every row is normalized over its keys plus a virtual key of score
+            ``sinks[h]`` (not scaled, capped or masked) and zero value: at alpha = 1
+            ``p_ij = exp(s_ij) / (exp(sinks[h]) + sum_k exp(s_ik))``; for alpha > 1 the entmax threshold
+            includes the sink's term. The sink takes weight, so the weights over the real keys sum to
+            ``1 - p_sink`` and the output shrinks; a row with no valid key still gives zeros.
+            ``-inf`` turns a head's sink off, NaN or ``+inf`` makes the head's rows NaN. Default None.
+        softcap: logit soft-capping (Gemma-2): finite scaled scores ``s`` become
+            ``softcap * tanh(s / softcap)`` before masks and biases are added. None or 0 = off
+            (default); otherwise a finite positive Python number.
 
     Returns:
         ``out`` of shape ``(B, Hq, Nq, Dv)`` in the input dtype, or ``(out, stats)``.
@@ -116,6 +141,7 @@ def entmax_attention(
     inputs = prepare_attention(
         q, k, v, alpha, attn_mask=attn_mask, is_causal=is_causal, scale=scale, dropout_p=dropout_p,
         enable_gqa=enable_gqa, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, backend=backend,
+        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, backend=backend, window_size=window_size,
+        alibi_slopes=alibi_slopes, sinks=sinks, softcap=softcap,
     )
     return run_attention(inputs, return_stats)

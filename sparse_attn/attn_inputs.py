@@ -5,6 +5,12 @@ the reference, the modules and the Hugging Face integration, which all go throug
 normalizes them into one :class:`AttentionInputs`; the fused path
 (:mod:`sparse_attn._attn_autograd`) and the reference (:mod:`sparse_attn.reference`) consume it.
 
+The attention variants real models use (a sliding ``window_size``, ``alibi_slopes``, per-head
+``sinks``, ``softcap``, a value head dim ``Dv`` different from the query/key head dim) are carried
+here too. Which of them the fused kernels implement is decided in one place,
+:func:`unfused_variants`; a call that needs a missing one on the fused path raises (never a silent
+fallback to the dense reference).
+
 Value checks that read tensors back to the host (a tensor ``alpha`` in ``[1, 2]``, a float mask
 free of NaN/``+inf`` on the fused path, ``cu_seqlens`` offsets, ``max_seqlen`` bounds) run for
 CPU tensors and, for device tensors, only with :func:`sparse_attn.set_checks` on, so that a CUDA
@@ -21,13 +27,14 @@ from torch import Tensor
 
 from sparse_attn._validation import check_bool, check_number, values_checkable
 from sparse_attn.kernels._common import interpreting
-from sparse_attn.masks import check_mask, check_mask_values
+from sparse_attn.masks import check_mask
 
 __all__ = [
     "AttentionInputs",
     "AttentionStats",
     "prepare_attention",
     "resolve_backend",
+    "unfused_variants",
     "check_head_alpha",
     "MIN_HEAD_DIM",
     "MAX_HEAD_DIM",
@@ -52,7 +59,9 @@ class AttentionStats(NamedTuple):
     n_valid: int32, number of keys the query may attend to (not masked).
 
     On the reference, a row whose scores hold NaN or ``+inf`` (a NaN output row) has
-    ``tau = NaN`` and ``nnz = 0``.
+    ``tau = NaN`` and ``nnz = 0``. With ``sinks``, ``tau`` is the threshold (logsumexp) of the row
+    including its sink, finite even for a row with no valid key, while ``nnz`` and ``n_valid`` count
+    real keys only.
     """
 
     nnz: Tensor
@@ -79,6 +88,16 @@ class AttentionInputs(NamedTuple):
     cu_seqlens_q, cu_seqlens_k: int32 ``(nseq + 1,)`` packed-sequence offsets, or None.
     max_seqlen_q, max_seqlen_k: longest query / key sequence (``Nq`` / ``Nk`` without varlen).
     backend:       ``"triton"`` or ``"reference"`` (resolved from ``"auto"``).
+    window_size:   ``(left, right)`` sliding window (flash-attn semantics, bottom-right aligned, per
+                   sequence with varlen; ``-1`` = unbounded on that side), or None for no window.
+                   Intersected with ``is_causal`` and the mask.
+    alibi_slopes:  None or ``(Hq,)`` / ``(B, Hq)`` (varlen: ``(nseq, Hq)``) float32 (float64 for float64
+                   ``q``): the bias ``-slope * |i + Nk - Nq - j|`` is added to the (soft-capped) scores.
+    sinks:         None or ``(Hq,)`` float32 (float64 for float64 ``q``), differentiable: one sink logit per
+                   head, an extra key with a zero value in every row's normalization (not masked, not
+                   soft-capped, not scaled). Weights over the real keys then sum to ``1 - p_sink``.
+    softcap:       None or a positive float: finite scaled scores ``s`` become ``softcap * tanh(s / softcap)``
+                   before masks and biases are added (non-finite scores are left as they are).
     """
 
     q: Tensor
@@ -96,6 +115,10 @@ class AttentionInputs(NamedTuple):
     max_seqlen_q: int
     max_seqlen_k: int
     backend: str
+    window_size: tuple[int, int] | None = None
+    alibi_slopes: Tensor | None = None
+    sinks: Tensor | None = None
+    softcap: float | None = None
 
     @property
     def score_shape(self) -> tuple[int, int, int, int]:
@@ -134,15 +157,50 @@ def _check_qkv(q, k, v, enable_gqa: bool, varlen: bool) -> None:
         raise ValueError(f"with cu_seqlens the packed tensors must have batch size 1, got q of shape {tuple(q.shape)}")
 
 
-def resolve_backend(backend: str, q: Tensor, v: Tensor | None = None) -> str:
-    """``"triton"`` or ``"reference"`` for these inputs; raises if ``backend="triton"`` cannot run them."""
+def unfused_variants(q: Tensor, v: Tensor, window_size=None, alibi_slopes=None, sinks=None,
+                     softcap=None) -> list[str]:
+    """The arguments of a call that the fused Triton kernels do not implement yet, as error-message phrases.
+
+    The one place that decides it: when a kernel gains a variant, its line goes. Arguments as
+    :func:`prepare_attention` (``window_size`` etc. already normalized: None when unused).
+    """
+    missing = []
+    if window_size is not None:
+        missing.append(f"window_size={window_size} (sliding-window attention)")
+    if alibi_slopes is not None:
+        missing.append("alibi_slopes (ALiBi)")
+    if sinks is not None:
+        missing.append("sinks (per-head attention sinks)")
+    if softcap is not None:
+        missing.append(f"softcap={softcap} (logit soft-capping)")
+    if v.shape[-1] != q.shape[-1]:
+        missing.append(f"v of head_dim {v.shape[-1]} (the kernels need v with the head_dim of q, {q.shape[-1]})")
+    return missing
+
+
+def _on_kernel_device(q: Tensor) -> bool:
+    """Whether ``backend="auto"`` runs the fused kernels for tensors on ``q``'s device (CUDA)."""
+    return q.is_cuda
+
+
+def resolve_backend(backend: str, q: Tensor, v: Tensor | None = None, unfused: list[str] | tuple = ()) -> str:
+    """``"triton"`` or ``"reference"`` for these inputs; raises if the fused path cannot run them.
+
+    Args:
+        backend: ``"auto"``, ``"triton"`` or ``"reference"``.
+        q, v: the queries and values (dtype, device, head dims).
+        unfused: what :func:`unfused_variants` found. With ``backend="triton"``, or ``"auto"`` where
+            it picks the fused kernels (CUDA, fp16/bf16/fp32, head dim 16-256), a nonempty list
+            raises ``ValueError`` naming the arguments: never a silent fallback to the dense reference.
+    """
     if not isinstance(backend, str) or backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    d, d_v = q.shape[-1], (q.shape[-1] if v is None else v.shape[-1])
+    d = q.shape[-1]
     if backend == "auto":
-        fits = q.dtype in KERNEL_DTYPES and MIN_HEAD_DIM <= d <= MAX_HEAD_DIM and d_v == d
-        return "triton" if q.is_cuda and fits else "reference"
-    if backend == "triton":
+        fits = q.dtype in KERNEL_DTYPES and MIN_HEAD_DIM <= d <= MAX_HEAD_DIM
+        backend = "triton" if _on_kernel_device(q) and fits else "reference"
+        how = f"backend='auto' on {q.device} picks the fused Triton kernels"
+    elif backend == "triton":
         if not q.is_cuda and not interpreting():
             raise ValueError(
                 f"backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 set before import, for testing), "
@@ -152,8 +210,13 @@ def resolve_backend(backend: str, q: Tensor, v: Tensor | None = None) -> str:
             raise TypeError(f"the triton backend takes float16, bfloat16 or float32 inputs, got {q.dtype}")
         if not MIN_HEAD_DIM <= d <= MAX_HEAD_DIM:
             raise ValueError(f"the triton backend takes head_dim in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}], got {d}")
-        if d_v != d:
-            raise ValueError(f"the triton backend takes v with the head_dim of q ({d}), got {d_v}")
+        how = "backend='triton'"
+    if backend == "triton" and unfused:
+        raise ValueError(
+            f"{'; '.join(unfused)}: not supported by the fused Triton kernels yet ({how}); pass backend='reference' "
+            f"(the materialized reference, O(N^2) memory; for a Hugging Face model set config.entmax_backend = "
+            f"'reference')"
+        )
     return backend
 
 
@@ -233,19 +296,62 @@ def _max_seqlen(name: str, given, cu: Tensor, longest: int | None) -> int:
     return int(given)
 
 
+def _check_window_size(window_size) -> tuple[int, int] | None:
+    """``window_size`` as ``(left, right)`` ints >= -1, or None for no window (also for ``(-1, -1)``)."""
+    if window_size is None:
+        return None
+    ok = isinstance(window_size, (tuple, list)) and len(window_size) == 2 and all(
+        isinstance(w, Integral) and not isinstance(w, bool) for w in window_size)
+    if not ok:
+        raise TypeError(f"window_size must be None or a pair of ints (left, right), got {window_size!r}")
+    left, right = (int(w) for w in window_size)
+    if left < -1 or right < -1:
+        raise ValueError(f"window_size must hold ints >= -1 (-1 = unbounded on that side), got {window_size!r}")
+    return None if left == right == -1 else (left, right)
+
+
+def _head_vector(name: str, t, q: Tensor, shapes: tuple, expected: str) -> Tensor | None:
+    """A per-head floating tensor on ``q``'s device with one of ``shapes``, cast to float32 (float64 for
+    float64 ``q``; a differentiable cast)."""
+    if t is None:
+        return None
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be None or a floating-point tensor, got {type(t).__name__}")
+    if not t.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
+    if tuple(t.shape) not in shapes:
+        raise ValueError(f"{name} must have shape {expected}, got {tuple(t.shape)}")
+    if t.device != q.device:
+        raise ValueError(f"{name} must be on the device of q ({q.device}), got {t.device}")
+    return t.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
+
+
+def _check_softcap(softcap) -> float | None:
+    """``softcap`` as a positive float, or None when off (None or 0, flash-attn's default)."""
+    if softcap is None:
+        return None
+    if isinstance(softcap, bool) or not isinstance(softcap, Real):
+        raise TypeError(f"softcap must be None or a Python number, got {type(softcap).__name__}")
+    value = float(softcap)
+    if not (0.0 <= value < float("inf")):
+        raise ValueError(f"softcap must be None, 0 (off) or a finite positive number, got {softcap!r}")
+    return value if value > 0 else None
+
+
 def prepare_attention(
     q: Tensor, k: Tensor, v: Tensor, alpha: float | Tensor = 1.5, *,
     attn_mask: Tensor | None = None, is_causal: bool = False, scale: float | None = None, dropout_p: float = 0.0,
     enable_gqa: bool = False, cu_seqlens_q: Tensor | None = None, cu_seqlens_k: Tensor | None = None,
     max_seqlen_q: int | None = None, max_seqlen_k: int | None = None, backend: str = "auto",
-    alpha_in_range: bool = False, mask_values_checked: bool = False,
+    window_size: tuple[int, int] | None = None, alibi_slopes: Tensor | None = None, sinks: Tensor | None = None,
+    softcap: float | None = None, alpha_in_range: bool = False,
 ) -> AttentionInputs:
-    """Validate the arguments of :func:`sparse_attn.entmax_attention` and normalize them.
+    """Validate the arguments of :func:`sparse_attn.entmax_attention` and normalize them (see :class:`AttentionInputs`).
 
-    Arguments as :func:`sparse_attn.entmax_attention`, plus two promises callers may make:
+    Arguments as :func:`sparse_attn.entmax_attention`, plus a promise callers may make:
     ``alpha_in_range`` (a tensor alpha's values are in [1, 2], e.g. a module's alpha, valid by
-    construction: they are not read) and ``mask_values_checked`` (the caller checked a float
-    mask's values under its own argument names). Problems with no query, key, head or batch entry
+    construction: they are not read). Float masks are not checked for NaN / +inf: such entries make
+    their rows NaN on every backend (the non-finite policy). Problems with no query, key, head or batch entry
     run on the reference (their output is empty or zero).
 
     Returns:
@@ -257,14 +363,20 @@ def prepare_attention(
         raise ValueError("cu_seqlens_q and cu_seqlens_k must be given together")
     varlen = cu_seqlens_q is not None
     _check_qkv(q, k, v, enable_gqa, varlen)
-    backend = resolve_backend(backend, q, v)
+    window_size = _check_window_size(window_size)
+    n_heads = q.shape[1]
+    packed = varlen and isinstance(cu_seqlens_q, Tensor) and cu_seqlens_q.dim() == 1
+    n_rows = cu_seqlens_q.shape[0] - 1 if packed else q.shape[0]
+    alibi_slopes = _head_vector("alibi_slopes", alibi_slopes, q, ((n_heads,), (n_rows, n_heads)),
+                                f"({n_heads},) or ({'nseq' if varlen else 'batch'}, heads) = ({n_rows}, {n_heads})")
+    sinks = _head_vector("sinks", sinks, q, ((n_heads,),), f"({n_heads},) (one sink logit per q head)")
+    softcap = _check_softcap(softcap)
+    backend = resolve_backend(backend, q, v, unfused_variants(q, v, window_size, alibi_slopes, sinks, softcap))
     if 0 in q.shape[:3] or k.shape[2] == 0:
         backend = "reference"
     alpha_t, alpha_value, alpha_checked = _normalize_alpha(alpha, q, alpha_in_range)
     shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
     check_mask("attn_mask", attn_mask, q.device, shape)
-    if backend == "triton" and not mask_values_checked:
-        check_mask_values("attn_mask", attn_mask)
     if varlen:
         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k = _check_cu_seqlens(
             cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q, max_seqlen_k)
@@ -285,4 +397,5 @@ def prepare_attention(
     return AttentionInputs(
         q, k, v, alpha_t, alpha_value, alpha_checked, attn_mask, is_causal, float(scale), dropout_p,
         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, backend,
+        window_size=window_size, alibi_slopes=alibi_slopes, sinks=sinks, softcap=softcap,
     )

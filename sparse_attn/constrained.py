@@ -449,6 +449,11 @@ class FertilityAttention(nn.Module):
             device, dtype: of the state tensors. Default CPU, float32.
         """
         check_positive_int("src_len", src_len)
+        if not isinstance(batch_shape, (tuple, list, torch.Size)) or not all(
+                isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in batch_shape):
+            raise TypeError(f"batch_shape must be a tuple of non-negative ints, got {batch_shape!r}")
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
         shape = tuple(batch_shape) + (src_len,)
         dev = torch.device("cpu") if device is None else torch.device(device)
         valid = torch.ones(shape, dtype=torch.bool, device=device)

@@ -9,7 +9,8 @@ broadcastable to the scores ``(B, H, Nq, Nk)`` and kept at its own shape (never 
 ``(B, H, Nq, Nk)``). ``torch.nn.MultiheadAttention`` uses the opposite boolean convention
 (``True`` = *not* allowed) and a separate ``key_padding_mask`` ``(N, S)``; the helpers below
 convert between the two and combine masks. Causal masks are bottom-right aligned (as
-flash-attn): query ``i`` of ``n_q`` sees key ``j`` of ``n_k`` iff ``j <= i + n_k - n_q``.
+flash-attn): query ``i`` of ``n_q`` sees key ``j`` of ``n_k`` iff ``j <= i + n_k - n_q``. Sliding windows
+(:func:`window_keep`) and ALiBi biases (:func:`alibi_bias`) use the same bottom-right alignment.
 
 Used by :func:`sparse_attn.entmax_attention` (fused path), the reference, the modules and the
 Hugging Face integration.
@@ -20,16 +21,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from sparse_attn._validation import values_checkable
-
 __all__ = [
     "causal_keep",
+    "window_keep",
+    "alibi_bias",
     "keep_to_bias",
     "combine_masks",
     "from_mha_mask",
     "key_padding_to_mask",
     "check_mask",
-    "check_mask_values",
 ]
 
 _NEG_INF = float("-inf")
@@ -42,6 +42,39 @@ def causal_keep(n_q: int, n_k: int, device=None, bottom_right: bool = True) -> T
     rows = torch.arange(n_q, device=device)[:, None]
     cols = torch.arange(n_k, device=device)[None, :]
     return cols <= rows + (n_k - n_q if bottom_right else 0)
+
+
+def window_keep(n_q: int, n_k: int, window_size: tuple[int, int], device=None) -> Tensor:
+    """Boolean ``(n_q, n_k)`` sliding-window keep mask, flash-attn's ``window_size=(left, right)``.
+
+    Query ``i`` sees key ``j`` iff ``i + n_k - n_q - left <= j <= i + n_k - n_q + right`` (bottom-right
+    aligned, inclusive); ``-1`` leaves that side unbounded. ``(-1, 0)`` is the causal mask.
+    """
+    left, right = window_size
+    diag = torch.arange(n_q, device=device)[:, None] + (n_k - n_q)
+    cols = torch.arange(n_k, device=device)[None, :]
+    keep = torch.ones(n_q, n_k, dtype=torch.bool, device=device)
+    if left >= 0:
+        keep = keep & (cols >= diag - left)
+    if right >= 0:
+        keep = keep & (cols <= diag + right)
+    return keep
+
+
+def alibi_bias(slopes: Tensor, n_q: int, n_k: int) -> Tensor:
+    """ALiBi additive bias ``-slope * |i + n_k - n_q - j|`` (flash-attn's ``alibi_slopes``, bottom-right aligned).
+
+    Args:
+        slopes: ``(H,)`` or ``(B, H)`` floating tensor, one slope per head (and batch entry).
+        n_q, n_k: number of queries and keys.
+
+    Returns:
+        ``(1, H, n_q, n_k)`` or ``(B, H, n_q, n_k)`` in the dtype and on the device of ``slopes``.
+    """
+    diag = torch.arange(n_q, device=slopes.device)[:, None] + (n_k - n_q)
+    dist = (torch.arange(n_k, device=slopes.device)[None, :] - diag).abs().to(slopes.dtype)
+    per_head = slopes if slopes.dim() == 2 else slopes[None]
+    return -per_head[:, :, None, None] * dist
 
 
 def keep_to_bias(keep: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
@@ -111,13 +144,3 @@ def check_mask(name: str, mask, device, shape=None, keep_means: str = "True = at
         )
 
 
-def check_mask_values(name: str, mask: Tensor | None) -> None:
-    """Raise ``ValueError`` if a float mask holds NaN or ``+inf`` (``-inf`` = masked is fine).
-
-    Runs only where reading the values is free or asked for (see
-    :func:`sparse_attn.set_checks`); boolean masks and None pass.
-    """
-    if mask is None or mask.dtype == torch.bool or not values_checkable(mask):
-        return
-    if bool((torch.isnan(mask) | (mask == float("inf"))).any()):
-        raise ValueError(f"a float {name} must be finite or -inf (masked), got NaN or +inf entries")

@@ -18,12 +18,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from sparse_attn._validation import check_bool
 from sparse_attn.attention import run_layer_attention
 from sparse_attn.attn_inputs import check_head_alpha, prepare_attention
 from sparse_attn.masks import (
     causal_keep,
     check_mask,
-    check_mask_values,
     combine_masks,
     from_mha_mask,
     key_padding_to_mask,
@@ -68,6 +68,17 @@ def resolve_learnable(learnable, learnable_alpha, default: bool) -> bool:
     return learnable
 
 
+
+def _check_factory(device, dtype) -> None:
+    """``device`` (None or anything ``torch.device`` accepts) and ``dtype`` (None or a floating-point dtype)."""
+    if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+        raise TypeError(f"dtype must be None or a floating-point torch.dtype, got {dtype!r}")
+    if device is not None:
+        try:
+            torch.device(device)
+        except (RuntimeError, TypeError):
+            raise ValueError(f"device must be None or a torch device, got {device!r}") from None
+
 class _HeadAlphaMixin:
     """Per-head alpha shared by the modules: fixed (a float or a buffer) or learnable (``alpha_logit``).
 
@@ -78,6 +89,7 @@ class _HeadAlphaMixin:
     """
 
     def _init_alpha(self, alpha, learnable, alpha_min, alpha_max, alpha_init, device, dtype) -> None:
+        _check_factory(device, dtype)
         alpha_dtype = torch.float64 if dtype == torch.float64 else torch.float32
         self._alpha_float = None
         self.alpha_min = _check_unit_interval("alpha_min", alpha_min)
@@ -256,6 +268,10 @@ class EntmaxMultiheadAttention(_HeadAlphaMixin, nn.MultiheadAttention):
         learnable_alpha: bool | None = None,
     ) -> None:
         nn.Module.__init__(self)
+        for name, flag in (("bias", bias), ("add_bias_kv", add_bias_kv), ("add_zero_attn", add_zero_attn),
+                           ("batch_first", batch_first)):
+            check_bool(name, flag)
+        _check_factory(device, dtype)
         for name, val in (("embed_dim", embed_dim), ("num_heads", num_heads), ("kdim", kdim), ("vdim", vdim)):
             if val is None and name in ("kdim", "vdim"):
                 continue
@@ -426,9 +442,11 @@ class EntmaxMultiheadAttention(_HeadAlphaMixin, nn.MultiheadAttention):
         Returns ``(out, weights)``: ``out`` shaped like ``query`` (with ``embed_dim`` features);
         ``weights`` ``(N, L, S)`` (or ``(N, num_heads, L, S)`` when ``average_attn_weights`` is
         False; without the batch dimension for unbatched input) when ``need_weights``, else None.
-        A NaN or ``+inf`` in a float mask makes its rows NaN (CPU / reference path); on the fused
-        path it raises ``ValueError`` naming ``key_padding_mask`` or ``attn_mask``.
+        A NaN or ``+inf`` in a float mask makes its rows NaN (the non-finite policy, every path).
         """
+        for name, flag in (("need_weights", need_weights), ("average_attn_weights", average_attn_weights),
+                           ("is_causal", is_causal)):
+            check_bool(name, flag)
         self._check_inputs(query, key, value)
         self_attn = query is key and key is value
         batched = query.dim() == 3
@@ -463,11 +481,8 @@ class EntmaxMultiheadAttention(_HeadAlphaMixin, nn.MultiheadAttention):
         inputs = prepare_attention(
             q, k, v, self._alpha_arg(), attn_mask=mask, is_causal=causal,
             dropout_p=self.dropout if self.training else 0.0, backend="reference" if dense else self.backend,
-            alpha_in_range=True, mask_values_checked=True,
+            alpha_in_range=True,
         )
-        if inputs.backend == "triton":
-            check_mask_values("key_padding_mask", key_padding_mask)
-            check_mask_values("attn_mask", attn_mask)
 
         out, weights = run_layer_attention(inputs, dense, sink)
         out = self.out_proj(out.transpose(1, 2).reshape(n, l_q, self.embed_dim))
@@ -501,7 +516,9 @@ def swap_attention(model: nn.Module, alpha: float | Tensor = 1.5, learnable: boo
             deprecated alias of ``learnable``).
 
     Returns:
-        ``[(qualified_name, replaced_module), ...]`` in model order (one entry per replaced module).
+        ``[(qualified_name, replaced_module), ...]`` in model order (one entry per replaced module). When
+        nothing was replaced a ``UserWarning`` says so (and names the modules that call
+        ``scaled_dot_product_attention`` directly, which :func:`sparse_attn.sdpa.swap_sdpa_attention` handles).
     """
     learnable = resolve_learnable(learnable, kw.pop("learnable_alpha", None), default=False)
     if not isinstance(model, nn.Module):
@@ -527,7 +544,25 @@ def swap_attention(model: nn.Module, alpha: float | Tensor = 1.5, learnable: boo
         for m in model.modules():
             if isinstance(m, nn.TransformerEncoder):
                 m.use_nested_tensor = False
+    else:
+        _warn_nothing_swapped(model)
     return replaced
+
+
+def _warn_nothing_swapped(model: nn.Module) -> None:
+    from sparse_attn.sdpa import sdpa_modules
+
+    done = sum(isinstance(m, EntmaxMultiheadAttention) for m in model.modules())
+    sdpa = [name or "(the model)" for name, _ in sdpa_modules(model)]
+    hint = (f"; {len(sdpa)} module(s) call torch.nn.functional.scaled_dot_product_attention directly "
+            f"(e.g. {sdpa[0]!r}): use sparse_attn.sdpa.swap_sdpa_attention(model) for those" if sdpa else
+            "; for modules that call torch.nn.functional.scaled_dot_product_attention use "
+            "sparse_attn.sdpa.swap_sdpa_attention, for Hugging Face models attn_implementation='entmax'")
+    warnings.warn(
+        f"swap_attention replaced nothing: {type(model).__name__} has no nn.MultiheadAttention left to replace "
+        f"({done} EntmaxMultiheadAttention already){hint}",
+        UserWarning, stacklevel=3,
+    )
 
 
 register_layer_type(lambda m: isinstance(m, EntmaxMultiheadAttention), lambda m: m.alpha)

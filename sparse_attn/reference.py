@@ -1,6 +1,7 @@
 """Materialized reference for entmax attention: the oracle every kernel is tested against.
 
-It builds the full ``(B, H, Nq, Nk)`` score matrix, applies the row-wise mapping
+It builds the full ``(B, H, Nq, Nk)`` score matrix (soft-capped, plus masks, causal and sliding-window masks and
+ALiBi biases; with per-head sinks one more column), applies the row-wise mapping
 :func:`sparse_attn.mappings.entmax` and aggregates the values. It uses only PyTorch, supports
 every option of :func:`sparse_attn.entmax_attention`, and is differentiable (inputs, ``alpha``,
 float masks).
@@ -30,7 +31,7 @@ from torch import Tensor
 from sparse_attn._validation import check_bool
 from sparse_attn.attn_inputs import AttentionInputs, AttentionStats, prepare_attention
 from sparse_attn.mappings import entmax
-from sparse_attn.masks import causal_keep, check_mask, combine_masks
+from sparse_attn.masks import alibi_bias, causal_keep, check_mask, combine_masks, window_keep
 
 __all__ = ["entmax_attention_reference", "reference_forward", "ReferenceResult", "causal_keep"]
 
@@ -71,12 +72,16 @@ def _row_threshold(scores: Tensor, p: Tensor, alpha) -> Tensor:
     return torch.where(valid, tau, torch.full_like(tau, _INF))
 
 
-def _stats(scores: Tensor, p: Tensor, alpha, n_valid: Tensor, bad: Tensor) -> AttentionStats:
-    """Per-row statistics of one dense block; ``scores`` finite or -inf, ``bad`` marks NaN rows."""
+def _stats(scores: Tensor, p: Tensor, alpha, n_valid: Tensor, bad: Tensor, n_keys: int) -> AttentionStats:
+    """Per-row statistics of one dense block; ``scores`` finite or -inf, ``bad`` marks NaN rows.
+
+    ``scores`` and ``p`` may hold a sink column after the ``n_keys`` real keys: the threshold is that
+    of the whole row, the support size counts real keys only.
+    """
     if scores.shape[-1] == 0:
         return AttentionStats(n_valid, torch.full(n_valid.shape, _INF, dtype=scores.dtype, device=scores.device),
                               n_valid)
-    nnz = (p > 0).sum(-1, dtype=torch.int32)
+    nnz = (p[..., :n_keys] > 0).sum(-1, dtype=torch.int32)
     if isinstance(alpha, Tensor):
         is_softmax = (alpha.squeeze(-1) if alpha.dim() == 4 else alpha) == 1
     else:
@@ -87,16 +92,29 @@ def _stats(scores: Tensor, p: Tensor, alpha, n_valid: Tensor, bad: Tensor) -> At
     return AttentionStats(nnz.masked_fill(bad, 0), tau, n_valid)
 
 
-def _attend(q, k, v, alpha, bad_head, bias, keep, scale, ct, dropout_p, dropout_mask, generator, with_stats):
+def _soft_cap(s: Tensor, softcap: float | None) -> Tensor:
+    """``softcap * tanh(s / softcap)`` on finite scores; non-finite ones (-inf masked, NaN, +inf) unchanged."""
+    if softcap is None:
+        return s
+    finite = torch.isfinite(s)
+    return torch.where(finite, softcap * torch.tanh(s.masked_fill(~finite, 0.0) / softcap), s)
+
+
+def _attend(q, k, v, alpha, bad_head, bias, keep, inputs, ct, dropout_mask, generator, with_stats):
     """One dense block: q (B,H,Nq,D), k (B,H,Nk,D), v (B,H,Nk,Dv); bias/keep broadcastable to (B,H,Nq,Nk).
 
-    Returns ``(out, p, applied, stats)`` in the compute dtype ``ct``.
+    Scores ``softcap(scale * q k^T) + bias``, ``-inf`` where ``keep`` is False; with ``inputs.sinks`` a
+    sink column ``(H,)`` joins every row's normalization and is dropped from the weights.
+    Returns ``(out, p, applied, stats)`` in the compute dtype ``ct``; ``p`` over the real keys.
     """
-    s = torch.matmul(q.to(ct), k.to(ct).transpose(-1, -2)) * scale
+    s = _soft_cap(torch.matmul(q.to(ct), k.to(ct).transpose(-1, -2)) * inputs.scale, inputs.softcap)
     if bias is not None:
         s = s + bias.to(ct)
     if keep is not None:
         s = s.masked_fill(~keep, -_INF)
+    n_keys = s.shape[-1]
+    if inputs.sinks is not None:
+        s = torch.cat([s, inputs.sinks.to(ct).reshape(1, -1, 1, 1).expand(*s.shape[:-1], 1)], dim=-1)
     bad = (torch.isnan(s) | (s == _INF)).any(-1, keepdim=True)
     if bad_head is not None:
         bad = bad | bad_head
@@ -107,17 +125,36 @@ def _attend(q, k, v, alpha, bad_head, bias, keep, scale, ct, dropout_p, dropout_
     stats = None
     if with_stats:
         with torch.no_grad():
-            stats = _stats(s_in, p, a_in, (s != -_INF).sum(-1, dtype=torch.int32), bad)
+            n_valid = (s[..., :n_keys] != -_INF).sum(-1, dtype=torch.int32)
+            stats = _stats(s_in, p, a_in, n_valid, bad, n_keys)
     # NaN rows (and heads): the value and the gradients of p there are NaN, elsewhere unchanged
     poison = torch.zeros(bad.shape, dtype=ct, device=s.device).masked_fill(bad, _NAN)
     p = p + poison * (s.masked_fill(s == -_INF, 0.0) + (alpha if isinstance(alpha, Tensor) else 0.0))
+    p = p[..., :n_keys]
     applied = p
     if dropout_mask is not None:
-        applied = p * dropout_mask.to(ct) / (1.0 - dropout_p)
-    elif dropout_p > 0:
-        drop_keep = torch.rand(p.shape, generator=generator, device=p.device, dtype=torch.float32) >= dropout_p
-        applied = p * drop_keep.to(ct) / (1.0 - dropout_p)
+        applied = p * dropout_mask.to(ct) / (1.0 - inputs.dropout_p)
+    elif inputs.dropout_p > 0:
+        drop_keep = torch.rand(p.shape, generator=generator, device=p.device, dtype=torch.float32) >= inputs.dropout_p
+        applied = p * drop_keep.to(ct) / (1.0 - inputs.dropout_p)
     return torch.matmul(applied, v.to(ct)), p, applied, stats
+
+
+def _block_masks(inputs: AttentionInputs, bias, keep, n_q: int, n_k: int, device, seq: int | None = None):
+    """``(bias, keep)`` of one block with the structural masks added: causal, sliding window, ALiBi.
+
+    ``seq``: the packed sequence (picks the row of ``(nseq, H)`` ALiBi slopes), None without varlen.
+    """
+    if inputs.is_causal:
+        keep = combine_masks(keep, causal_keep(n_q, n_k, device))
+    if inputs.window_size is not None:
+        keep = combine_masks(keep, window_keep(n_q, n_k, inputs.window_size, device))
+    slopes = inputs.alibi_slopes
+    if slopes is not None:
+        if seq is not None and slopes.dim() == 2:
+            slopes = slopes[seq]
+        bias = combine_masks(bias, alibi_bias(slopes, n_q, n_k))
+    return bias, keep
 
 
 def reference_forward(
@@ -143,20 +180,22 @@ def reference_forward(
         bad_head = None if inputs.alpha_checked else ~((alpha >= 1) & (alpha <= 2))
     mask = inputs.mask
     bias, keep = (mask, None) if mask is not None and mask.dtype != torch.bool else (None, mask)
+    if bias is not None:
+        # cast at the mask's own shape: its gradient is then summed over the broadcast dims in the compute dtype
+        bias = bias.to(ct)
     full_shape = (q.shape[0], n_heads, q.shape[2], k.shape[2])
     if dropout_mask is not None:
         dropout_mask = dropout_mask.expand(full_shape)
     common = (alpha, bad_head)
-    tail = (inputs.scale, ct, inputs.dropout_p)
     autocast_off = (torch.autocast(q.device.type, enabled=False) if q.device.type in ("cpu", "cuda")
                     else contextlib.nullcontext())
     with autocast_off:
         if inputs.cu_seqlens_q is None:
-            if inputs.is_causal:
-                keep = combine_masks(keep, causal_keep(q.shape[2], k.shape[2], q.device))
-            out, p, applied, stats = _attend(q, k, v, *common, bias, keep, *tail, dropout_mask, generator, with_stats)
+            bias, keep = _block_masks(inputs, bias, keep, q.shape[2], k.shape[2], q.device)
+            out, p, applied, stats = _attend(q, k, v, *common, bias, keep, inputs, ct, dropout_mask, generator,
+                                             with_stats)
         else:
-            out, p, applied, stats = _attend_packed(inputs, q, k, v, common, bias, keep, tail, dropout_mask,
+            out, p, applied, stats = _attend_packed(inputs, q, k, v, common, bias, keep, ct, dropout_mask,
                                                     generator, with_weights, with_stats)
     dtype = inputs.q.dtype
     weights = applied_w = None
@@ -166,9 +205,9 @@ def reference_forward(
     return ReferenceResult(out.to(dtype), weights, applied_w, stats)
 
 
-def _attend_packed(inputs, q, k, v, common, bias, keep, tail, dropout_mask, generator, with_weights, with_stats):
-    """The packed-sequence loop: each sequence attends within itself; masks use packed positions."""
-    ct = tail[1]
+def _attend_packed(inputs, q, k, v, common, bias, keep, ct, dropout_mask, generator, with_weights, with_stats):
+    """The packed-sequence loop: each sequence attends within itself; masks use packed positions, causal
+    masks, sliding windows and ALiBi the positions within the sequence."""
     bounds_q, bounds_k = inputs.cu_seqlens_q.tolist(), inputs.cu_seqlens_k.tolist()
     full_shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
     outs, all_stats = [], []
@@ -181,10 +220,9 @@ def _attend_packed(inputs, q, k, v, common, bias, keep, tail, dropout_mask, gene
         sl = (slice(None), slice(None), slice(q0, q1), slice(k0, k1))
         b = bias.expand(full_shape)[sl] if bias is not None else None
         kp = keep.expand(full_shape)[sl] if keep is not None else None
-        if inputs.is_causal:
-            kp = combine_masks(kp, causal_keep(q1 - q0, k1 - k0, q.device))
+        b, kp = _block_masks(inputs, b, kp, q1 - q0, k1 - k0, q.device, seq=s)
         dm = dropout_mask[sl] if dropout_mask is not None else None
-        o, p, applied, st = _attend(q[sl[:3]], k[:, :, k0:k1], v[:, :, k0:k1], *common, b, kp, *tail, dm,
+        o, p, applied, st = _attend(q[sl[:3]], k[:, :, k0:k1], v[:, :, k0:k1], *common, b, kp, inputs, ct, dm,
                                     generator, with_stats)
         outs.append(o)
         all_stats.append(st)
@@ -216,6 +254,10 @@ def entmax_attention_reference(
     return_weights: bool = False,
     compute_dtype: torch.dtype | None = None,
     generator: torch.Generator | None = None,
+    window_size: tuple[int, int] | None = None,
+    alibi_slopes: Tensor | None = None,
+    sinks: Tensor | None = None,
+    softcap: float | None = None,
 ):
     """Materialized entmax attention (the oracle). Arguments as :func:`sparse_attn.entmax_attention`.
 
@@ -235,6 +277,8 @@ def entmax_attention_reference(
         compute_dtype: ``torch.float32`` or ``torch.float64``; default float64 for float64 inputs,
             float32 otherwise. Scores, masks, weights and the value product use it.
         generator: RNG of the dropout draw when ``dropout_mask`` is None.
+        window_size, alibi_slopes, sinks, softcap: as :func:`sparse_attn.entmax_attention`
+            (differentiable w.r.t. ``sinks`` and ``alibi_slopes``).
 
     Returns:
         ``out`` ``(B, Hq, Nq, Dv)`` in the input dtype; ``(out, weights)``, ``(out, stats)`` or
@@ -249,7 +293,8 @@ def entmax_attention_reference(
     inputs = prepare_attention(
         q, k, v, alpha, attn_mask=attn_mask, is_causal=is_causal, scale=scale, dropout_p=dropout_p,
         enable_gqa=True, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-        max_seqlen_k=max_seqlen_k, backend="reference",
+        max_seqlen_k=max_seqlen_k, backend="reference", window_size=window_size, alibi_slopes=alibi_slopes,
+        sinks=sinks, softcap=softcap,
     )
     if dropout_mask is not None:
         check_mask("dropout_mask", dropout_mask, q.device, inputs.score_shape, keep_means="True = keep")

@@ -58,3 +58,12 @@ def poison_uninitialized():
     finally:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
         det.fill_uninitialized_memory = before[2]
+
+
+# Hypothesis profiles (tests/test_fuzz.py): "ci", the default, runs few examples, the same ones on every run,
+# and writes nothing to .hypothesis/; HYPOTHESIS_PROFILE=dev runs more, random ones.
+from hypothesis import settings  # noqa: E402
+
+settings.register_profile("ci", max_examples=60, deadline=None, derandomize=True, database=None, print_blob=True)
+settings.register_profile("dev", max_examples=200, deadline=None, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))

@@ -1,9 +1,10 @@
-"""The public entmax_attention: argument validation and the reference backend (the oracle).
+"""The public entmax_attention and its reference backend (the oracle).
 
 The reference is checked here against computations that do not share its code path:
-SDPA at alpha = 1, and a per-row bisection written in this file for alpha > 1; its float16 /
+SDPA at alpha = 1, and the float64 bisection of tests/helpers.py for alpha > 1; its float16 /
 bfloat16 accuracy against PyTorch's own low-precision attention and a FlashAttention-style
-pipeline; the non-finite policy; empty problems; and the argument checks of every entry point.
+pipeline; the non-finite policy; empty problems; the checks switch and host reads. The table of
+bad arguments of every entry point is in tests/test_input_policy.py.
 """
 
 import os
@@ -13,7 +14,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from test_modules import host_reads_outside
+from helpers import TOL, assert_close_to_ref, cu_seqlens, host_reads_outside, qkv, reference_entmax
 
 import sparse_attn._attn_autograd as autograd_mod
 import sparse_attn._validation as validation
@@ -23,32 +24,9 @@ from sparse_attn.attention import entmax_attention
 from sparse_attn.reference import causal_keep, entmax_attention_reference
 
 
-def _bisect_entmax(s: torch.Tensor, alpha: float) -> torch.Tensor:
-    """Row-wise alpha-entmax of a float64 matrix by plain bisection on tau (independent oracle)."""
-    z = (alpha - 1) * s
-    lo = z.max(-1, keepdim=True).values - 1
-    hi = z.max(-1, keepdim=True).values
-    for _ in range(200):
-        mid = (lo + hi) / 2
-        f = torch.clamp(z - mid, min=0) ** (1 / (alpha - 1))
-        big = f.sum(-1, keepdim=True) > 1
-        lo = torch.where(big, mid, lo)
-        hi = torch.where(big, hi, mid)
-    p = torch.clamp(z - lo, min=0) ** (1 / (alpha - 1))
-    return p / p.sum(-1, keepdim=True)
-
-
-def _qkv(b=2, hq=4, hk=4, nq=9, nk=11, d=8, dtype=torch.float64, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(b, hq, nq, d, generator=g, dtype=dtype)
-    k = torch.randn(b, hk, nk, d, generator=g, dtype=dtype)
-    v = torch.randn(b, hk, nk, d, generator=g, dtype=dtype)
-    return q, k, v
-
-
 @pytest.mark.parametrize("causal", [False, True])
 def test_reference_alpha1_is_softmax_attention(causal):
-    q, k, v = _qkv(nq=7, nk=7)
+    q, k, v = qkv(nq=7, nk=7)
     mask = torch.rand(2, 1, 7, 7, generator=torch.Generator().manual_seed(1)) > 0.3
     mask[..., 0] = True
     out = entmax_attention(q, k, v, alpha=1.0, attn_mask=mask, is_causal=causal)
@@ -59,11 +37,11 @@ def test_reference_alpha1_is_softmax_attention(causal):
 
 @pytest.mark.parametrize("alpha", [1.25, 1.5, 2.0])
 def test_reference_matches_bisection(alpha):
-    q, k, v = _qkv(hk=2, nq=5, nk=13)
+    q, k, v = qkv(hk=2, nq=5, nk=13)
     bias = torch.randn(1, 4, 5, 13, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
     out, stats = entmax_attention(q, k, v, alpha, attn_mask=bias, enable_gqa=True, scale=0.7, return_stats=True)
     kk, vv = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
-    p = _bisect_entmax(0.7 * q @ kk.transpose(-1, -2) + bias, alpha)
+    p = reference_entmax(0.7 * q @ kk.transpose(-1, -2) + bias, alpha)
     torch.testing.assert_close(out, p @ vv, rtol=1e-7, atol=1e-8)
     # support agrees away from ties (keys whose weight is below 1e-9 may fall either way)
     assert (stats.nnz >= (p > 1e-9).sum(-1)).all() and (stats.nnz <= (p > 0).sum(-1)).all()
@@ -75,7 +53,7 @@ def test_reference_matches_bisection(alpha):
 
 
 def test_reference_per_head_alpha_and_bottom_right_causal():
-    q, k, v = _qkv(hq=3, hk=3, nq=4, nk=9)
+    q, k, v = qkv(hq=3, hk=3, nq=4, nk=9)
     alpha = torch.tensor([1.0, 1.5, 2.0], dtype=torch.float64)
     out = entmax_attention(q, k, v, alpha, is_causal=True)
     keep = causal_keep(4, 9, "cpu")
@@ -83,7 +61,7 @@ def test_reference_per_head_alpha_and_bottom_right_causal():
     s = (q @ k.transpose(-1, -2)) * 8**-0.5
     s = s.masked_fill(~keep, float("-inf"))
     for h, a in enumerate([1.0, 1.5, 2.0]):
-        p = torch.softmax(s[:, h], -1) if a == 1.0 else _bisect_entmax(s[:, h], a)
+        p = torch.softmax(s[:, h], -1) if a == 1.0 else reference_entmax(s[:, h], a)
         torch.testing.assert_close(out[:, h], p @ v[:, h], rtol=1e-7, atol=1e-8)
 
 
@@ -105,7 +83,7 @@ def test_reference_varlen_equals_separate_calls():
 
 
 def test_reference_fully_masked_rows_give_zeros_and_zero_grads():
-    q, k, v = _qkv(nq=4, nk=5)
+    q, k, v = qkv(nq=4, nk=5)
     q.requires_grad_(True)
     mask = torch.ones(4, 5, dtype=torch.bool)
     mask[2] = False
@@ -119,7 +97,7 @@ def test_reference_fully_masked_rows_give_zeros_and_zero_grads():
 
 
 def test_reference_gradcheck_inputs_alpha_and_bias():
-    q, k, v = _qkv(b=1, hq=2, hk=2, nq=3, nk=5, d=4)
+    q, k, v = qkv(b=1, hq=2, hk=2, nq=3, nk=5, d=4)
     alpha = torch.tensor([1.3, 1.7], dtype=torch.float64, requires_grad=True)
     bias = torch.randn(1, 1, 3, 5, dtype=torch.float64, requires_grad=True)
     for t in (q, k, v):
@@ -132,7 +110,7 @@ def test_reference_gradcheck_inputs_alpha_and_bias():
 
 
 def test_transposed_layout_is_accepted():
-    q, k, v = _qkv()
+    q, k, v = qkv()
     qt = q.transpose(1, 2).contiguous().transpose(1, 2)
     assert not qt.is_contiguous()
     torch.testing.assert_close(entmax_attention(qt, k, v), entmax_attention(q, k, v))
@@ -145,7 +123,7 @@ def test_backend_auto_on_cpu_uses_reference(monkeypatch):
         raise AssertionError("backend='auto' on CPU tensors must not take the fused path")
 
     monkeypatch.setattr(fused, "fused_entmax_attention", fail)
-    q, k, v = (t.float() for t in _qkv())
+    q, k, v = (t.float() for t in qkv())
     out = entmax_attention(q, k, v, backend="auto")
     torch.testing.assert_close(out, entmax_attention(q, k, v, backend="reference"), rtol=0, atol=0)
     assert out.dtype == torch.float32
@@ -153,7 +131,7 @@ def test_backend_auto_on_cpu_uses_reference(monkeypatch):
 
 def test_backend_triton_on_cpu_without_interpreter_raises(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    q, k, v = (t.float() for t in _qkv(d=16))
+    q, k, v = (t.float() for t in qkv(d=16))
     with pytest.raises(ValueError, match="backend='triton' needs CUDA tensors"):
         entmax_attention(q, k, v, backend="triton")
 
@@ -177,7 +155,7 @@ def test_reference_without_keys_gives_zeros_and_gradients(alpha):
 
 
 def test_reference_softmax_support_counts_every_valid_key():
-    q, k, v = _qkv(hq=2, hk=2, nq=3, nk=6)
+    q, k, v = qkv(hq=2, hk=2, nq=3, nk=6)
     q = q * 60  # exp underflows for most keys, yet softmax gives each of them a positive weight
     mask = torch.ones(3, 6, dtype=torch.bool)
     mask[:, 4:] = False
@@ -188,7 +166,7 @@ def test_reference_softmax_support_counts_every_valid_key():
 
 
 def test_alpha_tensor_dtype_and_shape_variants():
-    q, k, v = _qkv(hq=4, hk=4)
+    q, k, v = qkv(hq=4, hk=4)
     base = entmax_attention(q, k, v, 1.5)
     for alpha in (torch.tensor(1.5), torch.tensor([1.5]), torch.full((4,), 1.5, dtype=torch.float16)):
         torch.testing.assert_close(entmax_attention(q, k, v, alpha), base)
@@ -237,11 +215,6 @@ def _lowp_case(case, dtype, gen):
     return q, k, v, bias
 
 
-# Slack added to twice the baseline's error (GUIDE section 4); measured reference errors were at
-# most 0.7x (fp16) and 1x (bf16) the baseline's on these cases.
-LOWP_EPS = {torch.float16: 1e-4, torch.bfloat16: 1e-3}
-
-
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("case", ["gauss", "large", "alibi40"])
 @pytest.mark.parametrize("alpha", [1.0, 1.25, 1.5, 2.0])
@@ -263,13 +236,11 @@ def test_reference_low_precision_within_twice_the_low_precision_baseline(dtype, 
         base = _flash_style(q, k, v, alpha, bias, scale)
     out = entmax_attention(q, k, v, alpha, attn_mask=bias)
     assert out.dtype == dtype and torch.isfinite(out).all()
-    err = (out.double() - exact).abs().max().item()
-    err_base = (base.double() - exact).abs().max().item()
-    assert err <= 2 * err_base + LOWP_EPS[dtype], f"reference {err:.3e} vs baseline {err_base:.3e}"
+    assert_close_to_ref(out, exact, base, dtype, eps=TOL["eps_attention_lowp"][dtype])
 
 
 def test_reference_computes_in_float32_and_float64_on_request():
-    q, k, v = _qkv(dtype=torch.float32, seed=4)
+    q, k, v = qkv(dtype=torch.float32, seed=4)
     exact, st64 = entmax_attention_reference(q.double(), k.double(), v.double(), 1.3, return_stats=True)
     out32, st32 = entmax_attention_reference(q, k, v, 1.3, return_stats=True)
     out64, st = entmax_attention_reference(q, k, v, 1.3, return_stats=True, compute_dtype=torch.float64)
@@ -283,7 +254,7 @@ def test_reference_computes_in_float32_and_float64_on_request():
 
 
 def test_reference_ignores_autocast():
-    q, k, v = _qkv(dtype=torch.float32, seed=5)
+    q, k, v = qkv(dtype=torch.float32, seed=5)
     plain = entmax_attention(q, k, v, 1.5)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         auto = entmax_attention(q, k, v, 1.5)
@@ -293,7 +264,7 @@ def test_reference_ignores_autocast():
 
 def _nan_case(source):
     """float64 inputs with one non-finite entry; returns (q, k, v, mask, bad rows (B, H, Nq), clean inputs)."""
-    q, k, v = _qkv(b=2, hq=2, hk=2, nq=5, nk=6, seed=6)
+    q, k, v = qkv(b=2, hq=2, hk=2, nq=5, nk=6, seed=6)
     mask = torch.zeros(5, 6, dtype=torch.float64)
     mask[:2, 4] = float("-inf")
     bad = torch.zeros(2, 2, 5, dtype=torch.bool)
@@ -333,7 +304,7 @@ def test_reference_nonfinite_scores_give_nan_rows(alpha, source):
 
 
 def test_reference_float_mask_minus_inf_is_exclusion_and_empty_rows_are_zero():
-    q, k, v = _qkv(b=1, hq=2, hk=2, nq=4, nk=5, seed=7)
+    q, k, v = qkv(b=1, hq=2, hk=2, nq=4, nk=5, seed=7)
     keep = torch.rand(4, 5, generator=torch.Generator().manual_seed(8)) > 0.4
     keep[2] = False
     bias = torch.zeros(4, 5, dtype=torch.float64).masked_fill(~keep, float("-inf"))
@@ -347,12 +318,75 @@ def test_reference_float_mask_minus_inf_is_exclusion_and_empty_rows_are_zero():
 
 
 def test_reference_nonfinite_value_reaches_every_row_of_the_dense_product():
-    q, k, v = _qkv(b=1, hq=1, hk=1, nq=3, nk=4, seed=9)
+    q, k, v = qkv(b=1, hq=1, hk=1, nq=3, nk=4, seed=9)
     v[0, 0, 1, 0] = float("nan")
     keep = torch.ones(3, 4, dtype=torch.bool)
     keep[0, 1] = False
     out = entmax_attention(q, k, v, 2.0, attn_mask=keep)
     assert torch.isnan(out[0, 0, :, 0]).all() and torch.isfinite(out[0, 0, :, 1:]).all()
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_reference_low_precision_mask_gradient_is_summed_in_float32(packed, dtype):
+    """A per-row float mask has gradient 0 (each row of dS sums to 0): summed in float32 it stays at float32
+    noise, packed sequences or not (found by tests/test_fuzz.py)."""
+    q, k, v = qkv(b=1, hq=4, hk=4, nq=48, nk=48, d=16, dtype=dtype, seed=3)
+    bias = torch.randn(1, 1, 48, 1, generator=torch.Generator().manual_seed(4)).to(dtype)
+    cot = torch.randn(1, 4, 48, 16, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    kw = dict(cu_seqlens_q=cu_seqlens([20, 28]), cu_seqlens_k=cu_seqlens([30, 18])) if packed else {}
+    grads = []
+    for dt in (dtype, torch.float64):
+        b = bias.to(dt, copy=True).requires_grad_()
+        entmax_attention(q.to(dt), k.to(dt), v.to(dt), 1.5, attn_mask=b, **kw).backward(cot.to(dt))
+        grads.append(b.grad)
+    assert_close_to_ref(grads[0], grads[1], eps=TOL["eps_attention_grad"][torch.float32], name="d attn_mask")
+
+
+@pytest.mark.parametrize("alpha", [1.0, 1.3, 1.5, 2.0])
+@pytest.mark.parametrize("source", ["q", "k"])
+def test_triton_nonfinite_scores_give_nan_rows(alpha, source, kernel_device):
+    """The fused path follows the non-finite policy like the reference (found by tests/test_fuzz.py)."""
+    q, k, v = qkv(b=1, hq=2, hk=2, nq=5, nk=6, d=16, dtype=torch.float32, seed=16)
+    bad = torch.zeros(1, 2, 5, dtype=torch.bool)
+    if source == "q":
+        q[0, 0, 1, 3] = float("nan")
+        bad[0, 0, 1] = True
+    else:
+        k[0, 0, 2, 5] = float("nan")
+        bad[0, 0] = True
+    out = entmax_attention(*(t.to(kernel_device) for t in (q, k, v)), alpha, backend="triton").cpu()
+    ref = entmax_attention(q, k, v, alpha, backend="reference")
+    assert torch.isnan(ref[bad]).all() and torch.isfinite(ref[~bad]).all()
+    assert torch.isnan(out[bad]).all(), "rows with a NaN score must be NaN"
+    tol = TOL["fused_vs_reference_f32"]["out"]
+    torch.testing.assert_close(out[~bad], ref[~bad], atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("alpha", [1.0, 1.3, 1.5, 2.0])
+def test_triton_bool_masked_nan_key_is_excluded(alpha, kernel_device):
+    q, k, v = qkv(b=1, hq=2, hk=2, nq=5, nk=6, d=16, dtype=torch.float32, seed=17)
+    k[0, 0, 2, 5] = float("nan")
+    keep = torch.ones(5, 6, dtype=torch.bool)
+    keep[:, 2] = False
+    out = entmax_attention(*(t.to(kernel_device) for t in (q, k, v)), alpha, attn_mask=keep.to(kernel_device),
+                           backend="triton").cpu()
+    ref = entmax_attention(q, k, v, alpha, attn_mask=keep, backend="reference")
+    assert torch.isfinite(ref).all()
+    tol = TOL["fused_vs_reference_f32"]["out"]
+    torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("alpha", [1.0, 1.3, 1.5, 2.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_triton_large_scores_match_float64(alpha, dtype, kernel_device):
+    """Inputs of magnitude 1e4 (scores ~1e8, computed in float32) against float64, GUIDE section 4 rule."""
+    q, k, v = qkv(b=1, hq=1, hk=1, nq=20, nk=36, d=24, dtype=torch.float32, seed=18)
+    q, k, v = (q * 1e4).to(dtype), (k * 1e4).to(dtype), v.to(dtype)
+    out = entmax_attention(*(t.to(kernel_device) for t in (q, k, v)), alpha, is_causal=True, backend="triton").cpu()
+    ref64 = entmax_attention(q.double(), k.double(), v.double(), alpha, is_causal=True)
+    lowp = entmax_attention(q, k, v, alpha, is_causal=True, backend="reference")
+    assert_close_to_ref(out, ref64, lowp, eps=TOL["eps_attention_kernel"][dtype])
 
 
 @pytest.fixture
@@ -365,7 +399,7 @@ def device_like(monkeypatch):
 
 
 def test_unchecked_out_of_range_alpha_gives_nan_heads(device_like):
-    q, k, v = _qkv(seed=10)
+    q, k, v = qkv(seed=10)
     q.requires_grad_(True)
     alpha = torch.tensor([1.5, float("nan"), 2.5, 1.2], dtype=torch.float64, requires_grad=True)
     out = entmax_attention(q, k, v, alpha)
@@ -430,7 +464,8 @@ def test_device_tensors_are_not_read_back_without_the_switch(device_like, monkey
     fn = _calls_reading_device_values()[call]
     assert host_reads_outside(monkeypatch, owner, name, lambda: fn().sum().backward()) == []
     set_checks(True)
-    assert host_reads_outside(monkeypatch, owner, name, fn) != [] or call == 2
+    # masks are never value-checked (a NaN / +inf in a float mask gives NaN rows): only alpha and varlen are
+    assert host_reads_outside(monkeypatch, owner, name, fn) != [] or call in (1, 2)
 
 
 @pytest.mark.gpu
@@ -497,12 +532,12 @@ def test_head_dim_zero_attends_uniformly():
 
 
 def test_reference_returns_weights():
-    q, k, v = _qkv(hq=4, hk=2, nq=5, nk=13, seed=12)
+    q, k, v = qkv(hq=4, hk=2, nq=5, nk=13, seed=12)
     bias = torch.randn(1, 4, 5, 13, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
     out, w, stats = entmax_attention_reference(q, k, v, 1.5, attn_mask=bias, scale=0.7, return_weights=True,
                                                return_stats=True)
     kk = k.repeat_interleave(2, 1)
-    p = _bisect_entmax(0.7 * q @ kk.transpose(-1, -2) + bias, 1.5)
+    p = reference_entmax(0.7 * q @ kk.transpose(-1, -2) + bias, 1.5)
     assert w.shape == (2, 4, 5, 13) and w.dtype == torch.float64
     torch.testing.assert_close(w, p, rtol=1e-7, atol=1e-9)
     torch.testing.assert_close(out, w @ v.repeat_interleave(2, 1))
@@ -534,7 +569,7 @@ def test_reference_varlen_weights_are_block_diagonal():
 
 
 def test_reference_accepts_grouped_heads_without_the_flag():
-    q, k, v = _qkv(hq=4, hk=2, seed=14)
+    q, k, v = qkv(hq=4, hk=2, seed=14)
     torch.testing.assert_close(entmax_attention_reference(q, k, v), entmax_attention(q, k, v, enable_gqa=True))
 
 
@@ -545,109 +580,3 @@ def test_max_seqlen_upper_bound_gives_the_same_result(kernel_device):
     kw = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, is_causal=True, backend="triton")
     torch.testing.assert_close(entmax_attention(q, k, v, **kw, max_seqlen_q=40, max_seqlen_k=13),
                                entmax_attention(q, k, v, **kw), rtol=0, atol=0)
-
-
-_M = "meta"
-_CU = torch.tensor([0, 4, 9], dtype=torch.int32)
-_CU_K = torch.tensor([0, 5, 11], dtype=torch.int32)
-_VARLEN = dict(batch=1, cu_seqlens_q=_CU, cu_seqlens_k=_CU_K)
-_NAN_MASK = torch.zeros(9, 11).index_fill(1, torch.tensor([3]), float("nan"))
-_INF_MASK = torch.zeros(9, 11).index_fill(1, torch.tensor([3]), float("inf"))
-
-# (targets, arguments, error, message): targets "a" = entmax_attention with every backend,
-# "r" = entmax_attention_reference, "t" = entmax_attention with backend="triton" only.
-_BAD = [
-    ("ar", dict(q="x"), TypeError, "q must be a torch.Tensor"),
-    ("ar", dict(v=[1.0]), TypeError, "v must be a torch.Tensor"),
-    ("ar", dict(q=torch.zeros(2, 4, 9)), ValueError, "q must have shape"),
-    ("ar", dict(q=torch.zeros(2, 4, 9, 16, dtype=torch.int64)), TypeError, "q must be float16"),
-    ("ar", dict(k=torch.zeros(2, 4, 11, 16, dtype=torch.float64)), TypeError, "share one dtype"),
-    ("ar", dict(v=torch.zeros(2, 4, 11, 16, device=_M)), ValueError, "q, k and v must be on one device"),
-    ("ar", dict(v=torch.zeros(2, 4, 12, 16)), ValueError, "k and v must agree in"),
-    ("ar", dict(q=torch.zeros(3, 4, 9, 16)), ValueError, "same batch size"),
-    ("ar", dict(q=torch.zeros(2, 4, 9, 6)), ValueError, "same head_dim"),
-    ("ar", dict(q=torch.zeros(2, 5, 9, 16), enable_gqa=True, kv_heads=2), ValueError, "multiple of the number"),
-    ("ar", dict(q=torch.zeros(2, 4, 9, 16), kv_heads=0), ValueError, "multiple of the number"),
-    ("a", dict(kv_heads=2), ValueError, "enable_gqa=True"),
-    ("ar", dict(alpha=0.5), ValueError, r"alpha must be finite and in \[1, 2\]"),
-    ("ar", dict(alpha=2.5), ValueError, r"alpha must be finite and in \[1, 2\]"),
-    ("ar", dict(alpha=float("nan")), ValueError, "alpha must be finite"),
-    ("ar", dict(alpha=float("inf")), ValueError, "alpha must be finite"),
-    ("ar", dict(alpha=torch.tensor([1.5, 1.2, 3.0, 1.0])), ValueError, r"alpha must be finite and in \[1, 2\]"),
-    ("ar", dict(alpha=torch.tensor([1.5, float("nan"), 1.0, 1.0])), ValueError, r"alpha must be finite"),
-    ("ar", dict(alpha=torch.tensor([1.5, 1.2])), ValueError, "alpha must be a float or a tensor of shape"),
-    ("ar", dict(alpha=torch.ones(4, 1)), ValueError, "alpha must be a float or a tensor of shape"),
-    ("ar", dict(alpha=torch.ones(0)), ValueError, "alpha must be a float or a tensor of shape"),
-    ("ar", dict(alpha=torch.tensor([1, 2, 1, 2])), TypeError, "floating-point tensor"),
-    ("ar", dict(alpha=torch.ones(4, device=_M)), ValueError, "alpha must be on the device of q"),
-    ("ar", dict(alpha="1.5"), TypeError, "alpha must be a float or a tensor"),
-    ("ar", dict(alpha=True), TypeError, "alpha must be a float or a tensor"),
-    ("ar", dict(attn_mask=torch.zeros(2, 4, 9, 10, dtype=torch.bool)), ValueError, "attn_mask must be broadcastable"),
-    ("ar", dict(attn_mask=torch.zeros(1, 2, 4, 9, 11)), ValueError, "attn_mask must be broadcastable"),
-    ("ar", dict(attn_mask=torch.zeros(9, 11, dtype=torch.int32)), TypeError, "attn_mask must be boolean"),
-    ("ar", dict(attn_mask=[[True]]), TypeError, "attn_mask must be a torch.Tensor"),
-    ("ar", dict(attn_mask=torch.zeros(9, 11, device=_M)), ValueError, "attn_mask must be on the device"),
-    ("t", dict(attn_mask=_NAN_MASK), ValueError, "float attn_mask must be finite or -inf"),
-    ("t", dict(attn_mask=_INF_MASK), ValueError, "float attn_mask must be finite or -inf"),
-    ("ar", dict(dropout_p=1.0), ValueError, r"dropout_p must be finite and in \[0, 1\)"),
-    ("ar", dict(dropout_p=-0.1), ValueError, r"dropout_p must be finite and in \[0, 1\)"),
-    ("ar", dict(dropout_p=float("nan")), ValueError, "dropout_p must be finite"),
-    ("ar", dict(dropout_p="0.1"), TypeError, "dropout_p must be a Python number"),
-    ("ar", dict(scale=float("inf")), ValueError, "scale must be None or a finite number"),
-    ("ar", dict(scale=float("nan")), ValueError, "scale must be None or a finite number"),
-    ("ar", dict(scale=torch.tensor(0.5)), TypeError, "scale must be None or a Python number"),
-    ("ar", dict(enable_gqa="no"), TypeError, "enable_gqa must be a bool"),
-    ("ar", dict(return_stats=1), TypeError, "return_stats must be a bool"),
-    ("ar", dict(is_causal=None), TypeError, "is_causal must be a bool"),
-    ("a", dict(backend="cuda"), ValueError, "backend must be one of"),
-    ("t", dict(q=torch.zeros(2, 4, 9, 16, dtype=torch.float64), kv_dtype=torch.float64), TypeError,
-     "the triton backend takes float16"),
-    ("t", dict(q=torch.zeros(2, 4, 9, 8), k=torch.zeros(2, 4, 11, 8), v=torch.zeros(2, 4, 11, 8)), ValueError,
-     r"head_dim in \[16, 256\]"),
-    ("t", dict(v=torch.zeros(2, 4, 11, 32)), ValueError, "v with the head_dim of q"),
-    ("ar", dict(cu_seqlens_q=_CU), ValueError, "must be given together"),
-    ("ar", dict(cu_seqlens_q=_CU, cu_seqlens_k=_CU_K), ValueError, "batch size 1"),
-    ("ar", dict(_VARLEN, cu_seqlens_q=torch.tensor([0.0, 9.0])), TypeError, "cu_seqlens_q must be a 1-d int32"),
-    ("ar", dict(_VARLEN, cu_seqlens_k=_CU_K[None]), TypeError, "cu_seqlens_k must be a 1-d int32"),
-    ("ar", dict(_VARLEN, cu_seqlens_q=_CU.to(_M)), ValueError, "cu_seqlens_q must be on the device of q"),
-    ("ar", dict(_VARLEN, cu_seqlens_q=_CU[:1], cu_seqlens_k=_CU_K[:1]), ValueError, "at least two offsets"),
-    ("ar", dict(_VARLEN, cu_seqlens_k=torch.tensor([0, 11], dtype=torch.int32)), ValueError,
-     "same number of sequences"),
-    ("ar", dict(_VARLEN, cu_seqlens_q=torch.tensor([0, 4, 8], dtype=torch.int32)), ValueError,
-     "end at the packed length 9"),
-    ("ar", dict(_VARLEN, cu_seqlens_q=torch.tensor([1, 4, 9], dtype=torch.int32)), ValueError, "start at 0"),
-    ("ar", dict(_VARLEN, cu_seqlens_q=torch.tensor([0, 6, 4, 9], dtype=torch.int64),
-                cu_seqlens_k=torch.tensor([0, 5, 5, 11], dtype=torch.int64)), ValueError, "non-decreasing"),
-    ("ar", dict(max_seqlen_q=9), ValueError, "max_seqlen_q is only used with cu_seqlens"),
-    ("ar", dict(_VARLEN, max_seqlen_k=5.0), TypeError, "max_seqlen_k must be None or an int"),
-    ("ar", dict(_VARLEN, max_seqlen_q=-1), ValueError, "max_seqlen_q must be at least"),
-    ("ar", dict(_VARLEN, max_seqlen_k=5), ValueError, r"max_seqlen_k must be at least the longest sequence \(6\)"),
-    ("r", dict(compute_dtype=torch.float16), ValueError, "compute_dtype must be None, torch.float32"),
-    ("r", dict(generator="seed"), TypeError, "generator must be a torch.Generator"),
-    ("r", dict(return_weights=1), TypeError, "return_weights must be a bool"),
-    ("r", dict(dropout_mask=torch.ones(9, 11)), TypeError, "dropout_mask must be a boolean tensor"),
-    ("r", dict(dropout_mask=[[True]]), TypeError, "dropout_mask must be a torch.Tensor"),
-    ("r", dict(dropout_mask=torch.ones(9, 12, dtype=torch.bool)), ValueError, "dropout_mask must be broadcastable"),
-    ("r", dict(dropout_mask=torch.ones(9, 11, dtype=torch.bool, device=_M)), ValueError,
-     "dropout_mask must be on the device"),
-]
-_CALLS = {"a": ("auto", "reference", "triton"), "r": ("reference function",), "t": ("triton",)}
-_BAD_CALLS = [(row, call) for row in range(len(_BAD)) for code in _BAD[row][0] for call in _CALLS[code]]
-
-
-@pytest.mark.parametrize("row,call", _BAD_CALLS)
-def test_bad_arguments_raise_clear_errors(row, call):
-    """Every entry point and backend names the bad argument (inputs float32, head dim 16)."""
-    _, kwargs, err, match = _BAD[row]
-    kwargs = dict(kwargs)
-    kv_heads, batch = kwargs.pop("kv_heads", 4), kwargs.pop("batch", 2)
-    kv_dtype = kwargs.pop("kv_dtype", torch.float32)
-    q, k, v = _qkv(b=batch, hq=4, hk=kv_heads, d=16, dtype=torch.float32)
-    args = [kwargs.pop(name, t) for name, t in (("q", q), ("k", k.to(kv_dtype)), ("v", v.to(kv_dtype)))]
-    if call == "reference function":
-        fn = entmax_attention_reference
-    else:
-        kwargs.setdefault("backend", call)
-        fn = entmax_attention
-    with pytest.raises(err, match=match):
-        fn(*args, **kwargs)

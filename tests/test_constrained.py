@@ -10,14 +10,12 @@ import math
 
 import pytest
 import torch
-from test_structured import TOL, _gen
+from helpers import F32, F64, TOL, gen
 from torch.autograd import gradcheck
 from torch.autograd.functional import jacobian, jvp
 
 from sparse_attn.constrained import FertilityAttention, FertilityPredictor, csoftmax, csparsemax
 from sparse_attn.mappings import sparsemax
-
-F64 = torch.float64
 
 
 def _bisect(z, u, kind, valid=None):
@@ -40,7 +38,7 @@ def _bisect(z, u, kind, valid=None):
 
 
 def _bounds(shape, seed, scale=0.45):
-    return scale * torch.rand(shape, generator=_gen(seed), dtype=F64) + 0.02
+    return scale * torch.rand(shape, generator=gen(seed), dtype=F64) + 0.02
 
 
 # ---------------------------------------------------------------- forward
@@ -48,7 +46,7 @@ def _bounds(shape, seed, scale=0.45):
 
 @pytest.mark.parametrize("fn,kind", [(csparsemax, "sparse"), (csoftmax, "soft")])
 def test_forward_matches_bisection(fn, kind):
-    z = 2 * torch.randn(40, 9, generator=_gen(1), dtype=F64)
+    z = 2 * torch.randn(40, 9, generator=gen(1), dtype=F64)
     u = _bounds((40, 9), 2)
     u[:5, 0] = math.inf
     u[5:10, 3] = 0.0
@@ -63,9 +61,9 @@ def test_forward_matches_bisection(fn, kind):
 
 @pytest.mark.parametrize("fn,kind", [(csparsemax, "sparse"), (csoftmax, "soft")])
 def test_masks_lengths_and_empty_rows(fn, kind):
-    z = torch.randn(5, 8, generator=_gen(3), dtype=F64)
+    z = torch.randn(5, 8, generator=gen(3), dtype=F64)
     u = _bounds((5, 8), 4, scale=0.8)
-    mask = torch.rand(5, 8, generator=_gen(5)) > 0.3
+    mask = torch.rand(5, 8, generator=gen(5)) > 0.3
     mask[:, 0] = True
     mask[:, 1] = True
     u = torch.where(mask, u, torch.zeros_like(u))
@@ -83,13 +81,13 @@ def test_masks_lengths_and_empty_rows(fn, kind):
             torch.testing.assert_close(b[r, :n], fn(z[r, :n], torch.ones(n, dtype=F64)), atol=1e-14, rtol=0)
     zr = z.clone().requires_grad_()
     ur = u.clone().requires_grad_()
-    fn(zr, ur, mask=mask).mul(torch.randn(5, 8, generator=_gen(6), dtype=F64)).sum().backward()
+    fn(zr, ur, mask=mask).mul(torch.randn(5, 8, generator=gen(6), dtype=F64)).sum().backward()
     assert torch.isfinite(zr.grad).all() and torch.isfinite(ur.grad).all()
     assert (zr.grad[~mask] == 0).all() and (ur.grad[~mask] == 0).all()
 
 
 def test_loose_bounds_limits():
-    z = 3 * torch.randn(6, 10, generator=_gen(7), dtype=F64)
+    z = 3 * torch.randn(6, 10, generator=gen(7), dtype=F64)
     loose = torch.full_like(z, 1.5)
     torch.testing.assert_close(csparsemax(z, loose), sparsemax(z), atol=1e-14, rtol=0)
     torch.testing.assert_close(csoftmax(z, loose), torch.softmax(z, -1), atol=1e-14, rtol=0)
@@ -112,7 +110,7 @@ def _offset_rows(offset, seed, rows=40, n=9):
     """float32 scores ``offset + k * spacing`` (integers ``|k| <= 6``, exact in float32) and
     their float64 differences from the row max (exact; a well-conditioned float64 reference)."""
     spacing = float(torch.finfo(torch.float32).eps) * 2.0 ** math.frexp(abs(offset))[1]
-    k = torch.randint(-6, 7, (rows, n), generator=_gen(seed)).to(F64)
+    k = torch.randint(-6, 7, (rows, n), generator=gen(seed)).to(F64)
     z = (offset + spacing * k).float()
     return z, (k - k.amax(-1, keepdim=True)) * spacing
 
@@ -122,10 +120,10 @@ def test_csoftmax_large_scores_against_float64():
     u = torch.full((1, 4), 0.4)
     rest = 0.6 * _bisect(torch.tensor([[0.0, 0.3, 5.0]], dtype=F64), torch.full((1, 3), 0.4 / 0.6, dtype=F64), "soft")
     expected = torch.cat([torch.full((1, 1), 0.4, dtype=F64), rest], dim=1)
-    torch.testing.assert_close(csoftmax(z, u).to(F64), expected, atol=TOL[torch.float32], rtol=0)
+    torch.testing.assert_close(csoftmax(z, u).to(F64), expected, atol=TOL["lowp_vs_f64"][F32], rtol=0)
     torch.testing.assert_close(csoftmax(z.to(F64), torch.full((1, 4), 0.4, dtype=F64)), expected,
                                atol=TOL["slow_solver"], rtol=0)
-    u_rows = 0.05 + 0.3 * torch.rand(40, 9, generator=_gen(40), dtype=F64)
+    u_rows = 0.05 + 0.3 * torch.rand(40, 9, generator=gen(40), dtype=F64)
     u_rows[:, 0] = 1.0
     uf = u_rows.float()
     for offset in (2.0 ** 25, -3e7, 1e30, -1e30):
@@ -133,17 +131,18 @@ def test_csoftmax_large_scores_against_float64():
         a = csoftmax(zz, uf)
         assert (a <= uf).all()
         ref = csoftmax(shifted, uf.to(F64))
-        torch.testing.assert_close(a.to(F64), ref, atol=TOL[torch.float32], rtol=0)
+        torch.testing.assert_close(a.to(F64), ref, atol=TOL["lowp_vs_f64"][F32], rtol=0)
     top_u = u_rows.clone()
     top_u[:, :3] = 0.2
-    small = 2 * torch.randn(40, 6, generator=_gen(42), dtype=F64)
+    small = 2 * torch.randn(40, 6, generator=gen(42), dtype=F64)
     for offset in (1e30, 2.0 ** 25):
         for dtype in (torch.float32, F64):
             mixed = torch.cat([torch.full((40, 3), offset, dtype=F64), small], dim=1).to(dtype)
             a = csoftmax(mixed, top_u.to(dtype)).to(F64)
             ref = 0.4 * _bisect(mixed[:, 3:].to(F64), top_u[:, 3:].to(dtype).to(F64) / 0.4, "soft")
-            torch.testing.assert_close(a[:, 3:], ref, atol=TOL[torch.float32], rtol=0)
-            torch.testing.assert_close(a[:, :3], torch.full((40, 3), 0.2, dtype=F64), atol=TOL[torch.float32], rtol=0)
+            torch.testing.assert_close(a[:, 3:], ref, atol=TOL["lowp_vs_f64"][F32], rtol=0)
+            torch.testing.assert_close(a[:, :3], torch.full((40, 3), 0.2, dtype=F64), atol=TOL["lowp_vs_f64"][F32],
+                                       rtol=0)
     ties = torch.full((2, 4), 1e30)
     torch.testing.assert_close(csoftmax(ties, torch.full((2, 4), 0.3)), torch.full((2, 4), 0.25), atol=1e-7, rtol=0)
 
@@ -152,18 +151,18 @@ def test_csparsemax_large_scores_against_float64():
     z = torch.tensor([[3e7, 3e7 - 2, 3e7 - 4, 0.0]])
     u = torch.full((1, 4), 0.9)
     expected = torch.tensor([[0.9, 0.1, 0.0, 0.0]], dtype=F64)
-    torch.testing.assert_close(csparsemax(z, u).to(F64), expected, atol=TOL[torch.float32], rtol=0)
+    torch.testing.assert_close(csparsemax(z, u).to(F64), expected, atol=TOL["lowp_vs_f64"][F32], rtol=0)
     torch.testing.assert_close(csparsemax(z.to(F64), torch.full((1, 4), 0.9, dtype=F64)), expected, atol=1e-12,
                                rtol=0)
     huge = torch.tensor([[1e30, 1e30 - 2, 1e30 - 4, 0.0]], dtype=F64)
     third = torch.tensor([[1 / 3, 1 / 3, 1 / 3, 0.0]], dtype=F64)
     torch.testing.assert_close(csparsemax(huge, torch.full((1, 4), 0.9, dtype=F64)), third, atol=1e-12, rtol=0)
-    u_rows = (0.1 + 0.4 * torch.rand(40, 9, generator=_gen(43), dtype=F64)).float()
+    u_rows = (0.1 + 0.4 * torch.rand(40, 9, generator=gen(43), dtype=F64)).float()
     for offset in (2.0 ** 22, -3e6):
         zz, shifted = _offset_rows(offset, 44)
         a = csparsemax(zz, u_rows)
         ref = _bisect(shifted, u_rows.to(F64), "sparse")
-        torch.testing.assert_close(a.to(F64), ref, atol=TOL[torch.float32], rtol=0)
+        torch.testing.assert_close(a.to(F64), ref, atol=TOL["lowp_vs_f64"][F32], rtol=0)
     with pytest.raises(ValueError, match="cannot resolve the bounds"):
         csparsemax(torch.tensor([[0.0, -1e8, -2e8]]), torch.full((1, 3), 0.5))
 
@@ -172,7 +171,7 @@ def test_csparsemax_large_scores_against_float64():
 
 
 def test_gradcheck_z_and_u():
-    z = torch.randn(4, 7, generator=_gen(8), dtype=F64, requires_grad=True)
+    z = torch.randn(4, 7, generator=gen(8), dtype=F64, requires_grad=True)
     u = _bounds((4, 7), 9, scale=0.5).requires_grad_()
     mask = torch.ones(4, 7, dtype=torch.bool)
     mask[2, 5:] = False
@@ -226,7 +225,7 @@ def _csoftmax_jacobians(a, u):
 @pytest.mark.parametrize("fn,build", [(csparsemax, _csparsemax_jacobians), (csoftmax, _csoftmax_jacobians)])
 def test_jacobians_and_jvps_match_closed_forms(fn, build):
     d = 7
-    z = torch.randn(4, d, generator=_gen(11), dtype=F64)
+    z = torch.randn(4, d, generator=gen(11), dtype=F64)
     u = _bounds((4, d), 12, scale=0.4)
     for r in range(4):
         a = fn(z[r], u[r])
@@ -235,8 +234,8 @@ def test_jacobians_and_jvps_match_closed_forms(fn, build):
         Jz_t, Ju_t = jacobian(lambda x, b: fn(x, b), (z[r], u[r]))
         torch.testing.assert_close(Jz_t, Jz, atol=TOL["jacobian"], rtol=0)
         torch.testing.assert_close(Ju_t, Ju, atol=TOL["jacobian"], rtol=0)
-        vz = torch.randn(d, generator=_gen(20 + r), dtype=F64)
-        vu = torch.randn(d, generator=_gen(30 + r), dtype=F64)
+        vz = torch.randn(d, generator=gen(20 + r), dtype=F64)
+        vu = torch.randn(d, generator=gen(30 + r), dtype=F64)
         _, jv = jvp(lambda x, b: fn(x, b), (z[r], u[r]), (vz, vu))
         torch.testing.assert_close(jv, Jz @ vz + Ju @ vu, atol=TOL["jacobian"], rtol=0)
 
@@ -272,38 +271,19 @@ def test_infeasible_bounds_raise(fn):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_low_precision_against_float64(dtype):
-    z = (2 * torch.randn(4, 3, 12, generator=_gen(13))).to(dtype)
-    u = (0.3 * torch.rand(4, 3, 12, generator=_gen(14)) + 0.05).to(dtype)
+    z = (2 * torch.randn(4, 3, 12, generator=gen(13))).to(dtype)
+    u = (0.3 * torch.rand(4, 3, 12, generator=gen(14)) + 0.05).to(dtype)
     for fn in (csparsemax, csoftmax):
         a = fn(z, u)
         assert a.dtype == dtype and torch.isfinite(a).all()
-        torch.testing.assert_close(a.to(F64), fn(z.to(F64), u.to(F64)), atol=TOL[dtype], rtol=0)
-
-
-_Z = torch.randn(3, 4)
-_U = torch.ones(3, 4)
-_BAD_CALLS = [
-    (lambda: csparsemax([1.0], _U), TypeError, "z must be"),
-    (lambda: csoftmax(_Z, 1.0), TypeError, "u must be a torch.Tensor"),
-    (lambda: csparsemax(_Z, torch.ones(3, 4, dtype=torch.int64)), TypeError, "u must be a floating"),
-    (lambda: csparsemax(_Z, torch.ones(2, 4)), ValueError, "u must be broadcastable"),
-    (lambda: csoftmax(_Z, torch.ones(2, 3, 4)), ValueError, "u must be broadcastable"),
-    (lambda: csparsemax(_Z, _U, dim=3), ValueError, "dim must be"),
-    (lambda: csoftmax(_Z, _U, mask=torch.ones(3, 4, dtype=torch.int64)), TypeError, "mask must be a boolean"),
-]
-
-
-@pytest.mark.parametrize("call,exc,match", _BAD_CALLS)
-def test_errors(call, exc, match):
-    with pytest.raises(exc, match=match):
-        call()
+        torch.testing.assert_close(a.to(F64), fn(z.to(F64), u.to(F64)), atol=TOL["lowp_vs_f64"][dtype], rtol=0)
 
 
 # ---------------------------------------------------------------- fertility-constrained attention
 
 
 def _decode_inputs(seed, batch=3, tgt=9, src=6):
-    scores = 2 * torch.randn(batch, tgt, src, generator=_gen(seed), dtype=F64)
+    scores = 2 * torch.randn(batch, tgt, src, generator=gen(seed), dtype=F64)
     lengths = torch.tensor([src, 4, 2])[:batch]
     return scores, lengths
 
@@ -311,9 +291,9 @@ def _decode_inputs(seed, batch=3, tgt=9, src=6):
 @pytest.mark.parametrize("transform", ["csparsemax", "csoftmax"])
 def test_decode_never_exceeds_fertility(transform):
     scores, lengths = _decode_inputs(15)
-    per_word = 0.3 + 1.5 * torch.rand(3, 6, generator=_gen(16), dtype=F64)
+    per_word = 0.3 + 1.5 * torch.rand(3, 6, generator=gen(16), dtype=F64)
     predictor = FertilityPredictor(5, max_fertility=2.0, hidden_dim=8).double()
-    enc = torch.randn(3, 6, 5, generator=_gen(17), dtype=F64)
+    enc = torch.randn(3, 6, 5, generator=gen(17), dtype=F64)
     cases = [
         (FertilityAttention(transform, fertility=1.0, exhaustion=0.2), {}),
         (FertilityAttention(transform, fertility=None, exhaustion=0.5), {"fertility": per_word}),
@@ -330,7 +310,7 @@ def test_decode_never_exceeds_fertility(transform):
         valid = torch.arange(6) < lengths[:, None]
         assert (attn[:, :, :6][~valid[:, None, :].expand(3, 9, 6)] == 0).all()
         assert torch.isinf(state.fertility[:, 6]).all()
-    long_scores = torch.randn(2, 20, 4, generator=_gen(18), dtype=F64)
+    long_scores = torch.randn(2, 20, 4, generator=gen(18), dtype=F64)
     attn, _ = FertilityAttention(transform, fertility=1.0)(long_scores)
     assert (attn.sum(1)[:, :4] <= 1.0 + TOL["invariant"]).all()
     torch.testing.assert_close(attn[:, -8:, 4], torch.ones(2, 8, dtype=F64), atol=1e-12, rtol=0)
@@ -359,7 +339,7 @@ def test_incremental_equals_whole_target_and_exhaustion():
 
 
 def test_target_mask_and_multihead_shapes():
-    scores = torch.randn(2, 3, 5, 4, generator=_gen(20), dtype=F64)
+    scores = torch.randn(2, 3, 5, 4, generator=gen(20), dtype=F64)
     tgt_mask = torch.tensor([[True] * 5, [True, True, True, False, False]])[:, None, :].expand(2, 3, 5)
     fert = torch.tensor([[1.0, 2.0, 0.5, 1.0], [0.2, 0.2, 3.0, 1.0]], dtype=F64)[:, None, :]
     module = FertilityAttention("csoftmax", fertility=None)
@@ -370,7 +350,7 @@ def test_target_mask_and_multihead_shapes():
 
 
 def test_decode_without_sink_raises_when_fertility_runs_out():
-    scores = torch.randn(2, 5, 3, generator=_gen(21), dtype=F64)
+    scores = torch.randn(2, 5, 3, generator=gen(21), dtype=F64)
     module = FertilityAttention("csparsemax", fertility=1.0, sink=False)
     attn, _ = module(scores[:, :3])
     assert attn.shape == (2, 3, 3)
@@ -379,16 +359,16 @@ def test_decode_without_sink_raises_when_fertility_runs_out():
 
 
 def test_decode_gradients():
-    scores = torch.randn(2, 4, 3, generator=_gen(22), dtype=F64, requires_grad=True)
-    fert = (0.5 + torch.rand(2, 3, generator=_gen(23), dtype=F64)).requires_grad_()
+    scores = torch.randn(2, 4, 3, generator=gen(22), dtype=F64, requires_grad=True)
+    fert = (0.5 + torch.rand(2, 3, generator=gen(23), dtype=F64)).requires_grad_()
     for transform in ("csparsemax", "csoftmax"):
         module = FertilityAttention(transform, fertility=None).double()
         assert gradcheck(lambda s, f, m=module: m(s, fertility=f)[0], (scores, fert), eps=1e-7, atol=1e-6)
     predictor = FertilityPredictor(4, max_fertility=2.0).double()
     module = FertilityAttention("csparsemax", fertility=None, predictor=predictor).double()
-    enc = torch.randn(2, 3, 4, generator=_gen(24), dtype=F64)
+    enc = torch.randn(2, 3, 4, generator=gen(24), dtype=F64)
     attn, _ = module(scores, encoder_states=enc)
-    (attn * torch.randn(attn.shape, generator=_gen(25), dtype=F64)).sum().backward()
+    (attn * torch.randn(attn.shape, generator=gen(25), dtype=F64)).sum().backward()
     assert module.sink_score.grad is not None and torch.isfinite(module.sink_score.grad)
     assert all(p.grad is not None for p in predictor.parameters())
 
@@ -414,37 +394,9 @@ def test_fertility_module_errors():
         module(torch.randn(4))
 
 
-_SCORES = torch.randn(3, 4, 5)
-_BAD_FERTILITY_INPUTS = [
-    (dict(src_lengths=torch.tensor([[5], [3], [2]])), ValueError,
-     r"src_lengths must be broadcastable to \(3,\), got shape \(3, 1\)"),
-    (dict(src_lengths=torch.tensor([5, 3])), ValueError,
-     r"src_lengths must be broadcastable to \(3,\), got shape \(2,\)"),
-    (dict(src_lengths=torch.tensor([6, 3, 2])), ValueError, r"src_lengths must be in \[0, 5\].*\[2, 6\]"),
-    (dict(src_lengths=torch.tensor([-1, 3, 2])), ValueError, r"src_lengths must be in \[0, 5\].*\[-1, 3\]"),
-    (dict(src_lengths=torch.tensor([5.0, 3.0, 2.0])), TypeError, "src_lengths must be an integer tensor"),
-    (dict(src_mask=torch.ones(2, 5, dtype=torch.bool)), ValueError,
-     r"src_mask must be broadcastable to \(3, 5\), got shape \(2, 5\)"),
-    (dict(tgt_mask=torch.ones(3, 4)), TypeError, "tgt_mask must be a boolean tensor.*float32"),
-    (dict(tgt_mask=torch.ones(3, 5, dtype=torch.bool)), ValueError,
-     r"tgt_mask must be broadcastable to \(3, 4\), got shape \(3, 5\)"),
-    (dict(tgt_mask=[True] * 4), TypeError, "tgt_mask must be a torch.Tensor"),
-]
-
-
-@pytest.mark.parametrize("kwargs,exc,match", _BAD_FERTILITY_INPUTS)
-def test_fertility_input_errors(kwargs, exc, match):
-    with pytest.raises(exc, match=match):
-        FertilityAttention(fertility=1.0)(_SCORES, **kwargs)
-
-
-def test_fertility_step_mask_errors_and_broadcast_lengths():
+def test_fertility_broadcast_lengths():
     module = FertilityAttention(fertility=1.0)
-    with pytest.raises(ValueError, match=r"step_mask must be broadcastable to \(3,\), got shape \(4,\)"):
-        module.step(_SCORES[:, 0], step_mask=torch.ones(4, dtype=torch.bool))
-    with pytest.raises(TypeError, match="step_mask must be a boolean tensor"):
-        module.step(_SCORES[:, 0], step_mask=torch.ones(3, dtype=torch.int64))
-    attn, _ = module(_SCORES, src_lengths=torch.tensor(3))
+    attn, _ = module(torch.randn(3, 4, 5), src_lengths=torch.tensor(3))
     assert attn.shape == (3, 4, 6) and (attn[..., 3:5] == 0).all()
     mh, _ = module(torch.randn(2, 3, 4, 5), src_lengths=torch.tensor([[5], [2]]))
     assert mh.shape == (2, 3, 4, 6) and (mh[1, :, :, 2:5] == 0).all()

@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from helpers import F64, TOL, randn
 
 from sparse_attn.losses import (
     Entmax15Loss,
@@ -24,11 +25,6 @@ LOSSES = {
 }
 
 
-def _rand(*shape, dtype=torch.float64, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(*shape, generator=g, dtype=torch.float64) * 2).to(dtype)
-
-
 def _labels(n, c, seed=0):
     return torch.randint(0, c, (n,), generator=torch.Generator().manual_seed(seed))
 
@@ -44,7 +40,7 @@ def _proportions(n, c, seed=0):
 @pytest.mark.parametrize("kind", ["labels", "proportions"])
 def test_gradcheck_and_gradient_is_p_minus_target(name, kind):
     loss_fn, mapping = LOSSES[name]
-    x = _rand(5, 7, seed=1).requires_grad_()
+    x = randn(5, 7, seed=1).requires_grad_()
     target = _labels(5, 7, seed=2) if kind == "labels" else _proportions(5, 7, seed=2)
     assert torch.autograd.gradcheck(lambda t: loss_fn(t, target), (x,))
     (g,) = torch.autograd.grad(loss_fn(x, target).sum(), x)
@@ -55,14 +51,14 @@ def test_gradcheck_and_gradient_is_p_minus_target(name, kind):
 @pytest.mark.parametrize("name", list(LOSSES))
 def test_nonnegative_and_zero_at_own_prediction(name):
     loss_fn, mapping = LOSSES[name]
-    x = _rand(40, 9, seed=3)
+    x = randn(40, 9, seed=3)
     assert bool((loss_fn(x, _labels(40, 9, seed=4)) >= 0).all())
     assert bool((loss_fn(x, _proportions(40, 9, seed=5)) >= 0).all())
     torch.testing.assert_close(loss_fn(x, mapping(x)), torch.zeros(40, dtype=torch.float64), atol=1e-9, rtol=0)
 
 
 def test_alpha_one_is_cross_entropy():
-    x = _rand(6, 10, seed=6)
+    x = randn(6, 10, seed=6)
     t = _labels(6, 10, seed=7)
     torch.testing.assert_close(entmax_bisect_loss(x, t, alpha=1.0),
                                torch.nn.functional.cross_entropy(x, t, reduction="none"))
@@ -71,7 +67,7 @@ def test_alpha_one_is_cross_entropy():
 
 
 def test_sparsemax_loss_closed_form():
-    x = _rand(8, 6, seed=8)
+    x = randn(8, 6, seed=8)
     t = _labels(8, 6, seed=9)
     p = sparsemax(x)
     support = p > 0
@@ -82,7 +78,7 @@ def test_sparsemax_loss_closed_form():
 
 
 def test_entmax15_loss_definition():
-    x = _rand(8, 6, seed=10)
+    x = randn(8, 6, seed=10)
     y = _proportions(8, 6, seed=11)
     p = entmax15(x)
 
@@ -95,7 +91,7 @@ def test_entmax15_loss_definition():
 
 @pytest.mark.parametrize("reduction", ["none", "sum", "mean", "elementwise_mean"])
 def test_ignore_index_and_reductions(reduction):
-    x = _rand(6, 5, seed=12).requires_grad_()
+    x = randn(6, 5, seed=12).requires_grad_()
     t = _labels(6, 5, seed=13)
     t[[1, 4]] = -100
     per_row = sparsemax_loss(x, t, reduction="none")
@@ -113,7 +109,7 @@ def test_ignore_index_and_reductions(reduction):
 
 
 def test_all_ignored_mean_is_zero():
-    x = _rand(3, 4, seed=14)
+    x = randn(3, 4, seed=14)
     t = torch.full((3,), -100)
     for mod in (SparsemaxLoss(), Entmax15Loss(), EntmaxBisectLoss(alpha=1.2)):
         assert float(mod(x, t)) == 0.0
@@ -123,7 +119,7 @@ def test_all_ignored_mean_is_zero():
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
 def test_neg_inf_logits_give_finite_losses(name, dtype):
     loss_fn, _ = LOSSES[name]
-    x = _rand(4, 8, dtype=dtype, seed=15)
+    x = randn(4, 8, dtype=dtype, seed=15)
     x[:, :3] = -math.inf
     x = x.requires_grad_()
     t = torch.tensor([3, 4, 7, 5])
@@ -140,7 +136,7 @@ def test_neg_inf_logits_give_finite_losses(name, dtype):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float16])
 def test_ignored_rows_with_neg_inf_logits(name, reduction, dtype):
     loss_fn, mapping = LOSSES[name]
-    x = _rand(5, 6, seed=17)
+    x = randn(5, 6, seed=17)
     x[1] = -math.inf
     x[3, [0, 2, 5]] = -math.inf
     x[4, 1] = -math.inf
@@ -153,7 +149,7 @@ def test_ignored_rows_with_neg_inf_logits(name, reduction, dtype):
     kept = loss_fn(x.detach()[keep].double(), t[keep])
     expected = {"none": torch.zeros(5, dtype=torch.float64).index_put((keep,), kept), "sum": kept.sum(),
                 "mean": kept.mean(), "elementwise_mean": kept.mean()}[reduction]
-    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    tol = TOL["same_values"][F64] if dtype == F64 else TOL["lowp_vs_f64"][torch.float32]
     torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
     out.sum().backward()
     assert bool(torch.isfinite(x.grad).all())
@@ -161,14 +157,14 @@ def test_ignored_rows_with_neg_inf_logits(name, reduction, dtype):
     scale = 1.0 / int(keep.sum()) if reduction in ("mean", "elementwise_mean") else 1.0
     xk = x.detach()[keep].double()
     expected_grad = (mapping(xk) - torch.nn.functional.one_hot(t[keep], 6).double()) * scale
-    torch.testing.assert_close(x.grad[keep].double(), expected_grad, atol=1e-12 if dtype == torch.float64 else 1e-3,
-                               rtol=0)
+    tol = TOL["same_values"][F64] if dtype == F64 else TOL["lowp_vs_f64"][dtype]
+    torch.testing.assert_close(x.grad[keep].double(), expected_grad, atol=tol, rtol=0)
 
 
 @pytest.mark.parametrize("name", list(LOSSES))
 def test_neg_inf_logits_with_zero_target_mass(name):
     loss_fn, mapping = LOSSES[name]
-    x = _rand(4, 7, seed=18)
+    x = randn(4, 7, seed=18)
     y = _proportions(4, 7, seed=19)
     dead = torch.zeros(4, 7, dtype=torch.bool)
     dead[0, [1, 3]] = True
@@ -193,7 +189,7 @@ def test_neg_inf_logits_with_zero_target_mass(name):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision_large_logits_give_finite_float32_losses(name, dtype):
     loss_fn, _ = LOSSES[name]
-    x = _rand(64, 50, seed=20) * 5e3
+    x = randn(64, 50, seed=20) * 5e3
     x[0, :2] = torch.tensor([6e4, -6e4])
     x = x.to(dtype).requires_grad_()
     assert bool(torch.isfinite(x).all())
@@ -212,7 +208,7 @@ def test_half_precision_large_logits_give_finite_float32_losses(name, dtype):
 
 
 def test_module_learnable_alpha_is_accepted():
-    x = _rand(4, 6, seed=16)
+    x = randn(4, 6, seed=16)
     alpha = torch.nn.Parameter(torch.tensor(1.4, dtype=torch.float64))
     out = EntmaxBisectLoss(alpha=alpha)(x, _labels(4, 6))
     torch.testing.assert_close(out, entmax_bisect_loss(x, _labels(4, 6), alpha=1.4, reduction="mean"))
@@ -221,24 +217,3 @@ def test_module_learnable_alpha_is_accepted():
     for i, a in enumerate((1.2, 1.5, 2.0, 1.0)):
         torch.testing.assert_close(per_row[i], entmax_bisect_loss(x[i:i + 1], _labels(4, 6)[i:i + 1], alpha=a)[0])
 
-
-def test_errors_name_the_argument():
-    x = _rand(3, 4)
-    with pytest.raises(ValueError, match="reduction"):
-        sparsemax_loss(x, _labels(3, 4), reduction="avg")
-    with pytest.raises(ValueError, match="reduction"):
-        SparsemaxLoss(reduction="batchmean")
-    with pytest.raises(ValueError, match="target"):
-        sparsemax_loss(x, _labels(4, 4))
-    with pytest.raises(ValueError, match="target"):
-        entmax15_loss(x, torch.tensor([0, 1, 4]))
-    with pytest.raises(ValueError, match="target"):
-        entmax15_loss(x, torch.full((3, 4), 0.5, dtype=torch.float64))
-    with pytest.raises(TypeError, match="target"):
-        entmax15_loss(x, torch.ones(3, dtype=torch.bool))
-    with pytest.raises(ValueError, match="alpha"):
-        entmax_bisect_loss(x, _labels(3, 4), alpha=-1.0)
-    with pytest.raises(ValueError, match="X"):
-        sparsemax_loss(x[0], _labels(1, 4))
-    with pytest.raises(TypeError, match="X"):
-        sparsemax_loss(torch.ones(3, 4, dtype=torch.int32), _labels(3, 4))

@@ -8,22 +8,13 @@ import math
 
 import pytest
 import torch
+from helpers import TOL, max_abs_err, scaled_err
 
 from sparse_attn._triton_rows import entmax_rows_triton
 from sparse_attn.kernels.row_entmax import MODE_GENERAL, entmax_rows_bwd, entmax_rows_fwd, row_mode
 from sparse_attn.mappings import entmax
 
 ALPHAS = [1.0, 1.25, 1.5, 2.0]
-
-# Absolute tolerances against the float64 reference on the same (rounded) inputs; gradients
-# are scaled by their largest reference magnitude (at least 0.1). Low precision: about twice the rounding
-# of a probability near 1 in that dtype.
-TOL = {
-    torch.float32: {"fwd": 1e-6, "dx": 5e-6, "dalpha": 5e-6, "sum": 1e-6},
-    torch.float16: {"fwd": 5e-4, "dx": 1e-3, "dalpha": 2e-3, "sum": 1e-2},
-    torch.bfloat16: {"fwd": 4e-3, "dx": 1e-2, "dalpha": 2e-2, "sum": 1e-2},
-}
-
 
 def _ref_row(x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
     """float64 alpha-entmax of one row ``x`` (n,) with a 0-d alpha tensor, differentiable in both.
@@ -72,16 +63,6 @@ def _ref(x: torch.Tensor, alpha) -> torch.Tensor:
     return torch.stack(rows)
 
 
-def _max_abs_err(got: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((got.detach().double().cpu() - ref.detach().double().cpu()).abs().max())
-
-
-def _scaled_err(got: torch.Tensor, ref: torch.Tensor) -> float:
-    """Largest error relative to the largest reference magnitude (at least 0.1)."""
-    ref = ref.detach().double()
-    return float((got.detach().double() - ref).abs().max() / ref.abs().max().clamp_min(0.1))
-
-
 def _inputs(n_rows, n_cols, dtype, device, scale=2.0, seed=0):
     gen = torch.Generator().manual_seed(seed)
     x = (torch.randn(n_rows, n_cols, generator=gen, dtype=torch.float64) * scale).to(dtype)
@@ -91,7 +72,6 @@ def _inputs(n_rows, n_cols, dtype, device, scale=2.0, seed=0):
 
 def _check_against_ref(x, dy, alpha, dtype, check_grad=True):
     """Kernel vs float64 reference on the same (rounded) inputs: forward, dX and dalpha."""
-    tol = TOL[dtype]
     xk = x.clone().requires_grad_(check_grad)
     ak = alpha.clone().requires_grad_(check_grad) if isinstance(alpha, torch.Tensor) else alpha
     y = entmax_rows_triton(xk, ak.view(-1, 1) if isinstance(ak, torch.Tensor) else ak)
@@ -100,16 +80,16 @@ def _check_against_ref(x, dy, alpha, dtype, check_grad=True):
     xr = x.detach().cpu().double().requires_grad_(check_grad)
     ar = alpha.detach().cpu().double().requires_grad_(check_grad) if isinstance(alpha, torch.Tensor) else alpha
     ref = _ref(xr, ar)
-    assert _max_abs_err(y, ref) <= tol["fwd"]
+    assert max_abs_err(y, ref) <= TOL["lowp_vs_f64"][dtype]
     if not check_grad:
         return y
     y.backward(dy)
     ref.backward(dy.cpu().double())
     assert xk.grad.dtype == dtype and torch.isfinite(xk.grad).all()
-    assert _scaled_err(xk.grad.cpu(), xr.grad) <= tol["dx"]
+    assert scaled_err(xk.grad.cpu(), xr.grad) <= TOL["rows_dx"][dtype]
     if isinstance(alpha, torch.Tensor):
         assert torch.isfinite(ak.grad).all()
-        assert _scaled_err(ak.grad.cpu(), ar.grad) <= tol["dalpha"]
+        assert scaled_err(ak.grad.cpu(), ar.grad) <= TOL["rows_dalpha"][dtype]
     return y
 
 
@@ -119,7 +99,7 @@ def test_forward_backward_scalar_alpha(alpha, dtype, kernel_device):
     x, dy = _inputs(3, 701, dtype, kernel_device, seed=int(alpha * 100))
     y = _check_against_ref(x, dy, alpha, dtype)
     sums = y.detach().double().sum(-1)
-    assert float((sums - 1).abs().max()) <= TOL[dtype]["sum"]
+    assert float((sums - 1).abs().max()) <= TOL["sum"][dtype]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -140,15 +120,15 @@ def test_continuous_at_alpha_one(kernel_device):
         y.backward(dy)
         outs.append(y.detach())
         grads.append(ak.grad.view(-1))
-    assert _max_abs_err(outs[1], outs[0]) <= 1e-5
-    assert _scaled_err(grads[1], grads[0]) <= 1e-4
+    assert max_abs_err(outs[1], outs[0]) <= 1e-5
+    assert scaled_err(grads[1], grads[0]) <= 1e-4
 
 
 def test_rows_sum_to_one_and_support_matches(kernel_device):
     alpha = torch.tensor([1.2, 1.5, 1.75, 2.0], dtype=torch.float64)
     x, _ = _inputs(4, 1500, torch.float32, kernel_device, scale=3.0, seed=3)
     y = entmax_rows_triton(x, alpha.view(-1, 1).float().to(kernel_device)).double().cpu()
-    assert float((y.sum(-1) - 1).abs().max()) <= TOL[torch.float32]["sum"]
+    assert float((y.sum(-1) - 1).abs().max()) <= TOL["sum"][torch.float32]
     ref = _ref(x.double().cpu(), alpha)
     assert (ref >= 0).all() and (y >= 0).all()
     # Away from the threshold the support must agree exactly.
@@ -168,15 +148,15 @@ def test_odd_lengths_and_small_blocks(n_cols, kernel_device):
         block = 16 if n_cols < 200 else 64
         y = entmax_rows_fwd(x, alpha, row_mode(alpha), block=block)
         ref = _ref(x.double().cpu(), alpha)
-        assert _max_abs_err(y, ref) <= TOL[torch.float32]["fwd"]
+        assert max_abs_err(y, ref) <= TOL["lowp_vs_f64"][torch.float32]
         a_rows = torch.full((2,), alpha, device=kernel_device)
         dx, da = entmax_rows_bwd(y, dy, a_rows, MODE_GENERAL, need_dalpha=True, block=block)
         xr = x.double().cpu().requires_grad_()
         ar = torch.full((2,), alpha, dtype=torch.float64, requires_grad=True)
         _ref(xr, ar).backward(dy.double().cpu())
-        assert _scaled_err(dx.cpu(), xr.grad) <= TOL[torch.float32]["dx"]
+        assert scaled_err(dx.cpu(), xr.grad) <= TOL["rows_dx"][torch.float32]
         if n_cols > 1:
-            assert _scaled_err(da.cpu(), ar.grad) <= TOL[torch.float32]["dalpha"]
+            assert scaled_err(da.cpu(), ar.grad) <= TOL["rows_dalpha"][torch.float32]
         else:
             assert float(da.abs().max()) == 0.0
 
@@ -202,10 +182,10 @@ def test_neg_inf_entries_and_rows(alpha, kernel_device):
     ar = torch.full((3,), alpha, dtype=torch.float64, requires_grad=True)
     ref = _ref(xr, ar)
     ref.backward(dy[keep].double().cpu())
-    assert _max_abs_err(y[keep], ref) <= TOL[torch.float32]["fwd"]
-    assert _scaled_err(xk.grad[keep].cpu(), xr.grad) <= TOL[torch.float32]["dx"]
+    assert max_abs_err(y[keep], ref) <= TOL["lowp_vs_f64"][torch.float32]
+    assert scaled_err(xk.grad[keep].cpu(), xr.grad) <= TOL["rows_dx"][torch.float32]
     if alpha != 1.0:
-        assert _scaled_err(a.grad.view(-1)[keep].cpu(), ar.grad) <= TOL[torch.float32]["dalpha"]
+        assert scaled_err(a.grad.view(-1)[keep].cpu(), ar.grad) <= TOL["rows_dalpha"][torch.float32]
 
 
 @pytest.mark.parametrize(
@@ -221,7 +201,7 @@ def test_huge_magnitudes(dtype, scale, kernel_device):
         y.backward(dy)
         assert torch.isfinite(y).all() and torch.isfinite(xk.grad).all() and torch.isfinite(a.grad).all()
         ref = _ref(x.double().cpu(), alpha)
-        assert _max_abs_err(y, ref) <= TOL[dtype]["fwd"]
+        assert max_abs_err(y, ref) <= TOL["lowp_vs_f64"][dtype]
 
 
 def test_dim_and_broadcast_alpha(kernel_device):
@@ -239,9 +219,9 @@ def test_dim_and_broadcast_alpha(kernel_device):
     ref = _ref(xr, ar)
     ref.backward(dy.double().cpu().movedim(1, -1).reshape(-1, 150))
     got = y.double().cpu().movedim(1, -1).reshape(-1, 150)
-    assert _max_abs_err(got, ref) <= TOL[torch.float32]["fwd"]
-    assert _scaled_err(xk.grad.cpu().movedim(1, -1).reshape(-1, 150), xr.grad) <= TOL[torch.float32]["dx"]
-    assert _scaled_err(ak.grad.cpu().reshape(-1), ar.grad) <= TOL[torch.float32]["dalpha"]
+    assert max_abs_err(got, ref) <= TOL["lowp_vs_f64"][torch.float32]
+    assert scaled_err(xk.grad.cpu().movedim(1, -1).reshape(-1, 150), xr.grad) <= TOL["rows_dx"][torch.float32]
+    assert scaled_err(ak.grad.cpu().reshape(-1), ar.grad) <= TOL["rows_dalpha"][torch.float32]
     assert ak.grad.shape == alpha.shape
 
 
@@ -260,9 +240,9 @@ def test_agrees_with_pytorch_path(alpha, kernel_device):
     assert float(((yk.detach().cpu() - yp.detach()) ** 2).sum(-1).max()) < 1e-7
     yk.backward(dy)
     yp.backward(dy.cpu())
-    assert _scaled_err(xk.grad.cpu(), xp.grad) <= 1e-4
+    assert scaled_err(xk.grad.cpu(), xp.grad) <= 1e-4
     if isinstance(alpha, torch.Tensor):
-        assert _scaled_err(ak.grad.cpu(), ap.grad) <= 1e-4
+        assert scaled_err(ak.grad.cpu(), ap.grad) <= 1e-4
 
 
 def test_bad_arguments(kernel_device):
@@ -285,6 +265,15 @@ def test_bad_arguments(kernel_device):
     with pytest.raises(TypeError, match="dim"):
         entmax_rows_triton(x, 1.5, dim=1.0)
     assert entmax_rows_triton(torch.empty(0, 5, device=kernel_device), 1.5).shape == (0, 5)
+
+
+@pytest.mark.parametrize("shape,dim", [((1, 2), 0), ((2, 1, 3), 1)])
+def test_rows_of_length_one_along_any_dim(shape, dim, kernel_device):
+    x = torch.randn(*shape, device=kernel_device, requires_grad=True)
+    y = entmax_rows_triton(x, 1.5, dim=dim)
+    assert torch.equal(y, torch.ones_like(y))
+    y.backward(torch.randn_like(y))
+    assert (x.grad == 0).all()
 
 
 @pytest.mark.gpu

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 import torch
-from test_modules import host_reads_outside
+from helpers import host_reads_outside
 from torch import nn
 
 import sparse_attn.attention as attention_mod

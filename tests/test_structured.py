@@ -10,6 +10,7 @@ import math
 
 import pytest
 import torch
+from helpers import F32, F64, TOL, gen
 from torch.autograd import gradcheck
 from torch.autograd.functional import jacobian, jvp
 
@@ -32,23 +33,6 @@ from sparse_attn.structured import (
     sq_pnorm_max,
     tv_prox,
 )
-
-F64 = torch.float64
-# Absolute tolerances, one table for this file and test_constrained.py: solver agreement
-# in float64, and low-precision outputs against the float64 result on the same (rounded) inputs.
-TOL = {
-    "slow_solver": 1e-9,
-    "same_algorithm_f64": 1e-12,
-    "jacobian": 1e-10,
-    "invariant": 1e-6,
-    torch.float32: 1e-5,
-    torch.float16: 2e-3,
-    torch.bfloat16: 1.6e-2,
-}
-
-
-def _gen(seed):
-    return torch.Generator().manual_seed(seed)
 
 
 def _simplex(v):
@@ -126,7 +110,7 @@ def _sparsemax_jacobian(p):
 @pytest.mark.parametrize("lam", [0.05, 0.3, 1.0])
 def test_fusedmax_and_tv_prox_match_slow_solver(lam):
     d = 7
-    x = 1.5 * torch.randn(10, d, generator=_gen(1), dtype=F64)
+    x = 1.5 * torch.randn(10, d, generator=gen(1), dtype=F64)
     E = _tv_matrix(d)
     torch.testing.assert_close(fusedmax(x, lam=lam), _slow_solver(x, E, lam, True), atol=TOL["slow_solver"], rtol=0)
     torch.testing.assert_close(tv_prox(x, lam=lam), _slow_solver(x, E, lam, False), atol=TOL["slow_solver"], rtol=0)
@@ -138,7 +122,7 @@ def test_fusedmax_and_tv_prox_match_slow_solver(lam):
 @pytest.mark.parametrize("lam", [0.02, 0.3])
 def test_oscarmax_and_oscar_prox_match_slow_solver(lam):
     d = 6
-    x = 1.5 * torch.randn(10, d, generator=_gen(2), dtype=F64)
+    x = 1.5 * torch.randn(10, d, generator=gen(2), dtype=F64)
     x[0] = torch.tensor([-2.3, -0.4, -1.1, 1.0, -0.9, -1.3], dtype=F64)
     E = _oscar_matrix(d)
     torch.testing.assert_close(oscarmax(x, lam=lam), _slow_solver(x, E, lam, True), atol=TOL["slow_solver"], rtol=0)
@@ -147,7 +131,7 @@ def test_oscarmax_and_oscar_prox_match_slow_solver(lam):
 
 def test_sq_pnorm_max_is_optimal():
     """Fixed point of projected gradient (an optimality certificate) and the objective."""
-    x = torch.randn(8, 6, generator=_gen(3), dtype=F64)
+    x = torch.randn(8, 6, generator=gen(3), dtype=F64)
     for p, gamma in [(1.5, 1.0), (1.2, 0.5), (1.8, 2.0)]:
         y = sq_pnorm_max(x, p=p, gamma=gamma)
         assert (y >= 0).all()
@@ -160,7 +144,7 @@ def test_sq_pnorm_max_is_optimal():
         def objective(v, p=p, gamma=gamma):
             return 0.5 * gamma * ((v ** p).sum(-1) ** (2 / p)) - (v * x).sum(-1)
 
-        others = _simplex(y + 0.05 * torch.randn(50, 8, 6, generator=_gen(4), dtype=F64))
+        others = _simplex(y + 0.05 * torch.randn(50, 8, 6, generator=gen(4), dtype=F64))
         assert (objective(others) >= objective(y) - 1e-12).all()
 
 
@@ -170,7 +154,7 @@ def test_sq_pnorm_max_is_optimal():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_triton_tv_kernel_matches_torch(kernel_device, dtype):
     n = 20
-    x = torch.randn(6, n, generator=_gen(5), dtype=dtype)
+    x = torch.randn(6, n, generator=gen(5), dtype=dtype)
     x[1] = torch.linspace(-1, 1, n, dtype=dtype)
     x[2, ::2] += 2.0
     lengths = torch.tensor([n, n, n, 1, 0, 13])
@@ -179,28 +163,28 @@ def test_triton_tv_kernel_matches_torch(kernel_device, dtype):
         out = tv_prox_rows(x.to(kernel_device), lengths.to(kernel_device), lam).cpu()
         valid = torch.arange(n) < lengths[:, None]
         assert torch.isnan(out[~valid]).all()
-        tol = TOL["same_algorithm_f64"] if dtype == F64 else TOL[torch.float32]
+        tol = TOL["same_values"][F64] if dtype == F64 else TOL["lowp_vs_f64"][F32]
         torch.testing.assert_close(out[valid].to(F64), ref[valid], atol=tol, rtol=0)
 
 
 def test_tv_autograd_triton_path_matches_torch_path():
-    x = torch.randn(4, 12, generator=_gen(6), dtype=F64)
+    x = torch.randn(4, 12, generator=gen(6), dtype=F64)
     lengths = torch.tensor([12, 7, 0, 3])
     xa = x.clone().requires_grad_()
     xb = x.clone().requires_grad_()
     ya = _tv_prox_op(xa, lengths, 0.3, True)
     yb = _tv_prox_op(xb, lengths, 0.3, False)
-    torch.testing.assert_close(ya, yb, atol=TOL["same_algorithm_f64"], rtol=0)
-    g = torch.randn(4, 12, generator=_gen(7), dtype=F64)
+    torch.testing.assert_close(ya, yb, atol=TOL["same_values"][F64], rtol=0)
+    g = torch.randn(4, 12, generator=gen(7), dtype=F64)
     ya.backward(g)
     yb.backward(g)
-    torch.testing.assert_close(xa.grad, xb.grad, atol=TOL["same_algorithm_f64"], rtol=0)
+    torch.testing.assert_close(xa.grad, xb.grad, atol=TOL["same_values"][F64], rtol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_triton_isotonic_kernel_matches_torch(kernel_device, dtype):
     n = 14
-    v = torch.randn(7, n, generator=_gen(30), dtype=dtype)
+    v = torch.randn(7, n, generator=gen(30), dtype=dtype)
     v[1] = torch.linspace(-1, 1, n, dtype=dtype)
     v[2] = torch.round(2 * v[2])
     v[6] = torch.tensor([3e38, 3e38, -1.0] + [3e38] * (n - 3), dtype=dtype)
@@ -210,32 +194,32 @@ def test_triton_isotonic_kernel_matches_torch(kernel_device, dtype):
     out = isotonic_nonincreasing_rows(v.to(kernel_device), lengths.to(kernel_device)).cpu()
     assert torch.isnan(out[~valid]).all() and torch.isfinite(out[valid]).all()
     assert ((out[:, 1:] <= out[:, :-1]) | ~valid[:, 1:]).all()
-    tol = TOL["same_algorithm_f64"] if dtype == F64 else TOL[torch.float32]
+    tol = TOL["same_values"][F64] if dtype == F64 else TOL["lowp_vs_f64"][F32]
     torch.testing.assert_close(out[valid].to(F64), ref[valid], atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("on_simplex", [False, True])
 def test_oscar_autograd_triton_path_matches_torch_path(on_simplex):
-    x = torch.randn(5, 9, generator=_gen(31), dtype=F64)
+    x = torch.randn(5, 9, generator=gen(31), dtype=F64)
     x[1, 3:6] = x[1, 2]
-    valid = torch.rand(5, 9, generator=_gen(32)) > 0.25
+    valid = torch.rand(5, 9, generator=gen(32)) > 0.25
     valid[4] = False
     xa = x.clone().requires_grad_()
     xb = x.clone().requires_grad_()
     ya = oscar_prox_rows(xa, valid, 0.2, on_simplex, True)
     yb = oscar_prox_rows(xb, valid, 0.2, on_simplex, False)
-    torch.testing.assert_close(ya, yb, atol=TOL["same_algorithm_f64"], rtol=0)
-    g = torch.randn(5, 9, generator=_gen(33), dtype=F64)
+    torch.testing.assert_close(ya, yb, atol=TOL["same_values"][F64], rtol=0)
+    g = torch.randn(5, 9, generator=gen(33), dtype=F64)
     ya.backward(g)
     yb.backward(g)
-    torch.testing.assert_close(xa.grad, xb.grad, atol=TOL["same_algorithm_f64"], rtol=0)
+    torch.testing.assert_close(xa.grad, xb.grad, atol=TOL["same_values"][F64], rtol=0)
 
 
 def test_prox_custom_ops_opcheck(kernel_device):
     """Schema, fake implementation, autograd registration and AOT dispatch of the prox ops, both paths."""
-    x = torch.randn(4, 9, generator=_gen(34), dtype=torch.float32, device=kernel_device)
+    x = torch.randn(4, 9, generator=gen(34), dtype=torch.float32, device=kernel_device)
     lengths = torch.tensor([9, 4, 0, 1], device=kernel_device)
-    valid = torch.rand(4, 9, generator=_gen(35)).to(kernel_device) > 0.3
+    valid = torch.rand(4, 9, generator=gen(35)).to(kernel_device) > 0.3
     for use_triton in (False, True):
         torch.library.opcheck(_tv_prox_op, (x.clone().requires_grad_(), lengths, 0.2, use_triton))
         for on_simplex in (False, True):
@@ -248,9 +232,9 @@ def test_compile_fullgraph_matches_eager(fn):
     """The prox custom ops trace under torch.compile(fullgraph=True), forward and backward."""
     torch._dynamo.reset()
     compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
-    x = torch.randn(3, 8, generator=_gen(36), dtype=F64)
+    x = torch.randn(3, 8, generator=gen(36), dtype=F64)
     x[1, 2] = -math.inf
-    g = torch.randn(3, 8, generator=_gen(37), dtype=F64)
+    g = torch.randn(3, 8, generator=gen(37), dtype=F64)
     xc, xe = x.clone().requires_grad_(), x.clone().requires_grad_()
     yc, ye = compiled(xc), fn(xe)
     yc.backward(g)
@@ -263,7 +247,7 @@ def test_compile_fullgraph_matches_eager(fn):
 
 
 def test_gradcheck_all_mappings():
-    x = torch.randn(3, 7, generator=_gen(8), dtype=F64, requires_grad=True)
+    x = torch.randn(3, 7, generator=gen(8), dtype=F64, requires_grad=True)
     mask = torch.ones(3, 7, dtype=torch.bool)
     mask[1, 2] = False
     mask[2, 4:] = False
@@ -284,14 +268,14 @@ def test_gradcheck_all_mappings():
 
 def test_fusedmax_jacobian_matches_prop3():
     d, lam = 8, 0.25
-    x = torch.randn(4, d, generator=_gen(9), dtype=F64)
+    x = torch.randn(4, d, generator=gen(9), dtype=F64)
     z = _slow_solver(x, _tv_matrix(d), lam, False)
     for r in range(4):
         G = _groups(z[r], contiguous=True)
         J_tv = G / G.sum(1, keepdim=True)
         J = _sparsemax_jacobian(_simplex(z[r:r + 1])[0]) @ J_tv
         torch.testing.assert_close(jacobian(lambda a: fusedmax(a, lam=lam), x[r]), J, atol=TOL["jacobian"], rtol=0)
-        v = torch.randn(d, generator=_gen(10 + r), dtype=F64)
+        v = torch.randn(d, generator=gen(10 + r), dtype=F64)
         _, jv = jvp(lambda a: fusedmax(a, lam=lam), x[r], v)
         torch.testing.assert_close(jv, J @ v, atol=TOL["jacobian"], rtol=0)
         torch.testing.assert_close(jacobian(lambda a: tv_prox(a, lam=lam), x[r]), J_tv, atol=TOL["jacobian"], rtol=0)
@@ -299,7 +283,7 @@ def test_fusedmax_jacobian_matches_prop3():
 
 def test_oscar_jacobians_match_prop3():
     d, lam = 6, 0.15
-    x = torch.randn(4, d, generator=_gen(11), dtype=F64)
+    x = torch.randn(4, d, generator=gen(11), dtype=F64)
     z = _slow_solver(x, _oscar_matrix(d), lam, False)
     y = _slow_solver(x, _oscar_matrix(d), lam, True)
     shifted = _slow_solver(x + 10.0, _oscar_matrix(d), lam, False)
@@ -312,14 +296,14 @@ def test_oscar_jacobians_match_prop3():
         # oscarmax: prox of the shifted input, all groups positive (see structured.py)
         Gs = _groups(shifted[r], contiguous=False)
         J = _sparsemax_jacobian(y[r]) @ (Gs / Gs.sum(1, keepdim=True))
-        v = torch.randn(d, generator=_gen(12 + r), dtype=F64)
+        v = torch.randn(d, generator=gen(12 + r), dtype=F64)
         _, jv = jvp(lambda a: oscarmax(a, lam=lam), x[r], v)
         torch.testing.assert_close(jv, J @ v, atol=TOL["jacobian"], rtol=0)
 
 
 def test_sq_pnorm_jacobian_matches_prop1_system():
     d = 7
-    x = torch.randn(3, d, generator=_gen(13), dtype=F64)
+    x = torch.randn(3, d, generator=gen(13), dtype=F64)
     for p, gamma in [(1.5, 1.0), (1.25, 0.6)]:
         for r in range(3):
             y = sq_pnorm_max(x[r], p=p, gamma=gamma)
@@ -338,7 +322,7 @@ def test_sq_pnorm_jacobian_matches_prop1_system():
                 return sq_pnorm_max(a, p=p, gamma=gamma)
 
             torch.testing.assert_close(jacobian(fn, x[r]), J, atol=TOL["jacobian"], rtol=0)
-            v = torch.randn(d, generator=_gen(14 + r), dtype=F64)
+            v = torch.randn(d, generator=gen(14 + r), dtype=F64)
             _, jv = jvp(fn, x[r], v)
             torch.testing.assert_close(jv, J @ v, atol=TOL["jacobian"], rtol=0)
 
@@ -347,7 +331,7 @@ def test_sq_pnorm_jacobian_matches_prop1_system():
 
 
 def test_limits_equal_sparsemax():
-    x = torch.randn(5, 9, generator=_gen(15), dtype=F64)
+    x = torch.randn(5, 9, generator=gen(15), dtype=F64)
     sp = sparsemax(x)
     for lam in (0.0, 1e-12):
         torch.testing.assert_close(fusedmax(x, lam=lam), sp, atol=1e-10, rtol=0)
@@ -359,7 +343,7 @@ def test_limits_equal_sparsemax():
 
 
 def test_fusedmax_equal_weights_on_contiguous_segment():
-    noise = 0.05 * torch.randn(4, 12, generator=_gen(16), dtype=F64)
+    noise = 0.05 * torch.randn(4, 12, generator=gen(16), dtype=F64)
     x = noise.clone()
     x[:, 3:7] += 1.0
     p = fusedmax(x, lam=0.2)
@@ -371,7 +355,7 @@ def test_fusedmax_equal_weights_on_contiguous_segment():
     sp = sparsemax(x)
     assert not all(torch.all(sp[r, 3:7] == sp[r, 3]) for r in range(4))
     # on random scores, nonzero weights form runs of equal values: each value occurs in one run
-    y = fusedmax(torch.randn(20, 15, generator=_gen(17), dtype=F64), lam=0.3)
+    y = fusedmax(torch.randn(20, 15, generator=gen(17), dtype=F64), lam=0.3)
     for row in y:
         vals = row[row > 0]
         idx = (row > 0).nonzero()[:, 0]
@@ -393,14 +377,14 @@ def test_oscarmax_groups_equal_weights():
 @pytest.mark.parametrize("fn", [lambda a, **k: fusedmax(a, lam=0.3, **k), lambda a, **k: oscarmax(a, lam=0.05, **k),
                                 lambda a, **k: sq_pnorm_max(a, p=1.5, **k)])
 def test_lengths_and_mask_equal_compressed_rows(fn):
-    x = torch.randn(4, 10, generator=_gen(18), dtype=F64)
+    x = torch.randn(4, 10, generator=gen(18), dtype=F64)
     lengths = torch.tensor([10, 6, 1, 0])
     out = fn(x, lengths=lengths)
     for r, n in enumerate(lengths.tolist()):
         if n:
             torch.testing.assert_close(out[r, :n], fn(x[r:r + 1, :n])[0], atol=1e-12, rtol=0)
         assert (out[r, n:] == 0).all()
-    mask = torch.rand(4, 10, generator=_gen(19)) > 0.4
+    mask = torch.rand(4, 10, generator=gen(19)) > 0.4
     mask[3] = False
     out = fn(x, mask=mask)
     for r in range(3):
@@ -409,7 +393,7 @@ def test_lengths_and_mask_equal_compressed_rows(fn):
     xi = x.masked_fill(~mask, -math.inf)
     torch.testing.assert_close(fn(xi), out, atol=0, rtol=0)
     xr = x.clone().requires_grad_()
-    fn(xr, mask=mask).mul(torch.randn(4, 10, generator=_gen(20), dtype=F64)).sum().backward()
+    fn(xr, mask=mask).mul(torch.randn(4, 10, generator=gen(20), dtype=F64)).sum().backward()
     assert torch.isfinite(xr.grad).all()
     assert (xr.grad[~mask] == 0).all()
 
@@ -432,18 +416,18 @@ def test_empty_and_tiny_rows():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_low_precision_against_float64(dtype):
-    x = (2 * torch.randn(4, 3, 11, generator=_gen(21))).to(dtype)
+    x = (2 * torch.randn(4, 3, 11, generator=gen(21))).to(dtype)
     for fn in (lambda a: fusedmax(a, lam=0.1), lambda a: oscarmax(a, lam=0.02), lambda a: sq_pnorm_max(a)):
         y = fn(x)
         assert y.dtype == dtype and torch.isfinite(y).all()
-        torch.testing.assert_close(y.to(F64), fn(x.to(F64)), atol=TOL[dtype], rtol=0)
+        torch.testing.assert_close(y.to(F64), fn(x.to(F64)), atol=TOL["lowp_vs_f64"][dtype], rtol=0)
 
 
 def _offset_rows(offset, dtype, seed, rows=12, n=9):
     """Scores ``offset + k * spacing`` (integers ``|k| <= 6``, exact in ``dtype``), the spacing (a
     power of two) and the exact float64 differences from the row max."""
     spacing = float(torch.finfo(dtype).eps) * 2.0 ** math.frexp(abs(offset))[1]
-    k = torch.randint(-6, 7, (rows, n), generator=_gen(seed)).to(F64)
+    k = torch.randint(-6, 7, (rows, n), generator=gen(seed)).to(F64)
     return (offset + spacing * k).to(dtype), spacing, (k - k.amax(-1, keepdim=True)) * spacing
 
 
@@ -457,23 +441,25 @@ def test_large_scores_against_float64(dtype, offset):
     for fn in fns:
         y = fn(x, spacing)
         assert y.dtype == dtype and torch.isfinite(y).all()
-        torch.testing.assert_close(y.to(F64), fn(shifted, spacing), atol=TOL[dtype], rtol=0)
+        torch.testing.assert_close(y.to(F64), fn(shifted, spacing), atol=TOL["lowp_vs_f64"][dtype], rtol=0)
     big = torch.tensor([[3e7, 3e7 - 0.5, 0.0]])
-    torch.testing.assert_close(sq_pnorm_max(big), torch.tensor([[0.5, 0.5, 0.0]]), atol=TOL[torch.float32], rtol=0)
+    torch.testing.assert_close(sq_pnorm_max(big), torch.tensor([[0.5, 0.5, 0.0]]), atol=TOL["lowp_vs_f64"][F32],
+                               rtol=0)
 
 
 def test_prox_large_magnitudes_against_float64():
-    x = 1e30 * torch.randn(6, 9, generator=_gen(26))
+    x = 1e30 * torch.randn(6, 9, generator=gen(26))
     x[0] = torch.tensor([3e38, -3e38, 0.0, 3e38, 1e38, -2e38, 5.0, -3e38, 3e38])
     for fn in (lambda a: tv_prox(a, lam=3e29), lambda a: oscar_prox(a, lam=2e28), lambda a: oscar_prox(a, lam=0.01)):
         y = fn(x)
         assert torch.isfinite(y).all()
-        torch.testing.assert_close(y.to(F64), fn(x.to(F64)), atol=1e30 * TOL[torch.float32], rtol=TOL[torch.float32])
+        tol = TOL["lowp_vs_f64"][F32]
+        torch.testing.assert_close(y.to(F64), fn(x.to(F64)), atol=1e30 * tol, rtol=tol)
 
 
 def test_triton_tv_path_keeps_nan_inside_rows():
     """Positions past ``lengths`` give 0; a NaN inside a row is not hidden."""
-    x = torch.randn(3, 6, generator=_gen(27), dtype=F64)
+    x = torch.randn(3, 6, generator=gen(27), dtype=F64)
     x[0, 2] = math.nan
     lengths = torch.tensor([6, 4, 0])
     y = _tv_prox_op(x, lengths, 0.2, True)
@@ -483,7 +469,7 @@ def test_triton_tv_path_keeps_nan_inside_rows():
 
 
 def test_dim_and_batch_shapes():
-    x = torch.randn(2, 3, 6, 5, generator=_gen(22), dtype=F64)
+    x = torch.randn(2, 3, 6, 5, generator=gen(22), dtype=F64)
     for fn in (lambda a, d: fusedmax(a, lam=0.2, dim=d), lambda a, d: oscarmax(a, dim=d),
                lambda a, d: sq_pnorm_max(a, dim=d)):
         ref = fn(x, -1)
@@ -495,35 +481,10 @@ def test_dim_and_batch_shapes():
 
 
 def test_modules():
-    x = torch.randn(2, 4, 7, generator=_gen(23), dtype=F64)
-    mask = torch.rand(2, 4, 7, generator=_gen(24)) > 0.3
+    x = torch.randn(2, 4, 7, generator=gen(23), dtype=F64)
+    mask = torch.rand(2, 4, 7, generator=gen(24)) > 0.3
     m = Fusedmax(lam=0.2, gamma=0.5)
     torch.testing.assert_close(m(x, mask=mask), fusedmax(x, lam=0.2, gamma=0.5, mask=mask), atol=0, rtol=0)
     o = Oscarmax(lam=0.03, dim=1)
     torch.testing.assert_close(o(x), oscarmax(x, lam=0.03, dim=1), atol=0, rtol=0)
     assert "lam=0.2" in repr(m)
-
-
-_X = torch.randn(3, 4)
-_BAD_CALLS = [
-    (lambda: fusedmax([1.0, 2.0]), TypeError, "X must be"),
-    (lambda: oscarmax(torch.ones(3, 4, dtype=torch.int64)), TypeError, "X must be a floating"),
-    (lambda: fusedmax(_X, lam=-0.1), ValueError, "lam must be"),
-    (lambda: oscarmax(_X, lam="big"), TypeError, "lam must be a real"),
-    (lambda: fusedmax(_X, gamma=0.0), ValueError, "gamma must be"),
-    (lambda: sq_pnorm_max(_X, p=1.0), ValueError, "p must be"),
-    (lambda: sq_pnorm_max(_X, p=2.5), ValueError, "p must be"),
-    (lambda: fusedmax(_X, dim=2), ValueError, "dim must be"),
-    (lambda: fusedmax(_X, mask=torch.ones(3, 4)), TypeError, "mask must be a boolean"),
-    (lambda: fusedmax(_X, mask=torch.ones(5, 4, dtype=torch.bool)), ValueError, "mask must be broadcastable"),
-    (lambda: fusedmax(_X, lengths=torch.tensor([1, 2, 5])), ValueError, "lengths must be in"),
-    (lambda: oscarmax(_X, lengths=torch.tensor([1.0, 2.0, 3.0])), TypeError, "lengths must be an integer"),
-    (lambda: fusedmax(_X, lengths=torch.tensor([1, 2])), ValueError, "lengths must be broadcastable"),
-    (lambda: Fusedmax(lam=math.inf), ValueError, "lam must be"),
-]
-
-
-@pytest.mark.parametrize("call,exc,match", _BAD_CALLS)
-def test_errors(call, exc, match):
-    with pytest.raises(exc, match=match):
-        call()

@@ -18,21 +18,41 @@ to ``config.entmax``, and :func:`from_pretrained` rebuilds them when loading.
 :func:`sparse_attn.record_head_stats` records every attention module of a model whose
 configuration uses entmax attention, with or without attached alphas.
 Query and key/value heads may differ (GQA/MQA); causal masks are bottom-right aligned, so
-``generate()`` with a KV cache works. Needs ``transformers`` (``pip install 'sparse_attn[hf]'``).
+``generate()`` with a KV cache works. Attention variants pass as arguments of
+:func:`sparse_attn.entmax_attention`: a layer's ``sliding_window`` as ``window_size`` (Mistral, Gemma 2/3,
+gpt-oss, ModernBERT: the mask builder :func:`entmax_mask` leaves windows and causality to the attention
+function, so they are never materialized), gpt-oss's sinks (``s_aux``) as ``sinks``, Gemma-2's
+``softcap``, ``alibi_slopes``, and value heads narrower than query/key heads (DeepSeek-V3).
+Architectures that do not run their attention through the interface (Falcon, GPT-J, GPT-Neo, BLOOM,
+MPT, CodeGen, XGLM, DeBERTa-v2, MPNet, ...) refuse ``attn_implementation="entmax"`` with a
+``ValueError`` when they are built or loaded (:func:`check_routes_attention`, hooked into transformers'
+check of the requested implementation) instead of silently keeping softmax.
+Needs ``transformers`` (``pip install 'sparse_attn[hf]'``).
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import os
+import re
+import sys
 
 import torch
 from torch import Tensor, nn
 
 try:
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers import AttentionInterface, PreTrainedModel
+    from transformers.masking_utils import (
+        AttentionMaskInterface,
+        and_masks,
+        bidirectional_mask_function,
+        causal_mask_function,
+        sdpa_mask,
+        sliding_window_bidirectional_overlay,
+        sliding_window_overlay,
+    )
 except ImportError as exc:  # pragma: no cover - exercised only without transformers
     raise ImportError(
         "sparse_attn.integrations.hf needs Hugging Face transformers: pip install 'sparse_attn[hf]'"
@@ -41,7 +61,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without transfor
 from sparse_attn._validation import check_number
 from sparse_attn.attention import run_layer_attention
 from sparse_attn.attn_inputs import prepare_attention
-from sparse_attn.masks import check_mask, check_mask_values, combine_masks
+from sparse_attn.masks import check_mask, combine_masks
 from sparse_attn.modules import EntmaxAlpha, resolve_learnable
 from sparse_attn.stats import head_stats_sink, register_layer_type
 
@@ -49,9 +69,12 @@ __all__ = [
     "IMPLEMENTATION",
     "attach_entmax_alpha",
     "attention_modules",
+    "check_routes_attention",
     "entmax_attention_forward",
+    "entmax_mask",
     "from_pretrained",
     "register_entmax_attention",
+    "routes_attention",
 ]
 
 IMPLEMENTATION = "entmax"
@@ -74,6 +97,18 @@ def _module_alpha(module: nn.Module, n_heads: int):
     return (_DEFAULT_ALPHA if value is None else value), False
 
 
+def _structure_window(kwargs: dict, layer_causal: bool) -> tuple[int, int] | None:
+    """flash-attn ``window_size`` of transformers' ``sliding_window`` kwarg (a window of ``W`` tokens,
+    the query's included: ``(W - 1, 0)`` causal, ``(W - 1, W - 1)`` bidirectional, as transformers'
+    own flash-attention path), or None."""
+    width = kwargs.get("sliding_window")
+    if width is None:
+        return None
+    if isinstance(width, bool) or not isinstance(width, int) or width < 1:
+        raise ValueError(f"sliding_window must be None or a positive int, got {width!r}")
+    return (width - 1, 0 if layer_causal else width - 1)
+
+
 def entmax_attention_forward(
     module: nn.Module,
     query: Tensor,
@@ -90,22 +125,25 @@ def entmax_attention_forward(
     Args:
         module: the calling attention module (its ``entmax_alpha``, ``is_causal`` and
             ``config.entmax_alpha`` / ``config.entmax_backend`` are read).
-        query: ``(B, Hq, Nq, D)``; key, value: ``(B, Hk, Nk, D)``, ``Hq % Hk == 0``.
-        attention_mask: boolean ``(B, 1|Hq, Nq, Nk)`` (True = attend) or additive float, or None.
+        query: ``(B, Hq, Nq, D)``; key, value: ``(B, Hk, Nk, D)`` and ``(B, Hk, Nk, Dv)``, ``Hq % Hk == 0``
+            (``Dv != D``, as DeepSeek-V3, runs on the reference backend).
+        attention_mask: None or a 2-d boolean padding mask ``(B, Nk)`` (True = attend) from
+            :func:`entmax_mask`: then causal masking and the sliding window are applied here, bottom-right
+            aligned; or a complete 4-d mask, boolean ``(B, 1|Hq, Nq, Nk)`` or additive float.
         dropout: dropout on the weights (the caller passes 0 in eval mode). Default 0.
         scaling: score scale, default ``D ** -0.5``.
-        is_causal: overrides ``module.is_causal``; causal masking applies only when no mask was
-            built (``attention_mask is None``) and ``Nq > 1``, as for SDPA.
+        is_causal: overrides ``module.is_causal``; causal masking applies only without a 4-d mask and,
+            when no mask was built, for ``Nq > 1``, as for SDPA.
         **kwargs: ``output_attentions=True`` returns the weights (dense path);
-            ``position_bias`` (float, broadcastable to the scores) is added to the scores.
+            ``position_bias`` (float, broadcastable to the scores) is added to the scores;
+            ``sliding_window`` (int ``W``): the window ``(W - 1, 0)`` (``(W - 1, W - 1)`` for a
+            bidirectional layer) without a 4-d mask; ``softcap`` (Gemma-2's logit soft-capping);
+            ``s_aux`` (gpt-oss's per-head sinks, ``(Hq,)``); ``alibi_slopes`` (``(Hq,)`` or ``(B, Hq)``).
+            See :func:`sparse_attn.entmax_attention` for their semantics.
 
     Returns:
-        ``(out, weights)``: ``out`` ``(B, Nq, Hq, D)``, ``weights`` ``(B, Hq, Nq, Nk)`` or None.
+        ``(out, weights)``: ``out`` ``(B, Nq, Hq, Dv)``, ``weights`` ``(B, Hq, Nq, Nk)`` or None.
     """
-    if kwargs.get("softcap") is not None:
-        raise ValueError("attn_implementation='entmax' does not support softcap (logit soft-capping)")
-    if kwargs.get("sliding_window") is not None and attention_mask is None:
-        raise ValueError("attn_implementation='entmax' needs an explicit mask for sliding-window attention")
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, Tensor) or t.dim() != 4:
             got = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
@@ -114,15 +152,25 @@ def entmax_attention_forward(
     n_heads, n_kv = query.shape[1], key.shape[1]
     q_len = query.shape[2]
     scores = (query.shape[0], n_heads, q_len, key.shape[2])
+    padding = isinstance(attention_mask, Tensor) and attention_mask.dim() == 2
+    if padding:
+        if attention_mask.dtype != torch.bool or tuple(attention_mask.shape) != (scores[0], scores[3]):
+            raise ValueError(
+                f"a 2-d attention_mask must be a boolean padding mask of shape (batch, seq_k) = "
+                f"{(scores[0], scores[3])}, got {attention_mask.dtype} of shape {tuple(attention_mask.shape)}"
+            )
+        attention_mask = attention_mask[:, None, None, :]
     check_mask("attention_mask", attention_mask, query.device, scores)
     position_bias = kwargs.get("position_bias")
     check_mask("position_bias", position_bias, query.device)
     if position_bias is not None and not position_bias.is_floating_point():
         raise TypeError(f"position_bias must be a floating (additive) tensor, got {position_bias.dtype}")
     alpha, alpha_in_range = _module_alpha(module, n_heads)
-    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    causal = bool(causal) and attention_mask is None and q_len > 1
-    if causal and key.shape[2] > q_len:
+    layer_causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    structure = attention_mask is None or padding  # else the 4-d mask holds causality and the window
+    causal = layer_causal and structure and (padding or q_len > 1)
+    window = _structure_window(kwargs, layer_causal) if structure else None
+    if causal and not padding and key.shape[2] > q_len:
         # The mask builder skips the mask only when the keys past q_len are empty cache slots.
         key, value = key[:, :, :q_len], value[:, :, :q_len]
     if position_bias is not None:
@@ -135,13 +183,151 @@ def entmax_attention_forward(
     inputs = prepare_attention(
         query, key, value, alpha, attn_mask=combine_masks(attention_mask, position_bias), is_causal=causal,
         scale=scaling, dropout_p=dropout, enable_gqa=n_kv != n_heads, backend="reference" if dense else backend,
-        alpha_in_range=alpha_in_range, mask_values_checked=True,
+        window_size=window, alibi_slopes=kwargs.get("alibi_slopes"), sinks=kwargs.get("s_aux"),
+        softcap=kwargs.get("softcap"), alpha_in_range=alpha_in_range,
     )
-    if inputs.backend == "triton":
-        check_mask_values("attention_mask", attention_mask)
-        check_mask_values("position_bias", position_bias)
     out, weights = run_layer_attention(inputs, dense, sink)
     return out.transpose(1, 2).contiguous(), weights if output_attentions else None
+
+
+def _closure(fn) -> list:
+    return [cell.cell_contents for cell in (getattr(fn, "__closure__", None) or ())]
+
+
+_AND_MASK_CODE = and_masks(causal_mask_function).__code__
+_CAUSAL_OVERLAY_CODE = sliding_window_overlay(1).__code__
+_BIDIRECTIONAL_OVERLAY_CODE = sliding_window_bidirectional_overlay(1).__code__
+
+
+def _mask_structure(mask_function) -> tuple[str, int | None] | None:
+    """``(kind, W)`` when ``mask_function`` is one of transformers' plain patterns: ``("causal", None)``,
+    ``("bidirectional", None)``, or the sliding-window causal / bidirectional pattern of width ``W``;
+    None for anything else (overlays, packed sequences, chunks, custom functions)."""
+    if mask_function is causal_mask_function:
+        return "causal", None
+    if mask_function is bidirectional_mask_function:
+        return "bidirectional", None
+    parts = _closure(mask_function)
+    if getattr(mask_function, "__code__", None) is not _AND_MASK_CODE or len(parts) != 1 or len(parts[0]) != 2:
+        return None
+    overlay, base = parts[0]
+    code = getattr(overlay, "__code__", None)
+    if code is _CAUSAL_OVERLAY_CODE and base is causal_mask_function:
+        kind = "causal"
+    elif code is _BIDIRECTIONAL_OVERLAY_CODE and base is bidirectional_mask_function:
+        kind = "bidirectional"
+    else:
+        return None
+    width = _closure(overlay)
+    return (kind, width[0]) if len(width) == 1 and isinstance(width[0], int) else None
+
+
+def entmax_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    mask_function=causal_mask_function,
+    attention_mask: Tensor | None = None,
+    local_size: int | None = None,
+    allow_is_causal_skip: bool = True,
+    allow_is_bidirectional_skip: bool = False,
+    **kwargs,
+) -> Tensor | None:
+    """Mask builder registered with :func:`entmax_attention_forward` in transformers' ``AttentionMaskInterface``.
+
+    For transformers' plain causal, bidirectional and sliding-window patterns (when transformers
+    allows skipping the mask, and for causal ones when the keys end at the last query, so that
+    bottom-right alignment holds) it returns only the padding: None, or a boolean ``(B, kv_length)``
+    mask (True = attend); the attention function then applies causal masking and the sliding window
+    itself (``window_size``, never materialized). Every other pattern (chunked attention, overlays,
+    packed sequences, static caches) gets transformers' materialized boolean ``(B, 1, Nq, Nk)`` mask
+    from ``sdpa_mask``, which the attention function takes as complete; so does every pattern while
+    ``torch.compile`` traces (the recognition reads function closures). Arguments as ``sdpa_mask``.
+    """
+    # the pattern is recognized by function identity and closures, which torch.compile does not trace
+    structure = None if torch.compiler.is_compiling() else _mask_structure(mask_function)
+    kind, width = structure if structure is not None else (None, None)
+    aligned = (isinstance(q_offset, int) and isinstance(kv_offset, int)
+               and kv_offset + kv_length == q_offset + q_length)
+    plain = (kind == "causal" and allow_is_causal_skip and aligned) or (
+        kind == "bidirectional" and allow_is_bidirectional_skip and (width is None or aligned))
+    if not plain or width != local_size:
+        return sdpa_mask(
+            batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset, kv_offset=kv_offset,
+            mask_function=mask_function, attention_mask=attention_mask, local_size=local_size,
+            allow_is_causal_skip=allow_is_causal_skip, allow_is_bidirectional_skip=allow_is_bidirectional_skip,
+            **kwargs,
+        )
+    if attention_mask is None:
+        if kind == "bidirectional" or q_length in (1, kv_length):
+            return None
+        return torch.ones(batch_size, kv_length, dtype=torch.bool, device=kwargs.get("device"))
+    padding = attention_mask.to(torch.bool)
+    if padding.shape[-1] < kv_offset + kv_length:
+        padding = torch.nn.functional.pad(padding, (0, kv_offset + kv_length - padding.shape[-1]))
+    return padding[:, kv_offset: kv_offset + kv_length]
+
+
+_ROUTES: dict[type, bool] = {}
+
+
+def routes_attention(model_cls: type) -> bool:
+    """Whether a transformers model class runs its attention through the attention interface.
+
+    True when the class declares ``_supports_attention_backend``, or when its modeling module defines
+    no ``*Attention*(nn.Module)`` class or looks the attention function up in
+    ``ALL_ATTENTION_FUNCTIONS``; also True when the source cannot be read (nothing to tell from).
+    """
+    if model_cls not in _ROUTES:
+        routes = bool(getattr(model_cls, "_supports_attention_backend", False))
+        if not routes:
+            try:
+                src = inspect.getsource(sys.modules[model_cls.__module__])
+            except (KeyError, OSError, TypeError):
+                src = None
+            routes = src is None or "ALL_ATTENTION_FUNCTIONS" in src or not re.search(
+                r"^class \w*Attention\w*\(nn\.Module\):", src, re.MULTILINE)
+        _ROUTES[model_cls] = routes
+    return _ROUTES[model_cls]
+
+
+def check_routes_attention(model_cls: type, implementation) -> None:
+    """Raise ``ValueError`` when ``implementation`` is registered to entmax attention but ``model_cls``
+    would never call it (its layers keep softmax, or look the name up in their own table)."""
+    if not isinstance(implementation, str) or AttentionInterface().get(implementation) is not entmax_attention_forward:
+        return
+    if routes_attention(model_cls):
+        return
+    model_type = getattr(getattr(model_cls, "config_class", None), "model_type", None) or "?"
+    remedy = ("use an architecture that does (Llama, Mistral, Qwen, Gemma, gpt-oss, DeepSeek-V3, BERT, ...)")
+    if getattr(model_cls, "_supports_sdpa", False):
+        remedy += (", or load this one with attn_implementation='sdpa' and make the modules that call "
+                   "torch.nn.functional.scaled_dot_product_attention use entmax with "
+                   "sparse_attn.sdpa.swap_sdpa_attention(model)")
+    raise ValueError(
+        f"{model_cls.__name__} (model_type {model_type!r}) does not run its attention through transformers' "
+        f"AttentionInterface, so attn_implementation={implementation!r} cannot reach its attention layers "
+        f"(they would keep softmax or fail): {remedy}"
+    )
+
+
+def _install_routing_check() -> None:
+    """Make transformers' check of a requested attention implementation (run when a model is built, loaded or
+    switched with ``set_attn_implementation``) call :func:`check_routes_attention`."""
+    original = getattr(PreTrainedModel, "get_correct_attn_implementation", None)
+    if original is None or getattr(original, "_sparse_attn_routing_check", False):
+        return
+
+    @functools.wraps(original)
+    def get_correct_attn_implementation(self, requested_attention, *args, **kwargs):
+        implementation = original(self, requested_attention, *args, **kwargs)
+        check_routes_attention(type(self), implementation)
+        return implementation
+
+    get_correct_attn_implementation._sparse_attn_routing_check = True
+    PreTrainedModel.get_correct_attn_implementation = get_correct_attn_implementation
 
 
 def _uses_entmax(module: nn.Module) -> bool:
@@ -169,7 +355,7 @@ def register_entmax_attention(name: str = IMPLEMENTATION) -> None:
     if not isinstance(name, str) or not name:
         raise ValueError(f"name must be a non-empty string, got {name!r}")
     AttentionInterface.register(name, entmax_attention_forward)
-    AttentionMaskInterface.register(name, sdpa_mask)
+    AttentionMaskInterface.register(name, entmax_mask)
 
 
 def _calls_attention_interface(module: nn.Module) -> bool:
@@ -313,3 +499,4 @@ def from_pretrained(model_cls, path: str, **kwargs):
 
 register_entmax_attention()
 register_layer_type(_uses_entmax, _head_alpha)
+_install_routing_check()

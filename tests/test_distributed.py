@@ -1,0 +1,399 @@
+"""Context parallelism (sparse_attn.distributed) against one process, on CPU with the gloo backend.
+
+Every case runs on each of 2 or 4 forked processes joined by a file store; each process builds the
+whole problem from one seed, computes the single-process result itself and compares its own shard
+of the parallel result with it. The 2-process cases again on 4 processes and the example script
+are marked ``slow`` and run only with ``SPARSE_ATTN_SLOW_TESTS=1``.
+"""
+
+import os
+import tempfile
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from sparse_attn import EntmaxMultiheadAttention, entmax_attention, record_head_stats
+from sparse_attn.distributed import (
+    ContextParallelMultiheadAttention,
+    context_parallel_attention,
+    enable_context_parallel,
+    gather_head_density,
+    pad_for_context_parallel,
+    shard_positions,
+    shard_sequence,
+    ulysses_attention,
+    unshard_sequence,
+)
+
+RUN_SLOW = os.environ.get("SPARSE_ATTN_SLOW_TESTS", "").strip().lower() not in ("", "0", "false", "no")
+slow = pytest.mark.skipif(not RUN_SLOW, reason="slow distributed test: set SPARSE_ATTN_SLOW_TESTS=1")
+SCHEMES = {"allgather": context_parallel_attention, "ulysses": ulysses_attention}
+TOL = {torch.float64: 1e-9, torch.float32: 2e-5}
+
+
+def _worker(rank, world, store_path, case, args):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+    try:
+        case(rank, world, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def _warm_up():
+    """Import once, before forking, what every child would otherwise import for itself (sympy alone takes seconds)."""
+    import torch._dynamo  # noqa: F401  (activation checkpointing imports it)
+    import torch.distributed.device_mesh  # noqa: F401
+    import torch.distributed.fsdp  # noqa: F401
+    import torch.utils.checkpoint  # noqa: F401
+
+    torch.broadcast_shapes((1,), (2,))  # imports torch.fx.experimental.symbolic_shapes
+
+
+def _launch(world, case, *args, timeout=120.0):
+    """Run ``case(rank, world, *args)`` on ``world`` forked processes; a failure's traceback is re-raised here."""
+    _warm_up()
+    with tempfile.TemporaryDirectory() as tmp:
+        ctx = mp.start_processes(_worker, args=(world, os.path.join(tmp, "store"), case, args), nprocs=world,
+                                 join=False, start_method="fork")
+        deadline = time.monotonic() + timeout
+        while not ctx.join(timeout=0.5):
+            if time.monotonic() > deadline:
+                for proc in ctx.processes:
+                    if proc.is_alive():
+                        proc.kill()
+                pytest.fail(f"{case.__name__} on {world} processes did not finish within {timeout} s")
+
+
+def _problem(b, h, h_kv, n, d, dv, dtype, seed=0, n_k=None):
+    g = torch.Generator().manual_seed(seed)
+    n_k = n if n_k is None else n_k
+    q = 2 * torch.randn(b, h, n, d, generator=g, dtype=dtype)
+    k = 2 * torch.randn(b, h_kv, n_k, d, generator=g, dtype=dtype)
+    v = torch.randn(b, h_kv, n_k, dv, generator=g, dtype=dtype)
+    dout = torch.randn(b, h, n, dv, generator=g, dtype=dtype)
+    alpha = torch.tensor([1.5, 1.25, 2.0, 1.0, 1.75, 1.1, 1.6, 1.9], dtype=dtype)[:h]
+    return q, k, v, alpha, dout
+
+
+def _close(name, got, want, tol):
+    assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    err = (got.double() - want.double()).abs().max().item() if got.numel() else 0.0
+    assert err <= tol * (1 + want.double().abs().max().item() if want.numel() else 1), f"{name}: max error {err}"
+
+
+def _case_attention(rank, world, scheme, cfg):
+    """Forward and backward (q, k, v, alpha) of one scheme against ``entmax_attention`` on the whole sequence."""
+    b, h, h_kv, n, d, dv = cfg.get("shape", (2, 4, 4, 16, 8, 8))
+    dtype, causal, lb = cfg.get("dtype", torch.float64), cfg.get("causal", True), cfg.get("load_balance", True)
+    n_k = cfg.get("n_k", n)  # cross-attention: keys sharded like the queries, another length
+    q, k, v, alpha, dout = _problem(b, h, h_kv, n, d, dv, dtype, n_k=n_k)
+    keep = None
+    if "lengths" in cfg:
+        keep = torch.arange(n_k)[None, :] < torch.tensor(cfg["lengths"])[:, None]
+    if cfg.get("float_mask"):
+        bias = torch.randn(b, n_k, generator=torch.Generator().manual_seed(3), dtype=dtype)
+        keep = bias.masked_fill(~keep, float("-inf")) if keep is not None else bias
+    gqa = h_kv != h
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, alpha)]
+    if "alpha" in cfg:  # one Python float for every head
+        leaves[3] = cfg["alpha"]
+    bias_leaf = keep.clone().requires_grad_() if cfg.get("float_mask") else None
+    want, want_stats = entmax_attention(*leaves, is_causal=causal, enable_gqa=gqa, return_stats=True,
+                                        attn_mask=None if keep is None else (
+                                            bias_leaf if bias_leaf is not None else keep)[:, None, None, :])
+    (want * dout).sum().backward()
+
+    def shard(t, dim=2):
+        return shard_sequence(t, dim=dim, load_balance=lb)
+
+    ql, kl, vl = (shard(t).requires_grad_() for t in (q, k, v))
+    a = alpha.clone().requires_grad_() if "alpha" not in cfg else cfg["alpha"]
+    kpm = None if keep is None else shard(keep, dim=1).requires_grad_(bias_leaf is not None)
+    call = SCHEMES[scheme]
+    if cfg.get("checkpoint"):  # recomputed in the backward: the collectives run again, in the same order
+        def call(*args, **kw):
+            return torch.utils.checkpoint.checkpoint(SCHEMES[scheme], *args, use_reentrant=False, **kw)
+    out, stats = call(ql, kl, vl, a, is_causal=causal, enable_gqa=gqa, return_stats=True, key_padding_mask=kpm,
+                      load_balance=lb)
+    (out * shard(dout)).sum().backward()
+    if bias_leaf is not None:
+        _close("dmask", kpm.grad, shard(bias_leaf.grad, dim=1), TOL[dtype])
+    tol = TOL[dtype]
+    if "alpha" not in cfg:
+        dist.all_reduce(a.grad)
+        _close("dalpha", a.grad, leaves[3].grad, tol)
+    _close("out", out, shard(want), tol)
+    _close("unshard(out)", unshard_sequence(out.detach(), load_balance=lb), want, tol)
+    for name, got, leaf in (("dq", ql.grad, leaves[0]), ("dk", kl.grad, leaves[1]), ("dv", vl.grad, leaves[2])):
+        _close(name, got, shard(leaf.grad), tol)
+    assert torch.equal(stats.nnz, shard(want_stats.nnz)) and torch.equal(stats.n_valid, shard(want_stats.n_valid))
+    _close("tau", stats.tau, shard(want_stats.tau), tol)
+    valid = want_stats.n_valid > 0
+    dens = torch.where(valid, want_stats.nnz.double() / want_stats.n_valid.clamp_min(1), 0.0).sum((0, 2))
+    _close("density", gather_head_density(stats), dens / valid.sum((0, 2)), 1e-12)
+
+
+CASES = [
+    ("allgather", dict(lengths=[13, 9])),
+    ("allgather", dict(checkpoint=True, shape=(1, 4, 2, 8, 8, 8))),
+    ("allgather", dict(float_mask=True, lengths=[16, 6], alpha=1.3)),
+    ("allgather", dict(causal=False, shape=(2, 4, 2, 16, 8, 8))),
+    ("allgather", dict(load_balance=False, shape=(2, 4, 2, 16, 8, 8), dtype=torch.float32)),
+    ("allgather", dict(causal=False, shape=(1, 2, 2, 8, 8, 4), lengths=[5], float_mask=True)),
+    ("allgather", dict(causal=False, shape=(2, 2, 1, 8, 8, 8), n_k=24, lengths=[24, 17])),
+    ("ulysses", dict(lengths=[16, 11], shape=(2, 4, 2, 16, 8, 8))),
+    ("ulysses", dict(causal=False, shape=(2, 4, 1, 16, 8, 8))),
+]
+FOUR_RANK_CASES = [
+    ("allgather", dict()),
+    ("allgather", dict(lengths=[13, 3], shape=(2, 8, 2, 32, 8, 8))),
+    ("allgather", dict(causal=False, load_balance=False, lengths=[30, 1], shape=(2, 4, 4, 32, 8, 8))),
+    ("allgather", dict(dtype=torch.float32, shape=(1, 4, 1, 24, 16, 16))),
+    ("ulysses", dict(lengths=[13, 9])),
+    ("ulysses", dict(checkpoint=True, causal=False)),
+    ("ulysses", dict(float_mask=True, alpha=2.0, shape=(1, 4, 4, 8, 8, 8))),
+    ("ulysses", dict(causal=False, shape=(2, 4, 2, 8, 8, 4), n_k=24, lengths=[24, 17])),
+    ("ulysses", dict(shape=(2, 8, 2, 16, 8, 8))),
+    ("ulysses", dict(causal=False, load_balance=False, shape=(2, 4, 4, 8, 8, 4), float_mask=True)),
+    ("ulysses", dict(dtype=torch.float32, shape=(1, 8, 8, 24, 16, 16))),
+]
+
+
+def _case_id(case):
+    scheme, cfg = case
+    return scheme + "".join(f"-{k}={v}" for k, v in cfg.items()).replace(" ", "")
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_two_ranks_match_one_process(case):
+    _launch(2, _case_attention, *case)
+
+
+@pytest.mark.parametrize("case", FOUR_RANK_CASES, ids=_case_id)
+def test_four_ranks_match_one_process(case):
+    _launch(4, _case_attention, *case)
+
+
+@pytest.mark.slow
+@slow
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_four_ranks_match_one_process_more(case):
+    _launch(4, _case_attention, *case)
+
+
+class _TinyModel(nn.Module):
+    """Input projection, one entmax attention with learnable alpha, output head; ``(B, N, 6) -> (B, N, 1)``."""
+
+    def __init__(self, dtype):
+        super().__init__()
+        self.inp = nn.Linear(6, 16, dtype=dtype)
+        self.attn = EntmaxMultiheadAttention(16, 4, batch_first=True, learnable=True, dtype=dtype,
+                                             alpha_init=torch.tensor([1.2, 1.5, 1.8, 1.4]))
+        self.out = nn.Linear(16, 1, dtype=dtype)
+
+    def forward(self, x, pad):
+        hid = self.inp(x)
+        a, _ = self.attn(hid, hid, hid, key_padding_mask=pad, need_weights=False, is_causal=True)
+        return self.out(a + hid)
+
+
+def _batch(dtype, n=16):
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(2, n, 6, generator=g, dtype=dtype), torch.randn(2, n, 1, generator=g, dtype=dtype)
+    return x, y, torch.arange(n)[None, :] >= torch.tensor([n, n - 5])[:, None]
+
+
+def _loss(model, x, y, pad, n_real):
+    """Squared error summed over real tokens, divided by the number of real tokens of the whole batch."""
+    return ((model(x, pad) - y).square() * (~pad)[..., None]).sum() / n_real
+
+
+def _case_module(rank, world, scheme):
+    """The module on shards against EntmaxMultiheadAttention on the whole sequence: outputs, gradients, densities."""
+    torch.manual_seed(0)
+    ref = _TinyModel(torch.float64)
+    cp = _TinyModel(torch.float64)
+    cp.load_state_dict(ref.state_dict())
+    assert enable_context_parallel(cp, scheme=scheme) == ["attn"]
+    assert isinstance(cp.attn, ContextParallelMultiheadAttention)
+    x, y, pad = _batch(torch.float64)
+    with record_head_stats(ref) as rec_ref:
+        _loss(ref, x, y, pad, (~pad).sum()).backward()
+    with record_head_stats(cp) as rec_cp:
+        local = _loss(cp, shard_sequence(x, dim=1), shard_sequence(y, dim=1), shard_sequence(pad, dim=1), (~pad).sum())
+        local.backward()
+    for (name, p), (name_cp, q) in zip(ref.named_parameters(), cp.named_parameters()):
+        assert name == name_cp
+        dist.all_reduce(q.grad)
+        _close(f"grad of {name}", q.grad, p.grad, 1e-9)
+    _close("recorded density", rec_cp.density(), rec_ref.density(), 1e-12)
+    with torch.no_grad():
+        want = ref(x, pad)
+        got = cp(shard_sequence(x, dim=1), shard_sequence(pad, dim=1))
+    _close("output", got, shard_sequence(want, dim=1), 1e-9)
+
+
+@pytest.mark.parametrize("scheme", ["allgather", "ulysses"])
+def test_module_matches_one_process(scheme):
+    _launch(2, _case_module, scheme)
+
+
+def _case_training(rank, world, scheme, wrapper, dp):
+    """Three Adam steps with FSDP2 (or DDP) and context parallelism match three steps of one process.
+
+    ``dp > 1``: a ``(dp, cp)`` mesh, each data-parallel group taking one batch element and
+    sharding its sequence over ``cp``; FSDP2 shards over ``cp`` and replicates over ``dp`` (HSDP).
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    if dp > 1:
+        mesh = init_device_mesh("cpu", (dp, world // dp), mesh_dim_names=("dp", "cp"))
+        cp_group, batch = mesh["cp"], slice(mesh.get_local_rank("dp"), mesh.get_local_rank("dp") + 1)
+    else:
+        mesh = cp_group = init_device_mesh("cpu", (world,))
+        batch = slice(None)
+    torch.manual_seed(0)
+    ref = _TinyModel(torch.float64)
+    cp = _TinyModel(torch.float64)
+    cp.load_state_dict(ref.state_dict())
+    enable_context_parallel(cp, cp_group, scheme=scheme)
+    if wrapper == "fsdp2":
+        fully_shard(cp.attn, mesh=mesh)
+        fully_shard(cp, mesh=mesh)
+        wrapped = cp
+    else:
+        wrapped = DistributedDataParallel(cp)
+    opt_ref = torch.optim.Adam(ref.parameters(), lr=0.05)
+    opt_cp = torch.optim.Adam(cp.parameters(), lr=0.05)
+    x, y, pad = _batch(torch.float64)
+    n_real = (~pad).sum()
+    xs, ys, pads = (shard_sequence(t[batch], cp_group, dim=1) for t in (x, y, pad))
+    for _ in range(3):
+        opt_ref.zero_grad()
+        loss_ref = _loss(ref, x, y, pad, n_real)
+        loss_ref.backward()
+        opt_ref.step()
+        opt_cp.zero_grad()
+        loss_cp = _loss(wrapped, xs, ys, pads, n_real) * world  # the wrappers average the gradients over all ranks
+        loss_cp.backward()
+        opt_cp.step()
+        total = loss_cp.detach() / world
+        dist.all_reduce(total)
+        _close("loss", total, loss_ref.detach(), 1e-9)
+    for (name, p), q in zip(ref.named_parameters(), cp.parameters()):
+        _close(name, q.full_tensor() if wrapper == "fsdp2" else q.detach(), p.detach(), 1e-8)
+    assert (ref.attn.alpha - torch.tensor([1.2, 1.5, 1.8, 1.4], dtype=torch.float64)).abs().min() > 1e-3
+
+
+@pytest.mark.parametrize("scheme,wrapper,world,dp", [
+    ("allgather", "fsdp2", 2, 1), ("ulysses", "fsdp2", 2, 1), ("allgather", "ddp", 2, 1),
+    ("ulysses", "fsdp2", 4, 1), ("allgather", "fsdp2", 4, 2)])
+def test_training_with_learnable_alpha(scheme, wrapper, world, dp):
+    _launch(world, _case_training, scheme, wrapper, dp)
+
+
+def _case_errors(rank, world):
+    q = torch.randn(1, 4, 6, 8)
+    with pytest.raises(ValueError, match="multiple of 4"):
+        shard_sequence(torch.randn(1, 4, 10, 8))
+    with pytest.raises(ValueError, match="multiple of 2"):
+        context_parallel_attention(q[:, :, :3], q[:, :, :3], q[:, :, :3])
+    with pytest.raises(ValueError, match="number of q heads"):
+        ulysses_attention(q[:, :3], q[:, :3], q[:, :3])
+    with pytest.raises(ValueError, match="k/v heads"):
+        ulysses_attention(torch.randn(1, 6, 4, 8), torch.randn(1, 3, 4, 8), torch.randn(1, 3, 4, 8), enable_gqa=True)
+    with pytest.raises(ValueError, match="enable_gqa"):
+        context_parallel_attention(q, q[:, :2], q[:, :2])
+    with pytest.raises(ValueError, match="key_padding_mask"):
+        context_parallel_attention(q, q, q, key_padding_mask=torch.ones(1, 4, dtype=torch.bool))
+    with pytest.raises(TypeError, match="key_padding_mask"):
+        ulysses_attention(q, q, q, key_padding_mask=torch.ones(1, 6, dtype=torch.int64))
+    with pytest.raises(ValueError, match="alpha"):
+        context_parallel_attention(q, q, q, alpha=2.5)
+    with pytest.raises(ValueError, match="same seq_local"):
+        context_parallel_attention(q, q[:, :, :4], q[:, :, :4], is_causal=True)
+    with pytest.raises(ValueError, match="attn_mask"):
+        ulysses_attention(q, q, q, attn_mask=torch.ones(1, 1, 6, 12, dtype=torch.bool))
+    with pytest.raises(TypeError, match="group"):
+        context_parallel_attention(q, q, q, group="world")
+    mha = ContextParallelMultiheadAttention(8, 2, batch_first=True)
+    x = torch.randn(1, 4, 8)
+    with pytest.raises(ValueError, match="need_weights"):
+        mha(x, x, x)
+    with pytest.raises(ValueError, match="attn_mask"):
+        mha(x, x, x, need_weights=False, attn_mask=torch.zeros(4, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match="scheme"):
+        ContextParallelMultiheadAttention(8, 2, scheme="ring")
+    with pytest.raises(ValueError, match="add_bias_kv"):
+        ContextParallelMultiheadAttention(8, 2, add_bias_kv=True)
+
+
+def test_errors_name_the_argument():
+    _launch(2, _case_errors)
+
+
+def test_helpers_without_a_process_group():
+    assert shard_positions(8, 2, 0).tolist() == [0, 1, 6, 7]
+    assert shard_positions(8, 2, 1).tolist() == [2, 3, 4, 5]
+    assert shard_positions(8, 2, 1, load_balance=False).tolist() == [4, 5, 6, 7]
+    cover = torch.cat([shard_positions(24, 3, r) for r in range(3)])
+    assert sorted(cover.tolist()) == list(range(24))
+    with pytest.raises(ValueError, match="multiple of 4"):
+        shard_positions(6, 2, 0)
+    with pytest.raises(ValueError, match="rank"):
+        shard_positions(8, 2, 2)
+    x = torch.randn(2, 7, 3)
+    xp, keep = pad_for_context_parallel(x, 2, dim=1, lengths=torch.tensor([7, 4]))
+    assert xp.shape == (2, 8, 3) and torch.equal(xp[:, :7], x) and (xp[:, 7] == 0).all()
+    assert keep.tolist() == [[True] * 7 + [False], [True] * 4 + [False] * 4]
+    xp, keep = pad_for_context_parallel(torch.randn(1, 2, 9, 4), 3, load_balance=False)
+    assert xp.shape == (1, 2, 9, 4) and keep.all()
+    with pytest.raises(ValueError, match="lengths"):
+        pad_for_context_parallel(x, 2, dim=1, lengths=torch.tensor([1.0, 2.0]))
+    with pytest.raises(ValueError, match="lengths"):
+        pad_for_context_parallel(x, 2, dim=1, lengths=torch.tensor([8, 2]))
+    if not dist.is_initialized():
+        with pytest.raises(RuntimeError, match="init_process_group"):
+            context_parallel_attention(torch.randn(1, 1, 4, 8), torch.randn(1, 1, 4, 8), torch.randn(1, 1, 4, 8))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", ["allgather", "ulysses"])
+def test_single_rank_nccl(scheme, tmp_path):
+    """One NCCL rank: both schemes run the fused kernels and match entmax_attention (float32, causal, GQA)."""
+    if not torch.cuda.is_available() or not dist.is_nccl_available():
+        pytest.skip("needs CUDA and NCCL")
+    dist.init_process_group("nccl", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1,
+                            device_id=torch.device("cuda", 0))
+    try:
+        q, k, v, alpha, dout = (t.cuda() for t in _problem(2, 4, 2, 256, 64, 64, torch.float32))
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, alpha)]
+        want = entmax_attention(*leaves, is_causal=True, enable_gqa=True)
+        (want * dout).sum().backward()
+        got_leaves = [t.clone().requires_grad_() for t in (q, k, v, alpha)]
+        got = SCHEMES[scheme](*got_leaves, is_causal=True, enable_gqa=True)
+        (got * dout).sum().backward()
+        _close("out", got, want, 1e-5)
+        for name, g, w in zip(("dq", "dk", "dv", "dalpha"), got_leaves, leaves):
+            _close(name, g.grad, w.grad, 1e-4)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@slow
+def test_example_script_runs():
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(__file__), os.pardir, "examples", "context_parallel.py")
+    res = subprocess.run([sys.executable, script, "--steps", "1"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "largest parameter difference from one process after 1 steps" in res.stdout
