@@ -178,8 +178,8 @@ def bwd_cases(head_dim: int, need_dalpha: bool = True, mask: str | None = "block
     out = []
     for name, cap in caps.items():
         for _, args, kwargs in cap.launches if name in kernels else []:
-            _, warps, stages, maxnreg = config[name]
-            kwargs = {**kwargs, "num_warps": warps, "num_stages": stages, "maxnreg": maxnreg}
+            _, warps, stages = config[name]
+            kwargs = {**kwargs, "num_warps": warps, "num_stages": stages}
             info = analyse(compile_like_launch(getattr(bwd, f"_entmax_attn_bwd_{name}_kernel"), args, kwargs))
             info.update(kernel=f"bwd_{name}", d=head_dim,
                         alpha=f"dalpha={int(need_dalpha)} mask={mask}",
@@ -188,6 +188,18 @@ def bwd_cases(head_dim: int, need_dalpha: bool = True, mask: str | None = "block
             out.append(info)
     return out
 
+
+# (need_dalpha, mask, kernels) of ``--bwd``: each distinct backward build once (the dK/dV and dbias kernels do not
+# depend on d alpha): without and with d alpha and with each way the mask gradient is accumulated (d bias tiles
+# written by the dQ kernel, column sums in the dK/dV kernel, the dbias kernel for batch/head-broadcast masks)
+BWD_MATRIX = (
+    (False, None, ("dq", "dkdv")),
+    (True, None, ("dq",)),
+    (False, "dense", ("dq",)),
+    (True, "dense", ("dq",)),
+    (False, "cols", ("dkdv",)),
+    (False, "blocks", ("dbias",)),
+)
 
 COLUMNS = ("kernel", "d", "alpha", "block", "warps", "stages", "regs", "spill", "stl", "smem", "sass", "ldgsts",
            "tma", "ldg", "mma", "mufu")
@@ -208,7 +220,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--d", type=int, nargs="+", default=[64, 128, 256])
     ap.add_argument("--classes", nargs="+", default=list(ALPHA_OF_CLASS))
-    ap.add_argument("--bwd", action="store_true", help="also the backward kernels (with and without d alpha)")
+    ap.add_argument("--bwd", action="store_true",
+                    help="also the backward kernels (BWD_MATRIX: with and without d alpha and d bias)")
     ap.add_argument("--out-u", action="store_true", help="also the training forward (need_out_u) of every class")
     ap.add_argument("--markdown", action="store_true")
     ap.add_argument("--check", action="store_true", help="build one set of feature-complete kernels and exit")
@@ -231,10 +244,9 @@ def main(argv=None):
             if args.out_u:
                 show(fwd_case(d, cls, need_out_u=True))
         if args.bwd:
-            for need_dalpha in (False, True):
-                for mask in (None, "blocks"):
-                    for info in bwd_cases(d, need_dalpha=need_dalpha, mask=mask):
-                        show(info)
+            for need_dalpha, mask, kernels in BWD_MATRIX:
+                for info in bwd_cases(d, need_dalpha=need_dalpha, mask=mask, kernels=kernels):
+                    show(info)
     return 0
 
 

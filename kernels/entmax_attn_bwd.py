@@ -7,9 +7,9 @@ conventions and ``docs/backward.md`` for the derivation. With ``U = p^(2-alpha)`
     dP = dO V^T (times the replayed dropout factor)   delta_i = sum_j U_ij dP_ij / sum_j U_ij = dO_i . out_u_i
     dS = U (dP - delta)    dQ = scale dS K    dK = scale dS^T Q    dV = P^T dO    d bias = dS
 
-``out_u = sum_j U_ij v_j / sum_j U_ij`` comes from the forward's value pass (``need_out_u``; ``out`` itself at
-alpha = 1), so ``delta`` is an O(N D) product per row and no kernel sweeps K only for it. Three kernels, no
-atomics, so every gradient is bitwise reproducible:
+``out_u = sum_j U_ij v_j / sum_j U_ij`` (float32) comes from the forward's value pass (``need_out_u``; the
+unrounded output at alpha = 1), so ``delta`` is an O(N D) product per row and no kernel sweeps K only for it.
+Three kernels, no atomics, so every gradient is bitwise reproducible:
 
 * ``_entmax_attn_bwd_dq_kernel``, one program per (query tile, q head, batch): ``delta``, then one sweep over
   the live key tiles accumulating dQ and the d alpha row sums and writing dS (or its row sums) when asked.
@@ -228,12 +228,11 @@ def _query_rows(
 
 @triton.jit
 def _entmax_attn_bwd_dq_kernel(
-    Q, K, V, DO, OUT, OUT_U, TAU, LSUM, ALPHA, BIAS, LIVE, CU_SEQLENS_Q, CU_SEQLENS_K,
+    Q, K, V, DO, OUT_U, TAU, LSUM, ALPHA, BIAS, LIVE, CU_SEQLENS_Q, CU_SEQLENS_K,
     DQ, DELTA, DALPHA, DBIAS, DBIAS_ROWS,
     stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd, stride_dob, stride_doh, stride_dom, stride_dod,
-    stride_ob, stride_oh, stride_om, stride_od, stride_oub, stride_ouh, stride_oum, stride_oud,
-    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+    stride_oub, stride_ouh, stride_oum, stride_oud, stride_dqb, stride_dqh, stride_dqm, stride_dqd,
     stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n, stride_live_b, stride_live_h, stride_live_m,
     n_heads, kv_group, total_q, total_k, scale, dropout_p, seed, MASK,
     ALPHA_CLASS: tl.constexpr, HEAD_FILTER: tl.constexpr,
@@ -271,14 +270,10 @@ def _entmax_attn_bwd_dq_kernel(
     tau = tl.load(TAU + stat_offs, mask=row_ok, other=float("inf"))
     lsum = tl.load(LSUM + stat_offs, mask=row_ok, other=0.0)
 
-    # delta = dO . (sum_j U v_j / sum_j U): out_u from the forward's value pass, the output itself at alpha = 1
-    if ALPHA_CLASS == 0:
-        o = load_rows(slice_base(OUT, b, h, q_start, stride_ob, stride_oh, stride_om), rows, offs_d, stride_om,
-                      stride_od, row_ok, d_ok, False)
-    else:
-        o = load_rows(slice_base(OUT_U, b, h, q_start, stride_oub, stride_ouh, stride_oum), rows, offs_d, stride_oum,
-                      stride_oud, row_ok, d_ok, False)
-    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+    # delta = dO . (sum_j U v_j / sum_j U): out_u from the forward's value pass (the output at alpha = 1)
+    o_u = load_rows(slice_base(OUT_U, b, h, q_start, stride_oub, stride_ouh, stride_oum), rows, offs_d, stride_oum,
+                    stride_oud, row_ok, d_ok, False)
+    delta = tl.sum(do.to(tl.float32) * o_u.to(tl.float32), 1)
     tl.store(DELTA + stat_offs, delta, mask=row_ok)
     cu, cp, log_l = _row_factors(alpha, lsum)
     inv_eps2 = 1.0 / tl.maximum((alpha - 1.0) * (alpha - 1.0), 1e-30)
@@ -354,8 +349,8 @@ def _entmax_attn_bwd_dkdv_kernel(
     """One program per (key tile ``pid_n``, kv head ``h_kv``, batch entry or sequence ``seq``): dK, dV, d bias cols.
 
     With ``HEAD_FILTER`` (one launch per alpha class) only the group's heads of this class are summed, and added to
-    what the launches before wrote (the launcher passes zeroed float32 ``DK``, ``DV``); a program with none of them
-    writes nothing.
+    what the launches before wrote (the launcher zeroes ``DK``, ``DV``, float32 partials for GQA in fp16/bf16); a
+    program with none of them writes nothing.
     """
     pid_n = tl.program_id(0)
     h_kv = tl.program_id(1)
@@ -486,37 +481,38 @@ def _entmax_attn_bwd_dbias_kernel(
 
 
 def _pick_config(head_dim: int, interpret: bool) -> dict:
-    """``{kernel: (block_m, num_warps, num_stages, maxnreg)}`` for ``"dq"``, ``"dkdv"``, ``"dbias"``: the query-tile
-    rows (at most; they must divide the forward's) and the pinned launch config of each backward kernel for this head
-    dim. On a GPU these are the configs of the offline sm_90 builds (docs/backward.md), free of spills, and the first
-    ``triton.autotune`` tries; the interpreter runs them as is (``maxnreg`` None: no register cap option)."""
+    """``{kernel: (block_m, num_warps, num_stages)}`` for ``"dq"``, ``"dkdv"``, ``"dbias"``: the query-tile rows (at
+    most; they must divide the forward's) and the pinned launch config of each backward kernel for this head dim. On a
+    GPU these are the configs of the offline sm_90 builds (docs/backward.md), free of spills, and the first
+    ``triton.autotune`` tries; the interpreter runs them as is."""
     if interpret:
-        return dict.fromkeys(("dq", "dkdv", "dbias"), (_DEFAULT_BLOCK, 4, 1, None))
-    warps = 4 if _common.head_dim_block(head_dim) <= 64 else 8
-    return dict.fromkeys(("dq", "dkdv", "dbias"), (_DEFAULT_BLOCK, warps, 2, _MAXNREG))
-
-
-# ptxas on its own caps some of these kernels at 128 registers (two CTAs per SM) and spills; an explicit
-# ``maxnreg`` lets it use what the kernel needs. The autotuner also tries ptxas's own choice.
-_MAXNREG = 255
+        return dict.fromkeys(("dq", "dkdv", "dbias"), (_DEFAULT_BLOCK, 4, 1))
+    head_dim_block = _common.head_dim_block(head_dim)
+    # (block_m, num_warps): the largest query tiles whose builds do not spill with every flag on (d alpha and the
+    # dense d bias tiles in the dQ kernel, column sums in the dK/dV kernel); the key tiles are the forward's
+    if head_dim_block <= 64:
+        tiles = dict(dq=(32, 8), dkdv=(64, 4), dbias=(64, 4))
+    elif head_dim_block <= 128:
+        tiles = dict(dq=(32, 4), dkdv=(32, 8), dbias=(64, 8))
+    else:
+        tiles = dict(dq=(16, 4), dkdv=(16, 8), dbias=(64, 8))
+    return {name: (block_m, warps, 2) for name, (block_m, warps) in tiles.items()}
 
 
 def _autotune_configs():
-    """GPU configs tried by ``triton.autotune`` (warps, pipeline stages and the register cap only; the tiles index the
-    forward's bitmap), pruned per launch to the pinned config of its head dim first and two neighbours
-    (``_prune_configs``)."""
-    return [triton.Config({}, num_warps=w, num_stages=s, maxnreg=m) for w in (4, 8) for s in (1, 2, 3)
-            for m in (_MAXNREG, None)]
+    """GPU configs tried by ``triton.autotune`` (warps and pipeline stages only; the tiles are the launcher's),
+    pruned per launch to the pinned config of its head dim first and two neighbours (``_prune_configs``)."""
+    return [triton.Config({}, num_warps=w, num_stages=s) for w in (4, 8) for s in (1, 2, 3)]
 
 
 def _prune_configs(kernel: str):
     """``early_config_prune`` of ``kernel``'s autotuner: its pinned config for the launch's head dim first, then one
-    more pipeline stage, then ptxas's own register choice."""
+    more pipeline stage, then the other warp count."""
 
     def prune(configs, named_args, **kwargs):
-        _, warps, stages, maxnreg = _pick_config({**named_args, **kwargs}["HEAD_DIM"], False)[kernel]
-        keep = [(warps, stages, maxnreg), (warps, stages + 1, maxnreg), (warps, stages, None)]
-        return [c for want in keep for c in configs if (c.num_warps, c.num_stages, c.maxnreg) == want]
+        _, warps, stages = _pick_config({**named_args, **kwargs}["HEAD_DIM"], False)[kernel]
+        keep = [(warps, stages), (warps, stages + 1), ({4: 8, 8: 4}[warps], stages)]
+        return [c for w_s in keep for c in configs if (c.num_warps, c.num_stages) == w_s]
     return prune
 
 
@@ -545,7 +541,7 @@ def _launch(name: str, grid: tuple, args: dict, alpha_class: str) -> None:
     for cls, head_filter in _common.class_launches(alpha_class):
         launch = dict(args, ALPHA_CLASS=cls, HEAD_FILTER=head_filter)
         if _common.interpreting():
-            _, warps, stages, _ = _pick_config(args["HEAD_DIM"], True)[name]
+            _, warps, stages = _pick_config(args["HEAD_DIM"], True)[name]
             globals()[f"_entmax_attn_bwd_{name}_kernel"][grid](**launch, num_warps=warps, num_stages=stages)
         else:
             globals()[f"_entmax_attn_bwd_{name}_autotuned"][grid](**launch)
@@ -556,7 +552,8 @@ def _check_args(do, q, k, v, out, out_u, tau, lsum, bias, cu_seqlens_q, cu_seqle
     assert q.ndim == 4 and q.dtype in (torch.float16, torch.bfloat16, torch.float32), f"q: got {q.dtype} {q.shape}"
     assert all(t.dtype == q.dtype and t.device == q.device for t in (k, v, do, out)), "k, v, do, out: q's dtype"
     assert do.shape == q.shape and out.shape == q.shape, f"do, out: expected shape {tuple(q.shape)}"
-    assert out_u is None or (out_u.shape == q.shape and out_u.dtype == q.dtype), "out_u: expected q's shape and dtype"
+    assert out_u is None or (out_u.shape == q.shape and out_u.dtype in (torch.float32, q.dtype)), (
+        "out_u: expected q's shape, float32 (or q's dtype)")
     assert v.shape == k.shape and k.ndim == 4 and k.shape[0] == q.shape[0] and k.shape[3] == q.shape[3], "k, v: shape"
     assert k.shape[1] > 0 and q.shape[1] % k.shape[1] == 0, f"k: kv heads must divide {q.shape[1]}, got {k.shape[1]}"
     assert all(t.shape == q.shape[:3] and t.dtype == torch.float32 for t in (tau, lsum)), "tau, lsum: (B, Hq, Nq) fp32"
@@ -632,7 +629,7 @@ def entmax_attn_bwd(
         do: ``(B, Hq, Nq, D)`` gradient of the output, same dtype as ``q``; any strides.
         q: ``(B, Hq, Nq, D)`` queries, float16 / bfloat16 / float32; any strides. ``16 <= D <= 256``.
         k, v: ``(B, Hk, Nk, D)`` keys and values, dtype of ``q``; ``Hq % Hk == 0`` (GQA/MQA).
-        out: ``(B, Hq, Nq, D)`` forward output (``delta = dO . O`` on alpha = 1 heads).
+        out: ``(B, Hq, Nq, D)`` forward output (``delta = dO . O`` when ``out_u`` is None: softmax only).
         tau, lsum: float32 ``(B, Hq, Nq)`` forward statistics (``docs/design.md``): for
             alpha > 1, ``p = [(alpha-1) s - tau]_+^(1/(alpha-1)) / lsum``; for alpha = 1,
             ``p = exp(s - tau)``. ``lsum == 0`` marks a row with no valid key (zero gradients).
@@ -652,9 +649,9 @@ def entmax_attn_bwd(
             the backward's query tiles have ``min(block_m, 64)`` rows and its key tiles ``block_n`` keys.
         need_dalpha: also return the alpha gradient. Default False.
         need_dbias: also return the bias gradient. Default False.
-        out_u: ``(B, Hq, Nq, D)`` in ``q.dtype``, the forward's ``sum_j U_ij v_j / sum_j U_ij``
-            (``entmax_attn_fwd(..., need_out_u=True).out_u``), from which ``delta = dO . out_u``; read on heads with
-            alpha != 1 only, so it may be None when every head is softmax. Default None.
+        out_u: ``(B, Hq, Nq, D)`` float32 (or ``q.dtype``), the forward's ``sum_j U_ij v_j / sum_j U_ij``
+            (``entmax_attn_fwd(..., need_out_u=True).out_u``), from which ``delta = dO . out_u``; may be None
+            when every head is softmax (then ``out`` serves, rounded to ``q.dtype``). Default None.
         alpha_class: compile-time alpha class as in ``entmax_attn_fwd`` (``"softmax"``, ``"sparsemax"``,
             ``"entmax15"``, ``"general"`` or ``"mixed"``: one filtered launch of each kernel per class); default from
             the values of a Python float or a CPU tensor (no device sync), else ``"mixed"``.
@@ -689,18 +686,22 @@ def entmax_attn_bwd(
     plans = {name: _masking.tile_plan(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                       min(live_m, block_m), block_n) for name, (block_m, *_) in config.items()}
     buf = _buffers(q, k, v, bias, cu_seqlens_q is not None, need_dalpha, need_dbias)
-    if alpha_class == "mixed":
+    if alpha_class == "mixed" and n_heads > k.shape[1] and k.dtype != torch.float32:
         # each class launch of the dK/dV kernel adds the group's heads of its class: partial sums in float32
         buf = buf._replace(dk=torch.zeros(k.shape, dtype=torch.float32, device=k.device),
                            dv=torch.zeros(v.shape, dtype=torch.float32, device=v.device))
+    elif alpha_class == "mixed":
+        # one class per dK/dV row (no GQA), or float32 already: the launches add into zeros exactly
+        buf.dk.zero_()
+        buf.dv.zero_()
     common = _common_args(q, k, v, do, tau, lsum, alpha, bias, cu_seqlens_q, cu_seqlens_k, live, scale, is_causal,
                           dropout_p, seed, live_m, block_n)
     out_u = out if out_u is None else out_u
     plan = plans["dq"]
     _launch("dq", (plan.n_q_tiles, n_heads, plan.n_seq), dict(
-        common, OUT=out, OUT_U=out_u, DQ=buf.dq, DELTA=buf.delta, DALPHA=buf.dalpha_rows, DBIAS=buf.dbias,
-        DBIAS_ROWS=buf.dbias_rows, **_common.stride_args("stride_o", out, "bhmd"),
-        **_common.stride_args("stride_ou", out_u, "bhmd"), **_common.stride_args("stride_dq", buf.dq, "bhmd"),
+        common, OUT_U=out_u, DQ=buf.dq, DELTA=buf.delta, DALPHA=buf.dalpha_rows, DBIAS=buf.dbias,
+        DBIAS_ROWS=buf.dbias_rows, **_common.stride_args("stride_ou", out_u, "bhmd"),
+        **_common.stride_args("stride_dq", buf.dq, "bhmd"),
         NEED_DALPHA=bool(need_dalpha), NEED_DBIAS=buf.mode == "dense", NEED_DBIAS_ROWS=buf.mode == "rows",
         BLOCK_M=plan.block_m,
     ), alpha_class)
@@ -711,7 +712,7 @@ def entmax_attn_bwd(
         **_common.stride_args("stride_dv", buf.dv, "bhnd"), NEED_DBIAS_COLS=buf.mode == "cols", BLOCK_M=plan.block_m,
     ), alpha_class)
     dalpha = buf.dalpha_rows.double().sum(dim=(0, 2)).float() if need_dalpha else None
-    buf = buf._replace(dk=buf.dk.to(k.dtype), dv=buf.dv.to(v.dtype))
+    buf = buf._replace(dk=buf.dk.to(k.dtype), dv=buf.dv.to(v.dtype))  # no copy unless float32 partials
     if buf.mode is None:
         return buf.dq, buf.dk, buf.dv, dalpha, None
     if buf.mode == "blocks":

@@ -60,10 +60,11 @@ class EntmaxAttnFwdResult(NamedTuple):
     """What :func:`entmax_attn_fwd` returns.
 
     out:         ``(B, Hq, Nq, D)`` in ``q.dtype``.
-    out_u:       ``(B, Hq, Nq, D)`` in ``q.dtype``, ``sum_j U_ij v_j / sum_j U_ij`` with ``U = p^(2 - alpha)`` (dropout
-                 applied to the numerator's weights), from which the backward takes ``delta = dO . out_u``
-                 (docs/backward.md); only with ``need_out_u``, else None. Rows of alpha = 1 heads are not
-                 written (there ``U = p`` and the backward reads ``out``).
+    out_u:       float32 ``(B, Hq, Nq, D)``, ``sum_j U_ij v_j / sum_j U_ij`` with ``U = p^(2 - alpha)`` (dropout
+                 applied to the numerator's weights; the output before rounding on alpha = 1 heads, where
+                 ``U = p``), from which the backward takes ``delta = dO . out_u`` (docs/backward.md); only with
+                 ``need_out_u``, else None. Float32 because ``delta`` cancels against ``dP`` where the weights
+                 saturate: from an fp16/bf16 ``out_u`` its rounding would dominate the q and k gradients.
     tau:         float32 ``(B, Hq, Nq)``, threshold in the z-scale (logsumexp of the scores at alpha == 1),
                  ``+inf`` for rows with no valid key, NaN for rows with a NaN or ``+inf`` score.
     lsum:        float32 ``(B, Hq, Nq)``, ``sum_j [z_ij - tau_i]_+^beta`` (1 at alpha == 1, 0 for empty rows).
@@ -505,6 +506,7 @@ def _entmax_attn_fwd_kernel(
             k_start, total_k, dropout_p, inv_keep, stride_kn, stride_kd, stride_vn, stride_vd, stride_bias_m,
             stride_bias_n, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, BIAS_KIND, MASK, HAS_DROPOUT, UPCAST, DOT_PRECISION)
         passes = tl.full([], 1, tl.int32)
+        out_u = out  # U = p
     else:
         if ALPHA_CLASS == 1:
             POW: tl.constexpr = 1
@@ -528,11 +530,10 @@ def _entmax_attn_fwd_kernel(
         out = tl.where(a_ok, out, float("nan"))
         tau = tl.where(a_ok, tau, float("nan"))
         lsum = tl.where(a_ok, lsum, float("nan"))
-        if NEED_OUT_U:
-            # alpha = 1 heads need none: there U = p and the backward reads ``out``
-            out_u = tl.where(a_ok, out_u, float("nan"))
-            store_rows(slice_base(OUT_U, b, h, q_start, stride_oub, stride_ouh, stride_oum), rows, offs_d, stride_oum,
-                       stride_oud, out_u, row_ok, offs_d < HEAD_DIM)
+        out_u = tl.where(a_ok, out_u, float("nan"))
+    if NEED_OUT_U:
+        store_rows(slice_base(OUT_U, b, h, q_start, stride_oub, stride_ouh, stride_oum), rows, offs_d, stride_oum,
+                   stride_oud, out_u, row_ok, offs_d < HEAD_DIM)
     store_rows(slice_base(OUT, b, h, q_start, stride_ob, stride_oh, stride_om), rows, offs_d, stride_om, stride_od, out,
                row_ok, offs_d < HEAD_DIM)
     tl.store(TAU + stat_offs, tau, mask=row_ok)
@@ -637,8 +638,8 @@ def entmax_attn_fwd(
             1 and 2, none 1.5) or ``"mixed"`` (any alpha per head: one launch per class over every head, a
             program skipping heads of other classes; alpha outside [1, 2] or NaN gives NaN outputs for that
             head). Default: from the values for a Python float or a CPU tensor (no device sync), else ``"mixed"``.
-        need_out_u: also compute ``out_u`` for the backward (one more tensor-core product and a division per score
-            of the value pass, docs/backward.md); off for inference. Default False.
+        need_out_u: also compute ``out_u`` (float32) for the backward (alpha != 1: one more tensor-core product and
+            a few operations per score of the value pass, docs/backward.md); off for inference. Default False.
         block_m, block_n: tile sizes (powers of two >= 16); default by head dim.
 
     Returns:
@@ -677,7 +678,7 @@ def _plan(q, k, v, alpha, scale, bias, is_causal, cu_seqlens_q, cu_seqlens_k, ma
 
     stats = dict(size=(batch, n_heads, total_q), device=q.device)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    out_u = torch.empty_like(out) if need_out_u else None
+    out_u = torch.empty(q.shape, dtype=torch.float32, device=q.device) if need_out_u else None
     tau = torch.empty(**stats, dtype=torch.float32)
     lsum = torch.empty(**stats, dtype=torch.float32)
     nnz = torch.empty(**stats, dtype=torch.int32)

@@ -38,15 +38,16 @@ def _fwd_op(
         q, k, v, alpha, scale, bias=bias, is_causal=is_causal, cu_seqlens_q=cu_seqlens_q,
         cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
         dropout_p=dropout_p, seed=seed, alpha_class=None if alpha_class == "auto" else alpha_class,
-        need_out_u=_needs_out_u(need_grad, alpha_class),
+        need_out_u=_needs_out_u(need_grad, alpha_class, q.dtype),
     )
-    out_u = q.new_empty(0) if res.out_u is None else res.out_u
+    out_u = q.new_empty(0, dtype=torch.float32) if res.out_u is None else res.out_u
     return res.out, res.tau, res.lsum, res.nnz, res.n_valid, res.live, res.n_passes, res.tile_visits, out_u
 
 
-def _needs_out_u(need_grad: bool, alpha_class: str) -> bool:
-    """The backward's ``out_u`` is computed when gradients are needed and some head may have alpha != 1."""
-    return need_grad and alpha_class != "softmax"
+def _needs_out_u(need_grad: bool, alpha_class: str, dtype: torch.dtype) -> bool:
+    """The backward's float32 ``out_u`` is computed when gradients are needed, unless every head is softmax with
+    float32 inputs (then it is the output itself)."""
+    return need_grad and (alpha_class != "softmax" or dtype != torch.float32)
 
 
 @_fwd_op.register_fake
@@ -63,7 +64,7 @@ def _fwd_fake(q, k, v, alpha, bias, cu_seqlens_q, cu_seqlens_k, scale, is_causal
         q.new_empty(live_shape, dtype=torch.int32),
         q.new_empty(tile_shape, dtype=torch.int32),
         q.new_empty(tile_shape, dtype=torch.int32),
-        q.new_empty(q.shape if _needs_out_u(need_grad, alpha_class) else (0,)),
+        q.new_empty(q.shape if _needs_out_u(need_grad, alpha_class, q.dtype) else (0,), dtype=torch.float32),
     )
 
 
