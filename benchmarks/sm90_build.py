@@ -102,11 +102,12 @@ def _problem(head_dim, n, dtype, varlen, heads=4):
 
 
 def fwd_case(head_dim: int, alpha_class: str, causal: bool = True, dtype=torch.bfloat16, n: int = 1024,
-             mask: str | None = None, dropout: bool = False, varlen: bool = False, window_size=None,
-             softcap: float | None = None, alibi: bool = False):
+             mask: str | None = None, dropout: bool = False, varlen: bool = False, need_out_u: bool = False,
+             window_size=None, softcap: float | None = None, alibi: bool = False):
     """Build the forward for one configuration as the launcher launches it; returns the analysis dict.
 
     ``mask``: None, ``"float"`` (an additive ``(B, 1, Nq, Nk)`` bias) or ``"bool"`` (a keep mask);
+    ``need_out_u``: the training forward, which also accumulates the backward's ``out_u``;
     ``window_size``: a sliding window ``(left, right)`` or None; ``softcap``, ``alibi``: soft-capping, ALiBi slopes.
     """
     q, k, v, cu = _problem(head_dim, n, dtype, varlen)
@@ -115,6 +116,8 @@ def fwd_case(head_dim: int, alpha_class: str, causal: bool = True, dtype=torch.b
     alpha = torch.full((q.shape[1],), ALPHA_OF_CLASS[alpha_class])
     bias = None if mask is None else torch.empty(q.shape[0], 1, n, n, dtype=torch.bool if mask == "bool" else dtype)
     extra = {"alpha_class": alpha_class} if "alpha_class" in fwd.entmax_attn_fwd.__code__.co_varnames else {}
+    if need_out_u:
+        extra["need_out_u"] = True
     tuned = getattr(fwd, "_entmax_attn_fwd_autotuned", None)
     if tuned is not None:  # the autotuned kernel: record its launch, build it with the pinned config
         cap = _Capture(tuned)
@@ -134,16 +137,18 @@ def fwd_case(head_dim: int, alpha_class: str, causal: bool = True, dtype=torch.b
                                              **variants, **extra)
     grid, args, kwargs = launches[-1]
     info = analyse(compile_like_launch(kernel, args, kwargs))
-    info.update(kernel="fwd", d=head_dim, alpha=alpha_class if extra else "all (run time)",
+    info.update(kernel="fwd+out_u" if need_out_u else "fwd", d=head_dim,
+                alpha=alpha_class if "alpha_class" in extra else "all (run time)",
                 block=f"{kwargs['BLOCK_M']}x{kwargs['BLOCK_N']}", warps=kwargs.get("num_warps", 4),
                 stages=kwargs.get("num_stages", 3))
     return info
 
 
 def bwd_cases(head_dim: int, need_dalpha: bool = True, mask: str | None = "blocks", causal: bool = True,
-              dtype=torch.bfloat16, n: int = 1024, dropout: bool = False, varlen: bool = False, window_size=None,
-              softcap: float | None = None, alibi: bool = False):
-    """Build every backward kernel one launch of ``entmax_attn_bwd`` starts; one analysis dict per kernel.
+              dtype=torch.bfloat16, n: int = 1024, dropout: bool = False, varlen: bool = False,
+              kernels=("dq", "dkdv", "dbias"), window_size=None, softcap: float | None = None, alibi: bool = False):
+    """Build the backward kernels (those of ``kernels`` among ``"dq"``, ``"dkdv"``, ``"dbias"``) one launch of
+    ``entmax_attn_bwd`` starts; one analysis dict per kernel.
 
     ``mask``: None, ``"bool"``, or the float-mask gradient mode: ``"dense"`` ``(B, H, N, N)``, ``"rows"``
     ``(B, H, N, 1)``, ``"cols"`` ``(B, 1, 1, N)``, ``"blocks"`` ``(1, H, N, N)``.
@@ -159,26 +164,30 @@ def bwd_cases(head_dim: int, need_dalpha: bool = True, mask: str | None = "block
     plan = tile_plan(q, k, cu, cu, None, None, block_m, block_n)
     live = torch.empty(plan.n_seq, heads, plan.n_q_tiles, plan.n_words, dtype=torch.int32)
     stats = torch.empty(bsz, heads, n)
-    names = ("_entmax_attn_bwd_dq_kernel", "_entmax_attn_bwd_dkdv_kernel", "_entmax_attn_bwd_dbias_kernel")
-    kernels = {name: getattr(bwd, name) for name in names}
-    caps = {name: _Capture(kernel) for name, kernel in kernels.items()}
+    names = ("dq", "dkdv", "dbias")
+    # the launcher starts the autotuned kernels on a GPU: record those launches, build with the pinned configs
+    tuned = {name: getattr(bwd, f"_entmax_attn_bwd_{name}_autotuned") for name in names}
+    caps = {name: _Capture(kernel) for name, kernel in tuned.items()}
     for name, cap in caps.items():
-        setattr(bwd, name, cap)
+        setattr(bwd, f"_entmax_attn_bwd_{name}_autotuned", cap)
     try:
         bwd.entmax_attn_bwd(torch.empty_like(q), q, k, v, torch.empty_like(q), stats, stats,
                             torch.full((heads,), 1.25), head_dim ** -0.5, bias=bias, is_causal=causal,
                             cu_seqlens_q=cu, cu_seqlens_k=cu, dropout_p=0.1 if dropout else 0.0, live=live,
                             block_m=block_m, block_n=block_n, need_dalpha=need_dalpha,
-                            need_dbias=mask not in (None, "bool"), window_size=window_size, softcap=softcap,
-                            alibi_slopes=torch.empty(heads, dtype=torch.float32) if alibi else None)
+                            need_dbias=mask not in (None, "bool"), out_u=torch.empty_like(q), window_size=window_size,
+                            softcap=softcap, alibi_slopes=torch.empty(heads, dtype=torch.float32) if alibi else None)
     finally:
-        for name, kernel in kernels.items():
-            setattr(bwd, name, kernel)
+        for name, kernel in tuned.items():
+            setattr(bwd, f"_entmax_attn_bwd_{name}_autotuned", kernel)
+    config = bwd._pick_config(head_dim, False)
     out = []
     for name, cap in caps.items():
-        for _, args, kwargs in cap.launches:
-            info = analyse(compile_like_launch(kernels[name], args, kwargs))
-            info.update(kernel=name.replace("_entmax_attn_bwd_", "bwd_").replace("_kernel", ""), d=head_dim,
+        for _, args, kwargs in cap.launches if name in kernels else []:
+            _, warps, stages = config[name]
+            kwargs = {**kwargs, "num_warps": warps, "num_stages": stages}
+            info = analyse(compile_like_launch(getattr(bwd, f"_entmax_attn_bwd_{name}_kernel"), args, kwargs))
+            info.update(kernel=f"bwd_{name}", d=head_dim,
                         alpha=f"dalpha={int(need_dalpha)} mask={mask}",
                         block=f"{kwargs['BLOCK_M']}x{kwargs['BLOCK_N']}", warps=kwargs.get("num_warps", 4),
                         stages=kwargs.get("num_stages", 3))
@@ -186,16 +195,28 @@ def bwd_cases(head_dim: int, need_dalpha: bool = True, mask: str | None = "block
     return out
 
 
+# (need_dalpha, mask, kernels) of ``--bwd``: each distinct backward build once (the dK/dV and dbias kernels do not
+# depend on d alpha): without and with d alpha and with each way the mask gradient is accumulated (d bias tiles
+# written by the dQ kernel, column sums in the dK/dV kernel, the dbias kernel for batch/head-broadcast masks)
+BWD_MATRIX = (
+    (False, None, ("dq", "dkdv")),
+    (True, None, ("dq",)),
+    (False, "dense", ("dq",)),
+    (True, "dense", ("dq",)),
+    (False, "cols", ("dkdv",)),
+    (False, "blocks", ("dbias",)),
+)
+
 COLUMNS = ("kernel", "d", "alpha", "block", "warps", "stages", "regs", "spill", "stl", "smem", "sass", "ldgsts",
            "tma", "ldg", "mma", "mufu")
 
 
 def check() -> int:
     """CI: the GPU builds the interpreter never exercises compile for sm_90: the forward's general-alpha class
-    (the largest path) with a float mask, dropout, varlen and ALiBi, its 1.5-entmax class with a boolean mask, a
-    sliding window and soft-capping; the three backward kernels with d alpha, a window, ALiBi, soft-capping and a
-    mask gradient reduced by the d bias kernel."""
-    fwd_case(80, "general", mask="float", dropout=True, varlen=True, alibi=True)
+    (the largest path) with a float mask, dropout, varlen, ALiBi and the backward's ``out_u``, its 1.5-entmax class
+    with a boolean mask, a sliding window and soft-capping; the three backward kernels with d alpha, a window, ALiBi,
+    soft-capping and a mask gradient reduced by the d bias kernel."""
+    fwd_case(80, "general", mask="float", dropout=True, varlen=True, need_out_u=True, alibi=True)
     fwd_case(64, "entmax15", mask="bool", causal=False, window_size=(255, 16), softcap=30.0)
     bwd_cases(80, need_dalpha=True, mask="blocks", dropout=True, window_size=(255, -1), softcap=30.0, alibi=True)
     print("built")
@@ -206,7 +227,9 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--d", type=int, nargs="+", default=[64, 128, 256])
     ap.add_argument("--classes", nargs="+", default=list(ALPHA_OF_CLASS))
-    ap.add_argument("--bwd", action="store_true", help="also the backward kernels (with and without d alpha)")
+    ap.add_argument("--bwd", action="store_true",
+                    help="also the backward kernels (BWD_MATRIX: with and without d alpha and d bias)")
+    ap.add_argument("--out-u", action="store_true", help="also the training forward (need_out_u) of every class")
     ap.add_argument("--markdown", action="store_true")
     ap.add_argument("--check", action="store_true", help="build one set of feature-complete kernels and exit")
     args = ap.parse_args(argv)
@@ -225,11 +248,12 @@ def main(argv=None):
     for d in args.d:
         for cls in args.classes:
             show(fwd_case(d, cls))
+            if args.out_u:
+                show(fwd_case(d, cls, need_out_u=True))
         if args.bwd:
-            for need_dalpha in (False, True):
-                for mask in (None, "blocks"):
-                    for info in bwd_cases(d, need_dalpha=need_dalpha, mask=mask):
-                        show(info)
+            for need_dalpha, mask, kernels in BWD_MATRIX:
+                for info in bwd_cases(d, need_dalpha=need_dalpha, mask=mask, kernels=kernels):
+                    show(info)
     return 0
 
 

@@ -22,6 +22,49 @@ LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 
 
+# ALPHA_CLASS values of the attention kernels, one compiled path each: softmax (alpha = 1), sparsemax (alpha = 2),
+# 1.5-entmax and any other alpha. "mixed" alpha (classes unknown on the host) launches all four, each over every head,
+# and a program whose head is of another class has nothing to do (HEAD_FILTER, :func:`alpha_class_id`).
+ALPHA_CLASSES = {"softmax": 0, "sparsemax": 1, "entmax15": 2, "general": 3}
+
+
+def alpha_class_of(alpha_values) -> str:
+    """The compile-time alpha class for known per-head alpha values (a sequence of floats in [1, 2])."""
+    vals = {float(a) for a in alpha_values}
+    if vals == {1.0}:
+        return "softmax"
+    if vals == {2.0}:
+        return "sparsemax"
+    if vals == {1.5}:
+        return "entmax15"
+    if vals and all(1.0 < a < 2.0 and a != 1.5 for a in vals):
+        return "general"
+    return "mixed"
+
+
+def resolve_alpha_class(alpha, alpha_class: str | None) -> str:
+    """``alpha_class`` when given, else from the values of a Python number or a CPU tensor (no device sync), else
+    ``"mixed"``."""
+    if alpha_class is not None:
+        return alpha_class
+    if not isinstance(alpha, torch.Tensor):
+        return alpha_class_of([alpha])
+    return alpha_class_of(alpha.tolist()) if alpha.device.type == "cpu" else "mixed"
+
+
+def class_launches(alpha_class: str) -> list:
+    """``(ALPHA_CLASS, HEAD_FILTER)`` of the launches one call makes: one, or all four filtered ones when mixed."""
+    if alpha_class == "mixed":
+        return [(c, True) for c in ALPHA_CLASSES.values()]
+    return [(ALPHA_CLASSES[alpha_class], False)]
+
+
+@triton.jit
+def alpha_class_id(alpha):
+    """The ``ALPHA_CLASS`` of a head with this alpha (an unchecked device alpha outside [1, 2] or NaN: 3, general)."""
+    return tl.where(alpha == 1.0, 0, tl.where(alpha == 2.0, 1, tl.where(alpha == 1.5, 2, 3)))
+
+
 def interpreting() -> bool:
     """True when Triton kernels run under the CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"

@@ -15,7 +15,9 @@ Before masks, scores can be soft-capped (:func:`soft_cap`) and get ALiBi's ``-sl
 (:func:`mask_scores`), as described by the ``SCORE`` argument of :func:`score_spec`.
 The additive mask (``BIAS``) is applied by :func:`mask_scores` on top of this; on the host,
 :func:`dbias_mode` and :func:`sum_to_mask` say how its gradient is reduced to its broadcast shape,
-and :func:`tile_plan` gives the launch geometry (grids, tile counts, liveness words).
+and :func:`tile_plan` gives the launch geometry (grids, tile counts, liveness words). Loops over the live tiles
+of a liveness word (or of any 32 tiles) walk a compacted list built in registers by :func:`word_bits` /
+:func:`bit_rank` and :func:`live_tile`, with no branch per tile, so their loads can be pipelined.
 """
 
 from typing import NamedTuple
@@ -257,3 +259,24 @@ def query_tile_range(pid_n, seqlen_q, seqlen_k, MASK, BLOCK_M: tl.constexpr, BLO
         last_col = tl.minimum((pid_n + 1) * BLOCK_N, seqlen_k) - 1
         row_hi = tl.maximum(tl.minimum(last_col - shift + MASK[3] + 1, row_hi), 0)
     return row_lo // BLOCK_M, tl.cdiv(row_hi, BLOCK_M)
+
+
+@triton.jit
+def bit_rank(bits):
+    """Exclusive prefix counts of ``bits [32]`` (int32, 0 or 1) and the number set."""
+    return tl.cumsum(bits, 0) - bits, tl.sum(bits, 0)
+
+
+@triton.jit
+def word_bits(word):
+    """Bits ``[32]`` of a liveness word, their exclusive prefix counts and the number set."""
+    bits = (word >> tl.arange(0, 32)) & 1
+    rank, n_set = bit_rank(bits)
+    return bits, rank, n_set
+
+
+@triton.jit
+def live_tile(bits, rank, i, w):
+    """Tile ``32 w + lane`` of the ``i``-th set bit (``bits``, ``rank`` from :func:`word_bits` or :func:`bit_rank`)."""
+    lane = tl.arange(0, 32)
+    return w * 32 + tl.sum(tl.where((bits != 0) & (rank == i), lane, 0), 0)

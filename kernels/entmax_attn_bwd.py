@@ -4,21 +4,25 @@ Layout ``(batch, heads, seq, head_dim)``. The weights are recomputed tile by til
 forward's per-row statistics (``tau`` in the z-scale, ``lsum``); see ``docs/design.md`` for the
 conventions and ``docs/backward.md`` for the derivation. With ``U = p^(2-alpha)`` on the support:
 
-    dP = dO V^T (times the replayed dropout factor)   delta_i = sum_j U_ij dP_ij / sum_j U_ij
+    dP = dO V^T (times the replayed dropout factor)   delta_i = sum_j U_ij dP_ij / sum_j U_ij = dO_i . out_u_i
     dS = U (dP - delta)    dQ = scale dS K    dK = scale dS^T Q    dV = P^T dO    d bias = dS
 
+``out_u = sum_j U_ij v_j / sum_j U_ij`` (float32) comes from the forward's value pass (``need_out_u``; the
+unrounded output at alpha = 1), so ``delta`` is an O(N D) product per row and no kernel sweeps K only for it.
 Three kernels, no atomics, so every gradient is bitwise reproducible:
 
-* ``_entmax_attn_bwd_dq_kernel``, one program per (query tile, q head, batch): sweep 1 over the
-  live key tiles accumulates the row sums of ``delta`` (alpha > 1 only; alpha = 1 heads use
-  ``delta = dO . O``), sweep 2 accumulates dQ and the d alpha row sums and writes dS.
+* ``_entmax_attn_bwd_dq_kernel``, one program per (query tile, q head, batch): ``delta``, then one sweep over
+  the live key tiles accumulating dQ and the d alpha row sums and writing dS (or its row sums) when asked.
 * ``_entmax_attn_bwd_dkdv_kernel``, one program per (key tile, kv head, batch): loops over the q
   heads of its group and their live query tiles, so dK/dV of GQA are summed in a fixed order.
 * ``_entmax_attn_bwd_dbias_kernel`` (only for a mask broadcast over batch/heads but not over
   queries or keys): one program per mask block sums dS over the broadcast (batch, head) pairs.
 
-Alpha is read per head at run time: alpha = 1 uses ``exp2``, alpha = 1.5 and alpha = 2 use
-no transcendental function per score, other values one ``log2`` and one ``exp2``.
+Every loop walks a compacted list of its live tiles built from the liveness bits in registers
+(``_masking.bit_rank``, ``live_tile``), with no branch per tile, so its loads are pipelined. The alpha
+class is a compile-time constant as in the forward (``_common.ALPHA_CLASSES``; device alpha: one filtered
+launch per class): alpha = 1 uses ``exp2``, alpha = 1.5 and alpha = 2 use no transcendental function per
+score, other values one ``log2``, one ``exp2`` and one division.
 """
 
 from __future__ import annotations
@@ -30,10 +34,23 @@ import triton
 import triton.language as tl
 
 from . import _common, _masking
-from ._common import LN2, LOG2E, bias_base_ptr, dropout_keep, expm1mx_series, load_rows, log2_1p, slice_base, store_rows
+from ._common import (
+    LN2,
+    LOG2E,
+    alpha_class_id,
+    bias_base_ptr,
+    dropout_keep,
+    expm1mx_series,
+    load_rows,
+    log2_1p,
+    slice_base,
+    store_rows,
+)
 from ._masking import (
     alibi_slope,
+    bit_rank,
     key_tile_range,
+    live_tile,
     mask_scores,
     query_tile_range,
     seq_bounds,
@@ -46,74 +63,83 @@ _DEFAULT_BLOCK = 64
 
 @triton.jit
 def _row_factors(alpha, lsum):
-    """``cu = lsum^(alpha-2)`` and ``cp = lsum^(1-alpha)`` per row ``[BLOCK_M]``; 0 where ``lsum == 0``."""
+    """Per row ``[BLOCK_M]``: ``cu = lsum^(alpha-2)``, ``cp = lsum^(1-alpha)`` (0 where ``lsum == 0``), ``log lsum``."""
     valid = lsum > 0.0
     lg = tl.log2(tl.where(valid, lsum, 1.0))
     cu = tl.where(valid, tl.exp2((alpha - 2.0) * lg), 0.0)
     cp = tl.where(valid, tl.exp2((1.0 - alpha) * lg), 0.0)
-    return cu, cp
+    return cu, cp, lg * LN2
 
 
 @triton.jit
-def _weights(s, tau, cu, cp, alpha):
-    """Weights ``p`` and ``U = p^(2-alpha)`` of a score tile ``s [BLOCK_M, BLOCK_N]`` (masked = -inf).
+def _weights(s, tau, cu, cp, log_l, alpha, ALPHA_CLASS: tl.constexpr):
+    """Weights ``p``, ``U = p^(2-alpha)`` and ``log p`` (0 where ``p == 0``) of a score tile ``s [BLOCK_M, BLOCK_N]``
+    (masked = -inf), each ``[BLOCK_M, BLOCK_N]``.
 
     For alpha > 1, ``r = [(alpha-1) s - tau]_+``, ``U = r^(beta-1) cu`` and ``p = U r cp``
     (``beta = 1/(alpha-1)``), which is ``r^beta / L`` when ``cu = L^(alpha-2)``, ``cp = L^(1-alpha)``.
     For a general alpha, ``log r = log1p(w)`` with ``w = (alpha-1) s - (tau + 1)``: near alpha = 1
-    ``r`` is within O(alpha-1) of 1, and rounding ``r`` itself would cost ``beta`` ulps in ``p``.
+    ``r`` is within O(alpha-1) of 1, and rounding ``r`` itself would cost ``beta`` ulps in ``p``; ``log p`` is then
+    ``beta log r - log L`` (no second logarithm). ``log p`` is dead code unless d alpha is asked for.
+    ``ALPHA_CLASS`` (``_common.ALPHA_CLASSES``) picks the path at compile time.
     """
-    if alpha == 1.0:
-        p = tl.exp2((s - tau[:, None]) * LOG2E)
+    if ALPHA_CLASS == 0:
+        t = s - tau[:, None]
+        p = tl.exp2(t * LOG2E)
         u = p
-    elif alpha == 2.0:
+        logp = tl.where(p > 0.0, t, 0.0)
+    elif ALPHA_CLASS == 1:
         r = tl.maximum(s - tau[:, None], 0.0)
         u = tl.where(r > 0.0, cu[:, None], 0.0)
         p = r * cp[:, None]
-    elif alpha == 1.5:
+        logp = tl.where(p > 0.0, tl.log2(tl.where(p > 0.0, p, 1.0)) * LN2, 0.0)
+    elif ALPHA_CLASS == 2:
         r = tl.maximum(s * 0.5 - tau[:, None], 0.0)
         u = r * cu[:, None]
         p = u * r * cp[:, None]
+        logp = tl.where(p > 0.0, tl.log2(tl.where(p > 0.0, p, 1.0)) * LN2, 0.0)
     else:
+        beta = 1.0 / (alpha - 1.0)
         w = s * (alpha - 1.0) - (tau[:, None] + 1.0)
         sup = w > -1.0
         w = tl.where(sup, w, 0.0)
-        u = tl.where(sup, tl.exp2((1.0 / (alpha - 1.0) - 1.0) * log2_1p(w)), 0.0)
+        lr = log2_1p(w)
+        u = tl.where(sup, tl.exp2((beta - 1.0) * lr), 0.0)
         u = u * cu[:, None]
         p = u * (1.0 + w) * cp[:, None]
-    return p, u
+        logp = tl.where(p > 0.0, (beta * lr) * LN2 - log_l[:, None], 0.0)
+    return p, u, logp
 
 
 @triton.jit
-def _dalpha_terms(p, u, alpha):
+def _dalpha_terms(p, u, logp, alpha, inv_eps2):
     """Elementwise ``p log p`` and ``pg = p (e^x - 1 - x) / (alpha-1)^2`` with ``x = -(alpha-1) log p``.
 
     ``pg`` uses the Taylor series of ``(e^x - 1 - x) / x^2`` for ``x < 1`` (exact at alpha = 1,
-    where it is ``p log^2 p / 2``) and ``(U - p (1 + x)) / (alpha-1)^2`` otherwise.
+    where it is ``p log^2 p / 2``) and ``(U - p (1 + x)) / (alpha-1)^2`` otherwise
+    (``inv_eps2 = 1 / max((alpha-1)^2, 1e-30)``, one scalar per head).
     """
-    eps = alpha - 1.0
-    sup = p > 0.0
-    logp = tl.where(sup, tl.log2(tl.where(sup, p, 1.0)) * LN2, 0.0)
-    x = -eps * logp
+    x = -(alpha - 1.0) * logp
     pg_series = p * logp * logp * expm1mx_series(x)
-    pg_direct = (u - p * (1.0 + x)) / tl.maximum(eps * eps, 1e-30)
+    pg_direct = (u - p * (1.0 + x)) * inv_eps2
     pg = tl.where(x < 1.0, pg_series, pg_direct)
     return p * logp, pg
 
 
 @triton.jit
 def _tile(
-    q, do, k, v, tau, cu, cp, delta, alpha, scale, bias_base, stride_bias_m, stride_bias_n, rows, cols, seqlen_q,
-    seqlen_k, rows_global, cols_global, total_k, seed, bh, dropout_p, MASK,
-    BIAS_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, slope, SCORE,
+    q, do, k, v, tau, cu, cp, log_l, delta, alpha, scale, bias_base, stride_bias_m, stride_bias_n, rows, cols,
+    seqlen_q, seqlen_k, rows_global, cols_global, total_k, seed, bh, dropout_p, MASK,
+    ALPHA_CLASS: tl.constexpr, BIAS_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    slope, SCORE,
 ):
-    """Recompute one tile: weights ``p``, ``U``, ``dP``, the dropped weights ``pd``, ``dS = U (dP - delta)``
-    (the gradient of the final scores, that of the mask) and ``dS_qk``, that of ``scale * q.k`` (``dS`` times
-    the soft cap's derivative ``1 - tanh^2``), all ``[BLOCK_M, BLOCK_N]`` (``delta [BLOCK_M]``)."""
+    """Recompute one tile: weights ``p``, ``U``, ``log p``, ``dP``, the dropped weights ``pd``, ``dS = U (dP - delta)``
+    (the gradient of the final scores, that of the mask) and ``dS_qk``, that of ``scale * q.k`` (``dS`` times the
+    soft cap's derivative ``1 - tanh^2``), all ``[BLOCK_M, BLOCK_N]`` (row statistics ``[BLOCK_M]``)."""
     s = soft_cap(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale, SCORE[1], SCORE)
     s_m = mask_scores(s, rows, cols, seqlen_q, seqlen_k, bias_base, stride_bias_m, stride_bias_n, 1.0, MASK,
                       BIAS_KIND, slope, SCORE)
-    p, u = _weights(s_m, tau, cu, cp, alpha)
+    p, u, logp = _weights(s_m, tau, cu, cp, log_l, alpha, ALPHA_CLASS)
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
     if HAS_DROPOUT:
         keep = dropout_keep(seed, bh, rows_global, cols_global, total_k, dropout_p)
@@ -127,116 +153,124 @@ def _tile(
     if SCORE[0]:
         t = s / SCORE[1]
         ds_qk = ds * (1.0 - t * t)
-    return p, u, dp, pd, ds, ds_qk
+    return p, u, logp, dp, pd, ds, ds_qk
 
 
 @triton.jit
-def _live_row(LIVE, seq, h, qt, stride_live_b, stride_live_h, stride_live_m, BLOCK_M: tl.constexpr,
-              LIVE_BLOCK_M: tl.constexpr):
-    """Liveness words of query tile ``qt`` (of ``BLOCK_M`` rows) of one (sequence, head): the forward's bitmap row
-    of the ``LIVE_BLOCK_M``-row tile holding it (the backward's tiles divide the forward's)."""
-    return (LIVE + seq.to(tl.int64) * stride_live_b + h.to(tl.int64) * stride_live_h
-            + (qt * BLOCK_M // LIVE_BLOCK_M) * stride_live_m)
+def _in_launch(alpha, ALPHA_CLASS: tl.constexpr, HEAD_FILTER: tl.constexpr):
+    """True when this launch computes the head with this alpha: always, or with ``HEAD_FILTER`` (one launch per
+    alpha class) when the head is of class ``ALPHA_CLASS``."""
+    cls = alpha_class_id(alpha)
+    if HEAD_FILTER:
+        mine = cls == ALPHA_CLASS
+    else:
+        mine = cls >= 0
+    return mine
 
 
 @triton.jit
-def _is_live(live_row, kt, HAS_LIVE: tl.constexpr):
-    """Liveness bit of key tile ``kt`` in the words at ``live_row``; 1 without a bitmap (``HAS_LIVE`` False)."""
-    live = 1
+def _live_base(LIVE, seq, h, stride_live_b, stride_live_h):
+    """Liveness words of one (sequence, q head): query tile ``qt_fwd``'s words start at ``qt_fwd * stride_live_m``."""
+    return LIVE + seq.to(tl.int64) * stride_live_b + h.to(tl.int64) * stride_live_h
+
+
+@triton.jit
+def _row_tile_bits(live_row, wd, kt_lo, kt_hi, HAS_LIVE: tl.constexpr):
+    """Bits ``[32]``, their prefix counts and number set, of the key tiles ``32 wd + lane`` in ``[kt_lo, kt_hi)``
+    that the liveness words at ``live_row`` mark live (all of them without a bitmap)."""
+    kt = wd * 32 + tl.arange(0, 32)
+    bits = ((kt >= kt_lo) & (kt < kt_hi)).to(tl.int32)
     if HAS_LIVE:
-        live = (tl.load(live_row + kt // 32) >> (kt % 32)) & 1
-    return live
+        bits = bits & (tl.load(live_row + wd) >> tl.arange(0, 32))
+    rank, n_set = bit_rank(bits)
+    return bits, rank, n_set
+
+
+@triton.jit
+def _column_tile_bits(live_col, c, kt, qt_lo, qt_hi, stride_live_m, HAS_LIVE: tl.constexpr, BLOCK_M: tl.constexpr,
+                      LIVE_BLOCK_M: tl.constexpr):
+    """Bits ``[32]``, prefix counts and number set of the query tiles ``32 c + lane`` (of ``BLOCK_M`` rows) in
+    ``[qt_lo, qt_hi)`` for which key tile ``kt`` is live; ``live_col`` points at word ``kt // 32`` of query tile 0.
+    The bitmap's rows are the forward's ``LIVE_BLOCK_M``-row tiles, which the backward's tiles divide."""
+    qt = c * 32 + tl.arange(0, 32)
+    ok = (qt >= qt_lo) & (qt < qt_hi)
+    bits = ok.to(tl.int32)
+    if HAS_LIVE:
+        words = tl.load(live_col + (qt * BLOCK_M // LIVE_BLOCK_M).to(tl.int64) * stride_live_m, mask=ok, other=0)
+        bits = bits & (words >> (kt % 32))
+    rank, n_set = bit_rank(bits)
+    return bits, rank, n_set
 
 
 @triton.jit
 def _key_tile(
-    kt, q, do, tau, cu, cp, delta, alpha, scale, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+    kt, q, do, tau, cu, cp, log_l, delta, alpha, scale, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
     bias_base, stride_bias_m, stride_bias_n, rows, rows_global, seqlen_q, seqlen_k, k_start, total_k, offs_d, d_ok,
-    seed, bh, dropout_p, MASK,
+    seed, bh, dropout_p, MASK, ALPHA_CLASS: tl.constexpr,
     BIAS_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr, slope, SCORE,
 ):
     """Key tile ``kt`` of a query tile: loads its K/V rows and recomputes it with ``_tile``.
 
-    Returns ``p, u, dp, pd, ds, ds_qk`` (``[BLOCK_M, BLOCK_N]``), the keys ``k [BLOCK_N, BLOCK_D]``, their
+    Returns ``p, u, logp, dp, ds, ds_qk`` (``[BLOCK_M, BLOCK_N]``), the keys ``k [BLOCK_N, BLOCK_D]``, their
     global indices ``cols_global`` and in-sequence flags ``col_ok`` (``[BLOCK_N]``).
     """
     cols, cols_global, col_ok = tile_indices(kt, k_start, seqlen_k, BLOCK_N)
     k = load_rows(k_base, cols, offs_d, stride_kn, stride_kd, col_ok, d_ok, UPCAST)
     v = load_rows(v_base, cols, offs_d, stride_vn, stride_vd, col_ok, d_ok, UPCAST)
-    p, u, dp, pd, ds, ds_qk = _tile(
-        q, do, k, v, tau, cu, cp, delta, alpha, scale, bias_base, stride_bias_m, stride_bias_n, rows, cols, seqlen_q,
-        seqlen_k, rows_global, cols_global, total_k, seed, bh, dropout_p, MASK, BIAS_KIND, HAS_DROPOUT, DOT_PRECISION,
-        slope, SCORE,
+    p, u, logp, dp, pd, ds, ds_qk = _tile(
+        q, do, k, v, tau, cu, cp, log_l, delta, alpha, scale, bias_base, stride_bias_m, stride_bias_n, rows, cols,
+        seqlen_q, seqlen_k, rows_global, cols_global, total_k, seed, bh, dropout_p, MASK, ALPHA_CLASS, BIAS_KIND,
+        HAS_DROPOUT, DOT_PRECISION, slope, SCORE,
     )
-    return p, u, dp, pd, ds, ds_qk, k, cols_global, col_ok
+    return p, u, logp, dp, ds, ds_qk, k, cols_global, col_ok
 
 
 @triton.jit
 def _query_rows(
-    q_base, do_base, TAU, NORM, DELTA, bh, total_q, rows, rows_global, row_ok, offs_d, d_ok, alpha,
+    q_base, do_base, TAU, LSUM, DELTA, bh, total_q, rows, rows_global, row_ok, offs_d, d_ok, alpha,
     stride_qm, stride_qd, stride_dom, stride_dod, UPCAST: tl.constexpr,
 ):
     """Rows ``rows`` of one (batch, q head) after the dQ kernel: ``q``, ``do`` (``[BLOCK_M, BLOCK_D]``)
-    and the per-row ``tau``, ``delta`` and weight factors ``cu``, ``cp`` from the saved ``NORM``."""
+    and the per-row ``tau``, ``delta`` and weight factors ``cu``, ``cp``, ``log lsum``."""
     q = load_rows(q_base, rows, offs_d, stride_qm, stride_qd, row_ok, d_ok, UPCAST)
     do = load_rows(do_base, rows, offs_d, stride_dom, stride_dod, row_ok, d_ok, UPCAST)
     stat_offs = bh.to(tl.int64) * total_q + rows_global.to(tl.int64)
     tau = tl.load(TAU + stat_offs, mask=row_ok, other=float("inf"))
-    norm = tl.load(NORM + stat_offs, mask=row_ok, other=0.0)
+    lsum = tl.load(LSUM + stat_offs, mask=row_ok, other=0.0)
     delta = tl.load(DELTA + stat_offs, mask=row_ok, other=0.0)
-    cu, cp = _row_factors(alpha, norm)
-    return q, do, tau, delta, cu, cp
-
-
-@triton.jit
-def _row_sums(
-    q, do, tau, valid, alpha, scale, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-    bias_base, stride_bias_m, stride_bias_n, live_row, kt_lo, kt_hi, rows, rows_global, seqlen_q, seqlen_k, k_start,
-    total_k, offs_d, d_ok, seed, bh, dropout_p, MASK,
-    BIAS_KIND: tl.constexpr, HAS_LIVE: tl.constexpr, HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, slope, SCORE,
-):
-    """Sweep 1 (alpha > 1): per-row ``L = sum r^beta``, ``sum r^(beta-1)`` and ``sum r^(beta-1) dP``,
-    each ``[BLOCK_M]``; ``valid`` is 1 for rows with a key, else 0."""
-    l_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
-    su = tl.zeros([BLOCK_M], dtype=tl.float32)
-    sud = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for kt in range(kt_lo, kt_hi):
-        if _is_live(live_row, kt, HAS_LIVE) != 0:
-            # cu = cp = 1 gives U = r^(beta-1), p = r^beta; the dS output (delta unknown yet) is unused
-            p, u, dp, pd, ds, ds_qk, k, cols_global, col_ok = _key_tile(
-                kt, q, do, tau, valid, valid, valid, alpha, scale, k_base, v_base, stride_kn, stride_kd, stride_vn,
-                stride_vd, bias_base, stride_bias_m, stride_bias_n, rows, rows_global, seqlen_q, seqlen_k, k_start,
-                total_k, offs_d, d_ok, seed, bh, dropout_p, MASK, BIAS_KIND, HAS_DROPOUT, UPCAST, DOT_PRECISION,
-                BLOCK_N, slope, SCORE,
-            )
-            l_sum += tl.sum(p, 1)
-            su += tl.sum(u, 1)
-            sud += tl.sum(u * dp, 1)
-    return l_sum, su, sud
+    cu, cp, log_l = _row_factors(alpha, lsum)
+    return q, do, tau, delta, cu, cp, log_l
 
 
 @triton.jit
 def _entmax_attn_bwd_dq_kernel(
-    Q, K, V, DO, OUT, TAU, LSUM, ALPHA, BIAS, LIVE, CU_SEQLENS_Q, CU_SEQLENS_K, ALIBI,
-    DQ, DELTA, NORM, DALPHA, DBIAS, DBIAS_ROWS,
+    Q, K, V, DO, OUT_U, TAU, LSUM, ALPHA, BIAS, LIVE, CU_SEQLENS_Q, CU_SEQLENS_K, ALIBI,
+    DQ, DELTA, DALPHA, DBIAS, DBIAS_ROWS,
     stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd, stride_dob, stride_doh, stride_dom, stride_dod,
-    stride_ob, stride_oh, stride_om, stride_od, stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+    stride_oub, stride_ouh, stride_oum, stride_oud, stride_dqb, stride_dqh, stride_dqm, stride_dqd,
     stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n, stride_live_b, stride_live_h, stride_live_m,
     stride_alibi_b, stride_alibi_h,
     n_heads, kv_group, total_q, total_k, scale, dropout_p, seed, MASK, SCORE,
+    ALPHA_CLASS: tl.constexpr, HEAD_FILTER: tl.constexpr,
     IS_VARLEN: tl.constexpr, BIAS_KIND: tl.constexpr, HAS_LIVE: tl.constexpr, LIVE_BLOCK_M: tl.constexpr,
     HAS_DROPOUT: tl.constexpr,
     NEED_DALPHA: tl.constexpr, NEED_DBIAS: tl.constexpr, NEED_DBIAS_ROWS: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """One program per (query tile ``pid_m``, q head ``h``, batch entry or sequence ``seq``): delta, dQ, d alpha."""
+    """One program per (query tile ``pid_m``, q head ``h``, batch entry or sequence ``seq``): delta, dQ, d alpha.
+
+    With ``HEAD_FILTER`` (one launch per alpha class) a program whose head is of another class returns at once.
+    """
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
     seq = tl.program_id(2)
+    alpha = tl.load(ALPHA + h)
+    if HEAD_FILTER:
+        if alpha_class_id(alpha) != ALPHA_CLASS:
+            return
     h_kv = h // kv_group
     b, q_start, seqlen_q, k_start, seqlen_k = seq_bounds(CU_SEQLENS_Q, CU_SEQLENS_K, seq, total_q, total_k, IS_VARLEN)
     if pid_m * BLOCK_M >= seqlen_q:
@@ -253,34 +287,22 @@ def _entmax_attn_bwd_dq_kernel(
     stat_offs = bh.to(tl.int64) * total_q + rows_global.to(tl.int64)
     tau = tl.load(TAU + stat_offs, mask=row_ok, other=float("inf"))
     lsum = tl.load(LSUM + stat_offs, mask=row_ok, other=0.0)
-    alpha = tl.load(ALPHA + h)
+
+    # delta = dO . (sum_j U v_j / sum_j U): out_u from the forward's value pass (the output at alpha = 1)
+    o_u = load_rows(slice_base(OUT_U, b, h, q_start, stride_oub, stride_ouh, stride_oum), rows, offs_d, stride_oum,
+                    stride_oud, row_ok, d_ok, False)
+    delta = tl.sum(do.to(tl.float32) * o_u.to(tl.float32), 1)
+    tl.store(DELTA + stat_offs, delta, mask=row_ok)
+    cu, cp, log_l = _row_factors(alpha, lsum)
+    inv_eps2 = 1.0 / tl.maximum((alpha - 1.0) * (alpha - 1.0), 1e-30)
 
     k_base = slice_base(K, b, h_kv, k_start, stride_kb, stride_kh, stride_kn)
     v_base = slice_base(V, b, h_kv, k_start, stride_vb, stride_vh, stride_vn)
     bias_base = bias_base_ptr(BIAS, b, h, q_start, k_start, stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n)
-    live_row = _live_row(LIVE, seq, h, pid_m.to(tl.int64), stride_live_b, stride_live_h, stride_live_m, BLOCK_M,
-                         LIVE_BLOCK_M)
+    live_row = (_live_base(LIVE, seq, h, stride_live_b, stride_live_h)
+                + (pid_m * BLOCK_M // LIVE_BLOCK_M).to(tl.int64) * stride_live_m)
     kt_lo, kt_hi = key_tile_range(pid_m, seqlen_q, seqlen_k, MASK, BLOCK_M, BLOCK_N)
     slope = alibi_slope(ALIBI, seq, h, stride_alibi_b, stride_alibi_h, SCORE)
-
-    if alpha == 1.0:
-        norm = lsum
-        o = load_rows(slice_base(OUT, b, h, q_start, stride_ob, stride_oh, stride_om), rows, offs_d, stride_om,
-                      stride_od, row_ok, d_ok, False)
-        delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
-    else:
-        # the row's own normalizer makes the weights sum to 1 in this kernel's arithmetic
-        norm, su, sud = _row_sums(
-            q, do, tau, tl.where(lsum > 0.0, 1.0, 0.0), alpha, scale, k_base, v_base, stride_kn, stride_kd,
-            stride_vn, stride_vd, bias_base, stride_bias_m, stride_bias_n, live_row, kt_lo, kt_hi, rows, rows_global,
-            seqlen_q, seqlen_k, k_start, total_k, offs_d, d_ok, seed, bh, dropout_p, MASK,
-            BIAS_KIND, HAS_LIVE, HAS_DROPOUT, UPCAST, DOT_PRECISION, BLOCK_M, BLOCK_N, slope, SCORE,
-        )
-        has_u = su > 0.0
-        delta = tl.where(has_u, sud / tl.where(has_u, su, 1.0), 0.0)
-    tl.store(DELTA + stat_offs, delta, mask=row_ok)
-    tl.store(NORM + stat_offs, norm, mask=row_ok)
-    cu, cp = _row_factors(alpha, norm)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     s_u = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -291,13 +313,15 @@ def _entmax_attn_bwd_dq_kernel(
     s_pld = tl.zeros([BLOCK_M], dtype=tl.float32)
     s_ds = tl.zeros([BLOCK_M], dtype=tl.float32)
     dbias_base = DBIAS + bh.to(tl.int64) * total_q * total_k
-    for kt in range(kt_lo, kt_hi):
-        if _is_live(live_row, kt, HAS_LIVE) != 0:
-            p, u, dp, pd, ds, ds_qk, k, cols_global, col_ok = _key_tile(
-                kt, q, do, tau, cu, cp, delta, alpha, scale, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                bias_base, stride_bias_m, stride_bias_n, rows, rows_global, seqlen_q, seqlen_k, k_start, total_k,
-                offs_d, d_ok, seed, bh, dropout_p, MASK, BIAS_KIND, HAS_DROPOUT, UPCAST, DOT_PRECISION, BLOCK_N,
-                slope, SCORE,
+    for wd in range(kt_lo // 32, tl.cdiv(kt_hi, 32)):
+        bits, rank, n_set = _row_tile_bits(live_row, wd, kt_lo, kt_hi, HAS_LIVE)
+        for i in range(0, n_set):
+            kt = live_tile(bits, rank, i, wd)
+            p, u, logp, dp, ds, ds_qk, k, cols_global, col_ok = _key_tile(
+                kt, q, do, tau, cu, cp, log_l, delta, alpha, scale, k_base, v_base, stride_kn, stride_kd, stride_vn,
+                stride_vd, bias_base, stride_bias_m, stride_bias_n, rows, rows_global, seqlen_q, seqlen_k, k_start,
+                total_k, offs_d, d_ok, seed, bh, dropout_p, MASK, ALPHA_CLASS, BIAS_KIND, HAS_DROPOUT, UPCAST,
+                DOT_PRECISION, BLOCK_N, slope, SCORE,
             )
             dq += tl.dot(ds_qk.to(k.dtype), k, input_precision=DOT_PRECISION)
             if NEED_DBIAS:
@@ -306,7 +330,7 @@ def _entmax_attn_bwd_dq_kernel(
             if NEED_DBIAS_ROWS:
                 s_ds += tl.sum(ds, 1)
             if NEED_DALPHA:
-                plogp, pg = _dalpha_terms(p, u, alpha)
+                plogp, pg = _dalpha_terms(p, u, logp, alpha, inv_eps2)
                 s_u += tl.sum(u, 1)
                 s_pd += tl.sum(p * dp, 1)
                 s_pl += tl.sum(plogp, 1)
@@ -327,7 +351,7 @@ def _entmax_attn_bwd_dq_kernel(
 
 @triton.jit
 def _entmax_attn_bwd_dkdv_kernel(
-    Q, K, V, DO, TAU, NORM, DELTA, ALPHA, BIAS, LIVE, CU_SEQLENS_Q, CU_SEQLENS_K, ALIBI,
+    Q, K, V, DO, TAU, LSUM, DELTA, ALPHA, BIAS, LIVE, CU_SEQLENS_Q, CU_SEQLENS_K, ALIBI,
     DK, DV, DBIAS_COLS,
     stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd, stride_dob, stride_doh, stride_dom, stride_dod,
@@ -335,13 +359,19 @@ def _entmax_attn_bwd_dkdv_kernel(
     stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n, stride_live_b, stride_live_h, stride_live_m,
     stride_alibi_b, stride_alibi_h,
     n_heads, kv_group, total_q, total_k, scale, dropout_p, seed, MASK, SCORE,
+    ALPHA_CLASS: tl.constexpr, HEAD_FILTER: tl.constexpr,
     IS_VARLEN: tl.constexpr, BIAS_KIND: tl.constexpr, HAS_LIVE: tl.constexpr, LIVE_BLOCK_M: tl.constexpr,
     HAS_DROPOUT: tl.constexpr,
     NEED_DBIAS_COLS: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """One program per (key tile ``pid_n``, kv head ``h_kv``, batch entry or sequence ``seq``): dK, dV, d bias cols."""
+    """One program per (key tile ``pid_n``, kv head ``h_kv``, batch entry or sequence ``seq``): dK, dV, d bias cols.
+
+    With ``HEAD_FILTER`` (one launch per alpha class) only the group's heads of this class are summed, and added to
+    what the launches before wrote (the launcher zeroes ``DK``, ``DV``, float32 partials for GQA in fp16/bf16); a
+    program with none of them writes nothing.
+    """
     pid_n = tl.program_id(0)
     h_kv = tl.program_id(1)
     seq = tl.program_id(2)
@@ -358,50 +388,62 @@ def _entmax_attn_bwd_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     qt_lo, qt_hi = query_tile_range(pid_n, seqlen_q, seqlen_k, MASK, BLOCK_M, BLOCK_N)
+    n_done = tl.zeros([], dtype=tl.int32)
     for g in range(0, kv_group):
         h = h_kv * kv_group + g
-        bh = b * n_heads + h
         alpha = tl.load(ALPHA + h)
-        slope = alibi_slope(ALIBI, seq, h, stride_alibi_b, stride_alibi_h, SCORE)
-        q_base = slice_base(Q, b, h, q_start, stride_qb, stride_qh, stride_qm)
-        do_base = slice_base(DO, b, h, q_start, stride_dob, stride_doh, stride_dom)
-        bias_base = bias_base_ptr(BIAS, b, h, q_start, k_start, stride_bias_b, stride_bias_h, stride_bias_m,
-                                  stride_bias_n)
-        col_ds = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for qt in range(qt_lo, qt_hi):
-            live_row = _live_row(LIVE, seq, h, qt, stride_live_b, stride_live_h, stride_live_m, BLOCK_M,
-                                 LIVE_BLOCK_M)
-            if _is_live(live_row, pid_n, HAS_LIVE) != 0:
-                rows, rows_global, row_ok = tile_indices(qt, q_start, seqlen_q, BLOCK_M)
-                q, do, tau, delta, cu, cp = _query_rows(
-                    q_base, do_base, TAU, NORM, DELTA, bh, total_q, rows, rows_global, row_ok, offs_d, d_ok, alpha,
-                    stride_qm, stride_qd, stride_dom, stride_dod, UPCAST,
-                )
-                p, u, dp, pd, ds, ds_qk = _tile(
-                    q, do, k, v, tau, cu, cp, delta, alpha, scale, bias_base, stride_bias_m, stride_bias_n, rows, cols,
-                    seqlen_q, seqlen_k, rows_global, cols_global, total_k, seed, bh, dropout_p, MASK, BIAS_KIND,
-                    HAS_DROPOUT, DOT_PRECISION, slope, SCORE,
-                )
-                dv += tl.dot(tl.trans(pd).to(do.dtype), do, input_precision=DOT_PRECISION)
-                dk += tl.dot(tl.trans(ds_qk).to(q.dtype), q, input_precision=DOT_PRECISION)
-                if NEED_DBIAS_COLS:
-                    col_ds += tl.sum(ds, 0)
-        if NEED_DBIAS_COLS:
-            tl.store(DBIAS_COLS + bh.to(tl.int64) * total_k + cols_global.to(tl.int64), col_ds, mask=col_ok)
-    store_rows(slice_base(DK, b, h_kv, k_start, stride_dkb, stride_dkh, stride_dkn), cols, offs_d, stride_dkn,
-               stride_dkd, dk * scale, col_ok, d_ok)
-    store_rows(slice_base(DV, b, h_kv, k_start, stride_dvb, stride_dvh, stride_dvn), cols, offs_d, stride_dvn,
-               stride_dvd, dv, col_ok, d_ok)
+        if _in_launch(alpha, ALPHA_CLASS, HEAD_FILTER):
+            bh = b * n_heads + h
+            slope = alibi_slope(ALIBI, seq, h, stride_alibi_b, stride_alibi_h, SCORE)
+            q_base = slice_base(Q, b, h, q_start, stride_qb, stride_qh, stride_qm)
+            do_base = slice_base(DO, b, h, q_start, stride_dob, stride_doh, stride_dom)
+            bias_base = bias_base_ptr(BIAS, b, h, q_start, k_start, stride_bias_b, stride_bias_h, stride_bias_m,
+                                      stride_bias_n)
+            live_col = _live_base(LIVE, seq, h, stride_live_b, stride_live_h) + pid_n // 32
+            col_ds = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for c in range(qt_lo // 32, tl.cdiv(qt_hi, 32)):
+                bits, rank, n_set = _column_tile_bits(live_col, c, pid_n, qt_lo, qt_hi, stride_live_m, HAS_LIVE,
+                                                      BLOCK_M, LIVE_BLOCK_M)
+                for i in range(0, n_set):
+                    qt = live_tile(bits, rank, i, c)
+                    rows, rows_global, row_ok = tile_indices(qt, q_start, seqlen_q, BLOCK_M)
+                    q, do, tau, delta, cu, cp, log_l = _query_rows(
+                        q_base, do_base, TAU, LSUM, DELTA, bh, total_q, rows, rows_global, row_ok, offs_d, d_ok,
+                        alpha, stride_qm, stride_qd, stride_dom, stride_dod, UPCAST,
+                    )
+                    p, u, logp, dp, pd, ds, ds_qk = _tile(
+                        q, do, k, v, tau, cu, cp, log_l, delta, alpha, scale, bias_base, stride_bias_m,
+                        stride_bias_n, rows, cols, seqlen_q, seqlen_k, rows_global, cols_global, total_k, seed, bh,
+                        dropout_p, MASK, ALPHA_CLASS, BIAS_KIND, HAS_DROPOUT, DOT_PRECISION, slope, SCORE,
+                    )
+                    dv += tl.dot(tl.trans(pd).to(do.dtype), do, input_precision=DOT_PRECISION)
+                    dk += tl.dot(tl.trans(ds_qk).to(q.dtype), q, input_precision=DOT_PRECISION)
+                    if NEED_DBIAS_COLS:
+                        col_ds += tl.sum(ds, 0)
+            if NEED_DBIAS_COLS:
+                tl.store(DBIAS_COLS + bh.to(tl.int64) * total_k + cols_global.to(tl.int64), col_ds, mask=col_ok)
+            n_done += 1
+    dk = dk * scale
+    dk_base = slice_base(DK, b, h_kv, k_start, stride_dkb, stride_dkh, stride_dkn)
+    dv_base = slice_base(DV, b, h_kv, k_start, stride_dvb, stride_dvh, stride_dvn)
+    write = col_ok
+    if HEAD_FILTER:
+        write = col_ok & (tl.zeros([BLOCK_N], tl.int32) + n_done > 0)  # a [BLOCK_N] mask: the interpreter needs one
+        dk += load_rows(dk_base, cols, offs_d, stride_dkn, stride_dkd, write, d_ok, False).to(tl.float32)
+        dv += load_rows(dv_base, cols, offs_d, stride_dvn, stride_dvd, write, d_ok, False).to(tl.float32)
+    store_rows(dk_base, cols, offs_d, stride_dkn, stride_dkd, dk, write, d_ok)
+    store_rows(dv_base, cols, offs_d, stride_dvn, stride_dvd, dv, write, d_ok)
 
 
 @triton.jit
 def _entmax_attn_bwd_dbias_kernel(
-    Q, K, V, DO, TAU, NORM, DELTA, ALPHA, BIAS, LIVE, CU_SEQLENS_Q, CU_SEQLENS_K, ALIBI, DBIAS,
+    Q, K, V, DO, TAU, LSUM, DELTA, ALPHA, BIAS, LIVE, CU_SEQLENS_Q, CU_SEQLENS_K, ALIBI, DBIAS,
     stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd, stride_dob, stride_doh, stride_dom, stride_dod,
     stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n, stride_live_b, stride_live_h, stride_live_m,
     stride_dbias_b, stride_dbias_h, stride_alibi_b, stride_alibi_h,
     n_heads, kv_group, total_q, total_k, scale, dropout_p, seed, MASK, SCORE, n_b_loop, n_h_loop,
+    ALPHA_CLASS: tl.constexpr, HEAD_FILTER: tl.constexpr,
     IS_VARLEN: tl.constexpr, BIAS_KIND: tl.constexpr, HAS_LIVE: tl.constexpr, LIVE_BLOCK_M: tl.constexpr,
     HAS_DROPOUT: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -412,7 +454,8 @@ def _entmax_attn_bwd_dbias_kernel(
     One program per (query tile, mask head, mask batch entry or sequence) owns its ``(Nq, Nk)``
     block of ``DBIAS`` (zero-initialized) and adds ``dS`` of every (batch, head) the mask is
     broadcast over, in a fixed order: no atomics. With ``n_b_loop`` / ``n_h_loop`` > 1 the grid
-    axis 2 / 1 has one program and ``b`` / ``h`` run over ``range(n_b_loop)`` / ``range(n_h_loop)``.
+    axis 2 / 1 has one program and ``b`` / ``h`` run over ``range(n_b_loop)`` / ``range(n_h_loop)``. With
+    ``HEAD_FILTER`` (one launch per alpha class) the heads of other classes are skipped.
     """
     pid_m = tl.program_id(0)
     pid_h = tl.program_id(1)
@@ -432,35 +475,107 @@ def _entmax_attn_bwd_dbias_kernel(
             bh = b * n_heads + h
             alpha = tl.load(ALPHA + h)
             slope = alibi_slope(ALIBI, seq, h, stride_alibi_b, stride_alibi_h, SCORE)
-            q, do, tau, delta, cu, cp = _query_rows(
+            q, do, tau, delta, cu, cp, log_l = _query_rows(
                 slice_base(Q, b, h, q_start, stride_qb, stride_qh, stride_qm),
-                slice_base(DO, b, h, q_start, stride_dob, stride_doh, stride_dom), TAU, NORM, DELTA, bh, total_q, rows,
+                slice_base(DO, b, h, q_start, stride_dob, stride_doh, stride_dom), TAU, LSUM, DELTA, bh, total_q, rows,
                 rows_global, row_ok, offs_d, d_ok, alpha, stride_qm, stride_qd, stride_dom, stride_dod, UPCAST,
             )
             k_base = slice_base(K, b, h_kv, k_start, stride_kb, stride_kh, stride_kn)
             v_base = slice_base(V, b, h_kv, k_start, stride_vb, stride_vh, stride_vn)
             bias_base = bias_base_ptr(BIAS, b, h, q_start, k_start, stride_bias_b, stride_bias_h, stride_bias_m,
                                       stride_bias_n)
-            live_row = _live_row(LIVE, seq, h, pid_m.to(tl.int64), stride_live_b, stride_live_h, stride_live_m,
-                                 BLOCK_M, LIVE_BLOCK_M)
-            for kt in range(kt_lo, kt_hi):
-                if _is_live(live_row, kt, HAS_LIVE) != 0:
-                    p, u, dp, pd, ds, ds_qk, k, cols_global, col_ok = _key_tile(
-                        kt, q, do, tau, cu, cp, delta, alpha, scale, k_base, v_base, stride_kn, stride_kd, stride_vn,
-                        stride_vd, bias_base, stride_bias_m, stride_bias_n, rows, rows_global, seqlen_q, seqlen_k,
-                        k_start, total_k, offs_d, d_ok, seed, bh, dropout_p, MASK, BIAS_KIND, HAS_DROPOUT, UPCAST,
-                        DOT_PRECISION, BLOCK_N, slope, SCORE,
+            live_row = (_live_base(LIVE, seq, h, stride_live_b, stride_live_h)
+                        + (pid_m * BLOCK_M // LIVE_BLOCK_M).to(tl.int64) * stride_live_m)
+            kt_end = tl.where(_in_launch(alpha, ALPHA_CLASS, HEAD_FILTER), kt_hi, kt_lo)  # no tiles: another launch's
+            for wd in range(kt_lo // 32, tl.cdiv(kt_end, 32)):
+                bits, rank, n_set = _row_tile_bits(live_row, wd, kt_lo, kt_end, HAS_LIVE)
+                for i in range(0, n_set):
+                    kt = live_tile(bits, rank, i, wd)
+                    p, u, logp, dp, ds, ds_qk, k, cols_global, col_ok = _key_tile(
+                        kt, q, do, tau, cu, cp, log_l, delta, alpha, scale, k_base, v_base, stride_kn, stride_kd,
+                        stride_vn, stride_vd, bias_base, stride_bias_m, stride_bias_n, rows, rows_global, seqlen_q,
+                        seqlen_k, k_start, total_k, offs_d, d_ok, seed, bh, dropout_p, MASK, ALPHA_CLASS, BIAS_KIND,
+                        HAS_DROPOUT, UPCAST, DOT_PRECISION, BLOCK_N, slope, SCORE,
                     )
                     ptrs = dbias_base + rows_global.to(tl.int64)[:, None] * total_k + cols_global.to(tl.int64)[None, :]
                     ok = row_ok[:, None] & col_ok[None, :]
                     tl.store(ptrs, tl.load(ptrs, mask=ok, other=0.0) + ds, mask=ok)
 
 
-def _check_args(do, q, k, v, out, tau, lsum, bias, cu_seqlens_q, cu_seqlens_k, live, block_m, block_n):
+def _pick_config(head_dim: int, interpret: bool) -> dict:
+    """``{kernel: (block_m, num_warps, num_stages)}`` for ``"dq"``, ``"dkdv"``, ``"dbias"``: the query-tile rows (at
+    most; they must divide the forward's) and the pinned launch config of each backward kernel for this head dim. On a
+    GPU these are the configs of the offline sm_90 builds (docs/backward.md), free of spills, and the first
+    ``triton.autotune`` tries; the interpreter runs them as is."""
+    if interpret:
+        return dict.fromkeys(("dq", "dkdv", "dbias"), (_DEFAULT_BLOCK, 4, 1))
+    head_dim_block = _common.head_dim_block(head_dim)
+    # (block_m, num_warps): the largest query tiles whose builds do not spill with every flag on (d alpha and the
+    # dense d bias tiles in the dQ kernel, column sums in the dK/dV kernel); the key tiles are the forward's
+    if head_dim_block <= 64:
+        tiles = dict(dq=(32, 8), dkdv=(64, 4), dbias=(64, 4))
+    elif head_dim_block <= 128:
+        tiles = dict(dq=(32, 4), dkdv=(32, 8), dbias=(64, 8))
+    else:
+        tiles = dict(dq=(16, 4), dkdv=(16, 8), dbias=(64, 8))
+    return {name: (block_m, warps, 2) for name, (block_m, warps) in tiles.items()}
+
+
+def _autotune_configs():
+    """GPU configs tried by ``triton.autotune`` (warps and pipeline stages only; the tiles are the launcher's),
+    pruned per launch to the pinned config of its head dim first and two neighbours (``_prune_configs``)."""
+    return [triton.Config({}, num_warps=w, num_stages=s) for w in (4, 8) for s in (1, 2, 3)]
+
+
+def _prune_configs(kernel: str):
+    """``early_config_prune`` of ``kernel``'s autotuner: its pinned config for the launch's head dim first, then one
+    more pipeline stage, then the other warp count."""
+
+    def prune(configs, named_args, **kwargs):
+        _, warps, stages = _pick_config({**named_args, **kwargs}["HEAD_DIM"], False)[kernel]
+        keep = [(warps, stages), (warps, stages + 1), ({4: 8, 8: 4}[warps], stages)]
+        return [c for w_s in keep for c in configs if (c.num_warps, c.num_stages) == w_s]
+    return prune
+
+
+_TUNE_KEY = ["HEAD_DIM", "BLOCK_M", "BLOCK_N", "ALPHA_CLASS", "HEAD_FILTER", "BIAS_KIND", "MASK", "IS_VARLEN",
+             "HAS_LIVE", "HAS_DROPOUT", "DOT_PRECISION"]
+# on a GPU each kernel is autotuned per head dim, tile, alpha class, feature flags and precision; the interpreter
+# runs the pinned config (autotuning several fails there)
+_entmax_attn_bwd_dq_autotuned = triton.autotune(
+    configs=_autotune_configs(), key=_TUNE_KEY + ["NEED_DALPHA", "NEED_DBIAS", "NEED_DBIAS_ROWS"],
+    prune_configs_by={"early_config_prune": _prune_configs("dq")},
+)(_entmax_attn_bwd_dq_kernel)
+# the dK/dV kernel adds into DK, DV with HEAD_FILTER, the dbias kernel into DBIAS: every autotuning run restores them
+_entmax_attn_bwd_dkdv_autotuned = triton.autotune(
+    configs=_autotune_configs(), key=_TUNE_KEY + ["NEED_DBIAS_COLS"], restore_value=["DK", "DV"],
+    prune_configs_by={"early_config_prune": _prune_configs("dkdv")},
+)(_entmax_attn_bwd_dkdv_kernel)
+_entmax_attn_bwd_dbias_autotuned = triton.autotune(
+    configs=_autotune_configs(), key=_TUNE_KEY, restore_value=["DBIAS"],
+    prune_configs_by={"early_config_prune": _prune_configs("dbias")},
+)(_entmax_attn_bwd_dbias_kernel)
+
+
+def _launch(name: str, grid: tuple, args: dict, alpha_class: str) -> None:
+    """Launch kernel ``name`` (``"dq"``, ``"dkdv"``, ``"dbias"``) once per alpha class (``_common.class_launches``):
+    autotuned on a GPU, pinned under the interpreter."""
+    for cls, head_filter in _common.class_launches(alpha_class):
+        launch = dict(args, ALPHA_CLASS=cls, HEAD_FILTER=head_filter)
+        if _common.interpreting():
+            _, warps, stages = _pick_config(args["HEAD_DIM"], True)[name]
+            globals()[f"_entmax_attn_bwd_{name}_kernel"][grid](**launch, num_warps=warps, num_stages=stages)
+        else:
+            globals()[f"_entmax_attn_bwd_{name}_autotuned"][grid](**launch)
+
+
+def _check_args(do, q, k, v, out, out_u, tau, lsum, bias, cu_seqlens_q, cu_seqlens_k, live, block_m, block_n):
     """Cheap consistency asserts; ``sparse_attn.entmax_attention`` validates user input before this."""
     assert q.ndim == 4 and q.dtype in (torch.float16, torch.bfloat16, torch.float32), f"q: got {q.dtype} {q.shape}"
     assert all(t.dtype == q.dtype and t.device == q.device for t in (k, v, do, out)), "k, v, do, out: q's dtype"
     assert do.shape == q.shape and out.shape == q.shape, f"do, out: expected shape {tuple(q.shape)}"
+    assert out_u is None or (out_u.shape == q.shape and out_u.dtype in (torch.float32, q.dtype)), (
+        "out_u: expected q's shape, float32 (or q's dtype)")
     assert v.shape == k.shape and k.ndim == 4 and k.shape[0] == q.shape[0] and k.shape[3] == q.shape[3], "k, v: shape"
     assert k.shape[1] > 0 and q.shape[1] % k.shape[1] == 0, f"k: kv heads must divide {q.shape[1]}, got {k.shape[1]}"
     assert all(t.shape == q.shape[:3] and t.dtype == torch.float32 for t in (tau, lsum)), "tau, lsum: (B, Hq, Nq) fp32"
@@ -488,9 +603,9 @@ def _zero_grads(q, k, v, bias, need_dalpha, need_dbias):
     return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), dalpha, dbias
 
 
-# what the kernels write: gradients, per-row delta / norm / d alpha partials, and the d bias accumulation
+# what the kernels write: gradients, per-row delta / d alpha partials, and the d bias accumulation
 # mode (``_masking.dbias_mode``, None when not needed) with its buffers
-_Buffers = namedtuple("_Buffers", "dq dk dv delta norm dalpha_rows mode dbias dbias_rows dbias_cols")
+_Buffers = namedtuple("_Buffers", "dq dk dv delta dalpha_rows mode dbias dbias_rows dbias_cols")
 
 
 def _buffers(q, k, v, bias, is_varlen, need_dalpha, need_dbias) -> _Buffers:
@@ -505,30 +620,29 @@ def _buffers(q, k, v, bias, is_varlen, need_dalpha, need_dbias) -> _Buffers:
     mode = _masking.dbias_mode(bias, full) if need_dbias else None
     zeros32 = dict(dtype=torch.float32, device=q.device)
     return _Buffers(
-        dq, dk, dv, delta, torch.empty_like(delta), torch.zeros_like(delta) if need_dalpha else delta, mode,
+        dq, dk, dv, delta, torch.zeros_like(delta) if need_dalpha else delta, mode,
         torch.zeros(full, **zeros32) if mode == "dense" else delta,
         torch.zeros(full[:3], **zeros32) if mode == "rows" else delta,
         torch.zeros((*full[:2], full[3]), **zeros32) if mode == "cols" else delta,
     )
 
 
-def _common_args(q, k, v, do, tau, alpha, bias, cu_seqlens_q, cu_seqlens_k, live, scale, is_causal, window_size,
-                 alibi_slopes, softcap, dropout_p, seed, plan: _masking.TilePlan, live_block_m: int) -> dict:
-    """Keyword arguments (and launch options) the three backward kernels share."""
+def _common_args(q, k, v, do, tau, lsum, alpha, bias, cu_seqlens_q, cu_seqlens_k, live, scale, is_causal, dropout_p,
+                 seed, live_block_m: int, block_n: int, window_size=None, alibi_slopes=None, softcap=None) -> dict:
+    """Keyword arguments the three backward kernels share."""
     args = _common.attention_args(q, k, v, alpha, bias, cu_seqlens_q, cu_seqlens_k, scale, is_causal, dropout_p, seed,
                                   window_size, alibi_slopes, softcap)
     return dict(
-        args, DO=do, TAU=tau.contiguous(), **_common.stride_args("stride_do", do, "bhmd"), **_live_args(live, q),
-        HAS_LIVE=live is not None, LIVE_BLOCK_M=live_block_m, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
-        num_warps=4 if args["BLOCK_D"] <= 64 else 8, num_stages=1,
+        args, DO=do, TAU=tau.contiguous(), LSUM=lsum.contiguous(), **_common.stride_args("stride_do", do, "bhmd"),
+        **_live_args(live, q), HAS_LIVE=live is not None, LIVE_BLOCK_M=live_block_m, BLOCK_N=block_n,
     )
 
 
 def entmax_attn_bwd(
     do, q, k, v, out, tau, lsum, alpha, scale, bias=None, is_causal=False, cu_seqlens_q=None,
     cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, dropout_p=0.0, seed=0,
-    live=None, block_m=None, block_n=None, need_dalpha=False, need_dbias=False, window_size=None,
-    alibi_slopes=None, softcap=None,
+    live=None, block_m=None, block_n=None, need_dalpha=False, need_dbias=False, *, out_u=None, alpha_class=None,
+    window_size=None, alibi_slopes=None, softcap=None,
 ):
     """Gradients of alpha-entmax attention from the forward's per-row statistics.
 
@@ -539,12 +653,11 @@ def entmax_attn_bwd(
         do: ``(B, Hq, Nq, D)`` gradient of the output, same dtype as ``q``; any strides.
         q: ``(B, Hq, Nq, D)`` queries, float16 / bfloat16 / float32; any strides. ``16 <= D <= 256``.
         k, v: ``(B, Hk, Nk, D)`` keys and values, dtype of ``q``; ``Hq % Hk == 0`` (GQA/MQA).
-        out: ``(B, Hq, Nq, D)`` forward output (used for ``delta = dO . O`` on alpha = 1 heads).
+        out: ``(B, Hq, Nq, D)`` forward output (``delta = dO . O`` when ``out_u`` is None: softmax only).
         tau, lsum: float32 ``(B, Hq, Nq)`` forward statistics (``docs/design.md``): for
             alpha > 1, ``p = [(alpha-1) s - tau]_+^(1/(alpha-1)) / lsum``; for alpha = 1,
             ``p = exp(s - tau)``. ``lsum == 0`` marks a row with no valid key (zero gradients).
-            For alpha > 1 the kernel renormalizes with its own ``sum_j r^beta`` (docs/backward.md),
-            so ``lsum`` is only read as that flag.
+            The forward's value pass sums its weights at exactly the saved ``tau``, so ``lsum`` normalizes them.
         alpha: float32 ``(Hq,)`` per-head alpha in ``[1, 2]`` (a Python float is broadcast).
         scale: float, scores are ``scale * q . k + bias``.
         bias: optional float tensor broadcastable (zero strides allowed) to ``(B, Hq, Nq, Nk)``;
@@ -560,6 +673,12 @@ def entmax_attn_bwd(
             the backward's query tiles have ``min(block_m, 64)`` rows and its key tiles ``block_n`` keys.
         need_dalpha: also return the alpha gradient. Default False.
         need_dbias: also return the bias gradient. Default False.
+        out_u: ``(B, Hq, Nq, D)`` float32 (or ``q.dtype``), the forward's ``sum_j U_ij v_j / sum_j U_ij``
+            (``entmax_attn_fwd(..., need_out_u=True).out_u``), from which ``delta = dO . out_u``; may be None
+            when every head is softmax (then ``out`` serves, rounded to ``q.dtype``). Default None.
+        alpha_class: compile-time alpha class as in ``entmax_attn_fwd`` (``"softmax"``, ``"sparsemax"``,
+            ``"entmax15"``, ``"general"`` or ``"mixed"``: one filtered launch of each kernel per class); default from
+            the values of a Python float or a CPU tensor (no device sync), else ``"mixed"``.
         window_size, alibi_slopes, softcap: the forward's sliding window, ALiBi slopes and soft cap
             (``entmax_attn_fwd``), or None.
 
@@ -575,48 +694,67 @@ def entmax_attn_bwd(
     Raises:
         ValueError: more than 65535 heads or batch entries (sequences) (``_masking.tile_plan``).
     """
-    _check_args(do, q, k, v, out, tau, lsum, bias, cu_seqlens_q, cu_seqlens_k, live, block_m, block_n)
+    _check_args(do, q, k, v, out, out_u, tau, lsum, bias, cu_seqlens_q, cu_seqlens_k, live, block_m, block_n)
     n_heads = q.shape[1]
     if q.shape[0] * n_heads * q.shape[2] == 0 or k.shape[2] == 0:
         return _zero_grads(q, k, v, bias, need_dalpha, need_dbias)
+    config = _pick_config(q.shape[3], _common.interpreting())
     # the bitmap's tiles are the forward's (block_m x block_n); the backward's query tiles divide them
     live_m = _DEFAULT_BLOCK if block_m is None else int(block_m)
     block_n = _DEFAULT_BLOCK if block_n is None else int(block_n)
     live_plan = _masking.tile_plan(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, live_m, block_n)
     live_shape = (live_plan.n_seq, n_heads, live_plan.n_q_tiles, live_plan.n_words)
     assert live is None or (live.shape == live_shape and live.dtype == torch.int32), f"live: expected {live_shape}"
-    plan = _masking.tile_plan(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                              min(live_m, _DEFAULT_BLOCK), block_n)
+    alpha_class = _common.resolve_alpha_class(alpha, alpha_class)
+    assert out_u is not None or alpha_class == "softmax", (
+        "out_u: required unless every head has alpha = 1 (entmax_attn_fwd(..., need_out_u=True).out_u)")
+    # query tiles of each kernel: at most its configured rows, dividing the forward's
+    plans = {name: _masking.tile_plan(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                      min(live_m, block_m), block_n) for name, (block_m, *_) in config.items()}
     buf = _buffers(q, k, v, bias, cu_seqlens_q is not None, need_dalpha, need_dbias)
-    common = _common_args(q, k, v, do, tau, alpha, bias, cu_seqlens_q, cu_seqlens_k, live, scale, is_causal,
-                          window_size, alibi_slopes, softcap, dropout_p, seed, plan, live_m)
-    _entmax_attn_bwd_dq_kernel[(plan.n_q_tiles, n_heads, plan.n_seq)](
-        OUT=out, LSUM=lsum.contiguous(), DQ=buf.dq, DELTA=buf.delta, NORM=buf.norm, DALPHA=buf.dalpha_rows,
-        DBIAS=buf.dbias, DBIAS_ROWS=buf.dbias_rows, **_common.stride_args("stride_o", out, "bhmd"),
-        **_common.stride_args("stride_dq", buf.dq, "bhmd"), NEED_DALPHA=bool(need_dalpha),
-        NEED_DBIAS=buf.mode == "dense", NEED_DBIAS_ROWS=buf.mode == "rows", **common,
-    )
-    common.update(NORM=buf.norm, DELTA=buf.delta)
-    _entmax_attn_bwd_dkdv_kernel[(plan.n_k_tiles, k.shape[1], plan.n_seq)](
-        DK=buf.dk, DV=buf.dv, DBIAS_COLS=buf.dbias_cols, **_common.stride_args("stride_dk", buf.dk, "bhnd"),
-        **_common.stride_args("stride_dv", buf.dv, "bhnd"), NEED_DBIAS_COLS=buf.mode == "cols", **common,
-    )
+    if alpha_class == "mixed" and n_heads > k.shape[1] and k.dtype != torch.float32:
+        # each class launch of the dK/dV kernel adds the group's heads of its class: partial sums in float32
+        buf = buf._replace(dk=torch.zeros(k.shape, dtype=torch.float32, device=k.device),
+                           dv=torch.zeros(v.shape, dtype=torch.float32, device=v.device))
+    elif alpha_class == "mixed":
+        # one class per dK/dV row (no GQA), or float32 already: the launches add into zeros exactly
+        buf.dk.zero_()
+        buf.dv.zero_()
+    common = _common_args(q, k, v, do, tau, lsum, alpha, bias, cu_seqlens_q, cu_seqlens_k, live, scale, is_causal,
+                          dropout_p, seed, live_m, block_n, window_size, alibi_slopes, softcap)
+    out_u = out if out_u is None else out_u
+    plan = plans["dq"]
+    _launch("dq", (plan.n_q_tiles, n_heads, plan.n_seq), dict(
+        common, OUT_U=out_u, DQ=buf.dq, DELTA=buf.delta, DALPHA=buf.dalpha_rows, DBIAS=buf.dbias,
+        DBIAS_ROWS=buf.dbias_rows, **_common.stride_args("stride_ou", out_u, "bhmd"),
+        **_common.stride_args("stride_dq", buf.dq, "bhmd"),
+        NEED_DALPHA=bool(need_dalpha), NEED_DBIAS=buf.mode == "dense", NEED_DBIAS_ROWS=buf.mode == "rows",
+        BLOCK_M=plan.block_m,
+    ), alpha_class)
+    common.update(DELTA=buf.delta)
+    plan = plans["dkdv"]
+    _launch("dkdv", (plan.n_k_tiles, k.shape[1], plan.n_seq), dict(
+        common, DK=buf.dk, DV=buf.dv, DBIAS_COLS=buf.dbias_cols, **_common.stride_args("stride_dk", buf.dk, "bhnd"),
+        **_common.stride_args("stride_dv", buf.dv, "bhnd"), NEED_DBIAS_COLS=buf.mode == "cols", BLOCK_M=plan.block_m,
+    ), alpha_class)
     dalpha = buf.dalpha_rows.double().sum(dim=(0, 2)).float() if need_dalpha else None
+    buf = buf._replace(dk=buf.dk.to(k.dtype), dv=buf.dv.to(v.dtype))  # no copy unless float32 partials
     if buf.mode is None:
         return buf.dq, buf.dk, buf.dv, dalpha, None
     if buf.mode == "blocks":
-        dbias = _dbias_blocks(_masking.mask_shape4(bias), cu_seqlens_q is not None, plan, n_heads, common)
+        dbias = _dbias_blocks(_masking.mask_shape4(bias), cu_seqlens_q is not None, plans["dbias"], n_heads,
+                              dict(common, BLOCK_M=plans["dbias"].block_m), alpha_class)
     else:
         dbias = {"rows": buf.dbias_rows[..., None], "cols": buf.dbias_cols[:, :, None]}.get(buf.mode, buf.dbias)
     return buf.dq, buf.dk, buf.dv, dalpha, _masking.sum_to_mask(dbias, bias)
 
 
-def _dbias_blocks(bias_shape, is_varlen, plan, n_heads, common):
+def _dbias_blocks(bias_shape, is_varlen, plan, n_heads, common, alpha_class):
     """d bias of a mask broadcast over batch and/or heads only, in the mask's 4-d shape (dbias kernel)."""
     dbias = torch.zeros(bias_shape, dtype=torch.float32, device=common["Q"].device)
     full_b, full_h = bias_shape[0] != 1 or is_varlen, bias_shape[1] != 1
-    _entmax_attn_bwd_dbias_kernel[(plan.n_q_tiles, n_heads if full_h else 1, plan.n_seq if full_b else 1)](
-        DBIAS=dbias, stride_dbias_b=0 if is_varlen else dbias.stride(0), stride_dbias_h=dbias.stride(1),
-        n_b_loop=1 if full_b else plan.n_seq, n_h_loop=1 if full_h else n_heads, **common,
-    )
+    _launch("dbias", (plan.n_q_tiles, n_heads if full_h else 1, plan.n_seq if full_b else 1), dict(
+        common, DBIAS=dbias, stride_dbias_b=0 if is_varlen else dbias.stride(0), stride_dbias_h=dbias.stride(1),
+        n_b_loop=1 if full_b else plan.n_seq, n_h_loop=1 if full_h else n_heads,
+    ), alpha_class)
     return dbias

@@ -11,7 +11,8 @@ without storing the scores ``z = (alpha - 1) * s``:
    threshold down to the dtype's tolerance: ``f``, ``g`` at ``CAND_P`` points of the certified bracket
    (kernels/_threshold.py), tiles with no score above the certified lower bound marked dead;
 3. a **value pass** over the live tiles accumulating ``sum_j p_ij v_j`` and ``sum_j p_ij``, divided at
-   the end so that every row sums to one.
+   the end so that every row sums to one; when gradients are needed also ``sum_j U_ij v_j`` and
+   ``sum_j U_ij`` (``U = p^(2 - alpha)``, the backward's ``delta``, docs/backward.md).
 
 alpha == 1 instead runs the whole flash-style online softmax in one pass. The alpha class
 (softmax, sparsemax, 1.5-entmax, other alpha, or mixed per head with a run-time branch) is a
@@ -30,8 +31,20 @@ import triton
 import triton.language as tl
 
 from . import _common, _masking
-from ._common import LN2, LOG2E, bias_base_ptr, dropout_keep, load_rows, slice_base
-from ._masking import alibi_slope, key_tile_range, mask_scores, seq_bounds, soft_cap
+from ._common import (
+    LN2,
+    LOG2E,
+    alpha_class_id,
+    bias_base_ptr,
+    class_launches,
+    dropout_keep,
+    load_rows,
+    resolve_alpha_class,
+    slice_base,
+    store_rows,
+)
+from ._common import alpha_class_of as alpha_class_of  # re-exported: the public place of the class rule
+from ._masking import alibi_slope, key_tile_range, live_tile, mask_scores, seq_bounds, soft_cap, word_bits
 from ._threshold import log_ref, merge_point, phi, point_sums, solve, weights
 
 DEFAULT_MAX_PASSES = 32
@@ -39,9 +52,6 @@ DEFAULT_MAX_PASSES = 32
 # the value pass renormalizes, and half-precision outputs round far above these (docs/kernels.md).
 _TOLERANCE = {torch.float16: 3e-4, torch.bfloat16: 1e-3, torch.float32: 1e-6}
 
-# ALPHA_CLASS values, one compiled path each. "mixed" alpha (classes unknown on the host) launches all four,
-# each over every head, and a program whose head is of another class returns at once (HEAD_FILTER).
-ALPHA_CLASSES = {"softmax": 0, "sparsemax": 1, "entmax15": 2, "general": 3}
 # (grid points, candidate points per later pass) by threshold arithmetic (POW 1: alpha = 2, 2: alpha = 1.5,
 # 0: other alpha); chosen in docs/kernels.md from the pass counts and the per-score cost model
 _POINTS = {1: (8, 4), 2: (8, 1), 0: (4, 1)}
@@ -50,6 +60,11 @@ class EntmaxAttnFwdResult(NamedTuple):
     """What :func:`entmax_attn_fwd` returns.
 
     out:         ``(B, Hq, Nq, D)`` in ``q.dtype``.
+    out_u:       float32 ``(B, Hq, Nq, D)``, ``sum_j U_ij v_j / sum_j U_ij`` with ``U = p^(2 - alpha)`` (dropout
+                 applied to the numerator's weights; the output before rounding on alpha = 1 heads, where
+                 ``U = p``), from which the backward takes ``delta = dO . out_u`` (docs/backward.md); only with
+                 ``need_out_u``, else None. Float32 because ``delta`` cancels against ``dP`` where the weights
+                 saturate: from an fp16/bf16 ``out_u`` its rounding would dominate the q and k gradients.
     tau:         float32 ``(B, Hq, Nq)``, threshold in the z-scale (logsumexp of the scores at alpha == 1),
                  ``+inf`` for rows with no valid key, NaN for rows with a NaN or ``+inf`` score.
     lsum:        float32 ``(B, Hq, Nq)``, ``sum_j [z_ij - tau_i]_+^beta`` (1 at alpha == 1, 0 for empty rows).
@@ -64,6 +79,7 @@ class EntmaxAttnFwdResult(NamedTuple):
     """
 
     out: torch.Tensor
+    out_u: torch.Tensor | None
     tau: torch.Tensor
     lsum: torch.Tensor
     nnz: torch.Tensor
@@ -100,26 +116,32 @@ def _value_tile(v_base, cols, seqlen_k, stride_vn, stride_vd, HEAD_DIM: tl.const
 
 
 @triton.jit
-def _apply_dropout(p, seed, bh, rows_global, cols_global, total_k, dropout_p, inv_keep, HAS_DROPOUT: tl.constexpr):
-    """Weights after dropout (kept ones scaled by ``inv_keep``). [BLOCK_M, BLOCK_N]"""
+def _apply_dropout(p, u, seed, bh, rows_global, cols_global, total_k, dropout_p, inv_keep, HAS_DROPOUT: tl.constexpr):
+    """Weights ``p`` and ``u`` after one dropout draw (kept ones scaled by ``inv_keep``). [BLOCK_M, BLOCK_N] each"""
     if HAS_DROPOUT:
         keep = dropout_keep(seed, bh, rows_global, cols_global, total_k, dropout_p)
         p = tl.where(keep, p * inv_keep, 0.0)
-    return p
+        u = tl.where(keep, u * inv_keep, 0.0)
+    return p, u
 
 
 @triton.jit
-def _word_bits(word):
-    """Bits ``[32]`` of a liveness word, their exclusive prefix counts and the number set."""
-    bits = (word >> tl.arange(0, 32)) & 1
-    return bits, tl.cumsum(bits, 0) - bits, tl.sum(bits, 0)
+def _u_weights(z, t, p, POW: tl.constexpr):
+    """``U = [z - tau]_+^(beta - 1)`` next to the value pass weights ``p = [z - tau]_+^beta`` at the thresholds ``t``
+    (``_threshold.weights``). [BLOCK_M, BLOCK_N]
 
-
-@triton.jit
-def _live_tile(word_bits, word_rank, i, w):
-    """Key tile of the ``i``-th set bit of liveness word ``w`` (``word_bits``/``word_rank`` from ``_word_bits``)."""
-    lane = tl.arange(0, 32)
-    return w * 32 + tl.sum(tl.where((word_bits != 0) & (word_rank == i), lane, 0), 0)
+    The general path divides ``p`` by ``r = 1 + (z - t)``: exact near the threshold (Sterbenz), one rounding near
+    alpha = 1, and no second ``log2`` / ``exp2`` per score.
+    """
+    if POW == 1:
+        u = tl.where(z > t[:, None], 1.0, 0.0)
+    elif POW == 2:
+        u = tl.where(z > t[:, None], z - t[:, None], 0.0)
+    else:
+        r = 1.0 + (z - t[:, None])
+        pos = r > 0.0
+        u = tl.where(pos, p / tl.where(pos, r, 1.0), 0.0)
+    return u
 
 
 @triton.jit
@@ -150,8 +172,8 @@ def _softmax_rows(q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo,
         lane = kt % 32
         word = tl.where(lane == 0, 0, word) | (tl.max(ok.to(tl.int32)) << lane)
         tl.store(live_base + kt // 32, word)
-        p = _apply_dropout(p, seed, bh, q_start + rows, k_start + cols, total_k, dropout_p, inv_keep,
-                           HAS_DROPOUT)
+        p, _ = _apply_dropout(p, p, seed, bh, q_start + rows, k_start + cols, total_k, dropout_p, inv_keep,
+                              HAS_DROPOUT)
         v = _value_tile(v_base, cols, seqlen_k, stride_vn, stride_vd, HEAD_DIM, BLOCK_D, UPCAST)
         acc = acc * corr[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m = m_new
@@ -170,11 +192,15 @@ def _entmax_rows(q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, 
                  POW: tl.constexpr, GRID_K: tl.constexpr, CAND_P: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
                  BLOCK_D: tl.constexpr, BIAS_KIND: tl.constexpr, MASK,
-                 HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, slope, SCORE):
+                 HAS_DROPOUT: tl.constexpr, NEED_OUT_U: tl.constexpr, UPCAST: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr, slope, SCORE):
     """alpha in (1, 2]: grid pass, candidate passes, value pass (module docstring).
 
-    Returns ``(out, tau, lsum, nnz, n_valid, n_passes, visits)``. Thresholds are carried as
-    ``theta = tau + shift`` (shift 1 on the general path POW 0, see kernels/_threshold.py).
+    Returns ``(out, out_u, tau, lsum, nnz, n_valid, n_passes, visits)``. Thresholds are carried as
+    ``theta = tau + shift`` (shift 1 on the general path POW 0, see kernels/_threshold.py). With ``NEED_OUT_U``
+    the value pass also accumulates ``sum_j U_ij v_j`` and ``sum_j U_ij`` (``U = p^(2 - alpha)`` up to a row
+    factor, dropout applied to the first): ``out_u`` is their ratio, from which the backward's ``delta`` is
+    ``dO . out_u`` (docs/backward.md); otherwise ``out_u`` is ``out``.
     """
     am1 = alpha - 1.0
     beta = 1.0 / am1
@@ -305,9 +331,9 @@ def _entmax_rows(q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, 
             word = tl.load(live_base + wd)
             new_word = tl.zeros([], tl.int32)
             if word != 0:
-                bits, rank, n_set = _word_bits(word)
+                bits, rank, n_set = word_bits(word)
                 for i in range(0, n_set):
-                    kt = _live_tile(bits, rank, i, wd)
+                    kt = live_tile(bits, rank, i, wd)
                     cols = kt * BLOCK_N + tl.arange(0, BLOCK_N)
                     z = _score_tile(q, k_base, bias_base, rows, cols, seqlen_q, seqlen_k,
                                     stride_kn, stride_kd, stride_bias_m, stride_bias_n, z_scale, am1,
@@ -378,13 +404,15 @@ def _entmax_rows(q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, 
     l_sum = zero
     nnz = tl.zeros([BLOCK_M], tl.int32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    u_sum = zero
+    acc_u = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for wd in range(0, n_words):
         word = tl.load(live_base + wd)
         new_word = tl.zeros([], tl.int32)
         if word != 0:
-            bits, rank, n_set = _word_bits(word)
+            bits, rank, n_set = word_bits(word)
             for i in range(0, n_set):
-                kt = _live_tile(bits, rank, i, wd)
+                kt = live_tile(bits, rank, i, wd)
                 cols = kt * BLOCK_N + tl.arange(0, BLOCK_N)
                 z = _score_tile(q, k_base, bias_base, rows, cols, seqlen_q, seqlen_k,
                                 stride_kn, stride_kd, stride_bias_m, stride_bias_n, z_scale, am1,
@@ -394,10 +422,16 @@ def _entmax_rows(q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, 
                 new_word = new_word | (live << (kt - wd * 32))
                 l_sum += tl.sum(p, 1)
                 nnz += tl.sum((p > 0.0).to(tl.int32), 1)
-                p = _apply_dropout(p, seed, bh, q_start + rows, k_start + cols, total_k, dropout_p,
-                                   inv_keep, HAS_DROPOUT)
+                u = p
+                if NEED_OUT_U:
+                    u = _u_weights(z, t_use, p, POW)
+                    u_sum += tl.sum(u, 1)
+                p, u = _apply_dropout(p, u, seed, bh, q_start + rows, k_start + cols, total_k, dropout_p,
+                                      inv_keep, HAS_DROPOUT)
                 v = _value_tile(v_base, cols, seqlen_k, stride_vn, stride_vd, HEAD_DIM, BLOCK_D, UPCAST)
                 acc += tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+                if NEED_OUT_U:
+                    acc_u += tl.dot(u.to(v.dtype), v, input_precision=DOT_PRECISION)
                 visits += 1
         tl.store(live_base + wd, new_word)
     n_passes += 1
@@ -406,25 +440,32 @@ def _entmax_rows(q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, 
     is_bad = bad != 0
     out = tl.where(ok[:, None], acc / l_safe[:, None], 0.0)
     out = tl.where(is_bad[:, None], float("nan"), out)
+    out_u = out
+    if NEED_OUT_U:
+        u_ok = ok & (u_sum > 0.0)
+        out_u = tl.where(u_ok[:, None], acc_u / tl.where(u_ok, u_sum, 1.0)[:, None], 0.0)
+        out_u = tl.where(is_bad[:, None], float("nan"), out_u)
     tau = tl.where(is_bad, float("nan"), tl.where(ok, tau_saved, float("inf")))
     l_out = tl.where(is_bad, float("nan"), tl.where(ok, l_sum, 0.0))
-    return out, tau, l_out, tl.where(ok, nnz, 0), n_valid, n_passes, visits
+    return out, out_u, tau, l_out, tl.where(ok, nnz, 0), n_valid, n_passes, visits
 
 
 @triton.jit
 def _entmax_attn_fwd_kernel(
-    Q, K, V, OUT, BIAS, ALPHA, TAU, LSUM, NNZ, N_VALID, LIVE, N_PASSES, TILE_VISITS, CU_SEQLENS_Q, CU_SEQLENS_K, ALIBI,
+    Q, K, V, OUT, OUT_U, BIAS, ALPHA, TAU, LSUM, NNZ, N_VALID, LIVE, N_PASSES, TILE_VISITS, CU_SEQLENS_Q,
+    CU_SEQLENS_K, ALIBI,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_oh, stride_om, stride_od,
+    stride_oub, stride_ouh, stride_oum, stride_oud,
     stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n, stride_alibi_b, stride_alibi_h,
     n_heads, kv_group, total_q, total_k, n_q_tiles, n_words,
     scale, tol, max_passes, seed, dropout_p, inv_keep, MASK, SCORE,
     ALPHA_CLASS: tl.constexpr, HEAD_FILTER: tl.constexpr, GRID_K1: tl.constexpr, CAND_P1: tl.constexpr,
     GRID_K2: tl.constexpr, CAND_P2: tl.constexpr, GRID_K0: tl.constexpr, CAND_P0: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BIAS_KIND: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    BIAS_KIND: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_DROPOUT: tl.constexpr, NEED_OUT_U: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """One program per (query tile, q head ``h``, batch entry or sequence ``seq``); see the module doc.
@@ -436,9 +477,7 @@ def _entmax_attn_fwd_kernel(
     seq = tl.program_id(2)
     if HEAD_FILTER:
         # one launch per alpha class over all heads: a program whose head is of another class has nothing to do
-        a_h = tl.load(ALPHA + h)
-        cls = tl.where(a_h == 1.0, 0, tl.where(a_h == 2.0, 1, tl.where(a_h == 1.5, 2, 3)))
-        if cls != ALPHA_CLASS:
+        if alpha_class_id(tl.load(ALPHA + h)) != ALPHA_CLASS:
             return
     b, q_start, seqlen_q, k_start, seqlen_k = seq_bounds(CU_SEQLENS_Q, CU_SEQLENS_K, seq, total_q, total_k, IS_VARLEN)
     h_kv = h // kv_group
@@ -450,9 +489,6 @@ def _entmax_attn_fwd_kernel(
 
     q_base = slice_base(Q, b, h, q_start, stride_qb, stride_qh, stride_qm)
     q = load_rows(q_base, rows, offs_d, stride_qm, stride_qd, row_ok, offs_d < HEAD_DIM, UPCAST)  # [BLOCK_M, BLOCK_D]
-    o_ptrs = (slice_base(OUT, b, h, q_start, stride_ob, stride_oh, stride_om)
-              + rows.to(tl.int64)[:, None] * stride_om + offs_d.to(tl.int64)[None, :] * stride_od)
-    o_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
     k_base = slice_base(K, b, h_kv, k_start, stride_kb, stride_kh, stride_kn)
     v_base = slice_base(V, b, h_kv, k_start, stride_vb, stride_vh, stride_vn)
     bias_base = bias_base_ptr(BIAS, b, h, q_start, k_start, stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n)
@@ -473,6 +509,7 @@ def _entmax_attn_fwd_kernel(
             stride_bias_n, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, BIAS_KIND, MASK, HAS_DROPOUT, UPCAST, DOT_PRECISION,
             slope, SCORE)
         passes = tl.full([], 1, tl.int32)
+        out_u = out  # U = p
     else:
         if ALPHA_CLASS == 1:
             POW: tl.constexpr = 1
@@ -488,15 +525,21 @@ def _entmax_attn_fwd_kernel(
             CAND_P: tl.constexpr = CAND_P0
         # unchecked device alpha outside [1, 2] (or NaN) reaches the general class: that head's outputs are NaN
         a_ok = (alpha >= 1.0) & (alpha <= 2.0)
-        out, tau, lsum, nnz, n_valid, passes, visits = _entmax_rows(
+        out, out_u, tau, lsum, nnz, n_valid, passes, visits = _entmax_rows(
             q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, kt_hi, n_words, live_base, scale,
             tl.where(a_ok, alpha, 1.5), tol, max_passes, seed, bh, q_start, k_start, total_k, dropout_p, inv_keep,
             stride_kn, stride_kd, stride_vn, stride_vd, stride_bias_m, stride_bias_n, POW, GRID_K, CAND_P, BLOCK_M,
-            BLOCK_N, HEAD_DIM, BLOCK_D, BIAS_KIND, MASK, HAS_DROPOUT, UPCAST, DOT_PRECISION, slope, SCORE)
+            BLOCK_N, HEAD_DIM, BLOCK_D, BIAS_KIND, MASK, HAS_DROPOUT, NEED_OUT_U, UPCAST, DOT_PRECISION, slope,
+            SCORE)
         out = tl.where(a_ok, out, float("nan"))
         tau = tl.where(a_ok, tau, float("nan"))
         lsum = tl.where(a_ok, lsum, float("nan"))
-    tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=o_mask)
+        out_u = tl.where(a_ok, out_u, float("nan"))
+    if NEED_OUT_U:
+        store_rows(slice_base(OUT_U, b, h, q_start, stride_oub, stride_ouh, stride_oum), rows, offs_d, stride_oum,
+                   stride_oud, out_u, row_ok, offs_d < HEAD_DIM)
+    store_rows(slice_base(OUT, b, h, q_start, stride_ob, stride_oh, stride_om), rows, offs_d, stride_om, stride_od, out,
+               row_ok, offs_d < HEAD_DIM)
     tl.store(TAU + stat_offs, tau, mask=row_ok)
     tl.store(LSUM + stat_offs, lsum, mask=row_ok)
     tl.store(NNZ + stat_offs, nnz, mask=row_ok)
@@ -517,7 +560,7 @@ def _autotune_configs():
 _entmax_attn_fwd_autotuned = triton.autotune(
     configs=_autotune_configs(),
     key=["HEAD_DIM", "BLOCK_M", "BLOCK_N", "ALPHA_CLASS", "HEAD_FILTER", "BIAS_KIND", "MASK", "SCORE", "IS_VARLEN",
-         "HAS_DROPOUT", "DOT_PRECISION"],
+         "HAS_DROPOUT", "NEED_OUT_U", "DOT_PRECISION"],
 )(_entmax_attn_fwd_kernel)
 
 
@@ -544,20 +587,6 @@ def fwd_block_sizes(head_dim: int) -> tuple:
     return block_m, block_n
 
 
-def alpha_class_of(alpha_values) -> str:
-    """The compile-time alpha class for known per-head alpha values (a sequence of floats in [1, 2])."""
-    vals = {float(a) for a in alpha_values}
-    if vals == {1.0}:
-        return "softmax"
-    if vals == {2.0}:
-        return "sparsemax"
-    if vals == {1.5}:
-        return "entmax15"
-    if vals and all(1.0 < a < 2.0 and a != 1.5 for a in vals):
-        return "general"
-    return "mixed"
-
-
 def default_tolerance(dtype: torch.dtype) -> float:
     """Bracket width (relative to ``1 + |tau|``) at which a row's threshold counts as found, by input dtype."""
     return _TOLERANCE[dtype]
@@ -581,6 +610,7 @@ def entmax_attn_fwd(
     max_passes: int | None = None,
     *,
     alpha_class: str | None = None,
+    need_out_u: bool = False,
     block_m: int | None = None,
     block_n: int | None = None,
     window_size: tuple | None = None,
@@ -622,6 +652,8 @@ def entmax_attn_fwd(
             1 and 2, none 1.5) or ``"mixed"`` (any alpha per head: one launch per class over every head, a
             program skipping heads of other classes; alpha outside [1, 2] or NaN gives NaN outputs for that
             head). Default: from the values for a Python float or a CPU tensor (no device sync), else ``"mixed"``.
+        need_out_u: also compute ``out_u`` (float32) for the backward (alpha != 1: one more tensor-core product and
+            a few operations per score of the value pass, docs/backward.md); off for inference. Default False.
         block_m, block_n: tile sizes (powers of two >= 16); default by head dim.
 
     Returns:
@@ -631,7 +663,8 @@ def entmax_attn_fwd(
         ValueError: more than 65535 heads or batch entries (sequences) (``_masking.tile_plan``).
     """
     plan = _plan(q, k, v, alpha, scale, bias, is_causal, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                 dropout_p, seed, tol, max_passes, alpha_class, block_m, block_n, window_size, alibi_slopes, softcap)
+                 dropout_p, seed, tol, max_passes, alpha_class, need_out_u, block_m, block_n, window_size, alibi_slopes,
+                 softcap)
     for args in plan.launches:
         if _common.interpreting():
             _entmax_attn_fwd_kernel[plan.grid](**args, **plan.options)
@@ -648,7 +681,7 @@ class _Launch(NamedTuple):
 
 
 def _plan(q, k, v, alpha, scale, bias, is_causal, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-          seed, tol, max_passes, alpha_class, block_m, block_n, window_size=None, alibi_slopes=None,
+          seed, tol, max_passes, alpha_class, need_out_u, block_m, block_n, window_size=None, alibi_slopes=None,
           softcap=None) -> _Launch:
     """Allocate the outputs and name every kernel argument of one forward launch."""
     batch, n_heads, total_q, head_dim = q.shape
@@ -657,14 +690,11 @@ def _plan(q, k, v, alpha, scale, bias, is_causal, cu_seqlens_q, cu_seqlens_k, ma
     plan = _masking.tile_plan(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                               default_m if block_m is None else block_m, default_n if block_n is None else block_n)
     n_seq, n_q_tiles = plan.n_seq, plan.n_q_tiles
-    if alpha_class is None:
-        if not isinstance(alpha, torch.Tensor):
-            alpha_class = alpha_class_of([alpha])
-        else:
-            alpha_class = alpha_class_of(alpha.tolist()) if alpha.device.type == "cpu" else "mixed"
+    alpha_class = resolve_alpha_class(alpha, alpha_class)
 
     stats = dict(size=(batch, n_heads, total_q), device=q.device)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    out_u = torch.empty(q.shape, dtype=torch.float32, device=q.device) if need_out_u else None
     tau = torch.empty(**stats, dtype=torch.float32)
     lsum = torch.empty(**stats, dtype=torch.float32)
     nnz = torch.empty(**stats, dtype=torch.int32)
@@ -672,11 +702,13 @@ def _plan(q, k, v, alpha, scale, bias, is_causal, cu_seqlens_q, cu_seqlens_k, ma
     live = torch.empty((n_seq, n_heads, n_q_tiles, plan.n_words), dtype=torch.int32, device=q.device)
     n_passes = torch.empty((n_seq, n_heads, n_q_tiles), dtype=torch.int32, device=q.device)
     tile_visits = torch.empty_like(n_passes)
-    result = EntmaxAttnFwdResult(out, tau, lsum, nnz, n_valid, live, n_passes, tile_visits, plan.block_m,
+    result = EntmaxAttnFwdResult(out, out_u, tau, lsum, nnz, n_valid, live, n_passes, tile_visits, plan.block_m,
                                  plan.block_n)
     if cu_seqlens_q is not None and out.numel() > 0:
         # rows outside every sequence are never visited
         out.zero_()
+        if out_u is not None:
+            out_u.zero_()
         tau.fill_(float("inf"))
         lsum.zero_()
         nnz.zero_()
@@ -689,13 +721,14 @@ def _plan(q, k, v, alpha, scale, bias, is_causal, cu_seqlens_q, cu_seqlens_k, ma
     args = dict(
         **_common.attention_args(q, k, v, alpha, bias, cu_seqlens_q, cu_seqlens_k, scale, is_causal, dropout_p, seed,
                                  window_size, alibi_slopes, softcap),
-        OUT=out, TAU=tau, LSUM=lsum, NNZ=nnz, N_VALID=n_valid, LIVE=live, N_PASSES=n_passes, TILE_VISITS=tile_visits,
-        **_common.stride_args("stride_o", out, "bhmd"), n_q_tiles=n_q_tiles, n_words=plan.n_words,
+        OUT=out, OUT_U=out if out_u is None else out_u, TAU=tau, LSUM=lsum, NNZ=nnz, N_VALID=n_valid, LIVE=live,
+        N_PASSES=n_passes, TILE_VISITS=tile_visits, **_common.stride_args("stride_o", out, "bhmd"),
+        **_common.stride_args("stride_ou", out if out_u is None else out_u, "bhmd"), NEED_OUT_U=out_u is not None,
+        n_q_tiles=n_q_tiles, n_words=plan.n_words,
         tol=default_tolerance(q.dtype) if tol is None else float(tol),
         max_passes=DEFAULT_MAX_PASSES if max_passes is None else int(max_passes),
         inv_keep=1.0 / (1.0 - dropout_p) if dropout_p < 1 else 0.0, GRID_K1=k1, CAND_P1=p1, GRID_K2=k2, CAND_P2=p2,
         GRID_K0=k0, CAND_P0=p0, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
     )
-    classes = list(ALPHA_CLASSES.values()) if alpha_class == "mixed" else [ALPHA_CLASSES[alpha_class]]
-    launches = [dict(args, ALPHA_CLASS=c, HEAD_FILTER=alpha_class == "mixed") for c in classes]
+    launches = [dict(args, ALPHA_CLASS=c, HEAD_FILTER=f) for c, f in class_launches(alpha_class)]
     return _Launch((n_q_tiles, n_heads, n_seq), launches, dict(num_warps=num_warps, num_stages=num_stages), result)

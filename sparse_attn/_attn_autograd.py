@@ -2,7 +2,8 @@
 
 ``sparse_attn::entmax_attn_fwd`` and ``sparse_attn::entmax_attn_bwd`` wrap the Triton launchers;
 their fake implementations give output shapes, so ``torch.compile(fullgraph=True)`` traces
-through them, and ``register_autograd`` connects the handwritten backward.
+through them, and ``register_autograd`` connects the handwritten backward. The forward computes the
+backward's ``out_u`` (docs/backward.md) only when an input requires a gradient and grad mode is on.
 """
 
 from __future__ import annotations
@@ -32,20 +33,29 @@ def _fwd_op(
     q: Tensor, k: Tensor, v: Tensor, alpha: Tensor, bias: Tensor | None,
     cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None, scale: float, is_causal: bool,
     window: list[int], alibi_slopes: Tensor | None, softcap: float | None, max_seqlen_q: int, max_seqlen_k: int,
-    dropout_p: float, seed: int, alpha_class: str,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    dropout_p: float, seed: int, alpha_class: str, need_grad: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The fused forward; the last output is ``out_u`` (shape ``(0,)`` unless ``_needs_out_u``)."""
     res = entmax_attn_fwd(
         q, k, v, alpha, scale, bias=bias, is_causal=is_causal, window_size=window, alibi_slopes=alibi_slopes,
         softcap=softcap, cu_seqlens_q=cu_seqlens_q,
         cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
         dropout_p=dropout_p, seed=seed, alpha_class=None if alpha_class == "auto" else alpha_class,
+        need_out_u=_needs_out_u(need_grad, alpha_class, q.dtype),
     )
-    return res.out, res.tau, res.lsum, res.nnz, res.n_valid, res.live, res.n_passes, res.tile_visits
+    out_u = q.new_empty(0, dtype=torch.float32) if res.out_u is None else res.out_u
+    return res.out, res.tau, res.lsum, res.nnz, res.n_valid, res.live, res.n_passes, res.tile_visits, out_u
+
+
+def _needs_out_u(need_grad: bool, alpha_class: str, dtype: torch.dtype) -> bool:
+    """The backward's float32 ``out_u`` is computed when gradients are needed, unless every head is softmax with
+    float32 inputs (then it is the output itself)."""
+    return need_grad and (alpha_class != "softmax" or dtype != torch.float32)
 
 
 @_fwd_op.register_fake
 def _fwd_fake(q, k, v, alpha, bias, cu_seqlens_q, cu_seqlens_k, scale, is_causal, window, alibi_slopes, softcap,
-              max_seqlen_q, max_seqlen_k, dropout_p, seed, alpha_class):
+              max_seqlen_q, max_seqlen_k, dropout_p, seed, alpha_class, need_grad):
     rows = q.shape[:3]
     live_shape, tile_shape = _live_shape(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     return (
@@ -57,16 +67,17 @@ def _fwd_fake(q, k, v, alpha, bias, cu_seqlens_q, cu_seqlens_k, scale, is_causal
         q.new_empty(live_shape, dtype=torch.int32),
         q.new_empty(tile_shape, dtype=torch.int32),
         q.new_empty(tile_shape, dtype=torch.int32),
+        q.new_empty(q.shape if _needs_out_u(need_grad, alpha_class, q.dtype) else (0,), dtype=torch.float32),
     )
 
 
 @torch.library.custom_op("sparse_attn::entmax_attn_bwd", mutates_args=())
 def _bwd_op(
-    do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, tau: Tensor, lsum: Tensor,
+    do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, out_u: Tensor, tau: Tensor, lsum: Tensor,
     alpha: Tensor, bias: Tensor | None, cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None,
     live: Tensor, scale: float, is_causal: bool, window: list[int], alibi_slopes: Tensor | None,
     softcap: float | None, max_seqlen_q: int, max_seqlen_k: int, dropout_p: float, seed: int, need_dalpha: bool,
-    need_dbias: bool,
+    need_dbias: bool, alpha_class: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     block_m, block_n = fwd_block_sizes(q.shape[-1])
     dq, dk, dv, dalpha, dbias = entmax_attn_bwd(
@@ -75,6 +86,7 @@ def _bwd_op(
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k, dropout_p=dropout_p, seed=seed, live=live,
         block_m=block_m, block_n=block_n, need_dalpha=need_dalpha, need_dbias=need_dbias,
+        out_u=out_u if out_u.shape == q.shape else None, alpha_class=None if alpha_class == "auto" else alpha_class,
     )
     if dalpha is None:
         dalpha = alpha.new_zeros(0)
@@ -84,8 +96,9 @@ def _bwd_op(
 
 
 @_bwd_op.register_fake
-def _bwd_fake(do, q, k, v, out, tau, lsum, alpha, bias, cu_seqlens_q, cu_seqlens_k, live, scale, is_causal, window,
-              alibi_slopes, softcap, max_seqlen_q, max_seqlen_k, dropout_p, seed, need_dalpha, need_dbias):
+def _bwd_fake(do, q, k, v, out, out_u, tau, lsum, alpha, bias, cu_seqlens_q, cu_seqlens_k, live, scale, is_causal,
+              window, alibi_slopes, softcap, max_seqlen_q, max_seqlen_k, dropout_p, seed, need_dalpha, need_dbias,
+              alpha_class):
     dbias_shape = bias.shape if need_dbias else (0,)
     return (
         torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
@@ -96,10 +109,10 @@ def _bwd_fake(do, q, k, v, out, tau, lsum, alpha, bias, cu_seqlens_q, cu_seqlens
 
 def _setup_context(ctx, inputs, output):
     q, k, v, alpha, bias, cu_q, cu_k, scale, is_causal, window, slopes, softcap = inputs[:12]
-    max_q, max_k, dropout_p, seed = inputs[12:16]
-    out, tau, lsum, _, _, live, _, _ = output
-    ctx.save_for_backward(q, k, v, out, tau, lsum, alpha, bias, cu_q, cu_k, live, slopes)
-    ctx.args = (scale, is_causal, window, softcap, max_q, max_k, dropout_p, seed)
+    max_q, max_k, dropout_p, seed, alpha_class = inputs[12:17]
+    out, tau, lsum, _, _, live, _, _, out_u = output
+    ctx.save_for_backward(q, k, v, out, out_u, tau, lsum, alpha, bias, cu_q, cu_k, live, slopes)
+    ctx.args = (scale, is_causal, window, softcap, max_q, max_k, dropout_p, seed, alpha_class)
 
 
 def _backward(ctx, d_out, *_unused):
@@ -108,17 +121,17 @@ def _backward(ctx, d_out, *_unused):
             "entmax_attention's fused backward is not differentiable: double backward "
             "(create_graph=True) is not supported; use backend='reference' for higher-order gradients"
         )
-    q, k, v, out, tau, lsum, alpha, bias, cu_q, cu_k, live, slopes = ctx.saved_tensors
-    scale, is_causal, window, softcap, max_q, max_k, dropout_p, seed = ctx.args
+    q, k, v, out, out_u, tau, lsum, alpha, bias, cu_q, cu_k, live, slopes = ctx.saved_tensors
+    scale, is_causal, window, softcap, max_q, max_k, dropout_p, seed, alpha_class = ctx.args
     need_dalpha = ctx.needs_input_grad[3]
     need_dbias = bias is not None and ctx.needs_input_grad[4]
     dq, dk, dv, dalpha, dbias = _bwd_op(
-        d_out.contiguous(), q, k, v, out, tau, lsum, alpha, bias, cu_q, cu_k, live, scale,
-        is_causal, window, slopes, softcap, max_q, max_k, dropout_p, seed, need_dalpha, need_dbias,
+        d_out.contiguous(), q, k, v, out, out_u, tau, lsum, alpha, bias, cu_q, cu_k, live, scale,
+        is_causal, window, slopes, softcap, max_q, max_k, dropout_p, seed, need_dalpha, need_dbias, alpha_class,
     )
     return (
         dq, dk, dv, dalpha if need_dalpha else None, dbias if need_dbias else None,
-        None, None, None, None, None, None, None, None, None, None, None, None,
+        None, None, None, None, None, None, None, None, None, None, None, None, None,
     )
 
 
@@ -140,8 +153,8 @@ def _sdpa_fits(inputs: AttentionInputs, return_stats: bool) -> bool:
     """Softmax heads that PyTorch's ``scaled_dot_product_attention`` computes with our semantics.
 
     Every head at alpha = 1 (a Python number), no statistics, CUDA, no packed sequences, no mask, window, ALiBi or
-    soft cap; causal
-    only when no row is left without keys (``Nq <= Nk``: bottom-right alignment through ``causal_lower_right``).
+    soft cap; causal only when no row is left without keys (``Nq <= Nk``: bottom-right alignment through
+    ``causal_lower_right``).
     """
     return (inputs.alpha_value == 1.0 and not return_stats and inputs.q.is_cuda and inputs.cu_seqlens_q is None
             and inputs.mask is None and inputs.window_size is None and inputs.alibi_slopes is None
@@ -172,11 +185,12 @@ def fused_entmax_attention(inputs: AttentionInputs, return_stats: bool):
     if decode_fits(inputs):
         return decode_attention(inputs, return_stats)
     seed = int(torch.randint(0, 2**31 - 1, (1,)).item()) if inputs.dropout_p > 0 else 0
-    out, tau, lsum, nnz, n_valid, _, _, _ = _fwd_op(
+    leaves = (inputs.q, inputs.k, inputs.v, inputs.alpha, inputs.mask)
+    need_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in leaves)
+    out, tau, lsum, nnz, n_valid, _, _, _, _ = _fwd_op(
         inputs.q, inputs.k, inputs.v, inputs.alpha, inputs.mask, inputs.cu_seqlens_q, inputs.cu_seqlens_k,
         inputs.scale, inputs.is_causal, list(inputs.window_size or (-1, -1)), inputs.alibi_slopes, inputs.softcap,
-        inputs.max_seqlen_q,
-        inputs.max_seqlen_k, inputs.dropout_p, seed, _alpha_class(inputs),
+        inputs.max_seqlen_q, inputs.max_seqlen_k, inputs.dropout_p, seed, _alpha_class(inputs), need_grad,
     )
     if return_stats:
         return out, AttentionStats(nnz=nnz, tau=tau.detach(), n_valid=n_valid)

@@ -268,7 +268,7 @@ def test_fused_dropout_replays_the_forward_mask(kernel_device):
     alpha = torch.tensor([1.5, 1.0], device=kernel_device, requires_grad=True)
     seed, p_drop, scale = 1234, 0.3, 0.25
     out = _fwd_op(q, k, v, alpha, None, None, None, scale, False, [-1, -1], None, None, 24, 24, p_drop, seed,
-                  "mixed")[0]
+                  "mixed", True)[0]
     do = torch.randn(out.shape, generator=gen).to(kernel_device)
     grads = torch.autograd.grad((out * do).sum(), [q, k, v, alpha])
     keep = dropout_keep_mask(seed, 2, 24, 24, p_drop, kernel_device).reshape(1, 2, 24, 24)
@@ -421,10 +421,10 @@ def test_backward_op_returns_mask_shaped_gradient(kernel_device):
     mask = torch.randn(2, 1, 1, 17, generator=gen).to(kernel_device)
     alpha = torch.tensor([1.5, 2.0], device=kernel_device)
     variants = ([-1, -1], None, None)  # window, alibi slopes, softcap
-    out, tau, lsum, _, _, live, _, _ = _fwd_op(q, k, v, alpha, mask, None, None, 0.25, False, *variants, 17, 17, 0.0,
-                                               0, "mixed")
-    args = (out, q, k, v, out, tau, lsum, alpha, mask, None, None, live, 0.25, False, *variants, 17, 17, 0.0, 0, False,
-            True)
+    out, tau, lsum, _, _, live, _, _, out_u = _fwd_op(q, k, v, alpha, mask, None, None, 0.25, False, *variants, 17,
+                                                      17, 0.0, 0, "mixed", True)
+    args = (out, q, k, v, out, out_u, tau, lsum, alpha, mask, None, None, live, 0.25, False, *variants, 17, 17, 0.0, 0,
+            False, True, "mixed")
     dbias = torch.ops.sparse_attn.entmax_attn_bwd(*args)[4]
     assert dbias.shape == mask.shape
     from torch._subclasses.fake_tensor import FakeTensorMode
