@@ -39,10 +39,10 @@ import triton
 import triton.language as tl
 
 from . import _common
-from ._common import LN2, LOG2E
+from ._common import ALPHA_CLASSES, LN2, LOG2E, alpha_class_of
 from ._masking import mask_spec, visible
 from ._threshold import log_ref, phi, point_sums, solve, weights
-from .entmax_attn_fwd import ALPHA_CLASSES, alpha_class_of, default_tolerance
+from .entmax_attn_fwd import default_tolerance
 
 # (grid points, candidate points per later pass) by threshold arithmetic (POW 1: alpha = 2, 2: alpha = 1.5,
 # 0: other alpha): the fewest that keep bfloat16 at one candidate pass and float32 at two on the measured
