@@ -34,213 +34,34 @@ import triton
 import triton.language as tl
 
 from . import _common, _masking
+from ._bwd_tiles import (
+    _column_tile_bits,
+    _dalpha_terms,
+    _in_launch,
+    _key_tile,
+    _live_base,
+    _query_rows,
+    _row_factors,
+    _row_tile_bits,
+    _tile,
+)
 from ._common import (
-    LN2,
-    LOG2E,
     alpha_class_id,
     bias_base_ptr,
-    dropout_keep,
-    expm1mx_series,
     load_rows,
-    log2_1p,
     slice_base,
     store_rows,
 )
 from ._masking import (
     alibi_slope,
-    bit_rank,
     key_tile_range,
     live_tile,
-    mask_scores,
     query_tile_range,
     seq_bounds,
-    soft_cap,
     tile_indices,
 )
 
 _DEFAULT_BLOCK = 64
-
-
-@triton.jit
-def _row_factors(alpha, lsum):
-    """Per row ``[BLOCK_M]``: ``cu = lsum^(alpha-2)``, ``cp = lsum^(1-alpha)`` (0 where ``lsum == 0``), ``log lsum``."""
-    valid = lsum > 0.0
-    lg = tl.log2(tl.where(valid, lsum, 1.0))
-    cu = tl.where(valid, tl.exp2((alpha - 2.0) * lg), 0.0)
-    cp = tl.where(valid, tl.exp2((1.0 - alpha) * lg), 0.0)
-    return cu, cp, lg * LN2
-
-
-@triton.jit
-def _weights(s, tau, cu, cp, log_l, alpha, ALPHA_CLASS: tl.constexpr):
-    """Weights ``p``, ``U = p^(2-alpha)`` and ``log p`` (0 where ``p == 0``) of a score tile ``s [BLOCK_M, BLOCK_N]``
-    (masked = -inf), each ``[BLOCK_M, BLOCK_N]``.
-
-    For alpha > 1, ``r = [(alpha-1) s - tau]_+``, ``U = r^(beta-1) cu`` and ``p = U r cp``
-    (``beta = 1/(alpha-1)``), which is ``r^beta / L`` when ``cu = L^(alpha-2)``, ``cp = L^(1-alpha)``.
-    For a general alpha, ``log r = log1p(w)`` with ``w = (alpha-1) s - (tau + 1)``: near alpha = 1
-    ``r`` is within O(alpha-1) of 1, and rounding ``r`` itself would cost ``beta`` ulps in ``p``; ``log p`` is then
-    ``beta log r - log L`` (no second logarithm). ``log p`` is dead code unless d alpha is asked for.
-    ``ALPHA_CLASS`` (``_common.ALPHA_CLASSES``) picks the path at compile time.
-    """
-    if ALPHA_CLASS == 0:
-        t = s - tau[:, None]
-        p = tl.exp2(t * LOG2E)
-        u = p
-        logp = tl.where(p > 0.0, t, 0.0)
-    elif ALPHA_CLASS == 1:
-        r = tl.maximum(s - tau[:, None], 0.0)
-        u = tl.where(r > 0.0, cu[:, None], 0.0)
-        p = r * cp[:, None]
-        logp = tl.where(p > 0.0, tl.log2(tl.where(p > 0.0, p, 1.0)) * LN2, 0.0)
-    elif ALPHA_CLASS == 2:
-        r = tl.maximum(s * 0.5 - tau[:, None], 0.0)
-        u = r * cu[:, None]
-        p = u * r * cp[:, None]
-        logp = tl.where(p > 0.0, tl.log2(tl.where(p > 0.0, p, 1.0)) * LN2, 0.0)
-    else:
-        beta = 1.0 / (alpha - 1.0)
-        w = s * (alpha - 1.0) - (tau[:, None] + 1.0)
-        sup = w > -1.0
-        w = tl.where(sup, w, 0.0)
-        lr = log2_1p(w)
-        u = tl.where(sup, tl.exp2((beta - 1.0) * lr), 0.0)
-        u = u * cu[:, None]
-        p = u * (1.0 + w) * cp[:, None]
-        logp = tl.where(p > 0.0, (beta * lr) * LN2 - log_l[:, None], 0.0)
-    return p, u, logp
-
-
-@triton.jit
-def _dalpha_terms(p, u, logp, alpha, inv_eps2):
-    """Elementwise ``p log p`` and ``pg = p (e^x - 1 - x) / (alpha-1)^2`` with ``x = -(alpha-1) log p``.
-
-    ``pg`` uses the Taylor series of ``(e^x - 1 - x) / x^2`` for ``x < 1`` (exact at alpha = 1,
-    where it is ``p log^2 p / 2``) and ``(U - p (1 + x)) / (alpha-1)^2`` otherwise
-    (``inv_eps2 = 1 / max((alpha-1)^2, 1e-30)``, one scalar per head).
-    """
-    x = -(alpha - 1.0) * logp
-    pg_series = p * logp * logp * expm1mx_series(x)
-    pg_direct = (u - p * (1.0 + x)) * inv_eps2
-    pg = tl.where(x < 1.0, pg_series, pg_direct)
-    return p * logp, pg
-
-
-@triton.jit
-def _tile(
-    q, do, k, v, tau, cu, cp, log_l, delta, alpha, scale, bias_base, stride_bias_m, stride_bias_n, rows, cols,
-    seqlen_q, seqlen_k, rows_global, cols_global, total_k, seed, bh, dropout_p, MASK,
-    ALPHA_CLASS: tl.constexpr, BIAS_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    slope, SCORE,
-):
-    """Recompute one tile: weights ``p``, ``U``, ``log p``, ``dP``, the dropped weights ``pd``, ``dS = U (dP - delta)``
-    (the gradient of the final scores, that of the mask) and ``dS_qk``, that of ``scale * q.k`` (``dS`` times the
-    soft cap's derivative ``1 - tanh^2``), all ``[BLOCK_M, BLOCK_N]`` (row statistics ``[BLOCK_M]``)."""
-    s = soft_cap(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale, SCORE[1], SCORE)
-    s_m = mask_scores(s, rows, cols, seqlen_q, seqlen_k, bias_base, stride_bias_m, stride_bias_n, 1.0, MASK,
-                      BIAS_KIND, slope, SCORE)
-    p, u, logp = _weights(s_m, tau, cu, cp, log_l, alpha, ALPHA_CLASS)
-    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-    if HAS_DROPOUT:
-        keep = dropout_keep(seed, bh, rows_global, cols_global, total_k, dropout_p)
-        fac = tl.where(keep, 1.0 / (1.0 - dropout_p), 0.0)
-        dp = dp * fac
-        pd = p * fac
-    else:
-        pd = p
-    ds = u * (dp - delta[:, None])
-    ds_qk = ds
-    if SCORE[0]:
-        t = s / SCORE[1]
-        ds_qk = ds * (1.0 - t * t)
-    return p, u, logp, dp, pd, ds, ds_qk
-
-
-@triton.jit
-def _in_launch(alpha, ALPHA_CLASS: tl.constexpr, HEAD_FILTER: tl.constexpr):
-    """True when this launch computes the head with this alpha: always, or with ``HEAD_FILTER`` (one launch per
-    alpha class) when the head is of class ``ALPHA_CLASS``."""
-    cls = alpha_class_id(alpha)
-    if HEAD_FILTER:
-        mine = cls == ALPHA_CLASS
-    else:
-        mine = cls >= 0
-    return mine
-
-
-@triton.jit
-def _live_base(LIVE, seq, h, stride_live_b, stride_live_h):
-    """Liveness words of one (sequence, q head): query tile ``qt_fwd``'s words start at ``qt_fwd * stride_live_m``."""
-    return LIVE + seq.to(tl.int64) * stride_live_b + h.to(tl.int64) * stride_live_h
-
-
-@triton.jit
-def _row_tile_bits(live_row, wd, kt_lo, kt_hi, HAS_LIVE: tl.constexpr):
-    """Bits ``[32]``, their prefix counts and number set, of the key tiles ``32 wd + lane`` in ``[kt_lo, kt_hi)``
-    that the liveness words at ``live_row`` mark live (all of them without a bitmap)."""
-    kt = wd * 32 + tl.arange(0, 32)
-    bits = ((kt >= kt_lo) & (kt < kt_hi)).to(tl.int32)
-    if HAS_LIVE:
-        bits = bits & (tl.load(live_row + wd) >> tl.arange(0, 32))
-    rank, n_set = bit_rank(bits)
-    return bits, rank, n_set
-
-
-@triton.jit
-def _column_tile_bits(live_col, c, kt, qt_lo, qt_hi, stride_live_m, HAS_LIVE: tl.constexpr, BLOCK_M: tl.constexpr,
-                      LIVE_BLOCK_M: tl.constexpr):
-    """Bits ``[32]``, prefix counts and number set of the query tiles ``32 c + lane`` (of ``BLOCK_M`` rows) in
-    ``[qt_lo, qt_hi)`` for which key tile ``kt`` is live; ``live_col`` points at word ``kt // 32`` of query tile 0.
-    The bitmap's rows are the forward's ``LIVE_BLOCK_M``-row tiles, which the backward's tiles divide."""
-    qt = c * 32 + tl.arange(0, 32)
-    ok = (qt >= qt_lo) & (qt < qt_hi)
-    bits = ok.to(tl.int32)
-    if HAS_LIVE:
-        words = tl.load(live_col + (qt * BLOCK_M // LIVE_BLOCK_M).to(tl.int64) * stride_live_m, mask=ok, other=0)
-        bits = bits & (words >> (kt % 32))
-    rank, n_set = bit_rank(bits)
-    return bits, rank, n_set
-
-
-@triton.jit
-def _key_tile(
-    kt, q, do, tau, cu, cp, log_l, delta, alpha, scale, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-    bias_base, stride_bias_m, stride_bias_n, rows, rows_global, seqlen_q, seqlen_k, k_start, total_k, offs_d, d_ok,
-    seed, bh, dropout_p, MASK, ALPHA_CLASS: tl.constexpr,
-    BIAS_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_N: tl.constexpr, slope, SCORE,
-):
-    """Key tile ``kt`` of a query tile: loads its K/V rows and recomputes it with ``_tile``.
-
-    Returns ``p, u, logp, dp, ds, ds_qk`` (``[BLOCK_M, BLOCK_N]``), the keys ``k [BLOCK_N, BLOCK_D]``, their
-    global indices ``cols_global`` and in-sequence flags ``col_ok`` (``[BLOCK_N]``).
-    """
-    cols, cols_global, col_ok = tile_indices(kt, k_start, seqlen_k, BLOCK_N)
-    k = load_rows(k_base, cols, offs_d, stride_kn, stride_kd, col_ok, d_ok, UPCAST)
-    v = load_rows(v_base, cols, offs_d, stride_vn, stride_vd, col_ok, d_ok, UPCAST)
-    p, u, logp, dp, pd, ds, ds_qk = _tile(
-        q, do, k, v, tau, cu, cp, log_l, delta, alpha, scale, bias_base, stride_bias_m, stride_bias_n, rows, cols,
-        seqlen_q, seqlen_k, rows_global, cols_global, total_k, seed, bh, dropout_p, MASK, ALPHA_CLASS, BIAS_KIND,
-        HAS_DROPOUT, DOT_PRECISION, slope, SCORE,
-    )
-    return p, u, logp, dp, ds, ds_qk, k, cols_global, col_ok
-
-
-@triton.jit
-def _query_rows(
-    q_base, do_base, TAU, LSUM, DELTA, bh, total_q, rows, rows_global, row_ok, offs_d, d_ok, alpha,
-    stride_qm, stride_qd, stride_dom, stride_dod, UPCAST: tl.constexpr,
-):
-    """Rows ``rows`` of one (batch, q head) after the dQ kernel: ``q``, ``do`` (``[BLOCK_M, BLOCK_D]``)
-    and the per-row ``tau``, ``delta`` and weight factors ``cu``, ``cp``, ``log lsum``."""
-    q = load_rows(q_base, rows, offs_d, stride_qm, stride_qd, row_ok, d_ok, UPCAST)
-    do = load_rows(do_base, rows, offs_d, stride_dom, stride_dod, row_ok, d_ok, UPCAST)
-    stat_offs = bh.to(tl.int64) * total_q + rows_global.to(tl.int64)
-    tau = tl.load(TAU + stat_offs, mask=row_ok, other=float("inf"))
-    lsum = tl.load(LSUM + stat_offs, mask=row_ok, other=0.0)
-    delta = tl.load(DELTA + stat_offs, mask=row_ok, other=0.0)
-    cu, cp, log_l = _row_factors(alpha, lsum)
-    return q, do, tau, delta, cu, cp, log_l
 
 
 @triton.jit

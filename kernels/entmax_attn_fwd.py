@@ -32,20 +32,17 @@ import triton.language as tl
 
 from . import _common, _masking
 from ._common import (
-    LN2,
-    LOG2E,
     alpha_class_id,
     bias_base_ptr,
     class_launches,
-    dropout_keep,
     load_rows,
     resolve_alpha_class,
     slice_base,
     store_rows,
 )
 from ._common import alpha_class_of as alpha_class_of  # re-exported: the public place of the class rule
-from ._masking import alibi_slope, key_tile_range, live_tile, mask_scores, seq_bounds, soft_cap, word_bits
-from ._threshold import log_ref, merge_point, phi, point_sums, solve, weights
+from ._fwd_rows import entmax_rows, softmax_rows
+from ._masking import alibi_slope, key_tile_range, seq_bounds
 
 DEFAULT_MAX_PASSES = 32
 # Stop refining a row's threshold once its certified bracket is this narrow (relative to 1 + |tau|):
@@ -89,365 +86,6 @@ class EntmaxAttnFwdResult(NamedTuple):
     tile_visits: torch.Tensor
     block_m: int
     block_n: int
-
-
-@triton.jit
-def _score_tile(q, k_base, bias_base, rows, cols, seqlen_q, seqlen_k, stride_kn, stride_kd, stride_bias_m,
-                stride_bias_n, z_scale, bias_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                BIAS_KIND: tl.constexpr, MASK, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, slope, SCORE):
-    """Scores ``z_scale * q.k`` (soft-capped in the same scale) ``+ bias_scale * (bias - slope * |d|)`` of one
-    tile, ``-inf`` where masked (``kernels/_masking.py``). [BLOCK_M, BLOCK_N]"""
-    offs_d = tl.arange(0, BLOCK_D)
-    k_ptrs = k_base + cols.to(tl.int64)[None, :] * stride_kn + offs_d.to(tl.int64)[:, None] * stride_kd
-    k = tl.load(k_ptrs, mask=(cols[None, :] < seqlen_k) & (offs_d[:, None] < HEAD_DIM), other=0.0)  # [BLOCK_D, BLOCK_N]
-    if UPCAST:
-        k = k.to(tl.float32)
-    z = soft_cap(tl.dot(q, k, input_precision=DOT_PRECISION) * z_scale, SCORE[1] * bias_scale, SCORE)
-    return mask_scores(z, rows, cols, seqlen_q, seqlen_k, bias_base, stride_bias_m, stride_bias_n, bias_scale, MASK,
-                       BIAS_KIND, slope, SCORE)
-
-
-@triton.jit
-def _value_tile(v_base, cols, seqlen_k, stride_vn, stride_vd, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                UPCAST: tl.constexpr):
-    """Value rows of one key tile. [BLOCK_N, BLOCK_D]"""
-    offs_d = tl.arange(0, BLOCK_D)
-    return load_rows(v_base, cols, offs_d, stride_vn, stride_vd, cols < seqlen_k, offs_d < HEAD_DIM, UPCAST)
-
-
-@triton.jit
-def _apply_dropout(p, u, seed, bh, rows_global, cols_global, total_k, dropout_p, inv_keep, HAS_DROPOUT: tl.constexpr):
-    """Weights ``p`` and ``u`` after one dropout draw (kept ones scaled by ``inv_keep``). [BLOCK_M, BLOCK_N] each"""
-    if HAS_DROPOUT:
-        keep = dropout_keep(seed, bh, rows_global, cols_global, total_k, dropout_p)
-        p = tl.where(keep, p * inv_keep, 0.0)
-        u = tl.where(keep, u * inv_keep, 0.0)
-    return p, u
-
-
-@triton.jit
-def _u_weights(z, t, p, POW: tl.constexpr):
-    """``U = [z - tau]_+^(beta - 1)`` next to the value pass weights ``p = [z - tau]_+^beta`` at the thresholds ``t``
-    (``_threshold.weights``). [BLOCK_M, BLOCK_N]
-
-    The general path divides ``p`` by ``r = 1 + (z - t)``: exact near the threshold (Sterbenz), one rounding near
-    alpha = 1, and no second ``log2`` / ``exp2`` per score.
-    """
-    if POW == 1:
-        u = tl.where(z > t[:, None], 1.0, 0.0)
-    elif POW == 2:
-        u = tl.where(z > t[:, None], z - t[:, None], 0.0)
-    else:
-        r = 1.0 + (z - t[:, None])
-        pos = r > 0.0
-        u = tl.where(pos, p / tl.where(pos, r, 1.0), 0.0)
-    return u
-
-
-@triton.jit
-def _softmax_rows(q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, kt_hi,
-                  live_base, scale, seed, bh, q_start, k_start, total_k, dropout_p, inv_keep,
-                  stride_kn, stride_kd, stride_vn, stride_vd, stride_bias_m, stride_bias_n,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  BLOCK_D: tl.constexpr, BIAS_KIND: tl.constexpr, MASK,
-                  HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, slope, SCORE):
-    """alpha == 1: one online-softmax pass (base-2 exponentials). Returns ``(out, tau, lsum, nnz, n_valid, visits)``."""
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_sum = tl.zeros([BLOCK_M], tl.float32)
-    n_valid = tl.zeros([BLOCK_M], tl.int32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    word = tl.zeros([], tl.int32)
-    for kt in range(kt_lo, kt_hi):
-        cols = kt * BLOCK_N + tl.arange(0, BLOCK_N)
-        s = _score_tile(q, k_base, bias_base, rows, cols, seqlen_q, seqlen_k,
-                        stride_kn, stride_kd, stride_bias_m, stride_bias_n, scale * LOG2E, LOG2E,
-                        HEAD_DIM, BLOCK_D, BIAS_KIND, MASK, UPCAST, DOT_PRECISION, slope, SCORE)
-        ok = s > float("-inf")
-        m_new = tl.maximum(m, tl.max(s, 1))
-        m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
-        corr = tl.exp2(m - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_sum = l_sum * corr + tl.sum(p, 1)
-        n_valid += tl.sum(ok.to(tl.int32), 1)
-        lane = kt % 32
-        word = tl.where(lane == 0, 0, word) | (tl.max(ok.to(tl.int32)) << lane)
-        tl.store(live_base + kt // 32, word)
-        p, _ = _apply_dropout(p, p, seed, bh, q_start + rows, k_start + cols, total_k, dropout_p, inv_keep,
-                              HAS_DROPOUT)
-        v = _value_tile(v_base, cols, seqlen_k, stride_vn, stride_vd, HEAD_DIM, BLOCK_D, UPCAST)
-        acc = acc * corr[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m = m_new
-    valid = n_valid > 0
-    l_safe = tl.where(valid, l_sum, 1.0)
-    out = acc / l_safe[:, None]
-    tau = tl.where(valid, (m + tl.log2(l_safe)) * LN2, float("inf"))
-    return out, tau, tl.where(valid, 1.0, 0.0), n_valid, n_valid, kt_hi - kt_lo
-
-
-@triton.jit
-def _entmax_rows(q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, kt_hi,
-                 n_words, live_base, scale, alpha, tol, max_passes, seed, bh, q_start, k_start, total_k,
-                 dropout_p, inv_keep,
-                 stride_kn, stride_kd, stride_vn, stride_vd, stride_bias_m, stride_bias_n,
-                 POW: tl.constexpr, GRID_K: tl.constexpr, CAND_P: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 BLOCK_D: tl.constexpr, BIAS_KIND: tl.constexpr, MASK,
-                 HAS_DROPOUT: tl.constexpr, NEED_OUT_U: tl.constexpr, UPCAST: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr, slope, SCORE):
-    """alpha in (1, 2]: grid pass, candidate passes, value pass (module docstring).
-
-    Returns ``(out, out_u, tau, lsum, nnz, n_valid, n_passes, visits)``. Thresholds are carried as
-    ``theta = tau + shift`` (shift 1 on the general path POW 0, see kernels/_threshold.py). With ``NEED_OUT_U``
-    the value pass also accumulates ``sum_j U_ij v_j`` and ``sum_j U_ij`` (``U = p^(2 - alpha)`` up to a row
-    factor, dropout applied to the first): ``out_u`` is their ratio, from which the backward's ``delta`` is
-    ``dO . out_u`` (docs/backward.md); otherwise ``out_u`` is ``out``.
-    """
-    am1 = alpha - 1.0
-    beta = 1.0 / am1
-    bm1 = beta - 1.0
-    z_scale = scale * am1
-    if POW == 0:
-        shift = 1.0
-    else:
-        shift = 0.0
-    w_grid = 1.0 / (GRID_K - 1)
-    slot = tl.arange(0, GRID_K).to(tl.float32)
-
-    # ---- pass 1: max, valid keys, NaN/+inf rows, and f, g, c at GRID_K absolute points below the running max
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    j_top = tl.full([BLOCK_M], -1e30, tl.float32)  # grid index of the running max (-1e30: no key yet)
-    n_valid = tl.zeros([BLOCK_M], tl.int32)
-    bad = tl.zeros([BLOCK_M], tl.int32)
-    F = tl.zeros([BLOCK_M, GRID_K], tl.float32)
-    G = tl.zeros([BLOCK_M, GRID_K], tl.float32)
-    C = tl.zeros([BLOCK_M, GRID_K], tl.float32)
-    L = tl.full([BLOCK_M, GRID_K], -99.65784284662087, tl.float32)  # POW 0: log2 of the max key's base (1e-30)
-    word = tl.zeros([], tl.int32)
-    for kt in range(kt_lo, kt_hi):
-        cols = kt * BLOCK_N + tl.arange(0, BLOCK_N)
-        z = _score_tile(q, k_base, bias_base, rows, cols, seqlen_q, seqlen_k,
-                        stride_kn, stride_kd, stride_bias_m, stride_bias_n, z_scale, am1,
-                        HEAD_DIM, BLOCK_D, BIAS_KIND, MASK, UPCAST, DOT_PRECISION, slope, SCORE)
-        bad = bad | tl.max(((z != z) | (z == float("inf"))).to(tl.int32), 1)
-        n_valid += tl.sum((z > float("-inf")).to(tl.int32), 1)
-        m_new = tl.maximum(m, tl.max(z, 1))
-        j_new = tl.where(m_new > float("-inf"), tl.floor(m_new / w_grid), j_top)
-        # ring: slot s holds the point of index i = j - ((j - s) mod K); a slot whose index changes restarts at
-        # zero, which is exact: its new point lies above the old maximum, so no earlier key reaches it
-        d_old = j_top[:, None] - slot[None, :]
-        d_new = j_new[:, None] - slot[None, :]
-        i_old = j_top[:, None] - (d_old - GRID_K * tl.floor(d_old / GRID_K))
-        i_new = j_new[:, None] - (d_new - GRID_K * tl.floor(d_new / GRID_K))
-        same = i_old == i_new
-        if POW == 0:
-            # rescale the kept sums to the new maximal key's base
-            l_new = log_ref(m_new[:, None], i_new * w_grid + shift)
-            F = tl.where(same, F * tl.exp2(beta * (L - l_new)), 0.0)
-            G = tl.where(same, G * tl.exp2(bm1 * (L - l_new)), 0.0)
-            L = l_new
-        else:
-            F = tl.where(same, F, 0.0)
-            G = tl.where(same, G, 0.0)
-            C = tl.where(same, C, 0.0)
-        # the lowest point is <= m - 1 <= tau up to rounding: tiles below it are dead (a few ulps of margin; none
-        # where fp32 cannot index the grid, see grid_ok below)
-        t_low = (j_new - (GRID_K - 1)) * w_grid
-        t_low = tl.where(tl.abs(j_new) < 4194304.0, t_low - 4.8e-7 * tl.abs(t_low), float("-inf"))
-        live = tl.max((z > t_low[:, None]).to(tl.int32))
-        if live != 0:
-            for s in tl.static_range(GRID_K):
-                sel = (slot == s)[None, :]
-                t_s = tl.sum(tl.where(sel, i_new, 0.0), 1) * w_grid + shift
-                f, g, c = point_sums(z, t_s, POW, bm1, tl.sum(tl.where(sel, L, 0.0), 1))
-                F += tl.where(sel, f[:, None], 0.0)
-                G += tl.where(sel, g[:, None], 0.0)
-                if POW != 0:
-                    C += tl.where(sel, c[:, None], 0.0)
-        lane = kt % 32
-        word = tl.where(lane == 0, 0, word) | (live << lane)
-        tl.store(live_base + kt // 32, word)
-        m = m_new
-        j_top = j_new
-    tl.debug_barrier()
-    n_passes = tl.full([], 1, tl.int32)
-    visits = kt_hi - kt_lo
-
-    # ---- bracket from the grid: the lowest point has phi >= 0 in exact arithmetic; the row max closes it
-    valid = n_valid > 0
-    usable = valid & (bad == 0)
-    m = tl.where(usable, m, 0.0)
-    j_top = tl.where(usable, j_top, 0.0)
-    # beyond 2**22 grid steps fp32 cannot index the grid: those rows start from [m - 1, m]
-    grid_ok = tl.abs(j_top) < 4194304.0
-    zero = tl.zeros([BLOCK_M], tl.float32)
-    # rows without a usable grid start from [m - 1, m] with phi(m - 1) >= 0 unknown (NaN: bisect)
-    a = tl.where(grid_ok, float("-inf"), m - 1.0 + shift)
-    pa = zero + float("nan")
-    da = zero - 1.0
-    fa = zero + 1.0
-    ga = zero
-    ca = zero
-    b = m + shift
-    pb = zero - 1.0
-    db = zero - 1.0
-    cb = zero
-    b_top = m == m
-    for s in tl.static_range(GRID_K):
-        sel = (slot == s)[None, :]
-        d_s = j_top - s
-        i_s = j_top - (d_s - GRID_K * tl.floor(d_s / GRID_K))
-        f_s = tl.sum(tl.where(sel, F, 0.0), 1)
-        g_s = tl.sum(tl.where(sel, G, 0.0), 1)
-        ph, dph = phi(f_s, g_s, POW, am1, tl.sum(tl.where(sel, L, 0.0), 1))
-        lowest = i_s == j_top - (GRID_K - 1)
-        ph = tl.where(lowest, tl.maximum(ph, 0.0), ph)
-        a, pa, da, fa, ga, ca, b, pb, db, cb, b_top = merge_point(
-            a, pa, da, fa, ga, ca, b, pb, db, cb, b_top, tl.where(grid_ok, i_s * w_grid + shift, float("nan")),
-            ph, dph, tl.where(lowest, tl.maximum(f_s, 1.0), f_s), g_s, tl.sum(tl.where(sel, C, 0.0), 1))
-    est, lo, hi, exact = solve(a, pa, da, fa, ga, ca, b, pb, db, cb, b_top, POW)
-    done = exact | (hi - lo <= tol + 4.8e-7 * tl.abs(lo)) | (usable == 0)
-
-    # ---- candidate passes over the live tiles while a row of the tile is not pinned down
-    go = (tl.min(done.to(tl.int32)) == 0) & (n_passes + 1 < max_passes)
-    while go:
-        lo_kill = lo - shift
-        if CAND_P == 1:
-            t_1 = est
-            l_1 = log_ref(m, t_1)
-            f1 = zero
-            g1 = zero
-            c1 = zero
-        else:
-            widen = 1e-6 * (1.0 + tl.abs(lo))
-            lo2 = lo - widen
-            step = (hi + widen - lo2) / (CAND_P - 1)
-            cand = tl.arange(0, CAND_P).to(tl.float32)
-            t_p = lo2[:, None] + step[:, None] * cand[None, :]  # [BLOCK_M, CAND_P]
-            l_p = log_ref(m[:, None], t_p)
-            FP = tl.zeros([BLOCK_M, CAND_P], tl.float32)
-            GP = tl.zeros([BLOCK_M, CAND_P], tl.float32)
-            CP = tl.zeros([BLOCK_M, CAND_P], tl.float32)
-        for wd in range(0, n_words):
-            word = tl.load(live_base + wd)
-            new_word = tl.zeros([], tl.int32)
-            if word != 0:
-                bits, rank, n_set = word_bits(word)
-                for i in range(0, n_set):
-                    kt = live_tile(bits, rank, i, wd)
-                    cols = kt * BLOCK_N + tl.arange(0, BLOCK_N)
-                    z = _score_tile(q, k_base, bias_base, rows, cols, seqlen_q, seqlen_k,
-                                    stride_kn, stride_kd, stride_bias_m, stride_bias_n, z_scale, am1,
-                                    HEAD_DIM, BLOCK_D, BIAS_KIND, MASK, UPCAST, DOT_PRECISION, slope, SCORE)
-                    live = tl.max((z > lo_kill[:, None]).to(tl.int32))
-                    new_word = new_word | (live << (kt - wd * 32))
-                    if CAND_P == 1:
-                        f, g, c = point_sums(z, t_1, POW, bm1, l_1)
-                        f1 += f
-                        g1 += g
-                        c1 += c
-                    else:
-                        for p in tl.static_range(CAND_P):
-                            sel_c = (cand == p)[None, :]
-                            f, g, c = point_sums(z, tl.sum(tl.where(sel_c, t_p, 0.0), 1), POW, bm1,
-                                                 tl.sum(tl.where(sel_c, l_p, 0.0), 1))
-                            FP += tl.where(sel_c, f[:, None], 0.0)
-                            GP += tl.where(sel_c, g[:, None], 0.0)
-                            if POW != 0:
-                                CP += tl.where(sel_c, c[:, None], 0.0)
-                    visits += 1
-            tl.store(live_base + wd, new_word)
-        tl.debug_barrier()
-        act = done == 0
-        if CAND_P == 1:
-            ph, dph = phi(f1, g1, POW, am1, l_1)
-            n_a, n_pa, n_da, n_fa, n_ga, n_ca, n_b, n_pb, n_db, n_cb, n_top = merge_point(
-                a, pa, da, fa, ga, ca, b, pb, db, cb, b_top, t_1, ph, dph, f1, g1, c1)
-        else:
-            n_a, n_pa, n_da, n_fa, n_ga, n_ca = a, pa, da, fa, ga, ca
-            n_b, n_pb, n_db, n_cb, n_top = b, pb, db, cb, b_top
-            for p in tl.static_range(CAND_P):
-                sel_c = (cand == p)[None, :]
-                f_p = tl.sum(tl.where(sel_c, FP, 0.0), 1)
-                g_p = tl.sum(tl.where(sel_c, GP, 0.0), 1)
-                ph, dph = phi(f_p, g_p, POW, am1, tl.sum(tl.where(sel_c, l_p, 0.0), 1))
-                n_a, n_pa, n_da, n_fa, n_ga, n_ca, n_b, n_pb, n_db, n_cb, n_top = merge_point(
-                    n_a, n_pa, n_da, n_fa, n_ga, n_ca, n_b, n_pb, n_db, n_cb, n_top,
-                    tl.sum(tl.where(sel_c, t_p, 0.0), 1), ph, dph, f_p, g_p, tl.sum(tl.where(sel_c, CP, 0.0), 1))
-        a = tl.where(act, n_a, a)
-        pa = tl.where(act, n_pa, pa)
-        da = tl.where(act, n_da, da)
-        fa = tl.where(act, n_fa, fa)
-        ga = tl.where(act, n_ga, ga)
-        ca = tl.where(act, n_ca, ca)
-        b = tl.where(act, n_b, b)
-        pb = tl.where(act, n_pb, pb)
-        db = tl.where(act, n_db, db)
-        cb = tl.where(act, n_cb, cb)
-        b_top = tl.where(act, n_top, b_top)
-        n_est, n_lo, n_hi, n_exact = solve(a, pa, da, fa, ga, ca, b, pb, db, cb, b_top, POW)
-        lo = tl.where(act, tl.maximum(lo, n_lo), lo)
-        hi = tl.where(act, tl.minimum(hi, n_hi), hi)
-        lo = tl.minimum(lo, hi)
-        est = tl.minimum(tl.maximum(tl.where(act, n_est, est), lo), hi)
-        exact = tl.where(act, n_exact, exact)
-        n_passes += 1
-        done = exact | (hi - lo <= tol + 4.8e-7 * tl.abs(lo)) | (usable == 0)
-        go = (tl.min(done.to(tl.int32)) == 0) & (n_passes + 1 < max_passes)
-
-    # ---- value pass at the estimate; tiles die only below the certified lower bound
-    # a threshold at the max would leave no weight: keep it one rounding step below (one-hot on the max key)
-    tau_lim = m - tl.maximum(tl.abs(m) * 2.4e-7, 1e-15) + shift
-    t_use = tl.where(usable, tl.minimum(est, tau_lim), 0.0)
-    tau_saved = t_use - shift
-    t_use = tau_saved + shift  # the backward forms the same threshold from the saved tau
-    lo_kill = tl.minimum(lo, t_use) - shift
-    l_sum = zero
-    nnz = tl.zeros([BLOCK_M], tl.int32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    u_sum = zero
-    acc_u = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for wd in range(0, n_words):
-        word = tl.load(live_base + wd)
-        new_word = tl.zeros([], tl.int32)
-        if word != 0:
-            bits, rank, n_set = word_bits(word)
-            for i in range(0, n_set):
-                kt = live_tile(bits, rank, i, wd)
-                cols = kt * BLOCK_N + tl.arange(0, BLOCK_N)
-                z = _score_tile(q, k_base, bias_base, rows, cols, seqlen_q, seqlen_k,
-                                stride_kn, stride_kd, stride_bias_m, stride_bias_n, z_scale, am1,
-                                HEAD_DIM, BLOCK_D, BIAS_KIND, MASK, UPCAST, DOT_PRECISION, slope, SCORE)
-                p = weights(z, t_use, POW, beta)
-                live = tl.max((z > lo_kill[:, None]).to(tl.int32))
-                new_word = new_word | (live << (kt - wd * 32))
-                l_sum += tl.sum(p, 1)
-                nnz += tl.sum((p > 0.0).to(tl.int32), 1)
-                u = p
-                if NEED_OUT_U:
-                    u = _u_weights(z, t_use, p, POW)
-                    u_sum += tl.sum(u, 1)
-                p, u = _apply_dropout(p, u, seed, bh, q_start + rows, k_start + cols, total_k, dropout_p,
-                                      inv_keep, HAS_DROPOUT)
-                v = _value_tile(v_base, cols, seqlen_k, stride_vn, stride_vd, HEAD_DIM, BLOCK_D, UPCAST)
-                acc += tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-                if NEED_OUT_U:
-                    acc_u += tl.dot(u.to(v.dtype), v, input_precision=DOT_PRECISION)
-                visits += 1
-        tl.store(live_base + wd, new_word)
-    n_passes += 1
-    ok = valid & (l_sum > 0.0)
-    l_safe = tl.where(ok, l_sum, 1.0)
-    is_bad = bad != 0
-    out = tl.where(ok[:, None], acc / l_safe[:, None], 0.0)
-    out = tl.where(is_bad[:, None], float("nan"), out)
-    out_u = out
-    if NEED_OUT_U:
-        u_ok = ok & (u_sum > 0.0)
-        out_u = tl.where(u_ok[:, None], acc_u / tl.where(u_ok, u_sum, 1.0)[:, None], 0.0)
-        out_u = tl.where(is_bad[:, None], float("nan"), out_u)
-    tau = tl.where(is_bad, float("nan"), tl.where(ok, tau_saved, float("inf")))
-    l_out = tl.where(is_bad, float("nan"), tl.where(ok, l_sum, 0.0))
-    return out, out_u, tau, l_out, tl.where(ok, nnz, 0), n_valid, n_passes, visits
 
 
 @triton.jit
@@ -503,7 +141,7 @@ def _entmax_attn_fwd_kernel(
 
     alpha = tl.load(ALPHA + h)
     if ALPHA_CLASS == 0:
-        out, tau, lsum, nnz, n_valid, visits = _softmax_rows(
+        out, tau, lsum, nnz, n_valid, visits = softmax_rows(
             q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, kt_hi, live_base, scale, seed, bh, q_start,
             k_start, total_k, dropout_p, inv_keep, stride_kn, stride_kd, stride_vn, stride_vd, stride_bias_m,
             stride_bias_n, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, BIAS_KIND, MASK, HAS_DROPOUT, UPCAST, DOT_PRECISION,
@@ -525,7 +163,7 @@ def _entmax_attn_fwd_kernel(
             CAND_P: tl.constexpr = CAND_P0
         # unchecked device alpha outside [1, 2] (or NaN) reaches the general class: that head's outputs are NaN
         a_ok = (alpha >= 1.0) & (alpha <= 2.0)
-        out, out_u, tau, lsum, nnz, n_valid, passes, visits = _entmax_rows(
+        out, out_u, tau, lsum, nnz, n_valid, passes, visits = entmax_rows(
             q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, kt_hi, n_words, live_base, scale,
             tl.where(a_ok, alpha, 1.5), tol, max_passes, seed, bh, q_start, k_start, total_k, dropout_p, inv_keep,
             stride_kn, stride_kd, stride_vn, stride_vd, stride_bias_m, stride_bias_n, POW, GRID_K, CAND_P, BLOCK_M,

@@ -1,0 +1,248 @@
+"""The decode kernels' per-row threshold state across splits and launches (``kernels/entmax_decode.py``): the grid
+ring's indices, merging per-split point sums into certified brackets, the state stored between launches, the
+stopping rule and the candidate points (docs/decode.md).
+"""
+
+import triton
+import triton.language as tl
+
+from ._threshold import log_ref, phi, point_sums, solve
+
+# per-row merged threshold state carried from launch to launch (columns of STATE)
+N_STATE = tl.constexpr(19)
+# per-split, per-row results: of the score pass (GRID_ROW: max, grid index, valid keys, NaN flag) and of the value
+# (or softmax) pass (PART_ROW: max in log2 scale for softmax, sum of weights, support size, valid keys)
+N_PART = tl.constexpr(4)
+
+
+@triton.jit
+def _ring_index(j, slot, GRID_K: tl.constexpr):
+    """Grid index held by ring slot ``slot`` when the top index is ``j``: ``j - ((j - slot) mod GRID_K)``."""
+    d = j - slot
+    return j - (d - GRID_K * tl.floor(d / GRID_K))
+
+
+@triton.jit
+def _col(x, sel):
+    """Column ``sel`` (a ``[1, N]`` one-hot mask) of ``x [BLOCK_M, N]`` as ``[BLOCK_M]``."""
+    return tl.sum(tl.where(sel, x, 0.0), 1)
+
+
+@triton.jit
+def _merge_points(a, pa, da, fa, ga, ca, b, pb, db, cb, b_top, t, ph, dph, f, g, c, N: tl.constexpr):
+    """``_threshold.merge_point`` for ``N`` points at once (``t``, ``ph``, ``dph``, ``f``, ``g``, ``c``:
+    ``[BLOCK_M, N]``): the bracket ends move to the highest point with ``phi >= 0`` above ``a`` and the lowest
+    with ``phi < 0`` below ``b`` (the first such column on ties), as merging them one by one would."""
+    idx = tl.arange(0, N)[None, :]
+    up_a = (ph >= 0.0) & (t > a[:, None])
+    best_a = tl.max(tl.where(up_a, t, float("-inf")), 1)
+    sel_a = idx == tl.min(tl.where(up_a & (t == best_a[:, None]), idx, N), 1)[:, None]
+    has_a = best_a > float("-inf")
+    up_b = (ph < 0.0) & (t < b[:, None])
+    best_b = tl.min(tl.where(up_b, t, float("inf")), 1)
+    sel_b = idx == tl.min(tl.where(up_b & (t == best_b[:, None]), idx, N), 1)[:, None]
+    has_b = best_b < float("inf")
+    return (tl.where(has_a, best_a, a), tl.where(has_a, _col(ph, sel_a), pa), tl.where(has_a, _col(dph, sel_a), da),
+            tl.where(has_a, _col(f, sel_a), fa), tl.where(has_a, _col(g, sel_a), ga),
+            tl.where(has_a, _col(c, sel_a), ca), tl.where(has_b, best_b, b), tl.where(has_b, _col(ph, sel_b), pb),
+            tl.where(has_b, _col(dph, sel_b), db), tl.where(has_b, _col(c, sel_b), cb), b_top & (has_b == 0))
+
+
+@triton.jit
+def _point_tiles(z, t, lref, bm1, POW: tl.constexpr, N: tl.constexpr):
+    """``f``, ``g``, ``c`` (``[BLOCK_M, N]``) of the score tile ``z`` at the ``N`` points ``t [BLOCK_M, N]``
+    (``lref``: the log of the max key's base there, POW 0; ``c`` is 0 for POW 0), one ``point_sums`` per point."""
+    col = tl.arange(0, N)[None, :]
+    F = tl.zeros(t.shape, tl.float32)
+    G = tl.zeros(t.shape, tl.float32)
+    C = tl.zeros(t.shape, tl.float32)
+    for p in tl.static_range(N):
+        sel = col == p
+        f, g, c = point_sums(z, tl.sum(tl.where(sel, t, 0.0), 1), POW, bm1[:, None],
+                             tl.sum(tl.where(sel, lref, 0.0), 1))
+        F += tl.where(sel, f[:, None], 0.0)
+        G += tl.where(sel, g[:, None], 0.0)
+        C += tl.where(sel, c[:, None], 0.0)
+    return F, G, C
+
+
+@triton.jit
+def _store_points(PTS, split_rows, active, F, G, C, N: tl.constexpr):
+    """Store one split's ``[BLOCK_M, N]`` point sums (``f``, ``g``, ``c`` of each row, ``3 N`` floats per row)."""
+    pts = PTS + split_rows[:, None] * (3 * N) + tl.arange(0, N)[None, :]
+    tl.store(pts, F, mask=active[:, None])
+    tl.store(pts + N, G, mask=active[:, None])
+    tl.store(pts + 2 * N, C, mask=active[:, None])
+
+
+@triton.jit
+def _grid_state(GRID_ROW, GRID_PTS, split_rows, n_splits, active, am1, beta, bm1, shift, POW: tl.constexpr,
+                GRID_K: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Merge the splits' score-pass results into the global row state and solve the first bracket.
+
+    The grid is absolute, so split ``s`` holds the sums at the global points ``(J - GRID_K, J]`` that are not
+    above its own top index ``J_s``, and nothing at the others (each of its keys lies below its max).
+    Returns the state tuple of :func:`_store_state`.
+    """
+    w_grid = 1.0 / (GRID_K - 1)
+    slot = tl.arange(0, GRID_K).to(tl.float32)
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    j_top = tl.full([BLOCK_M], -1e30, tl.float32)
+    n_valid = tl.zeros([BLOCK_M], tl.float32)
+    bad = tl.zeros([BLOCK_M], tl.float32)
+    for s in range(0, n_splits):
+        row = GRID_ROW + (split_rows + s) * N_PART
+        m = tl.maximum(m, tl.load(row, mask=active, other=float("-inf")))
+        j_top = tl.maximum(j_top, tl.load(row + 1, mask=active, other=-1e30))
+        n_valid += tl.load(row + 2, mask=active, other=0.0)
+        bad = tl.maximum(bad, tl.load(row + 3, mask=active, other=0.0))
+    valid = n_valid > 0.0
+    usable = valid & (bad == 0.0) & active
+    m = tl.where(usable, m, 0.0)
+    j_top = tl.where(usable, j_top, 0.0)
+    i_glob = _ring_index(j_top[:, None], slot[None, :], GRID_K)
+    t_glob = i_glob * w_grid + shift
+    l_glob = log_ref(m[:, None], t_glob)
+    F = tl.zeros([BLOCK_M, GRID_K], tl.float32)
+    G = tl.zeros([BLOCK_M, GRID_K], tl.float32)
+    C = tl.zeros([BLOCK_M, GRID_K], tl.float32)
+    for s in range(0, n_splits):
+        row = GRID_ROW + (split_rows + s) * N_PART
+        m_s = tl.load(row, mask=usable, other=float("-inf"))
+        j_s = tl.load(row + 1, mask=usable, other=-1e30)
+        pts = GRID_PTS + (split_rows + s)[:, None] * (3 * GRID_K) + tl.arange(0, GRID_K)[None, :]
+        same = (_ring_index(j_s[:, None], slot[None, :], GRID_K) == i_glob) & usable[:, None]
+        f_s = tl.load(pts, mask=same, other=0.0)
+        g_s = tl.load(pts + GRID_K, mask=same, other=0.0)
+        if POW == 0:
+            # rescale from the split max's term to the global max's
+            d_l = log_ref(m_s[:, None], t_glob) - l_glob
+            F += tl.where(same, f_s * tl.exp2(beta[:, None] * d_l), 0.0)
+            G += tl.where(same, g_s * tl.exp2(bm1[:, None] * d_l), 0.0)
+        else:
+            F += f_s
+            G += g_s
+            C += tl.load(pts + 2 * GRID_K, mask=same, other=0.0)
+    # beyond 2**22 grid steps fp32 cannot index the grid: those rows start from [m - 1, m], phi(m - 1) unknown
+    grid_ok = tl.abs(j_top) < 4194304.0
+    zero = tl.zeros([BLOCK_M], tl.float32)
+    a = tl.where(grid_ok, float("-inf"), m - 1.0 + shift)
+    pa = zero + float("nan")
+    da = zero - 1.0
+    fa = zero + 1.0
+    ga = zero
+    ca = zero
+    b = m + shift
+    pb = zero - 1.0
+    db = zero - 1.0
+    cb = zero
+    b_top = m == m
+    ph, dph = phi(F, G, POW, am1[:, None], l_glob)
+    # the lowest point is <= m - 1, where f >= 1 in exact arithmetic
+    lowest = i_glob == (j_top - (GRID_K - 1))[:, None]
+    a, pa, da, fa, ga, ca, b, pb, db, cb, b_top = _merge_points(
+        a, pa, da, fa, ga, ca, b, pb, db, cb, b_top, tl.where(grid_ok[:, None], t_glob, float("nan")),
+        tl.where(lowest, tl.maximum(ph, 0.0), ph), dph, tl.where(lowest, tl.maximum(F, 1.0), F), G, C, GRID_K)
+    est, lo, hi, exact = solve(a, pa, da, fa, ga, ca, b, pb, db, cb, b_top, POW)
+    return (m, a, pa, da, fa, ga, ca, b, pb, db, cb, b_top.to(tl.float32), est, lo, hi, exact.to(tl.float32),
+            usable.to(tl.float32), tl.where(active, bad, 0.0), tl.full([], 1.0, tl.float32))
+
+
+@triton.jit
+def _store_state(STATE, state_rows, active, m, a, pa, da, fa, ga, ca, b, pb, db, cb, b_top, est, lo, hi, exact,
+                 usable, bad, passes):
+    """Store the row state (``N_STATE`` columns of ``STATE``; flags as 0/1 floats, ``passes`` run so far)."""
+    base = STATE + state_rows * N_STATE
+    tl.store(base, m, mask=active)
+    tl.store(base + 1, a, mask=active)
+    tl.store(base + 2, pa, mask=active)
+    tl.store(base + 3, da, mask=active)
+    tl.store(base + 4, fa, mask=active)
+    tl.store(base + 5, ga, mask=active)
+    tl.store(base + 6, ca, mask=active)
+    tl.store(base + 7, b, mask=active)
+    tl.store(base + 8, pb, mask=active)
+    tl.store(base + 9, db, mask=active)
+    tl.store(base + 10, cb, mask=active)
+    tl.store(base + 11, b_top, mask=active)
+    tl.store(base + 12, est, mask=active)
+    tl.store(base + 13, lo, mask=active)
+    tl.store(base + 14, hi, mask=active)
+    tl.store(base + 15, exact, mask=active)
+    tl.store(base + 16, usable, mask=active)
+    tl.store(base + 17, bad, mask=active)
+    tl.store(base + 18, passes, mask=active)
+
+
+@triton.jit
+def _load_state(STATE, state_rows, active):
+    """The state :func:`_store_state` stored (inactive rows: unusable, done)."""
+    base = STATE + state_rows * N_STATE
+    return (tl.load(base, mask=active, other=0.0), tl.load(base + 1, mask=active, other=0.0),
+            tl.load(base + 2, mask=active, other=0.0), tl.load(base + 3, mask=active, other=-1.0),
+            tl.load(base + 4, mask=active, other=1.0), tl.load(base + 5, mask=active, other=0.0),
+            tl.load(base + 6, mask=active, other=0.0), tl.load(base + 7, mask=active, other=0.0),
+            tl.load(base + 8, mask=active, other=-1.0), tl.load(base + 9, mask=active, other=-1.0),
+            tl.load(base + 10, mask=active, other=0.0), tl.load(base + 11, mask=active, other=1.0),
+            tl.load(base + 12, mask=active, other=0.0), tl.load(base + 13, mask=active, other=0.0),
+            tl.load(base + 14, mask=active, other=0.0), tl.load(base + 15, mask=active, other=1.0),
+            tl.load(base + 16, mask=active, other=0.0), tl.load(base + 17, mask=active, other=0.0),
+            tl.max(tl.load(base + 18, mask=active, other=0.0), 0))
+
+
+@triton.jit
+def _done(exact, lo, hi, da, beta, usable, tol):
+    """Rows whose threshold needs no more passes: exact, unusable, or a certified bracket so narrow that moving the
+    threshold across it changes the row's total weight by at most ``tol`` (relative): ``(hi - lo) beta |phi'(a)|``,
+    ``|phi'(a)|`` close to ``g(tau) = sum_j p_j^(1 - 1/beta)`` near the root (docs/decode.md), or float32 cannot
+    split it further (a few ulps of ``lo``)."""
+    width = hi - lo
+    return ((exact != 0.0) | (usable == 0.0) | (width * tl.maximum(beta * tl.abs(da), 1.0) <= tol)
+            | (width <= 4.8e-7 * (1.0 + tl.abs(lo))))
+
+
+@triton.jit
+def _cand_points(m, lo, hi, est, shift, CAND_P: tl.constexpr):
+    """The ``[BLOCK_M, CAND_P]`` points of a candidate pass (the estimate if one, else evenly over a slightly
+    widened certified bracket) and the log of the max key's base there (POW 0)."""
+    cand = tl.arange(0, CAND_P).to(tl.float32)
+    if CAND_P == 1:
+        t_p = est[:, None] + cand[None, :]
+    else:
+        widen = 1e-6 * (1.0 + tl.abs(lo))
+        lo2 = lo - widen
+        t_p = lo2[:, None] + ((hi + widen - lo2) / (CAND_P - 1))[:, None] * cand[None, :]
+    return t_p, log_ref(m[:, None], t_p)
+
+
+@triton.jit
+def _merge_cands(CAND, split_rows, n_splits, active, m, a, pa, da, fa, ga, ca, b, pb, db, cb, b_top, est, lo, hi,
+                 exact, usable, am1, shift, tol, POW: tl.constexpr, CAND_P: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Merge the candidate sums of all splits at the points of the state into its bracket and solve again
+    (rows already done are left as they are). Returns the updated bracket, estimate and certified bounds."""
+    t_p, l_p = _cand_points(m, lo, hi, est, shift, CAND_P)
+    cand = tl.arange(0, CAND_P)
+    FP = tl.zeros([BLOCK_M, CAND_P], tl.float32)
+    GP = tl.zeros([BLOCK_M, CAND_P], tl.float32)
+    CP = tl.zeros([BLOCK_M, CAND_P], tl.float32)
+    for s in range(0, n_splits):
+        pts = CAND + (split_rows + s)[:, None] * (3 * CAND_P) + cand[None, :]
+        FP += tl.load(pts, mask=active[:, None], other=0.0)
+        GP += tl.load(pts + CAND_P, mask=active[:, None], other=0.0)
+        CP += tl.load(pts + 2 * CAND_P, mask=active[:, None], other=0.0)
+    act = (_done(exact, lo, hi, da, 1.0 / am1, usable, tol) == 0) & active
+    ph, dph = phi(FP, GP, POW, am1[:, None], l_p)
+    # rows that are done take no point (NaN compares false), so their bracket stays well formed
+    n_a, n_pa, n_da, n_fa, n_ga, n_ca, n_b, n_pb, n_db, n_cb, n_top = _merge_points(
+        a, pa, da, fa, ga, ca, b, pb, db, cb, b_top != 0.0, tl.where(act[:, None], t_p, float("nan")), ph, dph, FP,
+        GP, CP, CAND_P)
+    n_est, n_lo, n_hi, n_exact = solve(n_a, n_pa, n_da, n_fa, n_ga, n_ca, n_b, n_pb, n_db, n_cb, n_top, POW)
+    n_lo = tl.maximum(lo, n_lo)
+    n_hi = tl.minimum(hi, n_hi)
+    n_lo = tl.minimum(n_lo, n_hi)
+    n_est = tl.minimum(tl.maximum(n_est, n_lo), n_hi)
+    return (tl.where(act, n_a, a), tl.where(act, n_pa, pa), tl.where(act, n_da, da), tl.where(act, n_fa, fa),
+            tl.where(act, n_ga, ga), tl.where(act, n_ca, ca), tl.where(act, n_b, b), tl.where(act, n_pb, pb),
+            tl.where(act, n_db, db), tl.where(act, n_cb, cb), tl.where(act, n_top.to(tl.float32), b_top),
+            tl.where(act, n_est, est), tl.where(act, n_lo, lo), tl.where(act, n_hi, hi),
+            tl.where(act, n_exact.to(tl.float32), exact))
