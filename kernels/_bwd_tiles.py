@@ -156,6 +156,7 @@ def _column_tile_bits(live_col, c, kt, qt_lo, qt_hi, stride_live_m, HAS_LIVE: tl
 def _key_tile(
     kt, q, do, tau, cu, cp, log_l, delta, alpha, scale, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
     bias_base, stride_bias_m, stride_bias_n, rows, rows_global, seqlen_q, seqlen_k, k_start, total_k, offs_d, d_ok,
+    offs_dv, dv_ok,
     seed, bh, dropout_p, MASK, ALPHA_CLASS: tl.constexpr,
     BIAS_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr, slope, SCORE,
@@ -167,7 +168,7 @@ def _key_tile(
     """
     cols, cols_global, col_ok = tile_indices(kt, k_start, seqlen_k, BLOCK_N)
     k = load_rows(k_base, cols, offs_d, stride_kn, stride_kd, col_ok, d_ok, UPCAST)
-    v = load_rows(v_base, cols, offs_d, stride_vn, stride_vd, col_ok, d_ok, UPCAST)
+    v = load_rows(v_base, cols, offs_dv, stride_vn, stride_vd, col_ok, dv_ok, UPCAST)
     p, u, logp, dp, pd, ds, ds_qk = _tile(
         q, do, k, v, tau, cu, cp, log_l, delta, alpha, scale, bias_base, stride_bias_m, stride_bias_n, rows, cols,
         seqlen_q, seqlen_k, rows_global, cols_global, total_k, seed, bh, dropout_p, MASK, ALPHA_CLASS, BIAS_KIND,
@@ -178,13 +179,14 @@ def _key_tile(
 
 @triton.jit
 def _query_rows(
-    q_base, do_base, TAU, LSUM, DELTA, bh, total_q, rows, rows_global, row_ok, offs_d, d_ok, alpha,
+    q_base, do_base, TAU, LSUM, DELTA, bh, total_q, rows, rows_global, row_ok, offs_d, d_ok, offs_dv, dv_ok, alpha,
     stride_qm, stride_qd, stride_dom, stride_dod, UPCAST: tl.constexpr,
 ):
-    """Rows ``rows`` of one (batch, q head) after the dQ kernel: ``q``, ``do`` (``[BLOCK_M, BLOCK_D]``)
+    """Rows ``rows`` of one (batch, q head) after the dQ kernel: ``q`` (``[BLOCK_M, BLOCK_D]``), ``do``
+    (``[BLOCK_M, BLOCK_DV]``)
     and the per-row ``tau``, ``delta`` and weight factors ``cu``, ``cp``, ``log lsum``."""
     q = load_rows(q_base, rows, offs_d, stride_qm, stride_qd, row_ok, d_ok, UPCAST)
-    do = load_rows(do_base, rows, offs_d, stride_dom, stride_dod, row_ok, d_ok, UPCAST)
+    do = load_rows(do_base, rows, offs_dv, stride_dom, stride_dod, row_ok, dv_ok, UPCAST)
     stat_offs = bh.to(tl.int64) * total_q + rows_global.to(tl.int64)
     tau = tl.load(TAU + stat_offs, mask=row_ok, other=float("inf"))
     lsum = tl.load(LSUM + stat_offs, mask=row_ok, other=0.0)

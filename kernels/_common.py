@@ -101,7 +101,8 @@ def attention_args(q, k, v, alpha, bias, cu_seqlens_q, cu_seqlens_k, scale, is_c
         scale=float(scale), dropout_p=float(dropout_p), seed=int(seed) & 0x7FFFFFFF,
         MASK=mask_spec(is_causal, window_size), SCORE=score_spec(softcap, alibi_slopes is not None),
         **alibi_args(alibi_slopes, q),
-        HEAD_DIM=head_dim, BLOCK_D=head_dim_block(head_dim), BIAS_KIND=bias_kind, IS_VARLEN=is_varlen,
+        HEAD_DIM=head_dim, BLOCK_D=head_dim_block(head_dim),
+        HEAD_DIM_V=v.shape[3], BLOCK_DV=head_dim_block(v.shape[3]), BIAS_KIND=bias_kind, IS_VARLEN=is_varlen,
         HAS_DROPOUT=float(dropout_p) > 0.0, UPCAST=interpreting(), DOT_PRECISION=dot_precision(q.dtype),
     )
 

@@ -30,7 +30,7 @@ def _score_tile(q, k_base, bias_base, rows, cols, seqlen_q, seqlen_k, stride_kn,
 @triton.jit
 def _value_tile(v_base, cols, seqlen_k, stride_vn, stride_vd, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                 UPCAST: tl.constexpr):
-    """Value rows of one key tile. [BLOCK_N, BLOCK_D]"""
+    """Value rows of one key tile (``HEAD_DIM``, ``BLOCK_D``: the value head dim and its block). [BLOCK_N, BLOCK_D]"""
     offs_d = tl.arange(0, BLOCK_D)
     return load_rows(v_base, cols, offs_d, stride_vn, stride_vd, cols < seqlen_k, offs_d < HEAD_DIM, UPCAST)
 
@@ -70,12 +70,13 @@ def softmax_rows(q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, 
                   stride_kn, stride_kd, stride_vn, stride_vd, stride_bias_m, stride_bias_n,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
                   BLOCK_D: tl.constexpr, BIAS_KIND: tl.constexpr, MASK,
-                  HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, slope, SCORE):
+                  HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, slope, SCORE,
+                  HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr):
     """alpha == 1: one online-softmax pass (base-2 exponentials). Returns ``(out, tau, lsum, nnz, n_valid, visits)``."""
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_sum = tl.zeros([BLOCK_M], tl.float32)
     n_valid = tl.zeros([BLOCK_M], tl.int32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     word = tl.zeros([], tl.int32)
     for kt in range(kt_lo, kt_hi):
         cols = kt * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -94,7 +95,7 @@ def softmax_rows(q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, 
         tl.store(live_base + kt // 32, word)
         p, _ = _apply_dropout(p, p, seed, bh, q_start + rows, k_start + cols, total_k, dropout_p, inv_keep,
                               HAS_DROPOUT)
-        v = _value_tile(v_base, cols, seqlen_k, stride_vn, stride_vd, HEAD_DIM, BLOCK_D, UPCAST)
+        v = _value_tile(v_base, cols, seqlen_k, stride_vn, stride_vd, HEAD_DIM_V, BLOCK_DV, UPCAST)
         acc = acc * corr[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m = m_new
     valid = n_valid > 0
@@ -113,7 +114,7 @@ def entmax_rows(q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, k
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
                  BLOCK_D: tl.constexpr, BIAS_KIND: tl.constexpr, MASK,
                  HAS_DROPOUT: tl.constexpr, NEED_OUT_U: tl.constexpr, UPCAST: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr, slope, SCORE):
+                 DOT_PRECISION: tl.constexpr, slope, SCORE, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr):
     """alpha in (1, 2]: grid pass, candidate passes, value pass (module docstring).
 
     Returns ``(out, out_u, tau, lsum, nnz, n_valid, n_passes, visits)``. Thresholds are carried as
@@ -323,9 +324,9 @@ def entmax_rows(q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, k
     lo_kill = tl.minimum(lo, t_use) - shift
     l_sum = zero
     nnz = tl.zeros([BLOCK_M], tl.int32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     u_sum = zero
-    acc_u = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     for wd in range(0, n_words):
         word = tl.load(live_base + wd)
         new_word = tl.zeros([], tl.int32)
@@ -348,7 +349,7 @@ def entmax_rows(q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, k
                     u_sum += tl.sum(u, 1)
                 p, u = _apply_dropout(p, u, seed, bh, q_start + rows, k_start + cols, total_k, dropout_p,
                                       inv_keep, HAS_DROPOUT)
-                v = _value_tile(v_base, cols, seqlen_k, stride_vn, stride_vd, HEAD_DIM, BLOCK_D, UPCAST)
+                v = _value_tile(v_base, cols, seqlen_k, stride_vn, stride_vd, HEAD_DIM_V, BLOCK_DV, UPCAST)
                 acc += tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
                 if NEED_OUT_U:
                     acc_u += tl.dot(u.to(v.dtype), v, input_precision=DOT_PRECISION)

@@ -79,6 +79,7 @@ def _entmax_attn_bwd_dq_kernel(
     HAS_DROPOUT: tl.constexpr,
     NEED_DALPHA: tl.constexpr, NEED_DBIAS: tl.constexpr, NEED_DBIAS_ROWS: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """One program per (query tile ``pid_m``, q head ``h``, batch entry or sequence ``seq``): delta, dQ, d alpha.
@@ -100,18 +101,20 @@ def _entmax_attn_bwd_dq_kernel(
     rows, rows_global, row_ok = tile_indices(pid_m, q_start, seqlen_q, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
+    offs_dv = tl.arange(0, BLOCK_DV)
+    dv_ok = offs_dv < HEAD_DIM_V
 
     q = load_rows(slice_base(Q, b, h, q_start, stride_qb, stride_qh, stride_qm), rows, offs_d, stride_qm, stride_qd,
                   row_ok, d_ok, UPCAST)
-    do = load_rows(slice_base(DO, b, h, q_start, stride_dob, stride_doh, stride_dom), rows, offs_d, stride_dom,
-                   stride_dod, row_ok, d_ok, UPCAST)
+    do = load_rows(slice_base(DO, b, h, q_start, stride_dob, stride_doh, stride_dom), rows, offs_dv, stride_dom,
+                   stride_dod, row_ok, dv_ok, UPCAST)
     stat_offs = bh.to(tl.int64) * total_q + rows_global.to(tl.int64)
     tau = tl.load(TAU + stat_offs, mask=row_ok, other=float("inf"))
     lsum = tl.load(LSUM + stat_offs, mask=row_ok, other=0.0)
 
     # delta = dO . (sum_j U v_j / sum_j U): out_u from the forward's value pass (the output at alpha = 1)
-    o_u = load_rows(slice_base(OUT_U, b, h, q_start, stride_oub, stride_ouh, stride_oum), rows, offs_d, stride_oum,
-                    stride_oud, row_ok, d_ok, False)
+    o_u = load_rows(slice_base(OUT_U, b, h, q_start, stride_oub, stride_ouh, stride_oum), rows, offs_dv, stride_oum,
+                    stride_oud, row_ok, dv_ok, False)
     delta = tl.sum(do.to(tl.float32) * o_u.to(tl.float32), 1)
     tl.store(DELTA + stat_offs, delta, mask=row_ok)
     cu, cp, log_l = _row_factors(alpha, lsum)
@@ -141,8 +144,8 @@ def _entmax_attn_bwd_dq_kernel(
             p, u, logp, dp, ds, ds_qk, k, cols_global, col_ok = _key_tile(
                 kt, q, do, tau, cu, cp, log_l, delta, alpha, scale, k_base, v_base, stride_kn, stride_kd, stride_vn,
                 stride_vd, bias_base, stride_bias_m, stride_bias_n, rows, rows_global, seqlen_q, seqlen_k, k_start,
-                total_k, offs_d, d_ok, seed, bh, dropout_p, MASK, ALPHA_CLASS, BIAS_KIND, HAS_DROPOUT, UPCAST,
-                DOT_PRECISION, BLOCK_N, slope, SCORE,
+                total_k, offs_d, d_ok, offs_dv, dv_ok, seed, bh, dropout_p, MASK, ALPHA_CLASS, BIAS_KIND, HAS_DROPOUT,
+                UPCAST, DOT_PRECISION, BLOCK_N, slope, SCORE,
             )
             dq += tl.dot(ds_qk.to(k.dtype), k, input_precision=DOT_PRECISION)
             if NEED_DBIAS:
@@ -185,6 +188,7 @@ def _entmax_attn_bwd_dkdv_kernel(
     HAS_DROPOUT: tl.constexpr,
     NEED_DBIAS_COLS: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """One program per (key tile ``pid_n``, kv head ``h_kv``, batch entry or sequence ``seq``): dK, dV, d bias cols.
@@ -202,12 +206,14 @@ def _entmax_attn_bwd_dkdv_kernel(
     cols, cols_global, col_ok = tile_indices(pid_n, k_start, seqlen_k, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
+    offs_dv = tl.arange(0, BLOCK_DV)
+    dv_ok = offs_dv < HEAD_DIM_V
     k = load_rows(slice_base(K, b, h_kv, k_start, stride_kb, stride_kh, stride_kn), cols, offs_d, stride_kn, stride_kd,
                   col_ok, d_ok, UPCAST)
-    v = load_rows(slice_base(V, b, h_kv, k_start, stride_vb, stride_vh, stride_vn), cols, offs_d, stride_vn, stride_vd,
-                  col_ok, d_ok, UPCAST)
+    v = load_rows(slice_base(V, b, h_kv, k_start, stride_vb, stride_vh, stride_vn), cols, offs_dv, stride_vn,
+                  stride_vd, col_ok, dv_ok, UPCAST)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     qt_lo, qt_hi = query_tile_range(pid_n, seqlen_q, seqlen_k, MASK, BLOCK_M, BLOCK_N)
     n_done = tl.zeros([], dtype=tl.int32)
     for g in range(0, kv_group):
@@ -230,7 +236,7 @@ def _entmax_attn_bwd_dkdv_kernel(
                     rows, rows_global, row_ok = tile_indices(qt, q_start, seqlen_q, BLOCK_M)
                     q, do, tau, delta, cu, cp, log_l = _query_rows(
                         q_base, do_base, TAU, LSUM, DELTA, bh, total_q, rows, rows_global, row_ok, offs_d, d_ok,
-                        alpha, stride_qm, stride_qd, stride_dom, stride_dod, UPCAST,
+                        offs_dv, dv_ok, alpha, stride_qm, stride_qd, stride_dom, stride_dod, UPCAST,
                     )
                     p, u, logp, dp, pd, ds, ds_qk = _tile(
                         q, do, k, v, tau, cu, cp, log_l, delta, alpha, scale, bias_base, stride_bias_m,
@@ -251,9 +257,9 @@ def _entmax_attn_bwd_dkdv_kernel(
     if HEAD_FILTER:
         write = col_ok & (tl.zeros([BLOCK_N], tl.int32) + n_done > 0)  # a [BLOCK_N] mask: the interpreter needs one
         dk += load_rows(dk_base, cols, offs_d, stride_dkn, stride_dkd, write, d_ok, False).to(tl.float32)
-        dv += load_rows(dv_base, cols, offs_d, stride_dvn, stride_dvd, write, d_ok, False).to(tl.float32)
+        dv += load_rows(dv_base, cols, offs_dv, stride_dvn, stride_dvd, write, dv_ok, False).to(tl.float32)
     store_rows(dk_base, cols, offs_d, stride_dkn, stride_dkd, dk, write, d_ok)
-    store_rows(dv_base, cols, offs_d, stride_dvn, stride_dvd, dv, write, d_ok)
+    store_rows(dv_base, cols, offs_dv, stride_dvn, stride_dvd, dv, write, dv_ok)
 
 
 @triton.jit
@@ -268,6 +274,7 @@ def _entmax_attn_bwd_dbias_kernel(
     IS_VARLEN: tl.constexpr, BIAS_KIND: tl.constexpr, HAS_LIVE: tl.constexpr, LIVE_BLOCK_M: tl.constexpr,
     HAS_DROPOUT: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """d bias for a mask broadcast over batch and/or heads but not over queries or keys.
@@ -283,6 +290,8 @@ def _entmax_attn_bwd_dbias_kernel(
     pid_b = tl.program_id(2)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
+    offs_dv = tl.arange(0, BLOCK_DV)
+    dv_ok = offs_dv < HEAD_DIM_V
     dbias_base = DBIAS + pid_b.to(tl.int64) * stride_dbias_b + pid_h.to(tl.int64) * stride_dbias_h
     for bi in range(0, n_b_loop):
         seq = pid_b + bi
@@ -299,7 +308,8 @@ def _entmax_attn_bwd_dbias_kernel(
             q, do, tau, delta, cu, cp, log_l = _query_rows(
                 slice_base(Q, b, h, q_start, stride_qb, stride_qh, stride_qm),
                 slice_base(DO, b, h, q_start, stride_dob, stride_doh, stride_dom), TAU, LSUM, DELTA, bh, total_q, rows,
-                rows_global, row_ok, offs_d, d_ok, alpha, stride_qm, stride_qd, stride_dom, stride_dod, UPCAST,
+                rows_global, row_ok, offs_d, d_ok, offs_dv, dv_ok, alpha, stride_qm, stride_qd, stride_dom, stride_dod,
+                UPCAST,
             )
             k_base = slice_base(K, b, h_kv, k_start, stride_kb, stride_kh, stride_kn)
             v_base = slice_base(V, b, h_kv, k_start, stride_vb, stride_vh, stride_vn)
@@ -315,8 +325,8 @@ def _entmax_attn_bwd_dbias_kernel(
                     p, u, logp, dp, ds, ds_qk, k, cols_global, col_ok = _key_tile(
                         kt, q, do, tau, cu, cp, log_l, delta, alpha, scale, k_base, v_base, stride_kn, stride_kd,
                         stride_vn, stride_vd, bias_base, stride_bias_m, stride_bias_n, rows, rows_global, seqlen_q,
-                        seqlen_k, k_start, total_k, offs_d, d_ok, seed, bh, dropout_p, MASK, ALPHA_CLASS, BIAS_KIND,
-                        HAS_DROPOUT, UPCAST, DOT_PRECISION, BLOCK_N, slope, SCORE,
+                        seqlen_k, k_start, total_k, offs_d, d_ok, offs_dv, dv_ok, seed, bh, dropout_p, MASK,
+                        ALPHA_CLASS, BIAS_KIND, HAS_DROPOUT, UPCAST, DOT_PRECISION, BLOCK_N, slope, SCORE,
                     )
                     ptrs = dbias_base + rows_global.to(tl.int64)[:, None] * total_k + cols_global.to(tl.int64)[None, :]
                     ok = row_ok[:, None] & col_ok[None, :]
@@ -359,8 +369,8 @@ def _prune_configs(kernel: str):
     return prune
 
 
-_TUNE_KEY = ["HEAD_DIM", "BLOCK_M", "BLOCK_N", "ALPHA_CLASS", "HEAD_FILTER", "BIAS_KIND", "MASK", "IS_VARLEN",
-             "HAS_LIVE", "HAS_DROPOUT", "DOT_PRECISION"]
+_TUNE_KEY = ["HEAD_DIM", "HEAD_DIM_V", "BLOCK_M", "BLOCK_N", "ALPHA_CLASS", "HEAD_FILTER", "BIAS_KIND", "MASK",
+             "IS_VARLEN", "HAS_LIVE", "HAS_DROPOUT", "DOT_PRECISION"]
 # on a GPU each kernel is autotuned per head dim, tile, alpha class, feature flags and precision; the interpreter
 # runs the pinned config (autotuning several fails there)
 _entmax_attn_bwd_dq_autotuned = triton.autotune(
@@ -394,10 +404,13 @@ def _check_args(do, q, k, v, out, out_u, tau, lsum, bias, cu_seqlens_q, cu_seqle
     """Cheap consistency asserts; ``sparse_attn.entmax_attention`` validates user input before this."""
     assert q.ndim == 4 and q.dtype in (torch.float16, torch.bfloat16, torch.float32), f"q: got {q.dtype} {q.shape}"
     assert all(t.dtype == q.dtype and t.device == q.device for t in (k, v, do, out)), "k, v, do, out: q's dtype"
-    assert do.shape == q.shape and out.shape == q.shape, f"do, out: expected shape {tuple(q.shape)}"
-    assert out_u is None or (out_u.shape == q.shape and out_u.dtype in (torch.float32, q.dtype)), (
-        "out_u: expected q's shape, float32 (or q's dtype)")
-    assert v.shape == k.shape and k.ndim == 4 and k.shape[0] == q.shape[0] and k.shape[3] == q.shape[3], "k, v: shape"
+    out_shape = (*q.shape[:3], v.shape[3])
+    assert do.shape == out_shape and out.shape == out_shape, f"do, out: expected shape {out_shape}"
+    assert out_u is None or (out_u.shape == out_shape and out_u.dtype in (torch.float32, q.dtype)), (
+        "out_u: expected the output's shape, float32 (or q's dtype)")
+    assert v.shape[:3] == k.shape[:3] and k.ndim == 4 and k.shape[0] == q.shape[0] and k.shape[3] == q.shape[3], (
+        "k, v: shape")
+    assert 16 <= v.shape[3] <= 256, f"v: head dim must be in [16, 256], got {v.shape[3]}"
     assert k.shape[1] > 0 and q.shape[1] % k.shape[1] == 0, f"k: kv heads must divide {q.shape[1]}, got {k.shape[1]}"
     assert all(t.shape == q.shape[:3] and t.dtype == torch.float32 for t in (tau, lsum)), "tau, lsum: (B, Hq, Nq) fp32"
     assert 16 <= q.shape[3] <= 256, f"q: head dim must be in [16, 256], got {q.shape[3]}"

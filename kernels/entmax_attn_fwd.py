@@ -56,8 +56,8 @@ _POINTS = {1: (8, 4), 2: (8, 1), 0: (4, 1)}
 class EntmaxAttnFwdResult(NamedTuple):
     """What :func:`entmax_attn_fwd` returns.
 
-    out:         ``(B, Hq, Nq, D)`` in ``q.dtype``.
-    out_u:       float32 ``(B, Hq, Nq, D)``, ``sum_j U_ij v_j / sum_j U_ij`` with ``U = p^(2 - alpha)`` (dropout
+    out:         ``(B, Hq, Nq, Dv)`` in ``q.dtype``.
+    out_u:       float32 ``(B, Hq, Nq, Dv)``, ``sum_j U_ij v_j / sum_j U_ij`` with ``U = p^(2 - alpha)`` (dropout
                  applied to the numerator's weights; the output before rounding on alpha = 1 heads, where
                  ``U = p``), from which the backward takes ``delta = dO . out_u`` (docs/backward.md); only with
                  ``need_out_u``, else None. Float32 because ``delta`` cancels against ``dP`` where the weights
@@ -102,7 +102,8 @@ def _entmax_attn_fwd_kernel(
     scale, tol, max_passes, seed, dropout_p, inv_keep, MASK, SCORE,
     ALPHA_CLASS: tl.constexpr, HEAD_FILTER: tl.constexpr, GRID_K1: tl.constexpr, CAND_P1: tl.constexpr,
     GRID_K2: tl.constexpr, CAND_P2: tl.constexpr, GRID_K0: tl.constexpr, CAND_P0: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BIAS_KIND: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_DROPOUT: tl.constexpr, NEED_OUT_U: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -122,6 +123,7 @@ def _entmax_attn_fwd_kernel(
     bh = b * n_heads + h
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     row_ok = rows < seqlen_q
     rows_global = (q_start + rows).to(tl.int64)
 
@@ -145,7 +147,7 @@ def _entmax_attn_fwd_kernel(
             q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, kt_hi, live_base, scale, seed, bh, q_start,
             k_start, total_k, dropout_p, inv_keep, stride_kn, stride_kd, stride_vn, stride_vd, stride_bias_m,
             stride_bias_n, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, BIAS_KIND, MASK, HAS_DROPOUT, UPCAST, DOT_PRECISION,
-            slope, SCORE)
+            slope, SCORE, HEAD_DIM_V, BLOCK_DV)
         passes = tl.full([], 1, tl.int32)
         out_u = out  # U = p
     else:
@@ -168,16 +170,16 @@ def _entmax_attn_fwd_kernel(
             tl.where(a_ok, alpha, 1.5), tol, max_passes, seed, bh, q_start, k_start, total_k, dropout_p, inv_keep,
             stride_kn, stride_kd, stride_vn, stride_vd, stride_bias_m, stride_bias_n, POW, GRID_K, CAND_P, BLOCK_M,
             BLOCK_N, HEAD_DIM, BLOCK_D, BIAS_KIND, MASK, HAS_DROPOUT, NEED_OUT_U, UPCAST, DOT_PRECISION, slope,
-            SCORE)
+            SCORE, HEAD_DIM_V, BLOCK_DV)
         out = tl.where(a_ok, out, float("nan"))
         tau = tl.where(a_ok, tau, float("nan"))
         lsum = tl.where(a_ok, lsum, float("nan"))
         out_u = tl.where(a_ok, out_u, float("nan"))
     if NEED_OUT_U:
-        store_rows(slice_base(OUT_U, b, h, q_start, stride_oub, stride_ouh, stride_oum), rows, offs_d, stride_oum,
-                   stride_oud, out_u, row_ok, offs_d < HEAD_DIM)
-    store_rows(slice_base(OUT, b, h, q_start, stride_ob, stride_oh, stride_om), rows, offs_d, stride_om, stride_od, out,
-               row_ok, offs_d < HEAD_DIM)
+        store_rows(slice_base(OUT_U, b, h, q_start, stride_oub, stride_ouh, stride_oum), rows, offs_dv, stride_oum,
+                   stride_oud, out_u, row_ok, offs_dv < HEAD_DIM_V)
+    store_rows(slice_base(OUT, b, h, q_start, stride_ob, stride_oh, stride_om), rows, offs_dv, stride_om, stride_od,
+               out, row_ok, offs_dv < HEAD_DIM_V)
     tl.store(TAU + stat_offs, tau, mask=row_ok)
     tl.store(LSUM + stat_offs, lsum, mask=row_ok)
     tl.store(NNZ + stat_offs, nnz, mask=row_ok)
@@ -197,8 +199,8 @@ def _autotune_configs():
 # the interpreter runs one pinned config (autotuning several fails there)
 _entmax_attn_fwd_autotuned = triton.autotune(
     configs=_autotune_configs(),
-    key=["HEAD_DIM", "BLOCK_M", "BLOCK_N", "ALPHA_CLASS", "HEAD_FILTER", "BIAS_KIND", "MASK", "SCORE", "IS_VARLEN",
-         "HAS_DROPOUT", "NEED_OUT_U", "DOT_PRECISION"],
+    key=["HEAD_DIM", "HEAD_DIM_V", "BLOCK_M", "BLOCK_N", "ALPHA_CLASS", "HEAD_FILTER", "BIAS_KIND", "MASK", "SCORE",
+         "IS_VARLEN", "HAS_DROPOUT", "NEED_OUT_U", "DOT_PRECISION"],
 )(_entmax_attn_fwd_kernel)
 
 
@@ -262,7 +264,8 @@ def entmax_attn_fwd(
 
     Args:
         q: ``(B, Hq, Nq, D)``, fp16/bf16/fp32, any strides; with varlen ``(1, Hq, total_q, D)``.
-        k, v: ``(B, Hk, Nk, D)`` (``Hq % Hk == 0``, q head ``h`` reads kv head ``h // (Hq // Hk)``),
+        k, v: ``(B, Hk, Nk, D)`` and ``(B, Hk, Nk, Dv)`` (``16 <= Dv <= 256``; ``Hq % Hk == 0``, q head ``h`` reads
+            kv head ``h // (Hq // Hk)``),
             same dtype and device as ``q``; with varlen ``(1, Hk, total_k, D)``. ``16 <= D <= 256``.
         alpha: float32 ``(Hq,)`` (each in ``[1, 2]``, mixed per head), or a Python float for every head.
         scale: float multiplying ``q . k``.
@@ -331,8 +334,9 @@ def _plan(q, k, v, alpha, scale, bias, is_causal, cu_seqlens_q, cu_seqlens_k, ma
     alpha_class = resolve_alpha_class(alpha, alpha_class)
 
     stats = dict(size=(batch, n_heads, total_q), device=q.device)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    out_u = torch.empty(q.shape, dtype=torch.float32, device=q.device) if need_out_u else None
+    out_shape = (*q.shape[:3], v.shape[3])
+    out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
+    out_u = torch.empty(out_shape, dtype=torch.float32, device=q.device) if need_out_u else None
     tau = torch.empty(**stats, dtype=torch.float32)
     lsum = torch.empty(**stats, dtype=torch.float32)
     nnz = torch.empty(**stats, dtype=torch.int32)

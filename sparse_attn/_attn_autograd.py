@@ -57,9 +57,10 @@ def _needs_out_u(need_grad: bool, alpha_class: str, dtype: torch.dtype) -> bool:
 def _fwd_fake(q, k, v, alpha, bias, cu_seqlens_q, cu_seqlens_k, scale, is_causal, window, alibi_slopes, softcap,
               max_seqlen_q, max_seqlen_k, dropout_p, seed, alpha_class, need_grad):
     rows = q.shape[:3]
+    out_shape = (*rows, v.shape[3])
     live_shape, tile_shape = _live_shape(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     return (
-        torch.empty(q.shape, dtype=q.dtype, device=q.device),
+        torch.empty(out_shape, dtype=q.dtype, device=q.device),
         q.new_empty(rows, dtype=torch.float32),
         q.new_empty(rows, dtype=torch.float32),
         q.new_empty(rows, dtype=torch.int32),
@@ -67,7 +68,7 @@ def _fwd_fake(q, k, v, alpha, bias, cu_seqlens_q, cu_seqlens_k, scale, is_causal
         q.new_empty(live_shape, dtype=torch.int32),
         q.new_empty(tile_shape, dtype=torch.int32),
         q.new_empty(tile_shape, dtype=torch.int32),
-        q.new_empty(q.shape if _needs_out_u(need_grad, alpha_class, q.dtype) else (0,), dtype=torch.float32),
+        q.new_empty(out_shape if _needs_out_u(need_grad, alpha_class, q.dtype) else (0,), dtype=torch.float32),
     )
 
 
@@ -86,7 +87,7 @@ def _bwd_op(
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k, dropout_p=dropout_p, seed=seed, live=live,
         block_m=block_m, block_n=block_n, need_dalpha=need_dalpha, need_dbias=need_dbias,
-        out_u=out_u if out_u.shape == q.shape else None, alpha_class=None if alpha_class == "auto" else alpha_class,
+        out_u=out_u if out_u.shape == out.shape else None, alpha_class=None if alpha_class == "auto" else alpha_class,
     )
     if dalpha is None:
         dalpha = alpha.new_zeros(0)

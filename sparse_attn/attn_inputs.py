@@ -169,8 +169,9 @@ def unfused_variants(q: Tensor, v: Tensor, window_size=None, alibi_slopes=None, 
         missing.append("alibi_slopes that require grad (the kernels give no gradient for the slopes; detach them)")
     if sinks is not None:
         missing.append("sinks (per-head attention sinks)")
-    if v.shape[-1] != q.shape[-1]:
-        missing.append(f"v of head_dim {v.shape[-1]} (the kernels need v with the head_dim of q, {q.shape[-1]})")
+    if not MIN_HEAD_DIM <= v.shape[-1] <= MAX_HEAD_DIM:
+        missing.append(f"v of head_dim {v.shape[-1]} (the kernels take value head dims in [{MIN_HEAD_DIM}, "
+                       f"{MAX_HEAD_DIM}])")
     return missing
 
 

@@ -211,6 +211,43 @@ def test_fused_alibi_per_sequence_with_varlen(kernel_device):
         _close(g, g64, REL_TOL["grad"], gname)
 
 
+# (D, Dv, options, alpha per head): value heads wider and narrower than query/key heads (DeepSeek-V3 style), with
+# GQA, causal masking, a window, a float mask's gradient, mixed alpha per head
+DV_CASES = {
+    "wider_gqa_causal": (16, 32, dict(is_causal=True, hk=1, enable_gqa=True), [1.5, 1.0]),
+    "narrower_mask": (32, 16, dict(mask=True), [2.0, 1.25]),
+    "odd_window": (16, 24, dict(window_size=(9, 3)), [1.5, 1.7]),
+}
+
+
+@pytest.mark.parametrize("name", list(DV_CASES))
+def test_fused_value_head_dim_differs(name, kernel_device):
+    d, dv, opts, alphas = DV_CASES[name]
+    opts = dict(opts)
+    hk = opts.pop("hk", 2)
+    gen = torch.Generator().manual_seed(len(name) + 60)
+    q, k, v = _leaves([(2, 2, 37, d), (2, hk, 41, d), (2, hk, 41, dv)], gen, kernel_device)
+    mask = torch.randn(2, 1, 37, 41, generator=gen).to(kernel_device).requires_grad_() if opts.pop("mask", 0) else None
+    alpha = torch.tensor(alphas, device=kernel_device, requires_grad=True)
+    out, out64, grads, grads64 = _run_both(q, k, v, alpha, mask=mask, **opts)
+    assert out.shape == (2, 2, 37, dv)
+    _close(out, out64, REL_TOL["out"], "out")
+    names = ["dq", "dk", "dv", "dalpha"] + (["dmask"] if mask is not None else [])
+    for g, g64, gname in zip(grads, grads64, names, strict=True):
+        _close(g, g64, REL_TOL["dalpha" if gname == "dalpha" else "grad"], gname)
+
+
+def test_fused_value_head_dim_differs_varlen(kernel_device):
+    gen = torch.Generator().manual_seed(66)
+    cu_q = torch.tensor([0, 20, 45], dtype=torch.int32, device=kernel_device)
+    cu_k = torch.tensor([0, 30, 50], dtype=torch.int32, device=kernel_device)
+    q, k, v = _leaves([(1, 2, 45, 32), (1, 2, 50, 32), (1, 2, 50, 16)], gen, kernel_device)
+    out, out64, grads, grads64 = _run_both(q, k, v, 1.5, is_causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    _close(out, out64, REL_TOL["out"], "out")
+    for g, g64, gname in zip(grads, grads64, ["dq", "dk", "dv"], strict=True):
+        _close(g, g64, REL_TOL["grad"], gname)
+
+
 def test_fused_sliding_window_skips_key_tiles_outside_it(kernel_device):
     """The forward loads only the key tiles a query tile's window reaches: with a causal window of 8 keys
     over 128 (interpreter tiles 32 x 32), each of the 4 query tiles loads at most 2 key tiles per pass."""

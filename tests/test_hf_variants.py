@@ -303,11 +303,13 @@ def test_fused_backend_refuses_variants_and_names_the_config_remedy(kwargs):
         entmax_hf.entmax_attention_forward(_llama_attention(backend="triton"), q, k, v, None, **kwargs)
 
 
-@pytest.mark.parametrize("kwargs", [dict(sliding_window=5), dict(softcap=2.0), dict(sliding_window=7, softcap=1.5)])
+@pytest.mark.parametrize("kwargs", [dict(sliding_window=5), dict(softcap=2.0), dict(sliding_window=7, softcap=1.5),
+                                    dict(dv=24)])
 def test_fused_backend_runs_windows_and_softcap_in_the_kernels(kwargs):
-    """``sliding_window`` (as ``window_size``, no mask tensor) and Gemma-2's ``softcap`` reach the kernels and
-    match the reference."""
-    q, k, v = _qkv(n=40)
+    """``sliding_window`` (as ``window_size``, no mask tensor), Gemma-2's ``softcap`` and a value head dim other
+    than the query's (DeepSeek-V3) reach the kernels and match the reference."""
+    kwargs = dict(kwargs)
+    q, k, v = _qkv(n=40, dv=kwargs.pop("dv", 16))
     out = entmax_hf.entmax_attention_forward(_llama_attention(backend="triton"), q, k, v, None, is_causal=True,
                                              **kwargs)[0]
     ref = entmax_hf.entmax_attention_forward(_llama_attention(backend="reference"), q.double(), k.double(),

@@ -359,7 +359,7 @@ VARIANTS = {
     "alibi_slopes": (dict(alibi_slopes=torch.ones(4, requires_grad=True)),
                      r"alibi_slopes that require grad \(the kernels give no gradient for the slopes; detach them\)"),
     "sinks": (dict(sinks=torch.zeros(4)), r"sinks \(per-head attention sinks\)"),
-    "dv": (dict(v=torch.zeros(2, 2, 9, 8)), r"v of head_dim 8 \(the kernels need v with the head_dim of q, 16\)"),
+    "dv": (dict(v=torch.zeros(2, 2, 9, 8)), r"v of head_dim 8 \(the kernels take value head dims in \[16, 256\]\)"),
 }
 
 
