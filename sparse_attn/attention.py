@@ -80,8 +80,9 @@ def entmax_attention(
     (masked pairs ``-inf``). ``alpha = 1`` is softmax, ``alpha = 2`` sparsemax; for alpha > 1 the
     weights are ``[(alpha - 1) s_ij - tau_i]_+^(1/(alpha-1))``, exactly zero below the threshold.
     The variants (``window_size``, ``alibi_slopes``, ``sinks``, ``softcap``, ``Dv != D``) follow
-    flash-attn's semantics; the fused kernels do not implement them yet, so they run on the reference
-    (CPU tensors, or ``backend="reference"``): the fused path raises ``ValueError`` for them.
+    flash-attn's semantics. The fused kernels implement all but ``sinks`` (and give no gradient for ALiBi
+    slopes); ``sinks`` run on the reference (CPU tensors, or ``backend="reference"``), and the fused path
+    raises ``ValueError`` for them (``attn_inputs.unfused_variants``).
     Decoding steps on the fused path (1 to 16 queries against more keys, nothing requiring grad, no
     dropout or packed sequences) run the split-K decode kernels (:func:`sparse_attn.decode.decode_fits`,
     docs/decode.md); everything else the general fused forward.
@@ -90,7 +91,7 @@ def entmax_attention(
         q: ``(B, Hq, Nq, D)`` queries; any strides (a ``(B, N, H, D)`` tensor ``.transpose(1, 2)``
             works without a copy). float16, bfloat16, float32 (float64 on the reference backend).
         k, v: ``(B, Hk, Nk, D)`` keys and ``(B, Hk, Nk, Dv)`` values, same dtype and device as
-            ``q``. ``Dv != D`` (e.g. DeepSeek-V3's attention) runs on the reference only.
+            ``q``. ``Dv`` may differ from ``D`` (e.g. DeepSeek-V3's attention; ``16 <= Dv <= 256`` on the kernels).
         alpha: float in [1, 2], or a tensor of shape ``(Hq,)`` (one alpha per q head, mixed freely;
             differentiable) or ``()``. Default 1.5. A tensor's values are checked when it is on
             the CPU or with :func:`sparse_attn.set_checks` on; otherwise (CUDA) a head whose alpha

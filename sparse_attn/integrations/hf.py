@@ -128,7 +128,7 @@ def entmax_attention_forward(
         module: the calling attention module (its ``entmax_alpha``, ``is_causal`` and
             ``config.entmax_alpha`` / ``config.entmax_backend`` are read).
         query: ``(B, Hq, Nq, D)``; key, value: ``(B, Hk, Nk, D)`` and ``(B, Hk, Nk, Dv)``, ``Hq % Hk == 0``
-            (``Dv != D``, as DeepSeek-V3, runs on the reference backend).
+            (``Dv != D`` as in DeepSeek-V3).
         attention_mask: None or a 2-d boolean padding mask ``(B, Nk)`` (True = attend) from
             :func:`entmax_mask`: then causal masking and the sliding window are applied here, bottom-right
             aligned; or a complete 4-d mask, boolean ``(B, 1|Hq, Nq, Nk)`` or additive float.
