@@ -7,6 +7,7 @@ on CPU tensors under the Triton interpreter (on a GPU, on CUDA tensors).
 
 import pytest
 import torch
+from helpers import TOL
 
 from sparse_attn import entmax_attention
 from sparse_attn._attn_autograd import _fwd_op
@@ -17,9 +18,8 @@ from sparse_attn.reference import entmax_attention_reference
 # poison_uninitialized fixture of conftest.py, so an element a kernel fails to write shows up as a mismatch.
 pytestmark = pytest.mark.usefixtures("poison_uninitialized")
 
-# Max abs error relative to the largest |float64 value| of the same tensor (fp32 kernels,
-# fp32 inputs): see the measured errors in test_attention_fwd.py / test_attention_bwd.py.
-REL_TOL = {"out": 2e-5, "grad": 5e-5, "dalpha": 5e-4}
+# max abs error relative to the largest |float64 value| of the same tensor (tests/helpers.py)
+REL_TOL = TOL["fused_rel_f32"]
 
 
 def _close(got, ref, tol, name):

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from helpers import TOL as ALL_TOL
 from torch import nn
 
 from sparse_attn import EntmaxMultiheadAttention, entmax_attention, record_head_stats
@@ -32,7 +33,7 @@ from sparse_attn.distributed import (
 RUN_SLOW = os.environ.get("SPARSE_ATTN_SLOW_TESTS", "").strip().lower() not in ("", "0", "false", "no")
 slow = pytest.mark.skipif(not RUN_SLOW, reason="slow distributed test: set SPARSE_ATTN_SLOW_TESTS=1")
 SCHEMES = {"allgather": context_parallel_attention, "ulysses": ulysses_attention}
-TOL = {torch.float64: 1e-9, torch.float32: 2e-5}
+TOL = ALL_TOL["sharded_vs_single"]
 
 
 def _worker(rank, world, store_path, case, args):
