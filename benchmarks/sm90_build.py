@@ -103,16 +103,19 @@ def _problem(head_dim, n, dtype, varlen, heads=4):
 
 def fwd_case(head_dim: int, alpha_class: str, causal: bool = True, dtype=torch.bfloat16, n: int = 1024,
              mask: str | None = None, dropout: bool = False, varlen: bool = False, need_out_u: bool = False,
-             window_size=None, softcap: float | None = None, alibi: bool = False):
+             window_size=None, softcap: float | None = None, alibi: bool = False, sinks: bool = False):
     """Build the forward for one configuration as the launcher launches it; returns the analysis dict.
 
     ``mask``: None, ``"float"`` (an additive ``(B, 1, Nq, Nk)`` bias) or ``"bool"`` (a keep mask);
     ``need_out_u``: the training forward, which also accumulates the backward's ``out_u``;
-    ``window_size``: a sliding window ``(left, right)`` or None; ``softcap``, ``alibi``: soft-capping, ALiBi slopes.
+    ``window_size``: a sliding window ``(left, right)`` or None; ``softcap``, ``alibi``, ``sinks``: soft-capping,
+    ALiBi slopes, per-head sinks.
     """
     q, k, v, cu = _problem(head_dim, n, dtype, varlen)
     variants = dict(window_size=window_size, softcap=softcap,
                     alibi_slopes=torch.empty(q.shape[1], dtype=torch.float32) if alibi else None)
+    if sinks:
+        variants["sinks"] = torch.zeros(q.shape[1], dtype=torch.float32)
     alpha = torch.full((q.shape[1],), ALPHA_OF_CLASS[alpha_class])
     bias = None if mask is None else torch.empty(q.shape[0], 1, n, n, dtype=torch.bool if mask == "bool" else dtype)
     extra = {"alpha_class": alpha_class} if "alpha_class" in fwd.entmax_attn_fwd.__code__.co_varnames else {}
@@ -146,7 +149,8 @@ def fwd_case(head_dim: int, alpha_class: str, causal: bool = True, dtype=torch.b
 
 def bwd_cases(head_dim: int, need_dalpha: bool = True, mask: str | None = "blocks", causal: bool = True,
               dtype=torch.bfloat16, n: int = 1024, dropout: bool = False, varlen: bool = False,
-              kernels=("dq", "dkdv", "dbias"), window_size=None, softcap: float | None = None, alibi: bool = False):
+              kernels=("dq", "dkdv", "dbias"), window_size=None, softcap: float | None = None, alibi: bool = False,
+              sinks: bool = False):
     """Build the backward kernels (those of ``kernels`` among ``"dq"``, ``"dkdv"``, ``"dbias"``) one launch of
     ``entmax_attn_bwd`` starts; one analysis dict per kernel.
 
@@ -176,7 +180,8 @@ def bwd_cases(head_dim: int, need_dalpha: bool = True, mask: str | None = "block
                             cu_seqlens_q=cu, cu_seqlens_k=cu, dropout_p=0.1 if dropout else 0.0, live=live,
                             block_m=block_m, block_n=block_n, need_dalpha=need_dalpha,
                             need_dbias=mask not in (None, "bool"), out_u=torch.empty_like(q), window_size=window_size,
-                            softcap=softcap, alibi_slopes=torch.empty(heads, dtype=torch.float32) if alibi else None)
+                            softcap=softcap, alibi_slopes=torch.empty(heads, dtype=torch.float32) if alibi else None,
+                            **({"sinks": torch.zeros(heads, dtype=torch.float32)} if sinks else {}))
     finally:
         for name, kernel in tuned.items():
             setattr(bwd, f"_entmax_attn_bwd_{name}_autotuned", kernel)
@@ -213,12 +218,13 @@ COLUMNS = ("kernel", "d", "alpha", "block", "warps", "stages", "regs", "spill", 
 
 def check() -> int:
     """CI: the GPU builds the interpreter never exercises compile for sm_90: the forward's general-alpha class
-    (the largest path) with a float mask, dropout, varlen, ALiBi and the backward's ``out_u``, its 1.5-entmax class
-    with a boolean mask, a sliding window and soft-capping; the three backward kernels with d alpha, a window, ALiBi,
-    soft-capping and a mask gradient reduced by the d bias kernel."""
-    fwd_case(80, "general", mask="float", dropout=True, varlen=True, need_out_u=True, alibi=True)
+    (the largest path) with a float mask, dropout, varlen, ALiBi, sinks and the backward's ``out_u``, its 1.5-entmax
+    class with a boolean mask, a sliding window and soft-capping; the three backward kernels with d alpha, a window,
+    ALiBi, soft-capping, sinks and a mask gradient reduced by the d bias kernel."""
+    fwd_case(80, "general", mask="float", dropout=True, varlen=True, need_out_u=True, alibi=True, sinks=True)
     fwd_case(64, "entmax15", mask="bool", causal=False, window_size=(255, 16), softcap=30.0)
-    bwd_cases(80, need_dalpha=True, mask="blocks", dropout=True, window_size=(255, -1), softcap=30.0, alibi=True)
+    bwd_cases(80, need_dalpha=True, mask="blocks", dropout=True, window_size=(255, -1), softcap=30.0, alibi=True,
+              sinks=True)
     print("built")
     return 0
 

@@ -79,13 +79,13 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 
 def attention_args(q, k, v, alpha, bias, cu_seqlens_q, cu_seqlens_k, scale, is_causal, dropout_p, seed,
-                   window_size=None, alibi_slopes=None, softcap=None) -> dict:
+                   window_size=None, alibi_slopes=None, softcap=None, sinks=None) -> dict:
     """The keyword arguments every attention kernel (forward, dQ, dK/dV, d bias) takes, named as in
     CONTRIBUTING.md ("Naming in kernels/"). ``bias`` (an additive float mask, or a boolean / uint8 keep mask
     read as is: ``BIAS_KIND`` 1 or 2) is broadcast to ``(B, Hq, Nq, Nk)`` by zero strides; ``is_causal`` and
     ``window_size`` become the structural mask ``MASK`` (``_masking.mask_spec``); ``softcap`` and
     ``alibi_slopes`` (float32 ``(Hq,)`` or ``(B or nseq, Hq)``) the score modifications ``SCORE`` and ``ALIBI``
-    (``_masking.score_spec``)."""
+    (``_masking.score_spec``); ``sinks`` (``(Hq,)``, read as float32) the per-head sink logits ``SINKS``."""
     is_varlen = cu_seqlens_q is not None
     head_dim = q.shape[3]
     bias_kind = 0 if bias is None else 2 if bias.dtype in (torch.bool, torch.uint8) else 1
@@ -99,8 +99,9 @@ def attention_args(q, k, v, alpha, bias, cu_seqlens_q, cu_seqlens_k, scale, is_c
         **stride_args("stride_v", v, "bhnd"), **bias_stride_args(bias_full),
         n_heads=q.shape[1], kv_group=q.shape[1] // k.shape[1], total_q=q.shape[2], total_k=k.shape[2],
         scale=float(scale), dropout_p=float(dropout_p), seed=int(seed) & 0x7FFFFFFF,
-        MASK=mask_spec(is_causal, window_size), SCORE=score_spec(softcap, alibi_slopes is not None),
+        MASK=mask_spec(is_causal, window_size), SCORE=score_spec(softcap, alibi_slopes is not None, sinks is not None),
         **alibi_args(alibi_slopes, q),
+        SINKS=q if sinks is None else sinks.detach().to(device=q.device, dtype=torch.float32).contiguous(),
         HEAD_DIM=head_dim, BLOCK_D=head_dim_block(head_dim),
         HEAD_DIM_V=v.shape[3], BLOCK_DV=head_dim_block(v.shape[3]), BIAS_KIND=bias_kind, IS_VARLEN=is_varlen,
         HAS_DROPOUT=float(dropout_p) > 0.0, UPCAST=interpreting(), DOT_PRECISION=dot_precision(q.dtype),

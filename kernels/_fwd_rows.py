@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from ._common import LN2, LOG2E, dropout_keep, load_rows
-from ._masking import live_tile, mask_scores, soft_cap, word_bits
+from ._masking import live_tile, mask_scores, sink_tile, soft_cap, word_bits
 from ._threshold import log_ref, merge_point, phi, point_sums, solve, weights
 
 
@@ -65,16 +65,89 @@ def _u_weights(z, t, p, POW: tl.constexpr):
 
 
 @triton.jit
+def _grid_tile(z, m, j_top, F, G, C, L, slot, w_grid, shift, beta, bm1, POW: tl.constexpr, GRID_K: tl.constexpr):
+    """One score tile ``z [BLOCK_M, BLOCK_N]`` of the grid pass: the running max ``m`` and its grid index ``j_top``
+    (``[BLOCK_M]``), and the sums ``F``, ``G``, ``C`` (and POW 0's reference logs ``L``) at the ``GRID_K`` ring
+    points ``[BLOCK_M, GRID_K]``. Returns them updated and ``live``: some score of the tile is above the lowest
+    point."""
+    m_new = tl.maximum(m, tl.max(z, 1))
+    j_new = tl.where(m_new > float("-inf"), tl.floor(m_new / w_grid), j_top)
+    # ring: slot s holds the point of index i = j - ((j - s) mod K); a slot whose index changes restarts at
+    # zero, which is exact: its new point lies above the old maximum, so no earlier key reaches it
+    d_old = j_top[:, None] - slot[None, :]
+    d_new = j_new[:, None] - slot[None, :]
+    i_old = j_top[:, None] - (d_old - GRID_K * tl.floor(d_old / GRID_K))
+    i_new = j_new[:, None] - (d_new - GRID_K * tl.floor(d_new / GRID_K))
+    same = i_old == i_new
+    if POW == 0:
+        # rescale the kept sums to the new maximal key's base
+        l_new = log_ref(m_new[:, None], i_new * w_grid + shift)
+        F = tl.where(same, F * tl.exp2(beta * (L - l_new)), 0.0)
+        G = tl.where(same, G * tl.exp2(bm1 * (L - l_new)), 0.0)
+        L = l_new
+    else:
+        F = tl.where(same, F, 0.0)
+        G = tl.where(same, G, 0.0)
+        C = tl.where(same, C, 0.0)
+    # the lowest point is <= m - 1 <= tau up to rounding: tiles below it are dead (a few ulps of margin; none
+    # where fp32 cannot index the grid, see grid_ok below)
+    t_low = (j_new - (GRID_K - 1)) * w_grid
+    t_low = tl.where(tl.abs(j_new) < 4194304.0, t_low - 4.8e-7 * tl.abs(t_low), float("-inf"))
+    live = tl.max((z > t_low[:, None]).to(tl.int32))
+    if live != 0:
+        for s in tl.static_range(GRID_K):
+            sel = (slot == s)[None, :]
+            t_s = tl.sum(tl.where(sel, i_new, 0.0), 1) * w_grid + shift
+            f, g, c = point_sums(z, t_s, POW, bm1, tl.sum(tl.where(sel, L, 0.0), 1))
+            F += tl.where(sel, f[:, None], 0.0)
+            G += tl.where(sel, g[:, None], 0.0)
+            if POW != 0:
+                C += tl.where(sel, c[:, None], 0.0)
+    return m_new, j_new, F, G, C, L, live
+
+
+@triton.jit
+def _cand_sums(z, t_1, l_1, f1, g1, c1, t_p, l_p, cand, FP, GP, CP, POW: tl.constexpr, CAND_P: tl.constexpr, bm1):
+    """Add the point sums of the score tile ``z`` of a candidate pass: at the point ``t_1`` (POW 0's reference log
+    ``l_1``) to ``f1``, ``g1``, ``c1`` (``[BLOCK_M]``) when ``CAND_P == 1``, else at the candidate points ``t_p``
+    (``l_p``) to ``FP``, ``GP``, ``CP`` (``[BLOCK_M, CAND_P]``). The unused accumulators pass through."""
+    if CAND_P == 1:
+        f, g, c = point_sums(z, t_1, POW, bm1, l_1)
+        f1 += f
+        g1 += g
+        c1 += c
+    else:
+        for p in tl.static_range(CAND_P):
+            sel_c = (cand == p)[None, :]
+            f, g, c = point_sums(z, tl.sum(tl.where(sel_c, t_p, 0.0), 1), POW, bm1,
+                                 tl.sum(tl.where(sel_c, l_p, 0.0), 1))
+            FP += tl.where(sel_c, f[:, None], 0.0)
+            GP += tl.where(sel_c, g[:, None], 0.0)
+            if POW != 0:
+                CP += tl.where(sel_c, c[:, None], 0.0)
+    return f1, g1, c1, FP, GP, CP
+
+
+@triton.jit
 def softmax_rows(q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, kt_hi,
                   live_base, scale, seed, bh, q_start, k_start, total_k, dropout_p, inv_keep,
                   stride_kn, stride_kd, stride_vn, stride_vd, stride_bias_m, stride_bias_n,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
                   BLOCK_D: tl.constexpr, BIAS_KIND: tl.constexpr, MASK,
                   HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, slope, SCORE,
-                  HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr):
-    """alpha == 1: one online-softmax pass (base-2 exponentials). Returns ``(out, tau, lsum, nnz, n_valid, visits)``."""
+                  HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, sink):
+    """alpha == 1: one online-softmax pass (base-2 exponentials). Returns ``(out, tau, lsum, nnz, n_valid, visits)``.
+
+    With sinks (``SCORE[3]``) the sink logit ``sink`` starts the running max and the denominator (one more term,
+    no value); a NaN or ``+inf`` sink makes every row NaN.
+    """
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_sum = tl.zeros([BLOCK_M], tl.float32)
+    if SCORE[3]:
+        sink_bad = (sink != sink) | (sink == float("inf"))
+        s_sink = tl.where(sink_bad, float("-inf"), sink * LOG2E)
+        m = tl.zeros([BLOCK_M], tl.float32) + s_sink
+        l_sum = l_sum + tl.where(s_sink > float("-inf"), 1.0, 0.0)
     n_valid = tl.zeros([BLOCK_M], tl.int32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     word = tl.zeros([], tl.int32)
@@ -102,7 +175,12 @@ def softmax_rows(q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, 
     l_safe = tl.where(valid, l_sum, 1.0)
     out = acc / l_safe[:, None]
     tau = tl.where(valid, (m + tl.log2(l_safe)) * LN2, float("inf"))
-    return out, tau, tl.where(valid, 1.0, 0.0), n_valid, n_valid, kt_hi - kt_lo
+    lsum = tl.where(valid, 1.0, 0.0)
+    if SCORE[3]:
+        out = tl.where(sink_bad, float("nan"), out)
+        tau = tl.where(sink_bad, float("nan"), tau)
+        lsum = tl.where(sink_bad, float("nan"), lsum)
+    return out, tau, lsum, n_valid, n_valid, kt_hi - kt_lo
 
 
 @triton.jit
@@ -114,7 +192,8 @@ def entmax_rows(q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, k
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
                  BLOCK_D: tl.constexpr, BIAS_KIND: tl.constexpr, MASK,
                  HAS_DROPOUT: tl.constexpr, NEED_OUT_U: tl.constexpr, UPCAST: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr, slope, SCORE, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr):
+                 DOT_PRECISION: tl.constexpr, slope, SCORE, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
+                 sink):
     """alpha in (1, 2]: grid pass, candidate passes, value pass (module docstring).
 
     Returns ``(out, out_u, tau, lsum, nnz, n_valid, n_passes, visits)``. Thresholds are carried as
@@ -122,6 +201,11 @@ def entmax_rows(q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, k
     the value pass also accumulates ``sum_j U_ij v_j`` and ``sum_j U_ij`` (``U = p^(2 - alpha)`` up to a row
     factor, dropout applied to the first): ``out_u`` is their ratio, from which the backward's ``delta`` is
     ``dO . out_u`` (docs/backward.md); otherwise ``out_u`` is ``out``.
+
+    With sinks (``SCORE[3]``) the sink is one more score per row, ``(alpha - 1) * sink`` in the z-scale, held by a
+    virtual tile (``_masking.sink_tile``): it enters the running max and the grid sums before the real tiles, the
+    point sums of every candidate pass and ``lsum`` (and ``sum_j U_ij``) of the value pass, but no output, support
+    count, valid-key count or liveness bit. A NaN or ``+inf`` sink makes every row NaN.
     """
     am1 = alpha - 1.0
     beta = 1.0 / am1
@@ -144,6 +228,12 @@ def entmax_rows(q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, k
     C = tl.zeros([BLOCK_M, GRID_K], tl.float32)
     L = tl.full([BLOCK_M, GRID_K], -99.65784284662087, tl.float32)  # POW 0: log2 of the max key's base (1e-30)
     word = tl.zeros([], tl.int32)
+    z_sink = am1 * sink
+    sink_bad = (z_sink != z_sink) | (z_sink == float("inf"))
+    zs = sink_tile(tl.where(sink_bad, float("-inf"), z_sink), BLOCK_M, BLOCK_N)
+    if SCORE[3]:
+        bad = bad | sink_bad.to(tl.int32)
+        m, j_top, F, G, C, L, _ = _grid_tile(zs, m, j_top, F, G, C, L, slot, w_grid, shift, beta, bm1, POW, GRID_K)
     for kt in range(kt_lo, kt_hi):
         cols = kt * BLOCK_N + tl.arange(0, BLOCK_N)
         z = _score_tile(q, k_base, bias_base, rows, cols, seqlen_q, seqlen_k,
@@ -151,39 +241,8 @@ def entmax_rows(q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, k
                         HEAD_DIM, BLOCK_D, BIAS_KIND, MASK, UPCAST, DOT_PRECISION, slope, SCORE)
         bad = bad | tl.max(((z != z) | (z == float("inf"))).to(tl.int32), 1)
         n_valid += tl.sum((z > float("-inf")).to(tl.int32), 1)
-        m_new = tl.maximum(m, tl.max(z, 1))
-        j_new = tl.where(m_new > float("-inf"), tl.floor(m_new / w_grid), j_top)
-        # ring: slot s holds the point of index i = j - ((j - s) mod K); a slot whose index changes restarts at
-        # zero, which is exact: its new point lies above the old maximum, so no earlier key reaches it
-        d_old = j_top[:, None] - slot[None, :]
-        d_new = j_new[:, None] - slot[None, :]
-        i_old = j_top[:, None] - (d_old - GRID_K * tl.floor(d_old / GRID_K))
-        i_new = j_new[:, None] - (d_new - GRID_K * tl.floor(d_new / GRID_K))
-        same = i_old == i_new
-        if POW == 0:
-            # rescale the kept sums to the new maximal key's base
-            l_new = log_ref(m_new[:, None], i_new * w_grid + shift)
-            F = tl.where(same, F * tl.exp2(beta * (L - l_new)), 0.0)
-            G = tl.where(same, G * tl.exp2(bm1 * (L - l_new)), 0.0)
-            L = l_new
-        else:
-            F = tl.where(same, F, 0.0)
-            G = tl.where(same, G, 0.0)
-            C = tl.where(same, C, 0.0)
-        # the lowest point is <= m - 1 <= tau up to rounding: tiles below it are dead (a few ulps of margin; none
-        # where fp32 cannot index the grid, see grid_ok below)
-        t_low = (j_new - (GRID_K - 1)) * w_grid
-        t_low = tl.where(tl.abs(j_new) < 4194304.0, t_low - 4.8e-7 * tl.abs(t_low), float("-inf"))
-        live = tl.max((z > t_low[:, None]).to(tl.int32))
-        if live != 0:
-            for s in tl.static_range(GRID_K):
-                sel = (slot == s)[None, :]
-                t_s = tl.sum(tl.where(sel, i_new, 0.0), 1) * w_grid + shift
-                f, g, c = point_sums(z, t_s, POW, bm1, tl.sum(tl.where(sel, L, 0.0), 1))
-                F += tl.where(sel, f[:, None], 0.0)
-                G += tl.where(sel, g[:, None], 0.0)
-                if POW != 0:
-                    C += tl.where(sel, c[:, None], 0.0)
+        m_new, j_new, F, G, C, L, live = _grid_tile(z, m, j_top, F, G, C, L, slot, w_grid, shift, beta, bm1,
+                                                    POW, GRID_K)
         lane = kt % 32
         word = tl.where(lane == 0, 0, word) | (live << lane)
         tl.store(live_base + kt // 32, word)
@@ -238,7 +297,18 @@ def entmax_rows(q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, k
             f1 = zero
             g1 = zero
             c1 = zero
+            t_p = zero  # the multi-point accumulators are unused with one point
+            l_p = zero
+            cand = zero
+            FP = zero
+            GP = zero
+            CP = zero
         else:
+            t_1 = zero  # the one-point accumulators are unused with several points
+            l_1 = zero
+            f1 = zero
+            g1 = zero
+            c1 = zero
             widen = 1e-6 * (1.0 + tl.abs(lo))
             lo2 = lo - widen
             step = (hi + widen - lo2) / (CAND_P - 1)
@@ -261,22 +331,13 @@ def entmax_rows(q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, k
                                     HEAD_DIM, BLOCK_D, BIAS_KIND, MASK, UPCAST, DOT_PRECISION, slope, SCORE)
                     live = tl.max((z > lo_kill[:, None]).to(tl.int32))
                     new_word = new_word | (live << (kt - wd * 32))
-                    if CAND_P == 1:
-                        f, g, c = point_sums(z, t_1, POW, bm1, l_1)
-                        f1 += f
-                        g1 += g
-                        c1 += c
-                    else:
-                        for p in tl.static_range(CAND_P):
-                            sel_c = (cand == p)[None, :]
-                            f, g, c = point_sums(z, tl.sum(tl.where(sel_c, t_p, 0.0), 1), POW, bm1,
-                                                 tl.sum(tl.where(sel_c, l_p, 0.0), 1))
-                            FP += tl.where(sel_c, f[:, None], 0.0)
-                            GP += tl.where(sel_c, g[:, None], 0.0)
-                            if POW != 0:
-                                CP += tl.where(sel_c, c[:, None], 0.0)
+                    f1, g1, c1, FP, GP, CP = _cand_sums(z, t_1, l_1, f1, g1, c1, t_p, l_p, cand, FP, GP, CP, POW,
+                                                        CAND_P, bm1)
                     visits += 1
             tl.store(live_base + wd, new_word)
+        if SCORE[3]:
+            f1, g1, c1, FP, GP, CP = _cand_sums(zs, t_1, l_1, f1, g1, c1, t_p, l_p, cand, FP, GP, CP, POW, CAND_P,
+                                                bm1)
         tl.debug_barrier()
         act = done == 0
         if CAND_P == 1:
@@ -355,6 +416,11 @@ def entmax_rows(q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, k
                     acc_u += tl.dot(u.to(v.dtype), v, input_precision=DOT_PRECISION)
                 visits += 1
         tl.store(live_base + wd, new_word)
+    if SCORE[3]:
+        p_s = weights(zs, t_use, POW, beta)
+        l_sum += tl.sum(p_s, 1)
+        if NEED_OUT_U:
+            u_sum += tl.sum(_u_weights(zs, t_use, p_s, POW), 1)
     n_passes += 1
     ok = valid & (l_sum > 0.0)
     l_safe = tl.where(ok, l_sum, 1.0)

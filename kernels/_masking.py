@@ -46,12 +46,13 @@ def mask_spec(is_causal: bool, window_size: tuple | None = None) -> tuple:
             left if has_left else 0, right if has_right else 0)
 
 
-def score_spec(softcap: float | None, has_alibi: bool) -> tuple:
-    """The ``SCORE`` kernel argument ``(HAS_SOFTCAP, softcap, HAS_ALIBI)``: how scores are modified before
-    masks: ``softcap * tanh(s / softcap)`` (a run-time float, 1.0 when off) and ALiBi slopes read by
-    :func:`alibi_slope`."""
+def score_spec(softcap: float | None, has_alibi: bool, has_sinks: bool = False) -> tuple:
+    """The ``SCORE`` kernel argument ``(HAS_SOFTCAP, softcap, HAS_ALIBI, HAS_SINKS)``: how scores are modified
+    before masks: ``softcap * tanh(s / softcap)`` (a run-time float, 1.0 when off) and ALiBi slopes read by
+    :func:`alibi_slope`; and whether each row has a per-head sink logit (:func:`sink_logit`), a virtual key with
+    zero value that joins the row's normalization."""
     return (tl.constexpr(softcap is not None), float(softcap) if softcap is not None else 1.0,
-            tl.constexpr(bool(has_alibi)))
+            tl.constexpr(bool(has_alibi)), tl.constexpr(bool(has_sinks)))
 
 
 class TilePlan(NamedTuple):
@@ -184,6 +185,22 @@ def alibi_slope(ALIBI, seq, h, stride_alibi_b, stride_alibi_h, SCORE):
     if SCORE[2]:
         return tl.load(ALIBI + seq.to(tl.int64) * stride_alibi_b + h.to(tl.int64) * stride_alibi_h).to(tl.float32)
     return 0.0
+
+
+@triton.jit
+def sink_logit(SINKS, h, SCORE):
+    """Sink logit of q head ``h`` (float32 scalar, not scaled, capped or masked; ``-inf`` without sinks)."""
+    if SCORE[3]:
+        return tl.load(SINKS + h).to(tl.float32)
+    return float("-inf")
+
+
+@triton.jit
+def sink_tile(sink, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A virtual score tile ``[BLOCK_M, BLOCK_N]`` holding the sink logit ``sink`` in column 0, ``-inf`` elsewhere:
+    the row helpers of the real tiles take the sink's terms from it."""
+    col0 = (tl.arange(0, BLOCK_N) == 0)[None, :] & (tl.arange(0, BLOCK_M) >= 0)[:, None]
+    return tl.where(col0, sink, float("-inf"))
 
 
 @triton.jit

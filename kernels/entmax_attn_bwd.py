@@ -44,6 +44,7 @@ from ._bwd_tiles import (
     _row_factors,
     _row_tile_bits,
     _tile,
+    _weights,
 )
 from ._common import (
     alpha_class_id,
@@ -58,6 +59,8 @@ from ._masking import (
     live_tile,
     query_tile_range,
     seq_bounds,
+    sink_logit,
+    sink_tile,
     tile_indices,
 )
 
@@ -66,8 +69,8 @@ _DEFAULT_BLOCK = 64
 
 @triton.jit
 def _entmax_attn_bwd_dq_kernel(
-    Q, K, V, DO, OUT_U, TAU, LSUM, ALPHA, BIAS, LIVE, CU_SEQLENS_Q, CU_SEQLENS_K, ALIBI,
-    DQ, DELTA, DALPHA, DBIAS, DBIAS_ROWS,
+    Q, K, V, DO, OUT_U, TAU, LSUM, ALPHA, BIAS, LIVE, CU_SEQLENS_Q, CU_SEQLENS_K, ALIBI, SINKS,
+    DQ, DELTA, DALPHA, DBIAS, DBIAS_ROWS, DSINKS,
     stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd, stride_dob, stride_doh, stride_dom, stride_dod,
     stride_oub, stride_ouh, stride_oum, stride_oud, stride_dqb, stride_dqh, stride_dqm, stride_dqd,
@@ -82,7 +85,9 @@ def _entmax_attn_bwd_dq_kernel(
     HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """One program per (query tile ``pid_m``, q head ``h``, batch entry or sequence ``seq``): delta, dQ, d alpha.
+    """One program per (query tile ``pid_m``, q head ``h``, batch entry or sequence ``seq``): delta, dQ, d alpha and,
+    with sinks (``SCORE[3]``), each row's sink gradient ``-U_sink delta`` into ``DSINKS`` (float32 ``(B, Hq, Nq)``).
+    The sink is a virtual key with ``dP = 0`` (``_masking.sink_tile``): its weights join the d alpha row sums.
 
     With ``HEAD_FILTER`` (one launch per alpha class) a program whose head is of another class returns at once.
     """
@@ -136,6 +141,15 @@ def _entmax_attn_bwd_dq_kernel(
     s_gd = tl.zeros([BLOCK_M], dtype=tl.float32)
     s_pld = tl.zeros([BLOCK_M], dtype=tl.float32)
     s_ds = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if SCORE[3]:
+        p_s, u_s, logp_s = _weights(sink_tile(sink_logit(SINKS, h, SCORE), BLOCK_M, BLOCK_N), tau, cu, cp, log_l,
+                                    alpha, ALPHA_CLASS)
+        tl.store(DSINKS + stat_offs, -tl.sum(u_s, 1) * delta, mask=row_ok)
+        if NEED_DALPHA:
+            plogp_s, pg_s = _dalpha_terms(p_s, u_s, logp_s, alpha, inv_eps2)
+            s_u += tl.sum(u_s, 1)
+            s_pl += tl.sum(plogp_s, 1)
+            s_g += tl.sum(pg_s, 1)
     dbias_base = DBIAS + bh.to(tl.int64) * total_q * total_k
     for wd in range(kt_lo // 32, tl.cdiv(kt_hi, 32)):
         bits, rank, n_set = _row_tile_bits(live_row, wd, kt_lo, kt_hi, HAS_LIVE)
@@ -175,7 +189,7 @@ def _entmax_attn_bwd_dq_kernel(
 
 @triton.jit
 def _entmax_attn_bwd_dkdv_kernel(
-    Q, K, V, DO, TAU, LSUM, DELTA, ALPHA, BIAS, LIVE, CU_SEQLENS_Q, CU_SEQLENS_K, ALIBI,
+    Q, K, V, DO, TAU, LSUM, DELTA, ALPHA, BIAS, LIVE, CU_SEQLENS_Q, CU_SEQLENS_K, ALIBI, SINKS,
     DK, DV, DBIAS_COLS,
     stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd, stride_dob, stride_doh, stride_dom, stride_dod,
@@ -264,7 +278,7 @@ def _entmax_attn_bwd_dkdv_kernel(
 
 @triton.jit
 def _entmax_attn_bwd_dbias_kernel(
-    Q, K, V, DO, TAU, LSUM, DELTA, ALPHA, BIAS, LIVE, CU_SEQLENS_Q, CU_SEQLENS_K, ALIBI, DBIAS,
+    Q, K, V, DO, TAU, LSUM, DELTA, ALPHA, BIAS, LIVE, CU_SEQLENS_Q, CU_SEQLENS_K, ALIBI, SINKS, DBIAS,
     stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd, stride_dob, stride_doh, stride_dom, stride_dod,
     stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n, stride_live_b, stride_live_h, stride_live_m,
@@ -462,10 +476,11 @@ def _buffers(q, k, v, bias, is_varlen, need_dalpha, need_dbias) -> _Buffers:
 
 
 def _common_args(q, k, v, do, tau, lsum, alpha, bias, cu_seqlens_q, cu_seqlens_k, live, scale, is_causal, dropout_p,
-                 seed, live_block_m: int, block_n: int, window_size=None, alibi_slopes=None, softcap=None) -> dict:
+                 seed, live_block_m: int, block_n: int, window_size=None, alibi_slopes=None, softcap=None,
+                 sinks=None) -> dict:
     """Keyword arguments the three backward kernels share."""
     args = _common.attention_args(q, k, v, alpha, bias, cu_seqlens_q, cu_seqlens_k, scale, is_causal, dropout_p, seed,
-                                  window_size, alibi_slopes, softcap)
+                                  window_size, alibi_slopes, softcap, sinks)
     return dict(
         args, DO=do, TAU=tau.contiguous(), LSUM=lsum.contiguous(), **_common.stride_args("stride_do", do, "bhmd"),
         **_live_args(live, q), HAS_LIVE=live is not None, LIVE_BLOCK_M=live_block_m, BLOCK_N=block_n,
@@ -476,7 +491,7 @@ def entmax_attn_bwd(
     do, q, k, v, out, tau, lsum, alpha, scale, bias=None, is_causal=False, cu_seqlens_q=None,
     cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, dropout_p=0.0, seed=0,
     live=None, block_m=None, block_n=None, need_dalpha=False, need_dbias=False, *, out_u=None, alpha_class=None,
-    window_size=None, alibi_slopes=None, softcap=None,
+    window_size=None, alibi_slopes=None, softcap=None, sinks=None,
 ):
     """Gradients of alpha-entmax attention from the forward's per-row statistics.
 
@@ -515,6 +530,7 @@ def entmax_attn_bwd(
             the values of a Python float or a CPU tensor (no device sync), else ``"mixed"``.
         window_size, alibi_slopes, softcap: the forward's sliding window, ALiBi slopes and soft cap
             (``entmax_attn_fwd``), or None.
+        sinks: the forward's ``(Hq,)`` per-head sink logits (``entmax_attn_fwd``), or None. Default None.
 
     Returns:
         ``(dq, dk, dv, dalpha, dbias)``: ``dq`` like ``q``, ``dk``/``dv`` like ``k``/``v``
@@ -523,15 +539,18 @@ def entmax_attn_bwd(
         dims ``bias`` broadcasts along; ``(B, Hq, Nq, Nk)`` when ``bias`` is None) or None. Extra
         memory for it is O(B Hq (Nq + Nk)) plus the mask's own size: key- or query-broadcast masks
         use per-row / per-key sums from the two kernels, masks broadcast only over batch/heads
-        ``_entmax_attn_bwd_dbias_kernel``.
+        ``_entmax_attn_bwd_dbias_kernel``. With ``sinks`` a sixth entry follows: ``dsinks``, ``(Hq,)`` in the dtype
+        of ``sinks`` (float32 per-row gradients summed over batch and rows).
 
     Raises:
         ValueError: more than 65535 heads or batch entries (sequences) (``_masking.tile_plan``).
     """
     _check_args(do, q, k, v, out, out_u, tau, lsum, bias, cu_seqlens_q, cu_seqlens_k, live, block_m, block_n)
     n_heads = q.shape[1]
+    assert sinks is None or sinks.shape == (n_heads,), f"sinks: expected shape ({n_heads},)"
     if q.shape[0] * n_heads * q.shape[2] == 0 or k.shape[2] == 0:
-        return _zero_grads(q, k, v, bias, need_dalpha, need_dbias)
+        grads = _zero_grads(q, k, v, bias, need_dalpha, need_dbias)
+        return grads if sinks is None else (*grads, torch.zeros_like(sinks))
     config = _pick_config(q.shape[3], _common.interpreting())
     # the bitmap's tiles are the forward's (block_m x block_n); the backward's query tiles divide them
     live_m = _DEFAULT_BLOCK if block_m is None else int(block_m)
@@ -555,11 +574,14 @@ def entmax_attn_bwd(
         buf.dk.zero_()
         buf.dv.zero_()
     common = _common_args(q, k, v, do, tau, lsum, alpha, bias, cu_seqlens_q, cu_seqlens_k, live, scale, is_causal,
-                          dropout_p, seed, live_m, block_n, window_size, alibi_slopes, softcap)
+                          dropout_p, seed, live_m, block_n, window_size, alibi_slopes, softcap, sinks)
     out_u = out if out_u is None else out_u
+    # rows outside every packed sequence are never visited
+    dsinks_rows = None if sinks is None else torch.zeros(q.shape[:3], dtype=torch.float32, device=q.device)
     plan = plans["dq"]
     _launch("dq", (plan.n_q_tiles, n_heads, plan.n_seq), dict(
         common, OUT_U=out_u, DQ=buf.dq, DELTA=buf.delta, DALPHA=buf.dalpha_rows, DBIAS=buf.dbias,
+        DSINKS=buf.delta if dsinks_rows is None else dsinks_rows,
         DBIAS_ROWS=buf.dbias_rows, **_common.stride_args("stride_ou", out_u, "bhmd"),
         **_common.stride_args("stride_dq", buf.dq, "bhmd"),
         NEED_DALPHA=bool(need_dalpha), NEED_DBIAS=buf.mode == "dense", NEED_DBIAS_ROWS=buf.mode == "rows",
@@ -573,14 +595,20 @@ def entmax_attn_bwd(
     ), alpha_class)
     dalpha = buf.dalpha_rows.double().sum(dim=(0, 2)).float() if need_dalpha else None
     buf = buf._replace(dk=buf.dk.to(k.dtype), dv=buf.dv.to(v.dtype))  # no copy unless float32 partials
-    if buf.mode is None:
-        return buf.dq, buf.dk, buf.dv, dalpha, None
+    dbias = None if buf.mode is None else _dbias(buf, bias, cu_seqlens_q, plans, n_heads, common, alpha_class)
+    if sinks is None:
+        return buf.dq, buf.dk, buf.dv, dalpha, dbias
+    return buf.dq, buf.dk, buf.dv, dalpha, dbias, dsinks_rows.double().sum(dim=(0, 2)).to(sinks.dtype)
+
+
+def _dbias(buf, bias, cu_seqlens_q, plans, n_heads, common, alpha_class):
+    """d bias in the shape of ``bias`` from the kernels' buffers (and the dbias kernel for batch/head broadcasts)."""
     if buf.mode == "blocks":
         dbias = _dbias_blocks(_masking.mask_shape4(bias), cu_seqlens_q is not None, plans["dbias"], n_heads,
                               dict(common, BLOCK_M=plans["dbias"].block_m), alpha_class)
     else:
         dbias = {"rows": buf.dbias_rows[..., None], "cols": buf.dbias_cols[:, :, None]}.get(buf.mode, buf.dbias)
-    return buf.dq, buf.dk, buf.dv, dalpha, _masking.sum_to_mask(dbias, bias)
+    return _masking.sum_to_mask(dbias, bias)
 
 
 def _dbias_blocks(bias_shape, is_varlen, plan, n_heads, common, alpha_class):

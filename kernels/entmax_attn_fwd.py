@@ -42,7 +42,7 @@ from ._common import (
 )
 from ._common import alpha_class_of as alpha_class_of  # re-exported: the public place of the class rule
 from ._fwd_rows import entmax_rows, softmax_rows
-from ._masking import alibi_slope, key_tile_range, seq_bounds
+from ._masking import alibi_slope, key_tile_range, seq_bounds, sink_logit
 
 DEFAULT_MAX_PASSES = 32
 # Stop refining a row's threshold once its certified bracket is this narrow (relative to 1 + |tau|):
@@ -91,7 +91,7 @@ class EntmaxAttnFwdResult(NamedTuple):
 @triton.jit
 def _entmax_attn_fwd_kernel(
     Q, K, V, OUT, OUT_U, BIAS, ALPHA, TAU, LSUM, NNZ, N_VALID, LIVE, N_PASSES, TILE_VISITS, CU_SEQLENS_Q,
-    CU_SEQLENS_K, ALIBI,
+    CU_SEQLENS_K, ALIBI, SINKS,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -137,6 +137,7 @@ def _entmax_attn_fwd_kernel(
     live_base = LIVE + tile_id * n_words
     kt_lo, kt_hi = key_tile_range(pid_m, seqlen_q, seqlen_k, MASK, BLOCK_M, BLOCK_N)
     slope = alibi_slope(ALIBI, seq, h, stride_alibi_b, stride_alibi_h, SCORE)
+    sink = sink_logit(SINKS, h, SCORE)
     for wd in range(0, n_words):
         tl.store(live_base + wd, 0)
     tl.debug_barrier()
@@ -147,7 +148,7 @@ def _entmax_attn_fwd_kernel(
             q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, kt_hi, live_base, scale, seed, bh, q_start,
             k_start, total_k, dropout_p, inv_keep, stride_kn, stride_kd, stride_vn, stride_vd, stride_bias_m,
             stride_bias_n, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, BIAS_KIND, MASK, HAS_DROPOUT, UPCAST, DOT_PRECISION,
-            slope, SCORE, HEAD_DIM_V, BLOCK_DV)
+            slope, SCORE, HEAD_DIM_V, BLOCK_DV, sink)
         passes = tl.full([], 1, tl.int32)
         out_u = out  # U = p
     else:
@@ -170,7 +171,7 @@ def _entmax_attn_fwd_kernel(
             tl.where(a_ok, alpha, 1.5), tol, max_passes, seed, bh, q_start, k_start, total_k, dropout_p, inv_keep,
             stride_kn, stride_kd, stride_vn, stride_vd, stride_bias_m, stride_bias_n, POW, GRID_K, CAND_P, BLOCK_M,
             BLOCK_N, HEAD_DIM, BLOCK_D, BIAS_KIND, MASK, HAS_DROPOUT, NEED_OUT_U, UPCAST, DOT_PRECISION, slope,
-            SCORE, HEAD_DIM_V, BLOCK_DV)
+            SCORE, HEAD_DIM_V, BLOCK_DV, sink)
         out = tl.where(a_ok, out, float("nan"))
         tau = tl.where(a_ok, tau, float("nan"))
         lsum = tl.where(a_ok, lsum, float("nan"))
@@ -256,6 +257,7 @@ def entmax_attn_fwd(
     window_size: tuple | None = None,
     alibi_slopes: torch.Tensor | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> EntmaxAttnFwdResult:
     """Fused entmax attention forward (one kernel launch).
 
@@ -281,6 +283,9 @@ def entmax_attn_fwd(
             (flash-attn's ALiBi), computed in the kernel. Default None.
         softcap: scores ``scale * q.k`` become ``softcap * tanh(scale * q.k / softcap)`` before masks and
             ALiBi. Default None (off).
+        sinks: ``(Hq,)`` per-head sink logits (read as float32): each row is normalized over its keys plus a virtual
+            key of score ``sinks[h]`` (not scaled, capped or masked) and zero value; ``lsum`` and ``tau`` include it.
+            A NaN or ``+inf`` sink makes that head's rows NaN. Default None.
         cu_seqlens_q, cu_seqlens_k: int32 ``(nseq + 1,)`` packed-sequence offsets (then ``B == 1``).
         max_seqlen_q, max_seqlen_k: longest sequences; computed from ``cu_seqlens`` when None.
         dropout_p: probability of dropping a weight after the entmax (kept ones scaled by
@@ -305,7 +310,7 @@ def entmax_attn_fwd(
     """
     plan = _plan(q, k, v, alpha, scale, bias, is_causal, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                  dropout_p, seed, tol, max_passes, alpha_class, need_out_u, block_m, block_n, window_size, alibi_slopes,
-                 softcap)
+                 softcap, sinks)
     for args in plan.launches:
         if _common.interpreting():
             _entmax_attn_fwd_kernel[plan.grid](**args, **plan.options)
@@ -323,7 +328,7 @@ class _Launch(NamedTuple):
 
 def _plan(q, k, v, alpha, scale, bias, is_causal, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
           seed, tol, max_passes, alpha_class, need_out_u, block_m, block_n, window_size=None, alibi_slopes=None,
-          softcap=None) -> _Launch:
+          softcap=None, sinks=None) -> _Launch:
     """Allocate the outputs and name every kernel argument of one forward launch."""
     batch, n_heads, total_q, head_dim = q.shape
     assert 16 <= head_dim <= 256, f"q: head dim must be in [16, 256], got {head_dim}"
@@ -362,7 +367,7 @@ def _plan(q, k, v, alpha, scale, bias, is_causal, cu_seqlens_q, cu_seqlens_k, ma
     (k1, p1), (k2, p2), (k0, p0) = _POINTS[1], _POINTS[2], _POINTS[0]
     args = dict(
         **_common.attention_args(q, k, v, alpha, bias, cu_seqlens_q, cu_seqlens_k, scale, is_causal, dropout_p, seed,
-                                 window_size, alibi_slopes, softcap),
+                                 window_size, alibi_slopes, softcap, sinks),
         OUT=out, OUT_U=out if out_u is None else out_u, TAU=tau, LSUM=lsum, NNZ=nnz, N_VALID=n_valid, LIVE=live,
         N_PASSES=n_passes, TILE_VISITS=tile_visits, **_common.stride_args("stride_o", out, "bhmd"),
         **_common.stride_args("stride_ou", out if out_u is None else out_u, "bhmd"), NEED_OUT_U=out_u is not None,

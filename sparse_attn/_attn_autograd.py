@@ -32,13 +32,13 @@ def _live_shape(q: Tensor, k: Tensor, cu_seqlens_q, max_seqlen_q: int, max_seqle
 def _fwd_op(
     q: Tensor, k: Tensor, v: Tensor, alpha: Tensor, bias: Tensor | None,
     cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None, scale: float, is_causal: bool,
-    window: list[int], alibi_slopes: Tensor | None, softcap: float | None, max_seqlen_q: int, max_seqlen_k: int,
-    dropout_p: float, seed: int, alpha_class: str, need_grad: bool,
+    window: list[int], alibi_slopes: Tensor | None, softcap: float | None, sinks: Tensor | None, max_seqlen_q: int,
+    max_seqlen_k: int, dropout_p: float, seed: int, alpha_class: str, need_grad: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The fused forward; the last output is ``out_u`` (shape ``(0,)`` unless ``_needs_out_u``)."""
     res = entmax_attn_fwd(
         q, k, v, alpha, scale, bias=bias, is_causal=is_causal, window_size=window, alibi_slopes=alibi_slopes,
-        softcap=softcap, cu_seqlens_q=cu_seqlens_q,
+        softcap=softcap, sinks=sinks, cu_seqlens_q=cu_seqlens_q,
         cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
         dropout_p=dropout_p, seed=seed, alpha_class=None if alpha_class == "auto" else alpha_class,
         need_out_u=_needs_out_u(need_grad, alpha_class, q.dtype),
@@ -54,7 +54,7 @@ def _needs_out_u(need_grad: bool, alpha_class: str, dtype: torch.dtype) -> bool:
 
 
 @_fwd_op.register_fake
-def _fwd_fake(q, k, v, alpha, bias, cu_seqlens_q, cu_seqlens_k, scale, is_causal, window, alibi_slopes, softcap,
+def _fwd_fake(q, k, v, alpha, bias, cu_seqlens_q, cu_seqlens_k, scale, is_causal, window, alibi_slopes, softcap, sinks,
               max_seqlen_q, max_seqlen_k, dropout_p, seed, alpha_class, need_grad):
     rows = q.shape[:3]
     out_shape = (*rows, v.shape[3])
@@ -77,13 +77,14 @@ def _bwd_op(
     do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, out_u: Tensor, tau: Tensor, lsum: Tensor,
     alpha: Tensor, bias: Tensor | None, cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None,
     live: Tensor, scale: float, is_causal: bool, window: list[int], alibi_slopes: Tensor | None,
-    softcap: float | None, max_seqlen_q: int, max_seqlen_k: int, dropout_p: float, seed: int, need_dalpha: bool,
-    need_dbias: bool, alpha_class: str,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    softcap: float | None, sinks: Tensor | None, max_seqlen_q: int, max_seqlen_k: int, dropout_p: float, seed: int,
+    need_dalpha: bool, need_dbias: bool, alpha_class: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The fused backward; the last output is d sinks (shape ``(0,)`` without sinks)."""
     block_m, block_n = fwd_block_sizes(q.shape[-1])
-    dq, dk, dv, dalpha, dbias = entmax_attn_bwd(
+    dq, dk, dv, dalpha, dbias, *dsinks = entmax_attn_bwd(
         do, q, k, v, out, tau, lsum, alpha, scale, bias=bias, is_causal=is_causal, window_size=window,
-        alibi_slopes=alibi_slopes, softcap=softcap,
+        alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks,
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k, dropout_p=dropout_p, seed=seed, live=live,
         block_m=block_m, block_n=block_n, need_dalpha=need_dalpha, need_dbias=need_dbias,
@@ -93,26 +94,27 @@ def _bwd_op(
         dalpha = alpha.new_zeros(0)
     if dbias is None:
         dbias = q.new_zeros(0, dtype=torch.float32)
-    return dq, dk, dv, dalpha, dbias
+    return dq, dk, dv, dalpha, dbias, dsinks[0] if dsinks else q.new_zeros(0, dtype=torch.float32)
 
 
 @_bwd_op.register_fake
 def _bwd_fake(do, q, k, v, out, out_u, tau, lsum, alpha, bias, cu_seqlens_q, cu_seqlens_k, live, scale, is_causal,
-              window, alibi_slopes, softcap, max_seqlen_q, max_seqlen_k, dropout_p, seed, need_dalpha, need_dbias,
-              alpha_class):
+              window, alibi_slopes, softcap, sinks, max_seqlen_q, max_seqlen_k, dropout_p, seed, need_dalpha,
+              need_dbias, alpha_class):
     dbias_shape = bias.shape if need_dbias else (0,)
     return (
         torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
         alpha.new_empty((alpha.shape[0],) if need_dalpha else (0,)),
         q.new_empty(dbias_shape, dtype=torch.float32),
+        q.new_empty(0, dtype=torch.float32) if sinks is None else torch.empty_like(sinks),
     )
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, alpha, bias, cu_q, cu_k, scale, is_causal, window, slopes, softcap = inputs[:12]
-    max_q, max_k, dropout_p, seed, alpha_class = inputs[12:17]
+    q, k, v, alpha, bias, cu_q, cu_k, scale, is_causal, window, slopes, softcap, sinks = inputs[:13]
+    max_q, max_k, dropout_p, seed, alpha_class = inputs[13:18]
     out, tau, lsum, _, _, live, _, _, out_u = output
-    ctx.save_for_backward(q, k, v, out, out_u, tau, lsum, alpha, bias, cu_q, cu_k, live, slopes)
+    ctx.save_for_backward(q, k, v, out, out_u, tau, lsum, alpha, bias, cu_q, cu_k, live, slopes, sinks)
     ctx.args = (scale, is_causal, window, softcap, max_q, max_k, dropout_p, seed, alpha_class)
 
 
@@ -122,17 +124,19 @@ def _backward(ctx, d_out, *_unused):
             "entmax_attention's fused backward is not differentiable: double backward "
             "(create_graph=True) is not supported; use backend='reference' for higher-order gradients"
         )
-    q, k, v, out, out_u, tau, lsum, alpha, bias, cu_q, cu_k, live, slopes = ctx.saved_tensors
+    q, k, v, out, out_u, tau, lsum, alpha, bias, cu_q, cu_k, live, slopes, sinks = ctx.saved_tensors
     scale, is_causal, window, softcap, max_q, max_k, dropout_p, seed, alpha_class = ctx.args
     need_dalpha = ctx.needs_input_grad[3]
     need_dbias = bias is not None and ctx.needs_input_grad[4]
-    dq, dk, dv, dalpha, dbias = _bwd_op(
+    dq, dk, dv, dalpha, dbias, dsinks = _bwd_op(
         d_out.contiguous(), q, k, v, out, out_u, tau, lsum, alpha, bias, cu_q, cu_k, live, scale,
-        is_causal, window, slopes, softcap, max_q, max_k, dropout_p, seed, need_dalpha, need_dbias, alpha_class,
+        is_causal, window, slopes, softcap, sinks, max_q, max_k, dropout_p, seed, need_dalpha, need_dbias, alpha_class,
     )
+    need_dsinks = sinks is not None and ctx.needs_input_grad[12]
     return (
         dq, dk, dv, dalpha if need_dalpha else None, dbias if need_dbias else None,
-        None, None, None, None, None, None, None, None, None, None, None, None, None,
+        None, None, None, None, None, None, None, dsinks if need_dsinks else None,
+        None, None, None, None, None, None,
     )
 
 
@@ -153,13 +157,13 @@ def _alpha_class(inputs: AttentionInputs) -> str:
 def _sdpa_fits(inputs: AttentionInputs, return_stats: bool) -> bool:
     """Softmax heads that PyTorch's ``scaled_dot_product_attention`` computes with our semantics.
 
-    Every head at alpha = 1 (a Python number), no statistics, CUDA, no packed sequences, no mask, window, ALiBi or
-    soft cap; causal only when no row is left without keys (``Nq <= Nk``: bottom-right alignment through
+    Every head at alpha = 1 (a Python number), no statistics, CUDA, no packed sequences, no mask, window, ALiBi,
+    sinks or soft cap; causal only when no row is left without keys (``Nq <= Nk``: bottom-right alignment through
     ``causal_lower_right``).
     """
     return (inputs.alpha_value == 1.0 and not return_stats and inputs.q.is_cuda and inputs.cu_seqlens_q is None
             and inputs.mask is None and inputs.window_size is None and inputs.alibi_slopes is None
-            and inputs.softcap is None
+            and inputs.softcap is None and inputs.sinks is None
             and (not inputs.is_causal or inputs.q.shape[2] <= inputs.k.shape[2]))
 
 
@@ -186,12 +190,12 @@ def fused_entmax_attention(inputs: AttentionInputs, return_stats: bool):
     if decode_fits(inputs):
         return decode_attention(inputs, return_stats)
     seed = int(torch.randint(0, 2**31 - 1, (1,)).item()) if inputs.dropout_p > 0 else 0
-    leaves = (inputs.q, inputs.k, inputs.v, inputs.alpha, inputs.mask)
+    leaves = (inputs.q, inputs.k, inputs.v, inputs.alpha, inputs.mask, inputs.sinks)
     need_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in leaves)
     out, tau, lsum, nnz, n_valid, _, _, _, _ = _fwd_op(
         inputs.q, inputs.k, inputs.v, inputs.alpha, inputs.mask, inputs.cu_seqlens_q, inputs.cu_seqlens_k,
         inputs.scale, inputs.is_causal, list(inputs.window_size or (-1, -1)), inputs.alibi_slopes, inputs.softcap,
-        inputs.max_seqlen_q, inputs.max_seqlen_k, inputs.dropout_p, seed, _alpha_class(inputs), need_grad,
+        inputs.sinks, inputs.max_seqlen_q, inputs.max_seqlen_k, inputs.dropout_p, seed, _alpha_class(inputs), need_grad,
     )
     if return_stats:
         return out, AttentionStats(nnz=nnz, tau=tau.detach(), n_valid=n_valid)

@@ -80,9 +80,8 @@ def entmax_attention(
     (masked pairs ``-inf``). ``alpha = 1`` is softmax, ``alpha = 2`` sparsemax; for alpha > 1 the
     weights are ``[(alpha - 1) s_ij - tau_i]_+^(1/(alpha-1))``, exactly zero below the threshold.
     The variants (``window_size``, ``alibi_slopes``, ``sinks``, ``softcap``, ``Dv != D``) follow
-    flash-attn's semantics. The fused kernels implement all but ``sinks`` (and give no gradient for ALiBi
-    slopes); ``sinks`` run on the reference (CPU tensors, or ``backend="reference"``), and the fused path
-    raises ``ValueError`` for them (``attn_inputs.unfused_variants``).
+    flash-attn's semantics. The fused kernels implement them all, with the sinks' gradient, but give no gradient
+    for ALiBi slopes (slopes that require grad raise ``ValueError`` there: ``attn_inputs.unfused_variants``).
     Decoding steps on the fused path (1 to 16 queries against more keys, nothing requiring grad, no
     dropout or packed sequences) run the split-K decode kernels (:func:`sparse_attn.decode.decode_fits`,
     docs/decode.md); everything else the general fused forward.

@@ -60,8 +60,8 @@ class AttentionStats(NamedTuple):
 
     On the reference, a row whose scores hold NaN or ``+inf`` (a NaN output row) has
     ``tau = NaN`` and ``nnz = 0``. With ``sinks``, ``tau`` is the threshold (logsumexp) of the row
-    including its sink, finite even for a row with no valid key, while ``nnz`` and ``n_valid`` count
-    real keys only.
+    including its sink (on the reference finite even for a row with no valid key; the kernels give such a
+    row ``+inf``), while ``nnz`` and ``n_valid`` count real keys only.
     """
 
     nnz: Tensor
@@ -167,8 +167,6 @@ def unfused_variants(q: Tensor, v: Tensor, window_size=None, alibi_slopes=None, 
     missing = []
     if alibi_slopes is not None and alibi_slopes.requires_grad and torch.is_grad_enabled():
         missing.append("alibi_slopes that require grad (the kernels give no gradient for the slopes; detach them)")
-    if sinks is not None:
-        missing.append("sinks (per-head attention sinks)")
     if not MIN_HEAD_DIM <= v.shape[-1] <= MAX_HEAD_DIM:
         missing.append(f"v of head_dim {v.shape[-1]} (the kernels take value head dims in [{MIN_HEAD_DIM}, "
                        f"{MAX_HEAD_DIM}])")

@@ -34,12 +34,15 @@ def _leaves(shapes, gen, device):
     return [torch.randn(*s, generator=gen).to(device).requires_grad_() for s in shapes]
 
 
-def _run_both(q, k, v, alpha, mask=None, **kw):
-    """Fused (fp32) and float64-reference outputs and gradients for one random cotangent."""
+def _run_both(q, k, v, alpha, mask=None, sinks=None, **kw):
+    """Fused (fp32) and float64-reference outputs and gradients for one random cotangent (gradients of
+    ``q, k, v``, then of ``alpha``, ``mask`` and ``sinks`` when they are tensors requiring one)."""
     gen = torch.Generator().manual_seed(123)
     mask_grad = mask is not None and mask.requires_grad
-    inputs = [q, k, v] + ([alpha] if isinstance(alpha, torch.Tensor) else []) + ([mask] if mask_grad else [])
-    out = entmax_attention(q, k, v, alpha, attn_mask=mask, backend="triton", **kw)
+    sinks_grad = sinks is not None and sinks.requires_grad
+    inputs = ([q, k, v] + ([alpha] if isinstance(alpha, torch.Tensor) else []) + ([mask] if mask_grad else [])
+              + ([sinks] if sinks_grad else []))
+    out = entmax_attention(q, k, v, alpha, attn_mask=mask, sinks=sinks, backend="triton", **kw)
     do = torch.randn(out.shape, generator=gen).to(out.device)
     grads = torch.autograd.grad((out * do).sum(), inputs)
     inputs64 = [t.detach().double().requires_grad_() for t in inputs]
@@ -48,7 +51,8 @@ def _run_both(q, k, v, alpha, mask=None, **kw):
     a64 = next(rest) if isinstance(alpha, torch.Tensor) else alpha
     m64 = mask.double() if mask is not None and mask.is_floating_point() else mask
     m64 = next(rest) if mask_grad else m64
-    out64 = entmax_attention(q64, k64, v64, a64, attn_mask=m64, backend="reference", **kw)
+    s64 = next(rest) if sinks_grad else None if sinks is None else sinks.double()
+    out64 = entmax_attention(q64, k64, v64, a64, attn_mask=m64, sinks=s64, backend="reference", **kw)
     grads64 = torch.autograd.grad((out64 * do.double()).sum(), inputs64)
     return out, out64, grads, grads64
 
@@ -78,20 +82,34 @@ def test_fused_matches_reference_forward_and_backward(name, kernel_device):
         _close(g, g64, REL_TOL["dalpha" if gname == "dalpha" else "grad"], gname)
 
 
-def test_fused_masks_bias_gradient_and_fully_masked_rows(kernel_device):
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_fused_masks_bias_gradient_and_fully_masked_rows(with_sinks, kernel_device):
+    """A float mask and its gradient; a row with no valid key gives zeros and zero gradients, with sinks too (then
+    also the sinks' gradient, and the statistics: ``tau`` of such a row is ``+inf`` on the kernels)."""
     gen = torch.Generator().manual_seed(7)
     q, k, v = _leaves([(2, 2, 21, 16), (2, 2, 26, 16), (2, 2, 26, 16)], gen, kernel_device)
     bias = (0.5 * torch.randn(1, 2, 21, 26, generator=gen)).to(kernel_device).requires_grad_()
     with torch.no_grad():
         bias[0, :, 3] = float("-inf")
-    alpha = torch.tensor([1.5, 1.2], device=kernel_device, requires_grad=True)
-    out, out64, grads, grads64 = _run_both(q, k, v, alpha, mask=bias)
-    assert torch.isfinite(out).all() and (out[:, :, 3] == 0).all()
+    alpha = torch.tensor([1.2, 1.0] if with_sinks else [1.5, 1.2], device=kernel_device, requires_grad=True)
+    sinks = torch.tensor([0.3, -0.7], device=kernel_device, requires_grad=True) if with_sinks else None
+    out, out64, grads, grads64 = _run_both(q, k, v, alpha, mask=bias, sinks=sinks)
+    assert torch.isfinite(out).all() and (out[:, :, 3] == 0).all() and (grads[0][:, :, 3] == 0).all()
     _close(out, out64, REL_TOL["out"], "out")
-    for g, g64, gname in zip(grads, grads64, ["dq", "dk", "dv", "dalpha", "dbias"]):
+    for g, g64, gname in zip(grads, grads64, ["dq", "dk", "dv", "dalpha", "dbias", "dsinks"][:len(grads)],
+                             strict=True):
         assert torch.isfinite(g).all(), gname
         _close(g, g64, REL_TOL["dalpha" if gname == "dalpha" else "grad"], gname)
-    assert grads[-1].shape == bias.shape
+    assert grads[4].shape == bias.shape
+    if with_sinks:
+        with torch.no_grad():
+            _, st = entmax_attention(q, k, v, alpha, attn_mask=bias, sinks=sinks, backend="triton", return_stats=True)
+            _, st64 = entmax_attention(q.double(), k.double(), v.double(), alpha.double(), attn_mask=bias.double(),
+                                       sinks=sinks.double(), backend="reference", return_stats=True)
+        assert torch.equal(st.n_valid, st64.n_valid) and (st.nnz - st64.nnz).abs().max() <= 1
+        has_keys = st64.n_valid > 0
+        assert (st.tau[~has_keys] == float("inf")).all()
+        torch.testing.assert_close(st.tau[has_keys].double(), st64.tau[has_keys], rtol=0, atol=1e-4)
 
 
 def test_fused_bool_padding_mask_and_stats(kernel_device):
@@ -304,7 +322,7 @@ def test_fused_dropout_replays_the_forward_mask(kernel_device):
     q, k, v = _leaves([(1, 2, 24, 16)] * 3, gen, kernel_device)
     alpha = torch.tensor([1.5, 1.0], device=kernel_device, requires_grad=True)
     seed, p_drop, scale = 1234, 0.3, 0.25
-    out = _fwd_op(q, k, v, alpha, None, None, None, scale, False, [-1, -1], None, None, 24, 24, p_drop, seed,
+    out = _fwd_op(q, k, v, alpha, None, None, None, scale, False, [-1, -1], None, None, None, 24, 24, p_drop, seed,
                   "mixed", True)[0]
     do = torch.randn(out.shape, generator=gen).to(kernel_device)
     grads = torch.autograd.grad((out * do).sum(), [q, k, v, alpha])
@@ -457,7 +475,7 @@ def test_backward_op_returns_mask_shaped_gradient(kernel_device):
     q, k, v = (t.detach() for t in _leaves([(2, 2, 17, 16)] * 3, gen, kernel_device))
     mask = torch.randn(2, 1, 1, 17, generator=gen).to(kernel_device)
     alpha = torch.tensor([1.5, 2.0], device=kernel_device)
-    variants = ([-1, -1], None, None)  # window, alibi slopes, softcap
+    variants = ([-1, -1], None, None, None)  # window, alibi slopes, softcap, sinks
     out, tau, lsum, _, _, live, _, _, out_u = _fwd_op(q, k, v, alpha, mask, None, None, 0.25, False, *variants, 17,
                                                       17, 0.0, 0, "mixed", True)
     args = (out, q, k, v, out, out_u, tau, lsum, alpha, mask, None, None, live, 0.25, False, *variants, 17, 17, 0.0, 0,
@@ -519,3 +537,54 @@ def test_transposed_inputs_noncontiguous_grad_and_head_dims(D, dtype, kernel_dev
             err_ref = (lowp.double() - e).abs().max().item()
             bound = 2 * err_ref + 2e-3 * e.abs().max().item()
             assert err <= bound, f"{name}: {err:.3e} > {bound:.3e}"
+
+
+SINK_CASES = {
+    "mixed_causal": (33, 33, dict(is_causal=True), [1.0, 1.3, 1.5, 2.0], 4),
+    "mixed_gqa_cross": (21, 37, dict(enable_gqa=True), [2.0, 1.5, 1.3, 1.0], 2),
+    "entmax15_dominant_sink": (17, 40, dict(), [1.5, 1.5, 1.5, 1.5], 4),
+}
+
+
+@pytest.mark.parametrize("name", list(SINK_CASES))
+def test_fused_sinks_forward_and_backward(name, kernel_device):
+    """Per-head sinks in the kernels (a virtual zero-value key in every row's normalization) against the reference:
+    the output and the gradients of q, k, v, alpha and the sinks."""
+    nq, nk, opts, alphas, hk = SINK_CASES[name]
+    gen = torch.Generator().manual_seed(len(name) + 70)
+    q, k, v = _leaves([(2, 4, nq, 16), (2, hk, nk, 16), (2, hk, nk, 16)], gen, kernel_device)
+    sinks = torch.tensor([0.5, -1.0, 2.0, 1.0])
+    if name == "entmax15_dominant_sink":
+        sinks = sinks + 3.0  # most of each row's weight on the sink, many rows entirely
+    sinks = sinks.to(kernel_device).requires_grad_()
+    alpha = torch.tensor(alphas, device=kernel_device, requires_grad=True)
+    out, out64, grads, grads64 = _run_both(q, k, v, alpha, sinks=sinks, **opts)
+    _close(out, out64, REL_TOL["out"], "out")
+    assert grads[-1].shape == sinks.shape and grads[-1].dtype == sinks.dtype
+    for g, g64, gname in zip(grads, grads64, ["dq", "dk", "dv", "dalpha", "dsinks"], strict=True):
+        assert torch.isfinite(g).all(), gname
+        _close(g, g64, REL_TOL["dalpha" if gname == "dalpha" else "grad"], gname)
+
+
+def test_fused_sinks_minus_inf_is_off_and_nan_poisons_its_head(kernel_device):
+    """A -inf sink equals no sink (output and gradients); a NaN / +inf sink makes its head's rows NaN only."""
+    gen = torch.Generator().manual_seed(72)
+    q, k, v = _leaves([(1, 4, 18, 16), (1, 4, 18, 16), (1, 4, 18, 16)], gen, kernel_device)
+    alpha = torch.tensor([1.0, 1.5, 2.0, 1.3], device=kernel_device)
+    sinks = torch.full((4,), float("-inf"), device=kernel_device, requires_grad=True)
+    out = entmax_attention(q, k, v, alpha, sinks=sinks, backend="triton")
+    ref = entmax_attention(q, k, v, alpha, backend="triton")
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-6)
+    do = torch.randn(out.shape, generator=gen).to(kernel_device)
+    g_sink = torch.autograd.grad((out * do).sum(), [q, k, v, sinks])
+    g_none = torch.autograd.grad((ref * do).sum(), [q, k, v])
+    for a, b in zip(g_sink[:3], g_none, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    assert (g_sink[3] == 0).all()
+    for poison, head in ((float("nan"), 1), (float("inf"), 0), (float("nan"), 3)):
+        bad = torch.zeros(4, device=kernel_device)
+        bad[head] = poison
+        out = entmax_attention(q, k, v, alpha, sinks=bad, backend="triton")
+        others = [h for h in range(4) if h != head]
+        assert out[:, head].isnan().all()
+        assert torch.isfinite(out[:, others]).all()

@@ -446,13 +446,13 @@ def test_decode_path_rules():
                     dict(alibi_slopes=torch.ones(4)), dict(v=v[..., :8])):
         assert "attention variants" in decode_unsupported(inputs._replace(**variant))
     # the general fused forward runs the variants the kernels have; the others are refused loudly
-    for variant in (dict(window_size=(4, 0)), dict(softcap=5.0), dict(alibi_slopes=torch.rand(4, generator=gen))):
+    for variant in (dict(window_size=(4, 0)), dict(softcap=5.0), dict(alibi_slopes=torch.rand(4, generator=gen)),
+                    dict(sinks=torch.randn(4, generator=gen))):
         out = entmax_attention(q, k, v, 1.5, backend="triton", **variant)
         ref = entmax_attention(q.double(), k.double(), v.double(), 1.5, backend="reference", **variant)
         torch.testing.assert_close(out.double(), ref, atol=EPS[torch.float32], rtol=0)
-    for variant in (dict(sinks=torch.zeros(4)), dict(v=v[..., :8])):
-        with pytest.raises(ValueError, match="not supported by the fused Triton kernels"):
-            entmax_attention(q, k, variant.pop("v", v), 1.5, backend="triton", **variant)
+    with pytest.raises(ValueError, match="not supported by the fused Triton kernels"):
+        entmax_attention(q, k, v[..., :8], 1.5, backend="triton")
 
 
 def test_training_calls_take_the_general_forward(monkeypatch):

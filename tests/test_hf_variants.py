@@ -295,7 +295,7 @@ def test_bad_variant_arguments_raise_clear_errors(row):
         entmax_hf.entmax_attention_forward(_llama_attention(), *_qkv(), mask, **kwargs)
 
 
-@pytest.mark.parametrize("kwargs", [dict(s_aux=torch.zeros(4)), dict(dv=8)])
+@pytest.mark.parametrize("kwargs", [dict(dv=8)])
 def test_fused_backend_refuses_variants_and_names_the_config_remedy(kwargs):
     kwargs = dict(kwargs)
     q, k, v = _qkv(dv=kwargs.pop("dv", 16))
@@ -304,10 +304,11 @@ def test_fused_backend_refuses_variants_and_names_the_config_remedy(kwargs):
 
 
 @pytest.mark.parametrize("kwargs", [dict(sliding_window=5), dict(softcap=2.0), dict(sliding_window=7, softcap=1.5),
-                                    dict(dv=24)])
+                                    dict(dv=24), dict(s_aux=torch.tensor([1.5, -0.5, 0.0, 3.0])),
+                                    dict(sliding_window=4, s_aux=torch.tensor([0.5, 2.0, -1.0, 1.0]))])
 def test_fused_backend_runs_windows_and_softcap_in_the_kernels(kwargs):
-    """``sliding_window`` (as ``window_size``, no mask tensor), Gemma-2's ``softcap`` and a value head dim other
-    than the query's (DeepSeek-V3) reach the kernels and match the reference."""
+    """``sliding_window`` (as ``window_size``, no mask tensor), Gemma-2's ``softcap``, gpt-oss's sinks (``s_aux``)
+    and a value head dim other than the query's (DeepSeek-V3) reach the kernels and match the reference."""
     kwargs = dict(kwargs)
     q, k, v = _qkv(n=40, dv=kwargs.pop("dv", 16))
     out = entmax_hf.entmax_attention_forward(_llama_attention(backend="triton"), q, k, v, None, is_causal=True,

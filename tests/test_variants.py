@@ -358,7 +358,6 @@ def test_alibi_slopes_per_sequence_with_varlen_checked_against_nseq():
 VARIANTS = {
     "alibi_slopes": (dict(alibi_slopes=torch.ones(4, requires_grad=True)),
                      r"alibi_slopes that require grad \(the kernels give no gradient for the slopes; detach them\)"),
-    "sinks": (dict(sinks=torch.zeros(4)), r"sinks \(per-head attention sinks\)"),
     "dv": (dict(v=torch.zeros(2, 2, 9, 8)), r"v of head_dim 8 \(the kernels take value head dims in \[16, 256\]\)"),
 }
 
@@ -383,8 +382,9 @@ def test_fused_path_refuses_variants_naming_them(name, backend, monkeypatch):
 def test_several_variants_are_named_together_and_reference_or_cpu_auto_runs_them():
     q, k, _ = _X
     v = torch.randn(2, 2, 9, 8)
-    kwargs = dict(window_size=(2, 2), sinks=torch.zeros(4), softcap=5.0, enable_gqa=True)
-    with pytest.raises(ValueError, match=r"^sinks .*; v of head_dim 8"):
+    kwargs = dict(window_size=(2, 2), alibi_slopes=torch.ones(4, requires_grad=True), sinks=torch.zeros(4),
+                  softcap=5.0, enable_gqa=True)
+    with pytest.raises(ValueError, match=r"^alibi_slopes that require grad .*; v of head_dim 8"):
         entmax_attention(q, k, v, backend="triton", **kwargs)
     _close(entmax_attention(q, k, v, backend="auto", **kwargs), entmax_attention(q, k, v, backend="reference",
                                                                                  **kwargs), tol=0)
