@@ -7,7 +7,7 @@ on CPU tensors under the Triton interpreter (on a GPU, on CUDA tensors).
 
 import pytest
 import torch
-from helpers import TOL
+from helpers import TOL, assert_close_to_ref
 
 from sparse_attn import entmax_attention
 from sparse_attn._attn_autograd import _fwd_op
@@ -295,6 +295,35 @@ def test_fused_fp16_within_twice_the_reference_error(kernel_device):
     assert out.dtype == torch.float16
     err, err_ref = (out.double() - exact).abs().max(), (ref16.double() - exact).abs().max()
     assert err <= 2 * err_ref + 1e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fused_variants_half_precision_within_twice_the_reference_error(dtype, kernel_device):
+    """Every variant at once (window, ALiBi, soft cap, sinks, Dv != D, GQA, causal, mixed alpha) in fp16 / bf16:
+    outputs and gradients within twice the error of the reference run on the same rounded inputs in float32
+    (rounded to the dtype), against float64 (the GUIDE's rule, tests/helpers.py)."""
+    gen = torch.Generator().manual_seed(12)
+    q, k, v = (t.detach().to(dtype).requires_grad_() for t in
+               _leaves([(1, 4, 45, 16), (1, 2, 50, 16), (1, 2, 50, 32)], gen, kernel_device))
+    alpha = torch.tensor([1.0, 1.3, 1.5, 2.0], device=kernel_device)
+    kw = dict(is_causal=True, enable_gqa=True, window_size=(20, 0), softcap=3.0, scale=0.5,
+              alibi_slopes=(torch.rand(4, generator=gen) / 4).to(kernel_device),
+              sinks=torch.randn(4, generator=gen).to(kernel_device))
+    out = entmax_attention(q, k, v, alpha, backend="triton", **kw)
+    do = torch.randn(out.shape, generator=gen).to(kernel_device).to(dtype)
+    grads = torch.autograd.grad((out.float() * do.float()).sum(), (q, k, v))
+    leaves64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    kw64 = {n: t.double() if isinstance(t, torch.Tensor) else t for n, t in kw.items()}
+    out64 = entmax_attention(*leaves64, alpha.double(), backend="reference", **kw64)
+    grads64 = torch.autograd.grad((out64 * do.double()).sum(), leaves64)
+    leaves32 = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    kw32 = {n: t.float() if isinstance(t, torch.Tensor) else t for n, t in kw.items()}
+    out32 = entmax_attention(*leaves32, alpha, backend="reference", **kw32)
+    grads32 = torch.autograd.grad((out32 * do.float()).sum(), leaves32)
+    assert out.dtype == dtype
+    assert_close_to_ref(out, out64, out32.to(dtype), eps=TOL["eps_attention_kernel"][dtype], name="out")
+    for g, g64, g32, name in zip(grads, grads64, grads32, ("dq", "dk", "dv"), strict=True):
+        assert_close_to_ref(g, g64, g32.to(dtype), eps=TOL["eps_attention_grad"][dtype], name=name)
 
 
 def test_fused_gradients_are_deterministic(kernel_device):
