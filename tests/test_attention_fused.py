@@ -29,6 +29,13 @@ def _close(got, ref, tol, name):
     assert err <= tol * scale, f"{name}: max abs error {err:.3e} > {tol:.0e} * {scale:.3e}"
 
 
+def _close_all(out, out64, grads, grads64, names):
+    """``_close`` on the output and on each named gradient (``"dalpha"`` with its own tolerance)."""
+    _close(out, out64, REL_TOL["out"], "out")
+    for g, g64, gname in zip(grads, grads64, names, strict=True):
+        _close(g, g64, REL_TOL["dalpha" if gname == "dalpha" else "grad"], gname)
+
+
 def _leaves(shapes, gen, device):
     """float32 leaf tensors drawn on CPU (reproducible on every device), moved to ``device``."""
     return [torch.randn(*s, generator=gen).to(device).requires_grad_() for s in shapes]
@@ -77,9 +84,7 @@ def test_fused_matches_reference_forward_and_backward(name, kernel_device):
     a = c.pop("alpha")
     alpha = torch.tensor(a, device=kernel_device, requires_grad=True)
     out, out64, grads, grads64 = _run_both(q, k, v, alpha, **c)
-    _close(out, out64, REL_TOL["out"], "out")
-    for g, g64, gname in zip(grads, grads64, ["dq", "dk", "dv", "dalpha"]):
-        _close(g, g64, REL_TOL["dalpha" if gname == "dalpha" else "grad"], gname)
+    _close_all(out, out64, grads, grads64, ["dq", "dk", "dv", "dalpha"])
 
 
 @pytest.mark.parametrize("with_sinks", [False, True])
@@ -137,9 +142,7 @@ def test_fused_varlen_forward_and_backward(kernel_device):
     q, k, v = _leaves([(1, 2, 40, 16), (1, 2, 50, 16), (1, 2, 50, 16)], gen, kernel_device)
     alpha = torch.tensor([1.5, 1.0], device=kernel_device, requires_grad=True)
     out, out64, grads, grads64 = _run_both(q, k, v, alpha, is_causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
-    _close(out, out64, REL_TOL["out"], "out")
-    for g, g64, gname in zip(grads, grads64, ["dq", "dk", "dv", "dalpha"]):
-        _close(g, g64, REL_TOL["dalpha" if gname == "dalpha" else "grad"], gname)
+    _close_all(out, out64, grads, grads64, ["dq", "dk", "dv", "dalpha"])
 
 
 # (nq, nk, window_size, is_causal, alpha per head): windows narrower than a tile, spanning tiles, one-sided,
@@ -162,9 +165,7 @@ def test_fused_sliding_window_forward_and_backward(name, kernel_device):
     q, k, v = _leaves([(1, 2, nq, 16), (1, 2, nk, 16), (1, 2, nk, 16)], gen, kernel_device)
     alpha = torch.tensor(alphas, device=kernel_device, requires_grad=True)
     out, out64, grads, grads64 = _run_both(q, k, v, alpha, is_causal=causal, window_size=window)
-    _close(out, out64, REL_TOL["out"], "out")
-    for g, g64, gname in zip(grads, grads64, ["dq", "dk", "dv", "dalpha"]):
-        _close(g, g64, REL_TOL["dalpha" if gname == "dalpha" else "grad"], gname)
+    _close_all(out, out64, grads, grads64, ["dq", "dk", "dv", "dalpha"])
 
 
 def test_fused_sliding_window_varlen_and_float_mask_gradient(kernel_device):
@@ -175,15 +176,11 @@ def test_fused_sliding_window_varlen_and_float_mask_gradient(kernel_device):
     alpha = torch.tensor([1.5, 2.0], device=kernel_device, requires_grad=True)
     out, out64, grads, grads64 = _run_both(q, k, v, alpha, is_causal=True, window_size=(12, 0), cu_seqlens_q=cu_q,
                                            cu_seqlens_k=cu_k)
-    _close(out, out64, REL_TOL["out"], "out")
-    for g, g64, gname in zip(grads, grads64, ["dq", "dk", "dv", "dalpha"]):
-        _close(g, g64, REL_TOL["dalpha" if gname == "dalpha" else "grad"], gname)
+    _close_all(out, out64, grads, grads64, ["dq", "dk", "dv", "dalpha"])
     q, k, v = _leaves([(2, 2, 40, 16), (2, 2, 50, 16), (2, 2, 50, 16)], gen, kernel_device)
     mask = torch.randn(1, 2, 1, 50, generator=gen).to(kernel_device).requires_grad_()
     out, out64, grads, grads64 = _run_both(q, k, v, 1.5, mask=mask, window_size=(6, 6))
-    _close(out, out64, REL_TOL["out"], "out")
-    for g, g64, gname in zip(grads, grads64, ["dq", "dk", "dv", "dmask"]):
-        _close(g, g64, REL_TOL["grad"], gname)
+    _close_all(out, out64, grads, grads64, ["dq", "dk", "dv", "dmask"])
 
 
 # (nq, nk, options, alpha per head): ALiBi per head and per batch entry, soft-capping, both with causal masking,
@@ -210,10 +207,7 @@ def test_fused_alibi_and_softcap_forward_and_backward(name, kernel_device):
     mask = torch.randn(2, 1, 1, nk, generator=gen).to(kernel_device).requires_grad_() if opts.pop("mask", 0) else None
     alpha = torch.tensor(alphas, device=kernel_device, requires_grad=True)
     out, out64, grads, grads64 = _run_both(q, k, v, alpha, mask=mask, **opts)
-    _close(out, out64, REL_TOL["out"], "out")
-    names = ["dq", "dk", "dv", "dalpha"] + (["dmask"] if mask is not None else [])
-    for g, g64, gname in zip(grads, grads64, names, strict=True):
-        _close(g, g64, REL_TOL["dalpha" if gname == "dalpha" else "grad"], gname)
+    _close_all(out, out64, grads, grads64, ["dq", "dk", "dv", "dalpha"] + (["dmask"] if mask is not None else []))
 
 
 def test_fused_alibi_per_sequence_with_varlen(kernel_device):
@@ -224,9 +218,7 @@ def test_fused_alibi_per_sequence_with_varlen(kernel_device):
     slopes = torch.tensor([[0.5, 0.1], [0.05, 0.3]], device=kernel_device)
     out, out64, grads, grads64 = _run_both(q, k, v, 1.5, is_causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
                                            alibi_slopes=slopes, softcap=2.5)
-    _close(out, out64, REL_TOL["out"], "out")
-    for g, g64, gname in zip(grads, grads64, ["dq", "dk", "dv"], strict=True):
-        _close(g, g64, REL_TOL["grad"], gname)
+    _close_all(out, out64, grads, grads64, ["dq", "dk", "dv"])
 
 
 # (D, Dv, options, alpha per head): value heads wider and narrower than query/key heads (DeepSeek-V3 style), with
@@ -249,10 +241,7 @@ def test_fused_value_head_dim_differs(name, kernel_device):
     alpha = torch.tensor(alphas, device=kernel_device, requires_grad=True)
     out, out64, grads, grads64 = _run_both(q, k, v, alpha, mask=mask, **opts)
     assert out.shape == (2, 2, 37, dv)
-    _close(out, out64, REL_TOL["out"], "out")
-    names = ["dq", "dk", "dv", "dalpha"] + (["dmask"] if mask is not None else [])
-    for g, g64, gname in zip(grads, grads64, names, strict=True):
-        _close(g, g64, REL_TOL["dalpha" if gname == "dalpha" else "grad"], gname)
+    _close_all(out, out64, grads, grads64, ["dq", "dk", "dv", "dalpha"] + (["dmask"] if mask is not None else []))
 
 
 def test_fused_value_head_dim_differs_varlen(kernel_device):
@@ -261,9 +250,7 @@ def test_fused_value_head_dim_differs_varlen(kernel_device):
     cu_k = torch.tensor([0, 30, 50], dtype=torch.int32, device=kernel_device)
     q, k, v = _leaves([(1, 2, 45, 32), (1, 2, 50, 32), (1, 2, 50, 16)], gen, kernel_device)
     out, out64, grads, grads64 = _run_both(q, k, v, 1.5, is_causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
-    _close(out, out64, REL_TOL["out"], "out")
-    for g, g64, gname in zip(grads, grads64, ["dq", "dk", "dv"], strict=True):
-        _close(g, g64, REL_TOL["grad"], gname)
+    _close_all(out, out64, grads, grads64, ["dq", "dk", "dv"])
 
 
 def test_fused_sliding_window_skips_key_tiles_outside_it(kernel_device):
@@ -359,9 +346,7 @@ def test_fused_dropout_replays_the_forward_mask(kernel_device):
     leaves64 = [t.detach().double().requires_grad_() for t in (q, k, v, alpha)]
     out64 = entmax_attention_reference(*leaves64, scale=scale, dropout_p=p_drop, dropout_mask=keep)
     grads64 = torch.autograd.grad((out64 * do.double()).sum(), leaves64)
-    _close(out, out64, REL_TOL["out"], "out")
-    for g, g64, gname in zip(grads, grads64, ["dq", "dk", "dv", "dalpha"]):
-        _close(g, g64, REL_TOL["dalpha" if gname == "dalpha" else "grad"], gname)
+    _close_all(out, out64, grads, grads64, ["dq", "dk", "dv", "dalpha"])
 
 
 def test_fused_public_dropout_is_seeded_by_torch_rng(kernel_device):
