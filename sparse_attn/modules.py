@@ -10,15 +10,13 @@ may be learned as in ``correia2019-adaptively-sparse-transformers.txt``:
 
 from __future__ import annotations
 
-import math
 import warnings
-from numbers import Real
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from sparse_attn._validation import check_bool
+from sparse_attn._validation import check_bool, check_number
 from sparse_attn.attention import run_layer_attention
 from sparse_attn.attn_inputs import check_head_alpha, prepare_attention
 from sparse_attn.masks import (
@@ -35,23 +33,15 @@ __all__ = ["EntmaxAlpha", "EntmaxMultiheadAttention", "swap_attention"]
 _MHA_KEEP = "True = not allowed to attend"
 
 
-def _check_unit_interval(name: str, value, low: float = 1.0, high: float = 2.0) -> float:
-    if isinstance(value, bool) or not isinstance(value, Real):
-        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
-    if not math.isfinite(value) or not low <= value <= high:
-        raise ValueError(f"{name} must be finite and in [{low}, {high}], got {value}")
-    return float(value)
-
-
 def _per_head(name: str, value, num_heads: int, low: float, high: float) -> Tensor:
     """``value`` (float, or tensor of shape () or (num_heads,)) as a float64 CPU tensor (num_heads,)."""
     check_head_alpha(name, value, num_heads)
     if isinstance(value, Tensor):
         vals = value.detach().to("cpu", torch.float64).reshape(-1).expand(num_heads).clone()
     else:
-        vals = torch.full((num_heads,), _check_unit_interval(name, value, low, high), dtype=torch.float64)
+        vals = torch.full((num_heads,), check_number(name, value, low, high), dtype=torch.float64)
     if not torch.isfinite(vals).all() or (vals < low).any() or (vals > high).any():
-        raise ValueError(f"{name} must be finite and in [{low}, {high}], got {vals.tolist()}")
+        raise ValueError(f"{name} must be finite and in [{low:g}, {high:g}], got {vals.tolist()}")
     return vals
 
 
@@ -92,15 +82,15 @@ class _HeadAlphaMixin:
         _check_factory(device, dtype)
         alpha_dtype = torch.float64 if dtype == torch.float64 else torch.float32
         self._alpha_float = None
-        self.alpha_min = _check_unit_interval("alpha_min", alpha_min)
-        self.alpha_max = _check_unit_interval("alpha_max", alpha_max)
+        self.alpha_min = check_number("alpha_min", alpha_min, 1.0, 2.0)
+        self.alpha_max = check_number("alpha_max", alpha_max, 1.0, 2.0)
         if not learnable:
             self.register_parameter("alpha_logit", None)
             if isinstance(alpha, Tensor):
                 vals = _per_head("alpha", alpha, self.num_heads, 1.0, 2.0)
                 self.register_buffer("alpha_fixed", vals.to(device=device, dtype=alpha_dtype), persistent=False)
             else:
-                self._alpha_float = _check_unit_interval("alpha", alpha)
+                self._alpha_float = check_number("alpha", alpha, 1.0, 2.0)
                 self.register_buffer("alpha_fixed", None, persistent=False)
             return
         if self.alpha_min >= self.alpha_max:
@@ -279,8 +269,7 @@ class EntmaxMultiheadAttention(_HeadAlphaMixin, nn.MultiheadAttention):
                 raise ValueError(f"{name} must be a positive int, got {val!r}")
         if embed_dim % num_heads:
             raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
-        if isinstance(dropout, bool) or not isinstance(dropout, Real) or not 0.0 <= dropout < 1.0:
-            raise ValueError(f"dropout must be a number in [0, 1), got {dropout!r}")
+        check_number("dropout", dropout, 0.0, 1.0, high_open=True)
         if backend not in ("auto", "triton", "reference"):
             raise ValueError(f"backend must be one of ('auto', 'triton', 'reference'), got {backend!r}")
         factory = {"device": device, "dtype": dtype}
