@@ -60,8 +60,8 @@ class AttentionStats(NamedTuple):
 
     On the reference, a row whose scores hold NaN or ``+inf`` (a NaN output row) has
     ``tau = NaN`` and ``nnz = 0``. With ``sinks``, ``tau`` is the threshold (logsumexp) of the row
-    including its sink (on the reference finite even for a row with no valid key; the kernels give such a
-    row ``+inf``), while ``nnz`` and ``n_valid`` count real keys only.
+    including its sink (``+inf`` for a row with no valid key, as without sinks), while ``nnz`` and ``n_valid``
+    count real keys only.
     """
 
     nnz: Tensor

@@ -76,7 +76,8 @@ def _stats(scores: Tensor, p: Tensor, alpha, n_valid: Tensor, bad: Tensor, n_key
     """Per-row statistics of one dense block; ``scores`` finite or -inf, ``bad`` marks NaN rows.
 
     ``scores`` and ``p`` may hold a sink column after the ``n_keys`` real keys: the threshold is that
-    of the whole row, the support size counts real keys only.
+    of the whole row, the support size counts real keys only; a row with no valid key has ``tau = +inf`` (with a
+    sink too, as on the kernels).
     """
     if scores.shape[-1] == 0:
         return AttentionStats(n_valid, torch.full(n_valid.shape, _INF, dtype=scores.dtype, device=scores.device),
@@ -88,7 +89,7 @@ def _stats(scores: Tensor, p: Tensor, alpha, n_valid: Tensor, bad: Tensor, n_key
         is_softmax = torch.tensor(alpha == 1.0, device=scores.device)
     nnz = torch.where(is_softmax, n_valid, nnz)
     bad = bad.squeeze(-1)
-    tau = _row_threshold(scores, p, alpha).masked_fill(bad, _NAN)
+    tau = _row_threshold(scores, p, alpha).masked_fill(n_valid == 0, _INF).masked_fill(bad, _NAN)
     return AttentionStats(nnz.masked_fill(bad, 0), tau, n_valid)
 
 
