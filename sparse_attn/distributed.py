@@ -48,7 +48,7 @@ from sparse_attn._cp_layout import (
 )
 from sparse_attn._validation import check_bool, check_int, values_checkable
 from sparse_attn.attention import entmax_attention
-from sparse_attn.attn_inputs import AttentionStats, check_head_alpha, prepare_attention
+from sparse_attn.attn_inputs import AttentionStats, _check_window_size, check_head_alpha, prepare_attention
 from sparse_attn.masks import check_mask
 from sparse_attn.modules import EntmaxMultiheadAttention
 from sparse_attn.stats import head_stats_sink
@@ -216,15 +216,32 @@ def _cat_results(results, return_stats: bool):
     return torch.cat(outs, dim=2), AttentionStats(*(torch.cat(f, dim=2) for f in zip(*stats)))
 
 
-def _attend_query_chunk(q_chunk: Tensor, k_all: Tensor, v_all: Tensor, end: int, mask, **kw):
-    """Causal attention of the query rows at global positions ``[end - n, end)`` to all keys.
+def _key_span(start: int, end: int, shift: int, n_k: int, is_causal: bool, window) -> tuple[int, int, tuple | None]:
+    """Keys ``[lo, hi)`` the query rows at global positions ``[start, end)`` may see, and the window that gives a call
+    on that slice the global semantics.
 
-    With bottom-right aligned causal masking, these rows see exactly the keys ``[0, end)``, so
-    the gathered keys are sliced (a view, no copy). A kernel-level query offset would replace
-    this slicing: this function is the one place to change.
+    Row ``p`` sits at key position ``p + shift`` (``shift = N_k - N_q``: bottom-right alignment over the whole
+    sequence). The kernels align a slice's rows the same way, at ``i + (hi - lo) - n``; the slice is that of the
+    global row, ``i + start + shift - lo``, exactly when ``hi = end + shift``, which the causal rule gives (and
+    which ALiBi distances need); otherwise the window's two bounds absorb the difference.
     """
-    mask = None if mask is None else mask[..., :end]
-    return entmax_attention(q_chunk, k_all[:, :, :end], v_all[:, :, :end], attn_mask=mask, is_causal=True, **kw)
+    left, right = window if window is not None else (-1, -1)
+    lo = 0 if left < 0 else min(max(start + shift - left, 0), n_k)
+    hi = end + shift if is_causal else (n_k if right < 0 else end + shift + right)
+    hi = min(max(hi, lo), n_k)
+    if window is None:
+        return lo, hi, None
+    moved = hi - end - shift
+    return lo, hi, (-1 if left < 0 else max(left + moved, 0), -1 if right < 0 else max(right - moved, 0))
+
+
+def _attend_query_chunk(q_chunk: Tensor, k_all: Tensor, v_all: Tensor, span: tuple, mask, **kw):
+    """Attention of the query rows of one chunk to the gathered keys of ``span = (lo, hi, window)``
+    (:func:`_key_span`): the keys are sliced (a view, no copy). A kernel-level query offset would replace this
+    slicing: this function and :func:`_key_span` are the one place to change."""
+    lo, hi, window = span
+    mask = None if mask is None else mask[..., lo:hi]
+    return entmax_attention(q_chunk, k_all[:, :, lo:hi], v_all[:, :, lo:hi], attn_mask=mask, window_size=window, **kw)
 
 
 def context_parallel_attention(
@@ -242,6 +259,10 @@ def context_parallel_attention(
     return_stats: bool = False,
     backend: str = "auto",
     load_balance: bool = True,
+    window_size: tuple[int, int] | None = None,
+    alibi_slopes: Tensor | None = None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
 ):
     """:func:`sparse_attn.entmax_attention` of a sequence sharded over a process group, by all-gathering K/V.
 
@@ -268,6 +289,11 @@ def context_parallel_attention(
         return_stats: also return :class:`sparse_attn.AttentionStats` of the local rows, each
             ``(B, Hq, N_local)``; :func:`gather_head_density` aggregates densities over ranks.
         load_balance: the sharding layout (chunks ``r`` and ``2P - 1 - r``, or chunk ``r``). Default True.
+        window_size, alibi_slopes, softcap, sinks: as :func:`sparse_attn.entmax_attention`, over the global
+            positions (bottom-right aligned on the whole sequence). With a window, each local query chunk reads
+            only the gathered keys inside its window (a view). ``alibi_slopes`` needs ``is_causal`` or a window
+            with ``right == 0`` here (non-causal ALiBi: :func:`ulysses_attention`). ``sinks`` are replicated like
+            ``alpha``: sum their gradient over the group.
 
     Returns:
         ``out`` ``(B, Hq, N_local, Dv)`` (this rank's rows), or ``(out, stats)``.
@@ -275,8 +301,14 @@ def context_parallel_attention(
     lay = _layout(group, load_balance)
     _check_local(q, k, v, key_padding_mask)
     check_bool("return_stats", return_stats)
+    variants = dict(alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks)
     prepare_attention(q, k, v, alpha, is_causal=is_causal, scale=scale, dropout_p=dropout_p,
-                      enable_gqa=enable_gqa, backend=backend)
+                      enable_gqa=enable_gqa, backend=backend, window_size=window_size, **variants)
+    window = _check_window_size(window_size)
+    if alibi_slopes is not None and not is_causal and (window is None or window[1] != 0):
+        raise ValueError("alibi_slopes with context_parallel_attention needs is_causal=True or window_size=(left, 0): "
+                         "a query chunk's ALiBi distances need its keys to end at the chunk's last position; "
+                         "use ulysses_attention for non-causal ALiBi")
     if is_causal and q.shape[2] != k.shape[2]:
         raise ValueError(f"is_causal needs q and k sharded from one sequence (the same seq_local), "
                          f"got {q.shape[2]} and {k.shape[2]}")
@@ -287,10 +319,15 @@ def context_parallel_attention(
     else:
         (k_all,), (v_all,) = _GatherSequence.apply(lay, 2, k), _GatherSequence.apply(lay, 2, v)
     mask = _gather_key_mask(key_padding_mask, lay)
-    kw = dict(scale=scale, dropout_p=dropout_p, enable_gqa=enable_gqa, return_stats=return_stats, backend=backend)
-    if not is_causal:
+    kw = dict(scale=scale, dropout_p=dropout_p, enable_gqa=enable_gqa, return_stats=return_stats, backend=backend,
+              **variants)
+    if not is_causal and window is None:
         return entmax_attention(q, k_all, v_all, alpha, attn_mask=mask, **kw)
-    results = [_attend_query_chunk(q[:, :, s * c:(s + 1) * c], k_all, v_all, (g + 1) * c, mask, alpha=alpha, **kw)
+    n_k = k_all.shape[2]
+    shift = n_k - c * lay.n_chunks
+    results = [_attend_query_chunk(q[:, :, s * c:(s + 1) * c], k_all, v_all,
+                                   _key_span(g * c, (g + 1) * c, shift, n_k, is_causal, window), mask, alpha=alpha,
+                                   is_causal=is_causal, **kw)
                for s, g in enumerate(lay.chunks(lay.rank))]
     return _cat_results(results, return_stats)
 
@@ -351,7 +388,9 @@ def ulysses_attention(
         return_stats: also return ``attn_fn``'s :class:`sparse_attn.AttentionStats`, brought back to
             this rank's rows for all heads, ``(B, Hq, N_local)`` each.
         load_balance: the sharding layout of the inputs. Default True.
-        **kwargs: passed to ``attn_fn`` (e.g. ``scale``, ``dropout_p``, ``backend``).
+        **kwargs: passed to ``attn_fn`` (e.g. ``scale``, ``dropout_p``, ``backend``, ``window_size``, ``softcap``);
+            the per-head tensors ``sinks`` ``(Hq,)`` and ``alibi_slopes`` ``(Hq,)`` / ``(B, Hq)`` are sliced to this
+            rank's heads, like ``alpha`` (sum the sinks' gradient over the group).
 
     Returns:
         ``out`` ``(B, Hq, N_local, Dv)``, or ``(out, stats)``.
@@ -388,6 +427,9 @@ def ulysses_attention(
     if isinstance(alpha, Tensor) and alpha.numel() > 1:
         alpha = alpha.reshape(-1)[lay.rank * h:(lay.rank + 1) * h]
     options = dict(kwargs)
+    for name in ("sinks", "alibi_slopes"):
+        if isinstance(options.get(name), Tensor):
+            options[name] = options[name][..., lay.rank * h:(lay.rank + 1) * h]
     mask = _gather_key_mask(key_padding_mask, lay)
     if mask is not None:
         options["attn_mask"] = mask

@@ -82,9 +82,13 @@ def _problem(b, h, h_kv, n, d, dv, dtype, seed=0, n_k=None):
 
 
 def _close(name, got, want, tol):
+    """Max abs error within ``tol * (1 + max |want|)``; equal entries (``tau = +inf`` of empty rows) count as 0."""
     assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
-    err = (got.double() - want.double()).abs().max().item() if got.numel() else 0.0
-    assert err <= tol * (1 + want.double().abs().max().item() if want.numel() else 1), f"{name}: max error {err}"
+    got, want = got.double(), want.double()
+    same = got == want
+    err = torch.where(same, 0.0, got - want).abs().max().item() if got.numel() else 0.0
+    scale = want.masked_fill(same & want.isinf(), 0.0).abs().max().item() if want.numel() else 0.0
+    assert err <= tol * (1 + scale), f"{name}: max error {err}"
 
 
 def _case_attention(rank, world, scheme, cfg):
@@ -100,13 +104,19 @@ def _case_attention(rank, world, scheme, cfg):
         bias = torch.randn(b, n_k, generator=torch.Generator().manual_seed(3), dtype=dtype)
         keep = bias.masked_fill(~keep, float("-inf")) if keep is not None else bias
     gqa = h_kv != h
+    variants = {name: val for name, val in cfg.items() if name in ("window_size", "softcap")}
+    if cfg.get("alibi"):  # per batch entry and head
+        variants["alibi_slopes"] = torch.rand(b, h, generator=torch.Generator().manual_seed(4), dtype=dtype)
+    sinks = torch.linspace(-1.0, 1.5, h, dtype=dtype) if cfg.get("sinks") else None
+    sinks_leaf = None if sinks is None else sinks.clone().requires_grad_()
     leaves = [t.clone().requires_grad_() for t in (q, k, v, alpha)]
     if "alpha" in cfg:  # one Python float for every head
         leaves[3] = cfg["alpha"]
     bias_leaf = keep.clone().requires_grad_() if cfg.get("float_mask") else None
     want, want_stats = entmax_attention(*leaves, is_causal=causal, enable_gqa=gqa, return_stats=True,
                                         attn_mask=None if keep is None else (
-                                            bias_leaf if bias_leaf is not None else keep)[:, None, None, :])
+                                            bias_leaf if bias_leaf is not None else keep)[:, None, None, :],
+                                        sinks=sinks_leaf, **variants)
     (want * dout).sum().backward()
 
     def shard(t, dim=2):
@@ -115,12 +125,14 @@ def _case_attention(rank, world, scheme, cfg):
     ql, kl, vl = (shard(t).requires_grad_() for t in (q, k, v))
     a = alpha.clone().requires_grad_() if "alpha" not in cfg else cfg["alpha"]
     kpm = None if keep is None else shard(keep, dim=1).requires_grad_(bias_leaf is not None)
+    if sinks is not None:
+        variants["sinks"] = sinks.clone().requires_grad_()
     call = SCHEMES[scheme]
     if cfg.get("checkpoint"):  # recomputed in the backward: the collectives run again, in the same order
         def call(*args, **kw):
             return torch.utils.checkpoint.checkpoint(SCHEMES[scheme], *args, use_reentrant=False, **kw)
     out, stats = call(ql, kl, vl, a, is_causal=causal, enable_gqa=gqa, return_stats=True, key_padding_mask=kpm,
-                      load_balance=lb)
+                      load_balance=lb, **variants)
     (out * shard(dout)).sum().backward()
     if bias_leaf is not None:
         _close("dmask", kpm.grad, shard(bias_leaf.grad, dim=1), TOL[dtype])
@@ -128,6 +140,9 @@ def _case_attention(rank, world, scheme, cfg):
     if "alpha" not in cfg:
         dist.all_reduce(a.grad)
         _close("dalpha", a.grad, leaves[3].grad, tol)
+    if sinks is not None:
+        dist.all_reduce(variants["sinks"].grad)
+        _close("dsinks", variants["sinks"].grad, sinks_leaf.grad, tol)
     _close("out", out, shard(want), tol)
     _close("unshard(out)", unshard_sequence(out.detach(), load_balance=lb), want, tol)
     for name, got, leaf in (("dq", ql.grad, leaves[0]), ("dk", kl.grad, leaves[1]), ("dv", vl.grad, leaves[2])):
@@ -149,6 +164,12 @@ CASES = [
     ("allgather", dict(causal=False, shape=(2, 2, 1, 8, 8, 8), n_k=24, lengths=[24, 17])),
     ("ulysses", dict(lengths=[16, 11], shape=(2, 4, 2, 16, 8, 8))),
     ("ulysses", dict(causal=False, shape=(2, 4, 1, 16, 8, 8))),
+    ("allgather", dict(window_size=(3, 2), alibi=True, softcap=2.0, sinks=True, lengths=[16, 10])),
+    ("allgather", dict(causal=False, window_size=(2, 5), lengths=[13, 16], float_mask=True)),
+    ("allgather", dict(causal=False, window_size=(4, 3), shape=(2, 4, 2, 8, 8, 8), n_k=24, sinks=True)),
+    ("allgather", dict(causal=False, window_size=(-1, 2), load_balance=False, softcap=1.5)),
+    ("allgather", dict(causal=False, window_size=(5, 0), alibi=True)),
+    ("ulysses", dict(causal=False, window_size=(3, 1), alibi=True, sinks=True, softcap=2.0, lengths=[16, 12])),
 ]
 FOUR_RANK_CASES = [
     ("allgather", dict()),
@@ -162,6 +183,9 @@ FOUR_RANK_CASES = [
     ("ulysses", dict(shape=(2, 8, 2, 16, 8, 8))),
     ("ulysses", dict(causal=False, load_balance=False, shape=(2, 4, 4, 8, 8, 4), float_mask=True)),
     ("ulysses", dict(dtype=torch.float32, shape=(1, 8, 8, 24, 16, 16))),
+    ("allgather", dict(window_size=(5, 0), sinks=True, alibi=True, shape=(2, 4, 2, 32, 8, 8))),
+    ("allgather", dict(causal=False, load_balance=False, window_size=(6, 2), shape=(1, 4, 4, 32, 8, 8))),
+    ("ulysses", dict(window_size=(4, 0), sinks=True, alibi=True, shape=(2, 8, 2, 16, 8, 8))),
 ]
 
 
@@ -324,6 +348,12 @@ def _case_errors(rank, world):
         ulysses_attention(q, q, q, attn_mask=torch.ones(1, 1, 6, 12, dtype=torch.bool))
     with pytest.raises(TypeError, match="group"):
         context_parallel_attention(q, q, q, group="world")
+    with pytest.raises(ValueError, match="alibi_slopes with context_parallel_attention needs is_causal"):
+        context_parallel_attention(q, q, q, alibi_slopes=torch.ones(4), window_size=(2, 1))
+    with pytest.raises(TypeError, match="window_size must be None or a pair"):
+        context_parallel_attention(q, q, q, window_size=3)
+    with pytest.raises(ValueError, match="sinks"):
+        ulysses_attention(q, q, q, sinks=torch.zeros(3))
     mha = ContextParallelMultiheadAttention(8, 2, batch_first=True)
     x = torch.randn(1, 4, 8)
     with pytest.raises(ValueError, match="need_weights"):
@@ -338,6 +368,37 @@ def _case_errors(rank, world):
 
 def test_errors_name_the_argument():
     _launch(2, _case_errors)
+
+
+def _visible(row_pos: int, key: int, is_causal: bool, window) -> bool:
+    """Key ``key`` visible to the row at key position ``row_pos`` (bottom-right aligned), by brute force."""
+    left, right = window if window is not None else (-1, -1)
+    return ((not is_causal or key <= row_pos) and (left < 0 or key >= row_pos - left)
+            and (right < 0 or key <= row_pos + right))
+
+
+def test_key_span_is_tight_and_keeps_the_global_mask():
+    """Every (chunk, shift, causal, window): the slice holds exactly the keys some row of the chunk sees (first to
+    last), and the kernels' bottom-right rule with the returned window on the slice is the global rule."""
+    from sparse_attn.distributed import _key_span
+
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(400):
+        n_q, n_k = (int(x) for x in torch.randint(1, 24, (2,), generator=gen))
+        start = int(torch.randint(0, n_q, (1,), generator=gen))
+        end = int(torch.randint(start + 1, n_q + 1, (1,), generator=gen))
+        is_causal = bool(torch.randint(0, 2, (1,), generator=gen))
+        left, right = (int(x) for x in torch.randint(-1, 8, (2,), generator=gen))
+        window = None if (left, right) == (-1, -1) else (left, right)
+        shift = n_k - n_q
+        lo, hi, win = _key_span(start, end, shift, n_k, is_causal, window)
+        seen = [j for j in range(n_k) if any(_visible(p + shift, j, is_causal, window) for p in range(start, end))]
+        assert (lo, hi) == ((seen[0], seen[-1] + 1) if seen else (lo, lo)), (start, end, n_k, is_causal, window)
+        n = end - start
+        for i in range(n):
+            for j in range(hi - lo):
+                assert _visible(i + hi - lo - n, j, is_causal, win) == _visible(start + i + shift, lo + j, is_causal,
+                                                                                  window)
 
 
 def test_helpers_without_a_process_group():
