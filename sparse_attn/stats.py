@@ -16,6 +16,10 @@ not materialized). The recorder accumulates, per layer and head:
   keys of the row, so ``0 <= JS <= 1``), averaged over the query rows with ``n >= 2``. This
   needs the weights, so those calls take the dense (materialized) path.
 
+``query_mask`` (or :meth:`HeadStatsRecorder.set_query_mask`) leaves padded query rows out of both: a
+right-padded batch's padding tokens still attend to the real keys, so without it they count as
+rows. (Left padding under a causal mask needs nothing: such rows have no valid key.)
+
 With ``history=True`` the recorder also keeps each call's per-head density
 (:meth:`HeadStatsRecorder.density_history`): during ``generate()`` one call per layer and step,
 so a generation loop gets the head densities of every generated token (on CUDA the decoding steps
@@ -120,12 +124,35 @@ def js_head_diversity(p: Tensor, n_valid: Tensor) -> tuple[Tensor, Tensor]:
     return js.sum(), rows.sum().to(torch.float64)
 
 
+def _check_query_mask(query_mask) -> Tensor | None:
+    if query_mask is None:
+        return None
+    if not isinstance(query_mask, Tensor):
+        raise TypeError(f"query_mask must be None or a tensor, got {type(query_mask).__name__}")
+    if query_mask.dtype != torch.bool and (query_mask.is_floating_point() or query_mask.is_complex()):
+        raise TypeError(f"query_mask must be a boolean or integer (0/1, e.g. a tokenizer's attention_mask) tensor, "
+                        f"got {query_mask.dtype}")
+    if query_mask.dim() != 2:
+        raise ValueError(f"query_mask must have shape (batch, query length), got {tuple(query_mask.shape)}")
+    return query_mask.detach() != 0
+
+
+def _query_rows(query_mask: Tensor, n_valid: Tensor) -> Tensor:
+    """The ``(B, 1, Nq)`` rows a ``(B, Nq)`` query mask keeps, on ``n_valid``'s device."""
+    if tuple(query_mask.shape) != (n_valid.shape[0], n_valid.shape[-1]):
+        raise ValueError(f"query_mask has shape {tuple(query_mask.shape)} but a recorded layer got "
+                         f"{(n_valid.shape[0], n_valid.shape[-1])} (batch, query rows): set one that matches every "
+                         "recorded call (set_query_mask before each call, or None)")
+    return query_mask.to(n_valid.device)[:, None, :]
+
+
 class _LayerSink:
     """Accumulator one layer reports to (called by the layer's forward)."""
 
     def __init__(self, wants_weights: bool, history: bool = False):
         self.wants_weights = wants_weights
         self.history = history
+        self.query_mask = None
         self.reset()
 
     def reset(self) -> None:
@@ -140,6 +167,9 @@ class _LayerSink:
     def __call__(self, nnz: Tensor, n_valid: Tensor, alpha: Tensor, weights: Tensor | None) -> None:
         with torch.no_grad():
             valid = n_valid > 0
+            if self.query_mask is not None:
+                valid = valid & _query_rows(self.query_mask, n_valid)
+                n_valid = torch.where(valid, n_valid, 0)
             frac = torch.where(valid, nnz.to(torch.float64) / n_valid.clamp_min(1).to(torch.float64), 0.0)
             dims = [d for d in range(frac.dim()) if d != 1]
             dens, cnt = frac.sum(dims), valid.sum(dims).to(torch.float64)
@@ -163,12 +193,16 @@ class HeadStatsRecorder:
         diversity: also record the Jensen-Shannon head diversity (dense weights on those calls).
             Default False.
         history: also keep each call's per-head density (:meth:`density_history`). Default False.
+        query_mask: boolean or 0/1 integer ``(B, Nq)``, False / 0 for padded query rows, which are then left
+            out of the densities and the diversity (e.g. a tokenizer's ``attention_mask`` for a right-padded
+            batch). Every recorded call must have ``B`` batch entries and ``Nq`` query rows (else ``ValueError``);
+            change it between calls with :meth:`set_query_mask`. Default None (every row with a valid key).
 
     Attributes:
         layer_names: qualified names of the recorded layers, in model order.
     """
 
-    def __init__(self, model: nn.Module, diversity: bool = False, history: bool = False):
+    def __init__(self, model: nn.Module, diversity: bool = False, history: bool = False, query_mask=None):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
         if not isinstance(diversity, bool):
@@ -187,7 +221,14 @@ class HeadStatsRecorder:
             )
         self.layer_names = [name for name, _ in self._layers]
         self._sinks = [_LayerSink(diversity, history) for _ in self._layers]
+        self.set_query_mask(query_mask)
         self._active = False
+
+    def set_query_mask(self, query_mask) -> None:
+        """Count only the query rows ``query_mask`` keeps in the calls recorded from now on (see the class)."""
+        query_mask = _check_query_mask(query_mask)
+        for sink in self._sinks:
+            sink.query_mask = query_mask
 
     def __enter__(self) -> HeadStatsRecorder:
         if self._active:
@@ -333,7 +374,8 @@ class HeadStatsRecorder:
         return fig
 
 
-def record_head_stats(model: nn.Module, diversity: bool = False, history: bool = False) -> HeadStatsRecorder:
+def record_head_stats(model: nn.Module, diversity: bool = False, history: bool = False,
+                      query_mask=None) -> HeadStatsRecorder:
     """A :class:`HeadStatsRecorder` for ``model``; use it as ``with record_head_stats(model) as rec:``.
 
     Args:
@@ -341,5 +383,7 @@ def record_head_stats(model: nn.Module, diversity: bool = False, history: bool =
         diversity: also record the Jensen-Shannon head diversity (eq. 11). Default False.
         history: also keep each call's per-head density (``rec.density_history()``, e.g. per generated
             token). Default False.
+        query_mask: ``(B, Nq)`` boolean or 0/1 mask of the real query rows (padded rows are not counted), e.g.
+            ``batch["attention_mask"]`` of a right-padded batch. Default None.
     """
-    return HeadStatsRecorder(model, diversity=diversity, history=history)
+    return HeadStatsRecorder(model, diversity=diversity, history=history, query_mask=query_mask)

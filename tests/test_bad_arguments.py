@@ -205,6 +205,11 @@ BAD_INPUTS = [
     (sa.record_head_stats, dict(model=nn.Linear(2, 2)), ValueError, "Linear contains no entmax attention layer"),
     (sa.record_head_stats, dict(model=_ATTENTION_MODEL, diversity="yes"), TypeError, "diversity must be a bool"),
     (sa.record_head_stats, dict(model=_ATTENTION_MODEL, history=1), TypeError, "history must be a bool"),
+    (sa.record_head_stats, dict(model=_ATTENTION_MODEL, query_mask=[1, 0]), TypeError, "query_mask must be None or a"),
+    (sa.record_head_stats, dict(model=_ATTENTION_MODEL, query_mask=torch.ones(2, 3)), TypeError,
+     "query_mask must be a boolean or integer"),
+    (sa.record_head_stats, dict(model=_ATTENTION_MODEL, query_mask=torch.ones(3, dtype=torch.bool)), ValueError,
+     "query_mask must have shape (batch, query length)"),
     (sa.HeadStatsRecorder, dict(model=_ATTENTION_MODEL, diversity=1), TypeError, "diversity must be a bool"),
     (sa.HeadStatsRecorder, dict(model=None), TypeError, "model must be an nn.Module"),
 ]

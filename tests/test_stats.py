@@ -110,6 +110,39 @@ def test_density_alpha_and_diversity_match_materialized_weights():
         fast.diversity()
 
 
+def test_query_mask_leaves_padded_rows_out():
+    """Densities and diversity over the rows a query mask keeps (from materialized weights), per call via
+    set_query_mask; without the mask the padded rows count (the numbers differ); a mismatched mask raises."""
+    model = TwoLayers()
+    batches = [_batch(1), _batch(2, n=3, l_q=4, s=5)]
+    row_masks = [torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]]), torch.tensor([[1, 0, 0, 0]] * 2 + [[1] * 4])]
+    num, den = torch.zeros(2, H, dtype=torch.float64), torch.zeros(2, H, dtype=torch.float64)
+    js_vals = [[], []]
+    with torch.no_grad():
+        for (x, mem, kpm), rows in zip(batches, row_masks):
+            _, weights = model(x, mem, kpm, need_weights=True)
+            for layer, (w, valid) in enumerate(zip(weights, _valid_keys(x.shape[1], mem.shape[1], kpm))):
+                frac = (w > 0).sum(-1).double() / valid.sum(-1).double()
+                keep = rows.bool()[:, None, :].expand_as(frac)
+                num[layer] += torch.where(keep, frac, 0.0).sum((0, 2))
+                den[layer] += keep.sum((0, 2))
+                n_keys = valid[:, 0].sum(-1) * rows
+                js_vals[layer] += _js_rows(w, n_keys)
+    with record_head_stats(model, diversity=True, query_mask=row_masks[0]) as rec:
+        for (x, mem, kpm), rows in zip(batches, row_masks):
+            rec.set_query_mask(rows.bool() if x.shape[0] == 3 else rows)
+            model(x, mem, kpm)
+    torch.testing.assert_close(rec.density(), num / den, atol=1e-12, rtol=0)
+    for layer, name in enumerate(rec.layer_names):
+        assert rec.diversity()[name] == pytest.approx(sum(js_vals[layer]) / len(js_vals[layer]), abs=1e-10)
+    with record_head_stats(model) as plain:
+        for x, mem, kpm in batches:
+            model(x, mem, kpm)
+    assert (plain.density() - rec.density()).abs().max() > 1e-3
+    with record_head_stats(model, query_mask=row_masks[1]), pytest.raises(ValueError, match="query_mask has shape"):
+        model(*batches[0])
+
+
 def test_density_history_per_call():
     """history=True keeps each call's per-head density (computed here from materialized weights), NaN for a layer
     that made fewer calls; the accumulated density is unchanged; without history it raises."""
