@@ -357,10 +357,14 @@ def sweep_case(args, device, timing, head_dim, dtype, alpha_class, causal, confi
 
 
 def check_against_pinned(call, refs, key, problem, alpha_class, causal, pinned, mode, dtype) -> dict:
-    """``rel_diff_vs_pinned`` of one more call's output, and status ``mismatch`` above ``DIFF_TOL``."""
-    if key not in refs:
-        refs[key] = timed_call(problem, alpha_class, causal, pinned, mode)()
-    diff = rel_diff(call(), refs[key])
+    """``rel_diff_vs_pinned`` of one more call's output, and status ``mismatch`` above ``DIFF_TOL``; only a note
+    when the pinned config itself fails (its row says how)."""
+    try:
+        if key not in refs:
+            refs[key] = timed_call(problem, alpha_class, causal, pinned, mode)()
+        diff = rel_diff(call(), refs[key])
+    except Exception as exc:  # the timing stands; the comparison is an extra
+        return {"note": f"not compared with the pinned config: {type(exc).__name__}"}
     result = {"rel_diff_vs_pinned": diff}
     if not diff <= DIFF_TOL[dtype]:
         result.update(status=MISMATCH, note=f"output differs from the pinned config's by {diff:.3g} (relative)")
