@@ -313,7 +313,7 @@ def entmax_attn_fwd(
 
     Raises:
         ValueError: more than 65535 heads or batch entries (sequences) (``_masking.tile_plan``); ``num_warps`` or
-            ``num_stages`` out of range.
+            ``num_stages`` out of range (``TypeError`` when not an int).
     """
     forced = _forced_options(num_warps, num_stages, q.shape[-1])
     plan = _plan(q, k, v, alpha, scale, bias, is_causal, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -336,7 +336,9 @@ def _forced_options(num_warps, num_stages, head_dim: int) -> dict | None:
         return None
     for name, value, allowed, expected in (("num_warps", num_warps, (1, 2, 4, 8, 16, 32), "a power of two in [1, 32]"),
                                            ("num_stages", num_stages, range(1, 9), "an int in [1, 8]")):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value not in allowed):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise TypeError(f"{name}: expected {expected} or None, got {type(value).__name__} {value!r}")
+        if value is not None and value not in allowed:
             raise ValueError(f"{name}: expected {expected} or None, got {value!r}")
     _, _, warps, stages = _pick_config(head_dim, _common.interpreting())
     return dict(num_warps=warps if num_warps is None else num_warps,

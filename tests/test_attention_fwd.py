@@ -221,11 +221,12 @@ def test_forced_launch_config(kernel_device):
     assert (res.block_m, res.block_n) == (16, 32)
 
 
-@pytest.mark.parametrize("name,value", [("num_warps", 3), ("num_warps", 64), ("num_warps", True), ("num_stages", 0),
-                                        ("num_stages", 2.0)])
-def test_forced_launch_config_out_of_range(name, value):
+@pytest.mark.parametrize("name,value,err", [("num_warps", 3, ValueError), ("num_warps", 64, ValueError),
+                                            ("num_warps", True, TypeError), ("num_stages", 0, ValueError),
+                                            ("num_stages", 2.0, TypeError)])
+def test_forced_launch_config_out_of_range(name, value, err):
     q = torch.zeros(1, 1, 16, 16)
-    with pytest.raises(ValueError, match=f"{name}: expected .* got {value!r}"):
+    with pytest.raises(err, match=f"{name}: expected .* got .*{value!r}"):
         entmax_attn_fwd(q, q, q, 1.5, 0.25, **{name: value})
 
 
