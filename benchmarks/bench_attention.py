@@ -32,7 +32,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import torch  # noqa: E402
 from bench_cases import (  # noqa: E402
     GROUP_TITLES,
     Case,
@@ -68,6 +67,7 @@ from bench_common import (  # noqa: E402
     free_memory,
     optional_import,
     row_key,
+    split_resumed,
 )
 from bench_extras import (  # noqa: E402
     case_extras,
@@ -108,6 +108,7 @@ from bench_timing import (  # noqa: E402
     gpu_slug,
     measure,
     median_q20_q80,
+    start_run,
 )
 
 # The names this script offered before it was split into modules (tests and other scripts import them).
@@ -222,13 +223,9 @@ def run(argv: list[str] | None = None) -> Path:
     """Run the benchmark described by ``argv`` (see ``--help``); returns the output folder."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu" and not args.smoke:
-        raise SystemExit("bench_attention.py: the full grid needs a CUDA GPU; use --smoke on CPU")
     start = time.monotonic()
-    stamp = environment_stamp(device, argv)
-    slug = gpu_slug(stamp["gpu"]) if device == "cuda" else "cpu-smoke"
-    out = args.out or REPO_ROOT / "benchmarks" / "results" / slug
+    device, stamp, default_out = start_run("benchmarks/bench_attention.py", argv, args.smoke, "the full grid")
+    out = args.out or default_out
     out.mkdir(parents=True, exist_ok=True)
 
     fwd, fused_missing = fused_forward_launcher()
@@ -268,16 +265,11 @@ def run(argv: list[str] | None = None) -> Path:
                 notes.append(f"incomplete: time budget of {args.budget_s:g} s reached; rows left are 'skipped'")
             base = {**case.fields(), "method": method.method, "backend": method.backend, "alpha": method.alpha}
             series = (case.group, method.method, method.backend, method.alpha, case.head_dim, case.causal)
-            todo = []
-            for mode in args.modes:
-                row = {**base, "mode": mode}
-                kept = previous.get(row_key(row))
-                if kept is None:
-                    todo.append(row)
-                    continue
-                rows.append(kept)
-                if kept["status"] == OOM:
-                    oom_at.setdefault(series + (mode,), case.seq_q)
+            todo, kept = split_resumed(base, args.modes, previous)
+            rows.extend(kept)
+            for old in kept:
+                if old["status"] == OOM:
+                    oom_at.setdefault(series + (old["mode"],), case.seq_q)
             if not todo:
                 continue
             reason = ""

@@ -96,6 +96,18 @@ def fmt(value, digits: int = 3) -> str:
     return str(value)
 
 
+def split_resumed(base: dict, modes, previous: dict, key=None) -> tuple[list[dict], list[dict]]:
+    """The rows ``{**base, "mode": m}`` to run, and the rows kept for them from an earlier run (``previous``, keyed by
+    ``key(row)``, default :func:`row_key`)."""
+    key = key or row_key
+    todo, kept = [], []
+    for mode in modes:
+        row = {**base, "mode": mode}
+        old = previous.get(key(row))
+        (todo if old is None else kept).append(row if old is None else old)
+    return todo, kept
+
+
 def row_key(row: dict) -> tuple:
     """The identity of a result row (case, method, backend, alpha, mode) as CSV cell text."""
     return tuple(fmt(row[c], 6) for c in ROW_KEY_COLUMNS)

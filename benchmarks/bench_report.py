@@ -24,29 +24,30 @@ def _num(value) -> float:
     return float("nan") if value is None else float(value)
 
 
-def write_csv(path: Path, stamp: dict, notes: list[str], rows: list[dict]):
-    """CSV with ``# key: value`` stamp lines first (read with ``pandas.read_csv(path, comment="#")``)."""
+def write_csv(path: Path, stamp: dict, notes: list[str], rows: list[dict], columns=COLUMNS):
+    """CSV of ``columns`` with ``# key: value`` stamp lines first (read with ``pandas.read_csv(path, comment="#")``)."""
     buf = io.StringIO()
     for key in STAMP_KEYS:
         buf.write(f"# {key}: {stamp[key]}\n")
     for note in notes:
         buf.write(f"# note: {note}\n")
-    writer = csv.DictWriter(buf, fieldnames=COLUMNS, lineterminator="\n")
+    writer = csv.DictWriter(buf, fieldnames=columns, lineterminator="\n")
     writer.writeheader()
     for row in rows:
-        writer.writerow({c: fmt(row.get(c), 6) for c in COLUMNS})
+        writer.writerow({c: fmt(row.get(c), 6) for c in columns})
     path.write_text(buf.getvalue())
 
 
-def read_csv(path: Path) -> list[dict]:
-    """Rows of a results CSV written by :func:`write_csv`, numbers parsed back."""
+def read_csv(path: Path, float_columns=FLOAT_COLUMNS, int_columns=INT_COLUMNS) -> list[dict]:
+    """Rows of a results CSV written by :func:`write_csv`, numbers parsed back (``int_columns`` always filled,
+    ``float_columns`` None where empty) and ``causal`` as a bool."""
     lines = [ln for ln in path.read_text().splitlines() if not ln.startswith("#")]
     rows = []
     for raw in csv.DictReader(lines):
         row = dict(raw)
-        for c in FLOAT_COLUMNS:
+        for c in float_columns:
             row[c] = float(row[c]) if row.get(c) not in (None, "") else None
-        for c in INT_COLUMNS:
+        for c in int_columns:
             row[c] = int(row[c])
         row["causal"] = row["causal"] == "True"
         rows.append(row)
@@ -96,13 +97,15 @@ def summary_lines(rows: list[dict], modes=MODES) -> list[str]:
     return lines
 
 
+def stamp_lines(stamp: dict, notes: list[str]) -> list[str]:
+    """Markdown list items: the stamp (``- **gpu**: `...```) and then the notes."""
+    return [f"- **{key}**: `{stamp[key]}`" for key in STAMP_KEYS] + [f"- note: {n}" for n in notes]
+
+
 def write_markdown(path: Path, stamp: dict, notes: list[str], rows: list[dict], modes=MODES):
     """Stamp, notes, the flash-grid summary, then tables, one per group, one line per (case, method)
     and four cells per mode (see benchmarks/README.md)."""
-    lines = ["# Attention benchmark", ""]
-    lines += [f"- **{key}**: `{stamp[key]}`" for key in STAMP_KEYS]
-    lines += [f"- note: {n}" for n in notes]
-    lines.append("")
+    lines = ["# Attention benchmark", "", *stamp_lines(stamp, notes), ""]
     lines += summary_lines(rows, modes)
     header = [h for _, h in MD_CASE_COLUMNS]
     for mode in modes:

@@ -13,6 +13,7 @@ import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from bench_common import ERROR, OK, OOM, OOM_ERRORS, REPO_ROOT, UNAVAILABLE, Unavailable, free_memory
@@ -148,8 +149,9 @@ def _run_info(cmd: list[str]) -> str:
         return ""
 
 
-def environment_stamp(device: str, argv: list[str]) -> dict:
-    """GPU name, driver, torch / triton / CUDA / Python versions, git commit, UTC date and command line."""
+def environment_stamp(device: str, argv: list[str], script: str = "benchmarks/bench_attention.py") -> dict:
+    """GPU name, driver, torch / triton / CUDA / Python versions, git commit, UTC date and command line (``script``
+    run with ``argv``)."""
     import triton
 
     if device == "cuda":
@@ -171,8 +173,20 @@ def environment_stamp(device: str, argv: list[str]) -> dict:
         "python": platform.python_version(),
         "commit": commit,
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
-        "command": " ".join(shlex.quote(a) for a in ["python", "benchmarks/bench_attention.py", *argv]),
+        "command": " ".join(shlex.quote(a) for a in ["python", script, *argv]),
     }
+
+
+def start_run(script: str, argv: list[str], smoke: bool, what: str, sub: str = "") -> tuple[str, dict, Path]:
+    """``(device, stamp, default output folder)`` of a run of ``script`` (``benchmarks/results/<gpu-name>/<sub>``,
+    ``cpu-smoke`` without CUDA). Without CUDA only a ``--smoke`` run may go on: ``SystemExit`` saying that ``what``
+    needs a GPU otherwise."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and not smoke:
+        raise SystemExit(f"{script.rsplit('/', 1)[-1]}: {what} needs a CUDA GPU; use --smoke on CPU")
+    stamp = environment_stamp(device, argv, script)
+    slug = gpu_slug(stamp["gpu"]) if device == "cuda" else "cpu-smoke"
+    return device, stamp, REPO_ROOT / "benchmarks" / "results" / slug / sub
 
 
 def gpu_slug(name: str) -> str:

@@ -1,18 +1,26 @@
 #!/usr/bin/env bash
-# The one script a GPU session runs: the gpu-marked tests, then the full benchmark grid.
+# The one script a GPU session runs, one device call per MODE:
 #
-#   bash benchmarks/gpu_run.sh [OUT_DIR]
+#   bash benchmarks/gpu_run.sh [OUT_DIR]                # MODE=bench (default): gpu-marked tests, then the grid
+#   MODE=tune bash benchmarks/gpu_run.sh [OUT_DIR]      # launch-config sweep (benchmarks/tune_tiles.py)
+#   MODE=profile bash benchmarks/gpu_run.sh [OUT_DIR]   # one forward case under Nsight Compute (profile_ncu.sh)
 #
-# OUT_DIR defaults to $OUT (the device tool's return folder), else benchmarks/results/<gpu-name>/.
-# It receives pytest_gpu.log, bench.log, results.md, results.csv and three plot_*.png (7 files).
+# OUT_DIR defaults to $OUT (the device tool's return folder), else benchmarks/results/<gpu-name>/ (bench),
+# .../<gpu-name>/tune/ (tune) or .../<gpu-name>/profile/ (profile). It receives:
+#   bench:   pytest_gpu.log, bench.log, results.md, results.csv and three plot_*.png (7 files)
+#   tune:    tune.log, tune.md, tune.csv
+#   profile: profile.md, profile.log; with ncu also ncu.log, ncu_details.csv, ncu_raw.csv, profile.ncu-rep
 # Environment knobs:
+#   MODE            bench, tune or profile (default bench)
 #   PYTHON          interpreter holding a CUDA torch (default python3)
 #   TOTAL_S         wall-clock budget of the whole script in seconds (default 570, under a 600 s call)
 #   TEST_TIMEOUT_S  cap on the gpu-marked tests (default 200); SKIP_TESTS=1 skips them
 #   PYTEST_WORKERS  pytest-xdist workers for the tests (default 4)
 #   PYTEST_SELECT   what pytest runs (default "-m gpu tests"; "tests" runs the whole suite on the GPU)
 #   BENCH_ARGS      extra arguments for benchmarks/bench_attention.py (e.g. "--groups flash")
-#   RESUME_FROM     results.csv of a run cut short by the budget: its rows are kept, the rest is run
+#   RESUME_FROM     results.csv (tune: tune.csv) of a run cut short by the budget: its rows are kept, the rest is run
+#   TUNE_ARGS       extra arguments for benchmarks/tune_tiles.py (e.g. "--head-dims 64 --modes fwd")
+#   CASE_ARGS       extra arguments for benchmarks/profile_case.py (e.g. "--config 128x64w8s2"; profile_ncu.sh)
 #   BENCH_COMMIT    commit to stamp when the copy has no .git (e.g. the output of git rev-parse HEAD)
 # Wheels found in .whl/ (entmax, adasplash; see benchmarks/README.md) are installed to /tmp first.
 set -uo pipefail
@@ -34,12 +42,44 @@ if ! "$PY" -c "import sparse_attn.kernels" 2>/dev/null; then
   ln -sfn ../kernels sparse_attn/kernels && echo "gpu_run: linked sparse_attn/kernels -> kernels"
 fi
 
+MODE=${MODE:-bench}
 OUT_DIR=${1:-${OUT:-}}
 if [ -z "$OUT_DIR" ]; then
   slug=$("$PY" -c "import re, torch; print(re.sub('[^a-z0-9]+', '-', torch.cuda.get_device_name().lower()).strip('-'))")
   OUT_DIR=benchmarks/results/$slug
+  if [ "$MODE" != "bench" ]; then
+    OUT_DIR=$OUT_DIR/$MODE
+  fi
 fi
 mkdir -p "$OUT_DIR"
+resume=()
+if [ -n "${RESUME_FROM:-}" ]; then
+  resume=(--resume-from "$RESUME_FROM")
+fi
+
+case "$MODE" in
+  bench) ;;
+  tune)
+    left=$(( TOTAL_S - (SECONDS - START) ))
+    {
+      nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
+      # shellcheck disable=SC2086
+      timeout $(( left - 10 )) "$PY" benchmarks/tune_tiles.py --out "$OUT_DIR" --budget-s $(( left - 60 )) \
+        ${resume[@]+"${resume[@]}"} ${TUNE_ARGS:-}
+      echo "gpu_run: tune exit status $? (124 = killed at the time limit; tune.csv holds every finished row)"
+    } 2>&1 | tee "$OUT_DIR/tune.log"
+    exit "${PIPESTATUS[0]}"
+    ;;
+  profile)
+    left=$(( TOTAL_S - (SECONDS - START) ))
+    BUDGET_S=$(( left - 10 )) timeout "$left" bash benchmarks/profile_ncu.sh "$OUT_DIR"
+    exit $?
+    ;;
+  *)
+    echo "gpu_run: MODE must be bench, tune or profile, got '$MODE'" >&2
+    exit 2
+    ;;
+esac
 
 if [ "${SKIP_TESTS:-0}" != "1" ]; then
   # shellcheck disable=SC2086
@@ -54,13 +94,9 @@ if [ "$budget" -lt 30 ]; then
   echo "gpu_run: only ${left}s left, not starting the benchmark" | tee "$OUT_DIR/bench.log"
   exit 1
 fi
-resume=()
-if [ -n "${RESUME_FROM:-}" ]; then
-  resume=(--resume-from "$RESUME_FROM")
-fi
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
   # shellcheck disable=SC2086
-  timeout $(( left - 10 )) "$PY" benchmarks/bench_attention.py --out "$OUT_DIR" --budget-s "$budget" "${resume[@]}" ${BENCH_ARGS:-}
+  timeout $(( left - 10 )) "$PY" benchmarks/bench_attention.py --out "$OUT_DIR" --budget-s "$budget" ${resume[@]+"${resume[@]}"} ${BENCH_ARGS:-}
   echo "gpu_run: benchmark exit status $?"
 } 2>&1 | tee "$OUT_DIR/bench.log"

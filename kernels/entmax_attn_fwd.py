@@ -254,6 +254,8 @@ def entmax_attn_fwd(
     need_out_u: bool = False,
     block_m: int | None = None,
     block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
     window_size: tuple | None = None,
     alibi_slopes: torch.Tensor | None = None,
     softcap: float | None = None,
@@ -301,22 +303,46 @@ def entmax_attn_fwd(
         need_out_u: also compute ``out_u`` (float32) for the backward (alpha != 1: one more tensor-core product and
             a few operations per score of the value pass, docs/backward.md); off for inference. Default False.
         block_m, block_n: tile sizes (powers of two >= 16); default by head dim.
+        num_warps, num_stages: force this launch config (a power of two in [1, 32] warps, 1 to 8 pipeline stages; the
+            one not given is the pinned one of this head dim) instead of the GPU's ``triton.autotune`` over
+            ``_autotune_configs``; for tuning (``benchmarks/tune_tiles.py``). Default None (autotuned on a GPU,
+            pinned under the interpreter).
 
     Returns:
         :class:`EntmaxAttnFwdResult`.
 
     Raises:
-        ValueError: more than 65535 heads or batch entries (sequences) (``_masking.tile_plan``).
+        ValueError: more than 65535 heads or batch entries (sequences) (``_masking.tile_plan``); ``num_warps`` or
+            ``num_stages`` out of range (``TypeError`` when not an int).
     """
+    forced = _forced_options(num_warps, num_stages, q.shape[-1])
     plan = _plan(q, k, v, alpha, scale, bias, is_causal, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                  dropout_p, seed, tol, max_passes, alpha_class, need_out_u, block_m, block_n, window_size, alibi_slopes,
                  softcap, sinks)
     for args in plan.launches:
-        if _common.interpreting():
+        if forced is not None:
+            _entmax_attn_fwd_kernel[plan.grid](**args, **forced)
+        elif _common.interpreting():
             _entmax_attn_fwd_kernel[plan.grid](**args, **plan.options)
         else:
             _entmax_attn_fwd_autotuned[plan.grid](**args)
     return plan.result
+
+
+def _forced_options(num_warps, num_stages, head_dim: int) -> dict | None:
+    """``num_warps`` / ``num_stages`` launch options of a forced config (the one not given pinned for ``head_dim``), or
+    None when neither is given. Raises ``ValueError`` naming an argument out of range."""
+    if num_warps is None and num_stages is None:
+        return None
+    for name, value, allowed, expected in (("num_warps", num_warps, (1, 2, 4, 8, 16, 32), "a power of two in [1, 32]"),
+                                           ("num_stages", num_stages, range(1, 9), "an int in [1, 8]")):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise TypeError(f"{name}: expected {expected} or None, got {type(value).__name__} {value!r}")
+        if value is not None and value not in allowed:
+            raise ValueError(f"{name}: expected {expected} or None, got {value!r}")
+    _, _, warps, stages = _pick_config(head_dim, _common.interpreting())
+    return dict(num_warps=warps if num_warps is None else num_warps,
+                num_stages=stages if num_stages is None else num_stages)
 
 
 class _Launch(NamedTuple):

@@ -214,6 +214,22 @@ def test_single_alpha_small_tiles(alpha, kernel_device):
               block_m=16, block_n=16)
 
 
+def test_forced_launch_config(kernel_device):
+    """The tuning hook: tiles, warps and stages forced past the autotuner still give the reference's output."""
+    res, _, _ = _run_case(device=kernel_device, Hq=2, Hk=1, Nq=40, Nk=70, D=16, alphas=[1.5, 1.25], causal=True,
+                          block_m=16, block_n=32, num_warps=2, num_stages=3)
+    assert (res.block_m, res.block_n) == (16, 32)
+
+
+@pytest.mark.parametrize("name,value,err", [("num_warps", 3, ValueError), ("num_warps", 64, ValueError),
+                                            ("num_warps", True, TypeError), ("num_stages", 0, ValueError),
+                                            ("num_stages", 2.0, TypeError)])
+def test_forced_launch_config_out_of_range(name, value, err):
+    q = torch.zeros(1, 1, 16, 16)
+    with pytest.raises(err, match=f"{name}: expected .* got .*{value!r}"):
+        entmax_attn_fwd(q, q, q, 1.5, 0.25, **{name: value})
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_low_precision(dtype, kernel_device):
     _run_case(device=kernel_device, Nq=63, Nk=97, D=64, dtype=dtype, causal=True)

@@ -3,11 +3,14 @@
 One smoke run (tiny float32 shapes, Triton interpreter) writes the tables, CSV and plots into a
 temporary folder; the tests check the files, the stamp, the columns, that every benchmarked
 call computes the right thing (max error against the float64 reference), that the derived
-numbers follow from the raw ones, and the helpers that count tiles.
+numbers follow from the raw ones, and the helpers that count tiles. The launch-config sweep
+(benchmarks/tune_tiles.py) and the profiling scripts (benchmarks/profile_case.py, profile_ncu.sh, with a
+stand-in ncu) run the same way.
 """
 
 import importlib.util
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -23,13 +26,17 @@ MODE_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}
 OUTPUT_FILES = ("results.md", "results.csv", "plot_grid.png", "plot_sparsity.png", "plot_mixed.png")
 
 
-@pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("bench_attention", HARNESS)
+def _load(path: Path, name: str):
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_attention"] = module
+    sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return _load(HARNESS, "bench_attention")
 
 
 def _fused_missing(bench) -> str:
@@ -215,3 +222,158 @@ def test_median_and_quantiles_match_numpy(bench):
         times = (torch.rand(n, generator=gen, dtype=torch.float64) * 10).tolist()
         med, q20, q80 = bench.median_q20_q80(times)
         assert (med, q20, q80) == pytest.approx((np.median(times), *np.quantile(times, [0.2, 0.8])), rel=1e-12)
+
+
+TUNER = HARNESS.parent / "tune_tiles.py"
+PROFILER = HARNESS.parent / "profile_case.py"
+NCU_HEADER = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size",'
+              '"Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"')
+# what `ncu --import <rep> --csv --page details` prints (a hand-written sample in ncu's layout): the section tables and
+# the per-reason stall metrics requested with --metrics (section "Command line profiler metrics"); the numbers are
+# made up for the test
+NCU_DETAILS = [
+    ("GPU Speed Of Light Throughput", "Duration", "nsecond", "1,234,567"),
+    ("Occupancy", "Theoretical Occupancy", "%", "12.50"),
+    ("Occupancy", "Achieved Occupancy", "%", "12.31"),
+    ("Launch Statistics", "Registers Per Thread", "register/thread", "252"),
+    ("Launch Statistics", "Dynamic Shared Memory Per Block", "byte/block", "65,568"),
+    ("Warp State Statistics", "Warp Cycles Per Issued Instruction", "cycle", "10.00"),
+    ("Command line profiler metrics", "smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio", "",
+     "1.5"),
+    ("Command line profiler metrics", "smsp__average_warps_issue_stalled_math_pipe_throttle_per_issue_active.ratio",
+     "", "4.5"),
+    ("Command line profiler metrics", "smsp__average_warps_issue_stalled_selected_per_issue_active.ratio", "", "1"),
+    ("Command line profiler metrics", "smsp__average_warps_issue_stalled_wait_per_issue_active.ratio", "", "3"),
+    ("Command line profiler metrics", "smsp__average_warps_issue_stalled_sleeping_per_issue_active.ratio", "", "n/a"),
+]
+
+
+def _ncu_details_csv(kernel="_entmax_attn_fwd_kernel") -> str:
+    lead = f'"0","4242","python3","127.0.0.1","{kernel}","1","7","(256, 1, 1)","(64, 16, 2)","0","9.0"'
+    rows = [lead + "," + ",".join(f'"{c}"' for c in row) for row in NCU_DETAILS]
+    return "\n".join(["==PROF== Connected to process 4242", NCU_HEADER, *rows]) + "\n"
+
+
+@pytest.fixture(scope="module")
+def tune(bench):
+    return _load(TUNER, "tune_tiles")
+
+
+@pytest.fixture(scope="module")
+def profile(tune):
+    return _load(PROFILER, "profile_case")
+
+
+def test_tune_smoke(tune, tmp_path):
+    """The launch-config sweep on CPU: the pinned config and one other, every row ok and equal to the pinned output,
+    speedups and TFLOP/s derived from the raw times, the winner table, resume and the time budget."""
+    out = tune.run(["--smoke", "--out", str(tmp_path / "tune")])
+    rows = tune.read_tune_csv(out / "tune.csv")
+    pinned = tune.pinned_config(32).label
+    assert {r["config"] for r in rows} == {pinned, "64x64 w4 s1"}
+    assert {r["mode"] for r in rows} == {"fwd", "fwd+bwd"} and {r["alpha_class"] for r in rows} == {"mixed"}
+    by_key = {(r["seq"], r["mode"], r["config"]): r for r in rows}
+    for r in rows:
+        assert r["status"] == "ok", r
+        assert (r["pinned"] == "True") == (r["config"] == pinned)
+        assert 0 < r["ms_q20"] <= r["ms"] <= r["ms_q80"]
+        assert r["rel_diff_vs_pinned"] <= tune.DIFF_TOL["fp32"]
+        base = by_key[(r["seq"], r["mode"], pinned)]["ms"]
+        assert r["speedup_vs_pinned"] == pytest.approx(base / r["ms"], rel=1e-4)
+        flops = 4.0 * r["batch"] * r["heads"] * r["seq"] ** 2 * r["head_dim"] * MODE_FACTOR[r["mode"]] / 2  # causal
+        assert r["tflops"] == pytest.approx(flops / (r["ms"] * 1e-3) / 1e12, rel=1e-4)
+    md = (out / "tune.md").read_text()
+    assert "**commit**" in md and "--smoke" in md and "## Best config per case" in md
+    assert md.count(" -> ") >= 2 and f"| {pinned} |" in md
+    again = tune.run(["--smoke", "--resume-from", str(out / "tune.csv"), "--out", str(tmp_path / "again")])
+    assert [r["ms"] for r in tune.read_tune_csv(again / "tune.csv")] == [r["ms"] for r in rows]
+    cut = tune.run(["--smoke", "--budget-s", "0", "--out", str(tmp_path / "cut")])
+    cut_rows = tune.read_tune_csv(cut / "tune.csv")
+    assert cut_rows and all(r["status"] == "skipped" for r in cut_rows)
+    assert "incomplete" in (cut / "tune.md").read_text()
+
+
+def test_tune_statuses_configs_and_winners(tune, bench):
+    from triton.runtime.errors import OutOfResources
+
+    def raiser(exc):
+        def fn():
+            raise exc
+        return fn
+
+    timing = bench.Timing("cpu")
+    smem = tune.classify(bench.measure(raiser(OutOfResources(300000, 232448, "shared memory")), "fwd", None, [],
+                                       timing))
+    assert smem["status"] == "out of resources" and "shared memory" in smem["note"]
+    other = tune.classify(bench.measure(raiser(RuntimeError("boom")), "fwd", None, [], timing))
+    assert other == {"status": "error", "note": "RuntimeError: boom"}
+    assert tune.parse_config(" 128x64 w8 s3") == (128, 64, 8, 3)
+    with pytest.raises(ValueError, match="--configs: expected .* got 'x64w8'"):
+        tune.parse_config("x64w8")
+
+    def row(config, seq, ms, status="ok"):
+        return {"head_dim": 128, "dtype": "bf16", "alpha_class": "entmax15", "causal": False, "seq": seq,
+                "mode": "fwd", "config": config, "pinned": config == "P", "status": status, "ms": ms}
+
+    rows = [row("P", 2048, 2.0), row("P", 8192, 8.0), row("A", 2048, 1.0), row("A", 8192, 9.0, "out of resources"),
+            row("B", 2048, 1.9), row("B", 8192, 7.0)]
+    tune.add_speedups(rows)
+    (win,) = tune.winners(rows)
+    assert win["best"] == "B" and win["speedup"] == pytest.approx(math.sqrt(2.0 / 1.9 * 8.0 / 7.0))
+    assert win["per_seq"] == [(2048, 2.0, 1.9, None), (8192, 8.0, 7.0, None)]
+    summary = tune.config_summary(rows)[(128, "bf16")]
+    assert summary["A"]["fwd"][3] == 1 and summary["P"]["fwd"][:3] == (1.0, 1.0, 2)
+
+
+def test_profile_parses_ncu_details_and_raw_csv(profile):
+    summary = profile.ncu_summary(profile.parse_ncu_csv(_ncu_details_csv()), [])
+    assert summary["kernel"] == "_entmax_attn_fwd_kernel" and summary["grid"] == "(64, 16, 2)"
+    metrics = {label: (value, unit) for label, value, unit in summary["metrics"]}
+    assert metrics["Achieved occupancy"] == ("12.31", "%") and metrics["Theoretical occupancy"] == ("12.50", "%")
+    assert metrics["Duration"] == ("1,234,567", "nsecond") and metrics["Registers per thread"][0] == "252"
+    assert [(r, s) for r, _, s in summary["stalls"]] == [("math_pipe_throttle", 0.45), ("wait", 0.3),
+                                                          ("long_scoreboard", 0.15), ("selected", 0.1)]
+    raw = "\n".join([
+        '"ID","Process ID","Kernel Name","launch__registers_per_thread",'
+        '"smsp__pcsamp_warps_issue_stalled_wait","smsp__pcsamp_warps_issue_stalled_wait_not_issued",'
+        '"smsp__pcsamp_warps_issue_stalled_barrier","sm__warps_active.avg.pct_of_peak_sustained_active"',
+        '"","","","register/thread","","","","%"',
+        '"0","4242","other_kernel","32","9","9","1","50"',
+        '"1","4242","_entmax_attn_fwd_kernel","255","30","99","10","11.5"',
+    ])
+    summary = profile.ncu_summary([], profile.parse_ncu_csv(raw))
+    metrics = {label: (value, unit) for label, value, unit in summary["metrics"]}
+    assert metrics["Registers per thread"] == ("255", "register/thread") and metrics["Achieved occupancy"][0] == "11.5"
+    assert [(r, s) for r, _, s in summary["stalls"]] == [("wait", 0.75), ("barrier", 0.25)]
+    assert profile.parse_ncu_csv("no csv here") == []
+
+
+@pytest.mark.parametrize("fake", ["ok", "perm"])
+def test_profile_script_ncu_and_fallback_paths(tmp_path, fake):
+    """benchmarks/profile_ncu.sh with a stand-in ncu: a report imported and summarized, or the permission error
+    (ERR_NVGPUCTRPERM) sending it to the fallback path, which says why; both write profile.md."""
+    (tmp_path / "details.csv").write_text(_ncu_details_csv())
+    profiled = ('while [ $# -gt 0 ]; do [ "$1" = --export ] && echo rep > "$2.ncu-rep"; shift; done\n'
+                if fake == "ok" else 'echo "==ERROR== ERR_NVGPUCTRPERM - The user does not have permission"; exit 1\n')
+    ncu = tmp_path / "ncu"
+    ncu.write_text('#!/usr/bin/env bash\ncase " $* " in\n'
+                   '  *" --version "*) echo "Version 2099.1 (stand-in)" ;;\n'
+                   f'  *"--page details"*) cat "{tmp_path}/details.csv" ;;\n'
+                   '  *" --import "*) ;;\n'
+                   f'  *) {profiled}  ;;\nesac\n')
+    ncu.chmod(0o755)
+    script = HARNESS.parent / "profile_ncu.sh"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    assert subprocess.run(["bash", "-n", str(HARNESS.parent / "gpu_run.sh")]).returncode == 0
+    env = dict(os.environ, NCU=str(ncu), PYTHON=sys.executable, CASE_ARGS="--smoke --reps 1")
+    done = subprocess.run(["bash", str(script), str(tmp_path / "out")], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    md = (tmp_path / "out" / "profile.md").read_text()
+    assert "## torch.profiler" in md and "## Compiled kernel" in md
+    if fake == "ok":
+        assert "path: Nsight Compute (Version 2099.1 (stand-in))" in md
+        assert "| math_pipe_throttle | 4.5 | 45.0% |" in md and "| Achieved occupancy | 12.31 | % |" in md
+        assert (tmp_path / "out" / "profile.ncu-rep").exists()
+    else:
+        assert "path: fallback" in md and "ERR_NVGPUCTRPERM" in md and "## Nsight Compute" not in md
