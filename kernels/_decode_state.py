@@ -8,6 +8,7 @@ import triton
 import triton.language as tl
 
 from ._common import LN2, LOG2E, alpha_class_id
+from ._fwd_rows import _cand_points
 from ._masking import sink_logit
 from ._threshold import log_ref, phi, solve
 
@@ -239,22 +240,11 @@ def _done(exact, lo, hi, da, beta, usable, tol):
 
 
 @triton.jit
-def _cand_points(m, lo, hi, shift, CAND_P: tl.constexpr):
-    """The ``[BLOCK_M, CAND_P]`` points of a candidate pass (``CAND_P >= 2``, evenly over a slightly widened certified
-    bracket) and the log of the max key's base there (POW 0)."""
-    cand = tl.arange(0, CAND_P).to(tl.float32)
-    widen = 1e-6 * (1.0 + tl.abs(lo))
-    lo2 = lo - widen
-    t_p = lo2[:, None] + ((hi + widen - lo2) / (CAND_P - 1))[:, None] * cand[None, :]
-    return t_p, log_ref(m[:, None], t_p)
-
-
-@triton.jit
 def _merge_cands(CAND, split_rows, n_splits, active, m, a, pa, da, fa, ga, ca, b, pb, db, cb, b_top, est, lo, hi,
                  exact, usable, am1, shift, tol, POW: tl.constexpr, CAND_P: tl.constexpr, BLOCK_M: tl.constexpr):
     """Merge the candidate sums of all splits at the points of the state into its bracket and solve again
     (rows already done are left as they are). Returns the updated bracket, estimate and certified bounds."""
-    t_p, l_p = _cand_points(m, lo, hi, shift, CAND_P)
+    t_p, l_p = _cand_points(m, lo, hi, CAND_P)
     cand = tl.arange(0, CAND_P)
     FP = tl.zeros([BLOCK_M, CAND_P], tl.float32)
     GP = tl.zeros([BLOCK_M, CAND_P], tl.float32)

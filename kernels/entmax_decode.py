@@ -52,7 +52,6 @@ from ._decode_state import (
     N_PART,
     N_STATE,
     _cache_tile,
-    _cand_points,
     _done,
     _entmax_decode_combine_kernel,
     _grid_state,
@@ -63,7 +62,7 @@ from ._decode_state import (
     _store_points,
     _store_state,
 )
-from ._fwd_rows import _cand_sums, _grid_tile
+from ._fwd_rows import _cand_points, _cand_sums, _grid_tile
 from ._masking import alibi_slope, key_range, mask_scores, mask_spec, score_spec, sink_logit, sink_tile, soft_cap
 from ._threshold import weights
 from .entmax_attn_fwd import default_tolerance
@@ -338,7 +337,7 @@ def _entmax_decode_split_kernel(
             _store_state(STATE_OUT, state_rows, active, m, a, pa, da, fa, ga, ca, bb, pb, db, cb, b_top, est, lo,
                          hi, exact, usable, bad, passes)
         if go != 0:
-            t_p, l_p = _cand_points(m, lo, hi, shift, CAND_P)
+            t_p, l_p = _cand_points(m, lo, hi, CAND_P)
             cand = tl.arange(0, CAND_P).to(tl.float32)
             zero = tl.zeros([BLOCK_M], tl.float32)
             FP = tl.zeros([BLOCK_M, CAND_P], tl.float32)

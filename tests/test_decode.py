@@ -438,15 +438,24 @@ def test_mixed_launches_equal_single_class_launches():
 
 
 def test_reference_backend_gathers_pages():
-    """backend="reference" (CPU "auto") on a paged cache equals the contiguous float64 reference."""
+    """backend="reference" (CPU "auto") on a paged cache equals the contiguous float64 reference, with every variant
+    too (each sequence aligned on its own length, ``Dv != D``, an empty cache)."""
     gen = torch.Generator().manual_seed(9)
-    q = torch.randn(2, 4, 2, 16, generator=gen, dtype=torch.float64)
-    k, v = _cache(gen, 2, 2, 30, 16, torch.float64), _cache(gen, 2, 2, 30, 16, torch.float64)
-    seqlens = torch.tensor([30, 11], dtype=torch.int32)
+    q = torch.randn(3, 4, 2, 16, generator=gen, dtype=torch.float64)
+    k, v = _cache(gen, 3, 2, 30, 16, torch.float64), _cache(gen, 3, 2, 30, 8, torch.float64)
+    seqlens = torch.tensor([30, 11, 0], dtype=torch.int32)
     kp, vp, table = _page(k, v, seqlens, 4, gen)
     out, st = entmax_decode(q, kp, vp, seqlens, 1.5, block_table=table, is_causal=True, return_stats=True)
     out64, st64 = _reference(q, k, v, 1.5, seqlens, causal=True)
     assert torch.allclose(out, out64, atol=1e-12) and torch.equal(st.nnz, st64.nnz)
+    variants = dict(window=(6, 0), slopes=torch.rand(3, 4, generator=gen, dtype=torch.float64), softcap=2.0,
+                    sinks=torch.randn(4, generator=gen, dtype=torch.float64))
+    alpha = torch.tensor(MIXED, dtype=torch.float64)
+    out, st = entmax_decode(q, kp, vp, seqlens, alpha, block_table=table, is_causal=True, return_stats=True,
+                            window_size=(6, 0), alibi_slopes=variants["slopes"], softcap=2.0, sinks=variants["sinks"])
+    out64, st64 = _reference(q, k, v, alpha, seqlens, causal=True, **variants)
+    assert torch.allclose(out, out64, atol=1e-12) and torch.allclose(st.tau, st64.tau, atol=1e-12)
+    assert torch.equal(st.nnz, st64.nnz) and torch.equal(st.n_valid, st64.n_valid)
 
 
 def _bad_call(**overrides):
@@ -501,12 +510,15 @@ def test_bad_arguments(overrides, exc, match):
         _bad_call(**overrides)
 
 
-def _spy_decode(monkeypatch) -> list:
-    """Record every launch chain of the decode kernels (``entmax_decode_fwd``) as the number of queries per sequence."""
+def _spy_decode(monkeypatch, variants: list | None = None) -> list:
+    """Record every launch chain of the decode kernels (``entmax_decode_fwd``) as the number of queries per sequence
+    (and, into ``variants``, its ``window_size``, ``alibi_slopes``, ``sinks`` and ``softcap`` arguments)."""
     calls, real = [], decode_kernels.entmax_decode_fwd
 
     def spy(q, *args, **kwargs):
         calls.append(q.shape[2])
+        if variants is not None:
+            variants.append({n: kwargs.get(n) for n in ("window_size", "alibi_slopes", "sinks", "softcap")})
         return real(q, *args, **kwargs)
 
     monkeypatch.setattr(decode_kernels, "entmax_decode_fwd", spy)
@@ -617,36 +629,55 @@ def test_decode_step_compiles_fullgraph(monkeypatch):
     assert calls == [1, 1] and torch.equal(compiled, eager)
 
 
-def test_hf_generate_takes_the_decode_path_and_records_stats(monkeypatch):
-    """A tiny Llama (GQA, left padding, per-head alpha) with ``attn_implementation="entmax"`` on the fused backend:
-    every ``generate()`` step after the prompt runs the decode kernels, the logits of each step match a recomputation
-    of the whole sequence on the float64-capable reference, and ``record_head_stats(history=True)`` holds one
-    density per step, layer and head."""
-    pytest.importorskip("transformers")
-    from transformers import LlamaConfig, LlamaForCausalLM
+HF_DECODERS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(num_hidden_layers=1)),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
+        num_hidden_layers=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"])),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
+        num_hidden_layers=2, head_dim=16, sliding_window=4, attn_logit_softcapping=5.0, final_logit_softcapping=None)),
+}
+
+
+@pytest.mark.parametrize("arch", list(HF_DECODERS))
+def test_hf_generate_takes_the_decode_path_and_records_stats(monkeypatch, arch):
+    """Tiny Llama, gpt-oss (sinks, a sliding window of 4 on one layer) and Gemma-2 (soft cap, sliding window)
+    models (GQA, left padding, per-head alpha) with ``attn_implementation="entmax"`` on the fused backend: every
+    ``generate()`` step after the prompt runs the decode kernels, with the model's variants, past the window; the
+    logits of each step match a recomputation of the whole sequence on the float64-capable reference, and
+    ``record_head_stats(history=True)`` holds one density per step, layer and head."""
+    transformers = pytest.importorskip("transformers")
 
     import sparse_attn.integrations.hf as entmax_hf
 
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64, pad_token_id=0,
-                         bos_token_id=1, eos_token_id=2)
+    config_name, model_name, extra = HF_DECODERS[arch]
+    config = getattr(transformers, config_name)(
+        vocab_size=64, hidden_size=32, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1,
+        max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2, **extra)
     torch.manual_seed(0)
-    model = LlamaForCausalLM._from_config(config, attn_implementation="entmax").eval()
+    model = getattr(transformers, model_name)._from_config(config, attn_implementation="entmax").eval()
     for name, p in model.named_parameters():
         if "q_proj" in name or "k_proj" in name:
             torch.nn.init.normal_(p, std=0.5)  # sharper scores: sparse weights
+        if name.endswith("sinks"):
+            torch.nn.init.normal_(p, std=2.0)
     entmax_hf.attach_entmax_alpha(model, alpha=[1.5, 2.0], learnable=False)
     model.config.entmax_backend = "triton"
     gen = torch.Generator().manual_seed(3)
     ids = torch.randint(3, 64, (2, 7), generator=gen)
     mask = torch.ones(2, 7, dtype=torch.long)
     ids[1, :2], mask[1, :2] = 0, 0
-    calls = _spy_decode(monkeypatch)
+    variants = []
+    calls = _spy_decode(monkeypatch, variants)
     new = 3
     with torch.no_grad(), record_head_stats(model, history=True) as rec:
         res = model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
                              output_logits=True, return_dict_in_generate=True)
     assert calls == [1] * (new - 1) * config.num_hidden_layers
+    if arch != "llama":
+        assert [3, 0] in [kw["window_size"] for kw in variants]  # the sliding layers' window reaches the kernels
+        assert all((kw["sinks"] is not None) == (arch == "gpt_oss") for kw in variants)
+        assert all((kw["softcap"] is not None) == (arch == "gemma2") for kw in variants)
     hist = rec.density_history()
     assert hist.shape == (new, config.num_hidden_layers, 2)
     assert ((hist > 0) & (hist <= 1)).all() and (hist[1:] < 1).any()
