@@ -88,24 +88,38 @@ def attention_args(q, k, v, alpha, bias, cu_seqlens_q, cu_seqlens_k, scale, is_c
     (``_masking.score_spec``); ``sinks`` (``(Hq,)``, read as float32) the per-head sink logits ``SINKS``."""
     is_varlen = cu_seqlens_q is not None
     head_dim = q.shape[3]
-    bias_kind = 0 if bias is None else 2 if bias.dtype in (torch.bool, torch.uint8) else 1
-    if bias is not None and bias.dtype == torch.bool:
-        bias = bias.view(torch.uint8)
-    bias_full = None if bias is None else bias.expand(*q.shape[:3], k.shape[2])
     return dict(
-        Q=q, K=k, V=v, ALPHA=alpha_arg(alpha, q.shape[1], q.device), BIAS=q if bias is None else bias_full,
+        Q=q, K=k, V=v, ALPHA=alpha_arg(alpha, q.shape[1], q.device), **bias_args(bias, (*q.shape[:3], k.shape[2]), q),
         CU_SEQLENS_Q=cu_seqlens_q if is_varlen else q, CU_SEQLENS_K=cu_seqlens_k if is_varlen else q,
         **stride_args("stride_q", q, "bhmd"), **stride_args("stride_k", k, "bhnd"),
-        **stride_args("stride_v", v, "bhnd"), **bias_stride_args(bias_full),
+        **stride_args("stride_v", v, "bhnd"),
         n_heads=q.shape[1], kv_group=q.shape[1] // k.shape[1], total_q=q.shape[2], total_k=k.shape[2],
         scale=float(scale), dropout_p=float(dropout_p), seed=int(seed) & 0x7FFFFFFF,
         MASK=mask_spec(is_causal, window_size), SCORE=score_spec(softcap, alibi_slopes is not None, sinks is not None),
-        **alibi_args(alibi_slopes, q),
-        SINKS=q if sinks is None else sinks.detach().to(device=q.device, dtype=torch.float32).contiguous(),
+        **alibi_args(alibi_slopes, q), SINKS=sinks_arg(sinks, q),
         HEAD_DIM=head_dim, BLOCK_D=head_dim_block(head_dim),
-        HEAD_DIM_V=v.shape[3], BLOCK_DV=head_dim_block(v.shape[3]), BIAS_KIND=bias_kind, IS_VARLEN=is_varlen,
+        HEAD_DIM_V=v.shape[3], BLOCK_DV=head_dim_block(v.shape[3]), IS_VARLEN=is_varlen,
         HAS_DROPOUT=float(dropout_p) > 0.0, UPCAST=interpreting(), DOT_PRECISION=dot_precision(q.dtype),
     )
+
+
+def bias_args(bias, shape: tuple, like) -> dict:
+    """``BIAS``, ``BIAS_KIND`` (0 none, 1 an additive float mask, 2 a boolean / uint8 keep mask read as uint8) and
+    ``stride_bias_b/h/m/n``: the mask broadcast to the 4-d ``shape`` by zero strides (``like`` stands in for a
+    missing one)."""
+    if bias is None:
+        return dict(BIAS=like, BIAS_KIND=0, **bias_stride_args(None))
+    kind = 2 if bias.dtype in (torch.bool, torch.uint8) else 1
+    if bias.dtype == torch.bool:
+        bias = bias.view(torch.uint8)
+    full = bias.expand(*shape)
+    return dict(BIAS=full, BIAS_KIND=kind, **bias_stride_args(full))
+
+
+def sinks_arg(sinks, like) -> torch.Tensor:
+    """The ``SINKS`` kernel argument: the per-head sink logits as contiguous float32 on ``like``'s device (``like``
+    stands in for none)."""
+    return like if sinks is None else sinks.detach().to(device=like.device, dtype=torch.float32).contiguous()
 
 
 def alibi_args(alibi_slopes, like) -> dict:

@@ -1,18 +1,74 @@
-"""The decode kernels' per-row threshold state across splits and launches (``kernels/entmax_decode.py``): the grid
+"""The decode kernels' rows, cache addressing and per-row state across splits and launches
+(``kernels/entmax_decode.py``): the packed (GQA) rows of a program, cache rows through a block table, the grid
 ring's indices, merging per-split point sums into certified brackets, the state stored between launches, the
-stopping rule and the candidate points (docs/decode.md).
+stopping rule, the candidate points, and the combine of the splits' partial value sums (docs/decode.md).
 """
 
 import triton
 import triton.language as tl
 
-from ._threshold import log_ref, phi, point_sums, solve
+from ._common import LN2, LOG2E, alpha_class_id
+from ._fwd_rows import _cand_points
+from ._masking import sink_logit
+from ._threshold import log_ref, phi, solve
 
 # per-row merged threshold state carried from launch to launch (columns of STATE)
 N_STATE = tl.constexpr(19)
 # per-split, per-row results: of the score pass (GRID_ROW: max, grid index, valid keys, NaN flag) and of the value
 # (or softmax) pass (PART_ROW: max in log2 scale for softmax, sum of weights, support size, valid keys)
 N_PART = tl.constexpr(4)
+
+
+@triton.jit
+def _packed_rows(ALPHA, rt, h_kv, kv_group, seqlen_q, n_rows, ALPHA_CLASS: tl.constexpr, FILTER: tl.constexpr,
+                 BLOCK_M: tl.constexpr):
+    """Rows of row tile ``rt``: packed index ``r = g * Nq + i`` (q head ``h = h_kv * group + g``, query ``i``).
+
+    Returns ``(r, i, h, active, alpha)``, each ``[BLOCK_M]``: ``active`` marks rows that exist and, with
+    ``FILTER``, whose head is of this launch's alpha class; ``alpha`` is 1.5 outside. Padding rows past the group
+    get its last head, so that per-head loads (mask, ALiBi slope, sink) stay in bounds.
+    """
+    r = rt * BLOCK_M + tl.arange(0, BLOCK_M)
+    g = r // seqlen_q
+    i = r - g * seqlen_q
+    h = h_kv * kv_group + tl.minimum(g, kv_group - 1)
+    active = r < n_rows
+    alpha = tl.load(ALPHA + h, mask=active, other=1.5)
+    if FILTER:
+        active = active & (alpha_class_id(alpha) == ALPHA_CLASS)
+    return r, i, h, active, tl.where(active, alpha, 1.5)
+
+
+@triton.jit
+def _cache_rows(BLOCK_TABLE, b, cols, col_ok, stride_tb, stride_tn, page_size, IS_PAGED: tl.constexpr):
+    """``(outer, inner)`` int64 ``[BLOCK_N]`` indices of the keys ``cols`` of batch entry ``b`` in the cache:
+    ``(b, col)`` for a contiguous cache, ``(page, slot)`` through the block table for a paged one."""
+    if IS_PAGED:
+        page = tl.load(BLOCK_TABLE + b.to(tl.int64) * stride_tb + (cols // page_size).to(tl.int64) * stride_tn,
+                       mask=col_ok, other=0)
+        return page.to(tl.int64), (cols % page_size).to(tl.int64)
+    return cols.to(tl.int64) * 0 + b.to(tl.int64), cols.to(tl.int64)
+
+
+@triton.jit
+def _cache_tile(PTR, BLOCK_TABLE, b, h_kv, cols, seqlen_k, stride_b, stride_h, stride_n, stride_d, stride_tb,
+                stride_tn, page_size, IS_PAGED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                TRANSPOSED: tl.constexpr, UPCAST: tl.constexpr):
+    """Cache rows of the keys ``cols`` (those ``< seqlen_k``; 0 elsewhere): ``[BLOCK_N, BLOCK_D]``, or
+    ``[BLOCK_D, BLOCK_N]`` if ``TRANSPOSED``."""
+    col_ok = cols < seqlen_k
+    outer, inner = _cache_rows(BLOCK_TABLE, b, cols, col_ok, stride_tb, stride_tn, page_size, IS_PAGED)
+    offs_d = tl.arange(0, BLOCK_D)
+    row = outer * stride_b + inner * stride_n + h_kv.to(tl.int64) * stride_h
+    if TRANSPOSED:
+        x = tl.load(PTR + row[None, :] + offs_d.to(tl.int64)[:, None] * stride_d,
+                    mask=col_ok[None, :] & (offs_d[:, None] < HEAD_DIM), other=0.0)
+    else:
+        x = tl.load(PTR + row[:, None] + offs_d.to(tl.int64)[None, :] * stride_d,
+                    mask=col_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    if UPCAST:
+        x = x.to(tl.float32)
+    return x
 
 
 @triton.jit
@@ -46,24 +102,6 @@ def _merge_points(a, pa, da, fa, ga, ca, b, pb, db, cb, b_top, t, ph, dph, f, g,
             tl.where(has_a, _col(f, sel_a), fa), tl.where(has_a, _col(g, sel_a), ga),
             tl.where(has_a, _col(c, sel_a), ca), tl.where(has_b, best_b, b), tl.where(has_b, _col(ph, sel_b), pb),
             tl.where(has_b, _col(dph, sel_b), db), tl.where(has_b, _col(c, sel_b), cb), b_top & (has_b == 0))
-
-
-@triton.jit
-def _point_tiles(z, t, lref, bm1, POW: tl.constexpr, N: tl.constexpr):
-    """``f``, ``g``, ``c`` (``[BLOCK_M, N]``) of the score tile ``z`` at the ``N`` points ``t [BLOCK_M, N]``
-    (``lref``: the log of the max key's base there, POW 0; ``c`` is 0 for POW 0), one ``point_sums`` per point."""
-    col = tl.arange(0, N)[None, :]
-    F = tl.zeros(t.shape, tl.float32)
-    G = tl.zeros(t.shape, tl.float32)
-    C = tl.zeros(t.shape, tl.float32)
-    for p in tl.static_range(N):
-        sel = col == p
-        f, g, c = point_sums(z, tl.sum(tl.where(sel, t, 0.0), 1), POW, bm1[:, None],
-                             tl.sum(tl.where(sel, lref, 0.0), 1))
-        F += tl.where(sel, f[:, None], 0.0)
-        G += tl.where(sel, g[:, None], 0.0)
-        C += tl.where(sel, c[:, None], 0.0)
-    return F, G, C
 
 
 @triton.jit
@@ -202,25 +240,11 @@ def _done(exact, lo, hi, da, beta, usable, tol):
 
 
 @triton.jit
-def _cand_points(m, lo, hi, est, shift, CAND_P: tl.constexpr):
-    """The ``[BLOCK_M, CAND_P]`` points of a candidate pass (the estimate if one, else evenly over a slightly
-    widened certified bracket) and the log of the max key's base there (POW 0)."""
-    cand = tl.arange(0, CAND_P).to(tl.float32)
-    if CAND_P == 1:
-        t_p = est[:, None] + cand[None, :]
-    else:
-        widen = 1e-6 * (1.0 + tl.abs(lo))
-        lo2 = lo - widen
-        t_p = lo2[:, None] + ((hi + widen - lo2) / (CAND_P - 1))[:, None] * cand[None, :]
-    return t_p, log_ref(m[:, None], t_p)
-
-
-@triton.jit
 def _merge_cands(CAND, split_rows, n_splits, active, m, a, pa, da, fa, ga, ca, b, pb, db, cb, b_top, est, lo, hi,
                  exact, usable, am1, shift, tol, POW: tl.constexpr, CAND_P: tl.constexpr, BLOCK_M: tl.constexpr):
     """Merge the candidate sums of all splits at the points of the state into its bracket and solve again
     (rows already done are left as they are). Returns the updated bracket, estimate and certified bounds."""
-    t_p, l_p = _cand_points(m, lo, hi, est, shift, CAND_P)
+    t_p, l_p = _cand_points(m, lo, hi, CAND_P)
     cand = tl.arange(0, CAND_P)
     FP = tl.zeros([BLOCK_M, CAND_P], tl.float32)
     GP = tl.zeros([BLOCK_M, CAND_P], tl.float32)
@@ -246,3 +270,66 @@ def _merge_cands(CAND, split_rows, n_splits, active, m, a, pa, da, fa, ga, ca, b
             tl.where(act, n_db, db), tl.where(act, n_cb, cb), tl.where(act, n_top.to(tl.float32), b_top),
             tl.where(act, n_est, est), tl.where(act, n_lo, lo), tl.where(act, n_hi, hi),
             tl.where(act, n_exact.to(tl.float32), exact))
+
+
+@triton.jit
+def _store_partials(PART_ROW, PART_ACC, split_rows, active, m, l_sum, nnz, acc, HEAD_DIM_V: tl.constexpr,
+                    BLOCK_DV: tl.constexpr):
+    """One split's value-pass results: max (log2 scale; 0 for entmax), sum of weights, support size, ``acc``."""
+    offs_d = tl.arange(0, BLOCK_DV)
+    tl.store(PART_ROW + split_rows * N_PART, m, mask=active)
+    tl.store(PART_ROW + split_rows * N_PART + 1, l_sum, mask=active)
+    tl.store(PART_ROW + split_rows * N_PART + 2, nnz.to(tl.float32), mask=active)
+    tl.store(PART_ACC + split_rows[:, None] * HEAD_DIM_V + offs_d[None, :], acc,
+             mask=active[:, None] & (offs_d[None, :] < HEAD_DIM_V))
+
+
+@triton.jit
+def _entmax_decode_combine_kernel(
+    OUT, TAU, NNZ, N_VALID, ALPHA, SINKS, PART_ROW, PART_ACC,
+    stride_ob, stride_oh, stride_om, stride_od,
+    n_heads, n_kv_heads, kv_group, seqlen_q, n_rows, n_row_tiles, n_splits, SCORE,
+    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """One program per (kv head x row tile, batch entry): ``out = sum_s w_s acc_s / sum_s w_s l_s`` with
+    ``w_s = 2^(m_s - max m)`` (1 for entmax rows, whose split maxima are 0), and the row statistics. The sink of a
+    softmax row joins here (its max and denominator; entmax rows have it in their threshold and split 0's sum)."""
+    h_kv = tl.program_id(0) // n_row_tiles
+    rt = tl.program_id(0) % n_row_tiles
+    b = tl.program_id(1)
+    r, i, h, row_ok, alpha = _packed_rows(ALPHA, rt, h_kv, kv_group, seqlen_q, n_rows, 0, False, BLOCK_M)
+    split_rows = (((b * n_kv_heads + h_kv) * (n_row_tiles * BLOCK_M) + r) * n_splits).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_DV)
+    d_ok = offs_d < HEAD_DIM_V
+    sink = sink_logit(SINKS, h, SCORE) * LOG2E + tl.zeros([BLOCK_M], tl.float32)
+    sink_bad = (alpha == 1.0) & ((sink != sink) | (sink == float("inf")))
+    s_sink = tl.where((alpha == 1.0) & (sink_bad == 0), sink, float("-inf"))
+    m = s_sink
+    for s in range(0, n_splits):
+        m = tl.maximum(m, tl.load(PART_ROW + (split_rows + s) * N_PART, mask=row_ok, other=float("-inf")))
+    m_safe = tl.where(m > float("-inf"), m, 0.0)
+    l_sum = tl.exp2(s_sink - m_safe)
+    nnz = tl.zeros([BLOCK_M], tl.float32)
+    n_valid = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    for s in range(0, n_splits):
+        row = PART_ROW + (split_rows + s) * N_PART
+        w = tl.exp2(tl.load(row, mask=row_ok, other=float("-inf")) - m_safe)
+        l_sum += w * tl.load(row + 1, mask=row_ok, other=0.0)
+        nnz += tl.load(row + 2, mask=row_ok, other=0.0)
+        n_valid += tl.load(row + 3, mask=row_ok, other=0.0)
+        part = tl.load(PART_ACC + (split_rows + s)[:, None] * HEAD_DIM_V + offs_d[None, :],
+                       mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        acc += w[:, None] * part
+    is_bad = (l_sum != l_sum) | sink_bad
+    ok = l_sum > 0.0
+    out = tl.where(ok[:, None], acc / tl.where(ok, l_sum, 1.0)[:, None], 0.0)
+    out = tl.where(is_bad[:, None], float("nan"), out)
+    o_rows = b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + i.to(tl.int64) * stride_om
+    tl.store(OUT + o_rows[:, None] + offs_d[None, :] * stride_od, out.to(OUT.dtype.element_ty),
+             mask=row_ok[:, None] & d_ok[None, :])
+    stat_offs = (b.to(tl.int64) * n_heads + h) * seqlen_q + i
+    tl.store(NNZ + stat_offs, tl.where(is_bad, 0.0, nnz).to(tl.int32), mask=row_ok)
+    tl.store(N_VALID + stat_offs, n_valid.to(tl.int32), mask=row_ok)
+    tau_soft = tl.where(n_valid > 0.0, (m_safe + tl.log2(tl.where(ok, l_sum, 1.0))) * LN2, float("inf"))
+    tl.store(TAU + stat_offs, tl.where(is_bad, float("nan"), tau_soft), mask=row_ok & (alpha == 1.0))

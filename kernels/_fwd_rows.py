@@ -107,6 +107,17 @@ def _grid_tile(z, m, j_top, F, G, C, L, slot, w_grid, shift, beta, bm1, POW: tl.
 
 
 @triton.jit
+def _cand_points(m, lo, hi, CAND_P: tl.constexpr):
+    """The ``[BLOCK_M, CAND_P]`` points of a candidate pass with ``CAND_P >= 2`` points, evenly over the certified
+    bracket ``[lo, hi]`` widened by a few ulps, and the log of the max key's base there (POW 0's ``l_p``)."""
+    cand = tl.arange(0, CAND_P).to(tl.float32)
+    widen = 1e-6 * (1.0 + tl.abs(lo))
+    lo2 = lo - widen
+    t_p = lo2[:, None] + ((hi + widen - lo2) / (CAND_P - 1))[:, None] * cand[None, :]
+    return t_p, log_ref(m[:, None], t_p)
+
+
+@triton.jit
 def _cand_sums(z, t_1, l_1, f1, g1, c1, t_p, l_p, cand, FP, GP, CP, POW: tl.constexpr, CAND_P: tl.constexpr, bm1):
     """Add the point sums of the score tile ``z`` of a candidate pass: at the point ``t_1`` (POW 0's reference log
     ``l_1``) to ``f1``, ``g1``, ``c1`` (``[BLOCK_M]``) when ``CAND_P == 1``, else at the candidate points ``t_p``
@@ -309,12 +320,8 @@ def entmax_rows(q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, k
             f1 = zero
             g1 = zero
             c1 = zero
-            widen = 1e-6 * (1.0 + tl.abs(lo))
-            lo2 = lo - widen
-            step = (hi + widen - lo2) / (CAND_P - 1)
             cand = tl.arange(0, CAND_P).to(tl.float32)
-            t_p = lo2[:, None] + step[:, None] * cand[None, :]  # [BLOCK_M, CAND_P]
-            l_p = log_ref(m[:, None], t_p)
+            t_p, l_p = _cand_points(m, lo, hi, CAND_P)  # [BLOCK_M, CAND_P]
             FP = tl.zeros([BLOCK_M, CAND_P], tl.float32)
             GP = tl.zeros([BLOCK_M, CAND_P], tl.float32)
             CP = tl.zeros([BLOCK_M, CAND_P], tl.float32)

@@ -181,18 +181,21 @@ def visible(rows, cols, seqlen_q, seqlen_k, MASK):
 
 @triton.jit
 def alibi_slope(ALIBI, seq, h, stride_alibi_b, stride_alibi_h, SCORE):
-    """ALiBi slope of sequence (batch entry) ``seq`` and q head ``h`` (float32 scalar; 0 without ALiBi)."""
+    """ALiBi slope of sequence (batch entry) ``seq`` and q head ``h`` (float32, shaped like ``h``; 0 without ALiBi).
+    One return statement: a compiled function's returns must agree in shape."""
+    slope = 0.0
     if SCORE[2]:
-        return tl.load(ALIBI + seq.to(tl.int64) * stride_alibi_b + h.to(tl.int64) * stride_alibi_h).to(tl.float32)
-    return 0.0
+        slope = tl.load(ALIBI + seq.to(tl.int64) * stride_alibi_b + h.to(tl.int64) * stride_alibi_h).to(tl.float32)
+    return slope
 
 
 @triton.jit
 def sink_logit(SINKS, h, SCORE):
-    """Sink logit of q head ``h`` (float32 scalar, not scaled, capped or masked; ``-inf`` without sinks)."""
+    """Sink logit of q head ``h`` (float32, shaped like ``h``; not scaled, capped or masked; ``-inf`` without sinks)."""
+    sink = float("-inf")
     if SCORE[3]:
-        return tl.load(SINKS + h).to(tl.float32)
-    return float("-inf")
+        sink = tl.load(SINKS + h).to(tl.float32)
+    return sink
 
 
 @triton.jit
@@ -241,24 +244,31 @@ def mask_scores(s, rows, cols, seqlen_q, seqlen_k, bias_base, stride_bias_m, str
 
 
 @triton.jit
+def key_range(row_lo, row_hi, seqlen_q, seqlen_k, MASK):
+    """``(k_lo, k_hi)``: rows ``row_lo .. row_hi`` (inclusive, in the sequence) may see keys ``[k_lo, k_hi)`` only
+    (``k_hi`` may be ``<= k_lo``: no key). The split-K decode kernels take their key range from it directly."""
+    shift = seqlen_k - seqlen_q
+    k_hi = seqlen_k + row_hi * 0
+    if MASK[0]:
+        k_hi = tl.minimum(row_hi + shift + 1, k_hi)
+    if MASK[2]:
+        k_hi = tl.minimum(row_hi + shift + MASK[4] + 1, k_hi)
+    k_lo = row_lo * 0
+    if MASK[1]:
+        k_lo = tl.maximum(row_lo + shift - MASK[3], 0)
+    return k_lo, tl.maximum(k_hi, 0)
+
+
+@triton.jit
 def key_tile_range(pid_m, seqlen_q, seqlen_k, MASK, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """``(kt_lo, kt_hi)``: query tile ``pid_m`` may see keys of key tiles ``[kt_lo, kt_hi)`` only.
 
     Empty (``kt_lo == kt_hi``) for a tile that starts past the sequence end or whose rows see no key.
     """
-    shift = seqlen_k - seqlen_q
     last_row = tl.minimum((pid_m + 1) * BLOCK_M, seqlen_q) - 1
-    k_hi = seqlen_k
-    if MASK[0]:
-        k_hi = tl.minimum(last_row + shift + 1, k_hi)
-    if MASK[2]:
-        k_hi = tl.minimum(last_row + shift + MASK[4] + 1, k_hi)
-    k_hi = tl.where(pid_m * BLOCK_M < seqlen_q, tl.maximum(k_hi, 0), 0)
-    kt_hi = tl.cdiv(k_hi, BLOCK_N)
-    kt_lo = kt_hi * 0
-    if MASK[1]:
-        kt_lo = tl.minimum(tl.maximum(pid_m * BLOCK_M + shift - MASK[3], 0) // BLOCK_N, kt_hi)
-    return kt_lo, kt_hi
+    k_lo, k_hi = key_range(pid_m * BLOCK_M, last_row, seqlen_q, seqlen_k, MASK)
+    kt_hi = tl.cdiv(tl.where(pid_m * BLOCK_M < seqlen_q, k_hi, 0), BLOCK_N)
+    return tl.minimum(k_lo // BLOCK_N, kt_hi), kt_hi
 
 
 @triton.jit

@@ -27,7 +27,15 @@ number of launches is fixed on the host (no synchronization) while the passes ac
 Every program of a launch computes the same merge from the same inputs with the same code, so all
 splits use bitwise the same threshold. No atomics: each split writes only its own slots; split 0
 also writes the merged state the next launch starts from (two buffers, alternating).
-Derivation, measurements and the offline sm_90 builds: docs/decode.md.
+
+The attention variants are the forward's, from ``kernels/_masking.py``: the scores are soft-capped, get ALiBi's
+term and the window (``MASK``, ``SCORE``) with the decode alignment (query ``i`` at key position
+``i + cache_seqlens[b] - Nq``), and the splits share only the key blocks the tile's rows may see
+(``_masking.key_range``: with a sliding window, the window's blocks). A sink is one virtual score per row held by
+split 0 (``_masking.sink_tile``): it enters that split's max and grid sums, its candidate sums and its value-pass
+weight sum, so every merge sees it exactly once; softmax rows add it in the combine (max and denominator).
+Values may have their own head dim (``HEAD_DIM_V``). Derivation, measurements and the offline sm_90 builds:
+docs/decode.md.
 """
 
 from __future__ import annotations
@@ -39,25 +47,27 @@ import triton
 import triton.language as tl
 
 from . import _common
-from ._common import ALPHA_CLASSES, LN2, LOG2E, alpha_class_of
+from ._common import ALPHA_CLASSES, LOG2E, alpha_class_of, class_launches, resolve_alpha_class
 from ._decode_state import (
     N_PART,
     N_STATE,
-    _cand_points,
+    _cache_tile,
     _done,
+    _entmax_decode_combine_kernel,
     _grid_state,
     _load_state,
     _merge_cands,
-    _point_tiles,
-    _ring_index,
+    _packed_rows,
+    _store_partials,
     _store_points,
     _store_state,
 )
-from ._masking import mask_spec, visible
-from ._threshold import log_ref, weights
+from ._fwd_rows import _cand_points, _cand_sums, _grid_tile
+from ._masking import alibi_slope, key_range, mask_scores, mask_spec, score_spec, sink_logit, sink_tile, soft_cap
+from ._threshold import weights
 from .entmax_attn_fwd import default_tolerance
 
-# (grid points, candidate points per later pass) by threshold arithmetic (POW 1: alpha = 2, 2: alpha = 1.5,
+# (grid points, candidate points per later pass, >= 2) by threshold arithmetic (POW 1: alpha = 2, 2: alpha = 1.5,
 # 0: other alpha): the fewest that keep bfloat16 at one candidate pass and float32 at two on the measured
 # caches (docs/decode.md); candidate passes read only the stored scores, so their points cost no cache reads
 DECODE_POINTS = {1: (8, 8), 2: (8, 8), 0: (8, 4)}
@@ -71,7 +81,7 @@ MAX_BLOCK_M = 32
 class EntmaxDecodeResult(NamedTuple):
     """What :func:`entmax_decode_fwd` returns.
 
-    out:         ``(B, Hq, Nq, D)`` in ``q.dtype``.
+    out:         ``(B, Hq, Nq, Dv)`` in ``q.dtype``.
     tau:         float32 ``(B, Hq, Nq)``: the threshold in the z-scale (logsumexp of the scores at alpha == 1),
                  ``+inf`` for rows with no valid key, NaN for rows with a NaN or ``+inf`` score.
     nnz:         int32 ``(B, Hq, Nq)``: support size (valid keys at alpha == 1; 0 for NaN rows).
@@ -97,86 +107,44 @@ class EntmaxDecodeResult(NamedTuple):
 
 
 @triton.jit
-def _packed_rows(ALPHA, rt, h_kv, kv_group, seqlen_q, n_rows, ALPHA_CLASS: tl.constexpr, FILTER: tl.constexpr,
-                 BLOCK_M: tl.constexpr):
-    """Rows of row tile ``rt``: packed index ``r = g * Nq + i`` (q head ``h = h_kv * group + g``, query ``i``).
-
-    Returns ``(r, i, h, active, alpha)``, each ``[BLOCK_M]``: ``active`` marks rows that exist and, with
-    ``FILTER``, whose head is of this launch's alpha class; ``alpha`` is 1.5 outside.
-    """
-    r = rt * BLOCK_M + tl.arange(0, BLOCK_M)
-    g = r // seqlen_q
-    i = r - g * seqlen_q
-    h = h_kv * kv_group + g
-    active = r < n_rows
-    alpha = tl.load(ALPHA + h, mask=active, other=1.5)
-    if FILTER:
-        cls = tl.where(alpha == 1.0, 0, tl.where(alpha == 2.0, 1, tl.where(alpha == 1.5, 2, 3)))
-        active = active & (cls == ALPHA_CLASS)
-    return r, i, h, active, tl.where(active, alpha, 1.5)
-
-
-@triton.jit
-def _cache_rows(BLOCK_TABLE, b, cols, col_ok, stride_tb, stride_tn, page_size, IS_PAGED: tl.constexpr):
-    """``(outer, inner)`` int64 ``[BLOCK_N]`` indices of the keys ``cols`` of batch entry ``b`` in the cache:
-    ``(b, col)`` for a contiguous cache, ``(page, slot)`` through the block table for a paged one."""
-    if IS_PAGED:
-        page = tl.load(BLOCK_TABLE + b.to(tl.int64) * stride_tb + (cols // page_size).to(tl.int64) * stride_tn,
-                       mask=col_ok, other=0)
-        return page.to(tl.int64), (cols % page_size).to(tl.int64)
-    return cols.to(tl.int64) * 0 + b.to(tl.int64), cols.to(tl.int64)
-
-
-@triton.jit
-def _cache_tile(PTR, outer, inner, h_kv, col_ok, stride_b, stride_h, stride_n, stride_d, HEAD_DIM: tl.constexpr,
-                BLOCK_D: tl.constexpr, TRANSPOSED: tl.constexpr, UPCAST: tl.constexpr):
-    """Rows of the cache at ``(outer, inner)``: ``[BLOCK_N, BLOCK_D]``, or ``[BLOCK_D, BLOCK_N]`` if ``TRANSPOSED``."""
-    offs_d = tl.arange(0, BLOCK_D)
-    row = outer * stride_b + inner * stride_n + h_kv.to(tl.int64) * stride_h
-    if TRANSPOSED:
-        x = tl.load(PTR + row[None, :] + offs_d.to(tl.int64)[:, None] * stride_d,
-                    mask=col_ok[None, :] & (offs_d[:, None] < HEAD_DIM), other=0.0)
-    else:
-        x = tl.load(PTR + row[:, None] + offs_d.to(tl.int64)[None, :] * stride_d,
-                    mask=col_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
-    if UPCAST:
-        x = x.to(tl.float32)
-    return x
-
-
-@triton.jit
-def _scores(q, K, BIAS, BLOCK_TABLE, b, h_kv, h, i, active, cols, seqlen_q, seqlen_k, z_scale, bias_scale,
+def _scores(q, K, BIAS, BLOCK_TABLE, b, h_kv, h, i, active, cols, seqlen_q, seqlen_k, z_scale, bias_scale, slope,
             stride_kb, stride_kh, stride_kn, stride_kd, stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n,
-            stride_tb, stride_tn, page_size, MASK, BIAS_KIND: tl.constexpr, IS_PAGED: tl.constexpr,
+            stride_tb, stride_tn, page_size, MASK, SCORE, BIAS_KIND: tl.constexpr, IS_PAGED: tl.constexpr,
             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Scores ``z_scale * q.k + bias_scale * bias`` of one key block, ``-inf`` where not visible. [BLOCK_M, BLOCK_N]
+    """Scores of one key block as the forward's: ``z_scale * q.k`` soft-capped in that scale, ``+ bias_scale *
+    (bias - slope * |d|)``, ``-inf`` where not visible (``kernels/_masking.py``) or the row is inactive.
+    [BLOCK_M, BLOCK_N]
 
-    ``z_scale``, ``bias_scale`` are per row ``[BLOCK_M]``; the mask is read per packed row at ``(b, h, i)``.
+    ``z_scale``, ``bias_scale``, ``slope`` are per row ``[BLOCK_M]``; the mask is read per packed row at ``(b, h, i)``.
     """
-    col_ok = cols < seqlen_k
-    outer, inner = _cache_rows(BLOCK_TABLE, b, cols, col_ok, stride_tb, stride_tn, page_size, IS_PAGED)
-    k = _cache_tile(K, outer, inner, h_kv, col_ok, stride_kb, stride_kh, stride_kn, stride_kd, HEAD_DIM, BLOCK_D,
-                    True, UPCAST)
-    z = tl.dot(q, k, input_precision=DOT_PRECISION) * z_scale[:, None]
-    ok = visible(i, cols, seqlen_q, seqlen_k, MASK) & active[:, None]
-    if BIAS_KIND != 0:
-        row_off = b.to(tl.int64) * stride_bias_b + h.to(tl.int64) * stride_bias_h + i.to(tl.int64) * stride_bias_m
-        ptrs = BIAS + row_off[:, None] + cols.to(tl.int64)[None, :] * stride_bias_n
-        if BIAS_KIND == 2:
-            ok = ok & (tl.load(ptrs, mask=ok, other=0) != 0)
-        else:
-            z = z + tl.load(ptrs, mask=ok, other=0.0).to(tl.float32) * bias_scale[:, None]
-    return tl.where(ok, z, float("-inf"))
+    k = _cache_tile(K, BLOCK_TABLE, b, h_kv, cols, seqlen_k, stride_kb, stride_kh, stride_kn, stride_kd, stride_tb,
+                    stride_tn, page_size, IS_PAGED, HEAD_DIM, BLOCK_D, True, UPCAST)
+    z = soft_cap(tl.dot(q, k, input_precision=DOT_PRECISION) * z_scale[:, None], SCORE[1] * bias_scale[:, None], SCORE)
+    bias_rows = BIAS + (b.to(tl.int64) * stride_bias_b + h.to(tl.int64) * stride_bias_h)[:, None]
+    z = mask_scores(z, i, cols, seqlen_q, seqlen_k, bias_rows, stride_bias_m, stride_bias_n, bias_scale[:, None], MASK,
+                    BIAS_KIND, slope[:, None], SCORE)
+    return tl.where(active[:, None], z, float("-inf"))
+
+
+@triton.jit
+def _sink_scores(SINKS, h, am1, own, SCORE, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The sink as a virtual score tile (``_masking.sink_tile``: ``(alpha - 1) * sink`` in column 0) for the rows
+    ``own`` (split 0's: one score per row, counted once), ``-inf`` elsewhere and where the sink is NaN or
+    ``+inf``; and those rows' flag. ``[BLOCK_M, BLOCK_N]``, ``[BLOCK_M]``"""
+    z_sink = am1 * sink_logit(SINKS, h, SCORE)
+    sink_bad = (z_sink != z_sink) | (z_sink == float("inf"))
+    return sink_tile(tl.where(own & (sink_bad == 0), z_sink, float("-inf"))[:, None], BLOCK_M, BLOCK_N), sink_bad
 
 
 @triton.jit
 def _grid_pass(q, K, BIAS, BLOCK_TABLE, Z, z_rows, list_base, b, h_kv, h, i, active, kt_lo, kt_hi, seqlen_q,
-               seqlen_k, z_scale, bias_scale, beta, bm1, shift,
+               seqlen_k, z_scale, bias_scale, slope, beta, bm1, shift, zs,
                stride_kb, stride_kh, stride_kn, stride_kd, stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n,
-               stride_tb, stride_tn, page_size, MASK, POW: tl.constexpr, GRID_K: tl.constexpr,
+               stride_tb, stride_tn, page_size, MASK, SCORE, POW: tl.constexpr, GRID_K: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BIAS_KIND: tl.constexpr, IS_PAGED: tl.constexpr,
                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """The score pass over key blocks ``[kt_lo, kt_hi)``: stores the scores and lists the live blocks.
+    """The score pass over key blocks ``[kt_lo, kt_hi)`` (after the sink tile ``zs`` with sinks): stores the scores
+    and lists the live blocks; each block goes through the forward's ring update (``_fwd_rows._grid_tile``).
 
     Returns ``(m, j_top, n_valid, bad, F, G, C, n_live)``: the split's row max, its grid index, valid keys,
     NaN/+inf flag and the ``[BLOCK_M, GRID_K]`` sums at the ring's points (POW 0: scaled by the split max's
@@ -193,70 +161,52 @@ def _grid_pass(q, K, BIAS, BLOCK_TABLE, Z, z_rows, list_base, b, h_kv, h, i, act
     C = tl.zeros([BLOCK_M, GRID_K], tl.float32)
     L = tl.full([BLOCK_M, GRID_K], -99.65784284662087, tl.float32)  # POW 0: log2 of the max key's base (1e-30)
     n_live = tl.zeros([], tl.int32)
+    if SCORE[3]:
+        m, j_top, F, G, C, L, _ = _grid_tile(zs, m, j_top, F, G, C, L, slot, w_grid, shift, beta[:, None],
+                                             bm1[:, None], POW, GRID_K)
     for kt in range(kt_lo, kt_hi):
         cols = kt * BLOCK_N + tl.arange(0, BLOCK_N)
         z = _scores(q, K, BIAS, BLOCK_TABLE, b, h_kv, h, i, active, cols, seqlen_q, seqlen_k, z_scale, bias_scale,
-                    stride_kb, stride_kh, stride_kn, stride_kd, stride_bias_b, stride_bias_h, stride_bias_m,
-                    stride_bias_n, stride_tb, stride_tn, page_size, MASK, BIAS_KIND, IS_PAGED, HEAD_DIM, BLOCK_D,
-                    UPCAST, DOT_PRECISION)
+                    slope, stride_kb, stride_kh, stride_kn, stride_kd, stride_bias_b, stride_bias_h, stride_bias_m,
+                    stride_bias_n, stride_tb, stride_tn, page_size, MASK, SCORE, BIAS_KIND, IS_PAGED, HEAD_DIM,
+                    BLOCK_D, UPCAST, DOT_PRECISION)
         tl.store(Z + z_rows[:, None] + cols[None, :], z, mask=active[:, None])
         bad = bad | tl.max(((z != z) | (z == float("inf"))).to(tl.int32), 1)
         n_valid += tl.sum((z != float("-inf")).to(tl.int32), 1)
-        m_new = tl.maximum(m, tl.max(z, 1))
-        j_new = tl.where(m_new > float("-inf"), tl.floor(m_new / w_grid), j_top)
-        # a slot whose point changes restarts at zero: its new point lies above every earlier key
-        i_new = _ring_index(j_new[:, None], slot[None, :], GRID_K)
-        same = _ring_index(j_top[:, None], slot[None, :], GRID_K) == i_new
-        if POW == 0:
-            l_new = log_ref(m_new[:, None], i_new * w_grid + shift)
-            F = tl.where(same, F * tl.exp2(beta[:, None] * (L - l_new)), 0.0)
-            G = tl.where(same, G * tl.exp2(bm1[:, None] * (L - l_new)), 0.0)
-            L = l_new
-        else:
-            F = tl.where(same, F, 0.0)
-            G = tl.where(same, G, 0.0)
-            C = tl.where(same, C, 0.0)
-        t_low = (j_new - (GRID_K - 1)) * w_grid  # <= m - 1 <= tau
-        live = tl.max((z > t_low[:, None]).to(tl.int32))
-        if live != 0:
-            f, g, c = _point_tiles(z, i_new * w_grid + shift, L, bm1, POW, GRID_K)
-            F += f
-            G += g
-            C += c
+        m, j_top, F, G, C, L, live = _grid_tile(z, m, j_top, F, G, C, L, slot, w_grid, shift, beta[:, None],
+                                                bm1[:, None], POW, GRID_K)
         tl.store(list_base + n_live, kt, mask=live != 0)
         n_live += live
-        m = m_new
-        j_top = j_new
     return m, j_top, n_valid, bad, F, G, C, n_live
 
 
 @triton.jit
-def _softmax_split(q, K, V, BIAS, BLOCK_TABLE, b, h_kv, h, i, active, kt_lo, kt_hi, seqlen_q, seqlen_k, scale,
+def _softmax_split(q, K, V, BIAS, BLOCK_TABLE, b, h_kv, h, i, active, kt_lo, kt_hi, seqlen_q, seqlen_k, scale, slope,
                    stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd,
                    stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n, stride_tb, stride_tn, page_size, MASK,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BIAS_KIND: tl.constexpr, IS_PAGED: tl.constexpr,
-                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """alpha == 1 on key blocks ``[kt_lo, kt_hi)``: online softmax (base 2). Returns ``(m, l, acc, n_valid)``."""
+                   SCORE, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BIAS_KIND: tl.constexpr,
+                   IS_PAGED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                   BLOCK_DV: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """alpha == 1 on key blocks ``[kt_lo, kt_hi)``: online softmax (base 2). Returns ``(m, l, acc, n_valid)`` (the
+    sink joins in the combine)."""
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_sum = tl.zeros([BLOCK_M], tl.float32)
     n_valid = tl.zeros([BLOCK_M], tl.int32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     log2e = tl.zeros([BLOCK_M], tl.float32) + LOG2E
     for kt in range(kt_lo, kt_hi):
         cols = kt * BLOCK_N + tl.arange(0, BLOCK_N)
         s = _scores(q, K, BIAS, BLOCK_TABLE, b, h_kv, h, i, active, cols, seqlen_q, seqlen_k, log2e * scale, log2e,
-                    stride_kb, stride_kh, stride_kn, stride_kd, stride_bias_b, stride_bias_h, stride_bias_m,
-                    stride_bias_n, stride_tb, stride_tn, page_size, MASK, BIAS_KIND, IS_PAGED, HEAD_DIM, BLOCK_D,
-                    UPCAST, DOT_PRECISION)
+                    slope, stride_kb, stride_kh, stride_kn, stride_kd, stride_bias_b, stride_bias_h, stride_bias_m,
+                    stride_bias_n, stride_tb, stride_tn, page_size, MASK, SCORE, BIAS_KIND, IS_PAGED, HEAD_DIM,
+                    BLOCK_D, UPCAST, DOT_PRECISION)
         n_valid += tl.sum((s != float("-inf")).to(tl.int32), 1)
         m_new = tl.maximum(m, tl.max(s, 1))
         m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
         corr = tl.exp2(m - m_safe)
         p = tl.exp2(s - m_safe[:, None])
-        col_ok = cols < seqlen_k
-        outer, inner = _cache_rows(BLOCK_TABLE, b, cols, col_ok, stride_tb, stride_tn, page_size, IS_PAGED)
-        v = _cache_tile(V, outer, inner, h_kv, col_ok, stride_vb, stride_vh, stride_vn, stride_vd, HEAD_DIM, BLOCK_D,
-                        False, UPCAST)
+        v = _cache_tile(V, BLOCK_TABLE, b, h_kv, cols, seqlen_k, stride_vb, stride_vh, stride_vn, stride_vd, stride_tb,
+                        stride_tn, page_size, IS_PAGED, HEAD_DIM_V, BLOCK_DV, False, UPCAST)
         l_sum = l_sum * corr + tl.sum(p, 1)
         acc = acc * corr[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m = m_new
@@ -264,35 +214,27 @@ def _softmax_split(q, K, V, BIAS, BLOCK_TABLE, b, h_kv, h, i, active, kt_lo, kt_
 
 
 @triton.jit
-def _store_partials(PART_ROW, PART_ACC, split_rows, active, m, l_sum, nnz, acc, HEAD_DIM: tl.constexpr,
-                    BLOCK_D: tl.constexpr):
-    """One split's value-pass results: max (log2 scale; 0 for entmax), sum of weights, support size, ``acc``."""
-    offs_d = tl.arange(0, BLOCK_D)
-    tl.store(PART_ROW + split_rows * N_PART, m, mask=active)
-    tl.store(PART_ROW + split_rows * N_PART + 1, l_sum, mask=active)
-    tl.store(PART_ROW + split_rows * N_PART + 2, nnz.to(tl.float32), mask=active)
-    tl.store(PART_ACC + split_rows[:, None] * HEAD_DIM + offs_d[None, :], acc,
-             mask=active[:, None] & (offs_d[None, :] < HEAD_DIM))
-
-
-@triton.jit
 def _entmax_decode_split_kernel(
-    Q, K, V, BIAS, ALPHA, BLOCK_TABLE, CACHE_SEQLENS, Z, LIST, LIVE_N, GRID_ROW, GRID_PTS, CAND_IN, CAND_OUT,
-    STATE_IN, STATE_OUT, PART_ROW, PART_ACC, TAU, BLOCKS_READ, N_PASSES,
+    Q, K, V, BIAS, ALPHA, BLOCK_TABLE, CACHE_SEQLENS, ALIBI, SINKS, Z, LIST, LIVE_N, GRID_ROW, GRID_PTS, CAND_IN,
+    CAND_OUT, STATE_IN, STATE_OUT, PART_ROW, PART_ACC, TAU, BLOCKS_READ, N_PASSES,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n,
+    stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n, stride_alibi_b, stride_alibi_h,
     stride_tb, stride_tn, page_size,
-    n_heads, n_kv_heads, kv_group, seqlen_q, n_rows, n_row_tiles, n_splits, blocks_per_split, n_kblocks,
-    max_seqlen_k, scale, tol, pass_slot, n_slots, MASK,
+    n_heads, n_kv_heads, kv_group, seqlen_q, n_rows, n_row_tiles, n_splits, blocks_per_split, n_span,
+    max_seqlen_k, scale, tol, pass_slot, n_slots, MASK, SCORE,
     ALPHA_CLASS: tl.constexpr, FILTER: tl.constexpr, PHASE: tl.constexpr, FROM_GRID: tl.constexpr,
     GRID_K: tl.constexpr, CAND_P: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BIAS_KIND: tl.constexpr, IS_PAGED: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BIAS_KIND: tl.constexpr, IS_PAGED: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """One program per (split, kv head x row tile, batch entry); ``PHASE`` 0 score pass, 1 candidate pass,
-    2 value pass (module docstring). ``ALPHA_CLASS`` 0 (softmax) runs its single pass whatever ``PHASE``."""
+    2 value pass (module docstring). ``ALPHA_CLASS`` 0 (softmax) runs its single pass whatever ``PHASE``.
+
+    The splits share the key blocks the tile's rows may see (``_masking.key_range``: a sliding window's blocks
+    only, at most ``n_span``); the scores are stored relative to the first of them.
+    """
     split = tl.program_id(0)
     h_kv = tl.program_id(1) // n_row_tiles
     rt = tl.program_id(1) % n_row_tiles
@@ -301,14 +243,18 @@ def _entmax_decode_split_kernel(
     if tl.max(active.to(tl.int32)) == 0:
         return
     seqlen_k = tl.minimum(tl.maximum(tl.load(CACHE_SEQLENS + b), 0), max_seqlen_k)
-    kt_lo = split * blocks_per_split
-    kt_hi = tl.maximum(tl.minimum(kt_lo + blocks_per_split, tl.cdiv(seqlen_k, BLOCK_N)), kt_lo)
+    k_lo, k_hi = key_range(tl.min(tl.where(active, i, seqlen_q), 0), tl.max(tl.where(active, i, -1), 0), seqlen_q,
+                           seqlen_k, MASK)
+    kt_end = tl.cdiv(k_hi, BLOCK_N)
+    kt_start = tl.minimum(k_lo // BLOCK_N, kt_end)
+    kt_lo = kt_start + split * blocks_per_split
+    kt_hi = tl.maximum(tl.minimum(kt_lo + blocks_per_split, kt_end), kt_lo)
     tile = (b * n_kv_heads + h_kv) * n_row_tiles + rt
     rows_pad = n_row_tiles * BLOCK_M
     split_rows = (((b * n_kv_heads + h_kv) * rows_pad + r) * n_splits).to(tl.int64)  # [BLOCK_M]
     state_rows = ((b * n_kv_heads + h_kv) * rows_pad + r).to(tl.int64)
-    z_rows = ((b * n_kv_heads + h_kv) * n_rows + r).to(tl.int64) * (n_kblocks * BLOCK_N)
-    list_base = LIST + tile.to(tl.int64) * n_kblocks + kt_lo
+    z_rows = ((b * n_kv_heads + h_kv) * n_rows + r).to(tl.int64) * (n_span * BLOCK_N) - kt_start * BLOCK_N
+    list_base = LIST + tile.to(tl.int64) * n_span + split * blocks_per_split
     live_n = LIVE_N + tile.to(tl.int64) * n_splits + split
     reads = BLOCKS_READ + (tile.to(tl.int64) * n_splits + split) * n_slots
     offs_d = tl.arange(0, BLOCK_D)
@@ -318,14 +264,15 @@ def _entmax_decode_split_kernel(
     if UPCAST:
         q = q.to(tl.float32)
     stat_offs = (b.to(tl.int64) * n_heads + h) * seqlen_q + i
+    slope = alibi_slope(ALIBI, b, h, stride_alibi_b, stride_alibi_h, SCORE) + tl.zeros([BLOCK_M], tl.float32)
 
     if ALPHA_CLASS == 0:
         m, l_sum, acc, n_valid = _softmax_split(
-            q, K, V, BIAS, BLOCK_TABLE, b, h_kv, h, i, active, kt_lo, kt_hi, seqlen_q, seqlen_k, scale,
+            q, K, V, BIAS, BLOCK_TABLE, b, h_kv, h, i, active, kt_lo, kt_hi, seqlen_q, seqlen_k, scale, slope,
             stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd,
-            stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n, stride_tb, stride_tn, page_size, MASK,
-            BLOCK_M, BLOCK_N, BIAS_KIND, IS_PAGED, HEAD_DIM, BLOCK_D, UPCAST, DOT_PRECISION)
-        _store_partials(PART_ROW, PART_ACC, split_rows + split, active, m, l_sum, n_valid, acc, HEAD_DIM, BLOCK_D)
+            stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n, stride_tb, stride_tn, page_size, MASK, SCORE,
+            BLOCK_M, BLOCK_N, BIAS_KIND, IS_PAGED, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, UPCAST, DOT_PRECISION)
+        _store_partials(PART_ROW, PART_ACC, split_rows + split, active, m, l_sum, n_valid, acc, HEAD_DIM_V, BLOCK_DV)
         tl.store(PART_ROW + (split_rows + split) * N_PART + 3, n_valid.to(tl.float32), mask=active)
         tl.store(reads, kt_hi - kt_lo)
         tl.store(reads + n_slots - 1, kt_hi - kt_lo)
@@ -348,18 +295,19 @@ def _entmax_decode_split_kernel(
         shift = 1.0
     else:
         shift = 0.0
+    zs, sink_bad = _sink_scores(SINKS, h, am1, active & (split == 0), SCORE, BLOCK_M, BLOCK_N)
 
     if PHASE == 0:
         m, j_top, n_valid, bad, F, G, C, n_live = _grid_pass(
             q, K, BIAS, BLOCK_TABLE, Z, z_rows, list_base, b, h_kv, h, i, active, kt_lo, kt_hi, seqlen_q, seqlen_k,
-            scale * am1, am1, beta, bm1, shift, stride_kb, stride_kh, stride_kn, stride_kd, stride_bias_b,
-            stride_bias_h, stride_bias_m, stride_bias_n, stride_tb, stride_tn, page_size, MASK, POW, GRID_K,
+            scale * am1, am1, slope, beta, bm1, shift, zs, stride_kb, stride_kh, stride_kn, stride_kd, stride_bias_b,
+            stride_bias_h, stride_bias_m, stride_bias_n, stride_tb, stride_tn, page_size, MASK, SCORE, POW, GRID_K,
             BLOCK_M, BLOCK_N, BIAS_KIND, IS_PAGED, HEAD_DIM, BLOCK_D, UPCAST, DOT_PRECISION)
         row = GRID_ROW + (split_rows + split) * N_PART
         tl.store(row, m, mask=active)
         tl.store(row + 1, j_top, mask=active)
         tl.store(row + 2, n_valid.to(tl.float32), mask=active)
-        tl.store(row + 3, tl.where(a_ok, bad, 1).to(tl.float32), mask=active)
+        tl.store(row + 3, tl.where(a_ok & (sink_bad == 0), bad, 1).to(tl.float32), mask=active)
         tl.store(PART_ROW + (split_rows + split) * N_PART + 3, n_valid.to(tl.float32), mask=active)
         _store_points(GRID_PTS, split_rows + split, active, F, G, C, GRID_K)
         tl.store(live_n, n_live)
@@ -389,7 +337,9 @@ def _entmax_decode_split_kernel(
             _store_state(STATE_OUT, state_rows, active, m, a, pa, da, fa, ga, ca, bb, pb, db, cb, b_top, est, lo,
                          hi, exact, usable, bad, passes)
         if go != 0:
-            t_p, l_p = _cand_points(m, lo, hi, est, shift, CAND_P)
+            t_p, l_p = _cand_points(m, lo, hi, CAND_P)
+            cand = tl.arange(0, CAND_P).to(tl.float32)
+            zero = tl.zeros([BLOCK_M], tl.float32)
             FP = tl.zeros([BLOCK_M, CAND_P], tl.float32)
             GP = tl.zeros([BLOCK_M, CAND_P], tl.float32)
             CP = tl.zeros([BLOCK_M, CAND_P], tl.float32)
@@ -402,10 +352,11 @@ def _entmax_decode_split_kernel(
                 live = tl.max((z > lo_kill[:, None]).to(tl.int32))
                 tl.store(list_base + n_out, kt, mask=live != 0)
                 n_out += live
-                f, g, c = _point_tiles(z, t_p, l_p, bm1, POW, CAND_P)
-                FP += f
-                GP += g
-                CP += c
+                _, _, _, FP, GP, CP = _cand_sums(z, zero, zero, zero, zero, zero, t_p, l_p, cand, FP, GP, CP, POW,
+                                                 CAND_P, bm1[:, None])
+            if SCORE[3]:
+                _, _, _, FP, GP, CP = _cand_sums(zs, zero, zero, zero, zero, zero, t_p, l_p, cand, FP, GP, CP, POW,
+                                                 CAND_P, bm1[:, None])
             _store_points(CAND_OUT, split_rows + split, active, FP, GP, CP, CAND_P)
             tl.store(live_n, n_out)
             tl.store(reads + pass_slot, n_in)
@@ -417,8 +368,10 @@ def _entmax_decode_split_kernel(
     tau_row = t_use - shift
     t_use = tau_row + shift
     l_sum = tl.zeros([BLOCK_M], tl.float32)
+    if SCORE[3]:
+        l_sum = tl.sum(tl.where(ok_row[:, None], weights(zs, t_use, POW, beta[:, None]), 0.0), 1)
     nnz = tl.zeros([BLOCK_M], tl.int32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     # weights of the live blocks; those holding a positive weight are listed again (in place: the list only
     # shrinks) and only their value rows are read, by a second loop without branches (its loads pipeline)
     v_reads = tl.zeros([], tl.int32)
@@ -436,67 +389,18 @@ def _entmax_decode_split_kernel(
         cols = tl.load(list_base + idx) * BLOCK_N + col_blk
         z = tl.load(Z + z_rows[:, None] + cols[None, :], mask=ok_row[:, None], other=float("-inf"))
         p = weights(z, t_use, POW, beta[:, None])
-        col_ok = cols < seqlen_k
-        outer, inner = _cache_rows(BLOCK_TABLE, b, cols, col_ok, stride_tb, stride_tn, page_size, IS_PAGED)
-        v = _cache_tile(V, outer, inner, h_kv, col_ok, stride_vb, stride_vh, stride_vn, stride_vd, HEAD_DIM,
-                        BLOCK_D, False, UPCAST)
+        v = _cache_tile(V, BLOCK_TABLE, b, h_kv, cols, seqlen_k, stride_vb, stride_vh, stride_vn, stride_vd, stride_tb,
+                        stride_tn, page_size, IS_PAGED, HEAD_DIM_V, BLOCK_DV, False, UPCAST)
         acc += tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     is_bad = bad != 0.0
     _store_partials(PART_ROW, PART_ACC, split_rows + split, active, tl.zeros([BLOCK_M], tl.float32),
-                    tl.where(is_bad, float("nan"), l_sum), tl.where(is_bad, 0, nnz), acc, HEAD_DIM, BLOCK_D)
+                    tl.where(is_bad, float("nan"), l_sum), tl.where(is_bad, 0, nnz), acc, HEAD_DIM_V, BLOCK_DV)
     tl.store(reads + pass_slot, n_in)
     tl.store(reads + pass_slot + 1, v_reads)
     if split == 0:
         tau = tl.where(is_bad, float("nan"), tl.where(ok_row, tau_row, float("inf")))
         tl.store(TAU + stat_offs, tau, mask=active)
         tl.store(N_PASSES + tile, passes.to(tl.int32) + 1)
-
-
-@triton.jit
-def _entmax_decode_combine_kernel(
-    OUT, TAU, NNZ, N_VALID, ALPHA, PART_ROW, PART_ACC,
-    stride_ob, stride_oh, stride_om, stride_od,
-    n_heads, n_kv_heads, kv_group, seqlen_q, n_rows, n_row_tiles, n_splits,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-):
-    """One program per (kv head x row tile, batch entry): ``out = sum_s w_s acc_s / sum_s w_s l_s`` with
-    ``w_s = 2^(m_s - max m)`` (1 for entmax rows, whose split maxima are 0), and the row statistics."""
-    h_kv = tl.program_id(0) // n_row_tiles
-    rt = tl.program_id(0) % n_row_tiles
-    b = tl.program_id(1)
-    r, i, h, row_ok, alpha = _packed_rows(ALPHA, rt, h_kv, kv_group, seqlen_q, n_rows, 0, False, BLOCK_M)
-    split_rows = (((b * n_kv_heads + h_kv) * (n_row_tiles * BLOCK_M) + r) * n_splits).to(tl.int64)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    for s in range(0, n_splits):
-        m = tl.maximum(m, tl.load(PART_ROW + (split_rows + s) * N_PART, mask=row_ok, other=float("-inf")))
-    m_safe = tl.where(m > float("-inf"), m, 0.0)
-    l_sum = tl.zeros([BLOCK_M], tl.float32)
-    nnz = tl.zeros([BLOCK_M], tl.float32)
-    n_valid = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for s in range(0, n_splits):
-        row = PART_ROW + (split_rows + s) * N_PART
-        w = tl.exp2(tl.load(row, mask=row_ok, other=float("-inf")) - m_safe)
-        l_sum += w * tl.load(row + 1, mask=row_ok, other=0.0)
-        nnz += tl.load(row + 2, mask=row_ok, other=0.0)
-        n_valid += tl.load(row + 3, mask=row_ok, other=0.0)
-        part = tl.load(PART_ACC + (split_rows + s)[:, None] * HEAD_DIM + offs_d[None, :],
-                       mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-        acc += w[:, None] * part
-    is_bad = l_sum != l_sum
-    ok = l_sum > 0.0
-    out = tl.where(ok[:, None], acc / tl.where(ok, l_sum, 1.0)[:, None], 0.0)
-    out = tl.where(is_bad[:, None], float("nan"), out)
-    o_rows = b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + i.to(tl.int64) * stride_om
-    tl.store(OUT + o_rows[:, None] + offs_d[None, :] * stride_od, out.to(OUT.dtype.element_ty),
-             mask=row_ok[:, None] & d_ok[None, :])
-    stat_offs = (b.to(tl.int64) * n_heads + h) * seqlen_q + i
-    tl.store(NNZ + stat_offs, tl.where(is_bad, 0.0, nnz).to(tl.int32), mask=row_ok)
-    tl.store(N_VALID + stat_offs, n_valid.to(tl.int32), mask=row_ok)
-    tau_soft = tl.where(n_valid > 0.0, (m_safe + tl.log2(tl.where(ok, l_sum, 1.0))) * LN2, float("inf"))
-    tl.store(TAU + stat_offs, tl.where(is_bad, float("nan"), tau_soft), mask=row_ok & (alpha == 1.0))
 
 
 def _pick_config(head_dim: int, n_rows: int, interpret: bool):
@@ -533,6 +437,10 @@ def entmax_decode_fwd(
     block_table: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     is_causal: bool = False,
+    window_size: tuple | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
     max_seqlen_k: int | None = None,
     num_splits: int | None = None,
     tol: float | None = None,
@@ -547,10 +455,10 @@ def entmax_decode_fwd(
 
     Args:
         q: ``(B, Hq, Nq, D)``, fp16/bf16/fp32, any strides; ``16 <= D <= 256``.
-        k_cache, v_cache: contiguous layout ``(B, Hk, Nk, D)`` (any strides: a ``(B, Nk, Hk, D)`` cache
-            ``.transpose(1, 2)``), or with ``block_table`` a page pool ``(num_pages, page_size, Hk, D)``
-            (flash-attn / vLLM layout, any strides). ``Hq % Hk == 0``; q head ``h`` reads kv head
-            ``h // (Hq // Hk)``.
+        k_cache, v_cache: contiguous layout ``(B, Hk, Nk, D)`` and ``(B, Hk, Nk, Dv)`` (any strides: a
+            ``(B, Nk, Hk, D)`` cache ``.transpose(1, 2)``), or with ``block_table`` page pools
+            ``(num_pages, page_size, Hk, D or Dv)`` (flash-attn / vLLM layout, any strides). ``Hq % Hk == 0``; q head
+            ``h`` reads kv head ``h // (Hq // Hk)``; ``16 <= Dv <= 256``.
         cache_seqlens: int32 ``(B,)``, valid keys per sequence (the keys of the current queries included);
             values are clamped to ``[0, max_seqlen_k]``.
         alpha: float32 ``(Hq,)`` (each in [1, 2], mixed per head), or a Python float.
@@ -561,6 +469,11 @@ def entmax_decode_fwd(
             (``Nk_cap``: the cache's key capacity), indexed by key position. Default None.
         is_causal: query ``i`` of a sequence with ``L`` keys sees key ``j`` iff ``j <= i + L - Nq`` (the
             queries are the last ``Nq`` keys). Default False.
+        window_size: ``(left, right)``: query ``i`` sees key ``j`` iff ``-left <= j - (i + L - Nq) <= right``
+            (``-1``: unbounded side), as :func:`sparse_attn.kernels.entmax_attn_fwd.entmax_attn_fwd` with the decode
+            alignment; the splits cover the window's key blocks only. Default None.
+        alibi_slopes, softcap, sinks: as ``entmax_attn_fwd`` (ALiBi distance ``|i + L - Nq - j|``; slopes ``(Hq,)``
+            or ``(B, Hq)``). Default None.
         max_seqlen_k: bound on ``cache_seqlens`` (default the capacity); the splits cover this many keys.
         num_splits: key-range splits per (batch entry, kv head); default :func:`default_num_splits`.
         tol: change of a row's total weight across its certified bracket at which its threshold counts as found
@@ -574,10 +487,11 @@ def entmax_decode_fwd(
         :class:`EntmaxDecodeResult`.
     """
     batch, n_heads, seqlen_q, head_dim = q.shape
+    head_dim_v = v_cache.shape[3]
     paged = block_table is not None
     n_kv_heads = k_cache.shape[2] if paged else k_cache.shape[1]
     capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[2]
-    assert 16 <= head_dim <= 256 and n_heads % max(n_kv_heads, 1) == 0
+    assert 16 <= head_dim <= 256 and 16 <= head_dim_v <= 256 and n_heads % max(n_kv_heads, 1) == 0
     kv_group = n_heads // max(n_kv_heads, 1)
     n_rows = kv_group * seqlen_q
     block_m, default_n, num_warps, num_stages = _pick_config(head_dim, n_rows, _common.interpreting())
@@ -585,27 +499,27 @@ def entmax_decode_fwd(
     assert block_n >= 16 and block_n & (block_n - 1) == 0, f"block_n: got {block_n}"
     max_seqlen_k = capacity if max_seqlen_k is None else min(int(max_seqlen_k), capacity)
     n_row_tiles = triton.cdiv(n_rows, block_m)
-    n_kblocks = triton.cdiv(max_seqlen_k, block_n)
+    mask = mask_spec(is_causal, window_size)
+    n_span = triton.cdiv(max_seqlen_k, block_n)
+    if mask[1]:
+        # the keys of a left-bounded window: at most Nq + left of them, over one more block when unaligned
+        n_span = min(n_span, triton.cdiv(seqlen_q + mask[3], block_n) + 1)
     if num_splits is None:
-        num_splits = default_num_splits(batch, n_kv_heads, n_row_tiles, n_kblocks, q.device)
-    blocks_per_split = max(triton.cdiv(n_kblocks, max(int(num_splits), 1)), 1)
-    n_splits = max(triton.cdiv(n_kblocks, blocks_per_split), 1)
+        num_splits = default_num_splits(batch, n_kv_heads, n_row_tiles, n_span, q.device)
+    blocks_per_split = max(triton.cdiv(n_span, max(int(num_splits), 1)), 1)
+    n_splits = max(triton.cdiv(n_span, blocks_per_split), 1)
     if max_passes is None:
         max_passes = DEFAULT_MAX_PASSES[q.dtype]
     assert max_passes >= 2, f"max_passes: got {max_passes}"
-    if alpha_class is None:
-        if not isinstance(alpha, torch.Tensor):
-            alpha_class = alpha_class_of([alpha])
-        else:
-            alpha_class = alpha_class_of(alpha.tolist()) if alpha.device.type == "cpu" else "mixed"
+    alpha_class = resolve_alpha_class(alpha, alpha_class)
     if alpha_class == "mixed" and isinstance(alpha, torch.Tensor) and alpha.device.type == "cpu":
         classes = sorted({ALPHA_CLASSES[alpha_class_of([a])] if 1 <= a <= 2 else 3 for a in alpha.tolist()})
     else:
-        classes = list(ALPHA_CLASSES.values()) if alpha_class == "mixed" else [ALPHA_CLASSES[alpha_class]]
+        classes = [c for c, _ in class_launches(alpha_class)]
 
     dev = q.device
     stats = dict(size=(batch, n_heads, seqlen_q), device=dev)
-    out = torch.empty(q.shape, dtype=q.dtype, device=dev)
+    out = torch.empty((batch, n_heads, seqlen_q, head_dim_v), dtype=q.dtype, device=dev)
     tau = torch.empty(**stats, dtype=torch.float32)
     nnz = torch.empty(**stats, dtype=torch.int32)
     n_valid = torch.empty(**stats, dtype=torch.int32)
@@ -623,21 +537,23 @@ def entmax_decode_fwd(
     common = dict(
         Q=q, K=k_cache, V=v_cache, ALPHA=_common.alpha_arg(alpha, n_heads, dev),
         BLOCK_TABLE=block_table if paged else cache_seqlens, CACHE_SEQLENS=cache_seqlens,
-        Z=torch.empty((batch, n_kv_heads, n_rows, n_kblocks * block_n), **ws),
-        LIST=torch.empty((*tiles, n_kblocks), dtype=torch.int32, device=dev),
+        **_common.alibi_args(alibi_slopes, q), SINKS=_common.sinks_arg(sinks, q),
+        Z=torch.empty((batch, n_kv_heads, n_rows, n_span * block_n), **ws),
+        LIST=torch.empty((*tiles, n_span), dtype=torch.int32, device=dev),
         LIVE_N=torch.empty((*tiles, n_splits), dtype=torch.int32, device=dev),
-        PART_ROW=torch.empty((*per_split, N_PART.value), **ws), PART_ACC=torch.empty((*per_split, head_dim), **ws),
+        PART_ROW=torch.empty((*per_split, N_PART.value), **ws), PART_ACC=torch.empty((*per_split, head_dim_v), **ws),
         TAU=tau,
         **_common.stride_args("stride_q", q, "bhmd"),
         **_cache_strides("stride_k", k_cache, paged), **_cache_strides("stride_v", v_cache, paged),
-        **_bias_args(bias, q, capacity),
+        **_common.bias_args(bias, (batch, n_heads, seqlen_q, capacity), q),
         stride_tb=block_table.stride(0) if paged else 0, stride_tn=block_table.stride(1) if paged else 0,
         page_size=k_cache.shape[1] if paged else 1,
         n_heads=n_heads, n_kv_heads=n_kv_heads, kv_group=kv_group, seqlen_q=seqlen_q, n_rows=n_rows,
-        n_row_tiles=n_row_tiles, n_splits=n_splits, blocks_per_split=blocks_per_split, n_kblocks=n_kblocks,
+        n_row_tiles=n_row_tiles, n_splits=n_splits, blocks_per_split=blocks_per_split, n_span=n_span,
         max_seqlen_k=max_seqlen_k, scale=float(scale), tol=default_tolerance(q.dtype) if tol is None else float(tol),
-        n_slots=n_slots, MASK=mask_spec(is_causal), FILTER=len(classes) > 1,
-        HEAD_DIM=head_dim, BLOCK_D=_common.head_dim_block(head_dim), BLOCK_M=block_m, BLOCK_N=block_n,
+        n_slots=n_slots, MASK=mask, SCORE=score_spec(softcap, alibi_slopes is not None, sinks is not None),
+        FILTER=len(classes) > 1, HEAD_DIM=head_dim, BLOCK_D=_common.head_dim_block(head_dim), HEAD_DIM_V=head_dim_v,
+        BLOCK_DV=_common.head_dim_block(head_dim_v), BLOCK_M=block_m, BLOCK_N=block_n,
         IS_PAGED=paged, UPCAST=_common.interpreting(), DOT_PRECISION=_common.dot_precision(q.dtype),
     )
     options = {} if _common.interpreting() else dict(num_warps=num_warps, num_stages=num_stages)
@@ -658,10 +574,11 @@ def entmax_decode_fwd(
                 **args, CAND_IN=cand[(p + 1) % 2], CAND_OUT=cand[p % 2], STATE_IN=state[(p + 1) % 2],
                 STATE_OUT=state[p % 2], pass_slot=p, PHASE=phase, FROM_GRID=from_grid, **options)
     _entmax_decode_combine_kernel[(n_kv_heads * n_row_tiles, batch)](
-        OUT=out, TAU=tau, NNZ=nnz, N_VALID=n_valid, ALPHA=common["ALPHA"], PART_ROW=common["PART_ROW"],
-        PART_ACC=common["PART_ACC"], **_common.stride_args("stride_o", out, "bhmd"), n_heads=n_heads,
-        n_kv_heads=n_kv_heads, kv_group=kv_group, seqlen_q=seqlen_q, n_rows=n_rows, n_row_tiles=n_row_tiles,
-        n_splits=n_splits, HEAD_DIM=head_dim, BLOCK_D=common["BLOCK_D"], BLOCK_M=block_m, **options)
+        OUT=out, TAU=tau, NNZ=nnz, N_VALID=n_valid, ALPHA=common["ALPHA"], SINKS=common["SINKS"],
+        PART_ROW=common["PART_ROW"], PART_ACC=common["PART_ACC"], **_common.stride_args("stride_o", out, "bhmd"),
+        n_heads=n_heads, n_kv_heads=n_kv_heads, kv_group=kv_group, seqlen_q=seqlen_q, n_rows=n_rows,
+        n_row_tiles=n_row_tiles, n_splits=n_splits, SCORE=common["SCORE"], HEAD_DIM_V=head_dim_v,
+        BLOCK_DV=common["BLOCK_DV"], BLOCK_M=block_m, **options)
     return result
 
 
@@ -672,15 +589,3 @@ def _cache_strides(prefix: str, cache: torch.Tensor, paged: bool) -> dict:
         st = cache.stride()
         return {prefix + "b": st[0], prefix + "n": st[1], prefix + "h": st[2], prefix + "d": st[3]}
     return _common.stride_args(prefix, cache, "bhnd")
-
-
-def _bias_args(bias, q, capacity: int) -> dict:
-    """``BIAS``, ``BIAS_KIND`` and the bias strides, the mask broadcast to ``(B, Hq, Nq, capacity)`` by zero strides
-    (``q`` stands in for a missing mask)."""
-    if bias is None:
-        return dict(BIAS=q, BIAS_KIND=0, **_common.bias_stride_args(None))
-    kind = 2 if bias.dtype in (torch.bool, torch.uint8) else 1
-    if bias.dtype == torch.bool:
-        bias = bias.view(torch.uint8)
-    full = bias.expand(*q.shape[:3], capacity)
-    return dict(BIAS=full, BIAS_KIND=kind, **_common.bias_stride_args(full))

@@ -83,8 +83,8 @@ def entmax_attention(
     flash-attn's semantics. The fused kernels implement them all, with the sinks' gradient, but give no gradient
     for ALiBi slopes (slopes that require grad raise ``ValueError`` there: ``attn_inputs.unfused_variants``).
     Decoding steps on the fused path (1 to 16 queries against more keys, nothing requiring grad, no
-    dropout or packed sequences) run the split-K decode kernels (:func:`sparse_attn.decode.decode_fits`,
-    docs/decode.md); everything else the general fused forward.
+    dropout or packed sequences; any of the variants) run the split-K decode kernels
+    (:func:`sparse_attn.decode.decode_fits`, docs/decode.md); everything else the general fused forward.
 
     Args:
         q: ``(B, Hq, Nq, D)`` queries; any strides (a ``(B, N, H, D)`` tensor ``.transpose(1, 2)``

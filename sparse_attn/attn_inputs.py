@@ -36,6 +36,7 @@ __all__ = [
     "resolve_backend",
     "unfused_variants",
     "check_head_alpha",
+    "check_variants",
     "MIN_HEAD_DIM",
     "MAX_HEAD_DIM",
 ]
@@ -158,17 +159,18 @@ def _check_qkv(q, k, v, enable_gqa: bool, varlen: bool) -> None:
 
 
 def unfused_variants(q: Tensor, v: Tensor, window_size=None, alibi_slopes=None, sinks=None,
-                     softcap=None) -> list[str]:
+                     softcap=None, v_name: str = "v") -> list[str]:
     """The arguments of a call that the fused Triton kernels do not implement yet, as error-message phrases.
 
     The one place that decides it: when a kernel gains a variant, its line goes. Arguments as
-    :func:`prepare_attention` (``window_size`` etc. already normalized: None when unused).
+    :func:`prepare_attention` (``window_size`` etc. already normalized: None when unused); ``v_name`` names ``v``
+    in the phrases.
     """
     missing = []
     if alibi_slopes is not None and alibi_slopes.requires_grad and torch.is_grad_enabled():
         missing.append("alibi_slopes that require grad (the kernels give no gradient for the slopes; detach them)")
     if not MIN_HEAD_DIM <= v.shape[-1] <= MAX_HEAD_DIM:
-        missing.append(f"v of head_dim {v.shape[-1]} (the kernels take value head dims in [{MIN_HEAD_DIM}, "
+        missing.append(f"{v_name} of head_dim {v.shape[-1]} (the kernels take value head dims in [{MIN_HEAD_DIM}, "
                        f"{MAX_HEAD_DIM}])")
     return missing
 
@@ -333,6 +335,19 @@ def _check_softcap(softcap) -> float | None:
     return value if value > 0 else None
 
 
+def check_variants(q: Tensor, n_rows: int, window_size, alibi_slopes, sinks, softcap, rows_name: str = "batch"):
+    """Check the attention variants of a call with ``q`` ``(B, Hq, Nq, D)`` and ``n_rows`` batch entries (or packed
+    sequences, ``rows_name``), as :func:`sparse_attn.entmax_attention` documents them; return them normalized:
+    ``(window_size, alibi_slopes, sinks, softcap)``, each None when unused (slopes and sinks float32 on ``q``'s
+    device, float64 for float64 ``q``). Raises ``TypeError`` / ``ValueError`` naming the argument."""
+    window_size = _check_window_size(window_size)
+    n_heads = q.shape[1]
+    alibi_slopes = _head_vector("alibi_slopes", alibi_slopes, q, ((n_heads,), (n_rows, n_heads)),
+                                f"({n_heads},) or ({rows_name}, heads) = ({n_rows}, {n_heads})")
+    sinks = _head_vector("sinks", sinks, q, ((n_heads,),), f"({n_heads},) (one sink logit per q head)")
+    return window_size, alibi_slopes, sinks, _check_softcap(softcap)
+
+
 def prepare_attention(
     q: Tensor, k: Tensor, v: Tensor, alpha: float | Tensor = 1.5, *,
     attn_mask: Tensor | None = None, is_causal: bool = False, scale: float | None = None, dropout_p: float = 0.0,
@@ -358,14 +373,10 @@ def prepare_attention(
         raise ValueError("cu_seqlens_q and cu_seqlens_k must be given together")
     varlen = cu_seqlens_q is not None
     _check_qkv(q, k, v, enable_gqa, varlen)
-    window_size = _check_window_size(window_size)
-    n_heads = q.shape[1]
     packed = varlen and isinstance(cu_seqlens_q, Tensor) and cu_seqlens_q.dim() == 1
     n_rows = cu_seqlens_q.shape[0] - 1 if packed else q.shape[0]
-    alibi_slopes = _head_vector("alibi_slopes", alibi_slopes, q, ((n_heads,), (n_rows, n_heads)),
-                                f"({n_heads},) or ({'nseq' if varlen else 'batch'}, heads) = ({n_rows}, {n_heads})")
-    sinks = _head_vector("sinks", sinks, q, ((n_heads,),), f"({n_heads},) (one sink logit per q head)")
-    softcap = _check_softcap(softcap)
+    window_size, alibi_slopes, sinks, softcap = check_variants(q, n_rows, window_size, alibi_slopes, sinks, softcap,
+                                                               "nseq" if varlen else "batch")
     backend = resolve_backend(backend, q, v, unfused_variants(q, v, window_size, alibi_slopes, sinks, softcap))
     if 0 in q.shape[:3] or k.shape[2] == 0:
         backend = "reference"

@@ -16,8 +16,15 @@ import torch
 from torch import Tensor
 
 from sparse_attn._validation import check_bool, check_number, values_checkable
-from sparse_attn.attn_inputs import AttentionInputs, AttentionStats, check_head_alpha, resolve_backend
-from sparse_attn.masks import check_mask, combine_masks
+from sparse_attn.attn_inputs import (
+    AttentionInputs,
+    AttentionStats,
+    check_head_alpha,
+    check_variants,
+    resolve_backend,
+    unfused_variants,
+)
+from sparse_attn.masks import check_mask
 from sparse_attn.reference import entmax_attention_reference
 
 __all__ = ["entmax_decode", "MAX_DECODE_QUERIES", "decode_attention", "decode_fits", "decode_unsupported"]
@@ -32,7 +39,8 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 def _decode_op(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor, alpha: Tensor, alpha_value: float | None,
     scale: float, block_table: Tensor | None, bias: Tensor | None, is_causal: bool, max_seqlen_k: int | None,
-    num_splits: int | None,
+    num_splits: int | None, window_size: list[int] | None, alibi_slopes: Tensor | None, softcap: float | None,
+    sinks: Tensor | None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The decode kernels as a custom op (forward only): ``(out, tau, nnz, n_valid)``; ``alpha`` float32 ``(Hq,)``,
     ``alpha_value`` the Python number it holds when it was given as one (one compile-time alpha class)."""
@@ -40,15 +48,16 @@ def _decode_op(
 
     res = kernels.entmax_decode_fwd(
         q, k_cache, v_cache, cache_seqlens, alpha if alpha_value is None else alpha_value, scale,
-        block_table=block_table, bias=bias, is_causal=is_causal, max_seqlen_k=max_seqlen_k, num_splits=num_splits)
+        block_table=block_table, bias=bias, is_causal=is_causal, window_size=window_size, alibi_slopes=alibi_slopes,
+        softcap=softcap, sinks=sinks, max_seqlen_k=max_seqlen_k, num_splits=num_splits)
     return res.out, res.tau, res.nnz, res.n_valid
 
 
 @_decode_op.register_fake
 def _decode_fake(q, k_cache, v_cache, cache_seqlens, alpha, alpha_value, scale, block_table, bias, is_causal,
-                 max_seqlen_k, num_splits):
+                 max_seqlen_k, num_splits, window_size, alibi_slopes, softcap, sinks):
     rows = q.shape[:3]
-    return (torch.empty(q.shape, dtype=q.dtype, device=q.device), q.new_empty(rows, dtype=torch.float32),
+    return (q.new_empty((*rows, v_cache.shape[-1])), q.new_empty(rows, dtype=torch.float32),
             q.new_empty(rows, dtype=torch.int32), q.new_empty(rows, dtype=torch.int32))
 
 
@@ -157,25 +166,37 @@ def _alpha(alpha, n_heads: int, device) -> tuple[Tensor, float | None]:
     return alpha.detach().to(torch.float32).reshape(-1).expand(n_heads).contiguous(), None
 
 
-def _gathered(cache: Tensor, block_table: Tensor | None, seqlens: Tensor) -> Tensor:
-    """The cache as ``(B, Hk, capacity, D)`` (pages gathered through the block table), zero past each sequence's
-    length: slots there may hold anything (uninitialized memory), and the dense product would multiply it by 0."""
-    if block_table is not None:
-        pages = cache[block_table.long().clamp(0, cache.shape[0] - 1)]  # (B, max_pages, page_size, Hk, D)
-        b, n_pages, page_size, heads, d = pages.shape
-        cache = pages.reshape(b, n_pages * page_size, heads, d).transpose(1, 2)
-    inside = torch.arange(cache.shape[2], device=cache.device) < seqlens.long()[:, None]
-    return torch.where(inside[:, None, :, None], cache, torch.zeros((), dtype=cache.dtype, device=cache.device))
+def _gathered(cache: Tensor, block_table: Tensor | None) -> Tensor:
+    """The cache as ``(B, Hk, capacity, D)`` (pages gathered through the block table)."""
+    if block_table is None:
+        return cache
+    pages = cache[block_table.long().clamp(0, cache.shape[0] - 1)]  # (B, max_pages, page_size, Hk, D)
+    b, n_pages, page_size, heads, d = pages.shape
+    return pages.reshape(b, n_pages * page_size, heads, d).transpose(1, 2)
 
 
-def _cache_mask(seqlens: Tensor, n_q: int, capacity: int, is_causal: bool) -> Tensor:
-    """Keep mask ``(B, 1, Nq or 1, capacity)``: keys below each sequence's length, causal for the last ``Nq``."""
-    cols = torch.arange(capacity, device=seqlens.device)
-    lengths = seqlens.long()[:, None, None, None]
-    if not is_causal:
-        return cols < lengths
-    rows = torch.arange(n_q, device=seqlens.device)[None, None, :, None]
-    return (cols < lengths) & (cols <= rows + lengths - n_q)
+def _reference_decode(q, k_cache, v_cache, seqlens: Tensor, block_table, alpha, attn_mask, is_causal: bool,
+                      scale: float, return_stats: bool, window_size, alibi_slopes, sinks, softcap):
+    """The reference backend: each sequence's first ``cache_seqlens[b]`` keys (slots past them may hold anything)
+    through ``entmax_attention_reference``, so that the causal mask, the window and ALiBi take the decode
+    alignment (query ``i`` at key position ``i + cache_seqlens[b] - Nq``)."""
+    k, v = _gathered(k_cache, block_table), _gathered(v_cache, block_table)
+    if q.shape[0] == 0:
+        return entmax_attention_reference(q, k, v, alpha, enable_gqa=True, return_stats=return_stats)
+    mask = None if attn_mask is None else attn_mask.expand(*q.shape[:3], k.shape[2])
+    outs, stats = [], []
+    for b, length in enumerate(seqlens.tolist()):
+        slopes = alibi_slopes if alibi_slopes is None or alibi_slopes.dim() == 1 else alibi_slopes[b:b + 1]
+        out, st = entmax_attention_reference(
+            q[b:b + 1], k[b:b + 1, :, :length], v[b:b + 1, :, :length], alpha, scale=scale, is_causal=is_causal,
+            attn_mask=None if mask is None else mask[b:b + 1, ..., :length], enable_gqa=True, return_stats=True,
+            window_size=window_size, alibi_slopes=slopes, sinks=sinks, softcap=softcap)
+        outs.append(out)
+        stats.append(st)
+    out = torch.cat(outs)
+    if not return_stats:
+        return out
+    return out, AttentionStats(*(torch.cat([getattr(st, f) for st in stats]) for f in AttentionStats._fields))
 
 
 def entmax_decode(
@@ -193,6 +214,10 @@ def entmax_decode(
     num_splits: int | None = None,
     return_stats: bool = False,
     backend: str = "auto",
+    window_size: tuple[int, int] | None = None,
+    alibi_slopes: Tensor | None = None,
+    sinks: Tensor | None = None,
+    softcap: float | None = None,
 ):
     """Entmax attention of ``Nq <= 16`` new queries per sequence over a KV cache (one decoding step).
 
@@ -200,7 +225,10 @@ def entmax_decode(
     first ``cache_seqlens[b]`` keys of sequence ``b`` (the keys of the current queries included: append them to
     the cache first). The key range is split across GPU programs (split-K); the threshold of each row is
     found from all splits' partial statistics, and only key blocks that can hold a positive weight are read
-    again (docs/decode.md).
+    again (docs/decode.md). The attention variants of :func:`sparse_attn.entmax_attention` (a sliding window,
+    ALiBi, sinks, a soft cap, a value head dim ``Dv != D``) run on the kernels too; query ``i`` stands at key
+    position ``i + cache_seqlens[b] - Nq`` for the window and ALiBi distances, and with a window the splits
+    read only the window's key blocks.
 
     Args:
         q: ``(B, Hq, Nq, D)`` queries, any strides (a ``(B, Nq, Hq, D)`` tensor ``.transpose(1, 2)``).
@@ -209,7 +237,7 @@ def entmax_decode(
             (any strides: a flash-attn ``(B, Nk, Hk, D)`` cache ``.transpose(1, 2)``), or with ``block_table`` a
             page pool ``(num_pages, page_size, Hk, D)`` (flash-attn / vLLM layout, any page size).
             ``Hq % Hk == 0`` (grouped-query and multi-query attention need no flag); ``v_cache`` may have another
-            head dim on the reference backend only.
+            head dim ``Dv`` (16 to 256 on the triton backend).
         cache_seqlens: valid keys per sequence: int32 ``(B,)`` tensor on ``q``'s device, an int for every
             sequence, or None (the whole capacity). 0 gives zero outputs. Values outside ``[0, capacity]`` raise
             ``ValueError`` when checked (CPU tensors, or with :func:`sparse_attn.set_checks`); unchecked, they
@@ -232,6 +260,15 @@ def entmax_decode(
             ``tau`` and valid keys ``n_valid``, each ``(B, Hq, Nq)``), as ``entmax_attention`` does.
         backend: ``"auto"`` (triton for CUDA fp16/bf16/fp32 tensors with ``16 <= D <= 256``, the reference
             otherwise), ``"triton"`` or ``"reference"``.
+        window_size: ``(left, right)`` sliding window (``-1``: unbounded side): query ``i`` sees key ``j`` iff
+            ``-left <= j - (i + cache_seqlens[b] - Nq) <= right``; intersected with ``is_causal`` and the mask.
+            Default None.
+        alibi_slopes: float ``(Hq,)`` or ``(B, Hq)``: adds ``-slope * |i + cache_seqlens[b] - Nq - j|`` to the
+            (soft-capped) scores. Slopes that require grad raise on the triton backend. Default None.
+        sinks: float ``(Hq,)`` sink logits: one more virtual key per row, of that score (not scaled, capped or
+            masked) and zero value, in the normalization (``tau`` includes it; ``nnz`` and ``n_valid`` count real
+            keys). A NaN or ``+inf`` sink makes its head's rows NaN, ``-inf`` is no sink. Default None.
+        softcap: scores ``s`` become ``softcap * tanh(s / softcap)`` before masks and ALiBi. Default None (off).
 
     Returns:
         ``out`` ``(B, Hq, Nq, Dv)`` in the input dtype, or ``(out, stats)``. Rows with no key give zeros; a row
@@ -243,7 +280,10 @@ def entmax_decode(
     paged = block_table is not None
     seqlens = _seqlens(cache_seqlens, q, capacity, block_table, k_cache.shape[0], k_cache.shape[1] if paged else 1)
     bound = _max_seqlen(max_seqlen_k, seqlens, capacity)
-    backend = resolve_backend(backend, q, v_cache)
+    window_size, alibi_slopes, sinks, softcap = check_variants(q, q.shape[0], window_size, alibi_slopes, sinks,
+                                                               softcap)
+    backend = resolve_backend(backend, q, v_cache,
+                              unfused_variants(q, v_cache, window_size, alibi_slopes, sinks, softcap, "v_cache"))
     if backend == "triton" and q.shape[2] > MAX_DECODE_QUERIES:
         raise ValueError(f"q: the decode kernels take at most {MAX_DECODE_QUERIES} queries per sequence, got "
                          f"{q.shape[2]}; use sparse_attn.entmax_attention for longer query chunks")
@@ -260,33 +300,34 @@ def entmax_decode(
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
 
     if backend == "reference":
-        keep = _cache_mask(seqlens, q.shape[2], capacity, is_causal)
-        k, v = _gathered(k_cache, block_table, seqlens), _gathered(v_cache, block_table, seqlens)
-        return entmax_attention_reference(q, k, v, alpha, attn_mask=combine_masks(attn_mask, keep), scale=scale,
-                                          enable_gqa=True, return_stats=return_stats)
+        return _reference_decode(q, k_cache, v_cache, seqlens, block_table, alpha, attn_mask, is_causal, scale,
+                                 return_stats, window_size, alibi_slopes, sinks, softcap)
 
     out, tau, nnz, n_valid = _decode_op(q, k_cache, v_cache, seqlens, alpha_t, alpha_value, scale, block_table,
-                                        attn_mask, is_causal, bound, num_splits)
+                                        attn_mask, is_causal, bound, num_splits, _window_arg(window_size),
+                                        alibi_slopes, softcap, sinks)
     return (out, AttentionStats(nnz, tau, n_valid)) if return_stats else out
+
+
+def _window_arg(window_size) -> list[int] | None:
+    """``window_size`` as the custom op takes it (a list of ints, or None)."""
+    return None if window_size is None else [int(w) for w in window_size]
 
 
 def decode_unsupported(inputs: AttentionInputs) -> list[str]:
     """What keeps a fused-path call off the decode kernels, as phrases (empty: they can run it).
 
-    The decode kernels implement masks (boolean or float), bottom-right causal masking, GQA/MQA and per-head
-    alpha, forward only. The attention variants (:func:`sparse_attn.attn_inputs.unfused_variants`) are refused
-    on the fused path before any kernel is picked; they are listed here too, so that a variant the general
-    forward gains later is routed to it, never silently dropped by the decode kernels.
+    The decode kernels implement masks (boolean or float), bottom-right causal masking, GQA/MQA, per-head alpha and
+    every attention variant the fused path takes (sliding window, ALiBi, sinks, soft cap, ``Dv != D``), forward
+    only. What the fused path refuses (:func:`sparse_attn.attn_inputs.unfused_variants`: slopes that require
+    grad, value head dims outside [16, 256]) never reaches here.
     """
     why = []
     if inputs.cu_seqlens_q is not None:
         why.append("packed sequences (cu_seqlens)")
     if inputs.dropout_p > 0:
         why.append("dropout")
-    if (inputs.window_size is not None or inputs.alibi_slopes is not None or inputs.sinks is not None
-            or inputs.softcap is not None or inputs.v.shape[-1] != inputs.q.shape[-1]):
-        why.append("attention variants")
-    tensors = (inputs.q, inputs.k, inputs.v, inputs.alpha, inputs.mask)
+    tensors = (inputs.q, inputs.k, inputs.v, inputs.alpha, inputs.mask, inputs.sinks, inputs.alibi_slopes)
     if torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad for t in tensors):
         why.append("gradients (the decode kernels have no backward)")
     return why
@@ -305,10 +346,11 @@ def decode_fits(inputs: AttentionInputs) -> bool:
 
 def decode_attention(inputs: AttentionInputs, return_stats: bool = False):
     """Run prepared inputs for which :func:`decode_fits` holds on the decode kernels: ``k``, ``v`` are a contiguous
-    cache of ``Nk`` keys for every sequence. Returns ``out`` ``(B, Hq, Nq, D)`` or ``(out, AttentionStats)``."""
+    cache of ``Nk`` keys for every sequence. Returns ``out`` ``(B, Hq, Nq, Dv)`` or ``(out, AttentionStats)``."""
     q, k = inputs.q, inputs.k
     seqlens = torch.full((q.shape[0],), k.shape[2], dtype=torch.int32, device=q.device)
     out, tau, nnz, n_valid = _decode_op(q, k, inputs.v, seqlens, inputs.alpha.detach().float().contiguous(),
                                         inputs.alpha_value, inputs.scale, None, inputs.mask, inputs.is_causal,
-                                        k.shape[2], None)
+                                        k.shape[2], None, _window_arg(inputs.window_size), inputs.alibi_slopes,
+                                        inputs.softcap, inputs.sinks)
     return (out, AttentionStats(nnz, tau, n_valid)) if return_stats else out

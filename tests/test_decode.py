@@ -6,6 +6,7 @@ Errors follow GUIDE §4: ``err(kernel) <= 2 * err(reference in the kernel's dtyp
 Kernel outputs are allocated poisoned (``poison_uninitialized``), so a value the kernels fail to write shows up.
 """
 
+import functools
 import os
 import subprocess
 import sys
@@ -37,16 +38,17 @@ def _cache(gen, B, Hk, N, D, dtype, layout="bhnd", mult=1.0):
 
 
 def _page(k, v, seqlens, page_size, gen):
-    """Scatter contiguous ``(B, Hk, N, D)`` caches into a shuffled page pool ``(pages, page_size, Hk, D)`` with spare
-    pages; slots past each sequence hold NaN (never read). Returns ``(k_pool, v_pool, block_table)``."""
-    B, Hk, N, D = k.shape
+    """Scatter contiguous ``(B, Hk, N, D)`` / ``(B, Hk, N, Dv)`` caches into shuffled page pools ``(pages, page_size,
+    Hk, D or Dv)`` with spare pages; slots past each sequence hold NaN (never read). Returns ``(k_pool, v_pool,
+    block_table)``."""
+    B, Hk, N, _ = k.shape
     per_seq = -(-N // page_size)
     n_pages = B * per_seq + 3
     order = torch.randperm(n_pages, generator=gen)
     table = order[: B * per_seq].view(B, per_seq).to(torch.int32)
     pools = []
     for x in (k, v):
-        pool = torch.full((n_pages, page_size, Hk, D), float("nan"), dtype=x.dtype)
+        pool = torch.full((n_pages, page_size, Hk, x.shape[-1]), float("nan"), dtype=x.dtype)
         for b in range(B):
             for j in range(int(seqlens[b])):
                 pool[table[b, j // page_size], j % page_size] = x[b, :, j]
@@ -54,24 +56,49 @@ def _page(k, v, seqlens, page_size, gen):
     return pools[0], pools[1], table
 
 
-def _keep(seqlens, Nq, N, causal):
-    cols = torch.arange(N)
+def _offsets(seqlens, Nq, N):
+    """``d = j - (i + seqlens[b] - Nq)`` ``(B, 1, Nq, N)``: key ``j``'s offset from query ``i``'s own position."""
     lengths = torch.as_tensor(seqlens).long()[:, None, None, None]
-    keep = cols < lengths
+    return torch.arange(N) - (torch.arange(Nq)[None, None, :, None] + lengths - Nq)
+
+
+def _keep(seqlens, Nq, N, causal, window=None):
+    """Keep mask: the first ``seqlens[b]`` keys, causal (``d <= 0``) and within the window ``-left <= d <= right``."""
+    keep = torch.arange(N) < torch.as_tensor(seqlens).long()[:, None, None, None]
+    d = _offsets(seqlens, Nq, N)
     if causal:
-        keep = keep & (cols <= torch.arange(Nq)[None, None, :, None] + lengths - Nq)
+        keep = keep & (d <= 0)
+    if window is not None:
+        keep = keep & ((d >= -window[0]) | (window[0] < 0)) & ((d <= window[1]) | (window[1] < 0))
     return keep
 
 
-def _reference(q, k, v, alpha, seqlens, causal=False, mask=None, dtype=torch.float64):
-    """Reference on the contiguous cache in ``dtype`` (float64: the truth; else fp32 scores, output in ``dtype``)."""
-    keep = _keep(seqlens, q.shape[2], k.shape[2], causal)
-    if mask is not None:
-        keep = torch.where(keep, mask.double(), float("-inf")) if mask.is_floating_point() else keep & mask
-        keep = keep.to(dtype) if keep.is_floating_point() else keep
-    a = alpha.to(dtype if dtype == torch.float64 else torch.float32) if isinstance(alpha, torch.Tensor) else alpha
+def _oracle_mask(seqlens, Nq, N, causal=False, mask=None, window=None, slopes=None):
+    """The reference's ``attn_mask`` for a decode step: :func:`_keep`, the caller's mask and ALiBi's ``-slope * |d|``
+    (slopes ``(Hq,)`` or ``(B, Hq)``) as a float64 bias, or a boolean mask when there is no bias."""
+    keep = _keep(seqlens, Nq, N, causal, window)
+    bias = None
+    if slopes is not None:
+        bias = -slopes.double().view(-1 if slopes.dim() == 2 else 1, slopes.shape[-1], 1, 1) * _offsets(
+            seqlens, Nq, N).abs()
+    if mask is not None and mask.is_floating_point():
+        bias = mask.double() if bias is None else bias + mask.double()
+    elif mask is not None:
+        keep = keep & mask
+    return keep if bias is None else torch.where(keep, bias, float("-inf"))
+
+
+def _reference(q, k, v, alpha, seqlens, causal=False, mask=None, dtype=torch.float64, window=None, slopes=None,
+               sinks=None, softcap=None):
+    """Reference on the contiguous cache in ``dtype`` (float64: the truth; else fp32 scores, output in ``dtype``);
+    the window and ALiBi enter as the mask of :func:`_oracle_mask`, soft cap and sinks as themselves."""
+    keep = _oracle_mask(seqlens, q.shape[2], k.shape[2], causal, mask, window, slopes)
+    keep = keep.to(dtype) if keep.is_floating_point() else keep
+    lp = dtype if dtype == torch.float64 else torch.float32
+    a = alpha.to(lp) if isinstance(alpha, torch.Tensor) else alpha
     return entmax_attention_reference(q.to(dtype), k.to(dtype), v.to(dtype), a, attn_mask=keep, enable_gqa=True,
-                                      return_stats=True)
+                                      return_stats=True, sinks=None if sinks is None else sinks.to(lp),
+                                      softcap=softcap)
 
 
 def _max_err(a, b):
@@ -83,23 +110,32 @@ def _check(name, got, want64, ref_lp, dtype):
 
 
 def _run(B=2, Hq=4, Hk=2, Nq=1, N=40, D=16, alpha=1.5, seqlens=None, dtype=torch.float32, layout="bhnd",
-         page_size=None, causal=False, mask=None, num_splits=2, seed=0, mult=1.0, q_mult=1.0):
-    """Decode on the triton backend (interpreter on CPU) and check out, tau, nnz, n_valid against the reference."""
+         page_size=None, causal=False, mask=None, num_splits=2, seed=0, mult=1.0, q_mult=1.0, dv=None, **variants):
+    """Decode on the triton backend (interpreter on CPU) and check out, tau, nnz, n_valid against the reference.
+
+    ``variants``: ``window``, ``slopes``, ``sinks``, ``softcap`` (``entmax_decode``'s ``window_size``,
+    ``alibi_slopes``, ``sinks``, ``softcap``); each must change the float64 reference's output (no vacuous case).
+    """
     gen = torch.Generator().manual_seed(seed)
     seqlens = torch.tensor([N] * B if seqlens is None else seqlens, dtype=torch.int32)
     q = (torch.randn(B, Hq, Nq, D, generator=gen, dtype=torch.float64) * q_mult * mult).to(dtype)
     k = _cache(gen, B, Hk, N, D, dtype, layout, mult)
-    v = _cache(gen, B, Hk, N, D, dtype, layout)
+    v = _cache(gen, B, Hk, N, dv or D, dtype, layout)
     alpha_t = torch.tensor(alpha, dtype=torch.float32) if isinstance(alpha, list) else alpha
     if page_size is None:
         kc, vc, table = k, v, None
     else:
         kc, vc, table = _page(k, v, seqlens, page_size, gen)
+    names = dict(window="window_size", slopes="alibi_slopes", sinks="sinks", softcap="softcap")
     out, st = entmax_decode(q, kc, vc, seqlens, alpha_t, block_table=table, attn_mask=mask, is_causal=causal,
-                            num_splits=num_splits, return_stats=True, backend="triton")
-    out64, st64 = _reference(q, k, v, alpha_t, seqlens, causal, mask)
-    out_lp, st_lp = _reference(q, k, v, alpha_t, seqlens, causal, mask, dtype=dtype)
-    assert isinstance(st, AttentionStats) and out.shape == q.shape and out.dtype == dtype
+                            num_splits=num_splits, return_stats=True, backend="triton",
+                            **{names[n]: x for n, x in variants.items()})
+    out64, st64 = _reference(q, k, v, alpha_t, seqlens, causal, mask, **variants)
+    out_lp, st_lp = _reference(q, k, v, alpha_t, seqlens, causal, mask, dtype=dtype, **variants)
+    for name in variants:
+        without = _reference(q, k, v, alpha_t, seqlens, causal, mask, **dict(variants, **{name: None}))[0]
+        assert _max_err(without, out64) > 1e-3, f"{name} does not change this case"
+    assert isinstance(st, AttentionStats) and out.shape == (*q.shape[:3], dv or D) and out.dtype == dtype
     assert not torch.isnan(out).any()
     _check("out", out, out64, out_lp, dtype)
     assert torch.equal(st.n_valid, st64.n_valid)
@@ -115,12 +151,10 @@ def _run(B=2, Hq=4, Hk=2, Nq=1, N=40, D=16, alpha=1.5, seqlens=None, dtype=torch
     # the support away from ties: keys clearly above tau are in, clearly below are out
     kk = k.double().repeat_interleave(Hq // Hk, 1)
     s = (q.double() @ kk.transpose(-1, -2)) * D ** -0.5
-    keep = _keep(seqlens, Nq, N, causal)
-    if mask is not None and mask.is_floating_point():
-        s = s + mask.double()
-    elif mask is not None:
-        keep = keep & mask
-    s = s.masked_fill(~keep, float("-inf"))
+    if variants.get("softcap") is not None:
+        s = variants["softcap"] * torch.tanh(s / variants["softcap"])
+    bias = _oracle_mask(seqlens, Nq, N, causal, mask, variants.get("window"), variants.get("slopes"))
+    s = s + bias if bias.is_floating_point() else s.masked_fill(~bias, float("-inf"))
     gap = (a.view(1, -1, 1, 1) - 1) * s - st64.tau[..., None]
     lo, hi = (gap > TIE_MARGIN[dtype]).sum(-1), (gap > -TIE_MARGIN[dtype]).sum(-1)
     ent = ~soft & valid
@@ -149,6 +183,90 @@ def test_matches_reference(case):
 @pytest.mark.parametrize("dtype,alpha", [(torch.float16, MIXED), (torch.bfloat16, 1.5)], ids=["fp16-mixed", "bf16"])
 def test_half_precision(dtype, alpha):
     _run(Hq=4, Hk=2, Nq=2, N=37, D=32, alpha=alpha, dtype=dtype, seqlens=[37, 21], page_size=8, causal=True)
+
+
+SLOPES = torch.tensor([0.5, 0.25, 0.125, 0.0625])
+VARIANT_CASES = {
+    "window-gqa-paged-ragged": dict(alpha=1.5, B=3, N=100, seqlens=[100, 0, 13], page_size=16, num_splits=3,
+                                    window=(20, 0)),
+    "window-right-mqa-nq3-mixed": dict(alpha=MIXED, Hk=1, Nq=3, N=70, seqlens=[70, 9], window=(25, 1)),
+    "window-causal-nq4-softmax": dict(alpha=1.0, Nq=4, causal=True, N=64, seqlens=[64, 30], window=(12, -1)),
+    "softcap-mixed-paged": dict(alpha=MIXED, N=40, seqlens=[40, 17], page_size=7, softcap=1.0, mult=2.0),
+    "alibi-per-head-causal": dict(alpha=[1.0, 1.25, 2.0, 1.5], Nq=2, causal=True, N=48, seqlens=[48, 20],
+                                  slopes=SLOPES),
+    "alibi-per-batch-general": dict(alpha=1.25, N=40, seqlens=[40, 31],
+                                    slopes=torch.stack([SLOPES, SLOPES.flip(0)])),
+    "sinks-mixed-empty": dict(alpha=MIXED, Hk=1, N=40, seqlens=[40, 0], sinks=torch.tensor([1.0, 2.5, 0.5, 1.5])),
+    "sinks-dominant-entmax15": dict(alpha=1.5, Nq=2, causal=True, N=33, sinks=torch.tensor([3.0, 4.0, 2.0, 3.5])),
+    "dv-mixed-paged": dict(alpha=MIXED, dv=32, page_size=8, N=45, seqlens=[45, 20]),
+    "all-mixed-gqa4": dict(alpha=MIXED * 2, B=3, Hq=8, Hk=2, Nq=2, causal=True, N=120, seqlens=[120, 0, 25], D=32,
+                           dv=16, page_size=16, num_splits=3, window=(30, 0), softcap=2.0, mult=1.5,
+                           slopes=torch.cat([SLOPES, SLOPES]).view(1, 8).expand(3, 8) * torch.tensor([[1.0], [2.0],
+                                                                                                      [0.5]]),
+                           sinks=torch.linspace(-1.0, 2.5, 8)),
+}
+
+
+@pytest.mark.parametrize("name", list(VARIANT_CASES))
+def test_variants_match_reference(name):
+    """Sliding window (the decode alignment: query ``i`` at key position ``i + cache_seqlens[b] - Nq``), soft cap,
+    ALiBi, sinks and ``Dv != D`` on the decode kernels, each alone and all at once, against the float64 reference:
+    outputs, thresholds, valid-key counts and supports; sequences of 0 keys and shorter than the window."""
+    _run(**VARIANT_CASES[name])
+
+
+@pytest.mark.parametrize("dtype,alpha", [(torch.float16, MIXED), (torch.bfloat16, 1.5)], ids=["fp16-mixed", "bf16"])
+def test_variants_half_precision(dtype, alpha):
+    """Every variant at once in half precision, within twice the error of the reference in that dtype."""
+    _run(Hq=4, Hk=2, Nq=2, N=60, D=16, dv=32, alpha=alpha, dtype=dtype, seqlens=[60, 14], page_size=8, causal=True,
+         window=(24, 0), softcap=2.0, slopes=SLOPES / 8, sinks=torch.tensor([0.5, 2.0, -1.0, 1.0]), mult=1.5)
+
+
+@pytest.mark.parametrize("alpha", [1.0, 1.5])
+def test_window_blocks_outside_are_never_read(alpha):
+    """A sliding window over a 200-key cache in 16-key blocks: keys and values no query's window holds are NaN, and
+    the output stays finite and right (a block outside the window, if read, would turn softmax rows NaN through
+    ``0 * NaN`` in ``P V``); the score pass reads exactly the window's blocks, split 0 starting at its first."""
+    gen = torch.Generator().manual_seed(21)
+    B, Hq, Hk, Nq, N, D, window = 2, 4, 2, 2, 200, 16, (40, 0)
+    seqlens = torch.tensor([200, 150], dtype=torch.int32)
+    q = torch.randn(B, Hq, Nq, D, generator=gen)
+    k, v = _cache(gen, B, Hk, N, D, torch.float32), _cache(gen, B, Hk, N, D, torch.float32)
+    first = (seqlens - Nq - window[0]) // 16  # the block of each sequence's first key in a window
+    # keys outside every window; values of the blocks before the first (a block's rows go through P V together)
+    k_nan = k.masked_fill(~_keep(seqlens, Nq, N, True, window).any(2)[..., None], float("nan"))
+    v_nan = v.masked_fill((torch.arange(N) < 16 * first.view(B, 1, 1))[..., None], float("nan"))
+    res = entmax_decode_fwd(q, k_nan, v_nan, seqlens, alpha, D ** -0.5, is_causal=True, window_size=window,
+                            num_splits=2)
+    out64, _ = _reference(q, k, v, alpha, seqlens, True, window=window)
+    out_lp, _ = _reference(q, k, v, alpha, seqlens, True, dtype=torch.float32, window=window)
+    assert not torch.isnan(res.out).any()
+    _check("out", res.out, out64, out_lp, torch.float32)
+    assert torch.equal(res.blocks_read[..., 0].sum(dim=(0, 3, 4)), (-(-seqlens // 16) - first).view(B, 1).expand(B, Hk))
+    full = entmax_decode_fwd(q, k, v, seqlens, alpha, D ** -0.5, is_causal=True, num_splits=2)
+    assert (full.blocks_read[..., 0].sum(dim=(0, 3, 4)) > res.blocks_read[..., 0].sum(dim=(0, 3, 4))).all()
+
+
+def test_sinks_minus_inf_is_off_and_nan_poisons_its_head():
+    """As the fused forward: a ``-inf`` sink is no sink (bitwise); a NaN or ``+inf`` sink makes its head's rows NaN
+    (``tau`` NaN, ``nnz`` 0), an empty cache's rows included, and leaves the other heads as they were."""
+    gen = torch.Generator().manual_seed(22)
+    q = torch.randn(2, 4, 1, 16, generator=gen)
+    k, v = _cache(gen, 2, 2, 40, 16, torch.float32), _cache(gen, 2, 2, 40, 16, torch.float32)
+    seqlens = torch.tensor([40, 0], dtype=torch.int32)
+    alpha = torch.tensor(MIXED)
+    run = functools.partial(entmax_decode, q, k, v, seqlens, alpha, num_splits=2, return_stats=True,
+                            backend="triton")
+    base, st0 = run()
+    off, st = run(sinks=torch.full((4,), float("-inf")))
+    assert torch.equal(off, base) and torch.equal(st.tau, st0.tau) and torch.equal(st.nnz, st0.nnz)
+    for poison, head in ((float("nan"), 1), (float("inf"), 0), (float("nan"), 3), (float("inf"), 2)):
+        sinks = torch.zeros(4)
+        sinks[head] = poison
+        out, st = run(sinks=sinks)
+        others = [h for h in range(4) if h != head]
+        assert out[:, head].isnan().all() and st.tau[:, head].isnan().all() and (st.nnz[:, head] == 0).all()
+        assert not out[:, others].isnan().any() and not st.tau[:, others].isnan().any()
 
 
 @pytest.mark.parametrize("num_splits", [1, 2, 3, 7, 16])
@@ -320,15 +438,24 @@ def test_mixed_launches_equal_single_class_launches():
 
 
 def test_reference_backend_gathers_pages():
-    """backend="reference" (CPU "auto") on a paged cache equals the contiguous float64 reference."""
+    """backend="reference" (CPU "auto") on a paged cache equals the contiguous float64 reference, with every variant
+    too (each sequence aligned on its own length, ``Dv != D``, an empty cache)."""
     gen = torch.Generator().manual_seed(9)
-    q = torch.randn(2, 4, 2, 16, generator=gen, dtype=torch.float64)
-    k, v = _cache(gen, 2, 2, 30, 16, torch.float64), _cache(gen, 2, 2, 30, 16, torch.float64)
-    seqlens = torch.tensor([30, 11], dtype=torch.int32)
+    q = torch.randn(3, 4, 2, 16, generator=gen, dtype=torch.float64)
+    k, v = _cache(gen, 3, 2, 30, 16, torch.float64), _cache(gen, 3, 2, 30, 8, torch.float64)
+    seqlens = torch.tensor([30, 11, 0], dtype=torch.int32)
     kp, vp, table = _page(k, v, seqlens, 4, gen)
     out, st = entmax_decode(q, kp, vp, seqlens, 1.5, block_table=table, is_causal=True, return_stats=True)
     out64, st64 = _reference(q, k, v, 1.5, seqlens, causal=True)
     assert torch.allclose(out, out64, atol=1e-12) and torch.equal(st.nnz, st64.nnz)
+    variants = dict(window=(6, 0), slopes=torch.rand(3, 4, generator=gen, dtype=torch.float64), softcap=2.0,
+                    sinks=torch.randn(4, generator=gen, dtype=torch.float64))
+    alpha = torch.tensor(MIXED, dtype=torch.float64)
+    out, st = entmax_decode(q, kp, vp, seqlens, alpha, block_table=table, is_causal=True, return_stats=True,
+                            window_size=(6, 0), alibi_slopes=variants["slopes"], softcap=2.0, sinks=variants["sinks"])
+    out64, st64 = _reference(q, k, v, alpha, seqlens, causal=True, **variants)
+    assert torch.allclose(out, out64, atol=1e-12) and torch.allclose(st.tau, st64.tau, atol=1e-12)
+    assert torch.equal(st.nnz, st64.nnz) and torch.equal(st.n_valid, st64.n_valid)
 
 
 def _bad_call(**overrides):
@@ -366,6 +493,16 @@ def _bad_call(**overrides):
         (dict(scale=float("nan")), ValueError, "scale"),
         (dict(is_causal=1), TypeError, "is_causal"),
         (dict(backend="cuda"), ValueError, "backend"),
+        (dict(window_size=(-2, 0)), ValueError, "window_size"),
+        (dict(window_size=4), TypeError, "window_size"),
+        (dict(alibi_slopes=torch.ones(3)), ValueError, r"alibi_slopes must have shape \(4,\) or \(batch, heads\)"),
+        (dict(alibi_slopes=torch.ones(4, dtype=torch.int32)), TypeError, "alibi_slopes"),
+        (dict(sinks=torch.ones(2, 4)), ValueError, "sinks"),
+        (dict(softcap=-1.0), ValueError, "softcap"),
+        (dict(softcap="1"), TypeError, "softcap"),
+        (dict(alibi_slopes=torch.ones(4, requires_grad=True), backend="triton"), ValueError,
+         "alibi_slopes that require grad"),
+        (dict(v_cache=torch.randn(2, 2, 10, 8), backend="triton"), ValueError, "v_cache of head_dim 8"),
     ],
 )
 def test_bad_arguments(overrides, exc, match):
@@ -373,12 +510,15 @@ def test_bad_arguments(overrides, exc, match):
         _bad_call(**overrides)
 
 
-def _spy_decode(monkeypatch) -> list:
-    """Record every launch chain of the decode kernels (``entmax_decode_fwd``) as the number of queries per sequence."""
+def _spy_decode(monkeypatch, variants: list | None = None) -> list:
+    """Record every launch chain of the decode kernels (``entmax_decode_fwd``) as the number of queries per sequence
+    (and, into ``variants``, its ``window_size``, ``alibi_slopes``, ``sinks`` and ``softcap`` arguments)."""
     calls, real = [], decode_kernels.entmax_decode_fwd
 
     def spy(q, *args, **kwargs):
         calls.append(q.shape[2])
+        if variants is not None:
+            variants.append({n: kwargs.get(n) for n in ("window_size", "alibi_slopes", "sinks", "softcap")})
         return real(q, *args, **kwargs)
 
     monkeypatch.setattr(decode_kernels, "entmax_decode_fwd", spy)
@@ -386,19 +526,23 @@ def _spy_decode(monkeypatch) -> list:
 
 
 @pytest.mark.parametrize(
-    "alpha,n_q,causal,mask_kind",
-    [(MIXED, 1, False, "padding"), (1.5, 16, True, "float")],
-    ids=["mixed-padding-nq1", "entmax15-causal-float-nq16"],
+    "alpha,n_q,causal,mask_kind,variants",
+    [(MIXED, 1, False, "padding", {}), (1.5, 16, True, "float", {}),
+     (MIXED, 3, True, "padding", dict(window_size=(20, 0), softcap=2.0, alibi_slopes=SLOPES / 4,
+                                     sinks=torch.tensor([1.0, -0.5, 2.0, 0.5]), dv=32))],
+    ids=["mixed-padding-nq1", "entmax15-causal-float-nq16", "mixed-all-variants-nq3"],
 )
-def test_entmax_attention_runs_decoding_steps_on_the_decode_kernels(monkeypatch, alpha, n_q, causal, mask_kind):
+def test_entmax_attention_runs_decoding_steps_on_the_decode_kernels(monkeypatch, alpha, n_q, causal, mask_kind,
+                                                                    variants):
     """``entmax_attention`` on the fused path with Nq <= 16 queries against a longer cache (GQA, per-head alpha,
-    left padding or a float bias with -inf, bottom-right causal) takes the decode kernels, once, and matches the
-    float64 reference, statistics included."""
+    left padding or a float bias with -inf, bottom-right causal; a sliding window, soft cap, ALiBi, sinks and
+    ``Dv != D``) takes the decode kernels, once, and matches the float64 reference, statistics included."""
     calls = _spy_decode(monkeypatch)
     gen = torch.Generator().manual_seed(12)
     B, Hq, Hk, N, D = 2, 4, 2, 45, 16
+    variants = dict(variants)
     q = torch.randn(B, Hq, n_q, D, generator=gen)
-    k, v = _cache(gen, B, Hk, N, D, torch.float32), _cache(gen, B, Hk, N, D, torch.float32)
+    k, v = _cache(gen, B, Hk, N, D, torch.float32), _cache(gen, B, Hk, N, variants.pop("dv", D), torch.float32)
     mask = None
     if mask_kind == "padding":
         mask = torch.ones(B, 1, 1, N, dtype=torch.bool)
@@ -407,13 +551,13 @@ def test_entmax_attention_runs_decoding_steps_on_the_decode_kernels(monkeypatch,
         mask = torch.randn(1, Hq, n_q, N, generator=gen).masked_fill(torch.rand(1, 1, 1, N, generator=gen) < 0.2,
                                                                     float("-inf"))
     a = torch.tensor(alpha) if isinstance(alpha, list) else alpha
-    out, st = entmax_attention(q, k, v, a, attn_mask=mask, is_causal=causal, enable_gqa=True, return_stats=True,
-                               backend="triton")
+    kw = dict(is_causal=causal, enable_gqa=True, return_stats=True, attn_mask=mask, **variants)
+    out, st = entmax_attention(q, k, v, a, backend="triton", **kw)
     assert calls == [n_q]
-    kw = dict(is_causal=causal, enable_gqa=True, return_stats=True)
     a64 = a.double() if isinstance(a, torch.Tensor) else a
-    out64, st64 = entmax_attention_reference(q.double(), k.double(), v.double(), a64, attn_mask=mask, **kw)
-    out32, st32 = entmax_attention_reference(q, k, v, a, attn_mask=mask, **kw)
+    kw64 = {n: x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x for n, x in kw.items()}
+    out64, st64 = entmax_attention_reference(q.double(), k.double(), v.double(), a64, **kw64)
+    out32, st32 = entmax_attention_reference(q, k, v, a, **kw)
     _check("out", out, out64, out32, torch.float32)
     _check("tau", st.tau, st64.tau, st32.tau, torch.float32)
     assert torch.equal(st.n_valid, st64.n_valid) and st.nnz.shape == st64.nnz.shape
@@ -421,8 +565,8 @@ def test_entmax_attention_runs_decoding_steps_on_the_decode_kernels(monkeypatch,
 
 def test_decode_path_rules():
     """Which fused-path calls run on the decode kernels: 1..16 queries against more keys, nothing needing a
-    gradient, no dropout, no packed sequences, no attention variant; the variants are refused on the fused path
-    before any kernel is picked (never silently dropped)."""
+    gradient (sinks included), no dropout, no packed sequences; every attention variant the fused path takes runs
+    there; what it refuses (slopes requiring grad, value head dims outside [16, 256]) raises before any kernel."""
     gen = torch.Generator().manual_seed(13)
     q, k, v = (torch.randn(2, 4, n, 16, generator=gen) for n in (1, 20, 20))
 
@@ -441,18 +585,16 @@ def test_decode_path_rules():
                   cu_seqlens_q=torch.tensor([0, 1, 2], dtype=torch.int32),
                   cu_seqlens_k=torch.tensor([0, 3, 6], dtype=torch.int32))
     assert not fits(**packed)
-    inputs = prepare_attention(q, k, v, 1.5, backend="triton")
     for variant in (dict(window_size=(4, 0)), dict(softcap=5.0), dict(sinks=torch.zeros(4)),
-                    dict(alibi_slopes=torch.ones(4)), dict(v=v[..., :8])):
-        assert "attention variants" in decode_unsupported(inputs._replace(**variant))
-    # the general fused forward runs the variants the kernels have; the others are refused loudly
-    for variant in (dict(window_size=(4, 0)), dict(softcap=5.0), dict(alibi_slopes=torch.rand(4, generator=gen)),
-                    dict(sinks=torch.randn(4, generator=gen))):
-        out = entmax_attention(q, k, v, 1.5, backend="triton", **variant)
-        ref = entmax_attention(q.double(), k.double(), v.double(), 1.5, backend="reference", **variant)
-        torch.testing.assert_close(out.double(), ref, atol=EPS[torch.float32], rtol=0)
+                    dict(alibi_slopes=torch.ones(4)), dict(v=torch.randn(2, 4, 20, 32, generator=gen))):
+        assert fits(**variant)
+    sinks = torch.zeros(4, requires_grad=True)
+    assert decode_unsupported(prepare_attention(q, k, v, 1.5, backend="triton", sinks=sinks)) == [
+        "gradients (the decode kernels have no backward)"]
     with pytest.raises(ValueError, match="not supported by the fused Triton kernels"):
         entmax_attention(q, k, v[..., :8], 1.5, backend="triton")
+    with pytest.raises(ValueError, match="alibi_slopes that require grad"):
+        entmax_attention(q, k, v, 1.5, backend="triton", alibi_slopes=torch.ones(4, requires_grad=True))
 
 
 def test_training_calls_take_the_general_forward(monkeypatch):
@@ -487,36 +629,55 @@ def test_decode_step_compiles_fullgraph(monkeypatch):
     assert calls == [1, 1] and torch.equal(compiled, eager)
 
 
-def test_hf_generate_takes_the_decode_path_and_records_stats(monkeypatch):
-    """A tiny Llama (GQA, left padding, per-head alpha) with ``attn_implementation="entmax"`` on the fused backend:
-    every ``generate()`` step after the prompt runs the decode kernels, the logits of each step match a recomputation
-    of the whole sequence on the float64-capable reference, and ``record_head_stats(history=True)`` holds one
-    density per step, layer and head."""
-    pytest.importorskip("transformers")
-    from transformers import LlamaConfig, LlamaForCausalLM
+HF_DECODERS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(num_hidden_layers=1)),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
+        num_hidden_layers=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"])),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
+        num_hidden_layers=2, head_dim=16, sliding_window=4, attn_logit_softcapping=5.0, final_logit_softcapping=None)),
+}
+
+
+@pytest.mark.parametrize("arch", list(HF_DECODERS))
+def test_hf_generate_takes_the_decode_path_and_records_stats(monkeypatch, arch):
+    """Tiny Llama, gpt-oss (sinks, a sliding window of 4 on one layer) and Gemma-2 (soft cap, sliding window)
+    models (GQA, left padding, per-head alpha) with ``attn_implementation="entmax"`` on the fused backend: every
+    ``generate()`` step after the prompt runs the decode kernels, with the model's variants, past the window; the
+    logits of each step match a recomputation of the whole sequence on the float64-capable reference, and
+    ``record_head_stats(history=True)`` holds one density per step, layer and head."""
+    transformers = pytest.importorskip("transformers")
 
     import sparse_attn.integrations.hf as entmax_hf
 
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64, pad_token_id=0,
-                         bos_token_id=1, eos_token_id=2)
+    config_name, model_name, extra = HF_DECODERS[arch]
+    config = getattr(transformers, config_name)(
+        vocab_size=64, hidden_size=32, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1,
+        max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2, **extra)
     torch.manual_seed(0)
-    model = LlamaForCausalLM._from_config(config, attn_implementation="entmax").eval()
+    model = getattr(transformers, model_name)._from_config(config, attn_implementation="entmax").eval()
     for name, p in model.named_parameters():
         if "q_proj" in name or "k_proj" in name:
             torch.nn.init.normal_(p, std=0.5)  # sharper scores: sparse weights
+        if name.endswith("sinks"):
+            torch.nn.init.normal_(p, std=2.0)
     entmax_hf.attach_entmax_alpha(model, alpha=[1.5, 2.0], learnable=False)
     model.config.entmax_backend = "triton"
     gen = torch.Generator().manual_seed(3)
     ids = torch.randint(3, 64, (2, 7), generator=gen)
     mask = torch.ones(2, 7, dtype=torch.long)
     ids[1, :2], mask[1, :2] = 0, 0
-    calls = _spy_decode(monkeypatch)
+    variants = []
+    calls = _spy_decode(monkeypatch, variants)
     new = 3
     with torch.no_grad(), record_head_stats(model, history=True) as rec:
         res = model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
                              output_logits=True, return_dict_in_generate=True)
     assert calls == [1] * (new - 1) * config.num_hidden_layers
+    if arch != "llama":
+        assert [3, 0] in [kw["window_size"] for kw in variants]  # the sliding layers' window reaches the kernels
+        assert all((kw["sinks"] is not None) == (arch == "gpt_oss") for kw in variants)
+        assert all((kw["softcap"] is not None) == (arch == "gemma2") for kw in variants)
     hist = rec.density_history()
     assert hist.shape == (new, config.num_hidden_layers, 2)
     assert ((hist > 0) & (hist <= 1)).all() and (hist[1:] < 1).any()
