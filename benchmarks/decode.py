@@ -139,11 +139,13 @@ SM90_CLASSES = {"softmax": 1.0, "sparsemax": 2.0, "entmax15": 1.5, "general": 1.
 
 
 def sm90_builds(head_dim: int, alpha_class: str, paged: bool = True, mask: str | None = None, causal: bool = False,
-                dtype=torch.bfloat16, batch: int = 4, n: int = 4096, heads: int = 32, kv_heads: int = 8):
+                dtype=torch.bfloat16, batch: int = 4, n: int = 4096, heads: int = 32, kv_heads: int = 8,
+                variants: bool = False):
     """Build every kernel one decode step launches (each split-kernel phase of each alpha class, the combine) for
     sm_90 as the launcher launches it (``benchmarks/sm90_build.py``); one analysis dict per distinct kernel.
 
-    ``mask``: None, ``"float"`` (an additive ``(B, 1, 1, Nk)`` bias) or ``"bool"`` (a keep mask).
+    ``mask``: None, ``"float"`` (an additive ``(B, 1, 1, Nk)`` bias) or ``"bool"`` (a keep mask). ``variants``:
+    every attention variant at once (a ``(1024, 0)`` window, ALiBi, a soft cap, sinks, ``Dv = head_dim / 2``).
     """
     from sm90_build import analyse, captured_launches, compile_like_launch
 
@@ -154,15 +156,18 @@ def sm90_builds(head_dim: int, alpha_class: str, paged: bool = True, mask: str |
     else:
         k, table = torch.empty(batch, kv_heads, n, head_dim, dtype=dtype), None
     bias = None if mask is None else torch.empty(batch, 1, 1, n, dtype=torch.bool if mask == "bool" else dtype)
+    v = torch.empty(*k.shape[:-1], max(16, head_dim // 2) if variants else head_dim, dtype=dtype)
+    extra = dict(window_size=(1024, 0), alibi_slopes=torch.full((heads,), 0.05), softcap=30.0,
+                 sinks=torch.zeros(heads)) if variants else {}
     value = SM90_CLASSES[alpha_class]
     alpha = torch.tensor([1.0, 1.5, 2.0, 1.25] * (heads // 4)) if value is None else value
     combine = []
 
     def launch():
         kernel, launches = captured_launches(
-            dec, "_entmax_decode_combine_kernel", dec.entmax_decode_fwd, q, k, torch.empty_like(k),
+            dec, "_entmax_decode_combine_kernel", dec.entmax_decode_fwd, q, k, v,
             torch.full((batch,), n, dtype=torch.int32), alpha, head_dim ** -0.5, block_table=table, bias=bias,
-            is_causal=causal, num_splits=8, alpha_class=alpha_class)
+            is_causal=causal, num_splits=8, alpha_class=alpha_class, **extra)
         combine.extend((kernel, g, a, kw) for g, a, kw in launches)
 
     split_kernel, launches = captured_launches(dec, "_entmax_decode_split_kernel", launch)
@@ -199,6 +204,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.sm90_check:
         sm90_builds(128, "mixed", paged=True, mask="float", causal=True)
+        sm90_builds(128, "mixed", paged=True, mask="bool", causal=True, variants=True)
         print("built")
         return 0
     if args.sm90:
