@@ -460,38 +460,33 @@ def _check_alpha_arg(alpha) -> None:
         check_real("alpha", alpha, 0.0, True)
 
 
-class Sparsemax(nn.Module):
+class _TopKMapping(nn.Module):
+    """Module form of a sort-based mapping ``fn(X, dim, k)`` (:func:`sparsemax`, :func:`entmax15`)."""
+
+    def __init__(self, dim: int = -1, k: int | None = None):
+        super().__init__()
+        check_int("dim", dim)
+        check_positive_int("k", k, allow_none=True)
+        self.dim = dim
+        self.k = k
+
+    def forward(self, X: torch.Tensor) -> torch.Tensor:
+        return type(self).fn(X, dim=self.dim, k=self.k)
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, k={self.k}"
+
+
+class Sparsemax(_TopKMapping):
     """Module form of :func:`sparsemax` (``dim=-1``, ``k=None``)."""
 
-    def __init__(self, dim: int = -1, k: int | None = None):
-        super().__init__()
-        check_int("dim", dim)
-        check_positive_int("k", k, allow_none=True)
-        self.dim = dim
-        self.k = k
-
-    def forward(self, X: torch.Tensor) -> torch.Tensor:
-        return sparsemax(X, dim=self.dim, k=self.k)
-
-    def extra_repr(self) -> str:
-        return f"dim={self.dim}, k={self.k}"
+    fn = staticmethod(sparsemax)
 
 
-class Entmax15(nn.Module):
+class Entmax15(_TopKMapping):
     """Module form of :func:`entmax15` (``dim=-1``, ``k=None``)."""
 
-    def __init__(self, dim: int = -1, k: int | None = None):
-        super().__init__()
-        check_int("dim", dim)
-        check_positive_int("k", k, allow_none=True)
-        self.dim = dim
-        self.k = k
-
-    def forward(self, X: torch.Tensor) -> torch.Tensor:
-        return entmax15(X, dim=self.dim, k=self.k)
-
-    def extra_repr(self) -> str:
-        return f"dim={self.dim}, k={self.k}"
+    fn = staticmethod(entmax15)
 
 
 class EntmaxBisect(nn.Module):
