@@ -65,6 +65,24 @@ def _u_weights(z, t, p, POW: tl.constexpr):
 
 
 @triton.jit
+def _grid_start(BLOCK_M: tl.constexpr, GRID_K: tl.constexpr):
+    """The grid pass before its first tile: the grid step ``w_grid``, the ring's slot numbers ``slot [GRID_K]``, and
+    the accumulators of ``_grid_tile`` with no key yet: ``(w_grid, slot, m, j_top, n_valid, bad, F, G, C, L)``
+    (``[BLOCK_M]`` and ``[BLOCK_M, GRID_K]``; ``n_valid``, ``bad`` int32 counts / flags)."""
+    w_grid = 1.0 / (GRID_K - 1)
+    slot = tl.arange(0, GRID_K).to(tl.float32)
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    j_top = tl.full([BLOCK_M], -1e30, tl.float32)  # grid index of the running max (-1e30: no key yet)
+    n_valid = tl.zeros([BLOCK_M], tl.int32)
+    bad = tl.zeros([BLOCK_M], tl.int32)
+    F = tl.zeros([BLOCK_M, GRID_K], tl.float32)
+    G = tl.zeros([BLOCK_M, GRID_K], tl.float32)
+    C = tl.zeros([BLOCK_M, GRID_K], tl.float32)
+    L = tl.full([BLOCK_M, GRID_K], -99.65784284662087, tl.float32)  # POW 0: log2 of the max key's base (1e-30)
+    return w_grid, slot, m, j_top, n_valid, bad, F, G, C, L
+
+
+@triton.jit
 def _grid_tile(z, m, j_top, F, G, C, L, slot, w_grid, shift, beta, bm1, POW: tl.constexpr, GRID_K: tl.constexpr):
     """One score tile ``z [BLOCK_M, BLOCK_N]`` of the grid pass: the running max ``m`` and its grid index ``j_top``
     (``[BLOCK_M]``), and the sums ``F``, ``G``, ``C`` (and POW 0's reference logs ``L``) at the ``GRID_K`` ring
@@ -226,18 +244,9 @@ def entmax_rows(q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, k
         shift = 1.0
     else:
         shift = 0.0
-    w_grid = 1.0 / (GRID_K - 1)
-    slot = tl.arange(0, GRID_K).to(tl.float32)
 
     # ---- pass 1: max, valid keys, NaN/+inf rows, and f, g, c at GRID_K absolute points below the running max
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    j_top = tl.full([BLOCK_M], -1e30, tl.float32)  # grid index of the running max (-1e30: no key yet)
-    n_valid = tl.zeros([BLOCK_M], tl.int32)
-    bad = tl.zeros([BLOCK_M], tl.int32)
-    F = tl.zeros([BLOCK_M, GRID_K], tl.float32)
-    G = tl.zeros([BLOCK_M, GRID_K], tl.float32)
-    C = tl.zeros([BLOCK_M, GRID_K], tl.float32)
-    L = tl.full([BLOCK_M, GRID_K], -99.65784284662087, tl.float32)  # POW 0: log2 of the max key's base (1e-30)
+    w_grid, slot, m, j_top, n_valid, bad, F, G, C, L = _grid_start(BLOCK_M, GRID_K)
     word = tl.zeros([], tl.int32)
     z_sink = am1 * sink
     sink_bad = (z_sink != z_sink) | (z_sink == float("inf"))
