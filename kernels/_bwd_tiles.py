@@ -7,7 +7,7 @@ Derivations in docs/backward.md.
 import triton
 import triton.language as tl
 
-from ._common import LN2, LOG2E, alpha_class_id, dropout_keep, expm1mx_series, load_rows, log2_1p
+from ._common import LN2, LOG2E, alpha_class_id, dropout_keep, expm1mx_series, load_rows, log2_1p, slice_base
 from ._masking import bit_rank, mask_scores, soft_cap, tile_indices
 
 
@@ -150,6 +150,28 @@ def _column_tile_bits(live_col, c, kt, qt_lo, qt_hi, stride_live_m, HAS_LIVE: tl
         bits = bits & (words >> (kt % 32))
     rank, n_set = bit_rank(bits)
     return bits, rank, n_set
+
+
+@triton.jit
+def _tile_rows(X, Y, b, h, start, seqlen, tile, stride_xb, stride_xh, stride_xn, stride_xd, stride_yb, stride_yh,
+               stride_yn, stride_yd, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+               BLOCK_DV: tl.constexpr, BLOCK: tl.constexpr, UPCAST: tl.constexpr):
+    """The tile a program owns: rows ``tile * BLOCK ...`` of the (batch ``b``, head ``h``) slices, starting at
+    ``start``, of ``X`` (head dim ``HEAD_DIM``: q or k) and ``Y`` (``HEAD_DIM_V``: dO or v).
+
+    Returns ``idx, idx_global, ok`` (``[BLOCK]``, ``_masking.tile_indices``), the head-dim offsets and flags
+    ``offs_d, d_ok`` (``[BLOCK_D]``) and ``offs_dv, dv_ok`` (``[BLOCK_DV]``), and the rows ``x [BLOCK, BLOCK_D]``,
+    ``y [BLOCK, BLOCK_DV]`` (0 outside; float32 with ``UPCAST``)."""
+    idx, idx_global, ok = tile_indices(tile, start, seqlen, BLOCK)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    offs_dv = tl.arange(0, BLOCK_DV)
+    dv_ok = offs_dv < HEAD_DIM_V
+    x = load_rows(slice_base(X, b, h, start, stride_xb, stride_xh, stride_xn), idx, offs_d, stride_xn, stride_xd, ok,
+                  d_ok, UPCAST)
+    y = load_rows(slice_base(Y, b, h, start, stride_yb, stride_yh, stride_yn), idx, offs_dv, stride_yn, stride_yd, ok,
+                  dv_ok, UPCAST)
+    return idx, idx_global, ok, offs_d, d_ok, offs_dv, dv_ok, x, y
 
 
 @triton.jit

@@ -10,7 +10,7 @@ import triton.language as tl
 from ._common import LN2, LOG2E, alpha_class_id
 from ._fwd_rows import _cand_points
 from ._masking import sink_logit
-from ._threshold import log_ref, phi, solve
+from ._threshold import log_ref, open_bracket, phi, pick_bracket, solve
 
 # per-row merged threshold state carried from launch to launch (columns of STATE)
 N_STATE = tl.constexpr(19)
@@ -163,18 +163,7 @@ def _grid_state(GRID_ROW, GRID_PTS, split_rows, n_splits, active, am1, beta, bm1
             C += tl.load(pts + 2 * GRID_K, mask=same, other=0.0)
     # beyond 2**22 grid steps fp32 cannot index the grid: those rows start from [m - 1, m], phi(m - 1) unknown
     grid_ok = tl.abs(j_top) < 4194304.0
-    zero = tl.zeros([BLOCK_M], tl.float32)
-    a = tl.where(grid_ok, float("-inf"), m - 1.0 + shift)
-    pa = zero + float("nan")
-    da = zero - 1.0
-    fa = zero + 1.0
-    ga = zero
-    ca = zero
-    b = m + shift
-    pb = zero - 1.0
-    db = zero - 1.0
-    cb = zero
-    b_top = m == m
+    a, pa, da, fa, ga, ca, b, pb, db, cb, b_top = open_bracket(m, grid_ok, shift)
     ph, dph = phi(F, G, POW, am1[:, None], l_glob)
     # the lowest point is <= m - 1, where f >= 1 in exact arithmetic
     lowest = i_glob == (j_top - (GRID_K - 1))[:, None]
@@ -265,11 +254,11 @@ def _merge_cands(CAND, split_rows, n_splits, active, m, a, pa, da, fa, ga, ca, b
     n_hi = tl.minimum(hi, n_hi)
     n_lo = tl.minimum(n_lo, n_hi)
     n_est = tl.minimum(tl.maximum(n_est, n_lo), n_hi)
-    return (tl.where(act, n_a, a), tl.where(act, n_pa, pa), tl.where(act, n_da, da), tl.where(act, n_fa, fa),
-            tl.where(act, n_ga, ga), tl.where(act, n_ca, ca), tl.where(act, n_b, b), tl.where(act, n_pb, pb),
-            tl.where(act, n_db, db), tl.where(act, n_cb, cb), tl.where(act, n_top.to(tl.float32), b_top),
-            tl.where(act, n_est, est), tl.where(act, n_lo, lo), tl.where(act, n_hi, hi),
-            tl.where(act, n_exact.to(tl.float32), exact))
+    a, pa, da, fa, ga, ca, b, pb, db, cb, b_top = pick_bracket(
+        act, n_a, n_pa, n_da, n_fa, n_ga, n_ca, n_b, n_pb, n_db, n_cb, n_top.to(tl.float32), a, pa, da, fa, ga, ca, b,
+        pb, db, cb, b_top)
+    return (a, pa, da, fa, ga, ca, b, pb, db, cb, b_top, tl.where(act, n_est, est), tl.where(act, n_lo, lo),
+            tl.where(act, n_hi, hi), tl.where(act, n_exact.to(tl.float32), exact))
 
 
 @triton.jit

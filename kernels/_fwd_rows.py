@@ -8,7 +8,7 @@ import triton.language as tl
 
 from ._common import LN2, LOG2E, dropout_keep, load_rows
 from ._masking import live_tile, mask_scores, sink_tile, soft_cap, word_bits
-from ._threshold import log_ref, merge_point, phi, point_sums, solve, weights
+from ._threshold import log_ref, merge_point, open_bracket, phi, pick_bracket, point_sums, solve, weights
 
 
 @triton.jit
@@ -62,6 +62,24 @@ def _u_weights(z, t, p, POW: tl.constexpr):
         pos = r > 0.0
         u = tl.where(pos, p / tl.where(pos, r, 1.0), 0.0)
     return u
+
+
+@triton.jit
+def _grid_start(BLOCK_M: tl.constexpr, GRID_K: tl.constexpr):
+    """The grid pass before its first tile: the grid step ``w_grid``, the ring's slot numbers ``slot [GRID_K]``, and
+    the accumulators of ``_grid_tile`` with no key yet: ``(w_grid, slot, m, j_top, n_valid, bad, F, G, C, L)``
+    (``[BLOCK_M]`` and ``[BLOCK_M, GRID_K]``; ``n_valid``, ``bad`` int32 counts / flags)."""
+    w_grid = 1.0 / (GRID_K - 1)
+    slot = tl.arange(0, GRID_K).to(tl.float32)
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    j_top = tl.full([BLOCK_M], -1e30, tl.float32)  # grid index of the running max (-1e30: no key yet)
+    n_valid = tl.zeros([BLOCK_M], tl.int32)
+    bad = tl.zeros([BLOCK_M], tl.int32)
+    F = tl.zeros([BLOCK_M, GRID_K], tl.float32)
+    G = tl.zeros([BLOCK_M, GRID_K], tl.float32)
+    C = tl.zeros([BLOCK_M, GRID_K], tl.float32)
+    L = tl.full([BLOCK_M, GRID_K], -99.65784284662087, tl.float32)  # POW 0: log2 of the max key's base (1e-30)
+    return w_grid, slot, m, j_top, n_valid, bad, F, G, C, L
 
 
 @triton.jit
@@ -226,18 +244,9 @@ def entmax_rows(q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, k
         shift = 1.0
     else:
         shift = 0.0
-    w_grid = 1.0 / (GRID_K - 1)
-    slot = tl.arange(0, GRID_K).to(tl.float32)
 
     # ---- pass 1: max, valid keys, NaN/+inf rows, and f, g, c at GRID_K absolute points below the running max
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    j_top = tl.full([BLOCK_M], -1e30, tl.float32)  # grid index of the running max (-1e30: no key yet)
-    n_valid = tl.zeros([BLOCK_M], tl.int32)
-    bad = tl.zeros([BLOCK_M], tl.int32)
-    F = tl.zeros([BLOCK_M, GRID_K], tl.float32)
-    G = tl.zeros([BLOCK_M, GRID_K], tl.float32)
-    C = tl.zeros([BLOCK_M, GRID_K], tl.float32)
-    L = tl.full([BLOCK_M, GRID_K], -99.65784284662087, tl.float32)  # POW 0: log2 of the max key's base (1e-30)
+    w_grid, slot, m, j_top, n_valid, bad, F, G, C, L = _grid_start(BLOCK_M, GRID_K)
     word = tl.zeros([], tl.int32)
     z_sink = am1 * sink
     sink_bad = (z_sink != z_sink) | (z_sink == float("inf"))
@@ -272,17 +281,7 @@ def entmax_rows(q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, k
     grid_ok = tl.abs(j_top) < 4194304.0
     zero = tl.zeros([BLOCK_M], tl.float32)
     # rows without a usable grid start from [m - 1, m] with phi(m - 1) >= 0 unknown (NaN: bisect)
-    a = tl.where(grid_ok, float("-inf"), m - 1.0 + shift)
-    pa = zero + float("nan")
-    da = zero - 1.0
-    fa = zero + 1.0
-    ga = zero
-    ca = zero
-    b = m + shift
-    pb = zero - 1.0
-    db = zero - 1.0
-    cb = zero
-    b_top = m == m
+    a, pa, da, fa, ga, ca, b, pb, db, cb, b_top = open_bracket(m, grid_ok, shift)
     for s in tl.static_range(GRID_K):
         sel = (slot == s)[None, :]
         d_s = j_top - s
@@ -362,17 +361,9 @@ def entmax_rows(q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, k
                 n_a, n_pa, n_da, n_fa, n_ga, n_ca, n_b, n_pb, n_db, n_cb, n_top = merge_point(
                     n_a, n_pa, n_da, n_fa, n_ga, n_ca, n_b, n_pb, n_db, n_cb, n_top,
                     tl.sum(tl.where(sel_c, t_p, 0.0), 1), ph, dph, f_p, g_p, tl.sum(tl.where(sel_c, CP, 0.0), 1))
-        a = tl.where(act, n_a, a)
-        pa = tl.where(act, n_pa, pa)
-        da = tl.where(act, n_da, da)
-        fa = tl.where(act, n_fa, fa)
-        ga = tl.where(act, n_ga, ga)
-        ca = tl.where(act, n_ca, ca)
-        b = tl.where(act, n_b, b)
-        pb = tl.where(act, n_pb, pb)
-        db = tl.where(act, n_db, db)
-        cb = tl.where(act, n_cb, cb)
-        b_top = tl.where(act, n_top, b_top)
+        a, pa, da, fa, ga, ca, b, pb, db, cb, b_top = pick_bracket(
+            act, n_a, n_pa, n_da, n_fa, n_ga, n_ca, n_b, n_pb, n_db, n_cb, n_top, a, pa, da, fa, ga, ca, b, pb, db, cb,
+            b_top)
         n_est, n_lo, n_hi, n_exact = solve(a, pa, da, fa, ga, ca, b, pb, db, cb, b_top, POW)
         lo = tl.where(act, tl.maximum(lo, n_lo), lo)
         hi = tl.where(act, tl.minimum(hi, n_hi), hi)

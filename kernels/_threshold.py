@@ -107,6 +107,26 @@ def phi(F, G, POW: tl.constexpr, inv_beta, lref):
 
 
 @triton.jit
+def open_bracket(m, grid_ok, shift):
+    """The bracket before any point is merged: ``(a, pa, da, fa, ga, ca, b, pb, db, cb, b_top)``, each ``[BLOCK_M]``
+    like the row max ``m`` (thresholds ``tau + shift``). ``b`` is the row max (``b_top``, ``phi = phi' = -1``);
+    ``a`` is ``-inf`` for the rows whose grid points will close it (``grid_ok``), else ``m - 1`` with ``phi(a)``
+    unknown (NaN: ``solve`` bisects) and ``f(a) = 1``."""
+    zero = tl.zeros_like(m)
+    a = tl.where(grid_ok, float("-inf"), m - 1.0 + shift)
+    return a, zero + float("nan"), zero - 1.0, zero + 1.0, zero, zero, m + shift, zero - 1.0, zero - 1.0, zero, m == m
+
+
+@triton.jit
+def pick_bracket(act, n_a, n_pa, n_da, n_fa, n_ga, n_ca, n_b, n_pb, n_db, n_cb, n_top, a, pa, da, fa, ga, ca, b, pb,
+                 db, cb, b_top):
+    """The bracket ``n_*`` (as ``merge_point`` returns it) on the rows ``act``, ``a, pa, ...`` on the others."""
+    return (tl.where(act, n_a, a), tl.where(act, n_pa, pa), tl.where(act, n_da, da), tl.where(act, n_fa, fa),
+            tl.where(act, n_ga, ga), tl.where(act, n_ca, ca), tl.where(act, n_b, b), tl.where(act, n_pb, pb),
+            tl.where(act, n_db, db), tl.where(act, n_cb, cb), tl.where(act, n_top, b_top))
+
+
+@triton.jit
 def merge_point(a, pa, da, fa, ga, ca, b, pb, db, cb, b_top, t, ph, dph, f, g, c):
     """Tighten the bracket ``[a, b]`` (``phi(a) >= 0 > phi(b)``; ``b_top``: ``b`` is the row max) with point ``t``."""
     up_a = (ph >= 0.0) & (t > a)

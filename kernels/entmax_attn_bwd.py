@@ -44,6 +44,7 @@ from ._bwd_tiles import (
     _row_factors,
     _row_tile_bits,
     _tile,
+    _tile_rows,
     _weights,
 )
 from ._common import (
@@ -103,16 +104,9 @@ def _entmax_attn_bwd_dq_kernel(
     if pid_m * BLOCK_M >= seqlen_q:
         return
     bh = b * n_heads + h
-    rows, rows_global, row_ok = tile_indices(pid_m, q_start, seqlen_q, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
-    offs_dv = tl.arange(0, BLOCK_DV)
-    dv_ok = offs_dv < HEAD_DIM_V
-
-    q = load_rows(slice_base(Q, b, h, q_start, stride_qb, stride_qh, stride_qm), rows, offs_d, stride_qm, stride_qd,
-                  row_ok, d_ok, UPCAST)
-    do = load_rows(slice_base(DO, b, h, q_start, stride_dob, stride_doh, stride_dom), rows, offs_dv, stride_dom,
-                   stride_dod, row_ok, dv_ok, UPCAST)
+    rows, rows_global, row_ok, offs_d, d_ok, offs_dv, dv_ok, q, do = _tile_rows(
+        Q, DO, b, h, q_start, seqlen_q, pid_m, stride_qb, stride_qh, stride_qm, stride_qd, stride_dob, stride_doh,
+        stride_dom, stride_dod, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M, UPCAST)
     stat_offs = bh.to(tl.int64) * total_q + rows_global.to(tl.int64)
     tau = tl.load(TAU + stat_offs, mask=row_ok, other=float("inf"))
     lsum = tl.load(LSUM + stat_offs, mask=row_ok, other=0.0)
@@ -217,15 +211,9 @@ def _entmax_attn_bwd_dkdv_kernel(
     b, q_start, seqlen_q, k_start, seqlen_k = seq_bounds(CU_SEQLENS_Q, CU_SEQLENS_K, seq, total_q, total_k, IS_VARLEN)
     if pid_n * BLOCK_N >= seqlen_k:
         return
-    cols, cols_global, col_ok = tile_indices(pid_n, k_start, seqlen_k, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
-    offs_dv = tl.arange(0, BLOCK_DV)
-    dv_ok = offs_dv < HEAD_DIM_V
-    k = load_rows(slice_base(K, b, h_kv, k_start, stride_kb, stride_kh, stride_kn), cols, offs_d, stride_kn, stride_kd,
-                  col_ok, d_ok, UPCAST)
-    v = load_rows(slice_base(V, b, h_kv, k_start, stride_vb, stride_vh, stride_vn), cols, offs_dv, stride_vn,
-                  stride_vd, col_ok, dv_ok, UPCAST)
+    cols, cols_global, col_ok, offs_d, d_ok, offs_dv, dv_ok, k, v = _tile_rows(
+        K, V, b, h_kv, k_start, seqlen_k, pid_n, stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh,
+        stride_vn, stride_vd, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, UPCAST)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     qt_lo, qt_hi = query_tile_range(pid_n, seqlen_q, seqlen_k, MASK, BLOCK_M, BLOCK_N)

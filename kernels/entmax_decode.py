@@ -62,7 +62,7 @@ from ._decode_state import (
     _store_points,
     _store_state,
 )
-from ._fwd_rows import _cand_points, _cand_sums, _grid_tile
+from ._fwd_rows import _cand_points, _cand_sums, _grid_start, _grid_tile
 from ._masking import alibi_slope, key_range, mask_scores, mask_spec, score_spec, sink_logit, sink_tile, soft_cap
 from ._threshold import weights
 from .entmax_attn_fwd import default_tolerance
@@ -150,16 +150,7 @@ def _grid_pass(q, K, BIAS, BLOCK_TABLE, Z, z_rows, list_base, b, h_kv, h, i, act
     NaN/+inf flag and the ``[BLOCK_M, GRID_K]`` sums at the ring's points (POW 0: scaled by the split max's
     term), and the number of live blocks written to ``list_base``.
     """
-    w_grid = 1.0 / (GRID_K - 1)
-    slot = tl.arange(0, GRID_K).to(tl.float32)
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    j_top = tl.full([BLOCK_M], -1e30, tl.float32)  # grid index of the running max (-1e30: no key yet)
-    n_valid = tl.zeros([BLOCK_M], tl.int32)
-    bad = tl.zeros([BLOCK_M], tl.int32)
-    F = tl.zeros([BLOCK_M, GRID_K], tl.float32)
-    G = tl.zeros([BLOCK_M, GRID_K], tl.float32)
-    C = tl.zeros([BLOCK_M, GRID_K], tl.float32)
-    L = tl.full([BLOCK_M, GRID_K], -99.65784284662087, tl.float32)  # POW 0: log2 of the max key's base (1e-30)
+    w_grid, slot, m, j_top, n_valid, bad, F, G, C, L = _grid_start(BLOCK_M, GRID_K)
     n_live = tl.zeros([], tl.int32)
     if SCORE[3]:
         m, j_top, F, G, C, L, _ = _grid_tile(zs, m, j_top, F, G, C, L, slot, w_grid, shift, beta[:, None],

@@ -187,6 +187,16 @@ def _entmax_row(x_row, y_row, cmax_row, n_cols, n_chunks, log2_n, m, eps, tol, m
 
 
 @triton.jit
+def _solve_row(x_row, y_row, cmax_row, n_cols, n_chunks, log2_n, m, eps, tol, max_iter, MODE: tl.constexpr,
+               BLOCK: tl.constexpr):
+    """Store the row's weights by the route of ``MODE`` (``MODE_*``): softmax, or the solve with ``POW = MODE``."""
+    if MODE == 0:
+        _softmax_row(x_row, y_row, n_cols, n_chunks, m, BLOCK)
+    else:
+        _entmax_row(x_row, y_row, cmax_row, n_cols, n_chunks, log2_n, m, eps, tol, max_iter, MODE, BLOCK)
+
+
+@triton.jit
 def _entmax_rows_fwd_kernel(X, Y, Alpha, Cmax, n_cols, n_chunks, log2_n, stride_x, stride_y, stride_alpha, tol,
                             max_iter,
                             MODE: tl.constexpr, BLOCK: tl.constexpr):
@@ -211,21 +221,18 @@ def _entmax_rows_fwd_kernel(X, Y, Alpha, Cmax, n_cols, n_chunks, log2_n, stride_
         _fill_row(y_row, float("nan"), n_cols, n_chunks, BLOCK)
     elif m == float("-inf"):
         _fill_row(y_row, 0.0, n_cols, n_chunks, BLOCK)
-    elif MODE == 0:
-        _softmax_row(x_row, y_row, n_cols, n_chunks, m, BLOCK)
-    elif MODE == 1:
-        _entmax_row(x_row, y_row, cmax_row, n_cols, n_chunks, log2_n, m, eps, tol, max_iter, 1, BLOCK)
-    elif MODE == 2:
-        _entmax_row(x_row, y_row, cmax_row, n_cols, n_chunks, log2_n, m, eps, tol, max_iter, 2, BLOCK)
+    elif MODE != 3:
+        _solve_row(x_row, y_row, cmax_row, n_cols, n_chunks, log2_n, m, eps, tol, max_iter, MODE, BLOCK)
     else:
+        # per-row alpha: the exact routes of alpha = 1, 2, 1.5 where a row has one of them
         if eps == 0.0:
-            _softmax_row(x_row, y_row, n_cols, n_chunks, m, BLOCK)
+            _solve_row(x_row, y_row, cmax_row, n_cols, n_chunks, log2_n, m, eps, tol, max_iter, 0, BLOCK)
         elif eps == 1.0:
-            _entmax_row(x_row, y_row, cmax_row, n_cols, n_chunks, log2_n, m, eps, tol, max_iter, 1, BLOCK)
+            _solve_row(x_row, y_row, cmax_row, n_cols, n_chunks, log2_n, m, eps, tol, max_iter, 1, BLOCK)
         elif eps == 0.5:
-            _entmax_row(x_row, y_row, cmax_row, n_cols, n_chunks, log2_n, m, eps, tol, max_iter, 2, BLOCK)
+            _solve_row(x_row, y_row, cmax_row, n_cols, n_chunks, log2_n, m, eps, tol, max_iter, 2, BLOCK)
         else:
-            _entmax_row(x_row, y_row, cmax_row, n_cols, n_chunks, log2_n, m, eps, tol, max_iter, 3, BLOCK)
+            _solve_row(x_row, y_row, cmax_row, n_cols, n_chunks, log2_n, m, eps, tol, max_iter, 3, BLOCK)
 
 
 @triton.jit
