@@ -721,3 +721,26 @@ def test_gpu_matches_reference(dtype):
     out64, _ = _reference(q, k, v, alpha, seqlens)
     out_lp, _ = _reference(q, k, v, alpha, seqlens, dtype=dtype)
     _check("out", out.cpu(), out64, out_lp, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_variants_match_reference(dtype):
+    """On a GPU: a paged cache of 5000 keys, 2 queries per sequence (causal), mixed alpha, and every variant at once:
+    a 1024-key window, ALiBi per head, a soft cap, sinks and Dv = 64 < D, at the real block sizes and splits."""
+    gen = torch.Generator().manual_seed(11)
+    B, Hq, Hk, Nq, N, D, Dv = 3, 8, 2, 2, 5000, 128, 64
+    seqlens = torch.tensor([5000, 2, 3333], dtype=torch.int32)
+    q = torch.randn(B, Hq, Nq, D, generator=gen).to(dtype)
+    k, v = _cache(gen, B, Hk, N, D, dtype), _cache(gen, B, Hk, N, Dv, dtype)
+    kp, vp, table = _page(k, v, seqlens, 16, gen)
+    alpha = torch.tensor([1.0, 1.5, 2.0, 1.25] * 2)
+    slopes = torch.linspace(0.001, 0.05, Hq)
+    sinks = torch.linspace(-1.0, 2.0, Hq)
+    kw = dict(window_size=(1024, 0), alibi_slopes=slopes, sinks=sinks, softcap=20.0)
+    out = entmax_decode(q.cuda(), kp.cuda(), vp.cuda(), seqlens.cuda(), alpha.cuda(), block_table=table.cuda(),
+                        is_causal=True, **{n: x.cuda() if isinstance(x, torch.Tensor) else x for n, x in kw.items()})
+    ref = dict(causal=True, window=(1024, 0), slopes=slopes, sinks=sinks, softcap=20.0)
+    out64, _ = _reference(q, k, v, alpha, seqlens, **ref)
+    out_lp, _ = _reference(q, k, v, alpha, seqlens, dtype=dtype, **ref)
+    _check("out", out.cpu(), out64, out_lp, dtype)
