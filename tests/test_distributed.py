@@ -427,23 +427,31 @@ def test_helpers_without_a_process_group():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("variants", [False, True])
 @pytest.mark.parametrize("scheme", ["allgather", "ulysses"])
-def test_single_rank_nccl(scheme, tmp_path):
-    """One NCCL rank: both schemes run the fused kernels and match entmax_attention (float32, causal, GQA)."""
+def test_single_rank_nccl(scheme, variants, tmp_path):
+    """One NCCL rank: both schemes run the fused kernels and match entmax_attention (float32, causal, GQA; with
+    ``variants`` also a 64-key window, ALiBi, a soft cap and sinks, whose gradient is compared too)."""
     if not torch.cuda.is_available() or not dist.is_nccl_available():
         pytest.skip("needs CUDA and NCCL")
     dist.init_process_group("nccl", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1,
                             device_id=torch.device("cuda", 0))
     try:
         q, k, v, alpha, dout = (t.cuda() for t in _problem(2, 4, 2, 256, 64, 64, torch.float32))
-        leaves = [t.clone().requires_grad_() for t in (q, k, v, alpha)]
-        want = entmax_attention(*leaves, is_causal=True, enable_gqa=True)
+        sinks = torch.linspace(-1.0, 1.0, 4, device="cuda")
+        extra = dict(window_size=(64, 0), alibi_slopes=torch.linspace(0.01, 0.1, 4, device="cuda"),
+                     softcap=10.0) if variants else {}
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, alpha, sinks)]
+        want = entmax_attention(*leaves[:4], is_causal=True, enable_gqa=True,
+                                sinks=leaves[4] if variants else None, **extra)
         (want * dout).sum().backward()
-        got_leaves = [t.clone().requires_grad_() for t in (q, k, v, alpha)]
-        got = SCHEMES[scheme](*got_leaves, is_causal=True, enable_gqa=True)
+        got_leaves = [t.clone().requires_grad_() for t in (q, k, v, alpha, sinks)]
+        got = SCHEMES[scheme](*got_leaves[:4], is_causal=True, enable_gqa=True,
+                              **(dict(extra, sinks=got_leaves[4]) if variants else {}))
         (got * dout).sum().backward()
         _close("out", got, want, 1e-5)
-        for name, g, w in zip(("dq", "dk", "dv", "dalpha"), got_leaves, leaves):
+        names = ("dq", "dk", "dv", "dalpha", "dsinks")[:5 if variants else 4]
+        for name, g, w in zip(names, got_leaves, leaves):
             _close(name, g.grad, w.grad, 1e-4)
     finally:
         dist.destroy_process_group()
