@@ -110,15 +110,17 @@ def measure(dist, n, alpha, dtype, n_kv_heads=1, group=4, d=64, seed=0, block=64
                 skip_box=skip_box, skip_ball=skip_ball, err=err, ratio=err / max(err_ref, 1e-30), secs=secs)
 
 
-def gpu_timings(dtype, contexts=(1024, 8192, 32768), batches=(1, 8, 32), heads=32, kv_heads=8, d=128):
-    """Median milliseconds of one decode step: entmax (alpha 1.5, 1) vs SDPA, contiguous cache, Nq = 1."""
+def gpu_timings(dtype, contexts=(1024, 8192, 32768), batches=(1, 8, 32), heads=32, kv_heads=8, d=128, window=4096):
+    """Median milliseconds of one decode step: entmax (alpha 1.5, 1; alpha 1.5 with a ``window``-key sliding window)
+    vs SDPA, contiguous cache, Nq = 1."""
     import triton.testing
 
     from sparse_attn.decode import entmax_decode
 
     print(f"# {torch.cuda.get_device_name()} torch {torch.__version__} dtype {dtype} Hq {heads} Hk {kv_heads} D {d}")
-    print("| B | context | SDPA ms | alpha=1 ms | alpha=1.5 ms | passes (1.5) | V blocks read (1.5) |")
-    print("|---|---|---|---|---|---|---|")
+    print(f"| B | context | SDPA ms | alpha=1 ms | alpha=1.5 ms | alpha=1.5, window {window} ms | passes (1.5) "
+          "| V blocks read (1.5) |")
+    print("|---|---|---|---|---|---|---|---|")
     for n in contexts:
         for b in batches:
             q = torch.randn(b, heads, 1, d, device="cuda", dtype=dtype)
@@ -129,9 +131,11 @@ def gpu_timings(dtype, contexts=(1024, 8192, 32768), batches=(1, 8, 32), heads=3
                                                              q, k, v, enable_gqa=True))
             soft = triton.testing.do_bench(functools.partial(entmax_decode, q, k, v, seqlens, 1.0))
             ent = triton.testing.do_bench(functools.partial(entmax_decode, q, k, v, seqlens, 1.5))
+            win = triton.testing.do_bench(functools.partial(entmax_decode, q, k, v, seqlens, 1.5,
+                                                            window_size=(window - 1, 0)))
             res = dec.entmax_decode_fwd(q, k, v, seqlens, 1.5, d ** -0.5)
             reads = res.blocks_read.sum(dim=(0, 1, 2, 3, 4)).double()
-            print(f"| {b} | {n} | {sdpa:.3f} | {soft:.3f} | {ent:.3f} | "
+            print(f"| {b} | {n} | {sdpa:.3f} | {soft:.3f} | {ent:.3f} | {win:.3f} | "
                   f"{res.n_passes.double().mean().item():.2f} | {reads[-1].item() / reads[0].item():.2f} |", flush=True)
 
 

@@ -4,14 +4,16 @@
 #   bash benchmarks/gpu_run.sh [OUT_DIR]                # MODE=bench (default): gpu-marked tests, then the grid
 #   MODE=tune bash benchmarks/gpu_run.sh [OUT_DIR]      # launch-config sweep (benchmarks/tune_tiles.py)
 #   MODE=profile bash benchmarks/gpu_run.sh [OUT_DIR]   # one forward case under Nsight Compute (profile_ncu.sh)
+#   MODE=decode bash benchmarks/gpu_run.sh [OUT_DIR]    # decode steps vs SDPA (benchmarks/decode.py --gpu)
 #
 # OUT_DIR defaults to $OUT (the device tool's return folder), else benchmarks/results/<gpu-name>/ (bench),
-# .../<gpu-name>/tune/ (tune) or .../<gpu-name>/profile/ (profile). It receives:
+# .../<gpu-name>/<mode>/ (tune, profile, decode). It receives:
 #   bench:   pytest_gpu.log, bench.log, results.md, results.csv and three plot_*.png (7 files)
 #   tune:    tune.log, tune.md, tune.csv
 #   profile: profile.md, profile.log; with ncu also ncu.log, ncu_details.csv, ncu_raw.csv, profile.ncu-rep
+#   decode:  decode.md (GPU, driver, commit, command, then one table per dtype)
 # Environment knobs:
-#   MODE            bench, tune or profile (default bench)
+#   MODE            bench, tune, profile or decode (default bench)
 #   PYTHON          interpreter holding a CUDA torch (default python3)
 #   TOTAL_S         wall-clock budget of the whole script in seconds (default 570, under a 600 s call)
 #   TEST_TIMEOUT_S  cap on the gpu-marked tests (default 200); SKIP_TESTS=1 skips them
@@ -21,6 +23,7 @@
 #   RESUME_FROM     results.csv (tune: tune.csv) of a run cut short by the budget: its rows are kept, the rest is run
 #   TUNE_ARGS       extra arguments for benchmarks/tune_tiles.py (e.g. "--head-dims 64 --modes fwd")
 #   CASE_ARGS       extra arguments for benchmarks/profile_case.py (e.g. "--config 128x64w8s2"; profile_ncu.sh)
+#   DECODE_ARGS     arguments for benchmarks/decode.py --gpu (default "--dtype bf16")
 #   BENCH_COMMIT    commit to stamp when the copy has no .git (e.g. the output of git rev-parse HEAD)
 # Wheels found in .whl/ (entmax, adasplash; see benchmarks/README.md) are installed to /tmp first.
 set -uo pipefail
@@ -75,8 +78,20 @@ case "$MODE" in
     BUDGET_S=$(( left - 10 )) timeout "$left" bash benchmarks/profile_ncu.sh "$OUT_DIR"
     exit $?
     ;;
+  decode)
+    left=$(( TOTAL_S - (SECONDS - START) ))
+    {
+      nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
+      echo "commit: ${BENCH_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
+      echo "command: python benchmarks/decode.py --gpu ${DECODE_ARGS:---dtype bf16}"
+      # shellcheck disable=SC2086
+      timeout $(( left - 10 )) "$PY" benchmarks/decode.py --gpu ${DECODE_ARGS:---dtype bf16}
+      echo "gpu_run: decode exit status $?"
+    } 2>&1 | tee "$OUT_DIR/decode.md"
+    exit "${PIPESTATUS[0]}"
+    ;;
   *)
-    echo "gpu_run: MODE must be bench, tune or profile, got '$MODE'" >&2
+    echo "gpu_run: MODE must be bench, tune, profile or decode, got '$MODE'" >&2
     exit 2
     ;;
 esac
