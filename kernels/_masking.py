@@ -268,7 +268,10 @@ def key_tile_range(pid_m, seqlen_q, seqlen_k, MASK, BLOCK_M: tl.constexpr, BLOCK
     last_row = tl.minimum((pid_m + 1) * BLOCK_M, seqlen_q) - 1
     k_lo, k_hi = key_range(pid_m * BLOCK_M, last_row, seqlen_q, seqlen_k, MASK)
     kt_hi = tl.cdiv(tl.where(pid_m * BLOCK_M < seqlen_q, k_hi, 0), BLOCK_N)
-    return tl.minimum(k_lo // BLOCK_N, kt_hi), kt_hi
+    kt_lo = kt_hi * 0
+    if MASK[1]:  # without a left window the loops start at tile 0, a constant the compiler sees
+        kt_lo = tl.minimum(k_lo // BLOCK_N, kt_hi)
+    return kt_lo, kt_hi
 
 
 @triton.jit

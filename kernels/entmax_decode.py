@@ -237,7 +237,9 @@ def _entmax_decode_split_kernel(
     k_lo, k_hi = key_range(tl.min(tl.where(active, i, seqlen_q), 0), tl.max(tl.where(active, i, -1), 0), seqlen_q,
                            seqlen_k, MASK)
     kt_end = tl.cdiv(k_hi, BLOCK_N)
-    kt_start = tl.minimum(k_lo // BLOCK_N, kt_end)
+    kt_start = kt_end * 0
+    if MASK[1]:  # without a left window the splits start at block 0, a constant the compiler sees
+        kt_start = tl.minimum(k_lo // BLOCK_N, kt_end)
     kt_lo = kt_start + split * blocks_per_split
     kt_hi = tl.maximum(tl.minimum(kt_lo + blocks_per_split, kt_end), kt_lo)
     tile = (b * n_kv_heads + h_kv) * n_row_tiles + rt
