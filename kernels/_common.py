@@ -70,6 +70,12 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def pinned_launch() -> bool:
+    """True when the attention kernels launch their one pinned config instead of ``triton.autotune``: under the
+    interpreter, or with ``SPARSE_ATTN_PINNED=1`` (a first GPU run: one build per kernel, no tuning runs)."""
+    return interpreting() or os.environ.get("SPARSE_ATTN_PINNED", "0") == "1"
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """``input_precision`` of the attention ``tl.dot``s: fp32 inputs keep fp32 accuracy on tensor cores
     (3xTF32); fp16/bf16 ignore the setting; the interpreter computes in the input dtype whatever it says."""

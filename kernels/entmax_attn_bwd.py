@@ -392,11 +392,11 @@ _entmax_attn_bwd_dbias_autotuned = triton.autotune(
 
 def _launch(name: str, grid: tuple, args: dict, alpha_class: str) -> None:
     """Launch kernel ``name`` (``"dq"``, ``"dkdv"``, ``"dbias"``) once per alpha class (``_common.class_launches``):
-    autotuned on a GPU, pinned under the interpreter."""
+    autotuned on a GPU, pinned under the interpreter or with ``SPARSE_ATTN_PINNED=1``."""
     for cls, head_filter in _common.class_launches(alpha_class):
         launch = dict(args, ALPHA_CLASS=cls, HEAD_FILTER=head_filter)
-        if _common.interpreting():
-            _, warps, stages = _pick_config(args["HEAD_DIM"], True)[name]
+        if _common.pinned_launch():
+            _, warps, stages = _pick_config(args["HEAD_DIM"], _common.interpreting())[name]
             globals()[f"_entmax_attn_bwd_{name}_kernel"][grid](**launch, num_warps=warps, num_stages=stages)
         else:
             globals()[f"_entmax_attn_bwd_{name}_autotuned"][grid](**launch)

@@ -306,7 +306,7 @@ def entmax_attn_fwd(
         num_warps, num_stages: force this launch config (a power of two in [1, 32] warps, 1 to 8 pipeline stages; the
             one not given is the pinned one of this head dim) instead of the GPU's ``triton.autotune`` over
             ``_autotune_configs``; for tuning (``benchmarks/tune_tiles.py``). Default None (autotuned on a GPU,
-            pinned under the interpreter).
+            pinned under the interpreter or with ``SPARSE_ATTN_PINNED=1``).
 
     Returns:
         :class:`EntmaxAttnFwdResult`.
@@ -322,7 +322,7 @@ def entmax_attn_fwd(
     for args in plan.launches:
         if forced is not None:
             _entmax_attn_fwd_kernel[plan.grid](**args, **forced)
-        elif _common.interpreting():
+        elif _common.pinned_launch():
             _entmax_attn_fwd_kernel[plan.grid](**args, **plan.options)
         else:
             _entmax_attn_fwd_autotuned[plan.grid](**args)
