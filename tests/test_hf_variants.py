@@ -318,7 +318,9 @@ def test_fused_backend_runs_windows_and_softcap_in_the_kernels(kwargs):
     torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4)
 
 
-NON_ROUTING = {
+# Architectures that did not route their attention through the interface in some transformers release (GPT-J and
+# CodeGen moved to it in 5.x); which of them refuse entmax is asked of the installed transformers, not listed here.
+ARCHITECTURES = {
     "falcon": dict(vocab_size=V, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, alibi=True),
     "gptj": dict(vocab_size=V, n_embd=32, n_layer=1, n_head=2, rotary_dim=8),
     "gpt_neo": dict(vocab_size=V, hidden_size=32, num_layers=2, num_heads=2,
@@ -332,17 +334,48 @@ NON_ROUTING = {
 }
 
 
-@pytest.mark.parametrize("model_type", list(NON_ROUTING))
-def test_architectures_without_the_attention_interface_refuse_entmax(model_type):
-    config = AutoConfig.for_model(model_type, **NON_ROUTING[model_type])
-    with pytest.raises(ValueError, match=r"\w+Model \(model_type '[\w-]+'\) does not run its attention through "
-                                         r"transformers' AttentionInterface.*use an architecture that does"):
-        AutoModel.from_config(config, attn_implementation="entmax")
+def _declares_the_interface(model_cls: type) -> bool:
+    """transformers' own declaration that a model class dispatches through ``AttentionInterface``."""
+    return bool(getattr(model_cls, "_supports_attention_backend", False))
+
+
+@pytest.mark.parametrize("model_type", list(ARCHITECTURES))
+def test_entmax_is_refused_exactly_by_architectures_without_the_attention_interface(model_type):
+    """Where the installed transformers routes an architecture through the interface, entmax loads and really runs
+    (its outputs differ from softmax's); where it does not, loading with entmax raises."""
+    config = AutoConfig.for_model(model_type, **ARCHITECTURES[model_type])
+    eager = AutoModel.from_config(copy.deepcopy(config), attn_implementation="eager").eval()
+    routes = entmax_hf.routes_attention(type(eager))
+    if _declares_the_interface(type(eager)):
+        assert routes, f"{type(eager).__name__} declares the attention interface but routes_attention says no"
+    if not routes:
+        with pytest.raises(ValueError, match=r"\w+Model \(model_type '[\w-]+'\) does not run its attention "
+                                             r"through transformers' AttentionInterface.*use an architecture that does"):
+            AutoModel.from_config(config, attn_implementation="entmax")
+        return
+    with torch.no_grad():  # unit-scale scores: the default init gives near-uniform ones (entmax = softmax there)
+        gen = torch.Generator().manual_seed(1)
+        for p in eager.parameters():
+            if p.ndim == 2:
+                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[1] ** 0.5)
+    # its own config: the models share theirs, and building with entmax sets its _attn_implementation
+    model = AutoModel.from_config(copy.deepcopy(config), attn_implementation="entmax").eval()
+    model.load_state_dict(eager.state_dict())
+    ids = torch.randint(0, V, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        soft, sparse = eager(input_ids=ids).last_hidden_state, model(input_ids=ids).last_hidden_state
+    assert torch.isfinite(sparse).all()
+    assert not torch.allclose(soft, sparse, atol=1e-4), f"{model_type}: entmax attention did not change the output"
+
+
+def test_some_installed_architectures_still_refuse_entmax():
+    """The refusal path stays exercised: BLOOM has no attention interface in any tested transformers release."""
+    config = AutoConfig.for_model("bloom", **ARCHITECTURES["bloom"])
     assert not entmax_hf.routes_attention(type(AutoModel.from_config(config, attn_implementation="eager")))
 
 
 def test_loading_a_checkpoint_of_a_non_routing_architecture_refuses_entmax(tmp_path):
-    config = AutoConfig.for_model("bloom", **NON_ROUTING["bloom"])
+    config = AutoConfig.for_model("bloom", **ARCHITECTURES["bloom"])
     AutoModel.from_config(config).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="BloomModel .* does not run its attention through"):
         AutoModel.from_pretrained(tmp_path, attn_implementation="entmax")
