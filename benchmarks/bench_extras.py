@@ -11,6 +11,7 @@ from bench_common import OOM_ERRORS, free_memory
 from bench_methods import FUSED_MODULES, Method
 
 from sparse_attn.attention import entmax_attention
+from sparse_attn.kernels._common import alpha_class_of
 
 
 def visitable_tiles(seq_q: int, seq_k: int, block_m: int, block_n: int, causal: bool) -> int:
@@ -108,8 +109,10 @@ def case_extras(method: Method, inputs: Inputs, fwd, args, ref_cache: dict, devi
             if method.method == "sparse_attn":
                 q, k = inputs.q, inputs.k
                 alpha_t = method.fused_alpha(inputs).detach().float().reshape(-1).expand(q.shape[1]).contiguous()
+                # the class and the out_u output of the timed (training) forward: no build the timing did not need
+                cls = None if isinstance(a, torch.Tensor) else alpha_class_of([a])
                 res = fwd(q.detach(), k.detach(), inputs.v.detach(), alpha_t, q.shape[-1] ** -0.5,
-                          is_causal=inputs.causal)
+                          is_causal=inputs.causal, alpha_class=cls, need_out_u=True)
                 pairs = visible_pairs(q.shape[0], q.shape[1], q.shape[2], k.shape[2], inputs.causal)
                 extra["density"] = float(res.nnz.double().sum().item()) / max(1, pairs)
                 extra.update(tile_stats(res, q.shape[2], k.shape[2], inputs.causal, q.shape[0] * q.shape[1],

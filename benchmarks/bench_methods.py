@@ -49,6 +49,10 @@ def fused_forward_launcher():
 def sparse_attn_method(alpha: str) -> Method:
     def build(inputs: Inputs):
         a = alpha_arg(alpha, inputs)
+        if not isinstance(a, torch.Tensor) and a == 1.0:
+            # alpha 1 without statistics is handed to SDPA: asking for them keeps it on our own softmax class
+            return lambda: entmax_attention(inputs.q, inputs.k, inputs.v, a, is_causal=inputs.causal,
+                                            backend="triton", return_stats=True)[0]
         return lambda: entmax_attention(inputs.q, inputs.k, inputs.v, a, is_causal=inputs.causal, backend="triton")
 
     def fused_alpha(inputs: Inputs):
