@@ -26,7 +26,8 @@ gpt-oss, ModernBERT: the mask builder :func:`entmax_mask` leaves windows and cau
 function, so they are never materialized), gpt-oss's sinks (``s_aux``) as ``sinks``, Gemma-2's
 ``softcap``, ``alibi_slopes``, and value heads narrower than query/key heads (DeepSeek-V3).
 Architectures that do not run their attention through the interface (with transformers 5.24: Falcon, GPT-Neo,
-BLOOM, MPT, XGLM, DeBERTa-v2, MPNet, ...; :func:`routes_attention` reads it off the installed release) refuse ``attn_implementation="entmax"`` with a
+BLOOM, MPT, XGLM, DeBERTa-v2, MPNet, ...; :func:`routes_attention` reads it off the installed release) refuse
+``attn_implementation="entmax"`` with a
 ``ValueError`` when they are built or loaded (:func:`check_routes_attention`, hooked into transformers'
 check of the requested implementation) instead of silently keeping softmax.
 Needs ``transformers`` (``pip install 'sparse_attn[hf]'``).
