@@ -1,19 +1,24 @@
 #!/usr/bin/env bash
 # The one script a GPU session runs, one device call per MODE:
 #
-#   bash benchmarks/gpu_run.sh [OUT_DIR]                # MODE=bench (default): gpu-marked tests, then the grid
+#   bash benchmarks/gpu_run.sh [OUT_DIR]                # MODE=headline (default): smoke tests + headline cases
+#   MODE=bench bash benchmarks/gpu_run.sh [OUT_DIR]     # gpu-marked tests, then the full grid
 #   MODE=tune bash benchmarks/gpu_run.sh [OUT_DIR]      # launch-config sweep (benchmarks/tune_tiles.py)
 #   MODE=profile bash benchmarks/gpu_run.sh [OUT_DIR]   # one forward case under Nsight Compute (profile_ncu.sh)
 #   MODE=decode bash benchmarks/gpu_run.sh [OUT_DIR]    # decode steps vs SDPA (benchmarks/decode.py --gpu)
 #
 # OUT_DIR defaults to $OUT (the device tool's return folder), else benchmarks/results/<gpu-name>/ (bench),
-# .../<gpu-name>/<mode>/ (tune, profile, decode). It receives:
+# .../<gpu-name>/<mode>/ (headline, tune, profile, decode). It receives:
+#   headline: env.txt, pytest_smoke.log, headline.log, headline.md, headline.csv, headline.png and, when it fits
+#            in 15 MB, triton-cache.tgz (the kernels built there, to start the next run warm)
 #   bench:   pytest_gpu.log, bench.log, results.md, results.csv and three plot_*.png (7 files)
 #   tune:    tune.log, tune.md, tune.csv
 #   profile: profile.md, profile.log; with ncu also ncu.log, ncu_details.csv, ncu_raw.csv, profile.ncu-rep
 #   decode:  decode.md (GPU, driver, commit, command, then one table per dtype)
 # Environment knobs:
-#   MODE            bench, tune, profile or decode (default bench)
+#   MODE            headline, bench, tune, profile or decode (default headline)
+#   SMOKE_TIMEOUT_S cap on the gpu_smoke tests of MODE=headline (default 150), run while the kernels build
+#   HEADLINE_ARGS   extra arguments for benchmarks/headline.py (e.g. "--seqs 4096 --groups headline")
 #   PYTHON          interpreter holding a CUDA torch (default python3)
 #   TOTAL_S         wall-clock budget of the whole script in seconds (default 570, under a 600 s call)
 #   TEST_TIMEOUT_S  cap on the gpu-marked tests (default 200); SKIP_TESTS=1 skips them
@@ -45,7 +50,7 @@ if ! "$PY" -c "import sparse_attn.kernels" 2>/dev/null; then
   ln -sfn ../kernels sparse_attn/kernels && echo "gpu_run: linked sparse_attn/kernels -> kernels"
 fi
 
-MODE=${MODE:-bench}
+MODE=${MODE:-headline}
 OUT_DIR=${1:-${OUT:-}}
 if [ -z "$OUT_DIR" ]; then
   slug=$("$PY" -c "import re, torch; print(re.sub('[^a-z0-9]+', '-', torch.cuda.get_device_name().lower()).strip('-'))")
@@ -62,6 +67,46 @@ fi
 
 case "$MODE" in
   bench) ;;
+  headline)
+    # one build per kernel (the pinned launch configs, no autotuning), into a cache that can travel back
+    export SPARSE_ATTN_PINNED=${SPARSE_ATTN_PINNED:-1}
+    if [ -z "${TRITON_CACHE_DIR:-}" ]; then
+      if [ -d .triton-sm90 ]; then export TRITON_CACHE_DIR=$PWD/.triton-sm90; else export TRITON_CACHE_DIR=/tmp/triton-cache; fi
+    fi
+    mkdir -p "$TRITON_CACHE_DIR"
+    {
+      nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
+      "$PY" -c "import sys, torch, triton, numpy; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'numpy', numpy.__version__)"
+      echo "commit: ${BENCH_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
+      echo "TRITON_CACHE_DIR=$TRITON_CACHE_DIR ($(find "$TRITON_CACHE_DIR" -name '*.cubin' | wc -l) kernels) SPARSE_ATTN_PINNED=$SPARSE_ATTN_PINNED"
+      nproc
+    } 2>&1 | tee "$OUT_DIR/env.txt"
+    # the kernels of the timed cases build in parallel processes while the smoke tests run; no timing starts
+    # before both are done (the smoke tests use the GPU too)
+    # shellcheck disable=SC2086
+    "$PY" benchmarks/headline.py --out "$OUT_DIR" --warm-only --jobs "${WARM_JOBS:-10}" ${HEADLINE_ARGS:-} \
+      > "$OUT_DIR/headline.log" 2>&1 &
+    warm_pid=$!
+    timeout "${SMOKE_TIMEOUT_S:-150}" "$PY" -m pytest -q -n "${PYTEST_WORKERS:-6}" -p no:cacheprovider -m gpu_smoke \
+      tests/test_gpu_smoke.py 2>&1 | tee "$OUT_DIR/pytest_smoke.log"
+    echo "gpu_run: smoke tests exit status ${PIPESTATUS[0]} (124 = hit SMOKE_TIMEOUT_S) after $(( SECONDS - START )) s" \
+      | tee -a "$OUT_DIR/pytest_smoke.log"
+    wait "$warm_pid"
+    echo "gpu_run: warm-up exit status $? after $(( SECONDS - START )) s" | tee -a "$OUT_DIR/headline.log"
+    left=$(( TOTAL_S - (SECONDS - START) ))
+    {
+      # shellcheck disable=SC2086
+      timeout $(( left - 25 )) "$PY" benchmarks/headline.py --out "$OUT_DIR" ${HEADLINE_ARGS:-} --jobs 0 \
+        --budget-s $(( left - 70 ))
+      echo "gpu_run: headline exit status $? after $(( SECONDS - START )) s"
+    } 2>&1 | tee -a "$OUT_DIR/headline.log"
+    size=$(du -sm "$TRITON_CACHE_DIR" | cut -f1)
+    if [ "$size" -lt 60 ]; then
+      tar czf /tmp/triton-cache.tgz -C "$TRITON_CACHE_DIR" . && \
+        if [ "$(du -m /tmp/triton-cache.tgz | cut -f1)" -lt 15 ]; then cp /tmp/triton-cache.tgz "$OUT_DIR/"; fi
+    fi
+    exit 0
+    ;;
   tune)
     left=$(( TOTAL_S - (SECONDS - START) ))
     {
@@ -91,7 +136,7 @@ case "$MODE" in
     exit "${PIPESTATUS[0]}"
     ;;
   *)
-    echo "gpu_run: MODE must be bench, tune, profile or decode, got '$MODE'" >&2
+    echo "gpu_run: MODE must be headline, bench, tune, profile or decode, got '$MODE'" >&2
     exit 2
     ;;
 esac
