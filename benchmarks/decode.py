@@ -39,8 +39,10 @@ import time
 
 import torch
 
-if "--sm90" in sys.argv or "--sm90-check" in sys.argv:
-    os.environ["TRITON_INTERPRET"] = "0"  # offline builds: the kernels must be real JIT functions
+if "--sm90" in sys.argv or "--sm90-check" in sys.argv or "--gpu" in sys.argv:
+    # offline builds and GPU timings: the kernels must be real JIT functions (passes.py, imported below, turns the
+    # interpreter on for its own counters unless this is set first)
+    os.environ["TRITON_INTERPRET"] = "0"
 elif not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
