@@ -261,6 +261,26 @@ def n_built() -> int:
     return sum(1 for _ in root.glob("*/*.cubin")) if root.exists() else 0
 
 
+def cubins() -> set:
+    root = cache_dir()
+    return set(root.glob("*/*.cubin")) if root.exists() else set()
+
+
+def kernel_names(paths) -> list[str]:
+    """``name (constexprs...)`` of compiled kernels, from the metadata JSON beside each ``.cubin``."""
+    import json
+
+    names = []
+    for p in sorted(paths):
+        try:
+            meta = json.loads(p.with_suffix(".json").read_text())
+        except (OSError, ValueError):
+            names.append(p.stem)
+            continue
+        names.append(f"{meta.get('name', p.stem)} w{meta.get('num_warps')} s{meta.get('num_stages')}")
+    return names
+
+
 def run_case_once(case: Case, method: Method, inputs: Inputs, fwd) -> None:
     """Every launch a timed row of this (case, method) makes, untimed: the forward, forward + backward, and the
     statistics' forward."""
@@ -407,6 +427,7 @@ def run(argv: list[str] | None = None) -> Path | None:
         return None
     notes.append(line)
     built_before_timing = n_built()
+    cubins_before = cubins()
 
     from sparse_attn.kernels.entmax_attn_fwd import fwd_block_sizes
 
@@ -465,6 +486,8 @@ def run(argv: list[str] | None = None) -> Path | None:
         free_memory(device)
     built = n_built() - built_before_timing
     line = f"kernels built during the timings: {built} (0 = the warm-up built everything)"
+    if built:
+        line += ": " + ", ".join(kernel_names(cubins() - cubins_before))[:1500]
     print(line, flush=True)
     notes.append(line)
     if args.budget_s is not None and time.monotonic() - start > args.budget_s:
