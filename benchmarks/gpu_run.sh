@@ -99,8 +99,8 @@ case "$MODE" in
     left=$(( TOTAL_S - (SECONDS - START) ))
     {
       # shellcheck disable=SC2086
-      timeout $(( left - 25 )) "$PY" benchmarks/headline.py --out "$OUT_DIR" ${HEADLINE_ARGS:-} --jobs 0 \
-        --budget-s $(( left - 70 ))
+      timeout $(( left - 20 )) "$PY" benchmarks/headline.py --out "$OUT_DIR" ${HEADLINE_ARGS:-} --jobs 0 \
+        --budget-s $(( left > 90 ? left - 45 : left / 2 ))
       echo "gpu_run: headline exit status $? after $(( SECONDS - START )) s"
     } 2>&1 | tee -a "$OUT_DIR/headline.log"
     size=$(du -sm "$TRITON_CACHE_DIR" | cut -f1)
