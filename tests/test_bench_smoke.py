@@ -377,3 +377,42 @@ def test_profile_script_ncu_and_fallback_paths(tmp_path, fake):
         assert (tmp_path / "out" / "profile.ncu-rep").exists()
     else:
         assert "path: fallback" in md and "ERR_NVGPUCTRPERM" in md and "## Nsight Compute" not in md
+
+
+def test_headline_dry_run_of_the_first_gpu_call(tmp_path):
+    """The first GPU call rehearsed on the CPU: ``gpu_run.sh`` MODE=headline with the smoke shapes (the smoke tests
+    skipped, the parallel warm-up in subprocesses, the timings with the interpreter), every file written, every
+    timed path within the check's bound, and no kernel built after the warm-up (none at all here)."""
+    out = tmp_path / "out"
+    env = dict(os.environ, PYTHON=sys.executable, SKIP_TESTS="1", TOTAL_S="600", WARM_JOBS="2",
+               HEADLINE_ARGS="--smoke --seqs 32 --head-dims 16 --local-seq 48 --dead 0.5", BENCH_COMMIT="dry-run")
+    root = HARNESS.parents[1]
+    res = subprocess.run(["bash", str(root / "benchmarks" / "gpu_run.sh"), str(out)], cwd=root, env=env,
+                         capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    for name in ("env.txt", "headline.log", "headline.md", "headline.csv", "headline.png"):
+        assert (out / name).stat().st_size > 0, name
+    log = (out / "headline.log").read_text()
+    assert "warm-up: 9 (case, method) pairs in 2 processes" in log and "warm-up processes failed" not in log
+    assert "kernels built during the timings: 0" in log
+    lines = [ln for ln in (out / "headline.csv").read_text().splitlines() if not ln.startswith("#")]
+    import csv
+
+    rows = list(csv.DictReader(lines))
+    ours = [r for r in rows if r["method"] == "sparse_attn"]
+    assert {r["alpha"] for r in ours} == {"1", "1.5", "2", "learnable"}
+    assert all(r["status"] == "ok" and r["check"] in ("ok", "ok (tol)") for r in ours), ours
+    assert all(float(r["passes_mean"]) >= 1 for r in ours)
+    flash = [r for r in rows if r["backend"] == "flash" and r["status"] == "ok"]
+    assert flash and all(r["check"] == "ok" for r in flash)
+    assert "commit: dry-run" in (out / "env.txt").read_text()
+
+
+def test_decode_gpu_timings_run_the_compiled_kernels():
+    """``decode.py --gpu`` must not inherit passes.py's interpreter default (it did on the first GPU run)."""
+    root = HARNESS.parents[1]
+    code = ("import os, sys; sys.argv = ['decode.py', '--gpu']; sys.path.insert(0, 'benchmarks'); "
+            "os.environ.pop('TRITON_INTERPRET', None); import decode; print(os.environ['TRITON_INTERPRET'])")
+    res = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip().splitlines()[-1] == "0"
