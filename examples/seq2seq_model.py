@@ -26,7 +26,7 @@ def variant_attention_kwargs(variant: str, heads: int, generator: torch.Generato
         return {"alpha": 1.5}
     if variant == "adaptive":
         init = 1.0 + torch.sigmoid(torch.randn(heads, generator=generator))
-        return {"learnable_alpha": True, "alpha_min": 1.0, "alpha_max": 2.0, "alpha_init": init}
+        return {"learnable": True, "alpha_min": 1.0, "alpha_max": 2.0, "alpha_init": init}
     raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
 
 

@@ -235,9 +235,13 @@ def _adaptation_report(args, runs, adapted, zero_shot) -> list[str]:
     if args.fixed_alpha in zero_shot:
         block.append(reports.metrics_line(f"zero-shot alpha={args.fixed_alpha:g}", zero_shot[args.fixed_alpha]))
     for r in runs:
-        block.append(reports.metrics_line(r.name, adapted[r.name], f"  ({r.seconds:.0f} s, distillation loss "
-                                                                    f"{r.distill_losses[0]:.4f} -> "
-                                                                    f"{r.distill_losses[-1]:.4f})"))
+        # the distillation loss is the teacher-student distance: it grows as alpha leaves 1 (the student's
+        # attention moves away from the softmax teacher's); the learnable run trades it against the sparsity term
+        terms = f"distillation loss {r.distill_losses[0]:.4f} -> {r.distill_losses[-1]:.4f}"
+        if r.sparsity_terms:
+            terms += (f", sparsity term {r.sparsity_terms[0]:.4f} -> {r.sparsity_terms[-1]:.4f} "
+                      f"(x {r.config.sparsity_weight:g}), total {r.losses[0]:.4f} -> {r.losses[-1]:.4f}")
+        block.append(reports.metrics_line(r.name, adapted[r.name], f"  ({r.seconds:.0f} s, {terms})"))
     for r in runs:
         if r.config.learnable:
             hist = np.asarray(r.alpha_history)

@@ -79,7 +79,9 @@ def write_metrics_json(path: Path, evaluations: dict[str, Evaluation], runs: lis
         "settings": {k: {n: _finite(v) for n, v in ev.summary().items()} for k, ev in evaluations.items()},
         "runs": {r.name: {"config": vars(r.config), "seconds": r.seconds, "loss_first": r.losses[0],
                           "loss_last": r.losses[-1], "distill_loss_first": r.distill_losses[0],
-                          "distill_loss_last": r.distill_losses[-1]} for r in runs},
+                          "distill_loss_last": r.distill_losses[-1],
+                          "sparsity_term_first": r.sparsity_terms[0] if r.sparsity_terms else None,
+                          "sparsity_term_last": r.sparsity_terms[-1] if r.sparsity_terms else None} for r in runs},
     }
     path.write_text(json.dumps(data, indent=2, allow_nan=False))
     return path

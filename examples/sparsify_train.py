@@ -57,6 +57,7 @@ class TrainResult:
     alpha_history: list[np.ndarray] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
     distill_losses: list[float] = field(default_factory=list)
+    sparsity_terms: list[float] = field(default_factory=list)
     seconds: float = 0.0
 
 
@@ -130,12 +131,15 @@ def distill(student: nn.Module, teacher: nn.Module, windows: Tensor, cfg: TrainC
             target = teacher(input_ids=ids).last_hidden_state
         hidden = student(input_ids=ids).last_hidden_state
         distill_loss = distillation_loss(hidden, target, cfg)
-        loss = distill_loss + cfg.sparsity_weight * _sparsity_term(student) if alpha_params else distill_loss
+        sparsity = _sparsity_term(student) if alpha_params else None
+        loss = distill_loss + cfg.sparsity_weight * sparsity if sparsity is not None else distill_loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
         result.losses.append(loss.item())
         result.distill_losses.append(distill_loss.item())
+        if sparsity is not None:
+            result.sparsity_terms.append(sparsity.item())
         if step % cfg.log_every == 0 or step == cfg.steps:
             log(step)
         if bar is not None:

@@ -120,6 +120,12 @@ def test_reports_and_figures_written(run):
     assert sorted(metrics["settings"]) == sorted(settings)
     assert metrics["settings"]["zero-shot alpha=1"]["max_abs_diff"] <= 1e-5
     assert metrics["runs"]["adapted learnable"]["config"]["steps"] == 6
+    # both terms of the learnable run's loss are reported (the distillation loss alone rises as alpha leaves 1)
+    learn = metrics["runs"]["adapted learnable"]
+    assert 0.0 <= learn["sparsity_term_last"] <= 1.0 and learn["sparsity_term_first"] is not None
+    assert metrics["runs"]["adapted fixed 1.5"]["sparsity_term_first"] is None
+    summary = (out / "summary.txt").read_text()
+    assert "sparsity term" in summary and "total" in summary
     for name in ("alpha_trajectories.png", "head_density.png", "attention_maps.png"):
         assert (out / name).read_bytes()[:8] == PNG, name
     assert sorted(p.name for p in result["figures"]) == ["alpha_trajectories.png", "attention_maps.png",
