@@ -85,7 +85,7 @@ else
       *metrics) extra=("${stall_metrics[@]}") ;;
     esac
     echo "profile_ncu: attempt '$attempt'" | tee -a "$LOG"
-    timeout "$cap" "$ncu_bin" --target-processes all --kernel-name regex:entmax_attn_fwd "${select[@]}" \
+    timeout "$cap" "$ncu_bin" --target-processes all --clock-control none --kernel-name regex:entmax_attn_fwd "${select[@]}" \
       "${sections[@]}" ${extra[@]+"${extra[@]}"} --export "$OUT_DIR/profile" --force-overwrite \
       "$PY" benchmarks/profile_case.py launch --warmup "$WARMUP" ${CASE[@]+"${CASE[@]}"} > "$OUT_DIR/ncu.log" 2>&1
     status=$?
