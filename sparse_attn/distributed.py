@@ -13,6 +13,14 @@ own query rows, equal (up to rounding) to what one process would compute on the 
   call on them, and turns the output back with the inverse all-to-all (the adjoint pair gives the
   backward).
 
+Every rank must pass the same shapes, dtypes and options (its shard of one sequence). Before any
+data moves, each entry point all-gathers a small int64 description of every rank's arguments (one
+collective; on the CPU when the group has a CPU backend) and, when they differ, raises the same
+``ValueError`` on every rank, naming the argument, the ranks, what they have and what rank 0 has;
+when one rank's own argument checks fail, that rank raises its error and the others a
+``ValueError`` naming it. No rank hangs or aborts in the backend. The backward needs no second
+check: autograd fixes its shapes.
+
 Sharding: the sequence of length ``N`` is cut into ``2P`` chunks of ``N / (2P)`` positions and
 rank ``r`` holds chunks ``r`` and ``2P - 1 - r`` (``load_balance=True``, the default: every rank
 gets the same causal work), or into ``P`` chunks with rank ``r`` holding chunk ``r``
@@ -45,6 +53,7 @@ from sparse_attn._cp_layout import (
     _heads_to_seq,
     _Layout,
     _layout,
+    _ranks_agree,
 )
 from sparse_attn._validation import check_bool, check_int, values_checkable
 from sparse_attn.attention import entmax_attention
@@ -67,6 +76,10 @@ __all__ = [
 ]
 
 SCHEMES = ("allgather", "ulysses")
+_QKV_DIMS = ("batch", "heads", "seq_local", "head_dim")
+_V_DIMS = ("batch", "heads", "seq_local", "value head_dim")
+_MASK_DIMS = ("batch", "seq_local")
+_ULYSSES_OPTIONS = ("scale", "dropout_p", "backend", "window_size", "softcap", "sinks", "alibi_slopes")
 
 def shard_positions(seq_len: int, world_size: int, rank: int, *, load_balance: bool = True) -> Tensor:
     """Global positions of the rows rank ``rank`` holds, int64 ``(seq_len / world_size,)``.
@@ -128,10 +141,16 @@ def unshard_sequence(x: Tensor, group=None, *, dim: int = 2, load_balance: bool 
         group, dim, load_balance: as :func:`shard_sequence`.
     """
     lay = _layout(group, load_balance)
-    if not isinstance(x, Tensor):
-        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    dim = _seq_dim(x, dim)
-    _chunk_size(x.shape[dim], lay, f"x.shape[{dim}]")
+    args = [("x", x, None), ("dim", dim, None), ("load_balance", load_balance, None)]
+    with _ranks_agree(lay, "unshard_sequence", args):
+        if not isinstance(x, Tensor):
+            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        dim = _seq_dim(x, dim)
+        _chunk_size(x.shape[dim], lay, f"x.shape[{dim}]")
+    return _unshard(x, dim, lay)
+
+
+def _unshard(x: Tensor, dim: int, lay: _Layout) -> Tensor:
     if x.dtype == torch.bool:
         return _all_gather_seq([x.to(torch.uint8)], dim, lay)[0].bool()
     return _GatherSequence.apply(lay, dim, x)[0]
@@ -270,7 +289,9 @@ def context_parallel_attention(
     rows. K and V are all-gathered (one collective) into global order; each local query chunk
     attends to them, with causal masking sliced to the keys up to the chunk's end; the backward
     reduce-scatters dK and dV (one collective). Memory per rank: the gathered K/V of the whole
-    sequence, ``B * Hk * N * (D + Dv)`` elements, plus its gradient in the backward.
+    sequence, ``B * Hk * N * (D + Dv)`` elements, plus its gradient in the backward. Arguments
+    that differ across ranks raise the same ``ValueError`` on every rank before any data moves
+    (see the module docstring).
 
     Args:
         q: ``(B, Hq, N_local, D)`` this rank's query rows (see :func:`shard_sequence`).
@@ -299,21 +320,27 @@ def context_parallel_attention(
         ``out`` ``(B, Hq, N_local, Dv)`` (this rank's rows), or ``(out, stats)``.
     """
     lay = _layout(group, load_balance)
-    _check_local(q, k, v, key_padding_mask)
-    check_bool("return_stats", return_stats)
     variants = dict(alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks)
-    prepare_attention(q, k, v, alpha, is_causal=is_causal, scale=scale, dropout_p=dropout_p,
-                      enable_gqa=enable_gqa, backend=backend, window_size=window_size, **variants)
-    window = _check_window_size(window_size)
-    if alibi_slopes is not None and not is_causal and (window is None or window[1] != 0):
-        raise ValueError("alibi_slopes with context_parallel_attention needs is_causal=True or window_size=(left, 0): "
-                         "a query chunk's ALiBi distances need its keys to end at the chunk's last position; "
-                         "use ulysses_attention for non-causal ALiBi")
-    if is_causal and q.shape[2] != k.shape[2]:
-        raise ValueError(f"is_causal needs q and k sharded from one sequence (the same seq_local), "
-                         f"got {q.shape[2]} and {k.shape[2]}")
-    c = _chunk_size(q.shape[2], lay, "q.shape[2] (seq_local)")
-    _chunk_size(k.shape[2], lay, "k.shape[2] (seq_local)")
+    args = [("q", q, _QKV_DIMS), ("k", k, _QKV_DIMS), ("v", v, _V_DIMS), ("alpha", alpha, None),
+            ("is_causal", is_causal, None), ("key_padding_mask", key_padding_mask, _MASK_DIMS), ("scale", scale, None),
+            ("dropout_p", dropout_p, None), ("enable_gqa", enable_gqa, None), ("return_stats", return_stats, None),
+            ("backend", backend, None), ("load_balance", load_balance, None), ("window_size", window_size, None),
+            *((name, val, None) for name, val in variants.items())]
+    with _ranks_agree(lay, "context_parallel_attention", args):
+        _check_local(q, k, v, key_padding_mask)
+        check_bool("return_stats", return_stats)
+        prepare_attention(q, k, v, alpha, is_causal=is_causal, scale=scale, dropout_p=dropout_p,
+                          enable_gqa=enable_gqa, backend=backend, window_size=window_size, **variants)
+        window = _check_window_size(window_size)
+        if alibi_slopes is not None and not is_causal and (window is None or window[1] != 0):
+            raise ValueError("alibi_slopes with context_parallel_attention needs is_causal=True or window_size=(left, "
+                             "0): a query chunk's ALiBi distances need its keys to end at the chunk's last position; "
+                             "use ulysses_attention for non-causal ALiBi")
+        if is_causal and q.shape[2] != k.shape[2]:
+            raise ValueError(f"is_causal needs q and k sharded from one sequence (the same seq_local), "
+                             f"got {q.shape[2]} and {k.shape[2]}")
+        c = _chunk_size(q.shape[2], lay, "q.shape[2] (seq_local)")
+        _chunk_size(k.shape[2], lay, "k.shape[2] (seq_local)")
     if k.shape[-1] == v.shape[-1]:
         k_all, v_all = _GatherSequence.apply(lay, 2, k, v)
     else:
@@ -368,7 +395,9 @@ def ulysses_attention(
     each. Needs ``Hq % P == 0``; kv heads are sharded when ``Hk % P == 0`` and otherwise, when
     ``P % Hk == 0`` (e.g. multi-query attention), each kv head is repeated ``P / Hk`` times first
     (more all-to-all volume for K/V, gradients summed back). Memory per rank: q, k, v and the
-    output of the whole sequence for ``H / P`` heads.
+    output of the whole sequence for ``H / P`` heads. Arguments that differ across ranks (shapes,
+    dtypes, options, ``attn_fn``) raise the same ``ValueError`` on every rank before any data
+    moves (see the module docstring).
 
     Args:
         q: ``(B, Hq, N_local, D)``; k, v: ``(B, Hk, N_local_k, D)`` / ``(B, Hk, N_local_k, Dv)``, sharded
@@ -396,27 +425,37 @@ def ulysses_attention(
         ``out`` ``(B, Hq, N_local, Dv)``, or ``(out, stats)``.
     """
     lay = _layout(group, load_balance)
-    _check_local(q, k, v, key_padding_mask)
-    check_bool("return_stats", return_stats)
-    check_bool("enable_gqa", enable_gqa)
-    for name in ("attn_mask", "cu_seqlens_q", "cu_seqlens_k"):
-        if name in kwargs:
-            raise ValueError(f"{name} is not supported by ulysses_attention: pass key_padding_mask (and is_causal)")
-    if attn_fn is None:
-        attn_fn = entmax_attention
-        prepare_attention(q, k, v, alpha, is_causal=is_causal, enable_gqa=enable_gqa, **kwargs)
-    elif not callable(attn_fn):
-        raise TypeError(f"attn_fn must be callable, got {type(attn_fn).__name__}")
-    if is_causal and q.shape[2] != k.shape[2]:
-        raise ValueError(f"is_causal needs q and k sharded from one sequence (the same seq_local), "
-                         f"got {q.shape[2]} and {k.shape[2]}")
-    _chunk_size(q.shape[2], lay, "q.shape[2] (seq_local)")
-    _chunk_size(k.shape[2], lay, "k.shape[2] (seq_local)")
-    h_q, h_k = q.shape[1], k.shape[1]
-    if h_k != h_q and not enable_gqa:
-        raise ValueError(f"q has {h_q} heads and k/v have {h_k}: pass enable_gqa=True")
-    check_head_alpha("alpha", alpha, h_q)
-    repeat = _ulysses_kv_heads(h_q, h_k, lay.world)
+    others = ",".join(sorted(name for name in kwargs if name not in _ULYSSES_OPTIONS))
+    fn_name = None if attn_fn is None or attn_fn is entmax_attention else (
+        f"{getattr(attn_fn, '__module__', '')}.{getattr(attn_fn, '__qualname__', type(attn_fn).__qualname__)}")
+    args = [("q", q, _QKV_DIMS), ("k", k, _QKV_DIMS), ("v", v, _V_DIMS), ("alpha", alpha, None),
+            ("is_causal", is_causal, None), ("key_padding_mask", key_padding_mask, _MASK_DIMS),
+            ("enable_gqa", enable_gqa, None), ("return_stats", return_stats, None),
+            ("load_balance", load_balance, None), ("attn_fn (its qualified name)", fn_name, None),
+            *((name, kwargs.get(name), None) for name in _ULYSSES_OPTIONS),
+            ("the names of the other keyword arguments", others, None)]
+    with _ranks_agree(lay, "ulysses_attention", args):
+        _check_local(q, k, v, key_padding_mask)
+        check_bool("return_stats", return_stats)
+        check_bool("enable_gqa", enable_gqa)
+        for name in ("attn_mask", "cu_seqlens_q", "cu_seqlens_k"):
+            if name in kwargs:
+                raise ValueError(f"{name} is not supported by ulysses_attention: pass key_padding_mask (and is_causal)")
+        if attn_fn is None:
+            attn_fn = entmax_attention
+            prepare_attention(q, k, v, alpha, is_causal=is_causal, enable_gqa=enable_gqa, **kwargs)
+        elif not callable(attn_fn):
+            raise TypeError(f"attn_fn must be callable, got {type(attn_fn).__name__}")
+        if is_causal and q.shape[2] != k.shape[2]:
+            raise ValueError(f"is_causal needs q and k sharded from one sequence (the same seq_local), "
+                             f"got {q.shape[2]} and {k.shape[2]}")
+        _chunk_size(q.shape[2], lay, "q.shape[2] (seq_local)")
+        _chunk_size(k.shape[2], lay, "k.shape[2] (seq_local)")
+        h_q, h_k = q.shape[1], k.shape[1]
+        if h_k != h_q and not enable_gqa:
+            raise ValueError(f"q has {h_q} heads and k/v have {h_k}: pass enable_gqa=True")
+        check_head_alpha("alpha", alpha, h_q)
+        repeat = _ulysses_kv_heads(h_q, h_k, lay.world)
     if repeat > 1:
         k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
     if q.shape[-1] == v.shape[-1]:
@@ -461,15 +500,20 @@ def gather_head_density(stats: AttentionStats, group=None, row_mask: Tensor | No
         float64 ``(H,)`` on the stats' device, the same on every rank; NaN for a head with no row.
     """
     lay = _layout(group, False)
-    if not isinstance(stats, AttentionStats):
-        raise TypeError(f"stats must be an AttentionStats, got {type(stats).__name__}")
-    valid = stats.n_valid > 0
+    fields = stats if isinstance(stats, AttentionStats) else (stats, None, None)
+    args = [(f"stats.{name}", val, ("batch", "heads", "seq_local"))
+            for name, val in zip(AttentionStats._fields, fields)]
+    with _ranks_agree(lay, "gather_head_density", [*args, ("row_mask", row_mask, _MASK_DIMS)]):
+        if not isinstance(stats, AttentionStats):
+            raise TypeError(f"stats must be an AttentionStats, got {type(stats).__name__}")
+        valid = stats.n_valid > 0
+        if row_mask is not None:
+            if not isinstance(row_mask, Tensor) or row_mask.dtype != torch.bool or row_mask.shape != (
+                    valid.shape[0], valid.shape[2]):
+                got = f"{row_mask.dtype} {tuple(row_mask.shape)}" if isinstance(row_mask, Tensor) else row_mask
+                raise ValueError(f"row_mask must be a boolean tensor of shape {(valid.shape[0], valid.shape[2])}, "
+                                 f"got {got}")
     if row_mask is not None:
-        if not isinstance(row_mask, Tensor) or row_mask.dtype != torch.bool or row_mask.shape != (
-                valid.shape[0], valid.shape[2]):
-            got = f"{row_mask.dtype} {tuple(row_mask.shape)}" if isinstance(row_mask, Tensor) else row_mask
-            raise ValueError(f"row_mask must be a boolean tensor of shape {(valid.shape[0], valid.shape[2])}, "
-                             f"got {got}")
         valid = valid & row_mask[:, None, :]
     frac = torch.where(valid, stats.nnz.double() / stats.n_valid.clamp_min(1).double(), 0.0)
     totals = torch.stack([frac.sum((0, 2)), valid.sum((0, 2)).double()])
@@ -571,9 +615,9 @@ class ContextParallelMultiheadAttention(EntmaxMultiheadAttention):
             res = ulysses_attention(q, k, v, self._alpha_arg(), **kw)
         out = res[0] if sink is not None else res
         if sink is not None:
-            with torch.no_grad():
-                nnz, n_valid = (unshard_sequence(f, self.process_group, load_balance=self.load_balance)
-                                for f in (res[1].nnz, res[1].n_valid))
+            lay = _layout(self.process_group, self.load_balance)
+            with torch.no_grad():  # shapes checked by the attention call: no second agreement check
+                nnz, n_valid = (_unshard(f, 2, lay) for f in (res[1].nnz, res[1].n_valid))
             sink(nnz, n_valid, self.alpha, None)
         out = self.out_proj(out.transpose(1, 2).reshape(n, l_q, self.embed_dim))
         return (out if self.batch_first else out.transpose(0, 1)), None

@@ -7,6 +7,7 @@ are marked ``slow`` and run only with ``SPARSE_ATTN_SLOW_TESTS=1``.
 """
 
 import os
+import re
 import tempfile
 import time
 
@@ -368,6 +369,140 @@ def _case_errors(rank, world):
 
 def test_errors_name_the_argument():
     _launch(2, _case_errors)
+
+
+def _ranks_text(ranks):
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+
+
+def _raises_on_every_rank(patterns, fn, *args, **kw):
+    """``fn(*args, **kw)`` raises ValueError on this rank with a message matching every pattern, and every rank's
+    message is the same (checked with a collective, which also shows the group still works after the error)."""
+    with pytest.raises(ValueError) as info:
+        fn(*args, **kw)
+    msg = str(info.value)
+    for pattern in (patterns,) if isinstance(patterns, str) else patterns:
+        assert re.search(pattern, msg), f"{pattern!r} not in {msg!r}"
+    msgs = [None] * dist.get_world_size()
+    dist.all_gather_object(msgs, msg)
+    assert len(set(msgs)) == 1, msgs
+
+
+def _plain_attention(q, k, v, alpha, **kw):
+    return entmax_attention(q, k, v, alpha, **kw)
+
+
+def _case_mismatched_ranks(rank, world):
+    """Arguments that differ across ranks raise the same ValueError on every rank, naming the field and the ranks,
+    before any data moves; afterwards the group still computes correctly."""
+    odd, last = rank % 2 == 1, rank == world - 1
+    odd_ranks, others = _ranks_text(range(1, world, 2)), _ranks_text(range(1, world))
+    g = torch.Generator().manual_seed(rank)
+
+    def qkv(h=4, n=8, d=8):
+        return [torch.randn(1, h, n, d, generator=g, dtype=torch.float64) for _ in range(3)]
+
+    alpha = torch.linspace(1.2, 1.8, 4, dtype=torch.float64)
+    for call in SCHEMES.values():
+        fn = call.__name__
+        # unequal chunk lengths: 8 rows, 6 on the odd ranks
+        _raises_on_every_rank((rf"^{fn} needs the same argument shapes",
+                               rf"q\.shape\[2\] \(seq_local\): expected 8 \(as on rank 0\), got 6 on {odd_ranks}",
+                               rf"k\.shape\[2\] \(seq_local\): expected 8 \(as on rank 0\), got 6 on {odd_ranks}"),
+                              call, *qkv(n=6 if odd else 8), alpha, is_causal=True)
+        # unequal head counts (and alpha per head): 8 heads on the last rank
+        _raises_on_every_rank((rf"q\.shape\[1\] \(heads\): expected 4 \(as on rank 0\), got 8 on rank {world - 1}",
+                               rf"alpha\.shape\[0\]: expected 4 \(as on rank 0\), got 8 on rank {world - 1}"),
+                              call, *qkv(h=8 if last else 4),
+                              torch.linspace(1.2, 1.8, 8 if last else 4, dtype=torch.float64))
+        # unequal head dims
+        _raises_on_every_rank((rf"q\.shape\[3\] \(head_dim\): expected 8 \(as on rank 0\), got 16 on {odd_ranks}",
+                               rf"v\.shape\[3\] \(value head_dim\): expected 8 \(as on rank 0\), got 16 on "
+                               rf"{odd_ranks}"),
+                              call, *qkv(d=16 if odd else 8), alpha)
+        # alpha a tensor on rank 0, a float elsewhere
+        _raises_on_every_rank(rf"alpha: expected a float64 tensor of shape \(4,\) \(as on rank 0\), got 1\.5 on "
+                              rf"{others}", call, *qkv(), alpha if rank == 0 else 1.5)
+        # dtypes, and a key mask on some ranks only
+        _raises_on_every_rank((rf"q\.dtype: expected float64 \(as on rank 0\), got float32 on {odd_ranks}",
+                               rf"key_padding_mask: expected a bool tensor of shape \(1, 8\) \(as on rank 0\), "
+                               rf"got None on {odd_ranks}"),
+                              call, *(t.float() if odd else t for t in qkv()), 1.5,
+                              key_padding_mask=None if odd else torch.ones(1, 8, dtype=torch.bool))
+        # return_stats on rank 0 only (Ulysses would run one all-to-all more there)
+        _raises_on_every_rank(rf"return_stats: expected True \(as on rank 0\), got False on {others}",
+                              call, *qkv(), alpha, return_stats=rank == 0)
+        # a gradient, so a backward collective, on rank 0 only
+        _raises_on_every_rank(rf"q\.requires_grad: expected True \(as on rank 0\), got False on {others}",
+                              call, *(t.requires_grad_(rank == 0) for t in qkv()), alpha)
+        # one rank's own checks fail (alpha out of range there): it raises its own error, the others name the rank
+        with pytest.raises(ValueError) as info:
+            call(*qkv(), alpha * 2 if last else alpha)
+        if last:
+            assert "alpha" in str(info.value) and "same argument" not in str(info.value), info.value
+        else:
+            assert str(info.value) == (f"{fn}: the arguments of rank {world - 1} of the group are invalid (the "
+                                       "error is raised there); every rank stops here before any data moves")
+    _raises_on_every_rank(rf"window_size: expected \(4, 0\) \(as on rank 0\), got None on {odd_ranks}",
+                          context_parallel_attention, *qkv(), 1.5, is_causal=True,
+                          window_size=None if odd else (4, 0))
+    _raises_on_every_rank(rf"attn_fn \(its qualified name\): expected None \(as on rank 0\), "
+                          rf"got '[\w.]*_plain_attention' on {odd_ranks}",
+                          ulysses_attention, *qkv(), 1.5, attn_fn=_plain_attention if odd else None)
+    _raises_on_every_rank(rf"call different functions at the same point: context_parallel_attention on rank 0, "
+                          rf"ulysses_attention on {others}",
+                          ulysses_attention if rank else context_parallel_attention, *qkv(), alpha)
+    _raises_on_every_rank(rf"x\.shape\[2\]: expected 8 \(as on rank 0\), got 6 on {odd_ranks}",
+                          unshard_sequence, torch.zeros(1, 4, 6 if odd else 8, 2))
+    stats = context_parallel_attention(*qkv(), 1.5, return_stats=True)[1]
+    nnz = torch.zeros(1, 8 if last else 4, 8, dtype=torch.int32)
+    _raises_on_every_rank(rf"stats\.nnz\.shape\[1\] \(heads\): expected 4 \(as on rank 0\), got 8 on "
+                          rf"rank {world - 1}", gather_head_density, stats._replace(nnz=nnz))
+    # the group still works: both schemes on matching shards against one process
+    q, k, v, alpha, _ = _problem(1, 4, 4, 16, 8, 8, torch.float64)
+    want = shard_sequence(entmax_attention(q, k, v, alpha, is_causal=True))
+    for call in SCHEMES.values():
+        got = call(*(shard_sequence(t) for t in (q, k, v)), alpha, is_causal=True)
+        _close(call.__name__, got, want, TOL[torch.float64])
+    dist.barrier()
+
+
+def test_argument_descriptions_of_the_rank_check():
+    """What the rank check writes for each kind of argument, and its message, from encoded rows (no processes)."""
+    from sparse_attn._cp_layout import _ROW, _describe, _encode, _mismatch
+
+    def described(x):
+        return _describe(_encode(x))
+
+    assert described(None) == "None" and described(True) == "True" and described(3) == "3"
+    assert described(1.25) == "1.25" and described((4, 0)) == "(4, 0)" and described("auto") == "'auto'"
+    assert described("x" * 100) == repr("x" * 64) + "..." and described([0.5]) == "an object of another type"
+    assert described(torch.zeros(2, 3, dtype=torch.bfloat16)) == "a bfloat16 tensor of shape (2, 3)"
+    assert described(torch.zeros(1, 2, 3, 4, 5, 6, 7)) == "a float32 tensor of shape (1, 2, 3, 4, 5, ...)"
+    assert described(torch.zeros(2, requires_grad=True)) == "a float32 tensor of shape (2,) requiring grad"
+    with torch.no_grad():
+        assert described(torch.zeros(2, requires_grad=True)) == "a float32 tensor of shape (2,)"
+    args = [("q", torch.zeros(1, 2, 8, 4), ("batch", "heads", "seq_local", "head_dim")), ("alpha", 1.5, None)]
+
+    def row(q, alpha, fn=0):
+        return ([0, fn] + _encode(q) + _encode(alpha) + [0] * _ROW)[:_ROW]
+
+    same = row(torch.zeros(1, 2, 8, 4), 1.5)
+    assert _mismatch("f", args, [same, same, same]) is None
+    msg = _mismatch("f", args, [same, row(torch.zeros(1, 2, 6, 4), 1.5), row(torch.zeros(1, 2, 8, 4), 2.0),
+                                row(torch.zeros(1, 2, 4, 4), None)])
+    assert msg.endswith("q.shape[2] (seq_local): expected 8 (as on rank 0), got 6 on rank 1 and 4 on rank 3; "
+                        "alpha: expected 1.5 (as on rank 0), got 2.0 on rank 2 and None on rank 3"), msg
+    msg = _mismatch("f", args, [same, row(torch.zeros(1, 2, 8, 4), 1.5, fn=1), row(torch.zeros(1, 2, 8, 4), 1.5, 9)])
+    assert msg == ("the ranks of the group call different functions at the same point: context_parallel_attention "
+                   "on rank 0, ulysses_attention on rank 1, function #9 on rank 2"), msg
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_mismatched_ranks_raise_the_same_error_everywhere(world):
+    """Every rank raises (none hangs, aborts or returns): the launcher fails on a timeout or a killed process, and
+    each rank's process group is destroyed after the last case."""
+    _launch(world, _case_mismatched_ranks, timeout=60.0)
 
 
 def _visible(row_pos: int, key: int, is_causal: bool, window) -> bool:
