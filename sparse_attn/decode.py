@@ -103,7 +103,18 @@ def _check_cache(q: Tensor, k_cache, v_cache, block_table) -> tuple[int, int]:
         n_kv_heads, capacity = k_cache.shape[2], block_table.shape[1] * k_cache.shape[1]
     h_q = q.shape[1]
     if (n_kv_heads == 0 and h_q != 0) or (n_kv_heads != 0 and h_q % n_kv_heads != 0):
-        raise ValueError(f"the number of q heads ({h_q}) must be a multiple of the number of kv heads ({n_kv_heads})")
+        if block_table is None:
+            # The usual cause: a flash-attn (B, N, Hk, D) cache given as it is. A layout cannot be inferred from the
+            # shape (N == Hk, or N dividing Hq, is possible), so it is named rather than guessed.
+            raise ValueError(
+                f"the number of q heads ({h_q}) must be a multiple of the number of kv heads ({n_kv_heads}): a "
+                f"contiguous k_cache must have shape (B, Hk, N, D) (kv heads on dim 1), got k_cache of shape "
+                f"{tuple(k_cache.shape)} for q of shape {tuple(q.shape)} (B, Hq, Nq, D); a flash-attn (B, N, Hk, D) "
+                f"cache must be transposed first: k_cache.transpose(1, 2), v_cache.transpose(1, 2) (views, no copy; "
+                f"likewise a (B, Nq, Hq, D) q)")
+        raise ValueError(f"the number of q heads ({h_q}) must be a multiple of the number of kv heads ({n_kv_heads}): "
+                         f"a paged k_cache must have shape (num_pages, page_size, Hk, D), got "
+                         f"{tuple(k_cache.shape)} for q of shape {tuple(q.shape)} (B, Hq, Nq, D)")
     return n_kv_heads, capacity
 
 

@@ -37,7 +37,6 @@ from sparse_attn._validation import (
     check_choice,
     check_device,
     check_floating,
-    check_int,
     check_positive_int,
     check_tensor,
 )
@@ -117,11 +116,33 @@ def _check_proportions(y: torch.Tensor) -> None:
         )
 
 
+def _check_ignore_index(ignore_index):
+    """``ignore_index`` as an int, or as a detached 0-d int64 tensor when it is given as a non-CPU tensor.
+
+    Accepts a Python int or a 0-d integer tensor on any device (what the ``entmax`` package accepts, e.g.
+    ``y[0]``). A CPU tensor is read once (``.item()``, no device sync); a CUDA tensor is kept on its device
+    and compared there, so the check itself reads nothing back.
+    """
+    if isinstance(ignore_index, torch.Tensor):
+        if ignore_index.dtype.is_floating_point or ignore_index.dtype.is_complex or ignore_index.dtype == torch.bool:
+            raise TypeError(f"ignore_index must be an int or a 0-d integer tensor, got a tensor of dtype "
+                            f"{ignore_index.dtype}")
+        if ignore_index.ndim != 0:
+            raise ValueError(f"ignore_index must be an int or a 0-d integer tensor, got a tensor of shape "
+                             f"{tuple(ignore_index.shape)}")
+        if ignore_index.device.type == "cpu":
+            return int(ignore_index.item())
+        return ignore_index.detach().to(torch.int64)
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index must be an int or a 0-d integer tensor, got {type(ignore_index).__name__}")
+    return ignore_index
+
+
 def _fy_loss(X, target, alpha, mapping, ignore_index, reduction):
     check_floating("X", X)
     check_tensor("target", target)
     check_choice("reduction", reduction, _REDUCTIONS)
-    check_int("ignore_index", ignore_index)
+    ignore_index = _check_ignore_index(ignore_index)
     if X.ndim != 2:
         raise ValueError(f"X must have shape (N, C), got shape {tuple(X.shape)}")
     check_device("target", target, X.device, "X")
@@ -141,9 +162,13 @@ def _fy_loss(X, target, alpha, mapping, ignore_index, reduction):
         if tuple(target.shape) != (n_rows,):
             raise ValueError(f"target labels must have shape ({n_rows},), got {tuple(target.shape)}")
         labels = target.long()
+        if isinstance(ignore_index, torch.Tensor):
+            # Compared on the labels' device (a CUDA index with CPU labels is copied over; no other read).
+            ignore_index = ignore_index.to(labels.device)
         keep = labels != ignore_index
         if bool(((labels[keep] < 0) | (labels[keep] >= n_cls)).any()):
-            raise ValueError(f"target labels must be in [0, {n_cls - 1}] or equal ignore_index={ignore_index}")
+            shown = int(ignore_index) if isinstance(ignore_index, torch.Tensor) else ignore_index
+            raise ValueError(f"target labels must be in [0, {n_cls - 1}] or equal ignore_index={shown}")
         safe = torch.where(keep, labels, torch.zeros_like(labels))
         y = torch.zeros(n_rows, n_cls, dtype=cdt, device=X.device)
         y.scatter_(1, safe.unsqueeze(1), 1.0)
@@ -173,7 +198,7 @@ def _fy_loss(X, target, alpha, mapping, ignore_index, reduction):
 
 
 def sparsemax_loss(X: torch.Tensor, target: torch.Tensor, k: int | None = None,
-                   ignore_index: int = -100, reduction: str = "none") -> torch.Tensor:
+                   ignore_index: int | torch.Tensor = -100, reduction: str = "none") -> torch.Tensor:
     """Sparsemax (Fenchel-Young, alpha = 2) loss.
 
     Args:
@@ -181,7 +206,9 @@ def sparsemax_loss(X: torch.Tensor, target: torch.Tensor, k: int | None = None,
         target: labels ``(N,)`` (integer, in ``[0, C)`` or ``ignore_index``) or label
             proportions ``(N, C)`` (floating, finite, >= 0, rows summing to 1), on ``X``'s device.
         k: partial-sort size for :func:`sparsemax`. Default None.
-        ignore_index: int label whose rows give loss 0 and are left out of the mean. Default -100.
+        ignore_index: label whose rows give loss 0 and are left out of the mean: an int or a 0-d
+            integer tensor on any device (e.g. ``target[0]``; a CUDA one is compared on the device).
+            Default -100.
         reduction: ``"none"`` (default, shape ``(N,)``), ``"sum"``, ``"mean"`` or
             ``"elementwise_mean"`` (both: mean over non-ignored rows, 0 if none).
 
@@ -195,14 +222,14 @@ def sparsemax_loss(X: torch.Tensor, target: torch.Tensor, k: int | None = None,
 
 
 def entmax15_loss(X: torch.Tensor, target: torch.Tensor, k: int | None = None,
-                  ignore_index: int = -100, reduction: str = "none") -> torch.Tensor:
+                  ignore_index: int | torch.Tensor = -100, reduction: str = "none") -> torch.Tensor:
     """1.5-entmax (Fenchel-Young, alpha = 1.5) loss; arguments as :func:`sparsemax_loss`."""
     check_positive_int("k", k, allow_none=True)
     return _fy_loss(X, target, 1.5, lambda x: entmax15(x, dim=-1, k=k), ignore_index, reduction)
 
 
 def entmax_bisect_loss(X: torch.Tensor, target: torch.Tensor, alpha=1.5, n_iter: int = 50,
-                       ignore_index: int = -100, reduction: str = "none") -> torch.Tensor:
+                       ignore_index: int | torch.Tensor = -100, reduction: str = "none") -> torch.Tensor:
     """alpha-entmax (Fenchel-Young) loss for any ``alpha > 0``.
 
     Args:
@@ -217,18 +244,18 @@ def entmax_bisect_loss(X: torch.Tensor, target: torch.Tensor, alpha=1.5, n_iter:
 
 
 class _LossModule(nn.Module):
-    def __init__(self, ignore_index: int, reduction: str):
+    def __init__(self, ignore_index: int | torch.Tensor, reduction: str):
         super().__init__()
-        check_int("ignore_index", ignore_index)
         check_choice("reduction", reduction, _REDUCTIONS)
-        self.ignore_index = ignore_index
+        self.ignore_index = _check_ignore_index(ignore_index)
         self.reduction = reduction
 
 
 class SparsemaxLoss(_LossModule):
     """Module form of :func:`sparsemax_loss` (``k=None, ignore_index=-100, reduction="elementwise_mean"``)."""
 
-    def __init__(self, k: int | None = None, ignore_index: int = -100, reduction: str = "elementwise_mean"):
+    def __init__(self, k: int | None = None, ignore_index: int | torch.Tensor = -100,
+                 reduction: str = "elementwise_mean"):
         super().__init__(ignore_index, reduction)
         check_positive_int("k", k, allow_none=True)
         self.k = k
@@ -240,7 +267,8 @@ class SparsemaxLoss(_LossModule):
 class Entmax15Loss(_LossModule):
     """Module form of :func:`entmax15_loss` (``k=None, ignore_index=-100, reduction="elementwise_mean"``)."""
 
-    def __init__(self, k: int | None = None, ignore_index: int = -100, reduction: str = "elementwise_mean"):
+    def __init__(self, k: int | None = None, ignore_index: int | torch.Tensor = -100,
+                 reduction: str = "elementwise_mean"):
         super().__init__(ignore_index, reduction)
         check_positive_int("k", k, allow_none=True)
         self.k = k
@@ -253,7 +281,7 @@ class EntmaxBisectLoss(_LossModule):
     """Module form of :func:`entmax_bisect_loss`
     (``alpha=1.5, n_iter=50, ignore_index=-100, reduction="elementwise_mean"``)."""
 
-    def __init__(self, alpha=1.5, n_iter: int = 50, ignore_index: int = -100,
+    def __init__(self, alpha=1.5, n_iter: int = 50, ignore_index: int | torch.Tensor = -100,
                  reduction: str = "elementwise_mean"):
         super().__init__(ignore_index, reduction)
         _check_alpha_arg(alpha)

@@ -8,6 +8,7 @@ Kernel outputs are allocated poisoned (``poison_uninitialized``), so a value the
 
 import functools
 import os
+import re
 import subprocess
 import sys
 
@@ -508,6 +509,46 @@ def _bad_call(**overrides):
 def test_bad_arguments(overrides, exc, match):
     with pytest.raises(exc, match=match):
         _bad_call(**overrides)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_flash_attn_layout_cache_error_names_the_layout_and_the_fix(backend):
+    """A contiguous flash-attn ``(B, N, Hk, D)`` cache given as it is raises a ValueError that names the expected
+    ``(B, Hk, N, D)`` layout, the shapes it got and the fix (``.transpose(1, 2)``); the transposed views then run
+    and match the float64 reference on the same cache."""
+    gen = torch.Generator().manual_seed(21)
+    B, Hq, Hk, N, D = 2, 4, 2, 10, 16
+    q = torch.randn(B, Hq, 1, D, generator=gen)
+    k_fa = torch.randn(B, N, Hk, D, generator=gen)  # flash-attn layout, contiguous
+    v_fa = torch.randn(B, N, Hk, D, generator=gen)
+    seqlens = torch.tensor([10, 4], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"multiple of the number of kv heads \(10\)") as info:
+        entmax_decode(q, k_fa, v_fa, seqlens, 1.5, backend=backend)
+    msg = str(info.value)
+    for part in ("(B, Hk, N, D)", "got k_cache of shape (2, 10, 2, 16)", "q of shape (2, 4, 1, 16)",
+                 "flash-attn (B, N, Hk, D)", "k_cache.transpose(1, 2)", "no copy"):
+        assert part in msg, (part, msg)
+    # A flash-attn q (B, Nq, Hq, D) with it: the same message shows both shapes.
+    with pytest.raises(ValueError, match=re.escape("got k_cache of shape (2, 10, 2, 16) for q of shape (2, 1, 4, 16)")):
+        entmax_decode(q.transpose(1, 2).contiguous(), k_fa, v_fa, seqlens, 1.5, backend=backend)
+    k, v = k_fa.transpose(1, 2), v_fa.transpose(1, 2)
+    assert k.data_ptr() == k_fa.data_ptr() and not k.is_contiguous()
+    out = entmax_decode(q, k, v, seqlens, 1.5, backend=backend)
+    out64, _ = _reference(q, k, v, 1.5, seqlens)
+    out_lp, _ = _reference(q, k, v, 1.5, seqlens, dtype=torch.float32)
+    _check("out", out, out64, out_lp, torch.float32)
+
+
+def test_paged_cache_heads_error_names_the_page_layout():
+    """With ``block_table`` the heads error names the page-pool layout ``(num_pages, page_size, Hk, D)`` and the shape
+    it got (no flash-attn transpose hint: flash-attn's paged layout is already the one taken)."""
+    q = torch.randn(2, 4, 1, 16)
+    pool = torch.randn(6, 4, 3, 16)
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    with pytest.raises(ValueError, match=re.escape("a paged k_cache must have shape (num_pages, page_size, Hk, D), "
+                                                   "got (6, 4, 3, 16)")) as info:
+        entmax_decode(q, pool, pool, torch.tensor([8, 5], dtype=torch.int32), 1.5, block_table=table)
+    assert "transpose" not in str(info.value)
 
 
 def _spy_decode(monkeypatch, variants: list | None = None) -> list:

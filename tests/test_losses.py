@@ -217,3 +217,84 @@ def test_module_learnable_alpha_is_accepted():
     for i, a in enumerate((1.2, 1.5, 2.0, 1.0)):
         torch.testing.assert_close(per_row[i], entmax_bisect_loss(x[i:i + 1], _labels(4, 6)[i:i + 1], alpha=a)[0])
 
+
+
+_IGNORE_LOSSES = {
+    "sparsemax": (sparsemax_loss, SparsemaxLoss),
+    "entmax15": (entmax15_loss, Entmax15Loss),
+    "bisect13": (lambda x, t, **kw: entmax_bisect_loss(x, t, alpha=1.3, **kw),
+                 lambda **kw: EntmaxBisectLoss(alpha=1.3, **kw)),
+}
+
+
+@pytest.mark.parametrize("name", list(_IGNORE_LOSSES))
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.int16, torch.uint8])
+@pytest.mark.parametrize("reduction", ["none", "sum", "mean", "elementwise_mean"])
+def test_ignore_index_as_0d_integer_tensor(name, dtype, reduction):
+    """``ignore_index`` given as a 0-d integer tensor (``target[0]``, as the entmax package's tests and many training
+    loops pass it) gives exactly the losses and gradients of the same Python int, functional and module forms."""
+    loss_fn, module = _IGNORE_LOSSES[name]
+    x = randn(7, 5, seed=30).requires_grad_()
+    t = _labels(7, 5, seed=31)
+    t[[2, 5]] = int(t[0])
+    index = t[0].to(dtype)
+    assert index.ndim == 0
+    want = loss_fn(x, t, ignore_index=int(t[0]), reduction=reduction)
+    (want_grad,) = torch.autograd.grad(want.sum(), x)
+    for got in (loss_fn(x, t, ignore_index=index, reduction=reduction),
+                module(ignore_index=index, reduction=reduction)(x, t)):
+        assert torch.equal(got, want)
+        (grad,) = torch.autograd.grad(got.sum(), x)
+        assert torch.equal(grad, want_grad)
+    per_row, unmasked = loss_fn(x, t, ignore_index=index), loss_fn(x, t)
+    ignored = t == t[0]
+    assert bool((per_row[ignored] == 0).all()) and torch.equal(per_row[~ignored], unmasked[~ignored])
+
+
+def test_ignore_index_tensor_in_module_and_error_message():
+    """A CPU tensor index is stored by the module as the int it holds; the out-of-range label error names it."""
+    mod = SparsemaxLoss(ignore_index=torch.tensor(3))
+    assert mod.ignore_index == 3 and type(mod.ignore_index) is int
+    with pytest.raises(ValueError, match=r"target labels must be in \[0, 4\] or equal ignore_index=2"):
+        sparsemax_loss(randn(2, 5), torch.tensor([7, 2]), ignore_index=torch.tensor(2))
+
+
+@pytest.mark.parametrize(
+    "bad,exc,got",
+    [
+        (torch.tensor(3.0), TypeError, "got a tensor of dtype torch.float32"),
+        (torch.tensor(True), TypeError, "got a tensor of dtype torch.bool"),
+        (torch.tensor([1, 2]), ValueError, r"got a tensor of shape \(2,\)"),
+        (torch.tensor([1]), ValueError, r"got a tensor of shape \(1,\)"),
+        (3.0, TypeError, "got float"),
+        ("pad", TypeError, "got str"),
+        (True, TypeError, "got bool"),
+        (None, TypeError, "got NoneType"),
+    ],
+    ids=["float-tensor", "bool-tensor", "two-element-tensor", "1d-tensor", "float", "str", "bool", "none"],
+)
+def test_ignore_index_rejects_everything_but_an_int_or_0d_integer_tensor(bad, exc, got):
+    match = "ignore_index must be an int or a 0-d integer tensor, " + got
+    x, t = randn(3, 4), _labels(3, 4)
+    for call in (lambda: sparsemax_loss(x, t, ignore_index=bad), lambda: entmax15_loss(x, t, ignore_index=bad),
+                 lambda: entmax_bisect_loss(x, t, ignore_index=bad), lambda: SparsemaxLoss(ignore_index=bad),
+                 lambda: Entmax15Loss(ignore_index=bad), lambda: EntmaxBisectLoss(ignore_index=bad)):
+        with pytest.raises(exc, match=match):
+            call()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("labels_device", ["cuda", "cpu"])
+def test_ignore_index_cuda_tensor(labels_device):
+    """A CUDA 0-d index (``target[0]`` of CUDA labels) is compared on the device and kept there by the modules;
+    with CPU labels and logits it is copied over. Losses equal those of the int index."""
+    x = randn(6, 5, seed=32).to(labels_device)
+    t = _labels(6, 5, seed=33).to(labels_device)
+    t[3] = int(t[0])
+    index = t[0].cuda()
+    mod = Entmax15Loss(ignore_index=index, reduction="sum")
+    assert isinstance(mod.ignore_index, torch.Tensor) and mod.ignore_index.is_cuda
+    want = entmax15_loss(x, t, ignore_index=int(t[0]), reduction="none")
+    got = entmax15_loss(x, t, ignore_index=index, reduction="none")
+    assert got.device == x.device and torch.equal(got, want)
+    assert torch.equal(mod(x, t), want.sum()) and bool((got[[0, 3]] == 0).all())
