@@ -59,8 +59,7 @@ COLUMNS = ("group", "method", "backend", "alpha", "mode", "dtype", "batch", "hea
            "causal", "score_mult", "target_density", "status", "note", "ms", "ms_q20", "ms_q80", "runs", "tflops",
            "vs_flash", "vs_cudnn", "passes_mean", "passes_max", "visits_mean", "tiles_skipped", "density",
            "peak_mem_mib", "max_err", "flash_style_err", "check")
-FLOATS = ("score_mult", "target_density", "ms", "ms_q20", "ms_q80", "tflops", "vs_flash", "vs_cudnn", "passes_mean",
-          "passes_max", "visits_mean", "tiles_skipped", "density", "peak_mem_mib", "max_err", "flash_style_err")
+
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
