@@ -80,3 +80,9 @@ __all__ = [
     "FertilityPredictor",
     "FertilityState",
 ]
+
+# attn_implementation="entmax" in Hugging Face transformers: registered now if transformers' modeling_utils is
+# loaded, else right after it loads (an import hook; transformers is not imported here).
+from sparse_attn.integrations import register_hf_when_imported as _register_hf_when_imported  # noqa: E402
+
+_register_hf_when_imported()

@@ -18,7 +18,14 @@ from torch import Tensor, nn
 
 from sparse_attn._validation import check_bool, check_number
 from sparse_attn.attention import run_layer_attention
-from sparse_attn.attn_inputs import check_head_alpha, prepare_attention
+from sparse_attn.attn_inputs import (
+    KERNEL_DTYPES,
+    MAX_HEAD_DIM,
+    MIN_HEAD_DIM,
+    check_head_alpha,
+    prepare_attention,
+)
+from sparse_attn.kernels._common import interpreting
 from sparse_attn.masks import (
     causal_keep,
     check_mask,
@@ -57,6 +64,65 @@ def resolve_learnable(learnable, learnable_alpha, default: bool) -> bool:
         raise TypeError(f"learnable must be a bool, got {type(learnable).__name__}")
     return learnable
 
+
+def _kernel_device(t: Tensor) -> bool:
+    """Whether the fused kernels run natively on ``t``'s device (CUDA); tests replace it to simulate a GPU."""
+    return t.is_cuda
+
+
+def module_backend(backend: str, owner: str, *, need_weights: bool, recorder_weights: bool, on_cuda: bool,
+                   device, dtype: torch.dtype, head_dim: int) -> tuple[str, str | None]:
+    """The backend an attention module passes to :func:`~sparse_attn.attn_inputs.prepare_attention` for one call.
+
+    The weights (``need_weights=True``, or a :func:`sparse_attn.record_head_stats` recorder with
+    ``diversity=True``) exist only on the materialized reference. ``backend="triton"`` never falls
+    back: when the fused kernels cannot run the call (those weights; tensors off CUDA without
+    ``TRITON_INTERPRET=1``; a dtype or head dim the kernels do not take) it raises ``ValueError``
+    naming every reason. ``backend="auto"`` falls back to the reference; on CUDA, where it would
+    otherwise pick the kernels, the second element is a message saying why (the module warns once).
+
+    Args:
+        backend: the module's ``"auto"``, ``"triton"`` or ``"reference"``.
+        owner: the module's class name, for the messages.
+        need_weights, recorder_weights: whether this call must return / report its weights.
+        on_cuda: whether the tensors are on a device the fused kernels run on natively (CUDA).
+        device, dtype, head_dim: of the projected queries.
+
+    Returns:
+        ``(backend, warning)``: ``"reference"`` when the weights are needed, else ``backend``;
+        ``warning`` None or the text of the fallback warning.
+    """
+    if not isinstance(backend, str) or backend not in ("auto", "triton", "reference"):
+        raise ValueError(f"{owner}.backend must be one of ('auto', 'triton', 'reference'), got {backend!r}")
+    dense = need_weights or recorder_weights
+    if backend == "reference":
+        return backend, None
+    reasons = []
+    if need_weights:
+        reasons.append("need_weights=True (the default, as in nn.MultiheadAttention) asks for the attention weights, "
+                       "which only the materialized path computes: pass need_weights=False for the fused path")
+    if recorder_weights:
+        reasons.append("a record_head_stats(..., diversity=True) recorder needs the attention weights, which only "
+                       "the materialized path computes: record with diversity=False")
+    if backend == "triton" and not on_cuda and not interpreting():
+        reasons.append(f"the tensors are on {device}: the fused kernels need CUDA tensors (or TRITON_INTERPRET=1 "
+                       f"set before import, for testing)")
+    if dtype not in KERNEL_DTYPES:
+        reasons.append(f"the dtype is {dtype}: the fused kernels take float16, bfloat16 or float32")
+    if not MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM:
+        reasons.append(f"head_dim (embed_dim // num_heads) is {head_dim}: the fused kernels take head dims in "
+                       f"[{MIN_HEAD_DIM}, {MAX_HEAD_DIM}]")
+    if backend == "triton" and reasons:
+        raise ValueError(
+            f"{owner}(backend='triton') cannot run this call on the fused Triton kernels: {'; '.join(reasons)}. "
+            f"backend='auto' runs such calls on the materialized reference (O(N^2) memory), as does "
+            f"backend='reference'"
+        )
+    warning = None
+    if backend == "auto" and on_cuda and reasons:
+        warning = (f"{owner}(backend='auto') runs on the materialized reference (O(N^2) memory) instead of the fused "
+                   f"Triton kernels on {device}: {'; '.join(reasons)}. (Said once per module.)")
+    return ("reference" if dense else backend), warning
 
 
 def _check_factory(device, dtype) -> None:
@@ -219,7 +285,14 @@ class EntmaxMultiheadAttention(_HeadAlphaMixin, nn.MultiheadAttention):
         alpha_init: initial learnable alpha (float or ``(num_heads,)`` tensor strictly inside
             ``(alpha_min, alpha_max)``); default ``alpha``.
         backend: ``"auto"``, ``"triton"`` or ``"reference"``, passed to
-            :func:`sparse_attn.entmax_attention`. Default ``"auto"``.
+            :func:`sparse_attn.entmax_attention`. Default ``"auto"``. The fused kernels run only calls
+            with ``need_weights=False`` (the weights exist only on the materialized reference).
+            ``"triton"`` never falls back: a call it cannot run (``need_weights=True``, a
+            ``record_head_stats(diversity=True)`` recorder, CPU tensors without ``TRITON_INTERPRET=1``,
+            a dtype other than float16/bfloat16/float32) raises ``ValueError`` naming the reasons,
+            and so does the constructor for a head dim outside [16, 256]. ``"auto"`` runs such calls on
+            the reference; on CUDA, where it would otherwise use the kernels, it says so with a
+            ``UserWarning``, once per module.
 
     Forward: ``(query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
     average_attn_weights=True, is_causal=False) -> (out, weights or None)`` with the shapes of
@@ -228,12 +301,15 @@ class EntmaxMultiheadAttention(_HeadAlphaMixin, nn.MultiheadAttention):
     attention is NOT allowed, float masks are added to the scores; ``key_padding_mask`` ``(N, S)``;
     ``attn_mask`` ``(L, S)`` or ``(N * num_heads, L, S)``. ``is_causal`` is a hint that
     ``attn_mask`` is the causal mask; without ``attn_mask`` it applies the causal mask
-    ``j <= i``. ``need_weights=True`` computes the attention densely and returns the (sparse)
-    weights ``(N, L, S)`` averaged over heads, or ``(N, num_heads, L, S)``. Unlike softmax, a
+    ``j <= i``. ``need_weights=True`` (the default, as in ``nn.MultiheadAttention``) computes the
+    attention densely on the materialized reference (O(L * S) memory) and returns the (sparse)
+    weights ``(N, L, S)`` averaged over heads, or ``(N, num_heads, L, S)``; pass
+    ``need_weights=False`` for the fused Triton kernels (the fast path on CUDA). Unlike softmax, a
     query with no key to attend to gives zeros instead of NaN.
     """
 
     _head_stats_sink = None
+    _fallback_warned = False  # set on the instance by its first backend='auto' fallback warning
 
     def __init__(
         self,
@@ -272,6 +348,12 @@ class EntmaxMultiheadAttention(_HeadAlphaMixin, nn.MultiheadAttention):
         check_number("dropout", dropout, 0.0, 1.0, high_open=True)
         if backend not in ("auto", "triton", "reference"):
             raise ValueError(f"backend must be one of ('auto', 'triton', 'reference'), got {backend!r}")
+        if backend == "triton" and not MIN_HEAD_DIM <= embed_dim // num_heads <= MAX_HEAD_DIM:
+            raise ValueError(
+                f"backend='triton' needs head_dim = embed_dim // num_heads in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}] (the "
+                f"fused kernels' range), got {embed_dim} // {num_heads} = {embed_dim // num_heads}; use backend='auto' "
+                f"or 'reference' (the materialized reference)"
+            )
         factory = {"device": device, "dtype": dtype}
         self.embed_dim = embed_dim
         self.kdim = kdim if kdim is not None else embed_dim
@@ -460,7 +542,15 @@ class EntmaxMultiheadAttention(_HeadAlphaMixin, nn.MultiheadAttention):
         n_extra = int(self.bias_k is not None) + int(self.add_zero_attn)
 
         sink = head_stats_sink(self)
-        dense = need_weights or (sink is not None and sink.wants_weights)
+        recorder_weights = sink is not None and sink.wants_weights
+        dense = need_weights or recorder_weights
+        backend, fallback = module_backend(
+            self.backend, type(self).__name__, need_weights=need_weights, recorder_weights=recorder_weights,
+            on_cuda=_kernel_device(q), device=q.device, dtype=q.dtype, head_dim=self.head_dim,
+        )
+        if fallback is not None and not self._fallback_warned:
+            self._fallback_warned = True
+            warnings.warn(fallback, UserWarning, stacklevel=2)
         causal = is_causal and n_extra == 0 and l_q == s
         if causal:
             attn_mask = None
@@ -469,8 +559,7 @@ class EntmaxMultiheadAttention(_HeadAlphaMixin, nn.MultiheadAttention):
         mask = self._masks(attn_mask, key_padding_mask, n, l_q, s, n_extra, query.device)
         inputs = prepare_attention(
             q, k, v, self._alpha_arg(), attn_mask=mask, is_causal=causal,
-            dropout_p=self.dropout if self.training else 0.0, backend="reference" if dense else self.backend,
-            alpha_in_range=True,
+            dropout_p=self.dropout if self.training else 0.0, backend=backend, alpha_in_range=True,
         )
 
         out, weights = run_layer_attention(inputs, dense, sink)

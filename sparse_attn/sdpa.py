@@ -101,6 +101,10 @@ def _sdpa_as_entmax(alpha, alpha_in_range: bool, backend: str, owner: nn.Module 
         mask, causal = combine_masks(mask, causal_keep(q.shape[2], k.shape[2], q.device, bottom_right=False)), False
     sink = head_stats_sink(owner) if owner is not None else None
     dense = sink is not None and sink.wants_weights
+    if dense and backend == "triton":
+        raise ValueError("backend='triton' cannot give the weights a record_head_stats(..., diversity=True) recorder "
+                         "needs (only the materialized reference computes them): record without diversity, or use "
+                         "backend='auto' or 'reference'")
     inputs = prepare_attention(
         q, k, v, alpha, attn_mask=mask, is_causal=causal, scale=a["scale"], dropout_p=a["dropout_p"],
         enable_gqa=gqa, backend="reference" if dense else backend, alpha_in_range=alpha_in_range,

@@ -273,6 +273,8 @@ HF_BAD = [
     ("forward", dict(position_bias=torch.zeros(1, 3, 5, 5)), ValueError, "position_bias must be broadcastable"),
     ("forward", dict(entmax_alpha=2.5), ValueError, r"alpha must be finite and in \[1, 2\]"),
     ("forward", dict(entmax_backend="cuda"), ValueError, "backend must be one of"),
+    ("forward_triton", dict(output_attentions=True), ValueError,
+     "entmax_backend='triton' cannot run.*output_attentions=True.*'auto' or 'reference'"),
     ("attach", dict(model=torch.nn.Linear(2, 2)), ValueError, "no attention module"),
     ("attach", dict(alpha=2.0, learnable=True), ValueError, "strictly between"),
     ("attach", dict(alpha=[1.5, 1.5]), ValueError, "alpha must be a float or a tensor of shape"),

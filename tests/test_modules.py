@@ -2,6 +2,7 @@
 
 import itertools
 import math
+import re
 import warnings
 
 import pytest
@@ -9,8 +10,10 @@ import torch
 from helpers import TOL, OpLog, host_reads_outside, reference_entmax
 from torch import nn
 
+import sparse_attn.modules as modules_mod
 import sparse_attn.reference as reference_mod
 from sparse_attn.modules import EntmaxAlpha, EntmaxMultiheadAttention, swap_attention
+from sparse_attn.stats import record_head_stats
 
 E, H = 16, 4
 
@@ -557,3 +560,132 @@ def test_cuda_forward_with_learnable_alpha_does_not_synchronize():
         ent(x, x, x, key_padding_mask=pad, need_weights=False, is_causal=True)
     finally:
         torch.cuda.set_sync_debug_mode(0)
+
+
+# --- the backend an explicit request gets: backend="triton" never falls back silently -------------------------------
+
+
+def _fused_module(device="cpu", **kw):
+    """Head dim 16 (the kernels' smallest), batch_first."""
+    torch.manual_seed(21)
+    return EntmaxMultiheadAttention(32, 2, batch_first=True, device=device, **kw)
+
+
+def test_triton_backend_refuses_need_weights_true_the_default(kernel_device):
+    """need_weights=True (torch's default) needs the materialized weights: backend='triton' raises, naming the fix;
+    need_weights=False runs the kernels."""
+    mod = _fused_module(kernel_device, backend="triton")
+    x = torch.randn(2, 6, 32, device=kernel_device)
+    with pytest.raises(ValueError, match=r"backend='triton'\).*need_weights=True.*pass need_weights=False"):
+        mod(x, x, x)
+    with pytest.raises(ValueError, match="need_weights=False for the fused path"):
+        mod(x, x, x, need_weights=True, average_attn_weights=False)
+    log = OpLog()
+    with log:
+        out, w = mod(x, x, x, need_weights=False)
+    assert w is None and out.shape == x.shape
+    assert "sparse_attn::entmax_attn_fwd" in log.ops
+
+
+def test_triton_backend_refuses_a_weights_recorder(kernel_device):
+    mod = _fused_module(kernel_device, backend="triton")
+    x = torch.randn(2, 6, 32, device=kernel_device)
+    with record_head_stats(nn.ModuleDict({"attn": mod}), diversity=True), \
+            pytest.raises(ValueError, match=r"diversity=True\) recorder.*record with diversity=False"):
+        mod(x, x, x, need_weights=False)
+
+
+def test_triton_backend_refuses_cpu_tensors_without_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    mod = _fused_module(backend="triton")
+    x = torch.randn(2, 6, 32)
+    with pytest.raises(ValueError, match=r"tensors are on cpu: the fused kernels need CUDA tensors.*TRITON_INTERPRET"):
+        mod(x, x, x, need_weights=False)
+    with pytest.raises(ValueError, match="need_weights=True.*; the tensors are on cpu"):  # every reason, at once
+        mod(x, x, x)
+
+
+def test_triton_backend_refuses_float64_and_names_the_dtypes(kernel_device):
+    mod = _fused_module(kernel_device, backend="triton").double()
+    x = torch.randn(2, 6, 32, device=kernel_device, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"dtype is torch.float64: the fused kernels take float16, bfloat16 or "):
+        mod(x, x, x, need_weights=False)
+
+
+def test_triton_backend_refuses_head_dims_outside_the_kernels_range(kernel_device):
+    with pytest.raises(ValueError, match=r"backend='triton' needs head_dim = embed_dim // num_heads in \[16, 256\].*"
+                                         r"32 // 4 = 8"):
+        EntmaxMultiheadAttention(32, 4, backend="triton")
+    mod = EntmaxMultiheadAttention(32, 4, batch_first=True, device=kernel_device)  # head dim 8
+    mod.backend = "triton"  # set after construction: the forward refuses it too
+    x = torch.randn(2, 6, 32, device=kernel_device)
+    with pytest.raises(ValueError, match=r"head_dim \(embed_dim // num_heads\) is 8"):
+        mod(x, x, x, need_weights=False)
+    mod.backend = "fused"
+    with pytest.raises(ValueError, match="backend must be one of"):
+        mod(x, x, x, need_weights=False)
+
+
+# (backend, need_weights, recorder_weights, on_cuda, dtype, head_dim) -> (backend passed on, warning pattern or None)
+_AUTO_CASES = [
+    ("auto", True, False, True, torch.float32, 16, "reference", r"need_weights=True.*pass need_weights=False"),
+    ("auto", False, True, True, torch.float16, 64, "reference", r"diversity=True"),
+    ("auto", False, False, True, torch.float64, 16, "auto", r"dtype is torch.float64"),
+    ("auto", False, False, True, torch.bfloat16, 8, "auto", r"head_dim \(embed_dim // num_heads\) is 8"),
+    ("auto", False, False, True, torch.bfloat16, 128, "auto", None),  # the kernels run: nothing to say
+    ("auto", True, False, False, torch.float32, 16, "reference", None),  # CPU: no fused path to miss
+    ("auto", False, False, False, torch.float64, 8, "auto", None),
+    ("reference", True, False, True, torch.float32, 16, "reference", None),
+    ("reference", False, False, True, torch.float32, 16, "reference", None),
+    ("triton", False, False, True, torch.float16, 256, "triton", None),
+]
+
+
+@pytest.mark.parametrize("row", range(len(_AUTO_CASES)))
+def test_module_backend_decision(row):
+    """The decision, with the device as a flag: on CUDA (simulated) backend='auto' says why it leaves the kernels."""
+    backend, need_weights, recorder, on_cuda, dtype, head_dim, passed, warning = _AUTO_CASES[row]
+    got, message = modules_mod.module_backend(
+        backend, "EntmaxMultiheadAttention", need_weights=need_weights, recorder_weights=recorder, on_cuda=on_cuda,
+        device="cuda:0" if on_cuda else "cpu", dtype=dtype, head_dim=head_dim)
+    assert got == passed
+    if warning is None:
+        assert message is None
+    else:
+        assert message.startswith("EntmaxMultiheadAttention(backend='auto') runs on the materialized reference")
+        assert "on cuda:0" in message and "once per module" in message
+        assert re.search(warning, message)
+
+
+def test_module_backend_triton_on_cuda_raises_for_weights_dtype_and_head_dim():
+    with pytest.raises(ValueError, match=r"need_weights=True.*; the dtype is torch.float64.*; head_dim .* is 300"):
+        modules_mod.module_backend("triton", "M", need_weights=True, recorder_weights=False, on_cuda=True,
+                                   device="cuda:0", dtype=torch.float64, head_dim=300)
+
+
+def test_auto_backend_warns_once_per_module_when_cuda_falls_back(monkeypatch):
+    """backend='auto' with need_weights=True on a (simulated) CUDA tensor: one UserWarning per module, whatever the
+    number of calls; need_weights=False, where the kernels would run, says nothing."""
+    monkeypatch.setattr(modules_mod, "_kernel_device", lambda t: True)
+    a, b = _fused_module(), _fused_module()
+    x = torch.randn(2, 6, 32)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        a(x, x, x, need_weights=False)
+        for _ in range(3):
+            a(x, x, x)
+        b(x, x, x, need_weights=True)
+        b(x, x, x)
+    messages = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+    assert len(messages) == 2, messages
+    assert all("backend='auto') runs on the materialized reference" in m and "pass need_weights=False" in m
+               for m in messages)
+
+
+def test_auto_backend_on_cpu_with_need_weights_does_not_warn():
+    mod = _fused_module()
+    x = torch.randn(2, 6, 32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _, w = mod(x, x, x)
+    assert w.shape == (2, 6, 6)

@@ -295,3 +295,16 @@ def test_tiny_timm_vit():
             detach_entmax_sdpa(m)
         swap_sdpa_attention(vit, alpha=1.5, learnable=True)
         assert not torch.allclose(vit(x), base)
+
+
+def test_triton_backend_refuses_a_diversity_recorder():
+    """The weights a diversity recorder needs exist only on the reference: backend='triton' says so, 'auto' records."""
+    model = nn.Sequential(Attention(dim=64, num_heads=4))  # head dim 16, in the kernels' range
+    x = torch.randn(2, 6, 64, generator=torch.Generator().manual_seed(1))
+    swap_sdpa_attention(model, alpha=1.5, backend="triton")
+    with pytest.raises(ValueError, match="backend='triton' cannot give the weights a record_head_stats"):
+        with torch.no_grad(), record_head_stats(model, diversity=True):
+            model(x)
+    with torch.no_grad(), record_head_stats(model) as rec:  # densities come from the kernels' counts
+        model(x)
+    assert rec.density().shape == (1, 4)

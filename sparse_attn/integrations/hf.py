@@ -9,6 +9,10 @@ attention interface (Llama, Mistral, Qwen, BERT, ...) then runs entmax attention
     model = AutoModelForCausalLM.from_config(config, attn_implementation="entmax")
     entmax_hf.attach_entmax_alpha(model, alpha=1.5, learnable=True)   # per-head alpha parameters
 
+``import sparse_attn`` alone also registers ``"entmax"``, before or after transformers is imported, without
+importing transformers itself (:func:`sparse_attn.integrations.register_hf_when_imported`); a failed automatic
+registration is a ``UserWarning``, and transformers' error for ``attn_implementation="entmax"`` then names it.
+
 Without :func:`attach_entmax_alpha` every head uses ``config.entmax_alpha`` if set, else 1.5;
 ``config.entmax_backend`` (``"auto"``, ``"triton"`` or ``"reference"``) picks the backend of
 :func:`sparse_attn.entmax_attention` (default ``"auto"``: Triton on CUDA).
@@ -56,9 +60,10 @@ try:
         sliding_window_bidirectional_overlay,
         sliding_window_overlay,
     )
-except ImportError as exc:  # pragma: no cover - exercised only without transformers
+except ImportError as exc:  # pragma: no cover - exercised only without (a recent enough) transformers
     raise ImportError(
-        "sparse_attn.integrations.hf needs Hugging Face transformers: pip install 'sparse_attn[hf]'"
+        f"sparse_attn.integrations.hf needs Hugging Face transformers with AttentionInterface and "
+        f"masking_utils (pip install 'sparse_attn[hf]'): {exc}"
     ) from exc
 
 from sparse_attn._validation import check_number
@@ -137,7 +142,8 @@ def entmax_attention_forward(
         scaling: score scale, default ``D ** -0.5``.
         is_causal: overrides ``module.is_causal``; causal masking applies only without a 4-d mask and,
             when no mask was built, for ``Nq > 1``, as for SDPA.
-        **kwargs: ``output_attentions=True`` returns the weights (dense path);
+        **kwargs: ``output_attentions=True`` returns the weights (the materialized reference; with
+            ``config.entmax_backend = "triton"`` it raises ``ValueError`` instead of leaving the kernels);
             ``position_bias`` (float, broadcastable to the scores) is added to the scores;
             ``sliding_window`` (int ``W``): the window ``(W - 1, 0)`` (``(W - 1, W - 1)`` for a
             bidirectional layer) without a 4-d mask; ``softcap`` (Gemma-2's logit soft-capping);
@@ -183,6 +189,14 @@ def entmax_attention_forward(
     output_attentions = bool(kwargs.get("output_attentions"))
     dense = output_attentions or (sink is not None and sink.wants_weights)
     backend = getattr(getattr(module, "config", None), "entmax_backend", None) or "auto"
+    if dense and backend == "triton":
+        why = ("output_attentions=True asks for" if output_attentions
+               else "a record_head_stats(..., diversity=True) recorder needs")
+        raise ValueError(
+            f"config.entmax_backend='triton' cannot run this call on the fused Triton kernels: {why} the attention "
+            f"weights, which only the materialized reference computes; set config.entmax_backend = 'auto' or "
+            f"'reference' for such calls"
+        )
     inputs = prepare_attention(
         query, key, value, alpha, attn_mask=combine_masks(attention_mask, position_bias), is_causal=causal,
         scale=scaling, dropout_p=dropout, enable_gqa=n_kv != n_heads, backend="reference" if dense else backend,
