@@ -73,6 +73,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--local-seq", type=int, default=None, help="sequence length of the local cases (default 8192)")
     p.add_argument("--dead", default="0.6,0.9", help="dead key-tile fractions of the local cases (default 0.6,0.9)")
     p.add_argument("--groups", default="headline,local", help="comma list of headline, local")
+    p.add_argument("--causal", default="false,true", help="causal values of the headline cases (default false,true)")
     p.add_argument("--min-runs", type=int, default=10, help="timed runs per row at least (default 10)")
     p.add_argument("--jobs", type=int, default=12, help="parallel warm-up processes (default 12; 0: no warm-up)")
     p.add_argument("--budget-s", type=float, default=None, help="start no new row after this many seconds")
@@ -90,6 +91,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     for g in args.groups:
         if g not in ("headline", "local"):
             p.error(f"--groups takes headline, local; got {g!r}")
+    args.causal = [x.strip().lower() in ("1", "true", "yes") for x in args.causal.split(",") if x.strip()]
     args.dtype = "fp32" if smoke else "bf16"
     return args
 
@@ -100,7 +102,7 @@ def cases_of(args) -> list[Case]:
     if "headline" in args.groups:
         for seq in args.seqs:
             for hd in args.head_dims:
-                for causal in (False, True):
+                for causal in args.causal:
                     cases.append(Case("headline", max(1, args.tokens // seq), max(1, args.hidden // hd), seq, seq,
                                       hd, causal, args.dtype))
     if "local" in args.groups:

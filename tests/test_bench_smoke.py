@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from sparse_attn.mappings import entmax15 as sparse_entmax15
 from sparse_attn.reference import causal_keep
 
 HARNESS = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_attention.py"
@@ -380,12 +381,12 @@ def test_profile_script_ncu_and_fallback_paths(tmp_path, fake):
 
 
 def test_headline_dry_run_of_the_first_gpu_call(tmp_path):
-    """The first GPU call rehearsed on the CPU: ``gpu_run.sh`` MODE=headline with the smoke shapes (the smoke tests
-    skipped, the parallel warm-up in subprocesses, the timings with the interpreter), every file written, every
-    timed path within the check's bound, and no kernel built after the warm-up (none at all here)."""
+    """The first GPU call rehearsed on the CPU: ``gpu_run.sh`` MODE=headline with the smoke shapes (one causal case;
+    the smoke tests skipped, the parallel warm-up in subprocesses, the timings with the interpreter), every file
+    written, every timed path within the check's bound, and no kernel built after the warm-up (none at all here)."""
     out = tmp_path / "out"
     env = dict(os.environ, PYTHON=sys.executable, SKIP_TESTS="1", TOTAL_S="600", WARM_JOBS="2",
-               HEADLINE_ARGS="--smoke --seqs 32 --head-dims 16 --local-seq 48 --dead 0.5", BENCH_COMMIT="dry-run")
+               HEADLINE_ARGS="--smoke --seqs 32 --head-dims 16 --causal true --groups headline", BENCH_COMMIT="dry-run")
     root = HARNESS.parents[1]
     res = subprocess.run(["bash", str(root / "benchmarks" / "gpu_run.sh"), str(out)], cwd=root, env=env,
                          capture_output=True, text=True, timeout=900)
@@ -393,7 +394,7 @@ def test_headline_dry_run_of_the_first_gpu_call(tmp_path):
     for name in ("env.txt", "headline.log", "headline.md", "headline.csv", "headline.png"):
         assert (out / name).stat().st_size > 0, name
     log = (out / "headline.log").read_text()
-    assert "warm-up: 9 (case, method) pairs in 2 processes" in log and "warm-up processes failed" not in log
+    assert "warm-up: 4 (case, method) pairs in 2 processes" in log and "warm-up processes failed" not in log
     assert "kernels built during the timings: 0" in log
     lines = [ln for ln in (out / "headline.csv").read_text().splitlines() if not ln.startswith("#")]
     import csv
@@ -416,3 +417,21 @@ def test_decode_gpu_timings_run_the_compiled_kernels():
     res = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.strip().splitlines()[-1] == "0"
+
+
+def test_headline_local_scores_reach_the_dead_tile_target():
+    """The local cases' calibration: the strength it returns gives about the asked fraction of dead key tiles on the
+    sampled query tiles, and more strength gives more dead tiles."""
+    sys.path.insert(0, str(HARNESS.parent))
+    headline = _load(HARNESS.parent / "headline.py", "headline")
+    from bench_cases import Case
+
+    case = Case("local", 1, 1, 256, 256, 16, False, "fp32", target_density=0.5, alpha="1.5")
+    strength = headline.calibrate_local(case, "cpu", (32, 32))
+    weak = headline.calibrate_local(Case(**{**case.__dict__, "target_density": 0.2}), "cpu", (32, 32))
+    assert 0 < weak < strength
+    inputs = headline.local_inputs(case, "cpu", strength)
+    q, k = inputs.q.detach()[0, 0].double(), inputs.k.detach()[0, 0].double()
+    p = sparse_entmax15((q @ k.T) * 16 ** -0.5)
+    dead = [(~(p[r:r + 32] > 0).any(0).reshape(-1, 32).any(1)).double().mean() for r in range(0, 256, 32)]
+    assert 0.3 <= float(sum(dead) / len(dead)) <= 0.7

@@ -9,6 +9,7 @@ Marker: a block whose first line is exactly ``# needs a CUDA GPU`` is skipped on
 without CUDA. No other block is skipped or expected to fail.
 """
 
+import functools
 import os
 import re
 import subprocess
@@ -104,15 +105,19 @@ def test_bash_command_is_runnable_as_typed(line, cmd):
         return
     script = ROOT / words[1]
     assert script.is_file(), f"README.md:{line}: {words[1]} does not exist"
+    helps = _help(script)
+    forwarded = re.search(r"other options go to (\w+\.py)", helps)
+    if forwarded:  # a wrapper (demo.py) passing the rest on to another script
+        helps += _help(script.parent / forwarded.group(1))
+    for opt in (w.split("=", 1)[0] for w in words[2:] if w.startswith("--")):
+        assert opt in helps, f"README.md:{line}: {words[1]} has no option {opt}"
+
+
+@functools.cache
+def _help(script: Path) -> str:
+    """``script --help`` (once per script and process: several README lines call the same script)."""
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
     res = subprocess.run([sys.executable, str(script), "--help"], cwd=ROOT, capture_output=True, text=True,
                          timeout=300, env=env)
-    assert res.returncode == 0, f"README.md:{line}: {words[1]} --help failed: {res.stderr[-800:]}"
-    helps = res.stdout
-    forwarded = re.search(r"other options go to (\w+\.py)", helps)
-    if forwarded:  # a wrapper (demo.py) passing the rest on to another script
-        res = subprocess.run([sys.executable, str(script.parent / forwarded.group(1)), "--help"], cwd=ROOT,
-                             capture_output=True, text=True, timeout=300, env=env)
-        helps += res.stdout
-    for opt in (w.split("=", 1)[0] for w in words[2:] if w.startswith("--")):
-        assert opt in helps, f"README.md:{line}: {words[1]} has no option {opt}"
+    assert res.returncode == 0, f"{script.name} --help failed: {res.stderr[-800:]}"
+    return res.stdout
