@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from sparse_attn._cpu_chunked import chunked_attention, chunked_fits
 from sparse_attn._validation import check_bool, checks_enabled, set_checks
 from sparse_attn.attn_inputs import AttentionInputs, AttentionStats, prepare_attention
 from sparse_attn.reference import reference_forward
@@ -21,6 +22,9 @@ __all__ = ["entmax_attention", "AttentionStats", "set_checks", "checks_enabled"]
 def run_attention(inputs: AttentionInputs, return_stats: bool = False):
     """Run prepared inputs on their backend; returns ``out`` or ``(out, AttentionStats)``."""
     if inputs.backend == "reference":
+        if chunked_fits(inputs):
+            out, stats = chunked_attention(inputs, with_stats=return_stats)
+            return (out, stats) if return_stats else out
         res = reference_forward(inputs, with_stats=return_stats)
         return (res.out, res.stats) if return_stats else res.out
     from sparse_attn._attn_autograd import fused_entmax_attention
