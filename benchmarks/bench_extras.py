@@ -95,6 +95,24 @@ def reference_error(fn_out: torch.Tensor, inputs: Inputs, alpha, max_elems: int,
     return float((got - ref).abs().max().item())
 
 
+def fused_stats(fwd, method: Method, inputs: Inputs) -> tuple[dict, object]:
+    """``(stats, result)`` of one call of the fused forward ``fwd`` as the timed training forward launches it (its
+    alpha class and ``out_u``: no build the timing did not need): realized density, fraction of tiles skipped,
+    passes and tile visits."""
+    q, k = inputs.q.detach(), inputs.k.detach()
+    a = alpha_arg(method.alpha, inputs)
+    alpha_t = method.fused_alpha(inputs).detach().float().reshape(-1).expand(q.shape[1]).contiguous()
+    cls = None if isinstance(a, torch.Tensor) else alpha_class_of([a])
+    with torch.no_grad():
+        res = fwd(q, k, inputs.v.detach(), alpha_t, q.shape[-1] ** -0.5, is_causal=inputs.causal, alpha_class=cls,
+                  need_out_u=True)
+    pairs = visible_pairs(q.shape[0], q.shape[1], q.shape[2], k.shape[2], inputs.causal)
+    stats = {"density": float(res.nnz.double().sum().item()) / max(1, pairs)}
+    stats.update(tile_stats(res, q.shape[2], k.shape[2], inputs.causal, q.shape[0] * q.shape[1],
+                            fused_blocks(res, q.shape[-1])))
+    return stats, res
+
+
 def case_extras(method: Method, inputs: Inputs, fwd, args, ref_cache: dict, device: str,
                 out: torch.Tensor | None = None) -> dict:
     """Untimed per-(case, method) numbers: max error vs the float64 reference and, for ``sparse_attn``,
@@ -107,16 +125,8 @@ def case_extras(method: Method, inputs: Inputs, fwd, args, ref_cache: dict, devi
         a = alpha_arg(method.alpha, inputs)
         with torch.no_grad():
             if method.method == "sparse_attn":
-                q, k = inputs.q, inputs.k
-                alpha_t = method.fused_alpha(inputs).detach().float().reshape(-1).expand(q.shape[1]).contiguous()
-                # the class and the out_u output of the timed (training) forward: no build the timing did not need
-                cls = None if isinstance(a, torch.Tensor) else alpha_class_of([a])
-                res = fwd(q.detach(), k.detach(), inputs.v.detach(), alpha_t, q.shape[-1] ** -0.5,
-                          is_causal=inputs.causal, alpha_class=cls, need_out_u=True)
-                pairs = visible_pairs(q.shape[0], q.shape[1], q.shape[2], k.shape[2], inputs.causal)
-                extra["density"] = float(res.nnz.double().sum().item()) / max(1, pairs)
-                extra.update(tile_stats(res, q.shape[2], k.shape[2], inputs.causal, q.shape[0] * q.shape[1],
-                                        fused_blocks(res, q.shape[-1])))
+                stats, res = fused_stats(fwd, method, inputs)
+                extra.update(stats)
                 out = res.out if out is None else out
             elif out is None:
                 out = method.build(inputs)()

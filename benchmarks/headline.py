@@ -35,6 +35,7 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
@@ -43,13 +44,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from bench_cases import Case, Inputs, dense_flops, make_inputs  # noqa: E402
 from bench_common import LEARNABLE, OK, OOM_ERRORS, fmt, free_memory  # noqa: E402
-from bench_extras import tile_stats, visible_pairs  # noqa: E402
+from bench_extras import fused_stats  # noqa: E402
 from bench_methods import Method, fused_forward_launcher, sdpa_method, sparse_attn_method  # noqa: E402
 from bench_report import write_csv  # noqa: E402
 from bench_timing import Timing, measure, start_run  # noqa: E402
 
 from sparse_attn import mappings  # noqa: E402
-from sparse_attn.kernels._common import alpha_class_of  # noqa: E402
 
 MODES = ("fwd", "fwd+bwd")
 # The fused kernels' forward slack over twice the baseline in the project's tests (tests/helpers.py,
@@ -219,22 +219,6 @@ def check_rows(out: torch.Tensor, inputs: Inputs, alpha, rows: int) -> dict:
     return {"max_err": err, "flash_style_err": base_err, "check": check}
 
 
-def fused_stats(fwd, method: Method, inputs: Inputs) -> dict:
-    """Density, dead tiles, passes and tile visits of the fused training forward (the launch the timing made)."""
-    q, k, v = inputs.q.detach(), inputs.k.detach(), inputs.v.detach()
-    a = alpha_of(method, inputs)
-    alpha_t = a if isinstance(a, torch.Tensor) else torch.full((q.shape[1],), a, device=q.device)
-    cls = None if isinstance(a, torch.Tensor) else alpha_class_of([a])
-    with torch.no_grad():
-        res = fwd(q, k, v, alpha_t.float().contiguous(), q.shape[-1] ** -0.5, is_causal=inputs.causal,
-                  alpha_class=cls, need_out_u=True)
-    pairs = visible_pairs(q.shape[0], q.shape[1], q.shape[2], k.shape[2], inputs.causal)
-    stats = {"density": float(res.nnz.double().sum()) / max(1, pairs)}
-    stats.update(tile_stats(res, q.shape[2], k.shape[2], inputs.causal, q.shape[0] * q.shape[1],
-                            (int(res.block_m), int(res.block_n))))
-    return stats
-
-
 class HeadlineTiming(Timing):
     """``do_bench`` with its measuring time stretched so that at least ``min_runs`` runs are timed."""
 
@@ -256,15 +240,14 @@ def cache_dir() -> Path:
     return Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
 
 
-def n_built() -> int:
-    """Compiled kernels in the Triton cache (one ``.cubin`` each)."""
-    root = cache_dir()
-    return sum(1 for _ in root.glob("*/*.cubin")) if root.exists() else 0
-
-
 def cubins() -> set:
+    """The compiled kernels in the Triton cache (one ``.cubin`` each)."""
     root = cache_dir()
     return set(root.glob("*/*.cubin")) if root.exists() else set()
+
+
+def n_built() -> int:
+    return len(cubins())
 
 
 def kernel_names(paths) -> list[str]:
@@ -302,22 +285,15 @@ def warm_up(args, cases: list[Case], device: str, argv: list[str]) -> str:
     before, begin = n_built(), time.monotonic()
     script = str(Path(__file__).resolve())
     base = [a for a in argv if not a.startswith("--warm-one") and a != "--warm-only"]
-    pending = list(pairs)
-    running: list[tuple[subprocess.Popen, tuple]] = []
-    failed = []
-    while pending or running:
-        while pending and len(running) < args.jobs:
-            ci, mi = pending.pop(0)
-            proc = subprocess.Popen([sys.executable, script, *base, f"--warm-one={ci}:{mi}"],
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            running.append((proc, (ci, mi)))
-        for proc, key in list(running):
-            if proc.poll() is not None:
-                running.remove((proc, key))
-                out = proc.stdout.read() if proc.stdout else ""
-                if proc.returncode != 0:
-                    failed.append(f"{key}: exit {proc.returncode}: {out.strip().splitlines()[-1:] }")
-        time.sleep(0.05)
+
+    def build(pair):
+        res = subprocess.run([sys.executable, script, *base, f"--warm-one={pair[0]}:{pair[1]}"],
+                             capture_output=True, text=True)
+        last = (res.stdout + res.stderr).strip().splitlines()[-1:]
+        return None if res.returncode == 0 else f"{pair}: exit {res.returncode}: {last}"
+
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        failed = [f for f in pool.map(build, pairs) if f is not None]
     took = time.monotonic() - begin
     line = (f"warm-up: {len(pairs)} (case, method) pairs in {args.jobs} processes, {n_built() - before} kernels built "
             f"in {took:.1f} s ({n_built()} in the cache {cache_dir()})")
@@ -473,7 +449,7 @@ def run(argv: list[str] | None = None) -> Path | None:
                 rows_checked = 32 if device == "cuda" else 8
                 extra.update(check_rows(out_t, inputs, alpha_of(method, inputs), rows_checked))
                 if method.method == "sparse_attn":
-                    extra.update(fused_stats(fwd, method, inputs))
+                    extra.update(fused_stats(fwd, method, inputs)[0])
             except OOM_ERRORS:
                 free_memory(device, collect=True)
             except Exception as exc:  # the timings stand

@@ -49,7 +49,7 @@ from torch import Tensor
 
 from sparse_attn.attn_inputs import AttentionInputs, AttentionStats
 from sparse_attn.mappings import _apply as _entmax_rows
-from sparse_attn.mappings import _threshold_from_sorted
+from sparse_attn.mappings import _rows_vjp, _threshold_from_sorted
 from sparse_attn.reference import _SAFE_ALPHA, _soft_cap, _stats
 
 __all__ = ["chunked_fits", "chunked_attention", "BLOCK_BYTES", "MIN_SCORES"]
@@ -338,9 +338,7 @@ class _ExactRows(torch.autograd.Function):
             u = (p > 0).to(p.dtype)
         else:
             u = p
-        total = u.sum(-1, keepdim=True)
-        delta = (u * g).sum(-1, keepdim=True) / torch.where(total > 0, total, torch.ones_like(total))
-        return u * (g - delta), None, None, None
+        return _rows_vjp(u, g)[0], None, None, None
 
 
 def _block_attend(st: _State, t: _Tensors, blk: _Block, gen: torch.Generator | None, with_stats: bool):

@@ -95,6 +95,27 @@ def check_int(name: str, value) -> None:
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
 
 
+def check_int_or_0d_tensor(name: str, value):
+    """``value`` as an int, or as a detached 0-d int64 tensor when it is given as a non-CPU tensor.
+
+    Accepts a Python int or a 0-d integer tensor on any device (what the ``entmax`` package accepts for its
+    ``ignore_index``, e.g. ``y[0]``). A CPU tensor is read once (``.item()``, no device sync); a CUDA tensor is
+    kept on its device and compared there, so the check itself reads nothing back.
+    """
+    if isinstance(value, torch.Tensor):
+        if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
+            raise TypeError(f"{name} must be an int or a 0-d integer tensor, got a tensor of dtype {value.dtype}")
+        if value.ndim != 0:
+            raise ValueError(f"{name} must be an int or a 0-d integer tensor, got a tensor of shape "
+                             f"{tuple(value.shape)}")
+        if value.device.type == "cpu":
+            return int(value.item())
+        return value.detach().to(torch.int64)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int or a 0-d integer tensor, got {type(value).__name__}")
+    return value
+
+
 def check_device(name: str, t: torch.Tensor, device: torch.device, of: str = "the input") -> None:
     """Raise ``ValueError`` unless ``t`` is on ``device``; a 0-d CPU tensor is accepted anywhere, as in torch."""
     if t.device != device and not (t.ndim == 0 and t.device.type == "cpu"):

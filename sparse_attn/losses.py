@@ -37,6 +37,7 @@ from sparse_attn._validation import (
     check_choice,
     check_device,
     check_floating,
+    check_int_or_0d_tensor,
     check_positive_int,
     check_tensor,
 )
@@ -116,33 +117,11 @@ def _check_proportions(y: torch.Tensor) -> None:
         )
 
 
-def _check_ignore_index(ignore_index):
-    """``ignore_index`` as an int, or as a detached 0-d int64 tensor when it is given as a non-CPU tensor.
-
-    Accepts a Python int or a 0-d integer tensor on any device (what the ``entmax`` package accepts, e.g.
-    ``y[0]``). A CPU tensor is read once (``.item()``, no device sync); a CUDA tensor is kept on its device
-    and compared there, so the check itself reads nothing back.
-    """
-    if isinstance(ignore_index, torch.Tensor):
-        if ignore_index.dtype.is_floating_point or ignore_index.dtype.is_complex or ignore_index.dtype == torch.bool:
-            raise TypeError(f"ignore_index must be an int or a 0-d integer tensor, got a tensor of dtype "
-                            f"{ignore_index.dtype}")
-        if ignore_index.ndim != 0:
-            raise ValueError(f"ignore_index must be an int or a 0-d integer tensor, got a tensor of shape "
-                             f"{tuple(ignore_index.shape)}")
-        if ignore_index.device.type == "cpu":
-            return int(ignore_index.item())
-        return ignore_index.detach().to(torch.int64)
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
-        raise TypeError(f"ignore_index must be an int or a 0-d integer tensor, got {type(ignore_index).__name__}")
-    return ignore_index
-
-
 def _fy_loss(X, target, alpha, mapping, ignore_index, reduction):
     check_floating("X", X)
     check_tensor("target", target)
     check_choice("reduction", reduction, _REDUCTIONS)
-    ignore_index = _check_ignore_index(ignore_index)
+    ignore_index = check_int_or_0d_tensor("ignore_index", ignore_index)
     if X.ndim != 2:
         raise ValueError(f"X must have shape (N, C), got shape {tuple(X.shape)}")
     check_device("target", target, X.device, "X")
@@ -247,7 +226,7 @@ class _LossModule(nn.Module):
     def __init__(self, ignore_index: int | torch.Tensor, reduction: str):
         super().__init__()
         check_choice("reduction", reduction, _REDUCTIONS)
-        self.ignore_index = _check_ignore_index(ignore_index)
+        self.ignore_index = check_int_or_0d_tensor("ignore_index", ignore_index)
         self.reduction = reduction
 
 

@@ -296,6 +296,14 @@ def _dp_dalpha_weights(p: torch.Tensor, u: torch.Tensor, e: torch.Tensor) -> tor
     return torch.where(support, out, torch.zeros_like(out))
 
 
+def _rows_vjp(u: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows' vector-Jacobian product of alpha-entmax, ``(dX, delta)`` with ``dX = U * (g - delta)`` and
+    ``delta = sum(U g) / sum(U)`` (``U = p ** (2 - alpha)`` on the support, 0 off it; an empty row gives 0)."""
+    total = u.sum(dim=-1, keepdim=True)
+    delta = (u * g).sum(dim=-1, keepdim=True) / torch.where(total > 0, total, torch.ones_like(total))
+    return u * (g - delta), delta
+
+
 class _EntmaxRowsFunction(torch.autograd.Function):
     """Autograd wrapper for rows ``x`` (R, n) and alpha (float or (R, 1) tensor); PyTorch only.
 
@@ -331,10 +339,7 @@ class _EntmaxRowsFunction(torch.autograd.Function):
         safe_p = torch.where(support, p, torch.ones_like(p))
         u = torch.where(support, torch.exp((1 - e) * torch.log(safe_p)), torch.zeros_like(p))
         u = torch.where(torch.isnan(p), p, u)
-        s = u.sum(dim=-1, keepdim=True)
-        s_safe = torch.where(s > 0, s, torch.ones_like(s))
-        delta = (u * g).sum(dim=-1, keepdim=True) / s_safe
-        gx = u * (g - delta)
+        gx, delta = _rows_vjp(u, g)
         galpha = None
         if ctx.alpha_is_tensor and ctx.needs_input_grad[1]:
             pk = _dp_dalpha_weights(p, u, e)
