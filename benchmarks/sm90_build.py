@@ -91,6 +91,9 @@ def analyse(compiled) -> dict:
 
 
 ALPHA_OF_CLASS = {"softmax": 1.0, "sparsemax": 2.0, "entmax15": 1.5, "general": 1.25}
+# sequence length of the builds: long enough that the liveness map has several words (n_words > 1), as in a real
+# launch; at 1024 keys (one word) the compiler drops the word loops and the builds need fewer registers
+N_DEFAULT = 4096
 
 
 def _problem(head_dim, n, dtype, varlen, heads=4):
@@ -101,15 +104,17 @@ def _problem(head_dim, n, dtype, varlen, heads=4):
     return q, k, v, cu
 
 
-def fwd_case(head_dim: int, alpha_class: str, causal: bool = True, dtype=torch.bfloat16, n: int = 1024,
+def fwd_case(head_dim: int, alpha_class: str, causal: bool = True, dtype=torch.bfloat16, n: int = N_DEFAULT,
              mask: str | None = None, dropout: bool = False, varlen: bool = False, need_out_u: bool = False,
-             window_size=None, softcap: float | None = None, alibi: bool = False, sinks: bool = False):
+             window_size=None, softcap: float | None = None, alibi: bool = False, sinks: bool = False,
+             config: tuple | None = None):
     """Build the forward for one configuration as the launcher launches it; returns the analysis dict.
 
     ``mask``: None, ``"float"`` (an additive ``(B, 1, Nq, Nk)`` bias) or ``"bool"`` (a keep mask);
     ``need_out_u``: the training forward, which also accumulates the backward's ``out_u``;
     ``window_size``: a sliding window ``(left, right)`` or None; ``softcap``, ``alibi``, ``sinks``: soft-capping,
-    ALiBi slopes, per-head sinks.
+    ALiBi slopes, per-head sinks; ``config``: ``(num_warps, num_stages)`` instead of the pinned one (an autotune
+    candidate).
     """
     q, k, v, cu = _problem(head_dim, n, dtype, varlen)
     variants = dict(window_size=window_size, softcap=softcap,
@@ -130,7 +135,7 @@ def fwd_case(head_dim: int, alpha_class: str, causal: bool = True, dtype=torch.b
                                 cu_seqlens_k=cu, dropout_p=0.1 if dropout else 0.0, **variants, **extra)
         finally:
             fwd._entmax_attn_fwd_autotuned = tuned
-        _, _, warps, stages = fwd._pick_config(head_dim, False)
+        _, _, warps, stages = fwd._pick_config(head_dim, False) if config is None else (None, None, *config)
         kernel, launches = fwd._entmax_attn_fwd_kernel, [(g, a, {**kw, "num_warps": warps, "num_stages": stages})
                                                          for g, a, kw in cap.launches]
     else:
@@ -148,14 +153,15 @@ def fwd_case(head_dim: int, alpha_class: str, causal: bool = True, dtype=torch.b
 
 
 def bwd_cases(head_dim: int, need_dalpha: bool = True, mask: str | None = "blocks", causal: bool = True,
-              dtype=torch.bfloat16, n: int = 1024, dropout: bool = False, varlen: bool = False,
+              dtype=torch.bfloat16, n: int = N_DEFAULT, dropout: bool = False, varlen: bool = False,
               kernels=("dq", "dkdv", "dbias"), window_size=None, softcap: float | None = None, alibi: bool = False,
-              sinks: bool = False):
+              sinks: bool = False, config: tuple | None = None):
     """Build the backward kernels (those of ``kernels`` among ``"dq"``, ``"dkdv"``, ``"dbias"``) one launch of
     ``entmax_attn_bwd`` starts; one analysis dict per kernel.
 
     ``mask``: None, ``"bool"``, or the float-mask gradient mode: ``"dense"`` ``(B, H, N, N)``, ``"rows"``
-    ``(B, H, N, 1)``, ``"cols"`` ``(B, 1, 1, N)``, ``"blocks"`` ``(1, H, N, N)``.
+    ``(B, H, N, 1)``, ``"cols"`` ``(B, 1, 1, N)``, ``"blocks"`` ``(1, H, N, N)``. ``config``: ``(num_warps,
+    num_stages)`` for every kernel built instead of its pinned one (an autotune candidate).
     """
     from sparse_attn.kernels import entmax_attn_bwd as bwd
 
@@ -185,11 +191,11 @@ def bwd_cases(head_dim: int, need_dalpha: bool = True, mask: str | None = "block
     finally:
         for name, kernel in tuned.items():
             setattr(bwd, f"_entmax_attn_bwd_{name}_autotuned", kernel)
-    config = bwd._pick_config(head_dim, False)
+    pinned = bwd._pick_config(head_dim, False)
     out = []
     for name, cap in caps.items():
         for _, args, kwargs in cap.launches if name in kernels else []:
-            _, warps, stages = config[name]
+            _, warps, stages = pinned[name] if config is None else (None, *config)
             kwargs = {**kwargs, "num_warps": warps, "num_stages": stages}
             info = analyse(compile_like_launch(getattr(bwd, f"_entmax_attn_bwd_{name}_kernel"), args, kwargs))
             info.update(kernel=f"bwd_{name}", d=head_dim,
@@ -216,6 +222,27 @@ COLUMNS = ("kernel", "d", "alpha", "block", "warps", "stages", "regs", "spill", 
            "tma", "ldg", "mma", "mufu")
 
 
+def candidates(head_dims, classes, n: int = N_DEFAULT):
+    """Every launch config the autotuners may try, as they would launch it (not causal, bf16, length ``n``): the
+    training forward (``need_out_u``) of each alpha class in ``classes``, and the general-alpha backward's dQ (with
+    d alpha) and dK/dV kernels over their pruned config lists. Yields one analysis dict per build, with ``pinned``
+    True for the config used without autotuning."""
+    from sparse_attn.kernels import entmax_attn_bwd as bwd
+
+    for d in head_dims:
+        _, _, warps, stages = fwd._pick_config(d, False)
+        for cls in classes:
+            for cfg in fwd._autotune_configs():
+                info = fwd_case(d, cls, causal=False, need_out_u=True, n=n, config=(cfg.num_warps, cfg.num_stages))
+                yield dict(info, pinned=(cfg.num_warps, cfg.num_stages) == (warps, stages))
+        for name in ("dq", "dkdv"):
+            pinned = bwd._pick_config(d, False)[name][1:]
+            for cfg in bwd._prune_configs(name)(bwd._autotune_configs(), {"HEAD_DIM": d}):
+                for info in bwd_cases(d, need_dalpha=True, mask=None, causal=False, n=n, kernels=(name,),
+                                      config=(cfg.num_warps, cfg.num_stages)):
+                    yield dict(info, alpha="general", pinned=(cfg.num_warps, cfg.num_stages) == pinned)
+
+
 def check() -> int:
     """CI: the GPU builds the interpreter never exercises compile for sm_90: the forward's general-alpha class
     (the largest path) with a float mask, dropout, varlen, ALiBi, sinks and the backward's ``out_u``, its 1.5-entmax
@@ -236,6 +263,9 @@ def main(argv=None):
     ap.add_argument("--bwd", action="store_true",
                     help="also the backward kernels (BWD_MATRIX: with and without d alpha and d bias)")
     ap.add_argument("--out-u", action="store_true", help="also the training forward (need_out_u) of every class")
+    ap.add_argument("--candidates", action="store_true",
+                    help="every config the autotuners may try (training forward per class, general-alpha backward)")
+    ap.add_argument("--n", type=int, default=N_DEFAULT, help=f"sequence length of the builds (default {N_DEFAULT})")
     ap.add_argument("--markdown", action="store_true")
     ap.add_argument("--check", action="store_true", help="build one set of feature-complete kernels and exit")
     args = ap.parse_args(argv)
@@ -248,17 +278,26 @@ def main(argv=None):
         else:
             print("  ".join(f"{c}={info[c]}" for c in COLUMNS), flush=True)
 
+    print(f"# triton {triton.__version__}, sm_90, bf16, N {args.n}")
+    if args.candidates:
+        cols = ("kernel", "d", "alpha", "block", "warps", "stages", "pinned", "regs", "spill", "stl")
+        if args.markdown:
+            print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
+        for info in candidates(args.d, args.classes, args.n):
+            print(("| " + " | ".join(str(info[c]) for c in cols) + " |") if args.markdown
+                  else "  ".join(f"{c}={info[c]}" for c in cols), flush=True)
+        return 0
     if args.markdown:
         print("| " + " | ".join(COLUMNS) + " |")
         print("|" + "---|" * len(COLUMNS))
     for d in args.d:
         for cls in args.classes:
-            show(fwd_case(d, cls))
+            show(fwd_case(d, cls, n=args.n))
             if args.out_u:
-                show(fwd_case(d, cls, need_out_u=True))
+                show(fwd_case(d, cls, need_out_u=True, n=args.n))
         if args.bwd:
             for need_dalpha, mask, kernels in BWD_MATRIX:
-                for info in bwd_cases(d, need_dalpha=need_dalpha, mask=mask, kernels=kernels):
+                for info in bwd_cases(d, need_dalpha=need_dalpha, mask=mask, kernels=kernels, n=args.n):
                     show(info)
     return 0
 

@@ -177,12 +177,19 @@ def bias_base_ptr(BIAS, b, h, q_start, k_start, stride_bias_b, stride_bias_h, st
 
 
 @triton.jit
+def _wide(idx):
+    """A non-negative int32 index as int64, zero-extended: its high word is the constant 0, which the compiler never
+    keeps in (or spills from) a register, as it does a sign extension's."""
+    return idx.to(tl.uint32).to(tl.int64)
+
+
+@triton.jit
 def load_rows(base, idx, offs_d, stride_n, stride_d, ok, d_ok, UPCAST: tl.constexpr):
     """Rows ``idx [BLOCK]`` of a ``(seq, head_dim)`` slice as ``[BLOCK, BLOCK_D]`` (0 outside ``ok``, ``d_ok``).
 
     ``UPCAST`` converts to float32 (the interpreter's bf16 ``tl.dot`` is wrong).
     """
-    x = tl.load(base + idx[:, None].to(tl.int64) * stride_n + offs_d[None, :] * stride_d,
+    x = tl.load(base + _wide(idx)[:, None] * stride_n + offs_d[None, :] * stride_d,
                 mask=ok[:, None] & d_ok[None, :], other=0.0)
     if UPCAST:
         x = x.to(tl.float32)
@@ -192,7 +199,7 @@ def load_rows(base, idx, offs_d, stride_n, stride_d, ok, d_ok, UPCAST: tl.conste
 @triton.jit
 def store_rows(base, idx, offs_d, stride_n, stride_d, x, ok, d_ok):
     """Store ``x [BLOCK, BLOCK_D]`` into rows ``idx`` of a ``(seq, head_dim)`` slice, cast to its dtype."""
-    tl.store(base + idx[:, None].to(tl.int64) * stride_n + offs_d[None, :] * stride_d, x.to(base.dtype.element_ty),
+    tl.store(base + _wide(idx)[:, None] * stride_n + offs_d[None, :] * stride_d, x.to(base.dtype.element_ty),
              mask=ok[:, None] & d_ok[None, :])
 
 

@@ -113,15 +113,29 @@ def _grid_tile(z, m, j_top, F, G, C, L, slot, w_grid, shift, beta, bm1, POW: tl.
     t_low = tl.where(tl.abs(j_new) < 4194304.0, t_low - 4.8e-7 * tl.abs(t_low), float("-inf"))
     live = tl.max((z > t_low[:, None]).to(tl.int32))
     if live != 0:
-        for s in tl.static_range(GRID_K):
-            sel = (slot == s)[None, :]
-            t_s = tl.sum(tl.where(sel, i_new, 0.0), 1) * w_grid + shift
-            f, g, c = point_sums(z, t_s, POW, bm1, tl.sum(tl.where(sel, L, 0.0), 1))
-            F += tl.where(sel, f[:, None], 0.0)
-            G += tl.where(sel, g[:, None], 0.0)
-            if POW != 0:
-                C += tl.where(sel, c[:, None], 0.0)
+        if POW == 0:
+            # one point at a time: unrolled, the general class's log2 / exp2 temporaries of all points are live at
+            # once and the training forward spills (216 bytes at head dim 128 under triton 3.6, docs/kernels.md)
+            for s in range(GRID_K):
+                F, G, C = _grid_point(z, s, slot, i_new, L, F, G, C, w_grid, shift, bm1, POW)
+        else:
+            for s in tl.static_range(GRID_K):
+                F, G, C = _grid_point(z, s, slot, i_new, L, F, G, C, w_grid, shift, bm1, POW)
     return m_new, j_new, F, G, C, L, live
+
+
+@triton.jit
+def _grid_point(z, s, slot, i_new, L, F, G, C, w_grid, shift, bm1, POW: tl.constexpr):
+    """Add the point sums of the score tile ``z`` at ring slot ``s`` (grid index ``i_new``, POW 0's reference log
+    ``L``) to that slot of ``F``, ``G``, ``C`` ``[BLOCK_M, GRID_K]``; returns them."""
+    sel = (slot == s)[None, :]
+    t_s = tl.sum(tl.where(sel, i_new, 0.0), 1) * w_grid + shift
+    f, g, c = point_sums(z, t_s, POW, bm1, tl.sum(tl.where(sel, L, 0.0), 1))
+    F += tl.where(sel, f[:, None], 0.0)
+    G += tl.where(sel, g[:, None], 0.0)
+    if POW != 0:
+        C += tl.where(sel, c[:, None], 0.0)
+    return F, G, C
 
 
 @triton.jit

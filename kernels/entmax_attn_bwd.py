@@ -66,9 +66,11 @@ from ._masking import (
 )
 
 _DEFAULT_BLOCK = 64
+# the liveness map's strides change with the sequence length: not specialized, one build serves every length
+_LIVE_STRIDES = ["stride_live_b", "stride_live_h", "stride_live_m"]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_LIVE_STRIDES)
 def _entmax_attn_bwd_dq_kernel(
     Q, K, V, DO, OUT_U, TAU, LSUM, ALPHA, BIAS, LIVE, CU_SEQLENS_Q, CU_SEQLENS_K, ALIBI, SINKS,
     DQ, DELTA, DALPHA, DBIAS, DBIAS_ROWS, DSINKS,
@@ -181,7 +183,7 @@ def _entmax_attn_bwd_dq_kernel(
         tl.store(DALPHA + stat_offs, tl.where(has_u, dalpha, 0.0), mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_LIVE_STRIDES)
 def _entmax_attn_bwd_dkdv_kernel(
     Q, K, V, DO, TAU, LSUM, DELTA, ALPHA, BIAS, LIVE, CU_SEQLENS_Q, CU_SEQLENS_K, ALIBI, SINKS,
     DK, DV, DBIAS_COLS,
@@ -264,7 +266,7 @@ def _entmax_attn_bwd_dkdv_kernel(
     store_rows(dv_base, cols, offs_dv, stride_dvn, stride_dvd, dv, write, dv_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_LIVE_STRIDES)
 def _entmax_attn_bwd_dbias_kernel(
     Q, K, V, DO, TAU, LSUM, DELTA, ALPHA, BIAS, LIVE, CU_SEQLENS_Q, CU_SEQLENS_K, ALIBI, SINKS, DBIAS,
     stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,

@@ -88,7 +88,9 @@ class EntmaxAttnFwdResult(NamedTuple):
     block_n: int
 
 
-@triton.jit
+# size-like ints that differ between sequence lengths are not specialized (divisibility by 16, == 1): one build
+# serves every length; their sm_90 builds are the same with and without (docs/kernels.md)
+@triton.jit(do_not_specialize=["n_q_tiles", "n_words"])
 def _entmax_attn_fwd_kernel(
     Q, K, V, OUT, OUT_U, BIAS, ALPHA, TAU, LSUM, NNZ, N_VALID, LIVE, N_PASSES, TILE_VISITS, CU_SEQLENS_Q,
     CU_SEQLENS_K, ALIBI, SINKS,
@@ -125,14 +127,12 @@ def _entmax_attn_fwd_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     row_ok = rows < seqlen_q
-    rows_global = (q_start + rows).to(tl.int64)
 
     q_base = slice_base(Q, b, h, q_start, stride_qb, stride_qh, stride_qm)
     q = load_rows(q_base, rows, offs_d, stride_qm, stride_qd, row_ok, offs_d < HEAD_DIM, UPCAST)  # [BLOCK_M, BLOCK_D]
     k_base = slice_base(K, b, h_kv, k_start, stride_kb, stride_kh, stride_kn)
     v_base = slice_base(V, b, h_kv, k_start, stride_vb, stride_vh, stride_vn)
     bias_base = bias_base_ptr(BIAS, b, h, q_start, k_start, stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n)
-    stat_offs = bh.to(tl.int64) * total_q + rows_global
     tile_id = (seq.to(tl.int64) * n_heads + h) * n_q_tiles + pid_m
     live_base = LIVE + tile_id * n_words
     kt_lo, kt_hi = key_tile_range(pid_m, seqlen_q, seqlen_k, MASK, BLOCK_M, BLOCK_N)
@@ -176,15 +176,18 @@ def _entmax_attn_fwd_kernel(
         tau = tl.where(a_ok, tau, float("nan"))
         lsum = tl.where(a_ok, lsum, float("nan"))
         out_u = tl.where(a_ok, out_u, float("nan"))
-    if NEED_OUT_U:
-        store_rows(slice_base(OUT_U, b, h, q_start, stride_oub, stride_ouh, stride_oum), rows, offs_dv, stride_oum,
-                   stride_oud, out_u, row_ok, offs_dv < HEAD_DIM_V)
-    store_rows(slice_base(OUT, b, h, q_start, stride_ob, stride_oh, stride_om), rows, offs_dv, stride_om, stride_od,
-               out, row_ok, offs_dv < HEAD_DIM_V)
+    # formed where they are stored, after the passes
+    stat_offs = bh.to(tl.int64) * total_q + (q_start + rows).to(tl.int64)
     tl.store(TAU + stat_offs, tau, mask=row_ok)
     tl.store(LSUM + stat_offs, lsum, mask=row_ok)
     tl.store(NNZ + stat_offs, nnz, mask=row_ok)
     tl.store(N_VALID + stat_offs, n_valid, mask=row_ok)
+    # the output first, then out_u: one float32 tile and its addresses live at a time
+    store_rows(slice_base(OUT, b, h, q_start, stride_ob, stride_oh, stride_om), rows, offs_dv, stride_om, stride_od,
+               out, row_ok, offs_dv < HEAD_DIM_V)
+    if NEED_OUT_U:
+        store_rows(slice_base(OUT_U, b, h, q_start, stride_oub, stride_ouh, stride_oum), rows, offs_dv, stride_oum,
+                   stride_oud, out_u, row_ok, offs_dv < HEAD_DIM_V)
     tl.store(N_PASSES + tile_id, passes)
     tl.store(TILE_VISITS + tile_id, visits)
 
