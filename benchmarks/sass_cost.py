@@ -53,7 +53,7 @@ launcher runs on CPU tensors, the JIT binder gives the launch specialization), t
 The counts are exact for the SASS that was built; the cycles are a model. Usage (from the project root)::
 
     python benchmarks/sass_cost.py [--d 64 128] [--classes softmax entmax15 sparsemax general]
-        [--causal | --no-causal] [--cand-passes 1] [--dead 0.6 0.9] [--n 1024] [--markdown] [--json FILE]
+        [--causal | --no-causal] [--cand-passes 1] [--dead 0.6 0.9] [--n N] [--markdown] [--json FILE]
         [--mix] [--keep DIR] [--smoke]
 
 ``--causal`` / ``--no-causal`` restrict to one setting (default both). ``--smoke``: the softmax and 1.5-entmax
@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import inspect
 import json
 import os
 import re
@@ -641,9 +642,14 @@ def cycles(cnt: dict, warps: int) -> dict:
 # ------------------------------------------------------------------------------------------------------------------
 # builds
 # ------------------------------------------------------------------------------------------------------------------
-def build(head_dim: int, alpha_class: str, causal: bool, n: int = 1024):
-    """``(compiled, info)``: the forward of one class built as ``sm90_build.fwd_case`` builds it (bf16, no mask);
-    ``info`` is its analysis dict (regs, spills, block, warps, ...)."""
+def default_n() -> int:
+    """The sequence length ``sm90_build.fwd_case`` builds with by default."""
+    return inspect.signature(sm90_build.fwd_case).parameters["n"].default
+
+
+def build(head_dim: int, alpha_class: str, causal: bool, n: int | None = None):
+    """``(compiled, info)``: the forward of one class built as ``sm90_build.fwd_case`` builds it (bf16, no mask;
+    ``n`` keys, default ``default_n()``); ``info`` is its analysis dict (regs, spills, block, warps, ...)."""
     kept = []
     orig = sm90_build.compile_like_launch
 
@@ -654,7 +660,7 @@ def build(head_dim: int, alpha_class: str, causal: bool, n: int = 1024):
 
     sm90_build.compile_like_launch = keep
     try:
-        info = sm90_build.fwd_case(head_dim, alpha_class, causal=causal, n=n)
+        info = sm90_build.fwd_case(head_dim, alpha_class, causal=causal, n=default_n() if n is None else n)
     finally:
         sm90_build.compile_like_launch = orig
     if not kept:
@@ -769,8 +775,9 @@ def main(argv=None) -> int:
     ap.add_argument("--cand-passes", type=float, default=1.0,
                     help="candidate passes per query tile in the dense model (bf16: 1, docs/kernels.md)")
     ap.add_argument("--dead", type=float, nargs="+", default=[0.6, 0.9], help="dead key-tile fractions")
-    ap.add_argument("--n", type=int, default=1024,
-                    help="sequence length of the builds (the JIT specializes n_words == 1 up to 32 key tiles)")
+    ap.add_argument("--n", type=int, default=None,
+                    help="sequence length of the builds (default: sm90_build.fwd_case's; the JIT specializes "
+                         "n_words == 1, one bitmap word, up to 32 key tiles)")
     ap.add_argument("--markdown", action="store_true", help="markdown tables (docs/kernels.md)")
     ap.add_argument("--json", help="write every number to this file")
     ap.add_argument("--mix", action="store_true", help="also the instruction mix of each loop path")
@@ -780,6 +787,7 @@ def main(argv=None) -> int:
     if args.smoke:
         args.d, args.classes, args.causal = [64], ["softmax", "entmax15"], [False]
     classes = ["softmax"] + [c for c in args.classes if c != "softmax"]  # the ratios need the softmax build
+    args.n = default_n() if args.n is None else args.n
     import triton
 
     t0 = time.time()
