@@ -10,7 +10,9 @@
 # OUT_DIR defaults to $OUT (the device tool's return folder), else benchmarks/results/<gpu-name>/ (bench),
 # .../<gpu-name>/<mode>/ (headline, tune, profile, decode). It receives:
 #   headline: env.txt, pytest_smoke.log, headline.log, headline.md, headline.csv, headline.png and, when it fits
-#            in 15 MB, triton-cache.tgz (the kernels built there, to start the next run warm)
+#            in 15 MB, triton-cache.tgz (the kernels built there, to start the next run warm); a cache built offline
+#            in .triton-sm90/ (benchmarks/precompile.py) is installed into TRITON_CACHE_DIR first, and headline.log
+#            says how many kernels the warm-up loaded from it and how many it compiled
 #   bench:   pytest_gpu.log, bench.log, results.md, results.csv and three plot_*.png (7 files)
 #   tune:    tune.log, tune.md, tune.csv
 #   profile: profile.md, profile.log; with ncu also ncu.log, ncu_details.csv, ncu_raw.csv, profile.ncu-rep
@@ -71,11 +73,12 @@ case "$MODE" in
   headline)
     # one build per kernel (the pinned launch configs, no autotuning), into a cache that can travel back
     export SPARSE_ATTN_PINNED=${SPARSE_ATTN_PINNED:-1}
-    if [ -z "${TRITON_CACHE_DIR:-}" ]; then
-      if [ -d .triton-sm90 ]; then export TRITON_CACHE_DIR=$PWD/.triton-sm90; else export TRITON_CACHE_DIR=/tmp/triton-cache; fi
-    fi
+    export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
     mkdir -p "$TRITON_CACHE_DIR"
     {
+      # the kernels built offline (benchmarks/precompile.py), copied with their paths rewritten: Triton's cache
+      # names its files by absolute path, so a folder used where it was not built misses
+      if [ -d .triton-sm90 ]; then "$PY" benchmarks/precompile.py --out .triton-sm90 --install "$TRITON_CACHE_DIR"; fi
       nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
       "$PY" -c "import sys, torch, triton, numpy; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'numpy', numpy.__version__)"
       echo "commit: ${BENCH_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
@@ -96,6 +99,7 @@ case "$MODE" in
     fi
     wait "$warm_pid"
     echo "gpu_run: warm-up exit status $? after $(( SECONDS - START )) s" | tee -a "$OUT_DIR/headline.log"
+    grep -h "^shipped cache\|^Triton cache" "$OUT_DIR/headline.log"
     left=$(( TOTAL_S - (SECONDS - START) ))
     {
       # shellcheck disable=SC2086

@@ -21,7 +21,11 @@ within the tests' kernel slack (``KERNEL_SLACK``) above that, else ``FAIL``.
 
 Before any timing, every kernel the run launches is built in ``--jobs`` parallel processes (one per
 (case, method), each running the case once untimed) that share the Triton cache; the log says how many kernels
-were built, how long it took, and how many were built during the timings (0 when the warm-up was complete).
+were built, how long it took, and how many were built during the timings (0 when the warm-up was complete). A cache
+shipped by ``precompile.py`` (its ``manifest.json`` in ``TRITON_CACHE_DIR``) is checked first: the log's first line
+says whether this machine's Triton key and kernel sources match it, and the line after the warm-up how many
+distinct kernels the warm-up processes loaded from the cache and how many they compiled, per kernel, and how many
+of the shipped kernels they used.
 
 Writes ``headline.md``, ``headline.csv`` and ``headline.png`` under ``--out``, stamped like ``bench_attention.py``.
 ``--smoke`` runs tiny float32 shapes on the CPU under the Triton interpreter (the CI rehearsal of the whole run).
@@ -34,6 +38,7 @@ import math
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -41,6 +46,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import precompile  # noqa: E402
 import torch  # noqa: E402
 from bench_cases import Case, Inputs, dense_flops, make_inputs  # noqa: E402
 from bench_common import LEARNABLE, OK, OOM_ERRORS, fmt, free_memory  # noqa: E402
@@ -276,19 +282,22 @@ def run_case_once(case: Case, method: Method, inputs: Inputs, fwd) -> None:
         fused_stats(fwd, method, inputs)
 
 
-def warm_up(args, cases: list[Case], device: str, argv: list[str]) -> str:
-    """Build every kernel of the run in ``args.jobs`` processes sharing the Triton cache; returns a log line."""
+def warm_up(args, cases: list[Case], device: str, argv: list[str]) -> list[str]:
+    """Build every kernel of the run in ``args.jobs`` processes sharing the Triton cache; returns log lines: the
+    warm-up's, then the kernels its processes loaded from the cache and compiled (``precompile.summary_line``)."""
     pairs = [(ci, mi) for ci, case in enumerate(cases) for mi in range(len(methods_of(case)))
              if methods_of(case)[mi].method == "sparse_attn"]
     if args.jobs <= 0 or not pairs:
-        return "warm-up: none"
+        return ["warm-up: none"]
     before, begin = n_built(), time.monotonic()
     script = str(Path(__file__).resolve())
     base = [a for a in argv if not a.startswith("--warm-one") and a != "--warm-only"]
+    log = tempfile.TemporaryDirectory(prefix="headline-compiles-")
+    env = dict(os.environ, **{precompile.LOG_ENV: log.name})
 
     def build(pair):
         res = subprocess.run([sys.executable, script, *base, f"--warm-one={pair[0]}:{pair[1]}"],
-                             capture_output=True, text=True)
+                             capture_output=True, text=True, env=env)
         last = (res.stdout + res.stderr).strip().splitlines()[-1:]
         return None if res.returncode == 0 else f"{pair}: exit {res.returncode}: {last}"
 
@@ -299,12 +308,16 @@ def warm_up(args, cases: list[Case], device: str, argv: list[str]) -> str:
             f"in {took:.1f} s ({n_built()} in the cache {cache_dir()})")
     if failed:
         line += f"; {len(failed)} warm-up processes failed: " + " | ".join(failed)[:600]
-    return line
+    summary = precompile.summarize(precompile.read_events(Path(log.name)), precompile.read_manifest(cache_dir()))
+    log.cleanup()
+    return [line, precompile.summary_line(summary)]
 
 
 def warm_one(args, cases: list[Case], device: str, spec: str) -> int:
     ci, mi = (int(x) for x in spec.split(":"))
     case, method = cases[ci], methods_of(cases[ci])[mi]
+    if os.environ.get(precompile.LOG_ENV):
+        precompile.log_compiles_to(os.environ[precompile.LOG_ENV])
     fwd, _ = fused_forward_launcher()
     run_case_once(case, method, inputs_of(case, device), fwd)
     if device == "cuda":
@@ -397,12 +410,13 @@ def run(argv: list[str] | None = None) -> Path | None:
         raise SystemExit(f"headline: {missing}")
     notes = [f"pinned launch configs: SPARSE_ATTN_PINNED={os.environ.get('SPARSE_ATTN_PINNED', '0')}",
              "learnable = torch.linspace(1, 2, heads) requiring grad (d alpha computed in fwd+bwd)"]
+    print(precompile.shipped_cache_line(cache_dir()), flush=True)
     print(f"headline: {len(cases)} cases, Triton cache {cache_dir()} holds {n_built()} kernels", flush=True)
-    line = warm_up(args, cases, device, argv)
-    print(line, flush=True)
+    lines = warm_up(args, cases, device, argv)
+    print("\n".join(lines), flush=True)
     if args.warm_only:
         return None
-    notes.append(line)
+    notes.extend(lines)
     built_before_timing = n_built()
     cubins_before = cubins()
 
