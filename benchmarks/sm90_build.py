@@ -7,7 +7,8 @@ stride-1 constants and the 16-divisibility hints from them, as it would at launc
 read with the ptxas/cuobjdump bundled with Triton.
 
 Usage: ``python benchmarks/sm90_build.py [--d 64 128 256] [--classes ...] [--markdown]``.
-Columns: regs per thread, spill bytes (stack + local memory per thread) and spill stores (STL), shared
+Columns: regs per thread, spill bytes (stack + local memory per thread) and spill stores (STL), the spill loads
+and stores inside a loop (``loop_ldst``: paid per iteration; those outside every loop are paid once per program), shared
 memory (dynamic, bytes), SASS instructions in total, LDGSTS (cp.async) and UTMALDG (TMA) loads, LDG (plain
 global loads), HGMMA/HMMA (tensor-core matrix instructions), MUFU (special-function unit ops: exp2, log2,
 rsqrt, rcp).
@@ -85,9 +86,20 @@ def analyse(compiled) -> dict:
     ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass)
     count = lambda prefix: sum(1 for o in ops if o.startswith(prefix))  # noqa: E731
     return dict(regs=field("REG"), spill=field("STACK") + field("LOCAL"), stl=count("STL"),
+                loop_ldst=_spills_in_loops(sass),
                 smem=compiled.metadata.shared, sass=len(ops),
                 ldgsts=count("LDGSTS"), tma=count("UTMALDG"), ldg=count("LDG") - count("LDGSTS") - count("LDGDEPBAR"),
                 mma=count("HGMMA") + count("HMMA"), mufu=count("MUFU"))
+
+
+def _spills_in_loops(sass: str) -> int:
+    """Local-memory loads and stores (LDL / STL: the spill traffic) inside a loop: between a backward branch's
+    target and the branch. Spills outside every loop are paid once per program; inside one, on every iteration."""
+    ins = [(int(a, 16), op) for a, op in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)[^;]*;",
+                                                    sass)]
+    loops = [(int(t, 16), a) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/[^;]*?\bBRA\b[^;]*?0x([0-9a-f]+)\s*;", sass)]
+    loops = [(t, int(a, 16)) for t, a in loops if t < int(a, 16)]
+    return sum(1 for addr, op in ins if op.startswith(("LDL", "STL")) and any(t <= addr <= b for t, b in loops))
 
 
 ALPHA_OF_CLASS = {"softmax": 1.0, "sparsemax": 2.0, "entmax15": 1.5, "general": 1.25}
@@ -218,8 +230,8 @@ BWD_MATRIX = (
     (False, "blocks", ("dbias",)),
 )
 
-COLUMNS = ("kernel", "d", "alpha", "block", "warps", "stages", "regs", "spill", "stl", "smem", "sass", "ldgsts",
-           "tma", "ldg", "mma", "mufu")
+COLUMNS = ("kernel", "d", "alpha", "block", "warps", "stages", "regs", "spill", "stl", "loop_ldst", "smem", "sass",
+           "ldgsts", "tma", "ldg", "mma", "mufu")
 
 
 def candidates(head_dims, classes, n: int = N_DEFAULT):
@@ -280,7 +292,7 @@ def main(argv=None):
 
     print(f"# triton {triton.__version__}, sm_90, bf16, N {args.n}")
     if args.candidates:
-        cols = ("kernel", "d", "alpha", "block", "warps", "stages", "pinned", "regs", "spill", "stl")
+        cols = ("kernel", "d", "alpha", "block", "warps", "stages", "pinned", "regs", "spill", "stl", "loop_ldst")
         if args.markdown:
             print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
         for info in candidates(args.d, args.classes, args.n):

@@ -227,6 +227,56 @@ def softmax_rows(q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, 
 
 
 @triton.jit
+def _value_pass(q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, n_words, live_base, t_use, lo_kill, beta,
+                z_scale, am1, seed, bh, q_start, k_start, total_k, dropout_p, inv_keep, stride_kn, stride_kd, stride_vn,
+                stride_vd, stride_bias_m, stride_bias_n, visits, POW: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BIAS_KIND: tl.constexpr, MASK,
+                HAS_DROPOUT: tl.constexpr, WITH_P: tl.constexpr, WITH_U: tl.constexpr, UPCAST: tl.constexpr,
+                DOT_PRECISION: tl.constexpr, slope, SCORE, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """One pass over the live tiles at the thresholds ``t_use``: with ``WITH_P`` ``acc = sum_j p_ij v_j``,
+    ``l_sum = sum_j p_ij``, ``nnz`` and the bitmap's words rewritten (tiles with no score above ``lo_kill`` die);
+    with ``WITH_U`` ``acc_u = sum_j U_ij v_j`` and ``u_sum = sum_j U_ij`` (``_u_weights``). Returns
+    ``(acc, l_sum, nnz, acc_u, u_sum, visits)``, the accumulators not asked for zero."""
+    l_sum = tl.zeros([BLOCK_M], tl.float32)
+    nnz = tl.zeros([BLOCK_M], tl.int32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    u_sum = tl.zeros([BLOCK_M], tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    for wd in range(0, n_words):
+        word = tl.load(live_base + wd)
+        new_word = tl.zeros([], tl.int32)
+        if word != 0:
+            bits, rank, n_set = word_bits(word)
+            for i in range(0, n_set):
+                kt = live_tile(bits, rank, i, wd)
+                cols = kt * BLOCK_N + tl.arange(0, BLOCK_N)
+                z = _score_tile(q, k_base, bias_base, rows, cols, seqlen_q, seqlen_k,
+                                stride_kn, stride_kd, stride_bias_m, stride_bias_n, z_scale, am1,
+                                HEAD_DIM, BLOCK_D, BIAS_KIND, MASK, UPCAST, DOT_PRECISION, slope, SCORE)
+                p = weights(z, t_use, POW, beta)
+                if WITH_P:
+                    live = tl.max((z > lo_kill[:, None]).to(tl.int32))
+                    new_word = new_word | (live << (kt - wd * 32))
+                    l_sum += tl.sum(p, 1)
+                    nnz += tl.sum((p > 0.0).to(tl.int32), 1)
+                u = p
+                if WITH_U:
+                    u = _u_weights(z, t_use, p, POW)
+                    u_sum += tl.sum(u, 1)
+                p, u = _apply_dropout(p, u, seed, bh, q_start + rows, k_start + cols, total_k, dropout_p,
+                                      inv_keep, HAS_DROPOUT)
+                v = _value_tile(v_base, cols, seqlen_k, stride_vn, stride_vd, HEAD_DIM_V, BLOCK_DV, UPCAST)
+                if WITH_P:
+                    acc += tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+                if WITH_U:
+                    acc_u += tl.dot(u.to(v.dtype), v, input_precision=DOT_PRECISION)
+                visits += 1
+        if WITH_P:
+            tl.store(live_base + wd, new_word)
+    return acc, l_sum, nnz, acc_u, u_sum, visits
+
+
+@triton.jit
 def entmax_rows(q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, kt_hi,
                  n_words, live_base, scale, alpha, tol, max_passes, seed, bh, q_start, k_start, total_k,
                  dropout_p, inv_keep,
@@ -395,39 +445,21 @@ def entmax_rows(q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, k
     tau_saved = t_use - shift
     t_use = tau_saved + shift  # the backward forms the same threshold from the saved tau
     lo_kill = tl.minimum(lo, t_use) - shift
-    l_sum = zero
-    nnz = tl.zeros([BLOCK_M], tl.int32)
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    u_sum = zero
-    acc_u = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    for wd in range(0, n_words):
-        word = tl.load(live_base + wd)
-        new_word = tl.zeros([], tl.int32)
-        if word != 0:
-            bits, rank, n_set = word_bits(word)
-            for i in range(0, n_set):
-                kt = live_tile(bits, rank, i, wd)
-                cols = kt * BLOCK_N + tl.arange(0, BLOCK_N)
-                z = _score_tile(q, k_base, bias_base, rows, cols, seqlen_q, seqlen_k,
-                                stride_kn, stride_kd, stride_bias_m, stride_bias_n, z_scale, am1,
-                                HEAD_DIM, BLOCK_D, BIAS_KIND, MASK, UPCAST, DOT_PRECISION, slope, SCORE)
-                p = weights(z, t_use, POW, beta)
-                live = tl.max((z > lo_kill[:, None]).to(tl.int32))
-                new_word = new_word | (live << (kt - wd * 32))
-                l_sum += tl.sum(p, 1)
-                nnz += tl.sum((p > 0.0).to(tl.int32), 1)
-                u = p
-                if NEED_OUT_U:
-                    u = _u_weights(z, t_use, p, POW)
-                    u_sum += tl.sum(u, 1)
-                p, u = _apply_dropout(p, u, seed, bh, q_start + rows, k_start + cols, total_k, dropout_p,
-                                      inv_keep, HAS_DROPOUT)
-                v = _value_tile(v_base, cols, seqlen_k, stride_vn, stride_vd, HEAD_DIM_V, BLOCK_DV, UPCAST)
-                acc += tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-                if NEED_OUT_U:
-                    acc_u += tl.dot(u.to(v.dtype), v, input_precision=DOT_PRECISION)
-                visits += 1
-        tl.store(live_base + wd, new_word)
+    # with two head-dim-256 accumulators the training forward spills inside its loops (docs/kernels.md): there the
+    # value pass runs twice, out first, then out_u over the tiles still live (the same sums: dead tiles add zeros)
+    SPLIT_U: tl.constexpr = NEED_OUT_U and BLOCK_DV > 128
+    acc, l_sum, nnz, acc_u, u_sum, visits = _value_pass(
+        q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, n_words, live_base, t_use, lo_kill, beta, z_scale, am1,
+        seed, bh, q_start, k_start, total_k, dropout_p, inv_keep, stride_kn, stride_kd, stride_vn, stride_vd,
+        stride_bias_m, stride_bias_n, visits, POW, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, BIAS_KIND, MASK, HAS_DROPOUT,
+        True, NEED_OUT_U and not SPLIT_U, UPCAST, DOT_PRECISION, slope, SCORE, HEAD_DIM_V, BLOCK_DV)
+    if SPLIT_U:
+        n_passes += 1
+        _, _, _, acc_u, u_sum, visits = _value_pass(
+            q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, n_words, live_base, t_use, lo_kill, beta, z_scale,
+            am1, seed, bh, q_start, k_start, total_k, dropout_p, inv_keep, stride_kn, stride_kd, stride_vn, stride_vd,
+            stride_bias_m, stride_bias_n, visits, POW, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, BIAS_KIND, MASK,
+            HAS_DROPOUT, False, True, UPCAST, DOT_PRECISION, slope, SCORE, HEAD_DIM_V, BLOCK_DV)
     if SCORE[3]:
         p_s = weights(zs, t_use, POW, beta)
         l_sum += tl.sum(p_s, 1)

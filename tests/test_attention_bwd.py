@@ -247,6 +247,12 @@ def test_after_fused_forward(alpha, causal, dropout_p, kernel_device):
     case.check(case.run_after_forward())
 
 
+def test_after_fused_forward_above_head_dim_128(kernel_device):
+    """Gradients from the training forward whose out_u comes from its second value pass (head dim 160)."""
+    case = Case(device=kernel_device, Hq=2, Hk=1, D=160, alpha=[1.5, 1.25], causal=True, Nq=24, Nk=40)
+    case.check(case.run_after_forward())
+
+
 def test_bad_arguments(kernel_device):
     """User errors are ValueError/TypeError of the public function (the launcher does not re-validate);
     internal inconsistencies fail the launcher's asserts, which name the argument."""
@@ -365,10 +371,13 @@ FWD_FIELDS = ("out", "tau", "lsum", "nnz", "n_valid", "live", "n_passes", "tile_
     dict(alpha=[1.0, 1.3, 1.5, 2.0], Hq=4, Hk=2, causal=True, dropout_p=0.25, mask="float"),
     dict(alpha=[1.0001, 1.7], Hq=2, Hk=1, cu_q=[0, 9, 9, 40], cu_k=[0, 13, 20, 47], causal=True, mask="bool"),
     dict(alpha=2.0, Nq=33, Nk=50),
+    # head dim above 128: out_u in a second value pass (kernels/_fwd_rows.py, SPLIT_U)
+    dict(alpha=[1.0, 1.25, 1.5, 2.0], Hq=4, Hk=2, D=160, Nq=24, Nk=40, causal=True, dropout_p=0.25, mask="float"),
 ])
 def test_training_forward_equals_inference_forward(kw, kernel_device):
     """The forward with the backward's bookkeeping (need_out_u) gives bitwise the outputs and statistics of the
-    inference forward, and out_u = sum_j U_ij v_j (dropped) / sum_j U_ij matches the float64 reference."""
+    inference forward, and out_u = sum_j U_ij v_j (dropped) / sum_j U_ij matches the float64 reference. Above head
+    dim 128 the training forward runs one more pass over the live tiles (out_u) on alpha > 1 heads, and counts it."""
     kw = dict(kw)
     mask_kind = kw.pop("mask", None)
     shape = (1 if "cu_q" in kw else 2, 1, 40 if "cu_q" in kw else kw.get("Nq", 40), 47 if "cu_q" in kw else
@@ -384,9 +393,17 @@ def test_training_forward_equals_inference_forward(kw, kernel_device):
     infer = case.forward()
     train = case.forward(need_out_u=True)
     assert infer.out_u is None and train.out_u.shape == case.q.shape and train.out_u.dtype == torch.float32
+    split = kw.get("D", 16) > 128
     for name in FWD_FIELDS:
+        if split and name in ("n_passes", "tile_visits"):
+            continue
         assert torch.equal(getattr(infer, name), getattr(train, name)), name
     soft = (case.alpha32 == 1.0).to(kernel_device)
+    if split:
+        extra = (~soft).int().view(1, -1, 1)  # one more pass on alpha > 1 heads, over the tiles live after the forward
+        assert torch.equal(train.n_passes, infer.n_passes + extra)
+        live_tiles = torch.stack([sum((w >> b) & 1 for b in range(32)) for w in train.live.unbind(-1)], -1).sum(-1)
+        assert torch.equal(train.tile_visits, infer.tile_visits + extra * live_tiles)
     # alpha = 1 heads: U = p, out_u is the output before rounding to q.dtype
     assert torch.equal(train.out_u[:, soft].to(case.q.dtype), train.out[:, soft])
     got = train.out_u
