@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from ._common import LN2, LOG2E, dropout_keep, load_rows
-from ._masking import live_tile, mark_tile, mask_scores, sink_tile, soft_cap, visit_tile, word_bits
+from ._masking import live_tile, mark_tile, mask_scores, sink_tile, soft_cap, visit_tile, walk_words, word_bits
 from ._threshold import log_ref, merge_point, open_bracket, phi, pick_bracket, point_sums, solve, weights
 
 
@@ -308,11 +308,7 @@ def entmax_rows(q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, k
     # max-first order (_masking.max_first_tile): the diagonal / window centre first, then outward; a tile that is
     # dead and plain when visited (_tile_screen) costs its score product and two row reductions
     t_low = _lowest_point(j_top, w_grid, GRID_K)
-    word_c = tl.zeros([], tl.int32)
-    word_lo = word_c
-    word_hi = word_c
-    w_lo = word_c - 1
-    w_hi = w_lo
+    word_c, word_lo, w_lo, word_hi, w_hi = walk_words()
     for i in range(0, kt_hi - kt_lo):
         kt = visit_tile(i, kt_lo, kt_hi, kt_first)
         cols = kt * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -350,6 +350,13 @@ def visit_tile(i, kt_lo, kt_hi, first):
 
 
 @triton.jit
+def walk_words():
+    """:func:`mark_tile`'s state before the first tile: ``(word_c, word_lo, w_lo, word_hi, w_hi)``."""
+    zero = tl.zeros([], tl.int32)
+    return zero, zero, zero - 1, zero, zero - 1
+
+
+@triton.jit
 def mark_tile(kt, live, first, word_c, word_lo, w_lo, word_hi, w_hi):
     """Set the liveness bit ``live`` (0 or 1) of key tile ``kt`` visited by :func:`visit_tile`'s walk from
     ``first``. The bitmap words are built in registers: ``word_c`` holds the word of ``first``, ``word_lo`` /

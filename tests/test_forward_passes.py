@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sparse_attn.kernels._masking import mark_tile, visit_tile
+from sparse_attn.kernels._masking import mark_tile, visit_tile, walk_words
 from sparse_attn.kernels.entmax_attn_fwd import alpha_class_of, entmax_attn_fwd
 from sparse_attn.mappings import entmax
 from sparse_attn.reference import entmax_attention_reference
@@ -247,11 +247,7 @@ def test_gpu_softmax_calls_take_sdpa_with_our_semantics(causal):
 def _walk_kernel(LIVE, ORDER, WORDS, kt_lo, kt_hi, first):
     """Walk ``[kt_lo, kt_hi)`` from ``first`` as the grid pass does; store the order and the liveness words built
     by ``mark_tile`` from the bits ``LIVE[kt]``."""
-    word_c = tl.zeros([], tl.int32)
-    word_lo = word_c
-    word_hi = word_c
-    w_lo = word_c - 1
-    w_hi = w_lo
+    word_c, word_lo, w_lo, word_hi, w_hi = walk_words()
     for i in range(0, kt_hi - kt_lo):
         kt = visit_tile(i, kt_lo, kt_hi, first)
         tl.store(ORDER + i, kt)
