@@ -15,18 +15,30 @@ forward (``TRITON_INTERPRET=1``, 64 x 64 tiles) and prints per configuration:
   threshold over the pipeline at the exact one (the accuracy a GPU run, which rounds the weights before
   the value product, gets from this threshold).
 
+With ``--grid-counters`` it also counts, on the interpreter, the grid pass's work per key tile (by wrapping
+``kernels._fwd_rows._grid_tile``, which runs the ring update and, for a tile live when visited, the per-point block):
+``ring``: the fraction of the visible key tiles that reached ``_grid_tile`` (the others were screened out as dead
+and plain by ``_tile_screen``; every tile reaches it in kernels without the screen), ``cheap``: the fraction of the
+tiles dead at the end of the forward whose per-point block the grid pass skipped (they were already below the
+ring's lowest point when visited), and ``cheap all``: the fraction of them that skipped ``_grid_tile`` altogether.
+The counters work on any version of the kernels with ``_grid_tile`` (point ``PYTHONPATH`` at an older tree to
+measure it). ``--causal`` runs causal attention; ``--block`` sets the tile size (default 64; the forward's own
+interpreter tiles are 32 x 32).
+
 Half-precision inputs run as float32 arithmetic on the rounded inputs with the dtype's threshold
 tolerance, and the output is rounded to the dtype by torch: the interpreter computes in float32
 anyway (its bf16 ``tl.dot`` is wrong) and its float32 -> bfloat16 cast truncates instead of rounding
 to nearest as a GPU does. The weights are therefore not rounded before the value product, which a GPU
 does (the pipeline does too).
 
-Usage: ``python benchmarks/passes.py [--n 512 1024 2048] [--dtype bf16 fp32] [--quick] [--markdown]``.
+Usage: ``python benchmarks/passes.py [--n 512 1024 2048] [--dtype bf16 fp32] [--quick] [--markdown] [--causal]
+[--block 64] [--heads 2] [--grid-counters]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import sys
@@ -36,6 +48,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
 
+from sparse_attn.kernels import _fwd_rows  # noqa: E402
 from sparse_attn.kernels.entmax_attn_fwd import default_tolerance, entmax_attn_fwd  # noqa: E402
 from sparse_attn.mappings import entmax  # noqa: E402
 
@@ -64,12 +77,15 @@ def make_inputs(dist: str, n: int, d: int, heads: int, seed: int):
     return q[None], k[None], v[None]
 
 
-def pipeline_out(q, k, v, alpha: float, scale: float, dtype, tau=None):
+def pipeline_out(q, k, v, alpha: float, scale: float, dtype, tau=None, causal=False):
     """FlashAttention-style low-precision output (see module docstring) with the exact float64 threshold, or with
     ``tau`` (``(B, H, N)``, the z-scale threshold a kernel found; logsumexp at alpha = 1). Returns
     ``(out in dtype as float64, float64 output)``."""
     s32 = (q.float() @ k.float().transpose(-1, -2)) * scale
     s64 = (q.double() @ k.double().transpose(-1, -2)) * scale
+    if causal:
+        keep = torch.ones(s32.shape[-2:], dtype=torch.bool).tril()
+        s32, s64 = s32.masked_fill(~keep, float("-inf")), s64.masked_fill(~keep, float("-inf"))
     p64 = entmax(s64, alpha, dim=-1) if alpha != 1.0 else torch.softmax(s64, -1)
     if alpha == 1.0:
         lse = torch.logsumexp(s64, -1, keepdim=True).float() if tau is None else tau.float()[..., None]
@@ -88,7 +104,41 @@ def pipeline_out(q, k, v, alpha: float, scale: float, dtype, tau=None):
     return out.to(dtype).double(), (p64 @ v.double())
 
 
-def measure(dist, n, alpha, dtype, heads=2, d=64, seed=0, block=64):
+class GridCounters:
+    """Context manager: counts the grid pass's calls of ``_fwd_rows._grid_tile`` (``ring``) and those whose tile was
+    live, i.e. ran the per-point block (``points``), on the interpreter (module docstring)."""
+
+    def __enter__(self):
+        self.ring = self.points = 0
+        self._orig = _fwd_rows._grid_tile
+
+        def counted(*args, **kwargs):
+            result = self._orig(*args, **kwargs)
+            self.ring += 1
+            self.points += int((result[-1].handle.data != 0).any())
+            return result
+
+        _fwd_rows._grid_tile = counted
+        return self
+
+    def __exit__(self, *exc):
+        _fwd_rows._grid_tile = self._orig
+
+
+def visible_tiles(n: int, block: int, causal: bool) -> int:
+    """Key tiles the grid pass visits, summed over the query tiles of one head (square, bottom-right causal)."""
+    tiles = math.ceil(n / block)
+    if not causal:
+        return tiles * tiles
+    return sum(math.ceil(min((i + 1) * block, n) / block) for i in range(tiles))
+
+
+def live_bits(live) -> int:
+    """Set bits of a liveness bitmap tensor."""
+    return sum(bin(w & 0xFFFFFFFF).count("1") for w in live.flatten().tolist())
+
+
+def measure(dist, n, alpha, dtype, heads=2, d=64, seed=0, block=64, causal=False, counters=False):
     q, k, v = make_inputs(dist, n, d, heads, seed + n)
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     scale = d ** -0.5
@@ -96,22 +146,26 @@ def measure(dist, n, alpha, dtype, heads=2, d=64, seed=0, block=64):
     t0 = time.perf_counter()
     # the interpreter computes half-precision kernels in float32 anyway, and its float32 -> bfloat16 cast
     # truncates: run on the rounded inputs in float32 with the dtype's tolerance, round the output like a GPU
-    res = entmax_attn_fwd(q.float(), k.float(), v.float(), a, scale, block_m=block, block_n=block,
-                          tol=default_tolerance(dtype))
+    with GridCounters() if counters else contextlib.nullcontext() as cnt:
+        res = entmax_attn_fwd(q.float(), k.float(), v.float(), a, scale, block_m=block, block_n=block,
+                              tol=default_tolerance(dtype), is_causal=causal)
     secs = time.perf_counter() - t0
-    out_lp, out64 = pipeline_out(q, k, v, alpha, scale, dtype)
+    out_lp, out64 = pipeline_out(q, k, v, alpha, scale, dtype, causal=causal)
     err = (res.out.to(dtype).double() - out64).abs().max().item()
     err_ref = (out_lp - out64).abs().max().item()
     # the same pipeline at the kernel's threshold: what a GPU run gives (weights rounded before the product)
-    err_tau = (pipeline_out(q, k, v, alpha, scale, dtype, tau=res.tau)[0] - out64).abs().max().item()
-    visible = res.live.new_tensor(math.ceil(n / block)).float()
-    live_frac = torch.tensor([bin(w & 0xFFFFFFFF).count("1") for w in res.live.flatten().tolist()]).float().sum()
-    live_frac = live_frac / (visible * res.live.shape[0] * res.live.shape[1] * res.live.shape[2])
+    err_tau = (pipeline_out(q, k, v, alpha, scale, dtype, tau=res.tau, causal=causal)[0] - out64).abs().max().item()
+    visible = visible_tiles(n, block, causal) * heads
+    dead = visible - live_bits(res.live)
     passes = res.n_passes.float()
-    return dict(dist=dist, n=n, alpha=alpha, dtype=str(dtype).replace("torch.", ""),
-                passes=passes.mean().item(), passes_max=int(passes.max().item()),
-                visits=res.tile_visits.float().mean().item(), dead=1.0 - live_frac.item(),
-                err=err, ratio=err / max(err_ref, 1e-30), ratio_tau=err_tau / max(err_ref, 1e-30), secs=secs)
+    row = dict(dist=dist, n=n, alpha=alpha, dtype=str(dtype).replace("torch.", ""), causal=causal, block=block,
+               passes=passes.mean().item(), passes_max=int(passes.max().item()),
+               visits=res.tile_visits.float().mean().item(), dead=dead / visible,
+               err=err, ratio=err / max(err_ref, 1e-30), ratio_tau=err_tau / max(err_ref, 1e-30), secs=secs)
+    if counters and alpha != 1.0:
+        row.update(ring=cnt.ring / visible, cheap=(visible - cnt.points) / max(dead, 1),
+                   cheap_all=(visible - cnt.ring) / max(dead, 1))
+    return row
 
 
 def main(argv=None):
@@ -122,29 +176,40 @@ def main(argv=None):
     ap.add_argument("--dist", nargs="+", default=list(DISTS), choices=DISTS)
     ap.add_argument("--quick", action="store_true", help="N = 128, one head (a smoke run)")
     ap.add_argument("--markdown", action="store_true", help="print one markdown table")
+    ap.add_argument("--causal", action="store_true", help="causal attention")
+    ap.add_argument("--block", type=int, default=64, help="query and key tile size (default 64)")
+    ap.add_argument("--heads", type=int, default=2, help="heads (default 2)")
+    ap.add_argument("--grid-counters", action="store_true", help="count the grid pass's work per tile (docstring)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     ns = [128] if args.quick else args.n
-    heads = 1 if args.quick else 2
+    heads = 1 if args.quick else args.heads
     rows = []
+    extra = args.grid_counters
     if args.markdown:
         print("| dtype | dist | N | alpha | passes mean/max | visits / q-tile | dead tiles | max err | ratio "
-              "| ratio at tau |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
+              "| ratio at tau |" + (" ring | cheap | cheap all |" if extra else ""))
+        print("|---|---|---|---|---|---|---|---|---|---|" + ("---|---|---|" if extra else ""))
     for dt in args.dtype:
         for dist in args.dist:
             for n in ns:
                 for alpha in args.alpha:
-                    r = measure(dist, n, alpha, DTYPES[dt], heads=heads)
+                    r = measure(dist, n, alpha, DTYPES[dt], heads=heads, block=args.block, causal=args.causal,
+                                counters=extra)
                     rows.append(r)
+                    counted = "ring" in r
                     if args.markdown:
                         print(f"| {dt} | {dist} | {n} | {alpha} | {r['passes']:.2f} / {r['passes_max']} | "
                               f"{r['visits']:.1f} | {r['dead']:.2f} | {r['err']:.1e} | {r['ratio']:.2f} | "
-                              f"{r['ratio_tau']:.2f} |", flush=True)
+                              f"{r['ratio_tau']:.2f} |" + (f" {r['ring']:.2f} | {r['cheap']:.2f} | "
+                                                           f"{r['cheap_all']:.2f} |" if counted else
+                                                           (" | | |" if extra else "")), flush=True)
                     else:
                         print(f"{dt:5s} {dist:6s} N={n:5d} alpha={alpha:<5} passes {r['passes']:.2f}/{r['passes_max']}"
                               f"  visits {r['visits']:6.1f}  dead {r['dead']:.2f}  err {r['err']:.1e}"
-                              f"  ratio {r['ratio']:.2f}  at tau {r['ratio_tau']:.2f}  ({r['secs']:.1f} s)", flush=True)
+                              f"  ratio {r['ratio']:.2f}  at tau {r['ratio_tau']:.2f}"
+                              + (f"  ring {r['ring']:.2f}  cheap {r['cheap']:.2f}  cheap all {r['cheap_all']:.2f}"
+                                 if counted else "") + f"  ({r['secs']:.1f} s)", flush=True)
     return rows
 
 

@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from ._common import LN2, LOG2E, dropout_keep, load_rows
-from ._masking import live_tile, mask_scores, sink_tile, soft_cap, word_bits
+from ._masking import live_tile, mark_tile, mask_scores, sink_tile, soft_cap, visit_tile, walk_words, word_bits
 from ._threshold import log_ref, merge_point, open_bracket, phi, pick_bracket, point_sums, solve, weights
 
 
@@ -83,6 +83,35 @@ def _grid_start(BLOCK_M: tl.constexpr, GRID_K: tl.constexpr):
 
 
 @triton.jit
+def _lowest_point(j, w_grid, GRID_K: tl.constexpr):
+    """The ring's lowest point below the running max of grid index ``j`` (``[BLOCK_M]``), lowered by a few ulps;
+    ``-inf`` where fp32 cannot index the grid (``|j| >= 2**22``, and no key yet)."""
+    t_low = (j - (GRID_K - 1)) * w_grid
+    return tl.where(tl.abs(j) < 4194304.0, t_low - 4.8e-7 * tl.abs(t_low), float("-inf"))
+
+
+@triton.jit
+def _tile_screen(z, t_low):
+    """Screen a score tile ``z`` of the grid pass with two row reductions, before any per-score bookkeeping.
+    Returns ``(code, n_fast)``: ``code`` (CTA-wide int32) is 0 when the tile is dead and plain (the grid pass
+    skips it: ``_grid_tile`` would change nothing), 1 when some row has a score above its ``t_low``, 2 or more when
+    some row holds a non-finite score and is not all ``-inf`` (then the tile gets the exact per-score NaN/+inf flags
+    and valid-key counts); ``n_fast`` the rows' valid-key counts when ``code < 2``.
+
+    Exact: a finite row sum means every score of the row is finite (``BLOCK_N`` valid keys, no NaN or +inf; an
+    overflowing sum only sends the tile the exact way); a row sum and a row max both ``-inf`` mean every score is
+    ``-inf`` (none valid; a NaN would make the sum NaN, a +inf the max). A dead plain tile cannot raise a row max
+    (its max is <= ``t_low`` < ``m``, or ``-inf`` with ``m``), so the ring, the max and the live bit (0) are those
+    ``_grid_tile`` would give.
+    """
+    z_max = tl.max(z, 1)
+    z_sum = tl.sum(z, 1)
+    plain = (tl.abs(z_sum) < float("inf")) | ((z_sum == float("-inf")) & (z_max == float("-inf")))
+    code = tl.max(tl.where(plain, tl.where(z_max > t_low, 1, 0), 2), 0)
+    return code, tl.where(z_max > float("-inf"), z.shape[1], 0)
+
+
+@triton.jit
 def _grid_tile(z, m, j_top, F, G, C, L, slot, w_grid, shift, beta, bm1, POW: tl.constexpr, GRID_K: tl.constexpr):
     """One score tile ``z [BLOCK_M, BLOCK_N]`` of the grid pass: the running max ``m`` and its grid index ``j_top``
     (``[BLOCK_M]``), and the sums ``F``, ``G``, ``C`` (and POW 0's reference logs ``L``) at the ``GRID_K`` ring
@@ -109,8 +138,7 @@ def _grid_tile(z, m, j_top, F, G, C, L, slot, w_grid, shift, beta, bm1, POW: tl.
         C = tl.where(same, C, 0.0)
     # the lowest point is <= m - 1 <= tau up to rounding: tiles below it are dead (a few ulps of margin; none
     # where fp32 cannot index the grid, see grid_ok below)
-    t_low = (j_new - (GRID_K - 1)) * w_grid
-    t_low = tl.where(tl.abs(j_new) < 4194304.0, t_low - 4.8e-7 * tl.abs(t_low), float("-inf"))
+    t_low = _lowest_point(j_new, w_grid, GRID_K)
     live = tl.max((z > t_low[:, None]).to(tl.int32))
     if live != 0:
         if POW == 0:
@@ -277,7 +305,7 @@ def _value_pass(q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, n_words,
 
 
 @triton.jit
-def entmax_rows(q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, kt_hi,
+def entmax_rows(q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, kt_hi, kt_first,
                  n_words, live_base, scale, alpha, tol, max_passes, seed, bh, q_start, k_start, total_k,
                  dropout_p, inv_keep,
                  stride_kn, stride_kd, stride_vn, stride_vd, stride_bias_m, stride_bias_n,
@@ -299,6 +327,16 @@ def entmax_rows(q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, k
     virtual tile (``_masking.sink_tile``): it enters the running max and the grid sums before the real tiles, the
     point sums of every candidate pass and ``lsum`` (and ``sum_j U_ij``) of the value pass, but no output, support
     count, valid-key count or liveness bit. A NaN or ``+inf`` sink makes every row NaN.
+
+    The grid pass visits the key tiles max-first, from ``kt_first`` (``_masking.max_first_tile``: the diagonal tile
+    when causal, else the diagonal / window centre, ascending for unstructured cross-attention) outward
+    (``_masking.visit_tile``), so that the running max is final before the far tiles are seen. The ring is exact in
+    any order and a tile is skipped only below the current lowest point, which only rises. More tiles die in the
+    grid pass; the valid-key counts, the NaN/+inf rows and (on finite scores) the final live set are those of the
+    ascending order, but the grid sums are added in another order: outputs and thresholds are not bitwise those of
+    the ascending order (they stay within the certified brackets and the usual tolerances). A tile
+    that is dead and plain when visited (``_tile_screen``: two row reductions and one CTA-wide compare) skips the
+    per-score NaN/+inf flags, the valid-key counts and ``_grid_tile``; its valid-key counts come from the row max.
     """
     am1 = alpha - 1.0
     beta = 1.0 / am1
@@ -311,27 +349,36 @@ def entmax_rows(q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, k
 
     # ---- pass 1: max, valid keys, NaN/+inf rows, and f, g, c at GRID_K absolute points below the running max
     w_grid, slot, m, j_top, n_valid, bad, F, G, C, L = _grid_start(BLOCK_M, GRID_K)
-    word = tl.zeros([], tl.int32)
     z_sink = am1 * sink
     sink_bad = (z_sink != z_sink) | (z_sink == float("inf"))
     zs = sink_tile(tl.where(sink_bad, float("-inf"), z_sink), BLOCK_M, BLOCK_N)
     if SCORE[3]:
         bad = bad | sink_bad.to(tl.int32)
         m, j_top, F, G, C, L, _ = _grid_tile(zs, m, j_top, F, G, C, L, slot, w_grid, shift, beta, bm1, POW, GRID_K)
-    for kt in range(kt_lo, kt_hi):
+    # max-first order (_masking.max_first_tile): the diagonal / window centre first, then outward; a tile that is
+    # dead and plain when visited (_tile_screen) costs its score product and two row reductions
+    t_low = _lowest_point(j_top, w_grid, GRID_K)
+    word_c, word_lo, w_lo, word_hi, w_hi = walk_words()
+    for i in range(0, kt_hi - kt_lo):
+        kt = visit_tile(i, kt_lo, kt_hi, kt_first)
         cols = kt * BLOCK_N + tl.arange(0, BLOCK_N)
         z = _score_tile(q, k_base, bias_base, rows, cols, seqlen_q, seqlen_k,
                         stride_kn, stride_kd, stride_bias_m, stride_bias_n, z_scale, am1,
                         HEAD_DIM, BLOCK_D, BIAS_KIND, MASK, UPCAST, DOT_PRECISION, slope, SCORE)
-        bad = bad | tl.max(((z != z) | (z == float("inf"))).to(tl.int32), 1)
-        n_valid += tl.sum((z > float("-inf")).to(tl.int32), 1)
-        m_new, j_new, F, G, C, L, live = _grid_tile(z, m, j_top, F, G, C, L, slot, w_grid, shift, beta, bm1,
-                                                    POW, GRID_K)
-        lane = kt % 32
-        word = tl.where(lane == 0, 0, word) | (live << lane)
-        tl.store(live_base + kt // 32, word)
-        m = m_new
-        j_top = j_new
+        code, n_fast = _tile_screen(z, t_low)
+        if code > 1:
+            bad = bad | tl.max(((z != z) | (z == float("inf"))).to(tl.int32), 1)
+            n_valid += tl.sum((z > float("-inf")).to(tl.int32), 1)
+        else:
+            n_valid += n_fast
+        live = tl.zeros([], tl.int32)
+        if code != 0:
+            m, j_top, F, G, C, L, live = _grid_tile(z, m, j_top, F, G, C, L, slot, w_grid, shift, beta, bm1, POW,
+                                                    GRID_K)
+            t_low = _lowest_point(j_top, w_grid, GRID_K)
+        w, word, word_c, word_lo, w_lo, word_hi, w_hi = mark_tile(kt, live, kt_first, word_c, word_lo, w_lo, word_hi,
+                                                                  w_hi)
+        tl.store(live_base + w, word)
     tl.debug_barrier()
     n_passes = tl.full([], 1, tl.int32)
     visits = kt_hi - kt_lo

@@ -310,3 +310,68 @@ def live_tile(bits, rank, i, w):
     """Tile ``32 w + lane`` of the ``i``-th set bit (``bits``, ``rank`` from :func:`word_bits` or :func:`bit_rank`)."""
     lane = tl.arange(0, 32)
     return w * 32 + tl.sum(tl.where((bits != 0) & (rank == i), lane, 0), 0)
+
+
+@triton.jit
+def max_first_tile(pid_m, seqlen_q, seqlen_k, kt_lo, kt_hi, MASK, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The key tile most likely to hold the row maxima of query tile ``pid_m`` (key tiles ``[kt_lo, kt_hi)``): the
+    grid pass starts there and walks outward (:func:`visit_tile`), so that the running max is final before the far
+    tiles are seen and they take the dead path.
+
+    Causal (with or without a left window): the diagonal tile ``kt_hi - 1``, then descending. Otherwise the tile of
+    the diagonal of the query tile's middle row, clamped into the range: the centre of a symmetric window, the
+    diagonal band of self-attention. Cross-attention (``seqlen_q != seqlen_k``) without causal mask or window has no
+    structure to exploit: ``kt_lo`` (today's ascending order).
+    """
+    if MASK[0]:
+        first = kt_hi - 1
+    else:
+        mid = tl.minimum(pid_m * BLOCK_M + BLOCK_M // 2, seqlen_q - 1)
+        diag = tl.maximum(mid + (seqlen_k - seqlen_q), 0) // BLOCK_N
+        first = tl.maximum(tl.minimum(diag, kt_hi - 1), kt_lo)
+        if not (MASK[1] or MASK[2]):
+            first = tl.where(seqlen_q == seqlen_k, first, kt_lo)
+    return first
+
+
+@triton.jit
+def visit_tile(i, kt_lo, kt_hi, first):
+    """The ``i``-th key tile of the outward walk from ``first`` over ``[kt_lo, kt_hi)``: ``first``, then one below,
+    one above, two below, two above, ... and, once a side is used up, the rest of the other side in order.
+    ``first == kt_hi - 1`` walks down, ``first == kt_lo`` walks up. Each side is visited monotonically away from
+    ``first`` (:func:`mark_tile` relies on it)."""
+    below = first - kt_lo
+    above = kt_hi - 1 - first
+    both = tl.minimum(below, above)
+    step = (i + 1) // 2
+    alt = tl.where(i % 2 == 1, first - step, first + step)
+    rest = tl.where(above == both, first - (i - both), first + (i - both))
+    return tl.where(i <= 2 * both, alt, rest)
+
+
+@triton.jit
+def walk_words():
+    """:func:`mark_tile`'s state before the first tile: ``(word_c, word_lo, w_lo, word_hi, w_hi)``."""
+    zero = tl.zeros([], tl.int32)
+    return zero, zero, zero - 1, zero, zero - 1
+
+
+@triton.jit
+def mark_tile(kt, live, first, word_c, word_lo, w_lo, word_hi, w_hi):
+    """Set the liveness bit ``live`` (0 or 1) of key tile ``kt`` visited by :func:`visit_tile`'s walk from
+    ``first``. The bitmap words are built in registers: ``word_c`` holds the word of ``first``, ``word_lo`` /
+    ``word_hi`` the word the walk is in below / above it (word index ``w_lo`` / ``w_hi``, -1 before any); each side
+    leaves a word for good, so the word holding ``kt`` is complete in registers after this tile. Returns
+    ``(w, word, word_c, word_lo, w_lo, word_hi, w_hi)``: store ``word`` at word ``w`` (overwriting the partial one).
+    """
+    w = kt // 32
+    bit = live << (kt % 32)
+    in_c = w == first // 32
+    lower = (kt < first) & (in_c == 0)
+    upper = (kt > first) & (in_c == 0)
+    word_c = tl.where(in_c, word_c | bit, word_c)
+    word_lo = tl.where(lower, tl.where(w == w_lo, word_lo, 0) | bit, word_lo)
+    w_lo = tl.where(lower, w, w_lo)
+    word_hi = tl.where(upper, tl.where(w == w_hi, word_hi, 0) | bit, word_hi)
+    w_hi = tl.where(upper, w, w_hi)
+    return w, tl.where(in_c, word_c, tl.where(lower, word_lo, word_hi)), word_c, word_lo, w_lo, word_hi, w_hi

@@ -7,6 +7,9 @@ without storing the scores ``z = (alpha - 1) * s``:
    and ``f``, ``g`` (and the key count) at ``GRID_K`` absolute points ``i / (GRID_K - 1)`` just below
    the running maximum, kept in a ring so that they are exact over all keys when the pass ends;
    key tiles with every score below the lowest point are dead (the threshold is at least ``m - 1``);
+   the tiles are visited max-first (the diagonal tile first when causal, else the diagonal or window centre, then
+   outward: ``_masking.max_first_tile``), so that far tiles are already dead when seen and cost little more than
+   their score product (``_fwd_rows._tile_screen``);
 2. **candidate passes** over the live tiles, only while some row of the tile has not pinned its
    threshold down to the dtype's tolerance: ``f``, ``g`` at ``CAND_P`` points of the certified bracket
    (kernels/_threshold.py), tiles with no score above the certified lower bound marked dead;
@@ -42,7 +45,7 @@ from ._common import (
 )
 from ._common import alpha_class_of as alpha_class_of  # re-exported: the public place of the class rule
 from ._fwd_rows import entmax_rows, softmax_rows
-from ._masking import alibi_slope, key_tile_range, seq_bounds, sink_logit
+from ._masking import alibi_slope, key_tile_range, max_first_tile, seq_bounds, sink_logit
 
 DEFAULT_MAX_PASSES = 32
 # Stop refining a row's threshold once its certified bracket is this narrow (relative to 1 + |tau|):
@@ -167,7 +170,8 @@ def _entmax_attn_fwd_kernel(
         # unchecked device alpha outside [1, 2] (or NaN) reaches the general class: that head's outputs are NaN
         a_ok = (alpha >= 1.0) & (alpha <= 2.0)
         out, out_u, tau, lsum, nnz, n_valid, passes, visits = entmax_rows(
-            q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, kt_hi, n_words, live_base, scale,
+            q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, kt_hi,
+            max_first_tile(pid_m, seqlen_q, seqlen_k, kt_lo, kt_hi, MASK, BLOCK_M, BLOCK_N), n_words, live_base, scale,
             tl.where(a_ok, alpha, 1.5), tol, max_passes, seed, bh, q_start, k_start, total_k, dropout_p, inv_keep,
             stride_kn, stride_kd, stride_vn, stride_vd, stride_bias_m, stride_bias_n, POW, GRID_K, CAND_P, BLOCK_M,
             BLOCK_N, HEAD_DIM, BLOCK_D, BIAS_KIND, MASK, HAS_DROPOUT, NEED_OUT_U, UPCAST, DOT_PRECISION, slope,

@@ -6,7 +6,10 @@ import math
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
+from sparse_attn.kernels._masking import mark_tile, visit_tile, walk_words
 from sparse_attn.kernels.entmax_attn_fwd import alpha_class_of, entmax_attn_fwd
 from sparse_attn.mappings import entmax
 from sparse_attn.reference import entmax_attention_reference
@@ -238,3 +241,41 @@ def test_gpu_softmax_calls_take_sdpa_with_our_semantics(causal):
     err = (out.double() - out64).abs().max().item()
     err_ours = (ours.double() - out64).abs().max().item()
     assert err <= 2 * err_ours + 1e-3, (err, err_ours)
+
+
+@triton.jit
+def _walk_kernel(LIVE, ORDER, WORDS, kt_lo, kt_hi, first):
+    """Walk ``[kt_lo, kt_hi)`` from ``first`` as the grid pass does; store the order and the liveness words built
+    by ``mark_tile`` from the bits ``LIVE[kt]``."""
+    word_c, word_lo, w_lo, word_hi, w_hi = walk_words()
+    for i in range(0, kt_hi - kt_lo):
+        kt = visit_tile(i, kt_lo, kt_hi, first)
+        tl.store(ORDER + i, kt)
+        w, word, word_c, word_lo, w_lo, word_hi, w_hi = mark_tile(kt, tl.load(LIVE + kt), first, word_c, word_lo, w_lo,
+                                                                  word_hi, w_hi)
+        tl.store(WORDS + w, word)
+
+
+@pytest.mark.parametrize("kt_lo,kt_hi", [(0, 1), (0, 7), (0, 100), (5, 70), (31, 33), (40, 129)])
+def test_max_first_walk_visits_every_tile_once_and_builds_the_bitmap(kernel_device, kt_lo, kt_hi):
+    """The grid pass's outward walk from any start: a permutation of the range, each side monotone away from the
+    start, and the liveness words equal to the ascending order's."""
+    g = torch.Generator().manual_seed(kt_hi)
+    live = (torch.rand(160, generator=g) < 0.4).to(torch.int32)
+    expected = torch.zeros(5, dtype=torch.int64)
+    for kt in range(kt_lo, kt_hi):
+        expected[kt // 32] |= int(live[kt]) << (kt % 32)
+    expected = torch.where(expected >= 2**31, expected - 2**32, expected).to(torch.int32)
+    for first in sorted({kt_lo, kt_hi - 1, (kt_lo + kt_hi) // 2, min(kt_lo + 3, kt_hi - 1)}):
+        order = torch.full((kt_hi - kt_lo,), -1, dtype=torch.int32, device=kernel_device)
+        words = torch.zeros(5, dtype=torch.int32, device=kernel_device)
+        _walk_kernel[(1,)](live.to(kernel_device), order, words, kt_lo, kt_hi, first)
+        order = order.cpu().tolist()
+        assert sorted(order) == list(range(kt_lo, kt_hi)) and order[0] == first
+        below = [kt for kt in order if kt < first]
+        above = [kt for kt in order if kt > first]
+        assert below == sorted(below, reverse=True) and above == sorted(above)
+        # the nearest tiles first while both sides last
+        both = min(len(below), len(above))
+        assert all(abs(order[i] - first) == (i + 1) // 2 for i in range(2 * both + 1))
+        assert torch.equal(words.cpu(), expected)
