@@ -56,7 +56,7 @@ def _u_weights(z, t, p, POW: tl.constexpr):
     if POW == 1:
         u = tl.where(z > t[:, None], 1.0, 0.0)
     elif POW == 2:
-        u = tl.where(z > t[:, None], z - t[:, None], 0.0)
+        u = tl.maximum(z - t[:, None], 0.0)
     else:
         r = 1.0 + (z - t[:, None])
         pos = r > 0.0

@@ -32,16 +32,16 @@ def point_sums(z, t, POW: tl.constexpr, bm1, lref):
     POW 1, 2: ``f = sum [z - t]_+^beta``, ``g = sum [z - t]_+^(beta - 1)``, ``c = #{z > t}`` (float).
     POW 0: ``t = tau + 1``, ``r = 1 + (z - t)``, and the sums are scaled by the maximal key's term:
     ``f = sum (r / r_max)^beta``, ``g = sum (r / r_max)^(beta - 1)`` with ``lref = log2(r_max)``;
-    ``c`` is 0. ``bm1 = beta - 1``.
+    ``c`` is 0. ``bm1 = beta - 1``. ``[z - t]_+`` is ``maximum(z - t, 0)`` (one FMNMX; a NaN or ``-inf`` score
+    gives 0, bitwise as ``where(z > t, z - t, 0)``).
     """
     if POW == 1:
         r = z - t[:, None]
-        pos = r > 0.0
-        f = tl.sum(tl.where(pos, r, 0.0), 1)
-        c = tl.sum(pos.to(tl.float32), 1)
+        f = tl.sum(tl.maximum(r, 0.0), 1)
+        c = tl.sum((r > 0.0).to(tl.float32), 1)
         g = c
     elif POW == 2:
-        r = tl.where(z > t[:, None], z - t[:, None], 0.0)
+        r = tl.maximum(z - t[:, None], 0.0)
         f = tl.sum(r * r, 1)
         g = tl.sum(r, 1)
         c = tl.sum((r > 0.0).to(tl.float32), 1)
@@ -65,9 +65,9 @@ def weights(z, t, POW: tl.constexpr, beta):
     ``r = 1 + w`` is within O(alpha - 1) of 1 and rounding it would cost ``beta`` ulps per weight.
     """
     if POW == 1:
-        p = tl.where(z > t[:, None], z - t[:, None], 0.0)
+        p = tl.maximum(z - t[:, None], 0.0)
     elif POW == 2:
-        r = tl.where(z > t[:, None], z - t[:, None], 0.0)
+        r = tl.maximum(z - t[:, None], 0.0)
         p = r * r
     else:
         w = z - t[:, None]
