@@ -67,7 +67,7 @@ def _u_weights(z, t, p, POW: tl.constexpr):
 @triton.jit
 def _grid_start(BLOCK_M: tl.constexpr, GRID_K: tl.constexpr):
     """The grid pass before its first tile: the grid step ``w_grid``, the ring's slot numbers ``slot [GRID_K]``, and
-    the accumulators of ``_grid_tile`` with no key yet: ``(w_grid, slot, m, j_top, n_valid, bad, F, G, C, L)``
+    the accumulators of ``_grid_tile`` with no key yet: ``(w_grid, slot, m, j_top, n_valid, bad, F, G, L)``
     (``[BLOCK_M]`` and ``[BLOCK_M, GRID_K]``; ``n_valid``, ``bad`` int32 counts / flags)."""
     w_grid = 1.0 / (GRID_K - 1)
     slot = tl.arange(0, GRID_K).to(tl.float32)
@@ -77,17 +77,16 @@ def _grid_start(BLOCK_M: tl.constexpr, GRID_K: tl.constexpr):
     bad = tl.zeros([BLOCK_M], tl.int32)
     F = tl.zeros([BLOCK_M, GRID_K], tl.float32)
     G = tl.zeros([BLOCK_M, GRID_K], tl.float32)
-    C = tl.zeros([BLOCK_M, GRID_K], tl.float32)
     L = tl.full([BLOCK_M, GRID_K], -99.65784284662087, tl.float32)  # POW 0: log2 of the max key's base (1e-30)
-    return w_grid, slot, m, j_top, n_valid, bad, F, G, C, L
+    return w_grid, slot, m, j_top, n_valid, bad, F, G, L
 
 
 @triton.jit
-def _grid_tile(z, m, j_top, F, G, C, L, slot, w_grid, shift, beta, bm1, POW: tl.constexpr, GRID_K: tl.constexpr):
+def _grid_tile(z, m, j_top, F, G, L, slot, w_grid, shift, beta, bm1, POW: tl.constexpr, GRID_K: tl.constexpr):
     """One score tile ``z [BLOCK_M, BLOCK_N]`` of the grid pass: the running max ``m`` and its grid index ``j_top``
-    (``[BLOCK_M]``), and the sums ``F``, ``G``, ``C`` (and POW 0's reference logs ``L``) at the ``GRID_K`` ring
-    points ``[BLOCK_M, GRID_K]``. Returns them updated and ``live``: some score of the tile is above the lowest
-    point."""
+    (``[BLOCK_M]``), and the sums ``F``, ``G`` (and POW 0's reference logs ``L``) at the ``GRID_K`` ring points
+    ``[BLOCK_M, GRID_K]`` (no count: ``_grid_counts``). Returns them updated and ``live``: some score of the tile is
+    above the lowest point."""
     m_new = tl.maximum(m, tl.max(z, 1))
     j_new = tl.where(m_new > float("-inf"), tl.floor(m_new / w_grid), j_top)
     # ring: slot s holds the point of index i = j - ((j - s) mod K); a slot whose index changes restarts at
@@ -106,7 +105,6 @@ def _grid_tile(z, m, j_top, F, G, C, L, slot, w_grid, shift, beta, bm1, POW: tl.
     else:
         F = tl.where(same, F, 0.0)
         G = tl.where(same, G, 0.0)
-        C = tl.where(same, C, 0.0)
     # the lowest point is <= m - 1 <= tau up to rounding: tiles below it are dead (a few ulps of margin; none
     # where fp32 cannot index the grid, see grid_ok below)
     t_low = (j_new - (GRID_K - 1)) * w_grid
@@ -117,25 +115,35 @@ def _grid_tile(z, m, j_top, F, G, C, L, slot, w_grid, shift, beta, bm1, POW: tl.
             # one point at a time: unrolled, the general class's log2 / exp2 temporaries of all points are live at
             # once and the training forward spills (216 bytes at head dim 128 under triton 3.6, docs/kernels.md)
             for s in range(GRID_K):
-                F, G, C = _grid_point(z, s, slot, i_new, L, F, G, C, w_grid, shift, bm1, POW)
+                F, G = _grid_point(z, s, slot, i_new, L, F, G, w_grid, shift, bm1, POW)
         else:
             for s in tl.static_range(GRID_K):
-                F, G, C = _grid_point(z, s, slot, i_new, L, F, G, C, w_grid, shift, bm1, POW)
-    return m_new, j_new, F, G, C, L, live
+                F, G = _grid_point(z, s, slot, i_new, L, F, G, w_grid, shift, bm1, POW)
+    return m_new, j_new, F, G, L, live
 
 
 @triton.jit
-def _grid_point(z, s, slot, i_new, L, F, G, C, w_grid, shift, bm1, POW: tl.constexpr):
+def _grid_point(z, s, slot, i_new, L, F, G, w_grid, shift, bm1, POW: tl.constexpr):
     """Add the point sums of the score tile ``z`` at ring slot ``s`` (grid index ``i_new``, POW 0's reference log
-    ``L``) to that slot of ``F``, ``G``, ``C`` ``[BLOCK_M, GRID_K]``; returns them."""
+    ``L``) to that slot of ``F``, ``G`` ``[BLOCK_M, GRID_K]``; returns them."""
     sel = (slot == s)[None, :]
     t_s = tl.sum(tl.where(sel, i_new, 0.0), 1) * w_grid + shift
-    f, g, c = point_sums(z, t_s, POW, bm1, tl.sum(tl.where(sel, L, 0.0), 1))
+    f, g, _ = point_sums(z, t_s, POW, bm1, tl.sum(tl.where(sel, L, 0.0), 1))
     F += tl.where(sel, f[:, None], 0.0)
     G += tl.where(sel, g[:, None], 0.0)
-    if POW != 0:
-        C += tl.where(sel, c[:, None], 0.0)
-    return F, G, C
+    return F, G
+
+
+@triton.jit
+def _grid_counts(G, POW: tl.constexpr):
+    """The counts ``c = #{z > t}`` at the grid points ``[BLOCK_M, GRID_K]`` for ``solve``'s exact-root test: ``g``
+    itself at alpha = 2; 0 (unknown: the test never fires on such an end) otherwise, since a count per score and
+    point is a whole instruction in a point of four. The candidate passes count their points."""
+    if POW == 1:
+        C = G
+    else:
+        C = G * 0.0
+    return C
 
 
 @triton.jit
@@ -260,14 +268,14 @@ def entmax_rows(q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, k
         shift = 0.0
 
     # ---- pass 1: max, valid keys, NaN/+inf rows, and f, g, c at GRID_K absolute points below the running max
-    w_grid, slot, m, j_top, n_valid, bad, F, G, C, L = _grid_start(BLOCK_M, GRID_K)
+    w_grid, slot, m, j_top, n_valid, bad, F, G, L = _grid_start(BLOCK_M, GRID_K)
     word = tl.zeros([], tl.int32)
     z_sink = am1 * sink
     sink_bad = (z_sink != z_sink) | (z_sink == float("inf"))
     zs = sink_tile(tl.where(sink_bad, float("-inf"), z_sink), BLOCK_M, BLOCK_N)
     if SCORE[3]:
         bad = bad | sink_bad.to(tl.int32)
-        m, j_top, F, G, C, L, _ = _grid_tile(zs, m, j_top, F, G, C, L, slot, w_grid, shift, beta, bm1, POW, GRID_K)
+        m, j_top, F, G, L, _ = _grid_tile(zs, m, j_top, F, G, L, slot, w_grid, shift, beta, bm1, POW, GRID_K)
     for kt in range(kt_lo, kt_hi):
         cols = kt * BLOCK_N + tl.arange(0, BLOCK_N)
         z = _score_tile(q, k_base, bias_base, rows, cols, seqlen_q, seqlen_k,
@@ -275,8 +283,8 @@ def entmax_rows(q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, k
                         HEAD_DIM, BLOCK_D, BIAS_KIND, MASK, UPCAST, DOT_PRECISION, slope, SCORE)
         bad = bad | tl.max(((z != z) | (z == float("inf"))).to(tl.int32), 1)
         n_valid += tl.sum((z > float("-inf")).to(tl.int32), 1)
-        m_new, j_new, F, G, C, L, live = _grid_tile(z, m, j_top, F, G, C, L, slot, w_grid, shift, beta, bm1,
-                                                    POW, GRID_K)
+        m_new, j_new, F, G, L, live = _grid_tile(z, m, j_top, F, G, L, slot, w_grid, shift, beta, bm1, POW,
+                                                 GRID_K)
         lane = kt % 32
         word = tl.where(lane == 0, 0, word) | (live << lane)
         tl.store(live_base + kt // 32, word)
@@ -296,6 +304,7 @@ def entmax_rows(q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, k
     zero = tl.zeros([BLOCK_M], tl.float32)
     # rows without a usable grid start from [m - 1, m] with phi(m - 1) >= 0 unknown (NaN: bisect)
     a, pa, da, fa, ga, ca, b, pb, db, cb, b_top = open_bracket(m, grid_ok, shift)
+    C = _grid_counts(G, POW)
     for s in tl.static_range(GRID_K):
         sel = (slot == s)[None, :]
         d_s = j_top - s

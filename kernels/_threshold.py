@@ -7,7 +7,8 @@ decreasing, so from ``phi`` and ``phi'`` at the two ends of a bracket ``[a, b]``
 * the Newton (tangent) roots of ``phi`` from either end are certified lower bounds of ``tau``;
 * the secant root is a certified upper bound;
 * for beta in {1, 2}, if no key lies inside the bracket (equal counts ``c = #{z > t}`` at both
-  ends), ``f`` is a polynomial there and its root is exact;
+  ends), ``f`` is a polynomial there and its root is exact (a count of 0 is "not counted": the
+  grid counts only at alpha = 2, where the count is ``g``);
 * otherwise the root of the cubic Hermite interpolant of ``phi``, clamped to the certified
   ``[lo, hi]``, is the estimate.
 
