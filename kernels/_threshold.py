@@ -27,8 +27,30 @@ from ._common import fast_log2, log2_1p
 
 
 @triton.jit
-def point_sums(z, t, POW: tl.constexpr, bm1, lref):
-    """``f``, ``g``, ``c`` (each ``[BLOCK_M]``) of the score tile ``z [BLOCK_M, BLOCK_N]`` at the points ``t``.
+def row_sums(x, LANES: tl.constexpr):
+    """Row sums of ``x [BLOCK_M, BLOCK_N]``: ``[BLOCK_M]`` with ``LANES == 0``, else ``[BLOCK_M, LANES]`` partial sums
+    that a caller accumulates over key tiles and adds up once (``tl.sum(., 1)``) at the end of a pass.
+
+    An MMA accumulator spreads a row over a quad of 4 lanes, each holding column pairs ``8 i + 2 l + {0, 1}``
+    (lane ``l``): the reshape ``[BLOCK_M, BLOCK_N / 8, 4, 2]`` puts the quad on axis 2, so the partials are summed in
+    each thread with no lane shuffles (``LANES = 4``); on any other layout they are still the right sums.
+    ``LANES == 1`` is the plain row sum with a trailing axis (the accumulators keep one shape).
+    """
+    if LANES == 0:
+        out = tl.sum(x, 1)
+    elif LANES == 1:
+        out = tl.sum(x, 1, keep_dims=True)
+    else:
+        BM: tl.constexpr = x.shape[0]
+        BN: tl.constexpr = x.shape[1]
+        out = tl.sum(tl.sum(tl.reshape(x, [BM, BN // (2 * LANES), LANES, 2]), 3), 1)
+    return out
+
+
+@triton.jit
+def point_sums(z, t, POW: tl.constexpr, bm1, lref, LANES: tl.constexpr = 0):
+    """``f``, ``g``, ``c`` (each ``[BLOCK_M]``, or ``[BLOCK_M, LANES]`` partials: ``row_sums``) of the score tile
+    ``z [BLOCK_M, BLOCK_N]`` at the points ``t``.
 
     POW 1, 2: ``f = sum [z - t]_+^beta``, ``g = sum [z - t]_+^(beta - 1)``, ``c = #{z > t}`` (float).
     POW 0: ``t = tau + 1``, ``r = 1 + (z - t)``, and the sums are scaled by the maximal key's term:
@@ -38,20 +60,24 @@ def point_sums(z, t, POW: tl.constexpr, bm1, lref):
     """
     if POW == 1:
         r = z - t[:, None]
-        f = tl.sum(tl.maximum(r, 0.0), 1)
-        c = tl.sum((r > 0.0).to(tl.float32), 1)
+        f = row_sums(tl.maximum(r, 0.0), LANES)
+        c = row_sums((r > 0.0).to(tl.float32), LANES)
         g = c
     elif POW == 2:
         r = tl.maximum(z - t[:, None], 0.0)
-        f = tl.sum(r * r, 1)
-        g = tl.sum(r, 1)
-        c = tl.sum((r > 0.0).to(tl.float32), 1)
+        f = row_sums(r * r, LANES)
+        g = row_sums(r, LANES)
+        c = row_sums((r > 0.0).to(tl.float32), LANES)
     else:
         r = tl.maximum(1.0 + (z - t[:, None]), 0.0)
         # log2(0) = -inf: whatever the exponent gives there is discarded by the one select
         gp = tl.where(r > 0.0, tl.exp2(bm1 * (fast_log2(r) - lref[:, None])), 0.0)
-        f = tl.sum(gp * r, 1) * tl.exp2(-lref)
-        g = tl.sum(gp, 1)
+        f = row_sums(gp * r, LANES)
+        if LANES == 0:
+            f = f * tl.exp2(-lref)
+        else:
+            f = f * tl.exp2(-lref)[:, None]
+        g = row_sums(gp, LANES)
         c = g * 0.0
     return f, g, c
 
