@@ -11,7 +11,6 @@ from ._masking import live_tile, mask_scores, sink_tile, soft_cap, word_bits
 from ._threshold import log_ref, merge_point, open_bracket, phi, pick_bracket, point_sums, solve, weights
 
 
-
 @triton.jit
 def _score_tile(q, k_base, bias_base, rows, cols, seqlen_q, seqlen_k, stride_kn, stride_kd, stride_bias_m,
                 stride_bias_n, z_scale, bias_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
