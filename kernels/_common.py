@@ -1,6 +1,7 @@
 """Helpers shared by the Triton kernels: interpreter detection and the build choices that follow
 from it, the kernel arguments every attention kernel takes, row loads and stores, the dropout RNG
-and two accurate elementwise functions (``log2(1 + v)`` and the series of ``(e^y - 1 - y) / y^2``).
+two accurate elementwise functions (``log2(1 + v)`` and the series of ``(e^y - 1 - y) / y^2``) and one fast
+one (``log2`` on the special-function unit).
 Which keys a query may see, the tile ranges that follow and the launch geometry live in
 ``_masking.py``.
 
@@ -68,6 +69,10 @@ def alpha_class_id(alpha):
 def interpreting() -> bool:
     """True when Triton kernels run under the CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# compiled kernels may use inline PTX; the interpreter cannot run it (fixed at import, like TRITON_INTERPRET itself)
+HW_MATH = tl.constexpr(not interpreting())
 
 
 def pinned_launch() -> bool:
@@ -229,6 +234,21 @@ def log2_1p(v):
     u_m1 = u - 1.0
     exact = u_m1 != 0.0
     return tl.where(exact, tl.log2(u) * (v / tl.where(exact, u_m1, 1.0)), v * LOG2E)
+
+
+@triton.jit
+def fast_log2(x):
+    """``log2(x)`` for ``x > 0`` in one MUFU op (``lg2.approx.ftz.f32``: absolute error at most ``2**-22`` on
+    ``[0.5, 2]``, 2 ulp elsewhere; subnormal ``x`` gives ``-inf``) instead of ``tl.log2``'s ~20-instruction
+    accurate ``log2f``; ``tl.log2`` under the interpreter (``HW_MATH``). For sums whose ``beta``-th root is taken
+    (the threshold's point sums): an error ``e`` in ``log2`` scales a term by ``2**((beta - 1) e)``, which the root
+    shrinks back to ``~e``, independent of alpha (docs/kernels.md)."""
+    if HW_MATH:
+        y = tl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
+                                      pack=1)
+    else:
+        y = tl.log2(x)
+    return y
 
 
 @triton.jit

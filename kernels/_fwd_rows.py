@@ -56,7 +56,7 @@ def _u_weights(z, t, p, POW: tl.constexpr):
     if POW == 1:
         u = tl.where(z > t[:, None], 1.0, 0.0)
     elif POW == 2:
-        u = tl.where(z > t[:, None], z - t[:, None], 0.0)
+        u = tl.maximum(z - t[:, None], 0.0)
     else:
         r = 1.0 + (z - t[:, None])
         pos = r > 0.0
@@ -65,21 +65,21 @@ def _u_weights(z, t, p, POW: tl.constexpr):
 
 
 @triton.jit
-def _grid_start(BLOCK_M: tl.constexpr, GRID_K: tl.constexpr):
+def _grid_start(BLOCK_M: tl.constexpr, GRID_K: tl.constexpr, LANES: tl.constexpr):
     """The grid pass before its first tile: the grid step ``w_grid``, the ring's slot numbers ``slot [GRID_K]``, and
-    the accumulators of ``_grid_tile`` with no key yet: ``(w_grid, slot, m, j_top, n_valid, bad, F, G, C, L)``
-    (``[BLOCK_M]`` and ``[BLOCK_M, GRID_K]``; ``n_valid``, ``bad`` int32 counts / flags)."""
+    the accumulators of ``_grid_tile`` with no key yet: ``(w_grid, slot, m, j_top, n_valid, bad, F, G, L)``
+    (``[BLOCK_M]``; ``F``, ``G`` ``[BLOCK_M, GRID_K]``, or ``[BLOCK_M, GRID_K, LANES]`` per-lane partials with
+    ``LANES > 0``, ``_grid_sums``; ``L`` ``[BLOCK_M, GRID_K]``; ``n_valid``, ``bad`` int32 counts / flags)."""
     w_grid = 1.0 / (GRID_K - 1)
     slot = tl.arange(0, GRID_K).to(tl.float32)
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     j_top = tl.full([BLOCK_M], -1e30, tl.float32)  # grid index of the running max (-1e30: no key yet)
     n_valid = tl.zeros([BLOCK_M], tl.int32)
     bad = tl.zeros([BLOCK_M], tl.int32)
-    F = tl.zeros([BLOCK_M, GRID_K], tl.float32)
-    G = tl.zeros([BLOCK_M, GRID_K], tl.float32)
-    C = tl.zeros([BLOCK_M, GRID_K], tl.float32)
+    F = _point_zeros(BLOCK_M, GRID_K, LANES)
+    G = _point_zeros(BLOCK_M, GRID_K, LANES)
     L = tl.full([BLOCK_M, GRID_K], -99.65784284662087, tl.float32)  # POW 0: log2 of the max key's base (1e-30)
-    return w_grid, slot, m, j_top, n_valid, bad, F, G, C, L
+    return w_grid, slot, m, j_top, n_valid, bad, F, G, L
 
 
 @triton.jit
@@ -112,58 +112,126 @@ def _tile_screen(z, t_low):
 
 
 @triton.jit
-def _grid_tile(z, m, j_top, F, G, C, L, slot, w_grid, shift, beta, bm1, POW: tl.constexpr, GRID_K: tl.constexpr):
+def _grid_tile(z, m, j_top, F, G, L, slot, w_grid, shift, beta, bm1, POW: tl.constexpr, GRID_K: tl.constexpr,
+               LANES: tl.constexpr):
     """One score tile ``z [BLOCK_M, BLOCK_N]`` of the grid pass: the running max ``m`` and its grid index ``j_top``
-    (``[BLOCK_M]``), and the sums ``F``, ``G``, ``C`` (and POW 0's reference logs ``L``) at the ``GRID_K`` ring
-    points ``[BLOCK_M, GRID_K]``. Returns them updated and ``live``: some score of the tile is above the lowest
-    point."""
+    (``[BLOCK_M]``), and the sums ``F``, ``G`` (and POW 0's reference logs ``L``) at the ``GRID_K`` ring points
+    ``[BLOCK_M, GRID_K]`` (``F``, ``G`` per lane: ``_grid_start``; no count: ``_grid_counts``). Returns them updated
+    and ``live``: some score of the tile is above the lowest point."""
     m_new = tl.maximum(m, tl.max(z, 1))
     j_new = tl.where(m_new > float("-inf"), tl.floor(m_new / w_grid), j_top)
-    # ring: slot s holds the point of index i = j - ((j - s) mod K); a slot whose index changes restarts at
-    # zero, which is exact: its new point lies above the old maximum, so no earlier key reaches it
-    d_old = j_top[:, None] - slot[None, :]
-    d_new = j_new[:, None] - slot[None, :]
-    i_old = j_top[:, None] - (d_old - GRID_K * tl.floor(d_old / GRID_K))
-    i_new = j_new[:, None] - (d_new - GRID_K * tl.floor(d_new / GRID_K))
-    same = i_old == i_new
-    if POW == 0:
-        # rescale the kept sums to the new maximal key's base
-        l_new = log_ref(m_new[:, None], i_new * w_grid + shift)
-        F = tl.where(same, F * tl.exp2(beta * (L - l_new)), 0.0)
-        G = tl.where(same, G * tl.exp2(bm1 * (L - l_new)), 0.0)
-        L = l_new
-    else:
-        F = tl.where(same, F, 0.0)
-        G = tl.where(same, G, 0.0)
-        C = tl.where(same, C, 0.0)
     # the lowest point is <= m - 1 <= tau up to rounding: tiles below it are dead (a few ulps of margin; none
     # where fp32 cannot index the grid, see grid_ok below)
     t_low = _lowest_point(j_new, w_grid, GRID_K)
     live = tl.max((z > t_low[:, None]).to(tl.int32))
+    # a dead tile holds no row's new maximum (it would lie above t_low), so m, j and the ring stay as they are
     if live != 0:
+        # ring: slot s holds the point of index i = j - ((j - s) mod K); a slot whose index changes restarts at
+        # zero, which is exact: its new point lies above the old maximum, so no earlier key reaches it
+        d_old = j_top[:, None] - slot[None, :]
+        d_new = j_new[:, None] - slot[None, :]
+        i_old = j_top[:, None] - (d_old - GRID_K * tl.floor(d_old / GRID_K))
+        i_new = j_new[:, None] - (d_new - GRID_K * tl.floor(d_new / GRID_K))
+        same = _lane_axis(i_old == i_new, LANES)
         if POW == 0:
+            # rescale the kept sums to the new maximal key's base
+            l_new = log_ref(m_new[:, None], i_new * w_grid + shift)
+            F = tl.where(same, F * _lane_axis(tl.exp2(beta * (L - l_new)), LANES), 0.0)
+            G = tl.where(same, G * _lane_axis(tl.exp2(bm1 * (L - l_new)), LANES), 0.0)
+            L = l_new
             # one point at a time: unrolled, the general class's log2 / exp2 temporaries of all points are live at
             # once and the training forward spills (216 bytes at head dim 128 under triton 3.6, docs/kernels.md)
             for s in range(GRID_K):
-                F, G, C = _grid_point(z, s, slot, i_new, L, F, G, C, w_grid, shift, bm1, POW)
+                F, G = _grid_point(z, s, slot, j_new, L, F, G, w_grid, shift, bm1, POW, GRID_K, LANES)
         else:
+            F = tl.where(same, F, 0.0)
+            G = tl.where(same, G, 0.0)
             for s in tl.static_range(GRID_K):
-                F, G, C = _grid_point(z, s, slot, i_new, L, F, G, C, w_grid, shift, bm1, POW)
-    return m_new, j_new, F, G, C, L, live
+                F, G = _grid_point(z, s, slot, j_new, L, F, G, w_grid, shift, bm1, POW, GRID_K, LANES)
+    return m_new, j_new, F, G, L, live
 
 
 @triton.jit
-def _grid_point(z, s, slot, i_new, L, F, G, C, w_grid, shift, bm1, POW: tl.constexpr):
-    """Add the point sums of the score tile ``z`` at ring slot ``s`` (grid index ``i_new``, POW 0's reference log
-    ``L``) to that slot of ``F``, ``G``, ``C`` ``[BLOCK_M, GRID_K]``; returns them."""
+def _grid_point(z, s, slot, j_new, L, F, G, w_grid, shift, bm1, POW: tl.constexpr, GRID_K: tl.constexpr,
+                LANES: tl.constexpr):
+    """Add the per-lane point sums of the score tile ``z`` at ring slot ``s`` (its point from the row's grid index
+    ``j_new``, POW 0's reference log ``L``) to that slot of ``F``, ``G`` (``_grid_start``); returns them."""
     sel = (slot == s)[None, :]
-    t_s = tl.sum(tl.where(sel, i_new, 0.0), 1) * w_grid + shift
-    f, g, c = point_sums(z, t_s, POW, bm1, tl.sum(tl.where(sel, L, 0.0), 1))
-    F += tl.where(sel, f[:, None], 0.0)
-    G += tl.where(sel, g[:, None], 0.0)
-    if POW != 0:
-        C += tl.where(sel, c[:, None], 0.0)
-    return F, G, C
+    d_s = j_new - s
+    t_s = (j_new - (d_s - GRID_K * tl.floor(d_s / GRID_K))) * w_grid + shift
+    if POW == 0:
+        l_s = tl.sum(tl.where(sel, L, 0.0), 1)
+    else:
+        l_s = t_s
+    f, g, _ = point_sums(z, t_s, POW, bm1, l_s, LANES)
+    F += tl.where(_lane_axis(sel, LANES), _at_slot(f, LANES), 0.0)
+    G += tl.where(_lane_axis(sel, LANES), _at_slot(g, LANES), 0.0)
+    return F, G
+
+
+@triton.jit
+def _lane_axis(x, LANES: tl.constexpr):
+    """``x [BLOCK_M, K]`` (or ``[1, K]``) broadcastable to point accumulators with ``LANES`` (``_grid_start``)."""
+    if LANES == 0:
+        out = x
+    else:
+        out = x[:, :, None]
+    return out
+
+
+@triton.jit
+def _at_slot(f, LANES: tl.constexpr):
+    """Row sums ``f`` of one point (``[BLOCK_M]``, or ``[BLOCK_M, LANES]`` partials) as a slot of the point
+    accumulators (``_grid_start``)."""
+    if LANES == 0:
+        out = f[:, None]
+    else:
+        out = f[:, None, :]
+    return out
+
+
+@triton.jit
+def _point_zeros(BLOCK_M: tl.constexpr, K: tl.constexpr, LANES: tl.constexpr):
+    """Zero accumulators of point sums: ``[BLOCK_M, K]`` (``[BLOCK_M]`` with ``K == 0``), with a trailing axis of
+    per-lane partials when ``LANES > 0`` (``_threshold.row_sums``)."""
+    if K == 0:
+        if LANES == 0:
+            out = tl.zeros([BLOCK_M], tl.float32)
+        else:
+            out = tl.zeros([BLOCK_M, LANES], tl.float32)
+    elif LANES == 0:
+        out = tl.zeros([BLOCK_M, K], tl.float32)
+    else:
+        out = tl.zeros([BLOCK_M, K, LANES], tl.float32)
+    return out
+
+
+@triton.jit
+def _lane_total(x, LANES: tl.constexpr):
+    """Point accumulators ``x`` (``_point_zeros``) summed over their lanes at the end of a pass."""
+    if LANES == 0:
+        out = x
+    else:
+        out = tl.sum(x, len(x.shape) - 1)
+    return out
+
+
+@triton.jit
+def _grid_sums(F, G, LANES: tl.constexpr):
+    """The grid's ``[BLOCK_M, GRID_K]`` sums from the accumulators of ``_grid_tile``."""
+    return _lane_total(F, LANES), _lane_total(G, LANES)
+
+
+@triton.jit
+def _grid_counts(G, POW: tl.constexpr):
+    """The counts ``c = #{z > t}`` at the grid points ``[BLOCK_M, GRID_K]`` for ``solve``'s exact-root test: ``g``
+    itself at alpha = 2; 0 (unknown: the test never fires on such an end) otherwise, since a count per score and
+    point is a whole instruction in a point of four. The candidate passes count their points."""
+    if POW == 1:
+        C = G
+    else:
+        C = G * 0.0
+    return C
 
 
 @triton.jit
@@ -178,12 +246,14 @@ def _cand_points(m, lo, hi, CAND_P: tl.constexpr):
 
 
 @triton.jit
-def _cand_sums(z, t_1, l_1, f1, g1, c1, t_p, l_p, cand, FP, GP, CP, POW: tl.constexpr, CAND_P: tl.constexpr, bm1):
+def _cand_sums(z, t_1, l_1, f1, g1, c1, t_p, l_p, cand, FP, GP, CP, POW: tl.constexpr, CAND_P: tl.constexpr, bm1,
+               LANES: tl.constexpr = 0):
     """Add the point sums of the score tile ``z`` of a candidate pass: at the point ``t_1`` (POW 0's reference log
     ``l_1``) to ``f1``, ``g1``, ``c1`` (``[BLOCK_M]``) when ``CAND_P == 1``, else at the candidate points ``t_p``
-    (``l_p``) to ``FP``, ``GP``, ``CP`` (``[BLOCK_M, CAND_P]``). The unused accumulators pass through."""
+    (``l_p``) to ``FP``, ``GP``, ``CP`` (``[BLOCK_M, CAND_P]``); with ``LANES > 0`` per-lane partials (a trailing
+    ``LANES`` axis, ``_threshold.row_sums``). The unused accumulators pass through."""
     if CAND_P == 1:
-        f, g, c = point_sums(z, t_1, POW, bm1, l_1)
+        f, g, c = point_sums(z, t_1, POW, bm1, l_1, LANES)
         f1 += f
         g1 += g
         c1 += c
@@ -191,11 +261,11 @@ def _cand_sums(z, t_1, l_1, f1, g1, c1, t_p, l_p, cand, FP, GP, CP, POW: tl.cons
         for p in tl.static_range(CAND_P):
             sel_c = (cand == p)[None, :]
             f, g, c = point_sums(z, tl.sum(tl.where(sel_c, t_p, 0.0), 1), POW, bm1,
-                                 tl.sum(tl.where(sel_c, l_p, 0.0), 1))
-            FP += tl.where(sel_c, f[:, None], 0.0)
-            GP += tl.where(sel_c, g[:, None], 0.0)
+                                 tl.sum(tl.where(sel_c, l_p, 0.0), 1), LANES)
+            FP += tl.where(_lane_axis(sel_c, LANES), _at_slot(f, LANES), 0.0)
+            GP += tl.where(_lane_axis(sel_c, LANES), _at_slot(g, LANES), 0.0)
             if POW != 0:
-                CP += tl.where(sel_c, c[:, None], 0.0)
+                CP += tl.where(_lane_axis(sel_c, LANES), _at_slot(c, LANES), 0.0)
     return f1, g1, c1, FP, GP, CP
 
 
@@ -259,12 +329,14 @@ def _value_pass(q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, n_words,
                 z_scale, am1, seed, bh, q_start, k_start, total_k, dropout_p, inv_keep, stride_kn, stride_kd, stride_vn,
                 stride_vd, stride_bias_m, stride_bias_n, visits, POW: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BIAS_KIND: tl.constexpr, MASK,
-                HAS_DROPOUT: tl.constexpr, WITH_P: tl.constexpr, WITH_U: tl.constexpr, UPCAST: tl.constexpr,
+                HAS_DROPOUT: tl.constexpr, WITH_P: tl.constexpr, WITH_U: tl.constexpr, HALF_P: tl.constexpr,
+                UPCAST: tl.constexpr,
                 DOT_PRECISION: tl.constexpr, slope, SCORE, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr):
     """One pass over the live tiles at the thresholds ``t_use``: with ``WITH_P`` ``acc = sum_j p_ij v_j``,
     ``l_sum = sum_j p_ij``, ``nnz`` and the bitmap's words rewritten (tiles with no score above ``lo_kill`` die);
     with ``WITH_U`` ``acc_u = sum_j U_ij v_j`` and ``u_sum = sum_j U_ij`` (``_u_weights``). Returns
-    ``(acc, l_sum, nnz, acc_u, u_sum, visits)``, the accumulators not asked for zero."""
+    ``(acc, l_sum, nnz, acc_u, u_sum, visits)``, the accumulators not asked for zero. ``HALF_P``: the weights are
+    rounded to 16 bits for the value product, so ``_threshold.weights`` may take the fast log2."""
     l_sum = tl.zeros([BLOCK_M], tl.float32)
     nnz = tl.zeros([BLOCK_M], tl.int32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
@@ -281,7 +353,7 @@ def _value_pass(q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, n_words,
                 z = _score_tile(q, k_base, bias_base, rows, cols, seqlen_q, seqlen_k,
                                 stride_kn, stride_kd, stride_bias_m, stride_bias_n, z_scale, am1,
                                 HEAD_DIM, BLOCK_D, BIAS_KIND, MASK, UPCAST, DOT_PRECISION, slope, SCORE)
-                p = weights(z, t_use, POW, beta)
+                p = weights(z, t_use, POW, beta, HALF_P)
                 if WITH_P:
                     live = tl.max((z > lo_kill[:, None]).to(tl.int32))
                     new_word = new_word | (live << (kt - wd * 32))
@@ -346,15 +418,26 @@ def entmax_rows(q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, k
         shift = 1.0
     else:
         shift = 0.0
+    # point sums per lane of the quad that holds a row (_threshold.row_sums: one lane reduction per pass, not per
+    # tile) where the registers allow it and it pays (sass_cost, sm90_build); else per tile (LANES 1)
+    if POW == 2:
+        LANES: tl.constexpr = 4
+        CAND_LANES: tl.constexpr = 4
+    elif POW == 1:
+        LANES: tl.constexpr = 0
+        CAND_LANES: tl.constexpr = 4
+    else:
+        LANES: tl.constexpr = 0
+        CAND_LANES: tl.constexpr = 0
 
     # ---- pass 1: max, valid keys, NaN/+inf rows, and f, g, c at GRID_K absolute points below the running max
-    w_grid, slot, m, j_top, n_valid, bad, F, G, C, L = _grid_start(BLOCK_M, GRID_K)
+    w_grid, slot, m, j_top, n_valid, bad, F, G, L = _grid_start(BLOCK_M, GRID_K, LANES)
     z_sink = am1 * sink
     sink_bad = (z_sink != z_sink) | (z_sink == float("inf"))
     zs = sink_tile(tl.where(sink_bad, float("-inf"), z_sink), BLOCK_M, BLOCK_N)
     if SCORE[3]:
         bad = bad | sink_bad.to(tl.int32)
-        m, j_top, F, G, C, L, _ = _grid_tile(zs, m, j_top, F, G, C, L, slot, w_grid, shift, beta, bm1, POW, GRID_K)
+        m, j_top, F, G, L, _ = _grid_tile(zs, m, j_top, F, G, L, slot, w_grid, shift, beta, bm1, POW, GRID_K, LANES)
     # max-first order (_masking.max_first_tile): the diagonal / window centre first, then outward; a tile that is
     # dead and plain when visited (_tile_screen) costs its score product and two row reductions
     t_low = _lowest_point(j_top, w_grid, GRID_K)
@@ -373,13 +456,14 @@ def entmax_rows(q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, k
             n_valid += n_fast
         live = tl.zeros([], tl.int32)
         if code != 0:
-            m, j_top, F, G, C, L, live = _grid_tile(z, m, j_top, F, G, C, L, slot, w_grid, shift, beta, bm1, POW,
-                                                    GRID_K)
+            m, j_top, F, G, L, live = _grid_tile(z, m, j_top, F, G, L, slot, w_grid, shift, beta, bm1, POW, GRID_K,
+                                                 LANES)
             t_low = _lowest_point(j_top, w_grid, GRID_K)
         w, word, word_c, word_lo, w_lo, word_hi, w_hi = mark_tile(kt, live, kt_first, word_c, word_lo, w_lo, word_hi,
                                                                   w_hi)
         tl.store(live_base + w, word)
     tl.debug_barrier()
+    F, G = _grid_sums(F, G, LANES)
     n_passes = tl.full([], 1, tl.int32)
     visits = kt_hi - kt_lo
 
@@ -393,6 +477,7 @@ def entmax_rows(q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, k
     zero = tl.zeros([BLOCK_M], tl.float32)
     # rows without a usable grid start from [m - 1, m] with phi(m - 1) >= 0 unknown (NaN: bisect)
     a, pa, da, fa, ga, ca, b, pb, db, cb, b_top = open_bracket(m, grid_ok, shift)
+    C = _grid_counts(G, POW)
     for s in tl.static_range(GRID_K):
         sel = (slot == s)[None, :]
         d_s = j_top - s
@@ -415,9 +500,9 @@ def entmax_rows(q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, k
         if CAND_P == 1:
             t_1 = est
             l_1 = log_ref(m, t_1)
-            f1 = zero
-            g1 = zero
-            c1 = zero
+            f1 = _point_zeros(BLOCK_M, 0, CAND_LANES)
+            g1 = _point_zeros(BLOCK_M, 0, CAND_LANES)
+            c1 = _point_zeros(BLOCK_M, 0, CAND_LANES)
             t_p = zero  # the multi-point accumulators are unused with one point
             l_p = zero
             cand = zero
@@ -432,9 +517,9 @@ def entmax_rows(q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, k
             c1 = zero
             cand = tl.arange(0, CAND_P).to(tl.float32)
             t_p, l_p = _cand_points(m, lo, hi, CAND_P)  # [BLOCK_M, CAND_P]
-            FP = tl.zeros([BLOCK_M, CAND_P], tl.float32)
-            GP = tl.zeros([BLOCK_M, CAND_P], tl.float32)
-            CP = tl.zeros([BLOCK_M, CAND_P], tl.float32)
+            FP = _point_zeros(BLOCK_M, CAND_P, CAND_LANES)
+            GP = _point_zeros(BLOCK_M, CAND_P, CAND_LANES)
+            CP = _point_zeros(BLOCK_M, CAND_P, CAND_LANES)
         for wd in range(0, n_words):
             word = tl.load(live_base + wd)
             new_word = tl.zeros([], tl.int32)
@@ -449,21 +534,27 @@ def entmax_rows(q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, k
                     live = tl.max((z > lo_kill[:, None]).to(tl.int32))
                     new_word = new_word | (live << (kt - wd * 32))
                     f1, g1, c1, FP, GP, CP = _cand_sums(z, t_1, l_1, f1, g1, c1, t_p, l_p, cand, FP, GP, CP, POW,
-                                                        CAND_P, bm1)
+                                                        CAND_P, bm1, CAND_LANES)
                     visits += 1
             tl.store(live_base + wd, new_word)
         if SCORE[3]:
             f1, g1, c1, FP, GP, CP = _cand_sums(zs, t_1, l_1, f1, g1, c1, t_p, l_p, cand, FP, GP, CP, POW, CAND_P,
-                                                bm1)
+                                                bm1, CAND_LANES)
         tl.debug_barrier()
         act = done == 0
         if CAND_P == 1:
+            f1 = _lane_total(f1, CAND_LANES)
+            g1 = _lane_total(g1, CAND_LANES)
+            c1 = _lane_total(c1, CAND_LANES)
             ph, dph = phi(f1, g1, POW, am1, l_1)
             n_a, n_pa, n_da, n_fa, n_ga, n_ca, n_b, n_pb, n_db, n_cb, n_top = merge_point(
                 a, pa, da, fa, ga, ca, b, pb, db, cb, b_top, t_1, ph, dph, f1, g1, c1)
         else:
             n_a, n_pa, n_da, n_fa, n_ga, n_ca = a, pa, da, fa, ga, ca
             n_b, n_pb, n_db, n_cb, n_top = b, pb, db, cb, b_top
+            FP = _lane_total(FP, CAND_LANES)
+            GP = _lane_total(GP, CAND_LANES)
+            CP = _lane_total(CP, CAND_LANES)
             for p in tl.static_range(CAND_P):
                 sel_c = (cand == p)[None, :]
                 f_p = tl.sum(tl.where(sel_c, FP, 0.0), 1)
@@ -492,6 +583,9 @@ def entmax_rows(q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, k
     tau_saved = t_use - shift
     t_use = tau_saved + shift  # the backward forms the same threshold from the saved tau
     lo_kill = tl.minimum(lo, t_use) - shift
+    # weights rounded to 16 bits for the value product take the fast log2 (_threshold.weights); not in the training
+    # forward, where it makes the general class spill (48-176 bytes under triton 3.6)
+    HALF_P: tl.constexpr = (v_base.dtype.element_ty != tl.float32) and not NEED_OUT_U
     # with two head-dim-256 accumulators the training forward spills inside its loops (docs/kernels.md): there the
     # value pass runs twice, out first, then out_u over the tiles still live (the same sums: dead tiles add zeros)
     SPLIT_U: tl.constexpr = NEED_OUT_U and BLOCK_DV > 128
@@ -499,16 +593,16 @@ def entmax_rows(q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, k
         q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, n_words, live_base, t_use, lo_kill, beta, z_scale, am1,
         seed, bh, q_start, k_start, total_k, dropout_p, inv_keep, stride_kn, stride_kd, stride_vn, stride_vd,
         stride_bias_m, stride_bias_n, visits, POW, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, BIAS_KIND, MASK, HAS_DROPOUT,
-        True, NEED_OUT_U and not SPLIT_U, UPCAST, DOT_PRECISION, slope, SCORE, HEAD_DIM_V, BLOCK_DV)
+        True, NEED_OUT_U and not SPLIT_U, HALF_P, UPCAST, DOT_PRECISION, slope, SCORE, HEAD_DIM_V, BLOCK_DV)
     if SPLIT_U:
         n_passes += 1
         _, _, _, acc_u, u_sum, visits = _value_pass(
             q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, n_words, live_base, t_use, lo_kill, beta, z_scale,
             am1, seed, bh, q_start, k_start, total_k, dropout_p, inv_keep, stride_kn, stride_kd, stride_vn, stride_vd,
             stride_bias_m, stride_bias_n, visits, POW, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, BIAS_KIND, MASK,
-            HAS_DROPOUT, False, True, UPCAST, DOT_PRECISION, slope, SCORE, HEAD_DIM_V, BLOCK_DV)
+            HAS_DROPOUT, False, True, HALF_P, UPCAST, DOT_PRECISION, slope, SCORE, HEAD_DIM_V, BLOCK_DV)
     if SCORE[3]:
-        p_s = weights(zs, t_use, POW, beta)
+        p_s = weights(zs, t_use, POW, beta, HALF_P)
         l_sum += tl.sum(p_s, 1)
         if NEED_OUT_U:
             u_sum += tl.sum(_u_weights(zs, t_use, p_s, POW), 1)

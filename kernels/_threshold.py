@@ -7,7 +7,8 @@ decreasing, so from ``phi`` and ``phi'`` at the two ends of a bracket ``[a, b]``
 * the Newton (tangent) roots of ``phi`` from either end are certified lower bounds of ``tau``;
 * the secant root is a certified upper bound;
 * for beta in {1, 2}, if no key lies inside the bracket (equal counts ``c = #{z > t}`` at both
-  ends), ``f`` is a polynomial there and its root is exact;
+  ends), ``f`` is a polynomial there and its root is exact (a count of 0 is "not counted": the
+  grid counts only at alpha = 2, where the count is ``g``);
 * otherwise the root of the cubic Hermite interpolant of ``phi``, clamped to the certified
   ``[lo, hi]``, is the estimate.
 
@@ -22,57 +23,86 @@ Derivation and measurements: docs/kernels.md.
 import triton
 import triton.language as tl
 
-from ._common import log2_1p
+from ._common import fast_log2, log2_1p
 
 
 @triton.jit
-def point_sums(z, t, POW: tl.constexpr, bm1, lref):
-    """``f``, ``g``, ``c`` (each ``[BLOCK_M]``) of the score tile ``z [BLOCK_M, BLOCK_N]`` at the points ``t``.
+def row_sums(x, LANES: tl.constexpr):
+    """Row sums of ``x [BLOCK_M, BLOCK_N]``: ``[BLOCK_M]`` with ``LANES == 0``, else ``[BLOCK_M, LANES]`` partial sums
+    that a caller accumulates over key tiles and adds up once (``tl.sum(., 1)``) at the end of a pass.
+
+    An MMA accumulator spreads a row over a quad of 4 lanes, each holding column pairs ``8 i + 2 l + {0, 1}``
+    (lane ``l``): the reshape ``[BLOCK_M, BLOCK_N / 8, 4, 2]`` puts the quad on axis 2, so the partials are summed in
+    each thread with no lane shuffles (``LANES = 4``); on any other layout they are still the right sums.
+    ``LANES == 1`` is the plain row sum with a trailing axis (the accumulators keep one shape).
+    """
+    if LANES == 0:
+        out = tl.sum(x, 1)
+    elif LANES == 1:
+        out = tl.sum(x, 1, keep_dims=True)
+    else:
+        BM: tl.constexpr = x.shape[0]
+        BN: tl.constexpr = x.shape[1]
+        out = tl.sum(tl.sum(tl.reshape(x, [BM, BN // (2 * LANES), LANES, 2]), 3), 1)
+    return out
+
+
+@triton.jit
+def point_sums(z, t, POW: tl.constexpr, bm1, lref, LANES: tl.constexpr = 0):
+    """``f``, ``g``, ``c`` (each ``[BLOCK_M]``, or ``[BLOCK_M, LANES]`` partials: ``row_sums``) of the score tile
+    ``z [BLOCK_M, BLOCK_N]`` at the points ``t``.
 
     POW 1, 2: ``f = sum [z - t]_+^beta``, ``g = sum [z - t]_+^(beta - 1)``, ``c = #{z > t}`` (float).
     POW 0: ``t = tau + 1``, ``r = 1 + (z - t)``, and the sums are scaled by the maximal key's term:
     ``f = sum (r / r_max)^beta``, ``g = sum (r / r_max)^(beta - 1)`` with ``lref = log2(r_max)``;
-    ``c`` is 0. ``bm1 = beta - 1``.
+    ``c`` is 0. ``bm1 = beta - 1``. ``[z - t]_+`` is ``maximum(z - t, 0)`` (one FMNMX; a NaN or ``-inf`` score
+    gives 0, bitwise as ``where(z > t, z - t, 0)``).
     """
     if POW == 1:
         r = z - t[:, None]
-        pos = r > 0.0
-        f = tl.sum(tl.where(pos, r, 0.0), 1)
-        c = tl.sum(pos.to(tl.float32), 1)
+        f = row_sums(tl.maximum(r, 0.0), LANES)
+        c = row_sums((r > 0.0).to(tl.float32), LANES)
         g = c
     elif POW == 2:
-        r = tl.where(z > t[:, None], z - t[:, None], 0.0)
-        f = tl.sum(r * r, 1)
-        g = tl.sum(r, 1)
-        c = tl.sum((r > 0.0).to(tl.float32), 1)
+        r = tl.maximum(z - t[:, None], 0.0)
+        f = row_sums(r * r, LANES)
+        g = row_sums(r, LANES)
+        c = row_sums((r > 0.0).to(tl.float32), LANES)
     else:
-        r = 1.0 + (z - t[:, None])
-        pos = r > 0.0
-        r = tl.where(pos, r, 0.0)
-        lr = tl.where(pos, tl.log2(tl.where(pos, r, 1.0)) - lref[:, None], -200.0)
-        gp = tl.where(pos, tl.exp2(bm1 * lr), 0.0)
-        f = tl.sum(gp * r, 1) * tl.exp2(-lref)
-        g = tl.sum(gp, 1)
+        r = tl.maximum(1.0 + (z - t[:, None]), 0.0)
+        # log2(0) = -inf: whatever the exponent gives there is discarded by the one select
+        gp = tl.where(r > 0.0, tl.exp2(bm1 * (fast_log2(r) - lref[:, None])), 0.0)
+        f = row_sums(gp * r, LANES)
+        if LANES == 0:
+            f = f * tl.exp2(-lref)
+        else:
+            f = f * tl.exp2(-lref)[:, None]
+        g = row_sums(gp, LANES)
         c = g * 0.0
     return f, g, c
 
 
 @triton.jit
-def weights(z, t, POW: tl.constexpr, beta):
+def weights(z, t, POW: tl.constexpr, beta, FAST: tl.constexpr = False):
     """Unnormalized weights ``[z - tau]_+^beta`` ``[BLOCK_M, BLOCK_N]`` at the thresholds ``t`` (as ``point_sums``).
 
     The general path forms ``log2(1 + w)``, ``w = z - (tau + 1)``, with ``log2_1p``: near alpha = 1,
-    ``r = 1 + w`` is within O(alpha - 1) of 1 and rounding it would cost ``beta`` ulps per weight.
+    ``r = 1 + w`` is within O(alpha - 1) of 1 and rounding it would cost ``beta`` ulps per weight. ``FAST``
+    (weights that are rounded to 16 bits before the value product): ``fast_log2(1 + w)``, a relative error of
+    about ``2.3e-7 * beta`` per weight (1.7e-5 at alpha 1.01), far below the rounding to 16 bits (2**-9).
     """
     if POW == 1:
-        p = tl.where(z > t[:, None], z - t[:, None], 0.0)
+        p = tl.maximum(z - t[:, None], 0.0)
     elif POW == 2:
-        r = tl.where(z > t[:, None], z - t[:, None], 0.0)
+        r = tl.maximum(z - t[:, None], 0.0)
         p = r * r
     else:
         w = z - t[:, None]
         pos = w > -1.0
-        p = tl.where(pos, tl.exp2(beta * log2_1p(tl.where(pos, w, 0.0))), 0.0)
+        if FAST:
+            p = tl.where(pos, tl.exp2(beta * fast_log2(tl.maximum(1.0 + w, 0.0))), 0.0)
+        else:
+            p = tl.where(pos, tl.exp2(beta * log2_1p(tl.where(pos, w, 0.0))), 0.0)
     return p
 
 
@@ -80,9 +110,10 @@ def weights(z, t, POW: tl.constexpr, beta):
 def log_ref(m, t):
     """``log2(r_max)``, ``r_max = 1 + (m - t)``: the maximal key's base at the points ``t = tau + 1`` (POW 0).
 
-    Rounded exactly as ``point_sums`` rounds ``r`` of a key, so that no key's ratio exceeds 1.
+    Rounded exactly as ``point_sums`` rounds ``r`` of a key and with the same ``fast_log2``, so that the maximal
+    key's ratio is exactly 1 (another key's, up to the approximation's non-monotonicity, at most ``1 + 1e-6``).
     """
-    return tl.log2(tl.maximum(1.0 + (m - t), 1e-30))
+    return fast_log2(tl.maximum(1.0 + (m - t), 1e-30))
 
 
 @triton.jit

@@ -62,7 +62,7 @@ from ._decode_state import (
     _store_points,
     _store_state,
 )
-from ._fwd_rows import _cand_points, _cand_sums, _grid_start, _grid_tile
+from ._fwd_rows import _cand_points, _cand_sums, _grid_counts, _grid_start, _grid_sums, _grid_tile
 from ._masking import alibi_slope, key_range, mask_scores, mask_spec, score_spec, sink_logit, sink_tile, soft_cap
 from ._threshold import weights
 from .entmax_attn_fwd import default_tolerance
@@ -148,13 +148,13 @@ def _grid_pass(q, K, BIAS, BLOCK_TABLE, Z, z_rows, list_base, b, h_kv, h, i, act
 
     Returns ``(m, j_top, n_valid, bad, F, G, C, n_live)``: the split's row max, its grid index, valid keys,
     NaN/+inf flag and the ``[BLOCK_M, GRID_K]`` sums at the ring's points (POW 0: scaled by the split max's
-    term), and the number of live blocks written to ``list_base``.
+    term; counts from ``_fwd_rows._grid_counts``), and the number of live blocks written to ``list_base``.
     """
-    w_grid, slot, m, j_top, n_valid, bad, F, G, C, L = _grid_start(BLOCK_M, GRID_K)
+    w_grid, slot, m, j_top, n_valid, bad, F, G, L = _grid_start(BLOCK_M, GRID_K, 0)
     n_live = tl.zeros([], tl.int32)
     if SCORE[3]:
-        m, j_top, F, G, C, L, _ = _grid_tile(zs, m, j_top, F, G, C, L, slot, w_grid, shift, beta[:, None],
-                                             bm1[:, None], POW, GRID_K)
+        m, j_top, F, G, L, _ = _grid_tile(zs, m, j_top, F, G, L, slot, w_grid, shift, beta[:, None], bm1[:, None],
+                                          POW, GRID_K, 0)
     for kt in range(kt_lo, kt_hi):
         cols = kt * BLOCK_N + tl.arange(0, BLOCK_N)
         z = _scores(q, K, BIAS, BLOCK_TABLE, b, h_kv, h, i, active, cols, seqlen_q, seqlen_k, z_scale, bias_scale,
@@ -164,11 +164,12 @@ def _grid_pass(q, K, BIAS, BLOCK_TABLE, Z, z_rows, list_base, b, h_kv, h, i, act
         tl.store(Z + z_rows[:, None] + cols[None, :], z, mask=active[:, None])
         bad = bad | tl.max(((z != z) | (z == float("inf"))).to(tl.int32), 1)
         n_valid += tl.sum((z != float("-inf")).to(tl.int32), 1)
-        m, j_top, F, G, C, L, live = _grid_tile(z, m, j_top, F, G, C, L, slot, w_grid, shift, beta[:, None],
-                                                bm1[:, None], POW, GRID_K)
+        m, j_top, F, G, L, live = _grid_tile(z, m, j_top, F, G, L, slot, w_grid, shift, beta[:, None],
+                                             bm1[:, None], POW, GRID_K, 0)
         tl.store(list_base + n_live, kt, mask=live != 0)
         n_live += live
-    return m, j_top, n_valid, bad, F, G, C, n_live
+    F, G = _grid_sums(F, G, 0)
+    return m, j_top, n_valid, bad, F, G, _grid_counts(G, POW), n_live
 
 
 @triton.jit
