@@ -419,7 +419,7 @@ def entmax_rows(q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, k
     else:
         shift = 0.0
     # point sums per lane of the quad that holds a row (_threshold.row_sums: one lane reduction per pass, not per
-    # tile) where the registers allow it and it pays (sass_cost, sm90_build); else per tile (LANES 1)
+    # tile) where the registers allow it and it pays (sass_cost, sm90_build); else reduced on every tile (LANES 0)
     if POW == 2:
         LANES: tl.constexpr = 4
         CAND_LANES: tl.constexpr = 4

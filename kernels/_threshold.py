@@ -34,12 +34,9 @@ def row_sums(x, LANES: tl.constexpr):
     An MMA accumulator spreads a row over a quad of 4 lanes, each holding column pairs ``8 i + 2 l + {0, 1}``
     (lane ``l``): the reshape ``[BLOCK_M, BLOCK_N / 8, 4, 2]`` puts the quad on axis 2, so the partials are summed in
     each thread with no lane shuffles (``LANES = 4``); on any other layout they are still the right sums.
-    ``LANES == 1`` is the plain row sum with a trailing axis (the accumulators keep one shape).
     """
     if LANES == 0:
         out = tl.sum(x, 1)
-    elif LANES == 1:
-        out = tl.sum(x, 1, keep_dims=True)
     else:
         BM: tl.constexpr = x.shape[0]
         BN: tl.constexpr = x.shape[1]
