@@ -239,17 +239,21 @@ def candidates(head_dims, classes, n: int = N_DEFAULT):
     training forward (``need_out_u``) of each alpha class in ``classes``, and the general-alpha backward's dQ (with
     d alpha) and dK/dV kernels over their pruned config lists. Yields one analysis dict per build, with ``pinned``
     True for the config used without autotuning."""
+    from sparse_attn.kernels import _common
     from sparse_attn.kernels import entmax_attn_bwd as bwd
+
+    def tried(pinned, d):  # the configs the autotuner of a launch at head dim d keeps
+        return _common.prune_to_pinned(pinned)(_common.launch_configs(), {"HEAD_DIM": d})
 
     for d in head_dims:
         _, _, warps, stages = fwd._pick_config(d, False)
         for cls in classes:
-            for cfg in fwd._autotune_configs():
+            for cfg in tried(lambda head_dim: fwd._pick_config(head_dim, False)[2:], d):
                 info = fwd_case(d, cls, causal=False, need_out_u=True, n=n, config=(cfg.num_warps, cfg.num_stages))
                 yield dict(info, pinned=(cfg.num_warps, cfg.num_stages) == (warps, stages))
         for name in ("dq", "dkdv"):
             pinned = bwd._pick_config(d, False)[name][1:]
-            for cfg in bwd._prune_configs(name)(bwd._autotune_configs(), {"HEAD_DIM": d}):
+            for cfg in tried(bwd._pinned(name), d):
                 for info in bwd_cases(d, need_dalpha=True, mask=None, causal=False, n=n, kernels=(name,),
                                       config=(cfg.num_warps, cfg.num_stages)):
                     yield dict(info, alpha="general", pinned=(cfg.num_warps, cfg.num_stages) == pinned)

@@ -156,6 +156,23 @@ def head_dim_block(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
+def launch_configs():
+    """GPU configs a ``triton.autotune`` of an attention kernel may try: warps and pipeline stages only (the tiles
+    are the launcher's); each launch keeps three of them (``prune_to_pinned``)."""
+    return [triton.Config({}, num_warps=w, num_stages=s) for w in (4, 8) for s in (1, 2, 3)]
+
+
+def prune_to_pinned(pinned):
+    """``early_config_prune`` for ``launch_configs()``: ``pinned(head_dim) -> (num_warps, num_stages)`` of a launch
+    first, then one more pipeline stage, then the other warp count (measured alternatives: docs/kernels.md)."""
+
+    def prune(configs, named_args, **kwargs):
+        warps, stages = pinned({**named_args, **kwargs}["HEAD_DIM"])
+        keep = [(warps, stages), (warps, stages + 1), ({4: 8, 8: 4}[warps], stages)]
+        return [c for w_s in keep for c in configs if (c.num_warps, c.num_stages) == w_s]
+    return prune
+
+
 def stride_args(prefix: str, t: torch.Tensor, dims: str) -> dict:
     """Kernel keyword arguments ``{prefix + dim: stride}``, e.g. ``stride_args("stride_q", q, "bhmd")``."""
     return {prefix + d: st for d, st in zip(dims, t.stride(), strict=True)}

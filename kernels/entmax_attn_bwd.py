@@ -356,21 +356,9 @@ def _pick_config(head_dim: int, interpret: bool) -> dict:
     return {name: (block_m, warps, 2) for name, (block_m, warps) in tiles.items()}
 
 
-def _autotune_configs():
-    """GPU configs tried by ``triton.autotune`` (warps and pipeline stages only; the tiles are the launcher's),
-    pruned per launch to the pinned config of its head dim first and two neighbours (``_prune_configs``)."""
-    return [triton.Config({}, num_warps=w, num_stages=s) for w in (4, 8) for s in (1, 2, 3)]
-
-
-def _prune_configs(kernel: str):
-    """``early_config_prune`` of ``kernel``'s autotuner: its pinned config for the launch's head dim first, then one
-    more pipeline stage, then the other warp count."""
-
-    def prune(configs, named_args, **kwargs):
-        _, warps, stages = _pick_config({**named_args, **kwargs}["HEAD_DIM"], False)[kernel]
-        keep = [(warps, stages), (warps, stages + 1), ({4: 8, 8: 4}[warps], stages)]
-        return [c for w_s in keep for c in configs if (c.num_warps, c.num_stages) == w_s]
-    return prune
+def _pinned(kernel: str):
+    """``head_dim -> (num_warps, num_stages)`` of ``kernel``'s pinned GPU config (``_common.prune_to_pinned``)."""
+    return lambda head_dim: _pick_config(head_dim, False)[kernel][1:]
 
 
 _TUNE_KEY = ["HEAD_DIM", "HEAD_DIM_V", "BLOCK_M", "BLOCK_N", "ALPHA_CLASS", "HEAD_FILTER", "BIAS_KIND", "MASK",
@@ -378,17 +366,17 @@ _TUNE_KEY = ["HEAD_DIM", "HEAD_DIM_V", "BLOCK_M", "BLOCK_N", "ALPHA_CLASS", "HEA
 # on a GPU each kernel is autotuned per head dim, tile, alpha class, feature flags and precision; the interpreter
 # runs the pinned config (autotuning several fails there)
 _entmax_attn_bwd_dq_autotuned = triton.autotune(
-    configs=_autotune_configs(), key=_TUNE_KEY + ["NEED_DALPHA", "NEED_DBIAS", "NEED_DBIAS_ROWS"],
-    prune_configs_by={"early_config_prune": _prune_configs("dq")},
+    configs=_common.launch_configs(), key=_TUNE_KEY + ["NEED_DALPHA", "NEED_DBIAS", "NEED_DBIAS_ROWS"],
+    prune_configs_by={"early_config_prune": _common.prune_to_pinned(_pinned("dq"))},
 )(_entmax_attn_bwd_dq_kernel)
 # the dK/dV kernel adds into DK, DV with HEAD_FILTER, the dbias kernel into DBIAS: every autotuning run restores them
 _entmax_attn_bwd_dkdv_autotuned = triton.autotune(
-    configs=_autotune_configs(), key=_TUNE_KEY + ["NEED_DBIAS_COLS"], restore_value=["DK", "DV"],
-    prune_configs_by={"early_config_prune": _prune_configs("dkdv")},
+    configs=_common.launch_configs(), key=_TUNE_KEY + ["NEED_DBIAS_COLS"], restore_value=["DK", "DV"],
+    prune_configs_by={"early_config_prune": _common.prune_to_pinned(_pinned("dkdv"))},
 )(_entmax_attn_bwd_dkdv_kernel)
 _entmax_attn_bwd_dbias_autotuned = triton.autotune(
-    configs=_autotune_configs(), key=_TUNE_KEY, restore_value=["DBIAS"],
-    prune_configs_by={"early_config_prune": _prune_configs("dbias")},
+    configs=_common.launch_configs(), key=_TUNE_KEY, restore_value=["DBIAS"],
+    prune_configs_by={"early_config_prune": _common.prune_to_pinned(_pinned("dbias"))},
 )(_entmax_attn_bwd_dbias_kernel)
 
 

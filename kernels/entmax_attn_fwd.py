@@ -196,17 +196,11 @@ def _entmax_attn_fwd_kernel(
     tl.store(TILE_VISITS + tile_id, visits)
 
 
-def _autotune_configs():
-    """GPU configs tried by ``triton.autotune``: warps and pipeline stages (the block sizes are pinned per head dim,
-    they fix the bitmap's shape); the first is the pinned one (docs/kernels.md). 4 warps are not tried: their builds
-    spill 232-1248 bytes at head dims 64 / 128 (triton 3.9, offline sm_90, training forward)."""
-    return [triton.Config({}, num_warps=8, num_stages=2), triton.Config({}, num_warps=8, num_stages=3)]
-
-
 # on a GPU the kernel is autotuned per head dim, tile, alpha class, mask kind, causal flag and precision;
 # the interpreter runs one pinned config (autotuning several fails there)
 _entmax_attn_fwd_autotuned = triton.autotune(
-    configs=_autotune_configs(),
+    configs=_common.launch_configs(), prune_configs_by={"early_config_prune": _common.prune_to_pinned(
+        lambda head_dim: _pick_config(head_dim, False)[2:])},
     key=["HEAD_DIM", "HEAD_DIM_V", "BLOCK_M", "BLOCK_N", "ALPHA_CLASS", "HEAD_FILTER", "BIAS_KIND", "MASK", "SCORE",
          "IS_VARLEN", "HAS_DROPOUT", "NEED_OUT_U", "DOT_PRECISION"],
 )(_entmax_attn_fwd_kernel)
@@ -215,9 +209,11 @@ _entmax_attn_fwd_autotuned = triton.autotune(
 def _pick_config(head_dim: int, interpret: bool):
     """``(block_m, block_n, num_warps, num_stages)``: one pinned config per head dim.
 
-    GPU: 128-row query tiles up to head dim 128 (128 x 64 up to 64, 128 x 32 up to 128: 128 x 64 spills on the
-    general-alpha path there), 64 x 32 above; 8 warps, two pipeline stages. Chosen from offline sm_90 builds with
-    the launch specialization, the smallest tiles that keep every alpha class free of spills (docs/kernels.md).
+    GPU: up to head dim 64, 128 x 64 tiles on 8 warps; up to 128, 64 x 64 on 4 warps; above, 64 x 32 on 8 warps; two
+    pipeline stages. Head dims 64 and 256 keep the configs of the offline sm_90 builds (the smallest tiles free of
+    spills for every alpha class); head dim 128 takes the winner of an H200 sweep (1.12-1.40x the former 128 x 32 /
+    8 warps at alpha 1.5 and 1.25, 1.47-1.62x at alpha 1, forward and forward + backward, causal or not; a few bytes
+    spilled): benchmarks/results/nvidia-h200/tune/ and docs/kernels.md.
     """
     if interpret:
         return 32, 32, 4, 1
@@ -225,7 +221,7 @@ def _pick_config(head_dim: int, interpret: bool):
     if head_dim_block <= 64:
         return 128, 64, 8, 2
     if head_dim_block <= 128:
-        return 128, 32, 8, 2
+        return 64, 64, 4, 2
     return 64, 32, 8, 2
 
 
@@ -312,7 +308,7 @@ def entmax_attn_fwd(
         block_m, block_n: tile sizes (powers of two >= 16); default by head dim.
         num_warps, num_stages: force this launch config (a power of two in [1, 32] warps, 1 to 8 pipeline stages; the
             one not given is the pinned one of this head dim) instead of the GPU's ``triton.autotune`` over
-            ``_autotune_configs``; for tuning (``benchmarks/tune_tiles.py``). Default None (autotuned on a GPU,
+            ``_common.launch_configs``; for tuning (``benchmarks/tune_tiles.py``). Default None (autotuned on a GPU,
             pinned under the interpreter or with ``SPARSE_ATTN_PINNED=1``).
 
     Returns:

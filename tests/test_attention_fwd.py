@@ -221,6 +221,23 @@ def test_forced_launch_config(kernel_device):
     assert (res.block_m, res.block_n) == (16, 32)
 
 
+@pytest.mark.parametrize("head_dim", [16, 64, 96, 128, 160, 256])
+def test_autotuners_try_the_pinned_config_first(head_dim):
+    """On a GPU each attention autotuner keeps three of ``launch_configs()`` per launch: the pinned warps / stages of
+    the launch's head dim first (what ``SPARSE_ATTN_PINNED=1`` runs), one more stage, the other warp count."""
+    from sparse_attn.kernels import entmax_attn_bwd as bwd
+    from sparse_attn.kernels import entmax_attn_fwd as fwd
+
+    pinned = {"fwd": fwd._pick_config(head_dim, False)[2:],
+              **{name: bwd._pick_config(head_dim, False)[name][1:] for name in ("dq", "dkdv", "dbias")}}
+    tuners = {"fwd": fwd._entmax_attn_fwd_autotuned, "dq": bwd._entmax_attn_bwd_dq_autotuned,
+              "dkdv": bwd._entmax_attn_bwd_dkdv_autotuned, "dbias": bwd._entmax_attn_bwd_dbias_autotuned}
+    for name, tuner in tuners.items():
+        kept = [(c.num_warps, c.num_stages) for c in tuner.early_config_prune(tuner.configs, {"HEAD_DIM": head_dim})]
+        warps, stages = pinned[name]
+        assert kept == [(warps, stages), (warps, stages + 1), (12 - warps, stages)], (name, kept)
+
+
 @pytest.mark.parametrize("name,value,err", [("num_warps", 3, ValueError), ("num_warps", 64, ValueError),
                                             ("num_warps", True, TypeError), ("num_stages", 0, ValueError),
                                             ("num_stages", 2.0, TypeError)])
