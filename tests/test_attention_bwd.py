@@ -504,3 +504,16 @@ def test_bf16_delta_from_float32_out_u(data_seed, scale, kernel_device):
     for name, got, base in zip(("dq", "dk", "dv"), case.run()[:3], bf16_ref):
         ref64 = case.ref[name]
         assert_close_to_ref(got, ref64, [base, bf16_toward_zero(ref64)], eps=0.0, name=name)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_gpu_pinned_tiles(head_dim, kernel_device):
+    """Forward and backward at the tiles the GPU pins for this head dim (``_pick_config(head_dim, False)``: the
+    forward's query and key tiles, which fix the bitmap and the backward's key tiles), with partial tiles at both ends,
+    causal, per-head alpha in three classes: the gradients match float64 as at the interpreter's 32 x 32 tiles."""
+    from sparse_attn.kernels.entmax_attn_fwd import _pick_config
+
+    block_m, block_n, _, _ = _pick_config(head_dim, False)
+    case = Case(device=kernel_device, B=1, Hq=3, Hk=1, Nq=block_m + 7, Nk=2 * block_n + 5, D=head_dim,
+                alpha=[1.5, 1.25, 2.0], causal=True)
+    case.check(case.run_after_forward(fwd_kw=dict(block_m=block_m, block_n=block_n)))
