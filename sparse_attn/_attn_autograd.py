@@ -17,6 +17,7 @@ from sparse_attn.attn_inputs import AttentionInputs, AttentionStats
 from sparse_attn.decode import decode_attention, decode_fits
 from sparse_attn.kernels.entmax_attn_bwd import entmax_attn_bwd
 from sparse_attn.kernels.entmax_attn_fwd import alpha_class_of, entmax_attn_fwd, fwd_block_sizes
+from sparse_attn.routes import refusal_message, refused
 
 
 def _live_shape(q: Tensor, k: Tensor, cu_seqlens_q, max_seqlen_q: int, max_seqlen_k: int):
@@ -154,17 +155,24 @@ def _alpha_class(inputs: AttentionInputs) -> str:
     return "mixed"
 
 
-def _sdpa_fits(inputs: AttentionInputs, return_stats: bool) -> bool:
-    """Softmax heads that PyTorch's ``scaled_dot_product_attention`` computes with our semantics.
+def sdpa_refuses(inputs: AttentionInputs, return_stats: bool) -> list[str]:
+    """Why PyTorch's ``scaled_dot_product_attention`` cannot compute ``inputs`` with our semantics (empty: it can),
+    whatever the device: the variants the ``"sdpa"`` route does not list (:data:`sparse_attn.routes.SUPPORTED`), a
+    head not at alpha = 1 (a Python number), statistics, causal rows left without keys (``Nq > Nk``; bottom-right
+    alignment goes through ``causal_lower_right``)."""
+    why = refused("sdpa", inputs.used())
+    if inputs.alpha_value != 1.0:
+        why.append("alpha other than a Python 1")
+    if return_stats:
+        why.append("return_stats")
+    if inputs.is_causal and inputs.q.shape[2] > inputs.k.shape[2]:
+        why.append("causal with more queries than keys")
+    return why
 
-    Every head at alpha = 1 (a Python number), no statistics, CUDA, no packed sequences, no mask, window, ALiBi,
-    sinks or soft cap; causal only when no row is left without keys (``Nq <= Nk``: bottom-right alignment through
-    ``causal_lower_right``).
-    """
-    return (inputs.alpha_value == 1.0 and not return_stats and inputs.q.is_cuda and inputs.cu_seqlens_q is None
-            and inputs.mask is None and inputs.window_size is None and inputs.alibi_slopes is None
-            and inputs.softcap is None and inputs.sinks is None
-            and (not inputs.is_causal or inputs.q.shape[2] <= inputs.k.shape[2]))
+
+def _sdpa_fits(inputs: AttentionInputs, return_stats: bool) -> bool:
+    """Softmax heads the fused path hands to SDPA: CUDA tensors and nothing from :func:`sdpa_refuses`."""
+    return inputs.q.is_cuda and not sdpa_refuses(inputs, return_stats)
 
 
 def _sdpa(inputs: AttentionInputs) -> Tensor:
@@ -189,6 +197,9 @@ def fused_entmax_attention(inputs: AttentionInputs, return_stats: bool):
         return _sdpa(inputs)
     if decode_fits(inputs):
         return decode_attention(inputs, return_stats)
+    why = refused("fused", inputs.used())
+    if why:
+        raise ValueError(refusal_message("fused", why, "pass backend='reference'"))
     seed = int(torch.randint(0, 2**31 - 1, (1,)).item()) if inputs.dropout_p > 0 else 0
     leaves = (inputs.q, inputs.k, inputs.v, inputs.alpha, inputs.mask, inputs.sinks)
     need_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in leaves)

@@ -15,6 +15,7 @@ from sparse_attn._cpu_chunked import chunked_attention, chunked_fits
 from sparse_attn._validation import check_bool, checks_enabled, set_checks
 from sparse_attn.attn_inputs import AttentionInputs, AttentionStats, prepare_attention
 from sparse_attn.reference import reference_forward
+from sparse_attn.routes import refusal_message, refused
 
 __all__ = ["entmax_attention", "AttentionStats", "set_checks", "checks_enabled"]
 
@@ -22,7 +23,10 @@ __all__ = ["entmax_attention", "AttentionStats", "set_checks", "checks_enabled"]
 def run_attention(inputs: AttentionInputs, return_stats: bool = False):
     """Run prepared inputs on their backend; returns ``out`` or ``(out, AttentionStats)``."""
     if inputs.backend == "reference":
-        if chunked_fits(inputs):
+        why = refused("reference", inputs.used())
+        if why:
+            raise ValueError(refusal_message("reference", why, "no route of this version runs it"))
+        if chunked_fits(inputs) and not refused("chunked", inputs.used()):
             out, stats = chunked_attention(inputs, with_stats=return_stats)
             return (out, stats) if return_stats else out
         res = reference_forward(inputs, with_stats=return_stats)

@@ -28,6 +28,7 @@ from torch import Tensor
 from sparse_attn._validation import check_bool, check_number, values_checkable
 from sparse_attn.kernels._common import interpreting
 from sparse_attn.masks import check_mask
+from sparse_attn.routes import refused, used_variants
 
 __all__ = [
     "AttentionInputs",
@@ -121,6 +122,13 @@ class AttentionInputs(NamedTuple):
     sinks: Tensor | None = None
     softcap: float | None = None
 
+    def used(self) -> frozenset:
+        """The variants this call uses (names of :data:`sparse_attn.routes.VARIANTS`); the routers refuse what a
+        route does not list in :data:`sparse_attn.routes.SUPPORTED`."""
+        return used_variants(self.q, self.k, self.v, alpha=self.alpha, mask=self.mask, is_causal=self.is_causal,
+                             dropout_p=self.dropout_p, cu_seqlens_q=self.cu_seqlens_q, window_size=self.window_size,
+                             alibi_slopes=self.alibi_slopes, sinks=self.sinks, softcap=self.softcap)
+
     @property
     def score_shape(self) -> tuple[int, int, int, int]:
         """``(B, Hq, Nq, Nk)``."""
@@ -162,13 +170,14 @@ def unfused_variants(q: Tensor, v: Tensor, window_size=None, alibi_slopes=None, 
                      softcap=None, v_name: str = "v") -> list[str]:
     """The arguments of a call that the fused Triton kernels do not implement yet, as error-message phrases.
 
-    The one place that decides it: when a kernel gains a variant, its line goes. Arguments as
+    What :data:`sparse_attn.routes.SUPPORTED` refuses on the ``"fused"`` route, checked before the rest of the
+    arguments (the full set is checked again at dispatch, :meth:`AttentionInputs.used`), and the kernels' value
+    head dims. Arguments as
     :func:`prepare_attention` (``window_size`` etc. already normalized: None when unused); ``v_name`` names ``v``
     in the phrases.
     """
-    missing = []
-    if alibi_slopes is not None and alibi_slopes.requires_grad and torch.is_grad_enabled():
-        missing.append("alibi_slopes that require grad (the kernels give no gradient for the slopes; detach them)")
+    missing = refused("fused", used_variants(q, None, v, window_size=window_size, alibi_slopes=alibi_slopes,
+                                             sinks=sinks, softcap=softcap))
     if not MIN_HEAD_DIM <= v.shape[-1] <= MAX_HEAD_DIM:
         missing.append(f"{v_name} of head_dim {v.shape[-1]} (the kernels take value head dims in [{MIN_HEAD_DIM}, "
                        f"{MAX_HEAD_DIM}])")

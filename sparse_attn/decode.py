@@ -26,6 +26,7 @@ from sparse_attn.attn_inputs import (
 )
 from sparse_attn.masks import check_mask
 from sparse_attn.reference import entmax_attention_reference
+from sparse_attn.routes import refused
 
 __all__ = ["entmax_decode", "MAX_DECODE_QUERIES", "decode_attention", "decode_fits", "decode_unsupported"]
 
@@ -328,20 +329,13 @@ def _window_arg(window_size) -> list[int] | None:
 def decode_unsupported(inputs: AttentionInputs) -> list[str]:
     """What keeps a fused-path call off the decode kernels, as phrases (empty: they can run it).
 
-    The decode kernels implement masks (boolean or float), bottom-right causal masking, GQA/MQA, per-head alpha and
-    every attention variant the fused path takes (sliding window, ALiBi, sinks, soft cap, ``Dv != D``), forward
-    only. What the fused path refuses (:func:`sparse_attn.attn_inputs.unfused_variants`: slopes that require
-    grad, value head dims outside [16, 256]) never reaches here.
+    The variants the ``"decode"`` route does not list in :data:`sparse_attn.routes.SUPPORTED`: the decode kernels
+    implement masks (boolean or float), bottom-right causal masking, GQA/MQA, per-head alpha and every attention
+    variant the fused path takes (sliding window, ALiBi, sinks, soft cap, ``Dv != D``), forward only. What the fused
+    path refuses (:func:`sparse_attn.attn_inputs.unfused_variants`: slopes that require grad, value head dims outside
+    [16, 256]) never reaches here.
     """
-    why = []
-    if inputs.cu_seqlens_q is not None:
-        why.append("packed sequences (cu_seqlens)")
-    if inputs.dropout_p > 0:
-        why.append("dropout")
-    tensors = (inputs.q, inputs.k, inputs.v, inputs.alpha, inputs.mask, inputs.sinks, inputs.alibi_slopes)
-    if torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad for t in tensors):
-        why.append("gradients (the decode kernels have no backward)")
-    return why
+    return refused("decode", inputs.used())
 
 
 def decode_fits(inputs: AttentionInputs) -> bool:

@@ -1,0 +1,118 @@
+"""Which attention variants each execution route runs: one table, and routers that refuse what it does not list.
+
+A call's variants are named by :func:`used_variants` (from the normalized arguments of
+:func:`sparse_attn.attn_inputs.prepare_attention`, or :meth:`AttentionInputs.used`). Each route declares the set it
+implements in :data:`SUPPORTED`; ``refused(route, used)`` is what is left over, as phrases for an error message. A
+variant missing from a route's set is refused there, so a new variant is off every route until a route lists it
+(fail closed), and ``tests/test_routes.py`` checks that every field of ``AttentionInputs`` is named here.
+
+Routes:
+
+* ``"sdpa"``: PyTorch's ``scaled_dot_product_attention`` for softmax heads (alpha = 1 for every head, CUDA, no
+  statistics; :func:`sparse_attn._attn_autograd.sdpa_fits` adds those conditions);
+* ``"decode"``: the split-K decode kernels (a few queries against a KV cache; :func:`sparse_attn.decode.decode_fits`);
+* ``"fused"``: the general fused Triton forward and backward;
+* ``"chunked"``: the reference backend's CPU path in row blocks (:func:`sparse_attn._cpu_chunked.chunked_fits`);
+* ``"reference"``: the materialized float64-capable reference (everything the library defines).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["VARIANTS", "SUPPORTED", "PROBLEM_FIELDS", "ROUTE_NAMES", "used_variants", "refused", "refusal_message"]
+
+VARIANTS: dict[str, str] = {
+    "varlen": "packed sequences (cu_seqlens)",
+    "bool_mask": "a boolean attn_mask",
+    "float_mask": "a float attn_mask",
+    "mask_grad": "an attn_mask that requires grad",
+    "causal": "is_causal",
+    "window": "window_size",
+    "alibi": "alibi_slopes",
+    "alibi_grad": "alibi_slopes that require grad (the kernels give no gradient for the slopes; detach them)",
+    "sinks": "sinks",
+    "softcap": "softcap",
+    "dropout": "dropout",
+    "gqa": "grouped-query heads (fewer k/v heads than q heads)",
+    "dv": "a value head dim different from the query/key head dim",
+    "grad": "gradients",
+}
+"""Every variant a call can use, with the phrase an error message names it by."""
+
+_ALL = frozenset(VARIANTS)
+SUPPORTED: dict[str, frozenset] = {
+    "sdpa": frozenset({"causal", "dropout", "gqa", "dv", "grad"}),
+    "decode": frozenset({"bool_mask", "float_mask", "causal", "window", "alibi", "sinks", "softcap", "gqa", "dv"}),
+    "fused": frozenset({"varlen", "bool_mask", "float_mask", "mask_grad", "causal", "window", "alibi", "sinks",
+                        "softcap", "dropout", "gqa", "dv", "grad"}),
+    "chunked": frozenset({"varlen", "bool_mask", "float_mask", "mask_grad", "causal", "window", "alibi",
+                          "alibi_grad", "sinks", "softcap", "dropout", "gqa", "dv", "grad"}),
+    "reference": frozenset({"varlen", "bool_mask", "float_mask", "mask_grad", "causal", "window", "alibi",
+                            "alibi_grad", "sinks", "softcap", "dropout", "gqa", "dv", "grad"}),
+}
+"""The variants each route implements, listed by hand: a variant a route does not list is refused there."""
+
+PROBLEM_FIELDS = frozenset({"q", "k", "v", "alpha", "alpha_value", "alpha_checked", "scale", "max_seqlen_q",
+                            "max_seqlen_k", "backend", "cu_seqlens_k"})
+"""Fields of ``AttentionInputs`` that state the problem itself, not a variant (``cu_seqlens_k`` travels with
+``cu_seqlens_q``, the ``varlen`` variant); every other field must map to a variant in :func:`used_variants`."""
+
+
+def _wants_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad for t in tensors)
+
+
+def used_variants(q: Tensor, k: Tensor | None, v: Tensor, *, alpha=None, mask=None, is_causal: bool = False,
+                  dropout_p: float = 0.0, cu_seqlens_q=None, window_size=None, alibi_slopes=None, sinks=None,
+                  softcap=None) -> frozenset:
+    """The names (keys of :data:`VARIANTS`) of the variants a call uses, from normalized arguments (None when unused,
+    as :func:`sparse_attn.attn_inputs.prepare_attention` leaves them; ``k`` None: not known yet, no ``gqa``)."""
+    used = set()
+    if cu_seqlens_q is not None:
+        used.add("varlen")
+    if mask is not None:
+        used.add("bool_mask" if mask.dtype == torch.bool else "float_mask")
+        if _wants_grad(mask):
+            used.add("mask_grad")
+    if is_causal:
+        used.add("causal")
+    if window_size is not None:
+        used.add("window")
+    if alibi_slopes is not None:
+        used.add("alibi")
+        if _wants_grad(alibi_slopes):
+            used.add("alibi_grad")
+    if sinks is not None:
+        used.add("sinks")
+    if softcap is not None:
+        used.add("softcap")
+    if dropout_p > 0:
+        used.add("dropout")
+    if k is not None and k.shape[1] != q.shape[1]:
+        used.add("gqa")
+    if v.shape[-1] != q.shape[-1]:
+        used.add("dv")
+    if _wants_grad(q, k, v, alpha, mask, sinks, alibi_slopes):
+        used.add("grad")
+    return frozenset(used)
+
+
+def refused(route: str, used) -> list[str]:
+    """The variants in ``used`` that ``route`` does not implement, as phrases (in :data:`VARIANTS` order; a name
+    :data:`VARIANTS` does not know is refused by its own name)."""
+    if route not in SUPPORTED:
+        raise ValueError(f"route must be one of {sorted(SUPPORTED)}, got {route!r}")
+    left = set(used) - SUPPORTED[route]
+    return [VARIANTS[name] for name in VARIANTS if name in left] + sorted(left - _ALL)
+
+
+ROUTE_NAMES = {"sdpa": "PyTorch scaled_dot_product_attention", "decode": "the split-K decode kernels",
+               "fused": "the fused Triton kernels", "chunked": "the reference in row blocks on CPU",
+               "reference": "the materialized reference"}
+
+
+def refusal_message(route: str, phrases: list[str], remedy: str) -> str:
+    """The ``ValueError`` text of a route that cannot run a call: what it lacks, the route, and what to do."""
+    return f"{'; '.join(phrases)}: not supported on route {route!r} ({ROUTE_NAMES[route]}); {remedy}"

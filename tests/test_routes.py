@@ -1,0 +1,142 @@
+"""The route table (``sparse_attn/routes.py``): every variant named, every route refusing what it does not list.
+
+A new field of ``AttentionInputs`` or a new variant without an example here fails the coverage tests; a variant a
+route does not list is refused there (the dummy-variant test), and what the SDPA route claims to run is checked
+against the reference on the CPU (the route itself only runs on CUDA).
+"""
+
+import pytest
+import torch
+
+from sparse_attn._attn_autograd import _sdpa, fused_entmax_attention, sdpa_refuses
+from sparse_attn.attention import run_attention
+from sparse_attn.attn_inputs import AttentionInputs, prepare_attention
+from sparse_attn.decode import decode_fits, decode_unsupported
+from sparse_attn.routes import PROBLEM_FIELDS, SUPPORTED, VARIANTS, refused
+
+B, H, N, D = 2, 4, 12, 16
+
+
+def _qkv(n_q=N, n_k=N, h_k=H, d_v=D, dtype=torch.float64, grad=False):
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(B, H, n_q, D, generator=gen, dtype=dtype)
+    k = torch.randn(B, h_k, n_k, D, generator=gen, dtype=dtype)
+    v = torch.randn(B, h_k, n_k, d_v, generator=gen, dtype=dtype)
+    return [t.requires_grad_(grad) for t in (q, k, v)]
+
+
+def _packed():
+    q, k, v = (t[:1] for t in _qkv())
+    cu = torch.tensor([0, 5, N], dtype=torch.int32)
+    return dict(q=q, k=k, v=v, cu_seqlens_q=cu, cu_seqlens_k=cu)
+
+
+# one call per variant: the prepare_attention arguments that turn it on (on top of q, k, v from _qkv())
+VARIANT_EXAMPLES = {
+    "varlen": lambda: _packed(),
+    "bool_mask": lambda: dict(attn_mask=torch.rand(N, N, generator=torch.Generator().manual_seed(1)) > 0.3),
+    "float_mask": lambda: dict(attn_mask=torch.randn(N, N, dtype=torch.float64)),
+    "mask_grad": lambda: dict(attn_mask=torch.randn(N, N, dtype=torch.float64, requires_grad=True)),
+    "causal": lambda: dict(is_causal=True),
+    "window": lambda: dict(window_size=(3, 2)),
+    "alibi": lambda: dict(alibi_slopes=torch.rand(H, dtype=torch.float64)),
+    "alibi_grad": lambda: dict(alibi_slopes=torch.rand(H, dtype=torch.float64, requires_grad=True)),
+    "sinks": lambda: dict(sinks=torch.zeros(H, dtype=torch.float64)),
+    "softcap": lambda: dict(softcap=5.0),
+    "dropout": lambda: dict(dropout_p=0.1),
+    "gqa": lambda: dict(zip("qkv", _qkv(h_k=2)), enable_gqa=True),
+    "dv": lambda: dict(zip("qkv", _qkv(d_v=32))),
+    "grad": lambda: dict(zip("qkv", _qkv(grad=True))),
+}
+# the AttentionInputs field each variant lives in (those from the shapes or the autograd state: None)
+FIELD_OF = {"varlen": "cu_seqlens_q", "bool_mask": "mask", "float_mask": "mask", "mask_grad": "mask",
+            "causal": "is_causal", "window": "window_size", "alibi": "alibi_slopes", "alibi_grad": "alibi_slopes",
+            "sinks": "sinks", "softcap": "softcap", "dropout": "dropout_p", "gqa": None, "dv": None, "grad": None}
+
+
+def _inputs(variant=None, alpha=1.0, backend="reference"):
+    kw = dict(zip("qkv", _qkv()))
+    if variant is not None:
+        kw.update(VARIANT_EXAMPLES[variant]())
+    q, k, v = kw.pop("q"), kw.pop("k"), kw.pop("v")
+    return prepare_attention(q, k, v, alpha, backend=backend, **kw)
+
+
+def test_every_variant_and_field_is_covered():
+    """Each variant has an example and a field; every field of AttentionInputs is a problem field or a variant's."""
+    assert set(VARIANT_EXAMPLES) == set(VARIANTS) == set(FIELD_OF)
+    assert set(AttentionInputs._fields) - PROBLEM_FIELDS == {f for f in FIELD_OF.values() if f is not None}
+    assert set(SUPPORTED) == {"sdpa", "decode", "fused", "chunked", "reference"}
+    assert all(route_set <= set(VARIANTS) for route_set in SUPPORTED.values())
+
+
+def test_plain_call_uses_nothing():
+    with torch.no_grad():
+        assert _inputs().used() == frozenset()
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_each_example_turns_its_variant_on(variant):
+    used = _inputs(variant).used()
+    assert variant in used
+    # the examples are minimal: nothing else but the gradient their tensors ask for (and the variant a gradient of
+    # a mask or of slopes needs)
+    implied = {"mask_grad": {"float_mask"}, "alibi_grad": {"alibi"}}.get(variant, set())
+    assert used - {variant, "grad"} == implied, used
+
+
+@pytest.mark.parametrize("route", sorted(SUPPORTED))
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_variant_by_route(variant, route):
+    """Every variant x route pair: the routers' answer is the table's, and a refusal names the variant."""
+    inputs = _inputs(variant)
+    accepted = variant in SUPPORTED[route]
+    phrases = {"sdpa": lambda: sdpa_refuses(inputs, False), "decode": lambda: decode_unsupported(inputs)}.get(
+        route, lambda: refused(route, inputs.used()))()
+    assert (VARIANTS[variant] not in phrases) == accepted, (variant, route, phrases)
+    if route == "decode" and not accepted:
+        assert not decode_fits(inputs._replace(backend="triton", q=inputs.q[:, :, :1], max_seqlen_q=1))
+
+
+@pytest.mark.parametrize("variant", sorted(SUPPORTED["sdpa"] - {"dropout"}))
+def test_sdpa_route_computes_what_it_claims(variant):
+    """Softmax through PyTorch's SDPA (CPU here, CUDA in use) equals the reference for each variant the route lists."""
+    inputs = _inputs(variant)
+    assert not sdpa_refuses(inputs, False)
+    with torch.no_grad():
+        ref = run_attention(inputs)
+        got = _sdpa(inputs)
+    torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-10)
+
+
+def test_sdpa_route_causal_needs_keys_for_every_row():
+    q, k, v = _qkv(n_q=N, n_k=N - 4)
+    inputs = prepare_attention(q, k, v, 1.0, is_causal=True, backend="reference")
+    assert "causal with more queries than keys" in sdpa_refuses(inputs, False)
+
+
+def test_a_variant_no_route_lists_is_refused_everywhere(monkeypatch):
+    """A variant added to a call but to no route's set: every router refuses it, naming it and the route."""
+    used = AttentionInputs.used
+    monkeypatch.setattr(AttentionInputs, "used", lambda self: used(self) | {"dummy_variant"})
+    inputs = _inputs()
+    assert "dummy_variant" in sdpa_refuses(inputs, False)
+    assert "dummy_variant" in decode_unsupported(inputs)
+    assert not decode_fits(inputs._replace(backend="triton", q=inputs.q[:, :, :1], max_seqlen_q=1))
+    q, k, v = (t.float() for t in _qkv())
+    fused = prepare_attention(q, k, v, 1.5, backend="triton")
+    with pytest.raises(ValueError, match="dummy_variant: not supported on route 'fused'"):
+        fused_entmax_attention(fused, False)
+    with pytest.raises(ValueError, match="dummy_variant: not supported on route 'reference'"):
+        run_attention(inputs)
+
+
+def test_fused_route_refuses_by_name():
+    """The fused kernels' refusal (slopes requiring grad) as a ValueError naming the variant and the route."""
+    q, k, v = (t.float() for t in _qkv())
+    with pytest.raises(ValueError, match="alibi_slopes that require grad"):
+        prepare_attention(q, k, v, 1.5, backend="triton", alibi_slopes=torch.rand(H, requires_grad=True))
+    inputs = prepare_attention(q, k, v, 1.5, backend="triton")
+    inputs = inputs._replace(alibi_slopes=torch.rand(H, requires_grad=True))
+    with pytest.raises(ValueError, match="alibi_slopes that require grad .*: not supported on route 'fused'"):
+        fused_entmax_attention(inputs, False)
