@@ -60,6 +60,7 @@ from sparse_attn.attention import entmax_attention
 from sparse_attn.attn_inputs import AttentionStats, _check_window_size, check_head_alpha, prepare_attention
 from sparse_attn.masks import check_mask
 from sparse_attn.modules import EntmaxMultiheadAttention
+from sparse_attn.routes import refusal_message, refused
 from sparse_attn.stats import head_stats_sink
 
 __all__ = [
@@ -200,6 +201,14 @@ def pad_for_context_parallel(x: Tensor, world_size: int, *, dim: int = 2, length
     return x_padded, keep
 
 
+def _refuse(route: str, inputs) -> None:
+    """``ValueError`` naming the variants of ``inputs`` (this rank's shards) that ``route`` does not list in
+    :data:`sparse_attn.routes.SUPPORTED`."""
+    why = refused(route, inputs.used())
+    if why:
+        raise ValueError(refusal_message(route, why, "pass them to sparse_attn.entmax_attention on one process"))
+
+
 def _check_local(q, k, v, key_padding_mask) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor):
@@ -329,8 +338,9 @@ def context_parallel_attention(
     with _ranks_agree(lay, "context_parallel_attention", args):
         _check_local(q, k, v, key_padding_mask)
         check_bool("return_stats", return_stats)
-        prepare_attention(q, k, v, alpha, is_causal=is_causal, scale=scale, dropout_p=dropout_p,
-                          enable_gqa=enable_gqa, backend=backend, window_size=window_size, **variants)
+        _refuse("context_parallel", prepare_attention(
+            q, k, v, alpha, is_causal=is_causal, scale=scale, dropout_p=dropout_p, enable_gqa=enable_gqa,
+            backend=backend, window_size=window_size, **variants))
         window = _check_window_size(window_size)
         if alibi_slopes is not None and not is_causal and (window is None or window[1] != 0):
             raise ValueError("alibi_slopes with context_parallel_attention needs is_causal=True or window_size=(left, "
@@ -443,7 +453,7 @@ def ulysses_attention(
                 raise ValueError(f"{name} is not supported by ulysses_attention: pass key_padding_mask (and is_causal)")
         if attn_fn is None:
             attn_fn = entmax_attention
-            prepare_attention(q, k, v, alpha, is_causal=is_causal, enable_gqa=enable_gqa, **kwargs)
+            _refuse("ulysses", prepare_attention(q, k, v, alpha, is_causal=is_causal, enable_gqa=enable_gqa, **kwargs))
         elif not callable(attn_fn):
             raise TypeError(f"attn_fn must be callable, got {type(attn_fn).__name__}")
         if is_causal and q.shape[2] != k.shape[2]:

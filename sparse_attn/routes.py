@@ -13,7 +13,10 @@ Routes:
 * ``"decode"``: the split-K decode kernels (a few queries against a KV cache; :func:`sparse_attn.decode.decode_fits`);
 * ``"fused"``: the general fused Triton forward and backward;
 * ``"chunked"``: the reference backend's CPU path in row blocks (:func:`sparse_attn._cpu_chunked.chunked_fits`);
-* ``"reference"``: the materialized float64-capable reference (everything the library defines).
+* ``"reference"``: the materialized float64-capable reference (everything the library defines);
+* ``"context_parallel"`` and ``"ulysses"``: :func:`sparse_attn.distributed.context_parallel_attention` (K/V
+  all-gathered) and :func:`sparse_attn.distributed.ulysses_attention` (heads exchanged); their masks are key padding
+  masks, and gradients of replicated tensors are per rank (alpha and sinks documented, summed by the caller).
 """
 
 from __future__ import annotations
@@ -49,6 +52,10 @@ SUPPORTED: dict[str, frozenset] = {
                         "softcap", "dropout", "gqa", "dv", "grad"}),
     "chunked": frozenset({"varlen", "bool_mask", "float_mask", "mask_grad", "causal", "window", "alibi",
                           "alibi_grad", "sinks", "softcap", "dropout", "gqa", "dv", "grad"}),
+    "context_parallel": frozenset({"bool_mask", "float_mask", "mask_grad", "causal", "window", "alibi", "sinks",
+                                   "softcap", "dropout", "gqa", "dv", "grad"}),
+    "ulysses": frozenset({"bool_mask", "float_mask", "mask_grad", "causal", "window", "alibi", "sinks", "softcap",
+                          "dropout", "gqa", "dv", "grad"}),
     "reference": frozenset({"varlen", "bool_mask", "float_mask", "mask_grad", "causal", "window", "alibi",
                             "alibi_grad", "sinks", "softcap", "dropout", "gqa", "dv", "grad"}),
 }
@@ -110,7 +117,8 @@ def refused(route: str, used) -> list[str]:
 
 ROUTE_NAMES = {"sdpa": "PyTorch scaled_dot_product_attention", "decode": "the split-K decode kernels",
                "fused": "the fused Triton kernels", "chunked": "the reference in row blocks on CPU",
-               "reference": "the materialized reference"}
+               "reference": "the materialized reference",
+               "context_parallel": "context_parallel_attention", "ulysses": "ulysses_attention"}
 
 
 def refusal_message(route: str, phrases: list[str], remedy: str) -> str:

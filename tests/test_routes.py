@@ -5,6 +5,8 @@ route does not list is refused there (the dummy-variant test), and what the SDPA
 against the reference on the CPU (the route itself only runs on CUDA).
 """
 
+import contextlib
+
 import pytest
 import torch
 
@@ -12,6 +14,7 @@ from sparse_attn._attn_autograd import _sdpa, fused_entmax_attention, sdpa_refus
 from sparse_attn.attention import run_attention
 from sparse_attn.attn_inputs import AttentionInputs, prepare_attention
 from sparse_attn.decode import decode_fits, decode_unsupported
+from sparse_attn.distributed import context_parallel_attention, ulysses_attention
 from sparse_attn.routes import PROBLEM_FIELDS, SUPPORTED, VARIANTS, refused
 
 B, H, N, D = 2, 4, 12, 16
@@ -66,7 +69,7 @@ def test_every_variant_and_field_is_covered():
     """Each variant has an example and a field; every field of AttentionInputs is a problem field or a variant's."""
     assert set(VARIANT_EXAMPLES) == set(VARIANTS) == set(FIELD_OF)
     assert set(AttentionInputs._fields) - PROBLEM_FIELDS == {f for f in FIELD_OF.values() if f is not None}
-    assert set(SUPPORTED) == {"sdpa", "decode", "fused", "chunked", "reference"}
+    assert set(SUPPORTED) == {"sdpa", "decode", "fused", "chunked", "reference", "context_parallel", "ulysses"}
     assert all(route_set <= set(VARIANTS) for route_set in SUPPORTED.values())
 
 
@@ -129,6 +132,37 @@ def test_a_variant_no_route_lists_is_refused_everywhere(monkeypatch):
         fused_entmax_attention(fused, False)
     with pytest.raises(ValueError, match="dummy_variant: not supported on route 'reference'"):
         run_attention(inputs)
+    with _one_rank_group() as group:
+        q, k, v = (t.float() for t in _qkv())
+        with pytest.raises(ValueError, match="dummy_variant: not supported on route 'context_parallel'"):
+            context_parallel_attention(q, k, v, group=group, backend="reference")
+        with pytest.raises(ValueError, match="dummy_variant: not supported on route 'ulysses'"):
+            ulysses_attention(q, k, v, group=group, backend="reference")
+
+
+def test_context_parallel_refuses_slopes_that_require_grad():
+    """Slope gradients would be per rank with nobody summing them: both schemes refuse them by name."""
+    q, k, v = (t.float() for t in _qkv())
+    slopes = torch.rand(H, requires_grad=True)
+    with _one_rank_group() as group:
+        for fn, route in ((context_parallel_attention, "context_parallel"), (ulysses_attention, "ulysses")):
+            with pytest.raises(ValueError, match=f"alibi_slopes that require grad .*route '{route}'"):
+                fn(q, k, v, group=group, is_causal=True, alibi_slopes=slopes, backend="reference")
+
+
+@contextlib.contextmanager
+def _one_rank_group():
+    """A gloo process group of this process alone (the distributed routers' checks need one)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        yield None
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield None
+    finally:
+        dist.destroy_process_group()
 
 
 def test_fused_route_refuses_by_name():
