@@ -8,6 +8,8 @@ backward's ``out_u`` (docs/backward.md) only when an input requires a gradient a
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -29,8 +31,7 @@ def _live_shape(q: Tensor, k: Tensor, cu_seqlens_q, max_seqlen_q: int, max_seqle
     return (n_seq, q.shape[1], n_qt, n_words), (n_seq, q.shape[1], n_qt)
 
 
-@torch.library.custom_op("sparse_attn::entmax_attn_fwd", mutates_args=())
-def _fwd_op(
+def _fwd_impl(
     q: Tensor, k: Tensor, v: Tensor, alpha: Tensor, bias: Tensor | None,
     cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None, scale: float, is_causal: bool,
     window: list[int], alibi_slopes: Tensor | None, softcap: float | None, sinks: Tensor | None, max_seqlen_q: int,
@@ -46,6 +47,32 @@ def _fwd_op(
     )
     out_u = q.new_empty(0, dtype=torch.float32) if res.out_u is None else res.out_u
     return res.out, res.tau, res.lsum, res.nnz, res.n_valid, res.live, res.n_passes, res.tile_visits, out_u
+
+
+_fwd_op = torch.library.custom_op("sparse_attn::entmax_attn_fwd", mutates_args=())(_fwd_impl)
+FWD_FIELDS = tuple(inspect.signature(_fwd_impl).parameters)
+"""The forward op's arguments by name, in its positional order (the op's schema is its signature)."""
+DIFFERENTIABLE = ("q", "k", "v", "alpha", "bias", "sinks")
+"""The forward op's arguments that receive a gradient (each only when it requires one)."""
+_SAVED = ("q", "k", "v", "alpha", "bias", "cu_seqlens_q", "cu_seqlens_k", "alibi_slopes", "sinks")
+_FWD_OUTPUTS = ("out", "tau", "lsum", "nnz", "n_valid", "live", "n_passes", "tile_visits", "out_u")
+
+
+def fwd_op_args(inputs: AttentionInputs, seed: int, alpha_class: str, need_grad: bool) -> tuple:
+    """Flatten prepared inputs into the forward op's positional arguments (:data:`FWD_FIELDS` order)."""
+    named = dict(q=inputs.q, k=inputs.k, v=inputs.v, alpha=inputs.alpha, bias=inputs.mask,
+                 cu_seqlens_q=inputs.cu_seqlens_q, cu_seqlens_k=inputs.cu_seqlens_k, scale=inputs.scale,
+                 is_causal=inputs.is_causal, window=list(inputs.window_size or (-1, -1)),
+                 alibi_slopes=inputs.alibi_slopes, softcap=inputs.softcap, sinks=inputs.sinks,
+                 max_seqlen_q=inputs.max_seqlen_q, max_seqlen_k=inputs.max_seqlen_k, dropout_p=inputs.dropout_p,
+                 seed=seed, alpha_class=alpha_class, need_grad=need_grad)
+    return tuple(named[name] for name in FWD_FIELDS)
+
+
+def fwd_op_named(args) -> dict:
+    """The forward op's positional arguments (or ``ctx.needs_input_grad``) by field name: the inverse of
+    :func:`fwd_op_args`."""
+    return dict(zip(FWD_FIELDS, args, strict=True))
 
 
 def _needs_out_u(need_grad: bool, alpha_class: str, dtype: torch.dtype) -> bool:
@@ -112,11 +139,11 @@ def _bwd_fake(do, q, k, v, out, out_u, tau, lsum, alpha, bias, cu_seqlens_q, cu_
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, alpha, bias, cu_q, cu_k, scale, is_causal, window, slopes, softcap, sinks = inputs[:13]
-    max_q, max_k, dropout_p, seed, alpha_class = inputs[13:18]
-    out, tau, lsum, _, _, live, _, _, out_u = output
-    ctx.save_for_backward(q, k, v, out, out_u, tau, lsum, alpha, bias, cu_q, cu_k, live, slopes, sinks)
-    ctx.args = (scale, is_causal, window, softcap, max_q, max_k, dropout_p, seed, alpha_class)
+    a = fwd_op_named(inputs)
+    res = dict(zip(_FWD_OUTPUTS, output, strict=True))
+    ctx.save_for_backward(*(a[name] for name in _SAVED), res["out"], res["out_u"], res["tau"], res["lsum"],
+                          res["live"])
+    ctx.args = {name: a[name] for name in FWD_FIELDS if name not in _SAVED}
 
 
 def _backward(ctx, d_out, *_unused):
@@ -125,20 +152,17 @@ def _backward(ctx, d_out, *_unused):
             "entmax_attention's fused backward is not differentiable: double backward "
             "(create_graph=True) is not supported; use backend='reference' for higher-order gradients"
         )
-    q, k, v, out, out_u, tau, lsum, alpha, bias, cu_q, cu_k, live, slopes, sinks = ctx.saved_tensors
-    scale, is_causal, window, softcap, max_q, max_k, dropout_p, seed, alpha_class = ctx.args
-    need_dalpha = ctx.needs_input_grad[3]
-    need_dbias = bias is not None and ctx.needs_input_grad[4]
+    *saved, out, out_u, tau, lsum, live = ctx.saved_tensors
+    a = {**dict(zip(_SAVED, saved, strict=True)), **ctx.args}
+    need = {name: wants and a[name] is not None for name, wants in fwd_op_named(ctx.needs_input_grad).items()}
     dq, dk, dv, dalpha, dbias, dsinks = _bwd_op(
-        d_out.contiguous(), q, k, v, out, out_u, tau, lsum, alpha, bias, cu_q, cu_k, live, scale,
-        is_causal, window, slopes, softcap, sinks, max_q, max_k, dropout_p, seed, need_dalpha, need_dbias, alpha_class,
+        d_out.contiguous(), a["q"], a["k"], a["v"], out, out_u, tau, lsum, a["alpha"], a["bias"], a["cu_seqlens_q"],
+        a["cu_seqlens_k"], live, a["scale"], a["is_causal"], a["window"], a["alibi_slopes"], a["softcap"], a["sinks"],
+        a["max_seqlen_q"], a["max_seqlen_k"], a["dropout_p"], a["seed"], need["alpha"], need["bias"],
+        a["alpha_class"],
     )
-    need_dsinks = sinks is not None and ctx.needs_input_grad[12]
-    return (
-        dq, dk, dv, dalpha if need_dalpha else None, dbias if need_dbias else None,
-        None, None, None, None, None, None, None, dsinks if need_dsinks else None,
-        None, None, None, None, None, None,
-    )
+    grads = dict(q=dq, k=dk, v=dv, alpha=dalpha, bias=dbias, sinks=dsinks)
+    return tuple(grads[name] if name in DIFFERENTIABLE and need[name] else None for name in FWD_FIELDS)
 
 
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -201,13 +225,11 @@ def fused_entmax_attention(inputs: AttentionInputs, return_stats: bool):
     if why:
         raise ValueError(refusal_message("fused", why, "pass backend='reference'"))
     seed = int(torch.randint(0, 2**31 - 1, (1,)).item()) if inputs.dropout_p > 0 else 0
-    leaves = (inputs.q, inputs.k, inputs.v, inputs.alpha, inputs.mask, inputs.sinks)
-    need_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in leaves)
-    out, tau, lsum, nnz, n_valid, _, _, _, _ = _fwd_op(
-        inputs.q, inputs.k, inputs.v, inputs.alpha, inputs.mask, inputs.cu_seqlens_q, inputs.cu_seqlens_k,
-        inputs.scale, inputs.is_causal, list(inputs.window_size or (-1, -1)), inputs.alibi_slopes, inputs.softcap,
-        inputs.sinks, inputs.max_seqlen_q, inputs.max_seqlen_k, inputs.dropout_p, seed, _alpha_class(inputs), need_grad,
-    )
+    args = fwd_op_named(fwd_op_args(inputs, seed, _alpha_class(inputs), need_grad=False))
+    args["need_grad"] = torch.is_grad_enabled() and any(args[name] is not None and args[name].requires_grad
+                                                        for name in DIFFERENTIABLE)
+    res = dict(zip(_FWD_OUTPUTS, _fwd_op(*args.values())))
+    out, tau, nnz, n_valid = res["out"], res["tau"], res["nnz"], res["n_valid"]
     if return_stats:
         return out, AttentionStats(nnz=nnz, tau=tau.detach(), n_valid=n_valid)
     return out

@@ -31,18 +31,16 @@ inside the mode, two learnable modules in one graph gave wrong outputs with torc
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import inspect
-import textwrap
 import threading
 import warnings
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from sparse_attn._sdpa_callers import _SDPA, sdpa_modules
 from sparse_attn._validation import check_number
 from sparse_attn.attention import run_layer_attention
 from sparse_attn.attn_inputs import check_head_alpha, prepare_attention
@@ -52,7 +50,6 @@ from sparse_attn.stats import head_stats_sink, register_layer_type
 
 __all__ = ["attach_entmax_sdpa", "detach_entmax_sdpa", "entmax_sdpa", "sdpa_modules", "swap_sdpa_attention"]
 
-_SDPA = F.scaled_dot_product_attention
 _SDPA_SIGNATURE = inspect.Signature([
     inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default)
     for name, default in (("query", inspect.Parameter.empty), ("key", inspect.Parameter.empty),
@@ -234,53 +231,6 @@ def detach_entmax_sdpa(module: nn.Module) -> None:
         handle.remove()
     delattr(module, _STATE)
     del module.entmax_alpha
-
-
-_CALLERS: dict[type, bool] = {}
-
-
-def _is_sdpa_call(node, namespace: dict) -> bool:
-    """Whether a call node calls SDPA: ``F.scaled_dot_product_attention(...)``, ``torch.nn.functional.<same>``, or
-    any name or attribute chain bound to it in ``namespace`` (e.g. ``from ... import scaled_dot_product_attention
-    as sdpa``)."""
-    func, chain = node.func, []
-    while isinstance(func, ast.Attribute):
-        chain.append(func.attr)
-        func = func.value
-    if chain and chain[0] == _SDPA.__name__:
-        return True
-    if not isinstance(func, ast.Name) or func.id not in namespace:
-        return False
-    obj = namespace[func.id]
-    for attr in reversed(chain):
-        obj = getattr(obj, attr, None)
-    return obj is _SDPA
-
-
-def _calls_sdpa(cls: type) -> bool:
-    """Whether ``cls.forward`` calls ``scaled_dot_product_attention`` (by its syntax tree: docstrings do not count)."""
-    if cls not in _CALLERS:
-        forward = inspect.unwrap(cls.forward)
-        try:
-            tree = ast.parse(textwrap.dedent(inspect.getsource(forward)))
-        except (OSError, TypeError, SyntaxError):
-            tree = None
-        namespace = getattr(forward, "__globals__", {})
-        _CALLERS[cls] = tree is not None and any(
-            isinstance(node, ast.Call) and _is_sdpa_call(node, namespace) for node in ast.walk(tree))
-    return _CALLERS[cls]
-
-
-def sdpa_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """``(name, module)`` of the modules of ``model`` whose class's ``forward`` calls ``scaled_dot_product_attention``
-    (by its source), outermost first; modules inside one of them are left out (their calls are routed with it)."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-    found = []
-    for name, m in model.named_modules():
-        if _calls_sdpa(type(m)) and not any(name.startswith(f"{outer}.") or outer == "" for outer, _ in found):
-            found.append((name, m))
-    return found
 
 
 def swap_sdpa_attention(model: nn.Module, alpha: float | Tensor = 1.5, learnable: bool | None = None, *,

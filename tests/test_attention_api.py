@@ -580,3 +580,26 @@ def test_max_seqlen_upper_bound_gives_the_same_result(kernel_device):
     kw = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, is_causal=True, backend="triton")
     torch.testing.assert_close(entmax_attention(q, k, v, **kw, max_seqlen_q=40, max_seqlen_k=13),
                                entmax_attention(q, k, v, **kw), rtol=0, atol=0)
+
+
+def test_custom_op_boundary_by_name():
+    """The forward custom op's arguments are named once (its signature): the fake takes the same, flattening prepared
+    inputs and naming them again round-trips every field, and the differentiable ones are op arguments."""
+    import inspect
+
+    from sparse_attn.attn_inputs import prepare_attention
+
+    fields = autograd_mod.FWD_FIELDS
+    assert tuple(inspect.signature(autograd_mod._fwd_fake).parameters) == fields
+    assert set(autograd_mod.DIFFERENTIABLE) <= set(fields)
+    q, k, v = (torch.randn(1, 2, 6, 16) for _ in range(3))
+    mask, slopes, sinks = torch.randn(6, 6), torch.rand(2), torch.zeros(2)
+    inputs = prepare_attention(q, k, v, 1.5, attn_mask=mask, is_causal=True, window_size=(3, 1),
+                               alibi_slopes=slopes, sinks=sinks, softcap=4.0, dropout_p=0.1, backend="reference")
+    named = autograd_mod.fwd_op_named(autograd_mod.fwd_op_args(inputs, seed=7, alpha_class="entmax15",
+                                                               need_grad=True))
+    assert named["bias"] is mask and named["alibi_slopes"] is inputs.alibi_slopes and named["sinks"] is inputs.sinks
+    assert (named["window"], named["softcap"], named["dropout_p"], named["seed"]) == ([3, 1], 4.0, 0.1, 7)
+    assert (named["q"], named["k"], named["v"]) == (q, k, v) and named["alpha_class"] == "entmax15"
+    with pytest.raises(ValueError):
+        autograd_mod.fwd_op_named(tuple(named.values())[:-1])
