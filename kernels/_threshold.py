@@ -1,4 +1,6 @@
-"""Row-threshold arithmetic of the fused entmax forward: evaluation points, brackets, the estimate.
+"""Row-threshold arithmetic of the fused entmax forward and the decode kernels: evaluation points, the bracket state
+(``Bracket``), certified brackets, the estimate, the stopping rules and the threshold constants (the per-tile passes
+that feed it: ``kernels/_threshold_passes.py``).
 
 For ``alpha > 1`` a row's threshold ``tau`` solves ``f(tau) = sum_j [z_j - tau]_+^beta = 1`` with
 ``z = (alpha - 1) * score`` and ``beta = 1 / (alpha - 1)``. ``phi = f^(1/beta) - 1`` is convex and

@@ -47,7 +47,7 @@ def lowest_point(j, w_grid, GRID_K: tl.constexpr):
 
 @triton.jit
 def grid_tile(z, m, j_top, F, G, L, slot, w_grid, shift, beta, bm1, POW: tl.constexpr, GRID_K: tl.constexpr,
-               LANES: tl.constexpr):
+              LANES: tl.constexpr):
     """One score tile ``z [BLOCK_M, BLOCK_N]`` of the grid pass: the running max ``m`` and its grid index ``j_top``
     (``[BLOCK_M]``), and the sums ``F``, ``G`` (and POW 0's reference logs ``L``) at the ``GRID_K`` ring points
     ``[BLOCK_M, GRID_K]`` (``F``, ``G`` per lane: ``grid_start``; no count: ``grid_counts``). Returns them updated
@@ -55,7 +55,7 @@ def grid_tile(z, m, j_top, F, G, L, slot, w_grid, shift, beta, bm1, POW: tl.cons
     m_new = tl.maximum(m, tl.max(z, 1))
     j_new = tl.where(m_new > float("-inf"), tl.floor(m_new / w_grid), j_top)
     # the lowest point is <= m - 1 <= tau up to rounding: tiles below it are dead (a few ulps of margin; none
-    # where fp32 cannot index the grid, see grid_ok below)
+    # where fp32 cannot index the grid: lowest_point)
     t_low = lowest_point(j_new, w_grid, GRID_K)
     live = tl.max((z > t_low[:, None]).to(tl.int32))
     # a dead tile holds no row's new maximum (it would lie above t_low), so m, j and the ring stay as they are
@@ -180,7 +180,7 @@ def cand_points(m, lo, hi, CAND_P: tl.constexpr):
 
 @triton.jit
 def cand_sums(z, t_1, l_1, f1, g1, c1, t_p, l_p, cand, FP, GP, CP, POW: tl.constexpr, CAND_P: tl.constexpr, bm1,
-               LANES: tl.constexpr = 0):
+              LANES: tl.constexpr = 0):
     """Add the point sums of the score tile ``z`` of a candidate pass: at the point ``t_1`` (POW 0's reference log
     ``l_1``) to ``f1``, ``g1``, ``c1`` (``[BLOCK_M]``) when ``CAND_P == 1``, else at the candidate points ``t_p``
     (``l_p``) to ``FP``, ``GP``, ``CP`` (``[BLOCK_M, CAND_P]``); with ``LANES > 0`` per-lane partials (a trailing
