@@ -16,14 +16,14 @@ forward (``TRITON_INTERPRET=1``, 64 x 64 tiles) and prints per configuration:
   the value product, gets from this threshold).
 
 With ``--grid-counters`` it also counts, on the interpreter, the grid pass's work per key tile (by wrapping
-``kernels._fwd_rows._grid_tile``, which runs the ring update and, for a tile live when visited, the per-point block):
-``ring``: the fraction of the visible key tiles that reached ``_grid_tile`` (the others were screened out as dead
-and plain by ``_tile_screen``; every tile reaches it in kernels without the screen), ``cheap``: the fraction of the
-tiles dead at the end of the forward whose per-point block the grid pass skipped (they were already below the
-ring's lowest point when visited), and ``cheap all``: the fraction of them that skipped ``_grid_tile`` altogether.
-The counters work on any version of the kernels with ``_grid_tile`` (point ``PYTHONPATH`` at an older tree to
-measure it). ``--causal`` runs causal attention; ``--block`` sets the tile size (default 64; the forward's own
-interpreter tiles are 32 x 32).
+``grid_tile`` (``kernels/_threshold_passes.py``) where ``kernels._fwd_rows`` calls it, which runs the ring update and,
+for a tile live when visited, the per-point block): ``ring``: the fraction of the visible key tiles that reached it
+(the others were screened out as dead and plain by ``_tile_screen``; every tile reaches it in kernels without the
+screen), ``cheap``: the fraction of the tiles dead at the end of the forward whose per-point block the grid pass
+skipped (they were already below the ring's lowest point when visited), and ``cheap all``: the fraction of them that
+skipped ``grid_tile`` altogether. The counters work on any version of the kernels with ``grid_tile`` or the older
+``_fwd_rows._grid_tile`` (point ``PYTHONPATH`` at an older tree to measure it). ``--causal`` runs causal attention;
+``--block`` sets the tile size (default 64; the forward's own interpreter tiles are 32 x 32).
 
 Half-precision inputs run as float32 arithmetic on the rounded inputs with the dtype's threshold
 tolerance, and the output is rounded to the dtype by torch: the interpreter computes in float32
@@ -105,12 +105,14 @@ def pipeline_out(q, k, v, alpha: float, scale: float, dtype, tau=None, causal=Fa
 
 
 class GridCounters:
-    """Context manager: counts the grid pass's calls of ``_fwd_rows._grid_tile`` (``ring``) and those whose tile was
+    """Context manager: counts the grid pass's calls of ``grid_tile`` (``ring``) and those whose tile was
     live, i.e. ran the per-point block (``points``), on the interpreter (module docstring)."""
 
     def __enter__(self):
         self.ring = self.points = 0
-        self._orig = _fwd_rows._grid_tile
+        # the name the forward's rows call it by (older trees: _fwd_rows._grid_tile)
+        self._name = "grid_tile" if hasattr(_fwd_rows, "grid_tile") else "_grid_tile"
+        self._orig = getattr(_fwd_rows, self._name)
 
         def counted(*args, **kwargs):
             result = self._orig(*args, **kwargs)
@@ -118,11 +120,11 @@ class GridCounters:
             self.points += int((result[-1].handle.data != 0).any())
             return result
 
-        _fwd_rows._grid_tile = counted
+        setattr(_fwd_rows, self._name, counted)
         return self
 
     def __exit__(self, *exc):
-        _fwd_rows._grid_tile = self._orig
+        setattr(_fwd_rows, self._name, self._orig)
 
 
 def visible_tiles(n: int, block: int, causal: bool) -> int:

@@ -733,12 +733,12 @@ def _tag(r: dict, key: str = "") -> str:
 
 def grid_point_work(r: dict) -> str:
     """The grid pass's live-only instructions (live path minus dead path) per score and grid point, by opcode."""
-    import sparse_attn.kernels.entmax_attn_fwd as fwd
+    from sparse_attn.kernels._threshold import FWD_POINTS
 
     loops = r["an"]["loops"]
     extra = loops["grid"]["count"]["by_op"] - loops["grid_dead"]["count"]["by_op"]
     per_thread = r["an"]["block_m"] * r["an"]["block_n"] / (32 * r["an"]["warps"])
-    k = fwd._POINTS[POW_OF_CLASS[r["cls"]]][0]
+    k = FWD_POINTS[POW_OF_CLASS[r["cls"]]][0]
     unit = per_thread * k
     return (f"{_tag(r, 'grid')}: live-only work {sum(extra.values())} instructions per warp per tile = "
             f"{sum(extra.values()) / unit:.1f} per score per grid point ({per_thread:.0f} scores per thread, GRID_K "

@@ -1,16 +1,17 @@
 """The decode kernels' rows, cache addressing and per-row state across splits and launches
-(``kernels/entmax_decode.py``): the packed (GQA) rows of a program, cache rows through a block table, the grid
-ring's indices, merging per-split point sums into certified brackets, the state stored between launches, the
-stopping rule, the candidate points, and the combine of the splits' partial value sums (docs/decode.md).
+(``kernels/entmax_decode.py``): the packed (GQA) rows of a program, cache rows through a block table, merging
+per-split point sums into certified brackets (a ``_threshold.Bracket`` per row), the state stored between launches,
+and the combine of the splits' partial value sums (docs/decode.md). The threshold arithmetic, the stopping rule and
+the candidate points are those of ``kernels/_threshold.py`` and ``kernels/_threshold_passes.py``.
 """
 
 import triton
 import triton.language as tl
 
 from ._common import LN2, LOG2E, alpha_class_id
-from ._fwd_rows import _cand_points
 from ._masking import sink_logit
-from ._threshold import log_ref, open_bracket, phi, pick_bracket, solve
+from ._threshold import Bracket, log_ref, merge_points, open_bracket, phi, pick_bracket, solve, weight_done
+from ._threshold_passes import cand_points, ring_index
 
 # per-row merged threshold state carried from launch to launch (columns of STATE)
 N_STATE = tl.constexpr(19)
@@ -72,39 +73,6 @@ def _cache_tile(PTR, BLOCK_TABLE, b, h_kv, cols, seqlen_k, stride_b, stride_h, s
 
 
 @triton.jit
-def _ring_index(j, slot, GRID_K: tl.constexpr):
-    """Grid index held by ring slot ``slot`` when the top index is ``j``: ``j - ((j - slot) mod GRID_K)``."""
-    d = j - slot
-    return j - (d - GRID_K * tl.floor(d / GRID_K))
-
-
-@triton.jit
-def _col(x, sel):
-    """Column ``sel`` (a ``[1, N]`` one-hot mask) of ``x [BLOCK_M, N]`` as ``[BLOCK_M]``."""
-    return tl.sum(tl.where(sel, x, 0.0), 1)
-
-
-@triton.jit
-def _merge_points(a, pa, da, fa, ga, ca, b, pb, db, cb, b_top, t, ph, dph, f, g, c, N: tl.constexpr):
-    """``_threshold.merge_point`` for ``N`` points at once (``t``, ``ph``, ``dph``, ``f``, ``g``, ``c``:
-    ``[BLOCK_M, N]``): the bracket ends move to the highest point with ``phi >= 0`` above ``a`` and the lowest
-    with ``phi < 0`` below ``b`` (the first such column on ties), as merging them one by one would."""
-    idx = tl.arange(0, N)[None, :]
-    up_a = (ph >= 0.0) & (t > a[:, None])
-    best_a = tl.max(tl.where(up_a, t, float("-inf")), 1)
-    sel_a = idx == tl.min(tl.where(up_a & (t == best_a[:, None]), idx, N), 1)[:, None]
-    has_a = best_a > float("-inf")
-    up_b = (ph < 0.0) & (t < b[:, None])
-    best_b = tl.min(tl.where(up_b, t, float("inf")), 1)
-    sel_b = idx == tl.min(tl.where(up_b & (t == best_b[:, None]), idx, N), 1)[:, None]
-    has_b = best_b < float("inf")
-    return (tl.where(has_a, best_a, a), tl.where(has_a, _col(ph, sel_a), pa), tl.where(has_a, _col(dph, sel_a), da),
-            tl.where(has_a, _col(f, sel_a), fa), tl.where(has_a, _col(g, sel_a), ga),
-            tl.where(has_a, _col(c, sel_a), ca), tl.where(has_b, best_b, b), tl.where(has_b, _col(ph, sel_b), pb),
-            tl.where(has_b, _col(dph, sel_b), db), tl.where(has_b, _col(c, sel_b), cb), b_top & (has_b == 0))
-
-
-@triton.jit
 def _store_points(PTS, split_rows, active, F, G, C, N: tl.constexpr):
     """Store one split's ``[BLOCK_M, N]`` point sums (``f``, ``g``, ``c`` of each row, ``3 N`` floats per row)."""
     pts = PTS + split_rows[:, None] * (3 * N) + tl.arange(0, N)[None, :]
@@ -138,7 +106,7 @@ def _grid_state(GRID_ROW, GRID_PTS, split_rows, n_splits, active, am1, beta, bm1
     usable = valid & (bad == 0.0) & active
     m = tl.where(usable, m, 0.0)
     j_top = tl.where(usable, j_top, 0.0)
-    i_glob = _ring_index(j_top[:, None], slot[None, :], GRID_K)
+    i_glob = ring_index(j_top[:, None], slot[None, :], GRID_K)
     t_glob = i_glob * w_grid + shift
     l_glob = log_ref(m[:, None], t_glob)
     F = tl.zeros([BLOCK_M, GRID_K], tl.float32)
@@ -149,7 +117,7 @@ def _grid_state(GRID_ROW, GRID_PTS, split_rows, n_splits, active, am1, beta, bm1
         m_s = tl.load(row, mask=usable, other=float("-inf"))
         j_s = tl.load(row + 1, mask=usable, other=-1e30)
         pts = GRID_PTS + (split_rows + s)[:, None] * (3 * GRID_K) + tl.arange(0, GRID_K)[None, :]
-        same = (_ring_index(j_s[:, None], slot[None, :], GRID_K) == i_glob) & usable[:, None]
+        same = (ring_index(j_s[:, None], slot[None, :], GRID_K) == i_glob) & usable[:, None]
         f_s = tl.load(pts, mask=same, other=0.0)
         g_s = tl.load(pts + GRID_K, mask=same, other=0.0)
         if POW == 0:
@@ -163,35 +131,25 @@ def _grid_state(GRID_ROW, GRID_PTS, split_rows, n_splits, active, am1, beta, bm1
             C += tl.load(pts + 2 * GRID_K, mask=same, other=0.0)
     # beyond 2**22 grid steps fp32 cannot index the grid: those rows start from [m - 1, m], phi(m - 1) unknown
     grid_ok = tl.abs(j_top) < 4194304.0
-    a, pa, da, fa, ga, ca, b, pb, db, cb, b_top = open_bracket(m, grid_ok, shift)
+    br = open_bracket(m, grid_ok, shift)
     ph, dph = phi(F, G, POW, am1[:, None], l_glob)
     # the lowest point is <= m - 1, where f >= 1 in exact arithmetic
     lowest = i_glob == (j_top - (GRID_K - 1))[:, None]
-    a, pa, da, fa, ga, ca, b, pb, db, cb, b_top = _merge_points(
-        a, pa, da, fa, ga, ca, b, pb, db, cb, b_top, tl.where(grid_ok[:, None], t_glob, float("nan")),
-        tl.where(lowest, tl.maximum(ph, 0.0), ph), dph, tl.where(lowest, tl.maximum(F, 1.0), F), G, C, GRID_K)
-    est, lo, hi, exact = solve(a, pa, da, fa, ga, ca, b, pb, db, cb, b_top, POW)
-    return (m, a, pa, da, fa, ga, ca, b, pb, db, cb, b_top.to(tl.float32), est, lo, hi, exact.to(tl.float32),
-            usable.to(tl.float32), tl.where(active, bad, 0.0), tl.full([], 1.0, tl.float32))
+    br = merge_points(br, tl.where(grid_ok[:, None], t_glob, float("nan")), tl.where(lowest, tl.maximum(ph, 0.0), ph),
+                      dph, tl.where(lowest, tl.maximum(F, 1.0), F), G, C, GRID_K)
+    est, lo, hi, exact = solve(br, POW)
+    return (m, Bracket(*br[:10], br.top.to(tl.float32)), est, lo, hi, exact.to(tl.float32), usable.to(tl.float32),
+            tl.where(active, bad, 0.0), tl.full([], 1.0, tl.float32))
 
 
 @triton.jit
-def _store_state(STATE, state_rows, active, m, a, pa, da, fa, ga, ca, b, pb, db, cb, b_top, est, lo, hi, exact,
-                 usable, bad, passes):
-    """Store the row state (``N_STATE`` columns of ``STATE``; flags as 0/1 floats, ``passes`` run so far)."""
+def _store_state(STATE, state_rows, active, m, br, est, lo, hi, exact, usable, bad, passes):
+    """Store the row state: the row max ``m``, the bracket ``br`` (its ``top`` a 0/1 float), the estimate, the
+    certified bounds and the flags (``N_STATE`` columns of ``STATE``; flags as 0/1 floats, ``passes`` run so far)."""
     base = STATE + state_rows * N_STATE
     tl.store(base, m, mask=active)
-    tl.store(base + 1, a, mask=active)
-    tl.store(base + 2, pa, mask=active)
-    tl.store(base + 3, da, mask=active)
-    tl.store(base + 4, fa, mask=active)
-    tl.store(base + 5, ga, mask=active)
-    tl.store(base + 6, ca, mask=active)
-    tl.store(base + 7, b, mask=active)
-    tl.store(base + 8, pb, mask=active)
-    tl.store(base + 9, db, mask=active)
-    tl.store(base + 10, cb, mask=active)
-    tl.store(base + 11, b_top, mask=active)
+    for f in tl.static_range(11):
+        tl.store(base + (f + 1), br[f], mask=active)
     tl.store(base + 12, est, mask=active)
     tl.store(base + 13, lo, mask=active)
     tl.store(base + 14, hi, mask=active)
@@ -203,14 +161,15 @@ def _store_state(STATE, state_rows, active, m, a, pa, da, fa, ga, ca, b, pb, db,
 
 @triton.jit
 def _load_state(STATE, state_rows, active):
-    """The state :func:`_store_state` stored (inactive rows: unusable, done)."""
+    """The state :func:`_store_state` stored, as it takes it (inactive rows: unusable, done)."""
     base = STATE + state_rows * N_STATE
-    return (tl.load(base, mask=active, other=0.0), tl.load(base + 1, mask=active, other=0.0),
-            tl.load(base + 2, mask=active, other=0.0), tl.load(base + 3, mask=active, other=-1.0),
-            tl.load(base + 4, mask=active, other=1.0), tl.load(base + 5, mask=active, other=0.0),
-            tl.load(base + 6, mask=active, other=0.0), tl.load(base + 7, mask=active, other=0.0),
-            tl.load(base + 8, mask=active, other=-1.0), tl.load(base + 9, mask=active, other=-1.0),
-            tl.load(base + 10, mask=active, other=0.0), tl.load(base + 11, mask=active, other=1.0),
+    return (tl.load(base, mask=active, other=0.0),
+            Bracket(tl.load(base + 1, mask=active, other=0.0), tl.load(base + 2, mask=active, other=0.0),
+                    tl.load(base + 3, mask=active, other=-1.0), tl.load(base + 4, mask=active, other=1.0),
+                    tl.load(base + 5, mask=active, other=0.0), tl.load(base + 6, mask=active, other=0.0),
+                    tl.load(base + 7, mask=active, other=0.0), tl.load(base + 8, mask=active, other=-1.0),
+                    tl.load(base + 9, mask=active, other=-1.0), tl.load(base + 10, mask=active, other=0.0),
+                    tl.load(base + 11, mask=active, other=1.0)),
             tl.load(base + 12, mask=active, other=0.0), tl.load(base + 13, mask=active, other=0.0),
             tl.load(base + 14, mask=active, other=0.0), tl.load(base + 15, mask=active, other=1.0),
             tl.load(base + 16, mask=active, other=0.0), tl.load(base + 17, mask=active, other=0.0),
@@ -218,22 +177,11 @@ def _load_state(STATE, state_rows, active):
 
 
 @triton.jit
-def _done(exact, lo, hi, da, beta, usable, tol):
-    """Rows whose threshold needs no more passes: exact, unusable, or a certified bracket so narrow that moving the
-    threshold across it changes the row's total weight by at most ``tol`` (relative): ``(hi - lo) beta |phi'(a)|``,
-    ``|phi'(a)|`` close to ``g(tau) = sum_j p_j^(1 - 1/beta)`` near the root (docs/decode.md), or float32 cannot
-    split it further (a few ulps of ``lo``)."""
-    width = hi - lo
-    return ((exact != 0.0) | (usable == 0.0) | (width * tl.maximum(beta * tl.abs(da), 1.0) <= tol)
-            | (width <= 4.8e-7 * (1.0 + tl.abs(lo))))
-
-
-@triton.jit
-def _merge_cands(CAND, split_rows, n_splits, active, m, a, pa, da, fa, ga, ca, b, pb, db, cb, b_top, est, lo, hi,
-                 exact, usable, am1, shift, tol, POW: tl.constexpr, CAND_P: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Merge the candidate sums of all splits at the points of the state into its bracket and solve again
+def _merge_cands(CAND, split_rows, n_splits, active, m, br, est, lo, hi, exact, usable, am1, shift, tol,
+                 POW: tl.constexpr, CAND_P: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Merge the candidate sums of all splits at the points of the state into its bracket ``br`` and solve again
     (rows already done are left as they are). Returns the updated bracket, estimate and certified bounds."""
-    t_p, l_p = _cand_points(m, lo, hi, CAND_P)
+    t_p, l_p = cand_points(m, lo, hi, CAND_P)
     cand = tl.arange(0, CAND_P)
     FP = tl.zeros([BLOCK_M, CAND_P], tl.float32)
     GP = tl.zeros([BLOCK_M, CAND_P], tl.float32)
@@ -243,22 +191,19 @@ def _merge_cands(CAND, split_rows, n_splits, active, m, a, pa, da, fa, ga, ca, b
         FP += tl.load(pts, mask=active[:, None], other=0.0)
         GP += tl.load(pts + CAND_P, mask=active[:, None], other=0.0)
         CP += tl.load(pts + 2 * CAND_P, mask=active[:, None], other=0.0)
-    act = (_done(exact, lo, hi, da, 1.0 / am1, usable, tol) == 0) & active
+    act = (weight_done(exact, lo, hi, br.da, 1.0 / am1, usable, tol) == 0) & active
     ph, dph = phi(FP, GP, POW, am1[:, None], l_p)
     # rows that are done take no point (NaN compares false), so their bracket stays well formed
-    n_a, n_pa, n_da, n_fa, n_ga, n_ca, n_b, n_pb, n_db, n_cb, n_top = _merge_points(
-        a, pa, da, fa, ga, ca, b, pb, db, cb, b_top != 0.0, tl.where(act[:, None], t_p, float("nan")), ph, dph, FP,
-        GP, CP, CAND_P)
-    n_est, n_lo, n_hi, n_exact = solve(n_a, n_pa, n_da, n_fa, n_ga, n_ca, n_b, n_pb, n_db, n_cb, n_top, POW)
+    new = merge_points(Bracket(*br[:10], br.top != 0.0), tl.where(act[:, None], t_p, float("nan")), ph, dph, FP, GP,
+                       CP, CAND_P)
+    n_est, n_lo, n_hi, n_exact = solve(new, POW)
     n_lo = tl.maximum(lo, n_lo)
     n_hi = tl.minimum(hi, n_hi)
     n_lo = tl.minimum(n_lo, n_hi)
     n_est = tl.minimum(tl.maximum(n_est, n_lo), n_hi)
-    a, pa, da, fa, ga, ca, b, pb, db, cb, b_top = pick_bracket(
-        act, n_a, n_pa, n_da, n_fa, n_ga, n_ca, n_b, n_pb, n_db, n_cb, n_top.to(tl.float32), a, pa, da, fa, ga, ca, b,
-        pb, db, cb, b_top)
-    return (a, pa, da, fa, ga, ca, b, pb, db, cb, b_top, tl.where(act, n_est, est), tl.where(act, n_lo, lo),
-            tl.where(act, n_hi, hi), tl.where(act, n_exact.to(tl.float32), exact))
+    br = pick_bracket(act, Bracket(*new[:10], new.top.to(tl.float32)), br)
+    return (br, tl.where(act, n_est, est), tl.where(act, n_lo, lo), tl.where(act, n_hi, hi),
+            tl.where(act, n_exact.to(tl.float32), exact))
 
 
 @triton.jit

@@ -8,7 +8,18 @@ import triton.language as tl
 
 from ._common import LN2, LOG2E, dropout_keep, load_rows
 from ._masking import live_tile, mark_tile, mask_scores, sink_tile, soft_cap, visit_tile, walk_words, word_bits
-from ._threshold import log_ref, merge_point, open_bracket, phi, pick_bracket, point_sums, solve, weights
+from ._threshold import log_ref, more_passes, pick_bracket, solve, weights, width_done
+from ._threshold_passes import (
+    cand_bracket,
+    cand_points,
+    cand_sums,
+    grid_bracket,
+    grid_start,
+    grid_sums,
+    grid_tile,
+    lowest_point,
+    point_zeros,
+)
 
 
 @triton.jit
@@ -65,36 +76,10 @@ def _u_weights(z, t, p, POW: tl.constexpr):
 
 
 @triton.jit
-def _grid_start(BLOCK_M: tl.constexpr, GRID_K: tl.constexpr, LANES: tl.constexpr):
-    """The grid pass before its first tile: the grid step ``w_grid``, the ring's slot numbers ``slot [GRID_K]``, and
-    the accumulators of ``_grid_tile`` with no key yet: ``(w_grid, slot, m, j_top, n_valid, bad, F, G, L)``
-    (``[BLOCK_M]``; ``F``, ``G`` ``[BLOCK_M, GRID_K]``, or ``[BLOCK_M, GRID_K, LANES]`` per-lane partials with
-    ``LANES > 0``, ``_grid_sums``; ``L`` ``[BLOCK_M, GRID_K]``; ``n_valid``, ``bad`` int32 counts / flags)."""
-    w_grid = 1.0 / (GRID_K - 1)
-    slot = tl.arange(0, GRID_K).to(tl.float32)
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    j_top = tl.full([BLOCK_M], -1e30, tl.float32)  # grid index of the running max (-1e30: no key yet)
-    n_valid = tl.zeros([BLOCK_M], tl.int32)
-    bad = tl.zeros([BLOCK_M], tl.int32)
-    F = _point_zeros(BLOCK_M, GRID_K, LANES)
-    G = _point_zeros(BLOCK_M, GRID_K, LANES)
-    L = tl.full([BLOCK_M, GRID_K], -99.65784284662087, tl.float32)  # POW 0: log2 of the max key's base (1e-30)
-    return w_grid, slot, m, j_top, n_valid, bad, F, G, L
-
-
-@triton.jit
-def _lowest_point(j, w_grid, GRID_K: tl.constexpr):
-    """The ring's lowest point below the running max of grid index ``j`` (``[BLOCK_M]``), lowered by a few ulps;
-    ``-inf`` where fp32 cannot index the grid (``|j| >= 2**22``, and no key yet)."""
-    t_low = (j - (GRID_K - 1)) * w_grid
-    return tl.where(tl.abs(j) < 4194304.0, t_low - 4.8e-7 * tl.abs(t_low), float("-inf"))
-
-
-@triton.jit
 def _tile_screen(z, t_low):
     """Screen a score tile ``z`` of the grid pass with two row reductions, before any per-score bookkeeping.
     Returns ``(code, n_fast)``: ``code`` (CTA-wide int32) is 0 when the tile is dead and plain (the grid pass
-    skips it: ``_grid_tile`` would change nothing), 1 when some row has a score above its ``t_low``, 2 or more when
+    skips it: ``grid_tile`` would change nothing), 1 when some row has a score above its ``t_low``, 2 or more when
     some row holds a non-finite score and is not all ``-inf`` (then the tile gets the exact per-score NaN/+inf flags
     and valid-key counts); ``n_fast`` the rows' valid-key counts when ``code < 2``.
 
@@ -102,171 +87,13 @@ def _tile_screen(z, t_low):
     overflowing sum only sends the tile the exact way); a row sum and a row max both ``-inf`` mean every score is
     ``-inf`` (none valid; a NaN would make the sum NaN, a +inf the max). A dead plain tile cannot raise a row max
     (its max is <= ``t_low`` < ``m``, or ``-inf`` with ``m``), so the ring, the max and the live bit (0) are those
-    ``_grid_tile`` would give.
+    ``grid_tile`` would give.
     """
     z_max = tl.max(z, 1)
     z_sum = tl.sum(z, 1)
     plain = (tl.abs(z_sum) < float("inf")) | ((z_sum == float("-inf")) & (z_max == float("-inf")))
     code = tl.max(tl.where(plain, tl.where(z_max > t_low, 1, 0), 2), 0)
     return code, tl.where(z_max > float("-inf"), z.shape[1], 0)
-
-
-@triton.jit
-def _grid_tile(z, m, j_top, F, G, L, slot, w_grid, shift, beta, bm1, POW: tl.constexpr, GRID_K: tl.constexpr,
-               LANES: tl.constexpr):
-    """One score tile ``z [BLOCK_M, BLOCK_N]`` of the grid pass: the running max ``m`` and its grid index ``j_top``
-    (``[BLOCK_M]``), and the sums ``F``, ``G`` (and POW 0's reference logs ``L``) at the ``GRID_K`` ring points
-    ``[BLOCK_M, GRID_K]`` (``F``, ``G`` per lane: ``_grid_start``; no count: ``_grid_counts``). Returns them updated
-    and ``live``: some score of the tile is above the lowest point."""
-    m_new = tl.maximum(m, tl.max(z, 1))
-    j_new = tl.where(m_new > float("-inf"), tl.floor(m_new / w_grid), j_top)
-    # the lowest point is <= m - 1 <= tau up to rounding: tiles below it are dead (a few ulps of margin; none
-    # where fp32 cannot index the grid, see grid_ok below)
-    t_low = _lowest_point(j_new, w_grid, GRID_K)
-    live = tl.max((z > t_low[:, None]).to(tl.int32))
-    # a dead tile holds no row's new maximum (it would lie above t_low), so m, j and the ring stay as they are
-    if live != 0:
-        # ring: slot s holds the point of index i = j - ((j - s) mod K); a slot whose index changes restarts at
-        # zero, which is exact: its new point lies above the old maximum, so no earlier key reaches it
-        d_old = j_top[:, None] - slot[None, :]
-        d_new = j_new[:, None] - slot[None, :]
-        i_old = j_top[:, None] - (d_old - GRID_K * tl.floor(d_old / GRID_K))
-        i_new = j_new[:, None] - (d_new - GRID_K * tl.floor(d_new / GRID_K))
-        same = _lane_axis(i_old == i_new, LANES)
-        if POW == 0:
-            # rescale the kept sums to the new maximal key's base
-            l_new = log_ref(m_new[:, None], i_new * w_grid + shift)
-            F = tl.where(same, F * _lane_axis(tl.exp2(beta * (L - l_new)), LANES), 0.0)
-            G = tl.where(same, G * _lane_axis(tl.exp2(bm1 * (L - l_new)), LANES), 0.0)
-            L = l_new
-            # one point at a time: unrolled, the general class's log2 / exp2 temporaries of all points are live at
-            # once and the training forward spills (216 bytes at head dim 128 under triton 3.6, docs/kernels.md)
-            for s in range(GRID_K):
-                F, G = _grid_point(z, s, slot, j_new, L, F, G, w_grid, shift, bm1, POW, GRID_K, LANES)
-        else:
-            F = tl.where(same, F, 0.0)
-            G = tl.where(same, G, 0.0)
-            for s in tl.static_range(GRID_K):
-                F, G = _grid_point(z, s, slot, j_new, L, F, G, w_grid, shift, bm1, POW, GRID_K, LANES)
-    return m_new, j_new, F, G, L, live
-
-
-@triton.jit
-def _grid_point(z, s, slot, j_new, L, F, G, w_grid, shift, bm1, POW: tl.constexpr, GRID_K: tl.constexpr,
-                LANES: tl.constexpr):
-    """Add the per-lane point sums of the score tile ``z`` at ring slot ``s`` (its point from the row's grid index
-    ``j_new``, POW 0's reference log ``L``) to that slot of ``F``, ``G`` (``_grid_start``); returns them."""
-    sel = (slot == s)[None, :]
-    d_s = j_new - s
-    t_s = (j_new - (d_s - GRID_K * tl.floor(d_s / GRID_K))) * w_grid + shift
-    if POW == 0:
-        l_s = tl.sum(tl.where(sel, L, 0.0), 1)
-    else:
-        l_s = t_s
-    f, g, _ = point_sums(z, t_s, POW, bm1, l_s, LANES)
-    F += tl.where(_lane_axis(sel, LANES), _at_slot(f, LANES), 0.0)
-    G += tl.where(_lane_axis(sel, LANES), _at_slot(g, LANES), 0.0)
-    return F, G
-
-
-@triton.jit
-def _lane_axis(x, LANES: tl.constexpr):
-    """``x [BLOCK_M, K]`` (or ``[1, K]``) broadcastable to point accumulators with ``LANES`` (``_grid_start``)."""
-    if LANES == 0:
-        out = x
-    else:
-        out = x[:, :, None]
-    return out
-
-
-@triton.jit
-def _at_slot(f, LANES: tl.constexpr):
-    """Row sums ``f`` of one point (``[BLOCK_M]``, or ``[BLOCK_M, LANES]`` partials) as a slot of the point
-    accumulators (``_grid_start``)."""
-    if LANES == 0:
-        out = f[:, None]
-    else:
-        out = f[:, None, :]
-    return out
-
-
-@triton.jit
-def _point_zeros(BLOCK_M: tl.constexpr, K: tl.constexpr, LANES: tl.constexpr):
-    """Zero accumulators of point sums: ``[BLOCK_M, K]`` (``[BLOCK_M]`` with ``K == 0``), with a trailing axis of
-    per-lane partials when ``LANES > 0`` (``_threshold.row_sums``)."""
-    if K == 0:
-        if LANES == 0:
-            out = tl.zeros([BLOCK_M], tl.float32)
-        else:
-            out = tl.zeros([BLOCK_M, LANES], tl.float32)
-    elif LANES == 0:
-        out = tl.zeros([BLOCK_M, K], tl.float32)
-    else:
-        out = tl.zeros([BLOCK_M, K, LANES], tl.float32)
-    return out
-
-
-@triton.jit
-def _lane_total(x, LANES: tl.constexpr):
-    """Point accumulators ``x`` (``_point_zeros``) summed over their lanes at the end of a pass."""
-    if LANES == 0:
-        out = x
-    else:
-        out = tl.sum(x, len(x.shape) - 1)
-    return out
-
-
-@triton.jit
-def _grid_sums(F, G, LANES: tl.constexpr):
-    """The grid's ``[BLOCK_M, GRID_K]`` sums from the accumulators of ``_grid_tile``."""
-    return _lane_total(F, LANES), _lane_total(G, LANES)
-
-
-@triton.jit
-def _grid_counts(G, POW: tl.constexpr):
-    """The counts ``c = #{z > t}`` at the grid points ``[BLOCK_M, GRID_K]`` for ``solve``'s exact-root test: ``g``
-    itself at alpha = 2; 0 (unknown: the test never fires on such an end) otherwise, since a count per score and
-    point is a whole instruction in a point of four. The candidate passes count their points."""
-    if POW == 1:
-        C = G
-    else:
-        C = G * 0.0
-    return C
-
-
-@triton.jit
-def _cand_points(m, lo, hi, CAND_P: tl.constexpr):
-    """The ``[BLOCK_M, CAND_P]`` points of a candidate pass with ``CAND_P >= 2`` points, evenly over the certified
-    bracket ``[lo, hi]`` widened by a few ulps, and the log of the max key's base there (POW 0's ``l_p``)."""
-    cand = tl.arange(0, CAND_P).to(tl.float32)
-    widen = 1e-6 * (1.0 + tl.abs(lo))
-    lo2 = lo - widen
-    t_p = lo2[:, None] + ((hi + widen - lo2) / (CAND_P - 1))[:, None] * cand[None, :]
-    return t_p, log_ref(m[:, None], t_p)
-
-
-@triton.jit
-def _cand_sums(z, t_1, l_1, f1, g1, c1, t_p, l_p, cand, FP, GP, CP, POW: tl.constexpr, CAND_P: tl.constexpr, bm1,
-               LANES: tl.constexpr = 0):
-    """Add the point sums of the score tile ``z`` of a candidate pass: at the point ``t_1`` (POW 0's reference log
-    ``l_1``) to ``f1``, ``g1``, ``c1`` (``[BLOCK_M]``) when ``CAND_P == 1``, else at the candidate points ``t_p``
-    (``l_p``) to ``FP``, ``GP``, ``CP`` (``[BLOCK_M, CAND_P]``); with ``LANES > 0`` per-lane partials (a trailing
-    ``LANES`` axis, ``_threshold.row_sums``). The unused accumulators pass through."""
-    if CAND_P == 1:
-        f, g, c = point_sums(z, t_1, POW, bm1, l_1, LANES)
-        f1 += f
-        g1 += g
-        c1 += c
-    else:
-        for p in tl.static_range(CAND_P):
-            sel_c = (cand == p)[None, :]
-            f, g, c = point_sums(z, tl.sum(tl.where(sel_c, t_p, 0.0), 1), POW, bm1,
-                                 tl.sum(tl.where(sel_c, l_p, 0.0), 1), LANES)
-            FP += tl.where(_lane_axis(sel_c, LANES), _at_slot(f, LANES), 0.0)
-            GP += tl.where(_lane_axis(sel_c, LANES), _at_slot(g, LANES), 0.0)
-            if POW != 0:
-                CP += tl.where(_lane_axis(sel_c, LANES), _at_slot(c, LANES), 0.0)
-    return f1, g1, c1, FP, GP, CP
 
 
 @triton.jit
@@ -408,7 +235,7 @@ def entmax_rows(q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, k
     ascending order, but the grid sums are added in another order: outputs and thresholds are not bitwise those of
     the ascending order (they stay within the certified brackets and the usual tolerances). A tile
     that is dead and plain when visited (``_tile_screen``: two row reductions and one CTA-wide compare) skips the
-    per-score NaN/+inf flags, the valid-key counts and ``_grid_tile``; its valid-key counts come from the row max.
+    per-score NaN/+inf flags, the valid-key counts and ``grid_tile``; its valid-key counts come from the row max.
     """
     am1 = alpha - 1.0
     beta = 1.0 / am1
@@ -431,16 +258,16 @@ def entmax_rows(q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, k
         CAND_LANES: tl.constexpr = 0
 
     # ---- pass 1: max, valid keys, NaN/+inf rows, and f, g, c at GRID_K absolute points below the running max
-    w_grid, slot, m, j_top, n_valid, bad, F, G, L = _grid_start(BLOCK_M, GRID_K, LANES)
+    w_grid, slot, m, j_top, n_valid, bad, F, G, L = grid_start(BLOCK_M, GRID_K, LANES)
     z_sink = am1 * sink
     sink_bad = (z_sink != z_sink) | (z_sink == float("inf"))
     zs = sink_tile(tl.where(sink_bad, float("-inf"), z_sink), BLOCK_M, BLOCK_N)
     if SCORE[3]:
         bad = bad | sink_bad.to(tl.int32)
-        m, j_top, F, G, L, _ = _grid_tile(zs, m, j_top, F, G, L, slot, w_grid, shift, beta, bm1, POW, GRID_K, LANES)
+        m, j_top, F, G, L, _ = grid_tile(zs, m, j_top, F, G, L, slot, w_grid, shift, beta, bm1, POW, GRID_K, LANES)
     # max-first order (_masking.max_first_tile): the diagonal / window centre first, then outward; a tile that is
     # dead and plain when visited (_tile_screen) costs its score product and two row reductions
-    t_low = _lowest_point(j_top, w_grid, GRID_K)
+    t_low = lowest_point(j_top, w_grid, GRID_K)
     word_c, word_lo, w_lo, word_hi, w_hi = walk_words()
     for i in range(0, kt_hi - kt_lo):
         kt = visit_tile(i, kt_lo, kt_hi, kt_first)
@@ -456,14 +283,14 @@ def entmax_rows(q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, k
             n_valid += n_fast
         live = tl.zeros([], tl.int32)
         if code != 0:
-            m, j_top, F, G, L, live = _grid_tile(z, m, j_top, F, G, L, slot, w_grid, shift, beta, bm1, POW, GRID_K,
-                                                 LANES)
-            t_low = _lowest_point(j_top, w_grid, GRID_K)
+            m, j_top, F, G, L, live = grid_tile(z, m, j_top, F, G, L, slot, w_grid, shift, beta, bm1, POW, GRID_K,
+                                                LANES)
+            t_low = lowest_point(j_top, w_grid, GRID_K)
         w, word, word_c, word_lo, w_lo, word_hi, w_hi = mark_tile(kt, live, kt_first, word_c, word_lo, w_lo, word_hi,
                                                                   w_hi)
         tl.store(live_base + w, word)
     tl.debug_barrier()
-    F, G = _grid_sums(F, G, LANES)
+    F, G = grid_sums(F, G, LANES)
     n_passes = tl.full([], 1, tl.int32)
     visits = kt_hi - kt_lo
 
@@ -472,37 +299,24 @@ def entmax_rows(q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, k
     usable = valid & (bad == 0)
     m = tl.where(usable, m, 0.0)
     j_top = tl.where(usable, j_top, 0.0)
-    # beyond 2**22 grid steps fp32 cannot index the grid: those rows start from [m - 1, m]
+    # beyond 2**22 grid steps fp32 cannot index the grid: those rows start from [m - 1, m] with phi(m - 1) >= 0
+    # unknown (NaN: bisect)
     grid_ok = tl.abs(j_top) < 4194304.0
     zero = tl.zeros([BLOCK_M], tl.float32)
-    # rows without a usable grid start from [m - 1, m] with phi(m - 1) >= 0 unknown (NaN: bisect)
-    a, pa, da, fa, ga, ca, b, pb, db, cb, b_top = open_bracket(m, grid_ok, shift)
-    C = _grid_counts(G, POW)
-    for s in tl.static_range(GRID_K):
-        sel = (slot == s)[None, :]
-        d_s = j_top - s
-        i_s = j_top - (d_s - GRID_K * tl.floor(d_s / GRID_K))
-        f_s = tl.sum(tl.where(sel, F, 0.0), 1)
-        g_s = tl.sum(tl.where(sel, G, 0.0), 1)
-        ph, dph = phi(f_s, g_s, POW, am1, tl.sum(tl.where(sel, L, 0.0), 1))
-        lowest = i_s == j_top - (GRID_K - 1)
-        ph = tl.where(lowest, tl.maximum(ph, 0.0), ph)
-        a, pa, da, fa, ga, ca, b, pb, db, cb, b_top = merge_point(
-            a, pa, da, fa, ga, ca, b, pb, db, cb, b_top, tl.where(grid_ok, i_s * w_grid + shift, float("nan")),
-            ph, dph, tl.where(lowest, tl.maximum(f_s, 1.0), f_s), g_s, tl.sum(tl.where(sel, C, 0.0), 1))
-    est, lo, hi, exact = solve(a, pa, da, fa, ga, ca, b, pb, db, cb, b_top, POW)
-    done = exact | (hi - lo <= tol + 4.8e-7 * tl.abs(lo)) | (usable == 0)
+    br = grid_bracket(m, j_top, grid_ok, F, G, L, slot, w_grid, shift, am1, POW, GRID_K)
+    est, lo, hi, exact = solve(br, POW)
+    done = width_done(exact, lo, hi, usable, tol)
 
     # ---- candidate passes over the live tiles while a row of the tile is not pinned down
-    go = (tl.min(done.to(tl.int32)) == 0) & (n_passes + 1 < max_passes)
+    go = more_passes(done, n_passes, max_passes)
     while go:
         lo_kill = lo - shift
         if CAND_P == 1:
             t_1 = est
             l_1 = log_ref(m, t_1)
-            f1 = _point_zeros(BLOCK_M, 0, CAND_LANES)
-            g1 = _point_zeros(BLOCK_M, 0, CAND_LANES)
-            c1 = _point_zeros(BLOCK_M, 0, CAND_LANES)
+            f1 = point_zeros(BLOCK_M, 0, CAND_LANES)
+            g1 = point_zeros(BLOCK_M, 0, CAND_LANES)
+            c1 = point_zeros(BLOCK_M, 0, CAND_LANES)
             t_p = zero  # the multi-point accumulators are unused with one point
             l_p = zero
             cand = zero
@@ -516,10 +330,10 @@ def entmax_rows(q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, k
             g1 = zero
             c1 = zero
             cand = tl.arange(0, CAND_P).to(tl.float32)
-            t_p, l_p = _cand_points(m, lo, hi, CAND_P)  # [BLOCK_M, CAND_P]
-            FP = _point_zeros(BLOCK_M, CAND_P, CAND_LANES)
-            GP = _point_zeros(BLOCK_M, CAND_P, CAND_LANES)
-            CP = _point_zeros(BLOCK_M, CAND_P, CAND_LANES)
+            t_p, l_p = cand_points(m, lo, hi, CAND_P)  # [BLOCK_M, CAND_P]
+            FP = point_zeros(BLOCK_M, CAND_P, CAND_LANES)
+            GP = point_zeros(BLOCK_M, CAND_P, CAND_LANES)
+            CP = point_zeros(BLOCK_M, CAND_P, CAND_LANES)
         for wd in range(0, n_words):
             word = tl.load(live_base + wd)
             new_word = tl.zeros([], tl.int32)
@@ -533,48 +347,26 @@ def entmax_rows(q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, k
                                     HEAD_DIM, BLOCK_D, BIAS_KIND, MASK, UPCAST, DOT_PRECISION, slope, SCORE)
                     live = tl.max((z > lo_kill[:, None]).to(tl.int32))
                     new_word = new_word | (live << (kt - wd * 32))
-                    f1, g1, c1, FP, GP, CP = _cand_sums(z, t_1, l_1, f1, g1, c1, t_p, l_p, cand, FP, GP, CP, POW,
-                                                        CAND_P, bm1, CAND_LANES)
+                    f1, g1, c1, FP, GP, CP = cand_sums(z, t_1, l_1, f1, g1, c1, t_p, l_p, cand, FP, GP, CP, POW,
+                                                       CAND_P, bm1, CAND_LANES)
                     visits += 1
             tl.store(live_base + wd, new_word)
         if SCORE[3]:
-            f1, g1, c1, FP, GP, CP = _cand_sums(zs, t_1, l_1, f1, g1, c1, t_p, l_p, cand, FP, GP, CP, POW, CAND_P,
-                                                bm1, CAND_LANES)
+            f1, g1, c1, FP, GP, CP = cand_sums(zs, t_1, l_1, f1, g1, c1, t_p, l_p, cand, FP, GP, CP, POW, CAND_P,
+                                               bm1, CAND_LANES)
         tl.debug_barrier()
         act = done == 0
-        if CAND_P == 1:
-            f1 = _lane_total(f1, CAND_LANES)
-            g1 = _lane_total(g1, CAND_LANES)
-            c1 = _lane_total(c1, CAND_LANES)
-            ph, dph = phi(f1, g1, POW, am1, l_1)
-            n_a, n_pa, n_da, n_fa, n_ga, n_ca, n_b, n_pb, n_db, n_cb, n_top = merge_point(
-                a, pa, da, fa, ga, ca, b, pb, db, cb, b_top, t_1, ph, dph, f1, g1, c1)
-        else:
-            n_a, n_pa, n_da, n_fa, n_ga, n_ca = a, pa, da, fa, ga, ca
-            n_b, n_pb, n_db, n_cb, n_top = b, pb, db, cb, b_top
-            FP = _lane_total(FP, CAND_LANES)
-            GP = _lane_total(GP, CAND_LANES)
-            CP = _lane_total(CP, CAND_LANES)
-            for p in tl.static_range(CAND_P):
-                sel_c = (cand == p)[None, :]
-                f_p = tl.sum(tl.where(sel_c, FP, 0.0), 1)
-                g_p = tl.sum(tl.where(sel_c, GP, 0.0), 1)
-                ph, dph = phi(f_p, g_p, POW, am1, tl.sum(tl.where(sel_c, l_p, 0.0), 1))
-                n_a, n_pa, n_da, n_fa, n_ga, n_ca, n_b, n_pb, n_db, n_cb, n_top = merge_point(
-                    n_a, n_pa, n_da, n_fa, n_ga, n_ca, n_b, n_pb, n_db, n_cb, n_top,
-                    tl.sum(tl.where(sel_c, t_p, 0.0), 1), ph, dph, f_p, g_p, tl.sum(tl.where(sel_c, CP, 0.0), 1))
-        a, pa, da, fa, ga, ca, b, pb, db, cb, b_top = pick_bracket(
-            act, n_a, n_pa, n_da, n_fa, n_ga, n_ca, n_b, n_pb, n_db, n_cb, n_top, a, pa, da, fa, ga, ca, b, pb, db, cb,
-            b_top)
-        n_est, n_lo, n_hi, n_exact = solve(a, pa, da, fa, ga, ca, b, pb, db, cb, b_top, POW)
+        br = pick_bracket(act, cand_bracket(br, t_1, l_1, f1, g1, c1, t_p, l_p, cand, FP, GP, CP, am1, POW, CAND_P,
+                                            CAND_LANES), br)
+        n_est, n_lo, n_hi, n_exact = solve(br, POW)
         lo = tl.where(act, tl.maximum(lo, n_lo), lo)
         hi = tl.where(act, tl.minimum(hi, n_hi), hi)
         lo = tl.minimum(lo, hi)
         est = tl.minimum(tl.maximum(tl.where(act, n_est, est), lo), hi)
         exact = tl.where(act, n_exact, exact)
         n_passes += 1
-        done = exact | (hi - lo <= tol + 4.8e-7 * tl.abs(lo)) | (usable == 0)
-        go = (tl.min(done.to(tl.int32)) == 0) & (n_passes + 1 < max_passes)
+        done = width_done(exact, lo, hi, usable, tol)
+        go = more_passes(done, n_passes, max_passes)
 
     # ---- value pass at the estimate; tiles die only below the certified lower bound
     # a threshold at the max would leave no weight: keep it one rounding step below (one-hot on the max key)

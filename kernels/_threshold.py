@@ -1,4 +1,6 @@
-"""Row-threshold arithmetic of the fused entmax forward: evaluation points, brackets, the estimate.
+"""Row-threshold arithmetic of the fused entmax forward and the decode kernels: evaluation points, the bracket state
+(``Bracket``), certified brackets, the estimate, the stopping rules and the threshold constants (the per-tile passes
+that feed it: ``kernels/_threshold_passes.py``).
 
 For ``alpha > 1`` a row's threshold ``tau`` solves ``f(tau) = sum_j [z_j - tau]_+^beta = 1`` with
 ``z = (alpha - 1) * score`` and ``beta = 1 / (alpha - 1)``. ``phi = f^(1/beta) - 1`` is convex and
@@ -20,10 +22,35 @@ the maximal key contributes exactly 1 and ``phi = (m - tau) * F^(1/beta) - 1``.
 Derivation and measurements: docs/kernels.md.
 """
 
+from typing import NamedTuple
+
+import torch
 import triton
 import triton.language as tl
 
 from ._common import fast_log2, log2_1p
+
+# (grid points, candidate points per later pass) by threshold arithmetic (POW 1: alpha = 2, 2: alpha = 1.5, 0: other
+# alpha). The fused forward's: chosen in docs/kernels.md from the pass counts and the per-score cost model
+FWD_POINTS = {1: (8, 4), 2: (8, 1), 0: (4, 1)}
+# the decode kernels' (candidate points >= 2): the fewest that keep bfloat16 at one candidate pass and float32 at two
+# on the measured caches (docs/decode.md); candidate passes read only the stored scores, so their points cost no
+# cache reads
+DECODE_POINTS = {1: (8, 8), 2: (8, 8), 0: (8, 4)}
+# passes over the key range per query tile at most (grid and value pass included) in the fused forward
+FWD_MAX_PASSES = 32
+# launches of the decode split kernel per step (score pass and value pass included) by input dtype; a candidate
+# launch whose row tile has converged returns after its merge
+DECODE_MAX_PASSES = {torch.float16: 3, torch.bfloat16: 3, torch.float32: 5}
+# Stop refining a row's threshold once its certified bracket is this narrow (forward: relative to 1 + |tau|; decode:
+# the change of the row's total weight across it): the value pass renormalizes, and half-precision outputs round far
+# above these (docs/kernels.md).
+TOLERANCE = {torch.float16: 3e-4, torch.bfloat16: 1e-3, torch.float32: 1e-6}
+
+
+def default_tolerance(dtype: torch.dtype) -> float:
+    """The default ``tol`` of the forward and the decode kernels for inputs of ``dtype`` (``TOLERANCE``)."""
+    return TOLERANCE[dtype]
 
 
 @triton.jit
@@ -134,52 +161,97 @@ def phi(F, G, POW: tl.constexpr, inv_beta, lref):
     return ph, dph
 
 
+class Bracket(NamedTuple):
+    """The bracket state of a row (each field ``[BLOCK_M]``): ``[a, b]`` with ``phi(a) >= 0 > phi(b)``; ``phi``,
+    ``phi'``, ``f``, ``g`` and the count ``c`` at ``a`` (``pa``, ``da``, ``fa``, ``ga``, ``ca``), ``phi``, ``phi'`` and
+    ``c`` at ``b`` (``pb``, ``db``, ``cb``), and ``top``: ``b`` is the row max (a bool; the decode state stores it as a
+    0/1 float). A tuple of tensors: a ``@triton.jit`` argument and return value like any tensor."""
+
+    a: tl.tensor
+    pa: tl.tensor
+    da: tl.tensor
+    fa: tl.tensor
+    ga: tl.tensor
+    ca: tl.tensor
+    b: tl.tensor
+    pb: tl.tensor
+    db: tl.tensor
+    cb: tl.tensor
+    top: tl.tensor
+
+
 @triton.jit
 def open_bracket(m, grid_ok, shift):
-    """The bracket before any point is merged: ``(a, pa, da, fa, ga, ca, b, pb, db, cb, b_top)``, each ``[BLOCK_M]``
-    like the row max ``m`` (thresholds ``tau + shift``). ``b`` is the row max (``b_top``, ``phi = phi' = -1``);
-    ``a`` is ``-inf`` for the rows whose grid points will close it (``grid_ok``), else ``m - 1`` with ``phi(a)``
-    unknown (NaN: ``solve`` bisects) and ``f(a) = 1``."""
+    """The bracket before any point is merged (:class:`Bracket`, thresholds ``tau + shift``). ``b`` is the row max
+    ``m`` (``top``, ``phi = phi' = -1``); ``a`` is ``-inf`` for the rows whose grid points will close it
+    (``grid_ok``), else ``m - 1`` with ``phi(a)`` unknown (NaN: ``solve`` bisects) and ``f(a) = 1``."""
     zero = tl.zeros_like(m)
     a = tl.where(grid_ok, float("-inf"), m - 1.0 + shift)
-    return a, zero + float("nan"), zero - 1.0, zero + 1.0, zero, zero, m + shift, zero - 1.0, zero - 1.0, zero, m == m
+    return Bracket(a, zero + float("nan"), zero - 1.0, zero + 1.0, zero, zero, m + shift, zero - 1.0, zero - 1.0, zero,
+                   m == m)
 
 
 @triton.jit
-def pick_bracket(act, n_a, n_pa, n_da, n_fa, n_ga, n_ca, n_b, n_pb, n_db, n_cb, n_top, a, pa, da, fa, ga, ca, b, pb,
-                 db, cb, b_top):
-    """The bracket ``n_*`` (as ``merge_point`` returns it) on the rows ``act``, ``a, pa, ...`` on the others."""
-    return (tl.where(act, n_a, a), tl.where(act, n_pa, pa), tl.where(act, n_da, da), tl.where(act, n_fa, fa),
-            tl.where(act, n_ga, ga), tl.where(act, n_ca, ca), tl.where(act, n_b, b), tl.where(act, n_pb, pb),
-            tl.where(act, n_db, db), tl.where(act, n_cb, cb), tl.where(act, n_top, b_top))
+def pick_bracket(act, new, old):
+    """The bracket ``new`` on the rows ``act``, ``old`` on the others."""
+    return Bracket(tl.where(act, new.a, old.a), tl.where(act, new.pa, old.pa), tl.where(act, new.da, old.da),
+                   tl.where(act, new.fa, old.fa), tl.where(act, new.ga, old.ga), tl.where(act, new.ca, old.ca),
+                   tl.where(act, new.b, old.b), tl.where(act, new.pb, old.pb), tl.where(act, new.db, old.db),
+                   tl.where(act, new.cb, old.cb), tl.where(act, new.top, old.top))
 
 
 @triton.jit
-def merge_point(a, pa, da, fa, ga, ca, b, pb, db, cb, b_top, t, ph, dph, f, g, c):
-    """Tighten the bracket ``[a, b]`` (``phi(a) >= 0 > phi(b)``; ``b_top``: ``b`` is the row max) with point ``t``."""
-    up_a = (ph >= 0.0) & (t > a)
-    a = tl.where(up_a, t, a)
-    pa = tl.where(up_a, ph, pa)
-    da = tl.where(up_a, dph, da)
-    fa = tl.where(up_a, f, fa)
-    ga = tl.where(up_a, g, ga)
-    ca = tl.where(up_a, c, ca)
-    up_b = (ph < 0.0) & (t < b)
-    b = tl.where(up_b, t, b)
-    pb = tl.where(up_b, ph, pb)
-    db = tl.where(up_b, dph, db)
-    cb = tl.where(up_b, c, cb)
-    b_top = b_top & (up_b == 0)
-    return a, pa, da, fa, ga, ca, b, pb, db, cb, b_top
+def merge_point(br, t, ph, dph, f, g, c):
+    """Tighten the bracket ``br`` (``phi(a) >= 0 > phi(b)``) with point ``t`` (``phi``, ``phi'``, ``f``, ``g``, ``c``
+    there, each ``[BLOCK_M]``)."""
+    up_a = (ph >= 0.0) & (t > br.a)
+    a = tl.where(up_a, t, br.a)
+    pa = tl.where(up_a, ph, br.pa)
+    da = tl.where(up_a, dph, br.da)
+    fa = tl.where(up_a, f, br.fa)
+    ga = tl.where(up_a, g, br.ga)
+    ca = tl.where(up_a, c, br.ca)
+    up_b = (ph < 0.0) & (t < br.b)
+    return Bracket(a, pa, da, fa, ga, ca, tl.where(up_b, t, br.b), tl.where(up_b, ph, br.pb),
+                   tl.where(up_b, dph, br.db), tl.where(up_b, c, br.cb), br.top & (up_b == 0))
 
 
 @triton.jit
-def solve(a, pa, da, fa, ga, ca, b, pb, db, cb, b_top, POW: tl.constexpr):
-    """``(estimate, lo, hi, exact)`` of the root of ``phi`` in the bracket ``[a, b]``; ``lo <= tau <= hi`` certified.
+def _col(x, sel):
+    """Column ``sel`` (a ``[1, N]`` one-hot mask) of ``x [BLOCK_M, N]`` as ``[BLOCK_M]``."""
+    return tl.sum(tl.where(sel, x, 0.0), 1)
+
+
+@triton.jit
+def merge_points(br, t, ph, dph, f, g, c, N: tl.constexpr):
+    """``merge_point`` for ``N`` points at once (``t``, ``ph``, ``dph``, ``f``, ``g``, ``c``: ``[BLOCK_M, N]``): the
+    bracket ends move to the highest point with ``phi >= 0`` above ``a`` and the lowest with ``phi < 0`` below ``b``
+    (the first such column on ties), as merging them one by one would."""
+    idx = tl.arange(0, N)[None, :]
+    up_a = (ph >= 0.0) & (t > br.a[:, None])
+    best_a = tl.max(tl.where(up_a, t, float("-inf")), 1)
+    sel_a = idx == tl.min(tl.where(up_a & (t == best_a[:, None]), idx, N), 1)[:, None]
+    has_a = best_a > float("-inf")
+    up_b = (ph < 0.0) & (t < br.b[:, None])
+    best_b = tl.min(tl.where(up_b, t, float("inf")), 1)
+    sel_b = idx == tl.min(tl.where(up_b & (t == best_b[:, None]), idx, N), 1)[:, None]
+    has_b = best_b < float("inf")
+    return Bracket(tl.where(has_a, best_a, br.a), tl.where(has_a, _col(ph, sel_a), br.pa),
+                   tl.where(has_a, _col(dph, sel_a), br.da), tl.where(has_a, _col(f, sel_a), br.fa),
+                   tl.where(has_a, _col(g, sel_a), br.ga), tl.where(has_a, _col(c, sel_a), br.ca),
+                   tl.where(has_b, best_b, br.b), tl.where(has_b, _col(ph, sel_b), br.pb),
+                   tl.where(has_b, _col(dph, sel_b), br.db), tl.where(has_b, _col(c, sel_b), br.cb),
+                   br.top & (has_b == 0))
+
+
+@triton.jit
+def solve(br, POW: tl.constexpr):
+    """``(estimate, lo, hi, exact)`` of the root of ``phi`` in the bracket ``br``; ``lo <= tau <= hi`` certified.
 
     At the row max ``phi = -1`` and ``phi' = -1`` with a single maximal key (with ties the true
     tangent root is larger, so the bound stays valid).
     """
+    a, pa, da, fa, ga, ca, b, pb, db, cb, b_top = br
     pb = tl.where(b_top, -1.0, pb)
     db = tl.where(b_top, -1.0, db)
     h = tl.maximum(b - a, 1e-30)
@@ -223,3 +295,29 @@ def solve(a, pa, da, fa, ga, ca, b, pb, db, cb, b_top, POW: tl.constexpr):
     est = tl.where(known, est, 0.5 * (a + b))
     est = tl.minimum(tl.maximum(est, lo), hi)
     return est, lo, hi, exact
+
+
+@triton.jit
+def width_done(exact, lo, hi, usable, tol):
+    """The fused forward's stopping rule: rows whose threshold needs no more passes, i.e. exact, unusable, or with a
+    certified bracket narrower than ``tol + 4.8e-7 |lo|`` (``[BLOCK_M]``)."""
+    return exact | (hi - lo <= tol + 4.8e-7 * tl.abs(lo)) | (usable == 0)
+
+
+@triton.jit
+def more_passes(done, n_passes, max_passes):
+    """The fused forward's loop test: some row of the tile is not ``done`` and one more pass (the value pass still
+    to come) stays within ``max_passes``."""
+    return (tl.min(done.to(tl.int32)) == 0) & (n_passes + 1 < max_passes)
+
+
+@triton.jit
+def weight_done(exact, lo, hi, da, beta, usable, tol):
+    """The decode kernels' stopping rule: rows whose threshold needs no more passes: exact, unusable, or a certified
+    bracket so narrow that moving the threshold across it changes the row's total weight by at most ``tol``
+    (relative): ``(hi - lo) beta |phi'(a)|``, ``|phi'(a)|`` close to ``g(tau) = sum_j p_j^(1 - 1/beta)`` near the root
+    (docs/decode.md), or float32 cannot split it further (a few ulps of ``lo``). Flags as 0/1 floats (the decode
+    state's)."""
+    width = hi - lo
+    return ((exact != 0.0) | (usable == 0.0) | (width * tl.maximum(beta * tl.abs(da), 1.0) <= tol)
+            | (width <= 4.8e-7 * (1.0 + tl.abs(lo))))

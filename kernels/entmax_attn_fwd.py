@@ -46,15 +46,10 @@ from ._common import (
 from ._common import alpha_class_of as alpha_class_of  # re-exported: the public place of the class rule
 from ._fwd_rows import entmax_rows, softmax_rows
 from ._masking import alibi_slope, key_tile_range, max_first_tile, seq_bounds, sink_logit
+from ._threshold import FWD_MAX_PASSES as DEFAULT_MAX_PASSES  # re-exported: the public place of the default
+from ._threshold import FWD_POINTS
+from ._threshold import default_tolerance as default_tolerance  # re-exported
 
-DEFAULT_MAX_PASSES = 32
-# Stop refining a row's threshold once its certified bracket is this narrow (relative to 1 + |tau|):
-# the value pass renormalizes, and half-precision outputs round far above these (docs/kernels.md).
-_TOLERANCE = {torch.float16: 3e-4, torch.bfloat16: 1e-3, torch.float32: 1e-6}
-
-# (grid points, candidate points per later pass) by threshold arithmetic (POW 1: alpha = 2, 2: alpha = 1.5,
-# 0: other alpha); chosen in docs/kernels.md from the pass counts and the per-score cost model
-_POINTS = {1: (8, 4), 2: (8, 1), 0: (4, 1)}
 
 class EntmaxAttnFwdResult(NamedTuple):
     """What :func:`entmax_attn_fwd` returns.
@@ -231,11 +226,6 @@ def fwd_block_sizes(head_dim: int) -> tuple:
     return block_m, block_n
 
 
-def default_tolerance(dtype: torch.dtype) -> float:
-    """Bracket width (relative to ``1 + |tau|``) at which a row's threshold counts as found, by input dtype."""
-    return _TOLERANCE[dtype]
-
-
 def entmax_attn_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -393,7 +383,7 @@ def _plan(q, k, v, alpha, scale, bias, is_causal, cu_seqlens_q, cu_seqlens_k, ma
         return _Launch(None, [], {}, result)
 
     dropout_p = float(dropout_p)
-    (k1, p1), (k2, p2), (k0, p0) = _POINTS[1], _POINTS[2], _POINTS[0]
+    (k1, p1), (k2, p2), (k0, p0) = FWD_POINTS[1], FWD_POINTS[2], FWD_POINTS[0]
     args = dict(
         **_common.attention_args(q, k, v, alpha, bias, cu_seqlens_q, cu_seqlens_k, scale, is_causal, dropout_p, seed,
                                  window_size, alibi_slopes, softcap, sinks),

@@ -52,7 +52,6 @@ from ._decode_state import (
     N_PART,
     N_STATE,
     _cache_tile,
-    _done,
     _entmax_decode_combine_kernel,
     _grid_state,
     _load_state,
@@ -62,18 +61,10 @@ from ._decode_state import (
     _store_points,
     _store_state,
 )
-from ._fwd_rows import _cand_points, _cand_sums, _grid_counts, _grid_start, _grid_sums, _grid_tile
 from ._masking import alibi_slope, key_range, mask_scores, mask_spec, score_spec, sink_logit, sink_tile, soft_cap
-from ._threshold import weights
-from .entmax_attn_fwd import default_tolerance
+from ._threshold import DECODE_MAX_PASSES, DECODE_POINTS, default_tolerance, weight_done, weights
+from ._threshold_passes import cand_points, cand_sums, grid_counts, grid_start, grid_sums, grid_tile
 
-# (grid points, candidate points per later pass, >= 2) by threshold arithmetic (POW 1: alpha = 2, 2: alpha = 1.5,
-# 0: other alpha): the fewest that keep bfloat16 at one candidate pass and float32 at two on the measured
-# caches (docs/decode.md); candidate passes read only the stored scores, so their points cost no cache reads
-DECODE_POINTS = {1: (8, 8), 2: (8, 8), 0: (8, 4)}
-# launches of the split kernel per decode step (score pass and value pass included) by input dtype; a candidate
-# launch whose row tile has converged returns after its merge
-DEFAULT_MAX_PASSES = {torch.float16: 3, torch.bfloat16: 3, torch.float32: 5}
 # Nq * Hq / Hk rows per program at most; more rows take more row tiles (each reads the cache again)
 MAX_BLOCK_M = 32
 
@@ -144,17 +135,18 @@ def _grid_pass(q, K, BIAS, BLOCK_TABLE, Z, z_rows, list_base, b, h_kv, h, i, act
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BIAS_KIND: tl.constexpr, IS_PAGED: tl.constexpr,
                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """The score pass over key blocks ``[kt_lo, kt_hi)`` (after the sink tile ``zs`` with sinks): stores the scores
-    and lists the live blocks; each block goes through the forward's ring update (``_fwd_rows._grid_tile``).
+    and lists the live blocks; each block goes through the ring update it shares with the forward
+    (``_threshold_passes.grid_tile``).
 
     Returns ``(m, j_top, n_valid, bad, F, G, C, n_live)``: the split's row max, its grid index, valid keys,
     NaN/+inf flag and the ``[BLOCK_M, GRID_K]`` sums at the ring's points (POW 0: scaled by the split max's
-    term; counts from ``_fwd_rows._grid_counts``), and the number of live blocks written to ``list_base``.
+    term; counts from ``_threshold_passes.grid_counts``), and the number of live blocks written to ``list_base``.
     """
-    w_grid, slot, m, j_top, n_valid, bad, F, G, L = _grid_start(BLOCK_M, GRID_K, 0)
+    w_grid, slot, m, j_top, n_valid, bad, F, G, L = grid_start(BLOCK_M, GRID_K, 0)
     n_live = tl.zeros([], tl.int32)
     if SCORE[3]:
-        m, j_top, F, G, L, _ = _grid_tile(zs, m, j_top, F, G, L, slot, w_grid, shift, beta[:, None], bm1[:, None],
-                                          POW, GRID_K, 0)
+        m, j_top, F, G, L, _ = grid_tile(zs, m, j_top, F, G, L, slot, w_grid, shift, beta[:, None], bm1[:, None],
+                                         POW, GRID_K, 0)
     for kt in range(kt_lo, kt_hi):
         cols = kt * BLOCK_N + tl.arange(0, BLOCK_N)
         z = _scores(q, K, BIAS, BLOCK_TABLE, b, h_kv, h, i, active, cols, seqlen_q, seqlen_k, z_scale, bias_scale,
@@ -164,12 +156,12 @@ def _grid_pass(q, K, BIAS, BLOCK_TABLE, Z, z_rows, list_base, b, h_kv, h, i, act
         tl.store(Z + z_rows[:, None] + cols[None, :], z, mask=active[:, None])
         bad = bad | tl.max(((z != z) | (z == float("inf"))).to(tl.int32), 1)
         n_valid += tl.sum((z != float("-inf")).to(tl.int32), 1)
-        m, j_top, F, G, L, live = _grid_tile(z, m, j_top, F, G, L, slot, w_grid, shift, beta[:, None],
-                                             bm1[:, None], POW, GRID_K, 0)
+        m, j_top, F, G, L, live = grid_tile(z, m, j_top, F, G, L, slot, w_grid, shift, beta[:, None],
+                                            bm1[:, None], POW, GRID_K, 0)
         tl.store(list_base + n_live, kt, mask=live != 0)
         n_live += live
-    F, G = _grid_sums(F, G, 0)
-    return m, j_top, n_valid, bad, F, G, _grid_counts(G, POW), n_live
+    F, G = grid_sums(F, G, 0)
+    return m, j_top, n_valid, bad, F, G, grid_counts(G, POW), n_live
 
 
 @triton.jit
@@ -310,28 +302,25 @@ def _entmax_decode_split_kernel(
 
     # the state after the previous pass: merged grid sums, or the previous state merged with its candidates
     if FROM_GRID:
-        (m, a, pa, da, fa, ga, ca, bb, pb, db, cb, b_top, est, lo, hi, exact, usable, bad, passes) = _grid_state(
+        m, br, est, lo, hi, exact, usable, bad, passes = _grid_state(
             GRID_ROW, GRID_PTS, split_rows, n_splits, active, am1, beta, bm1, shift, POW, GRID_K, BLOCK_M)
     else:
-        (m, a, pa, da, fa, ga, ca, bb, pb, db, cb, b_top, est, lo, hi, exact, usable, bad, passes) = _load_state(
-            STATE_IN, state_rows, active)
-        ran = tl.max((_done(exact, lo, hi, da, beta, usable, tol) == 0).to(tl.int32), 0)
+        m, br, est, lo, hi, exact, usable, bad, passes = _load_state(STATE_IN, state_rows, active)
+        ran = tl.max((weight_done(exact, lo, hi, br.da, beta, usable, tol) == 0).to(tl.int32), 0)
         if ran != 0:
-            a, pa, da, fa, ga, ca, bb, pb, db, cb, b_top, est, lo, hi, exact = _merge_cands(
-                CAND_IN, split_rows, n_splits, active, m, a, pa, da, fa, ga, ca, bb, pb, db, cb, b_top, est, lo, hi,
-                exact, usable, am1, shift, tol, POW, CAND_P, BLOCK_M)
+            br, est, lo, hi, exact = _merge_cands(CAND_IN, split_rows, n_splits, active, m, br, est, lo, hi, exact,
+                                                  usable, am1, shift, tol, POW, CAND_P, BLOCK_M)
             passes += 1.0
     n_in = tl.load(live_n)
     col_blk = tl.arange(0, BLOCK_N)
     ok_row = usable != 0.0
 
     if PHASE == 1:
-        go = tl.max((_done(exact, lo, hi, da, beta, usable, tol) == 0).to(tl.int32), 0)
+        go = tl.max((weight_done(exact, lo, hi, br.da, beta, usable, tol) == 0).to(tl.int32), 0)
         if split == 0:
-            _store_state(STATE_OUT, state_rows, active, m, a, pa, da, fa, ga, ca, bb, pb, db, cb, b_top, est, lo,
-                         hi, exact, usable, bad, passes)
+            _store_state(STATE_OUT, state_rows, active, m, br, est, lo, hi, exact, usable, bad, passes)
         if go != 0:
-            t_p, l_p = _cand_points(m, lo, hi, CAND_P)
+            t_p, l_p = cand_points(m, lo, hi, CAND_P)
             cand = tl.arange(0, CAND_P).to(tl.float32)
             zero = tl.zeros([BLOCK_M], tl.float32)
             FP = tl.zeros([BLOCK_M, CAND_P], tl.float32)
@@ -346,11 +335,11 @@ def _entmax_decode_split_kernel(
                 live = tl.max((z > lo_kill[:, None]).to(tl.int32))
                 tl.store(list_base + n_out, kt, mask=live != 0)
                 n_out += live
-                _, _, _, FP, GP, CP = _cand_sums(z, zero, zero, zero, zero, zero, t_p, l_p, cand, FP, GP, CP, POW,
-                                                 CAND_P, bm1[:, None])
+                _, _, _, FP, GP, CP = cand_sums(z, zero, zero, zero, zero, zero, t_p, l_p, cand, FP, GP, CP, POW,
+                                                CAND_P, bm1[:, None])
             if SCORE[3]:
-                _, _, _, FP, GP, CP = _cand_sums(zs, zero, zero, zero, zero, zero, t_p, l_p, cand, FP, GP, CP, POW,
-                                                 CAND_P, bm1[:, None])
+                _, _, _, FP, GP, CP = cand_sums(zs, zero, zero, zero, zero, zero, t_p, l_p, cand, FP, GP, CP, POW,
+                                                CAND_P, bm1[:, None])
             _store_points(CAND_OUT, split_rows + split, active, FP, GP, CP, CAND_P)
             tl.store(live_n, n_out)
             tl.store(reads + pass_slot, n_in)
@@ -503,7 +492,7 @@ def entmax_decode_fwd(
     blocks_per_split = max(triton.cdiv(n_span, max(int(num_splits), 1)), 1)
     n_splits = max(triton.cdiv(n_span, blocks_per_split), 1)
     if max_passes is None:
-        max_passes = DEFAULT_MAX_PASSES[q.dtype]
+        max_passes = DECODE_MAX_PASSES[q.dtype]
     assert max_passes >= 2, f"max_passes: got {max_passes}"
     alpha_class = resolve_alpha_class(alpha, alpha_class)
     if alpha_class == "mixed" and isinstance(alpha, torch.Tensor) and alpha.device.type == "cpu":
