@@ -54,9 +54,11 @@ The counts are exact for the SASS that was built; the cycles are a model. Usage 
 
     python benchmarks/sass_cost.py [--d 64 128] [--classes softmax entmax15 sparsemax general]
         [--causal | --no-causal] [--cand-passes 1] [--dead 0.6 0.9] [--n N] [--markdown] [--json FILE]
-        [--mix] [--keep DIR] [--smoke]
+        [--mix] [--keep DIR] [--smoke] [--points K,P]
 
-``--causal`` / ``--no-causal`` restrict to one setting (default both). ``--smoke``: the softmax and 1.5-entmax
+``--causal`` / ``--no-causal`` restrict to one setting (default both). ``--points K,P`` builds every entmax class
+with ``GRID_K = K`` grid points and ``CAND_P = P`` candidate points per candidate pass instead of the kernel's
+``_POINTS`` (powers of two; the kernel takes them as constexprs). ``--smoke``: the softmax and 1.5-entmax
 classes at head dim 64, not causal (CI). ``--mix``: the instruction mix of each loop path, per warp, by class and
 by opcode, and the grid pass's per-point work (live path minus dead path, per score and grid point). ``--json``:
 every number. Prints regs / spills of each build (``sm90_build.analyse``). The full matrix (16 builds) takes about
@@ -763,6 +765,20 @@ def print_mix(results: list, markdown: bool) -> None:
         print(f"- opcodes without a class (an issue slot only): {', '.join(unknown)}")
 
 
+def points_arg(text: str) -> tuple:
+    """``"K,P"`` -> ``(K, P)``: powers of two, K >= 2 (the grid step is ``1 / (K - 1)``), P >= 1."""
+    k, p = (int(x) for x in text.split(","))
+    if k < 2 or k & (k - 1) or p < 1 or p & (p - 1):
+        raise argparse.ArgumentTypeError(f"--points: expected K,P powers of two with K >= 2, got {text!r}")
+    return k, p
+
+
+def set_points(points: tuple) -> None:
+    """Build every entmax class with ``points = (GRID_K, CAND_P)``: the launcher reads ``_POINTS`` at each launch."""
+    for pow_ in sm90_build.fwd._POINTS:
+        sm90_build.fwd._POINTS[pow_] = tuple(points)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--d", type=int, nargs="+", default=[64, 128], help="head dims (default 64 128)")
@@ -783,7 +799,11 @@ def main(argv=None) -> int:
     ap.add_argument("--mix", action="store_true", help="also the instruction mix of each loop path")
     ap.add_argument("--keep", help="write each build's cubin and loop tree here")
     ap.add_argument("--smoke", action="store_true", help="softmax and 1.5-entmax, head dim 64, not causal (CI)")
+    ap.add_argument("--points", type=points_arg, default=None, metavar="K,P",
+                    help="grid points K and candidate points P for every entmax class (default: the kernel's _POINTS)")
     args = ap.parse_args(argv)
+    if args.points is not None:
+        set_points(args.points)
     if args.smoke:
         args.d, args.classes, args.causal = [64], ["softmax", "entmax15"], [False]
     classes = ["softmax"] + [c for c in args.classes if c != "softmax"]  # the ratios need the softmax build
@@ -791,7 +811,8 @@ def main(argv=None) -> int:
     import triton
 
     t0 = time.time()
-    print(f"# sass_cost: triton {triton.__version__}, sm_90, bf16, n {args.n}; {rates_text()}", flush=True)
+    print(f"# sass_cost: triton {triton.__version__}, sm_90, bf16, n {args.n}; {rates_text()}" +
+          (f"; points GRID_K, CAND_P = {args.points}" if args.points else ""), flush=True)
     results = []
     for d in args.d:
         for causal in args.causal:
