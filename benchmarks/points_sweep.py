@@ -4,11 +4,12 @@ For every setting ``(K, P)``, K in {2, 4, 8}, P in {1, 2, 4} (powers of two: ``t
 
 * ``cycles``: the static cycles per key tile of each pass (grid, grid on a dead tile, candidate, value) and of the
   softmax loop of the same build config, from offline sm_90 builds (``benchmarks/sass_cost.py``'s model; the
-  kernel's ``_POINTS`` is overridden for the build, ``--config`` overrides the pinned tile config);
+  kernel's ``FWD_POINTS`` is overridden for the build, ``--config`` overrides the pinned tile config);
 * ``passes``: the pass counts of the real kernel on the Triton interpreter (``benchmarks/passes.py``'s ``measure``,
-  bf16 emulated as there) with ``_POINTS`` overridden, per distribution, alpha, N and causality;
-* ``emulate``: the same pass counts from the float32 emulation of the threshold passes in
-  ``../shared/notes/grid_cost_spike.py`` (``--spike``), with its tile shape set by ``--block`` (fast, torch);
+  bf16 emulated as there) with ``FWD_POINTS`` overridden, per distribution, alpha, N and causality;
+* ``emulate``: the same pass counts from a float32 emulation of the threshold passes (a study script kept outside
+  this repository, ``grid_cost_spike.py``, given by ``--spike PATH``), with its tile shape set by ``--block``
+  (fast, torch);
 * ``report``: per class and setting, the per-pass cycles, passes mean / max per distribution and the modeled dense
   cost ``(grid + (passes - 2) * cand + value) / softmax`` (passes = mean over every configuration of the source),
   and the cheapest setting whose mean passes stay within the limit (3 for alpha 1.5 and 2, 3.2 for general alpha).
@@ -64,7 +65,7 @@ def cmd_cycles(args) -> None:
     if args.config:
         cfg = tuple(int(x) for x in args.config.split(","))
         fwd._pick_config = lambda head_dim, interpret, _c=cfg: _c
-    saved = dict(fwd._POINTS)
+    saved = dict(fwd.FWD_POINTS)
     with open(args.out, "a") as fo:
         for d, causal in itertools.product(args.d, args.causal):
             compiled, info = sass_cost.build(d, "softmax", causal, args.n)
@@ -85,7 +86,7 @@ def cmd_cycles(args) -> None:
                         an = analyse_assuming(sass_cost, compiled, info, cls, d, kp[0])
                         assumed = kp[0]
                     finally:
-                        fwd._POINTS.update(saved)
+                        fwd.FWD_POINTS.update(saved)
                     cyc = {k: v["cost"]["cycles"] for k, v in an["loops"].items()}
                     rec = dict(kind="cycles", triton=triton.__version__, d=d, causal=causal, cls=cls,
                                trips_assumed=assumed,
@@ -125,15 +126,15 @@ def cmd_passes(args) -> None:
 
     from sparse_attn.kernels import entmax_attn_fwd as fwd
 
-    saved = dict(fwd._POINTS)
+    saved = dict(fwd.FWD_POINTS)
     with open(args.out, "a") as fo:
         for n, causal, alpha, dist, kp in itertools.product(args.n, args.causal, args.alpha, args.dist, args.points):
-            fwd._POINTS[POW_OF_ALPHA[alpha]] = kp
+            fwd.FWD_POINTS[POW_OF_ALPHA[alpha]] = kp
             try:
                 r = passes.measure(dist, n, alpha, torch.bfloat16, heads=args.heads, block=args.block,
                                    causal=causal)
             finally:
-                fwd._POINTS.update(saved)
+                fwd.FWD_POINTS.update(saved)
             rec = dict(kind="passes", src=f"interp{args.block}", K=kp[0], P=kp[1], heads=args.heads, **r)
             write(fo, rec)
             print(f"interp {dist:5s} N{n} causal={causal} alpha {alpha} K{kp[0]} P{kp[1]}: passes "
@@ -284,7 +285,7 @@ def main(argv=None) -> int:
     p.add_argument("--points", **pts)
     e = sub.add_parser("emulate", help="pass counts from the float32 emulation of grid_cost_spike.py")
     e.add_argument("--out", required=True)
-    e.add_argument("--spike", default=os.path.join(HERE, "..", "..", "shared", "notes", "grid_cost_spike.py"))
+    e.add_argument("--spike", required=True, help="path of the emulation script (grid_cost_spike.py)")
     e.add_argument("--n", type=int, nargs="+", default=[1024, 4096])
     e.add_argument("--alpha", type=float, nargs="+", default=[1.5, 2.0, 1.25])
     e.add_argument("--dist", nargs="+", default=list(DISTS), choices=DISTS)

@@ -58,7 +58,7 @@ The counts are exact for the SASS that was built; the cycles are a model. Usage 
 
 ``--causal`` / ``--no-causal`` restrict to one setting (default both). ``--points K,P`` builds every entmax class
 with ``GRID_K = K`` grid points and ``CAND_P = P`` candidate points per candidate pass instead of the kernel's
-``_POINTS`` (powers of two; the kernel takes them as constexprs). ``--smoke``: the softmax and 1.5-entmax
+``FWD_POINTS`` (powers of two; the kernel takes them as constexprs). ``--smoke``: the softmax and 1.5-entmax
 classes at head dim 64, not causal (CI). ``--mix``: the instruction mix of each loop path, per warp, by class and
 by opcode, and the grid pass's per-point work (live path minus dead path, per score and grid point). ``--json``:
 every number. Prints regs / spills of each build (``sm90_build.analyse``). The full matrix (16 builds) takes about
@@ -774,9 +774,9 @@ def points_arg(text: str) -> tuple:
 
 
 def set_points(points: tuple) -> None:
-    """Build every entmax class with ``points = (GRID_K, CAND_P)``: the launcher reads ``_POINTS`` at each launch."""
-    for pow_ in sm90_build.fwd._POINTS:
-        sm90_build.fwd._POINTS[pow_] = tuple(points)
+    """Build every entmax class with ``points = (GRID_K, CAND_P)``: the launcher reads ``FWD_POINTS`` at each launch."""
+    for pow_ in sm90_build.fwd.FWD_POINTS:
+        sm90_build.fwd.FWD_POINTS[pow_] = tuple(points)
 
 
 def main(argv=None) -> int:
