@@ -2,7 +2,7 @@
 (``kernels/entmax_decode.py``): the packed (GQA) rows of a program, cache rows through a block table, merging
 per-split point sums into certified brackets (a ``_threshold.Bracket`` per row), the state stored between launches,
 and the combine of the splits' partial value sums (docs/decode.md). The threshold arithmetic, the stopping rule and
-the candidate points are those of ``kernels/_threshold.py`` and ``kernels/_threshold_passes.py``.
+the candidate points are those of ``kernels/_threshold.py``.
 """
 
 import triton
@@ -10,8 +10,18 @@ import triton.language as tl
 
 from ._common import LN2, LOG2E, alpha_class_id
 from ._masking import sink_logit
-from ._threshold import Bracket, log_ref, merge_points, open_bracket, phi, pick_bracket, solve, weight_done
-from ._threshold_passes import cand_points, ring_index
+from ._threshold import (
+    Bracket,
+    cand_points,
+    log_ref,
+    merge_points,
+    open_bracket,
+    phi,
+    pick_bracket,
+    ring_index,
+    solve,
+    weight_done,
+)
 
 # per-row merged threshold state carried from launch to launch (columns of STATE)
 N_STATE = tl.constexpr(19)

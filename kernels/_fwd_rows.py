@@ -8,8 +8,7 @@ import triton.language as tl
 
 from ._common import LN2, LOG2E, dropout_keep, load_rows
 from ._masking import live_tile, mark_tile, mask_scores, sink_tile, soft_cap, visit_tile, walk_words, word_bits
-from ._threshold import log_ref, more_passes, pick_bracket, solve, weights, width_done
-from ._threshold_passes import (
+from ._threshold import (
     cand_bracket,
     cand_points,
     cand_sums,
@@ -17,8 +16,14 @@ from ._threshold_passes import (
     grid_start,
     grid_sums,
     grid_tile,
+    log_ref,
     lowest_point,
+    more_passes,
+    pick_bracket,
     point_zeros,
+    solve,
+    weights,
+    width_done,
 )
 
 

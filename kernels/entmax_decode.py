@@ -62,8 +62,19 @@ from ._decode_state import (
     _store_state,
 )
 from ._masking import alibi_slope, key_range, mask_scores, mask_spec, score_spec, sink_logit, sink_tile, soft_cap
-from ._threshold import DECODE_MAX_PASSES, DECODE_POINTS, default_tolerance, weight_done, weights
-from ._threshold_passes import cand_points, cand_sums, grid_counts, grid_start, grid_sums, grid_tile
+from ._threshold import (
+    DECODE_MAX_PASSES,
+    DECODE_POINTS,
+    cand_points,
+    cand_sums,
+    default_tolerance,
+    grid_counts,
+    grid_start,
+    grid_sums,
+    grid_tile,
+    weight_done,
+    weights,
+)
 
 # Nq * Hq / Hk rows per program at most; more rows take more row tiles (each reads the cache again)
 MAX_BLOCK_M = 32
@@ -136,11 +147,11 @@ def _grid_pass(q, K, BIAS, BLOCK_TABLE, Z, z_rows, list_base, b, h_kv, h, i, act
                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """The score pass over key blocks ``[kt_lo, kt_hi)`` (after the sink tile ``zs`` with sinks): stores the scores
     and lists the live blocks; each block goes through the ring update it shares with the forward
-    (``_threshold_passes.grid_tile``).
+    (``_threshold.grid_tile``).
 
     Returns ``(m, j_top, n_valid, bad, F, G, C, n_live)``: the split's row max, its grid index, valid keys,
     NaN/+inf flag and the ``[BLOCK_M, GRID_K]`` sums at the ring's points (POW 0: scaled by the split max's
-    term; counts from ``_threshold_passes.grid_counts``), and the number of live blocks written to ``list_base``.
+    term; counts from ``_threshold.grid_counts``), and the number of live blocks written to ``list_base``.
     """
     w_grid, slot, m, j_top, n_valid, bad, F, G, L = grid_start(BLOCK_M, GRID_K, 0)
     n_live = tl.zeros([], tl.int32)
