@@ -26,7 +26,7 @@ from sparse_attn.attn_inputs import (
 )
 from sparse_attn.masks import check_mask
 from sparse_attn.reference import entmax_attention_reference
-from sparse_attn.routes import refused
+from sparse_attn.routes import refusal_message, refused, used_variants
 
 __all__ = ["entmax_decode", "MAX_DECODE_QUERIES", "decode_attention", "decode_fits", "decode_unsupported"]
 
@@ -311,6 +311,13 @@ def entmax_decode(
     if num_splits is not None and num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
 
+    if backend == "triton":
+        used = used_variants(q, None, v_cache, alpha=alpha, mask=attn_mask, is_causal=is_causal,
+                             window_size=window_size, alibi_slopes=alibi_slopes, sinks=sinks, softcap=softcap)
+        why = refused("decode", used)
+        if why:
+            raise ValueError(refusal_message("decode", why, "use sparse_attn.entmax_attention to train, or call "
+                                             "entmax_decode under torch.no_grad()"))
     if backend == "reference":
         return _reference_decode(q, k_cache, v_cache, seqlens, block_table, alpha, attn_mask, is_causal, scale,
                                  return_stats, window_size, alibi_slopes, sinks, softcap)

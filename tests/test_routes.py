@@ -174,3 +174,21 @@ def test_fused_route_refuses_by_name():
     inputs = inputs._replace(alibi_slopes=torch.rand(H, requires_grad=True))
     with pytest.raises(ValueError, match="alibi_slopes that require grad .*: not supported on route 'fused'"):
         fused_entmax_attention(inputs, False)
+
+
+def test_entmax_decode_refuses_gradients_up_front():
+    """The public decode entry is the decode route: inputs that need a gradient raise at the call, by name (not at
+    backward, where the decode op has no formula); under no_grad, or on the reference backend, the call runs."""
+    from sparse_attn.decode import entmax_decode
+
+    q, k, v = (torch.randn(1, 2, n, 16) for n in (1, 20, 20))
+    qg = q.clone().requires_grad_()
+    with pytest.raises(ValueError, match="gradients: not supported on route 'decode'"):
+        entmax_decode(qg, k, v, backend="triton")
+    with pytest.raises(ValueError, match="gradients: not supported on route 'decode'"):
+        entmax_decode(q, k, v, alpha=torch.tensor([1.5, 1.2], requires_grad=True), backend="triton")
+    with torch.no_grad():
+        out = entmax_decode(qg, k, v, backend="triton")
+    ref = entmax_decode(qg, k, v, backend="reference")
+    assert ref.requires_grad
+    torch.testing.assert_close(out, ref.detach(), rtol=2e-5, atol=2e-5)  # why: float32 kernel vs reference
