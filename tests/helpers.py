@@ -58,11 +58,20 @@ TOL = {
     # difference over 6 seeds (fp32: 1.8e-7, 4.8e-7, 2.9e-6; fp16: 0 and 4.9e-4 = 1 ulp).
     "rows_triton_vs_torch": {F32: {"p": 4e-7, "dx": 1e-6, "dalpha": 6e-6}, F16: {"p": 1e-3, "dx": 1e-3}},
     # The mappings on CUDA (Triton row kernels for long rows) against the CPU path (PyTorch):
-    # outputs; gradients get 10x (GPU test).
+    # outputs, and gradients at 10x (GPU test).
     "rows_cuda_vs_cpu": {F32: 1e-5, BF16: 1e-2},
+    "rows_cuda_vs_cpu_grad": {F32: 1e-4, BF16: 1e-1},
     # The same values computed another way (in a batch with other rows, or another path of the same
     # algorithm): up to the rounding of batched reductions.
     "same_values": {F64: 1e-12, F32: 1e-6, F16: 1e-3, BF16: 1e-2},
+    # Values of size about 1 computed by the same arithmetic another way (compiled against eager, another memory
+    # layout, a row alone, a constraint that does not bind or binds everywhere, a rescaling by the temperature): a
+    # few ulps. Measured at most 1.7e-16 in float64 (csparsemax with tight bounds), 0 in float32.
+    "ulps": {F64: 1e-15, F32: 1e-7},
+    # float64 results against the float64 oracles of this file (reference_entmax: 200 bisection steps, and the
+    # attention built on it) or an iterative solver against the closed form it reaches (fusedmax and oscarmax at a
+    # small lam against sparsemax). Measured at most 3.1e-13 (entmax_bisect) and 1.3e-12 (fusedmax).
+    "oracle_f64": 1e-10,
     # float64 solvers written in the tests against the library.
     "slow_solver": 1e-9,
     "jacobian": 1e-10,
@@ -83,11 +92,29 @@ TOL = {
     # The fused Triton path against the reference path, both float32, through a module or the HF
     # integration (atol = rtol), outputs and gradients.
     "fused_vs_reference_f32": {"out": 1e-4, "grad": 1e-3},
+    # A float32 model through the library against the same float32 model computed another way (compiled, eager
+    # attention fed the same weights, a manual composition, a cached decoding step): same_values' atol plus a relative
+    # part for logits and gradients larger than 1 (pass as **TOL["same_model_f32"]). Measured at most 6.0e-7 abs
+    # (tests/test_modules.py), 4.2e-8 beyond the rtol part (cached decoding, tests/test_hf_variants.py).
+    "same_model_f32": {"atol": 1e-6, "rtol": 1e-5},
+    # The fused kernel's float32 tau (the threshold on (alpha - 1) * scores) against the float64 reference's.
+    # Measured at most 4.7e-7 under the interpreter (tests/test_attention_fused.py).
+    "tau": {F32: 1e-4},
+    # torch.autograd.gradcheck in float64 (pass as **TOL["gradcheck"]): central differences with step eps.
+    "gradcheck": {"eps": 1e-7, "atol": 1e-6},
+    # ``assert not allclose(a, b, atol=...)``: a difference above this counts as a change (a larger value is the
+    # stricter test). Gemma-2's softcap of 1.0 changes the reference's output by less than 1e-3.
+    "changed": 1e-4,
     # Modules under CPU autocast against float32 (outputs, per-head weights): about 2.5x the
     # measured maxima (bf16: 3.8e-3 on outputs up to 0.53, 3.0e-3 on weights; fp16: 4.4e-4, 4.3e-4).
     "autocast_out": {BF16: 1e-2, F16: 1e-3},
     "autocast_weights": {BF16: 8e-3, F16: 1e-3},
 }
+
+
+# An exact comparison through torch.testing.assert_close (its shape, dtype and NaN checks and its message):
+# ``assert_close(a, b, **EXACT)``.
+EXACT = {"atol": 0, "rtol": 0}
 
 
 def max_abs_err(got: torch.Tensor, ref: torch.Tensor) -> float:

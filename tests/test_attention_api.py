@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import TOL, assert_close_to_ref, cu_seqlens, host_reads_outside, qkv, reference_entmax
+from helpers import EXACT, F64, TOL, assert_close_to_ref, cu_seqlens, host_reads_outside, qkv, reference_entmax
 
 import sparse_attn._attn_autograd as autograd_mod
 import sparse_attn._validation as validation
@@ -32,7 +32,7 @@ def test_reference_alpha1_is_softmax_attention(causal):
     out = entmax_attention(q, k, v, alpha=1.0, attn_mask=mask, is_causal=causal)
     full = mask & causal_keep(7, 7, "cpu") if causal else mask
     expected = F.scaled_dot_product_attention(q, k, v, attn_mask=full)
-    torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(out, expected, atol=TOL["same_values"][F64], rtol=0)
 
 
 @pytest.mark.parametrize("alpha", [1.25, 1.5, 2.0])
@@ -42,14 +42,14 @@ def test_reference_matches_bisection(alpha):
     out, stats = entmax_attention(q, k, v, alpha, attn_mask=bias, enable_gqa=True, scale=0.7, return_stats=True)
     kk, vv = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
     p = reference_entmax(0.7 * q @ kk.transpose(-1, -2) + bias, alpha)
-    torch.testing.assert_close(out, p @ vv, rtol=1e-7, atol=1e-8)
+    torch.testing.assert_close(out, p @ vv, atol=TOL["oracle_f64"], rtol=0)
     # support agrees away from ties (keys whose weight is below 1e-9 may fall either way)
     assert (stats.nnz >= (p > 1e-9).sum(-1)).all() and (stats.nnz <= (p > 0).sum(-1)).all()
     assert torch.equal(stats.n_valid, torch.full_like(stats.n_valid, 13))
     # tau reproduces the weights: p = [(alpha-1) s - tau]_+^(1/(alpha-1))
     s = 0.7 * q @ kk.transpose(-1, -2) + bias
     p_tau = torch.clamp((alpha - 1) * s - stats.tau[..., None], min=0) ** (1 / (alpha - 1))
-    torch.testing.assert_close(p_tau, p, rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(p_tau, p, atol=TOL["oracle_f64"], rtol=0)
 
 
 def test_reference_per_head_alpha_and_bottom_right_causal():
@@ -62,7 +62,7 @@ def test_reference_per_head_alpha_and_bottom_right_causal():
     s = s.masked_fill(~keep, float("-inf"))
     for h, a in enumerate([1.0, 1.5, 2.0]):
         p = torch.softmax(s[:, h], -1) if a == 1.0 else reference_entmax(s[:, h], a)
-        torch.testing.assert_close(out[:, h], p @ v[:, h], rtol=1e-7, atol=1e-8)
+        torch.testing.assert_close(out[:, h], p @ v[:, h], atol=TOL["oracle_f64"], rtol=0)
 
 
 def test_reference_varlen_equals_separate_calls():
@@ -106,7 +106,7 @@ def test_reference_gradcheck_inputs_alpha_and_bias():
     def fn(q, k, v, alpha, bias):
         return entmax_attention(q, k, v, alpha, attn_mask=bias, is_causal=True)
 
-    assert torch.autograd.gradcheck(fn, (q, k, v, alpha, bias), eps=1e-6, atol=1e-5)
+    assert torch.autograd.gradcheck(fn, (q, k, v, alpha, bias), **TOL["gradcheck"])
 
 
 def test_transposed_layout_is_accepted():
@@ -125,7 +125,7 @@ def test_backend_auto_on_cpu_uses_reference(monkeypatch):
     monkeypatch.setattr(fused, "fused_entmax_attention", fail)
     q, k, v = (t.float() for t in qkv())
     out = entmax_attention(q, k, v, backend="auto")
-    torch.testing.assert_close(out, entmax_attention(q, k, v, backend="reference"), rtol=0, atol=0)
+    torch.testing.assert_close(out, entmax_attention(q, k, v, backend="reference"), **EXACT)
     assert out.dtype == torch.float32
 
 
@@ -246,9 +246,9 @@ def test_reference_computes_in_float32_and_float64_on_request():
     out64, st = entmax_attention_reference(q, k, v, 1.3, return_stats=True, compute_dtype=torch.float64)
     assert out32.dtype == out64.dtype == torch.float32
     assert st32.tau.dtype == torch.float32 and st.tau.dtype == torch.float64
-    torch.testing.assert_close(out64, exact.float(), rtol=0, atol=0)
+    torch.testing.assert_close(out64, exact.float(), **EXACT)
     assert (out32.double() - exact).abs().max() < 1e-5
-    torch.testing.assert_close(st.tau, st64.tau, rtol=0, atol=1e-12)
+    torch.testing.assert_close(st.tau, st64.tau, atol=TOL["same_values"][F64], rtol=0)
     half = entmax_attention_reference(q.half(), k.half(), v.half(), 1.3, return_stats=True)[1]
     assert half.tau.dtype == torch.float32
 
@@ -259,7 +259,7 @@ def test_reference_ignores_autocast():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         auto = entmax_attention(q, k, v, 1.5)
     assert auto.dtype == torch.float32
-    torch.testing.assert_close(auto, plain, rtol=0, atol=0)
+    torch.testing.assert_close(auto, plain, **EXACT)
 
 
 def _nan_case(source):
@@ -293,7 +293,7 @@ def test_reference_nonfinite_scores_give_nan_rows(alpha, source):
     out, stats = entmax_attention(q, k, v, alpha, attn_mask=mask, return_stats=True)
     ref, ref_stats = entmax_attention(*clean[:3], alpha, attn_mask=clean[3], return_stats=True)
     assert torch.isnan(out[bad]).all()
-    torch.testing.assert_close(out[~bad], ref[~bad], rtol=0, atol=0)
+    torch.testing.assert_close(out[~bad], ref[~bad], **EXACT)
     assert torch.isnan(stats.tau[bad]).all() and (stats.nnz[bad] == 0).all()
     assert torch.equal(stats.n_valid, ref_stats.n_valid)
     assert torch.equal(stats.nnz[~bad], ref_stats.nnz[~bad])
@@ -311,7 +311,7 @@ def test_reference_float_mask_minus_inf_is_exclusion_and_empty_rows_are_zero():
     q.requires_grad_(True)
     for alpha in (1.0, 1.5, 2.0, 1.3):
         out_b = entmax_attention(q, k, v, alpha, attn_mask=bias)
-        torch.testing.assert_close(out_b, entmax_attention(q, k, v, alpha, attn_mask=keep), rtol=0, atol=0)
+        torch.testing.assert_close(out_b, entmax_attention(q, k, v, alpha, attn_mask=keep), **EXACT)
         assert (out_b[:, :, 2] == 0).all()
         (g,) = torch.autograd.grad(out_b.sum(), q)
         assert torch.isfinite(g).all() and (g[:, :, 2] == 0).all()
@@ -406,7 +406,7 @@ def test_unchecked_out_of_range_alpha_gives_nan_heads(device_like):
     good = torch.tensor([True, False, False, True])
     ref = entmax_attention(q, k, v, torch.tensor([1.5, 1.5, 1.5, 1.2], dtype=torch.float64))
     assert torch.isnan(out[:, ~good]).all()
-    torch.testing.assert_close(out[:, good], ref[:, good], rtol=0, atol=0)
+    torch.testing.assert_close(out[:, good], ref[:, good], **EXACT)
     out.sum().backward()
     assert torch.isnan(alpha.grad[~good]).all() and torch.isfinite(alpha.grad[good]).all()
     assert torch.isnan(q.grad[:, ~good]).all() and torch.isfinite(q.grad[:, good]).all()
@@ -539,13 +539,13 @@ def test_reference_returns_weights():
     kk = k.repeat_interleave(2, 1)
     p = reference_entmax(0.7 * q @ kk.transpose(-1, -2) + bias, 1.5)
     assert w.shape == (2, 4, 5, 13) and w.dtype == torch.float64
-    torch.testing.assert_close(w, p, rtol=1e-7, atol=1e-9)
+    torch.testing.assert_close(w, p, atol=TOL["oracle_f64"], rtol=0)
     torch.testing.assert_close(out, w @ v.repeat_interleave(2, 1))
     assert torch.equal(stats.nnz, (w > 0).sum(-1, dtype=torch.int32))
     keep = torch.rand(2, 4, 5, 13, generator=torch.Generator().manual_seed(3)) > 0.5
     out_d, w_d = entmax_attention_reference(q, k, v, 1.5, attn_mask=bias, scale=0.7, dropout_p=0.5,
                                             dropout_mask=keep, return_weights=True)
-    torch.testing.assert_close(w_d, w, rtol=0, atol=0)
+    torch.testing.assert_close(w_d, w, **EXACT)
     torch.testing.assert_close(out_d, (w * keep / 0.5) @ v.repeat_interleave(2, 1))
     half = entmax_attention_reference(q.half(), k.half(), v.half(), 1.5, return_weights=True)[1]
     assert half.dtype == torch.float16
@@ -579,7 +579,7 @@ def test_max_seqlen_upper_bound_gives_the_same_result(kernel_device):
     cu = torch.tensor([0, 7, 20], dtype=torch.int32, device=kernel_device)
     kw = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, is_causal=True, backend="triton")
     torch.testing.assert_close(entmax_attention(q, k, v, **kw, max_seqlen_q=40, max_seqlen_k=13),
-                               entmax_attention(q, k, v, **kw), rtol=0, atol=0)
+                               entmax_attention(q, k, v, **kw), **EXACT)
 
 
 def test_custom_op_boundary_by_name():

@@ -22,10 +22,9 @@ def _check_fwd_bwd(fn, compiled, inputs):
     ref_grads = torch.autograd.grad(ref.square().sum(), leaves)
     out = compiled(*inputs)
     grads = torch.autograd.grad(out.square().sum(), leaves)
-    atol = TOL["same_values"][torch.float32]
-    torch.testing.assert_close(out, ref, atol=atol, rtol=1e-5)
+    torch.testing.assert_close(out, ref, **TOL["same_model_f32"])
     for g, g_ref in zip(grads, ref_grads):
-        torch.testing.assert_close(g, g_ref, atol=atol, rtol=1e-5)
+        torch.testing.assert_close(g, g_ref, **TOL["same_model_f32"])
 
 
 def _qkv(b=2, h=4, h_kv=2, n_q=24, n_k=32, d=16, seed=0):
@@ -129,9 +128,8 @@ def test_module_learnable_alpha_compiles_on_reference():
     (g_ref,) = torch.autograd.grad(ref.square().sum(), mod.alpha_logit)
     out = _compiled(fn)(x)
     (g,) = torch.autograd.grad(out.square().sum(), mod.alpha_logit)
-    tol = TOL["same_values"][torch.float32]
-    torch.testing.assert_close(out, ref, atol=tol, rtol=1e-5)
-    torch.testing.assert_close(g, g_ref, atol=tol, rtol=1e-5)
+    torch.testing.assert_close(out, ref, **TOL["same_model_f32"])
+    torch.testing.assert_close(g, g_ref, **TOL["same_model_f32"])
 
 
 def test_functional_and_module_fullgraph_fused(kernel_device):

@@ -10,7 +10,7 @@ import math
 
 import pytest
 import torch
-from helpers import F32, F64, TOL, gen
+from helpers import EXACT, F32, F64, TOL, gen
 from torch.autograd import gradcheck
 from torch.autograd.functional import jacobian, jvp
 
@@ -53,10 +53,10 @@ def test_forward_matches_bisection(fn, kind):
     a = fn(z, u)
     torch.testing.assert_close(a, _bisect(z, u, kind), atol=TOL["slow_solver"], rtol=0)
     assert (a <= u).all() and (a >= 0).all()
-    torch.testing.assert_close(a.sum(-1), torch.ones(40, dtype=F64), atol=1e-12, rtol=0)
+    torch.testing.assert_close(a.sum(-1), torch.ones(40, dtype=F64), atol=TOL["sum"][F64], rtol=0)
     assert (a[5:10, 3] == 0).all()
     tight = torch.full((3, 9), 1.0 / 9, dtype=F64)
-    torch.testing.assert_close(fn(z[:3], tight), tight, atol=1e-15, rtol=0)
+    torch.testing.assert_close(fn(z[:3], tight), tight, atol=TOL["ulps"][F64], rtol=0)
 
 
 @pytest.mark.parametrize("fn,kind", [(csparsemax, "sparse"), (csoftmax, "soft")])
@@ -72,13 +72,13 @@ def test_masks_lengths_and_empty_rows(fn, kind):
     a = fn(z, u, mask=mask)
     torch.testing.assert_close(a, _bisect(z, u, kind, mask), atol=TOL["slow_solver"], rtol=0)
     assert (a[4] == 0).all() and (a[~mask] == 0).all()
-    torch.testing.assert_close(fn(z.masked_fill(~mask, -math.inf), u), a, atol=0, rtol=0)
+    torch.testing.assert_close(fn(z.masked_fill(~mask, -math.inf), u), a, **EXACT)
     lengths = torch.tensor([8, 5, 2, 1, 0])
     b = fn(z, torch.ones_like(u), lengths=lengths)
     for r, n in enumerate(lengths.tolist()):
         assert (b[r, n:] == 0).all()
         if n:
-            torch.testing.assert_close(b[r, :n], fn(z[r, :n], torch.ones(n, dtype=F64)), atol=1e-14, rtol=0)
+            torch.testing.assert_close(b[r, :n], fn(z[r, :n], torch.ones(n, dtype=F64)), atol=TOL["ulps"][F64], rtol=0)
     zr = z.clone().requires_grad_()
     ur = u.clone().requires_grad_()
     fn(zr, ur, mask=mask).mul(torch.randn(5, 8, generator=gen(6), dtype=F64)).sum().backward()
@@ -89,11 +89,11 @@ def test_masks_lengths_and_empty_rows(fn, kind):
 def test_loose_bounds_limits():
     z = 3 * torch.randn(6, 10, generator=gen(7), dtype=F64)
     loose = torch.full_like(z, 1.5)
-    torch.testing.assert_close(csparsemax(z, loose), sparsemax(z), atol=1e-14, rtol=0)
-    torch.testing.assert_close(csoftmax(z, loose), torch.softmax(z, -1), atol=1e-14, rtol=0)
+    torch.testing.assert_close(csparsemax(z, loose), sparsemax(z), atol=TOL["ulps"][F64], rtol=0)
+    torch.testing.assert_close(csoftmax(z, loose), torch.softmax(z, -1), atol=TOL["ulps"][F64], rtol=0)
     inf = torch.full_like(z, math.inf)
-    torch.testing.assert_close(csparsemax(z, inf), sparsemax(z), atol=1e-14, rtol=0)
-    torch.testing.assert_close(csoftmax(z, inf), torch.softmax(z, -1), atol=1e-14, rtol=0)
+    torch.testing.assert_close(csparsemax(z, inf), sparsemax(z), atol=TOL["ulps"][F64], rtol=0)
+    torch.testing.assert_close(csoftmax(z, inf), torch.softmax(z, -1), atol=TOL["ulps"][F64], rtol=0)
 
 
 def test_extreme_scores_stay_finite():
@@ -102,8 +102,9 @@ def test_extreme_scores_stay_finite():
     for fn in (csoftmax, csparsemax):
         a = fn(z, u)
         assert torch.isfinite(a).all()
-        torch.testing.assert_close(a.sum(-1), torch.ones(2, dtype=F64), atol=1e-12, rtol=0)
-    torch.testing.assert_close(csoftmax(z, u)[0], torch.tensor([0.1, 0.2, 0.4, 0.3], dtype=F64), atol=1e-12, rtol=0)
+        torch.testing.assert_close(a.sum(-1), torch.ones(2, dtype=F64), atol=TOL["sum"][F64], rtol=0)
+    torch.testing.assert_close(csoftmax(z, u)[0], torch.tensor([0.1, 0.2, 0.4, 0.3], dtype=F64),
+                               atol=TOL["same_values"][F64], rtol=0)
 
 
 def _offset_rows(offset, seed, rows=40, n=9):
@@ -144,7 +145,8 @@ def test_csoftmax_large_scores_against_float64():
             torch.testing.assert_close(a[:, :3], torch.full((40, 3), 0.2, dtype=F64), atol=TOL["lowp_vs_f64"][F32],
                                        rtol=0)
     ties = torch.full((2, 4), 1e30)
-    torch.testing.assert_close(csoftmax(ties, torch.full((2, 4), 0.3)), torch.full((2, 4), 0.25), atol=1e-7, rtol=0)
+    torch.testing.assert_close(csoftmax(ties, torch.full((2, 4), 0.3)), torch.full((2, 4), 0.25),
+                               atol=TOL["ulps"][F32], rtol=0)
 
 
 def test_csparsemax_large_scores_against_float64():
@@ -152,11 +154,13 @@ def test_csparsemax_large_scores_against_float64():
     u = torch.full((1, 4), 0.9)
     expected = torch.tensor([[0.9, 0.1, 0.0, 0.0]], dtype=F64)
     torch.testing.assert_close(csparsemax(z, u).to(F64), expected, atol=TOL["lowp_vs_f64"][F32], rtol=0)
-    torch.testing.assert_close(csparsemax(z.to(F64), torch.full((1, 4), 0.9, dtype=F64)), expected, atol=1e-12,
+    torch.testing.assert_close(csparsemax(z.to(F64), torch.full((1, 4), 0.9, dtype=F64)), expected,
+                               atol=TOL["same_values"][F64],
                                rtol=0)
     huge = torch.tensor([[1e30, 1e30 - 2, 1e30 - 4, 0.0]], dtype=F64)
     third = torch.tensor([[1 / 3, 1 / 3, 1 / 3, 0.0]], dtype=F64)
-    torch.testing.assert_close(csparsemax(huge, torch.full((1, 4), 0.9, dtype=F64)), third, atol=1e-12, rtol=0)
+    torch.testing.assert_close(csparsemax(huge, torch.full((1, 4), 0.9, dtype=F64)), third,
+                               atol=TOL["same_values"][F64], rtol=0)
     u_rows = (0.1 + 0.4 * torch.rand(40, 9, generator=gen(43), dtype=F64)).float()
     for offset in (2.0 ** 22, -3e6):
         zz, shifted = _offset_rows(offset, 44)
@@ -176,14 +180,14 @@ def test_gradcheck_z_and_u():
     mask = torch.ones(4, 7, dtype=torch.bool)
     mask[2, 5:] = False
     for fn in (csparsemax, csoftmax):
-        assert gradcheck(fn, (z, u), eps=1e-7, atol=1e-6)
-        assert gradcheck(lambda a, b, fn=fn: fn(a, b, mask=mask), (z, u), eps=1e-7, atol=1e-6)
+        assert gradcheck(fn, (z, u), **TOL["gradcheck"])
+        assert gradcheck(lambda a, b, fn=fn: fn(a, b, mask=mask), (z, u), **TOL["gradcheck"])
     u_row = _bounds((1, 7), 10, scale=0.5).requires_grad_()
     for fn in (csparsemax, csoftmax):
-        assert gradcheck(lambda a, b, fn=fn: fn(a, b, dim=-1), (z, u_row), eps=1e-7, atol=1e-6)
+        assert gradcheck(lambda a, b, fn=fn: fn(a, b, dim=-1), (z, u_row), **TOL["gradcheck"])
     zt = z.detach().t().contiguous().requires_grad_()
     ut = u.detach().t().contiguous().requires_grad_()
-    assert gradcheck(lambda a, b: csparsemax(a, b, dim=0), (zt, ut), eps=1e-7, atol=1e-6)
+    assert gradcheck(lambda a, b: csparsemax(a, b, dim=0), (zt, ut), **TOL["gradcheck"])
 
 
 def _csparsemax_jacobians(a, u):
@@ -262,7 +266,7 @@ def test_infeasible_bounds_raise(fn):
     assert fn(torch.empty(0, 4), torch.ones(0, 4)).shape == (0, 4)
     assert fn(torch.empty(3, 0), torch.ones(3, 0)).shape == (3, 0)
     exact = torch.full((2, 4), 0.25, dtype=torch.float32)
-    torch.testing.assert_close(fn(z[:2].float(), exact), exact, atol=1e-7, rtol=0)
+    torch.testing.assert_close(fn(z[:2].float(), exact), exact, atol=TOL["ulps"][F32], rtol=0)
     with pytest.raises(ValueError, match="u must be >= 0"):
         fn(z, torch.tensor([-0.1, 0.5, 0.5, 0.5], dtype=F64))
     with pytest.raises(ValueError, match="u must be >= 0"):
@@ -302,18 +306,18 @@ def test_decode_never_exceeds_fertility(transform):
     for module, kwargs in cases:
         attn, state = module(scores, src_lengths=lengths, **kwargs)
         assert attn.shape == (3, 9, 7)
-        torch.testing.assert_close(attn.sum(-1), torch.ones(3, 9, dtype=F64), atol=1e-12, rtol=0)
+        torch.testing.assert_close(attn.sum(-1), torch.ones(3, 9, dtype=F64), atol=TOL["sum"][F64], rtol=0)
         total = attn.sum(1)[:, :6]
         fert = state.fertility[:, :6]
         assert (total <= fert + TOL["invariant"]).all()
-        torch.testing.assert_close(total, state.cumulative[:, :6], atol=1e-12, rtol=0)
+        torch.testing.assert_close(total, state.cumulative[:, :6], atol=TOL["same_values"][F64], rtol=0)
         valid = torch.arange(6) < lengths[:, None]
         assert (attn[:, :, :6][~valid[:, None, :].expand(3, 9, 6)] == 0).all()
         assert torch.isinf(state.fertility[:, 6]).all()
     long_scores = torch.randn(2, 20, 4, generator=gen(18), dtype=F64)
     attn, _ = FertilityAttention(transform, fertility=1.0)(long_scores)
     assert (attn.sum(1)[:, :4] <= 1.0 + TOL["invariant"]).all()
-    torch.testing.assert_close(attn[:, -8:, 4], torch.ones(2, 8, dtype=F64), atol=1e-12, rtol=0)
+    torch.testing.assert_close(attn[:, -8:, 4], torch.ones(2, 8, dtype=F64), atol=TOL["same_values"][F64], rtol=0)
 
 
 def test_incremental_equals_whole_target_and_exhaustion():
@@ -326,14 +330,14 @@ def test_incremental_equals_whole_target_and_exhaustion():
         kwargs = {"src_lengths": lengths} if state is None else {}
         a, state = module.step(scores[:, t], state, **kwargs)
         steps.append(a)
-    torch.testing.assert_close(torch.stack(steps, 1), whole, atol=0, rtol=0)
-    torch.testing.assert_close(state.cumulative, final.cumulative, atol=0, rtol=0)
+    torch.testing.assert_close(torch.stack(steps, 1), whole, **EXACT)
+    torch.testing.assert_close(state.cumulative, final.cumulative, **EXACT)
     first = module.step(scores[:, 0], src_lengths=lengths)[0]
     valid = torch.arange(6) < lengths[:, None]
     u = torch.cat([torch.where(valid, 1.5, 0.0).to(F64), torch.full((3, 1), math.inf, dtype=F64)], -1)
     z = torch.cat([scores[:, 0] + 0.3 * u[:, :6], torch.zeros(3, 1, dtype=F64)], -1)
     torch.testing.assert_close(first, csparsemax(z, u, mask=torch.cat([valid, torch.ones(3, 1, dtype=torch.bool)], -1)),
-                               atol=0, rtol=0)
+                               **EXACT)
     plain = FertilityAttention("csparsemax", fertility=1.5, exhaustion=0.0).step(scores[:, 0], src_lengths=lengths)[0]
     assert not torch.allclose(plain, first)
 
@@ -363,7 +367,7 @@ def test_decode_gradients():
     fert = (0.5 + torch.rand(2, 3, generator=gen(23), dtype=F64)).requires_grad_()
     for transform in ("csparsemax", "csoftmax"):
         module = FertilityAttention(transform, fertility=None).double()
-        assert gradcheck(lambda s, f, m=module: m(s, fertility=f)[0], (scores, fert), eps=1e-7, atol=1e-6)
+        assert gradcheck(lambda s, f, m=module: m(s, fertility=f)[0], (scores, fert), **TOL["gradcheck"])
     predictor = FertilityPredictor(4, max_fertility=2.0).double()
     module = FertilityAttention("csparsemax", fertility=None, predictor=predictor).double()
     enc = torch.randn(2, 3, 4, generator=gen(24), dtype=F64)

@@ -18,6 +18,7 @@ sys.path.insert(0, str(EXAMPLES))
 import demo  # noqa: E402
 import inference  # noqa: E402
 import train_sparse_transformer as T  # noqa: E402
+from helpers import F32, TOL  # noqa: E402
 
 from sparse_attn.stats import record_head_stats  # noqa: E402
 
@@ -143,7 +144,8 @@ def test_inference_loads_checkpoint(run, capsys):
     adaptive = next(r for r in result["results"] if r.variant == "adaptive")
     model, cfg, metrics = T.load_checkpoint(adaptive.checkpoint)
     assert cfg.variant == "adaptive" and cfg.length == 5
-    np.testing.assert_allclose(T.current_alphas(model), adaptive.alpha_history[-1], rtol=0, atol=1e-6)
+    np.testing.assert_allclose(T.current_alphas(model), adaptive.alpha_history[-1],
+                               atol=TOL["same_values"][F32], rtol=0)
     info = inference.main(["--checkpoint", adaptive.checkpoint, "--device", "cpu", "--n", "16", "--out", str(out),
                            "--module", "encoder.0.self_attn"])
     printed = capsys.readouterr().out

@@ -7,7 +7,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from helpers import TOL, OpLog, host_reads_outside, qkv  # noqa: E402
+from helpers import EXACT, F32, F64, TOL, OpLog, host_reads_outside, qkv  # noqa: E402
 from transformers import BertConfig, BertModel, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 import sparse_attn.integrations.hf as entmax_hf  # noqa: E402
@@ -71,12 +71,12 @@ def test_llama_alpha_one_matches_eager_with_gqa_and_padding():
         ref = eager(ids, attention_mask=mask, output_attentions=True)
         out = ent(ids, attention_mask=mask, output_attentions=True)
     valid = mask.bool()
-    torch.testing.assert_close(out.logits[valid], ref.logits[valid], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.logits[valid], ref.logits[valid], **TOL["same_model_f32"])
     for a_ref, a in zip(ref.attentions, out.attentions):
-        torch.testing.assert_close(a[0], a_ref[0], atol=1e-6, rtol=1e-5)
-        torch.testing.assert_close(a[1][:, 3:], a_ref[1][:, 3:], atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(a[0], a_ref[0], **TOL["same_model_f32"])
+        torch.testing.assert_close(a[1][:, 3:], a_ref[1][:, 3:], **TOL["same_model_f32"])
     with torch.no_grad():
-        torch.testing.assert_close(ent(ids).logits, eager(ids).logits, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ent(ids).logits, eager(ids).logits, **TOL["same_model_f32"])
 
 
 def test_llama_sparse_cache_consistency_and_generate():
@@ -89,7 +89,7 @@ def test_llama_sparse_cache_consistency_and_generate():
         step = ent(ids[:, 6:], attention_mask=mask, past_key_values=pre.past_key_values, use_cache=True)
     assert any((a[mask.bool()[:, None, :, None].expand_as(a)] == 0).any() for a in full.attentions)
     valid = mask.bool()[:, 6:]
-    torch.testing.assert_close(step.logits[valid], full.logits[:, 6:][valid], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(step.logits[valid], full.logits[:, 6:][valid], **TOL["same_model_f32"])
 
     gen = ent.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, use_cache=True)
     assert gen.shape == (2, 13)
@@ -162,7 +162,7 @@ def test_save_and_reload_round_trip_every_attach_option(tmp_path, options):
     ids, mask = _ids_and_padding()
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids, attention_mask=mask).logits, ent(ids, attention_mask=mask).logits,
-                                   atol=0, rtol=0)
+                                   **EXACT)
 
 
 def test_record_stats_without_attached_alpha():
@@ -178,7 +178,7 @@ def test_record_stats_without_attached_alpha():
     assert rec.layer_names == ["model.layers.0.self_attn"]
     n_valid = torch.arange(1, ids.shape[1] + 1, dtype=torch.float64)
     expected = ((weights > 0).sum(-1).double() / n_valid).mean((0, 2))
-    torch.testing.assert_close(rec.density()[0], expected, atol=1e-12, rtol=0)
+    torch.testing.assert_close(rec.density()[0], expected, atol=TOL["same_values"][F64], rtol=0)
     assert (rec.density() < 1).any()
     torch.testing.assert_close(rec.alphas(), torch.full((1, H), 1.6, dtype=torch.float64))
     assert "1.600" in rec.table()
@@ -230,7 +230,7 @@ def test_bert_alpha_one_matches_eager_and_sparse_stats():
     with torch.no_grad():
         ref = eager(ids, attention_mask=mask).last_hidden_state
         out = ent(ids, attention_mask=mask).last_hidden_state
-    torch.testing.assert_close(out[mask.bool()], ref[mask.bool()], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out[mask.bool()], ref[mask.bool()], **TOL["same_model_f32"])
     entmax_hf.attach_entmax_alpha(ent, alpha=torch.tensor([1.25, 1.5, 1.75, 1.9]), learnable=True)
     with record_head_stats(ent) as rec, torch.no_grad():
         ent(ids, attention_mask=mask)
@@ -240,10 +240,10 @@ def test_bert_alpha_one_matches_eager_and_sparse_stats():
     for layer, a in enumerate(attn):
         assert (a[~keys.expand_as(a)] == 0).all()
         expected = ((a > 0).sum(-1).double() / keys.sum(-1).double()).mean((0, 2))
-        torch.testing.assert_close(rec.density()[layer], expected, atol=1e-12, rtol=0)
+        torch.testing.assert_close(rec.density()[layer], expected, atol=TOL["same_values"][F64], rtol=0)
     assert (rec.density() < 1).any()
     expected = torch.tensor([1.25, 1.5, 1.75, 1.9], dtype=torch.float64)
-    torch.testing.assert_close(rec.alphas()[0], expected, atol=1e-6, rtol=0)
+    torch.testing.assert_close(rec.alphas()[0], expected, atol=TOL["same_values"][F32], rtol=0)
 
 
 def _attn_module(**config):

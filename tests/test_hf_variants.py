@@ -17,6 +17,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from helpers import EXACT, TOL  # noqa: E402
 from transformers import (  # noqa: E402
     AutoConfig,
     AutoModel,
@@ -127,7 +128,7 @@ def test_alpha_one_equals_eager_attention(name):
     with torch.no_grad():
         for m in (None, mask):
             valid = torch.ones(2, 10, dtype=torch.bool) if m is None else m.bool()
-            torch.testing.assert_close(_out(ent, ids, m)[valid], _out(eager, ids, m)[valid], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(_out(ent, ids, m)[valid], _out(eager, ids, m)[valid], **TOL["same_model_f32"])
 
 
 # per architecture: what the variant layers must receive, and the variant whose removal must change the result
@@ -165,7 +166,8 @@ def test_variants_reach_entmax_attention_as_arguments(name, recorded):
         full = reference_forward(inputs).out
         for field in essential:
             if getattr(inputs, field) is not None:
-                assert not torch.allclose(reference_forward(inputs._replace(**{field: None})).out, full, atol=1e-4)
+                assert not torch.allclose(reference_forward(inputs._replace(**{field: None})).out, full,
+                                          atol=TOL["changed"])
 
 
 @pytest.mark.parametrize("name", DECODERS)
@@ -181,14 +183,14 @@ def test_generate_with_a_kv_cache_equals_recomputation(name, recorded):
         full_mask = torch.cat([mask, torch.ones(2, seq.shape[1] - 7, dtype=mask.dtype)], dim=1)
         full = ent(seq, attention_mask=full_mask).logits
         for step, logits in enumerate(res.logits):
-            torch.testing.assert_close(logits, full[:, 6 + step], rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(logits, full[:, 6 + step], **TOL["same_model_f32"])
         if name in ("mistral", "gpt_oss", "gemma2"):
             decode_steps = [i for i in recorded if i.q.shape[2] == 1 and i.window_size is not None]
             assert decode_steps and all(i.mask is None or i.mask.dim() == 4 and i.mask.shape[2] == 1
                                         for i in decode_steps)
         ent.config.entmax_alpha = 1.0
         kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
-        torch.testing.assert_close(ent.generate(ids, **kw), eager.generate(ids, **kw), rtol=0, atol=0)
+        torch.testing.assert_close(ent.generate(ids, **kw), eager.generate(ids, **kw), **EXACT)
 
 
 @pytest.fixture(scope="module")
@@ -206,7 +208,7 @@ def test_padding_only_masks_equal_materialized_masks_for_entmax(name, materializ
     ids, mask = _inputs()
     with torch.no_grad():
         valid = mask.bool()
-        torch.testing.assert_close(_out(ent, ids, mask)[valid], _out(mat, ids, mask)[valid], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(_out(ent, ids, mask)[valid], _out(mat, ids, mask)[valid], **TOL["same_model_f32"])
 
 
 def _mask(**kwargs):
@@ -315,7 +317,8 @@ def test_fused_backend_runs_windows_and_softcap_in_the_kernels(kwargs):
                                              **kwargs)[0]
     ref = entmax_hf.entmax_attention_forward(_llama_attention(backend="reference"), q.double(), k.double(),
                                              v.double(), None, is_causal=True, **kwargs)[0]
-    torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4)
+    tol = TOL["fused_vs_reference_f32"]["out"]
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
 
 
 # Architectures that did not route their attention through the interface in some transformers release (GPT-J and
@@ -365,7 +368,8 @@ def test_entmax_is_refused_exactly_by_architectures_without_the_attention_interf
     with torch.no_grad():
         soft, sparse = eager(input_ids=ids).last_hidden_state, model(input_ids=ids).last_hidden_state
     assert torch.isfinite(sparse).all()
-    assert not torch.allclose(soft, sparse, atol=1e-4), f"{model_type}: entmax attention did not change the output"
+    changed = not torch.allclose(soft, sparse, atol=TOL["changed"])
+    assert changed, f"{model_type}: entmax attention did not change the output"
 
 
 def test_some_installed_architectures_still_refuse_entmax():
@@ -408,9 +412,9 @@ def test_falcon_runs_entmax_through_its_sdpa_calls(alibi):
     ids, mask = _inputs(n=8, pad=2)
     with torch.no_grad():
         torch.testing.assert_close(swapped(ids, attention_mask=mask).logits[mask.bool()],
-                                   plain(ids, attention_mask=mask).logits[mask.bool()], rtol=1e-5, atol=1e-5)
+                                   plain(ids, attention_mask=mask).logits[mask.bool()], **TOL["same_model_f32"])
         kw = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
-        torch.testing.assert_close(swapped.generate(ids, **kw), plain.generate(ids, **kw), rtol=0, atol=0)
+        torch.testing.assert_close(swapped.generate(ids, **kw), plain.generate(ids, **kw), **EXACT)
 
 
 def test_sliding_window_model_compiles_with_fullgraph():
@@ -421,4 +425,4 @@ def test_sliding_window_model_compiles_with_fullgraph():
     with torch.no_grad():
         expected = _out(ent, ids, mask)
         compiled = torch.compile(ent, fullgraph=True)(ids, attention_mask=mask).logits
-    torch.testing.assert_close(compiled[mask.bool()], expected[mask.bool()], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(compiled[mask.bool()], expected[mask.bool()], **TOL["same_model_f32"])

@@ -12,7 +12,7 @@ import math
 
 import pytest
 import torch
-from helpers import TOL
+from helpers import EXACT, F64, TOL
 
 import sparse_attn as sa
 from sparse_attn._triton_rows import entmax_rows_triton
@@ -131,7 +131,7 @@ def test_masked_nonfinite_entries_are_not_looked_at(fn):
     clean = fn(x, mask=mask)
     x[0, -1], x[1, -1] = math.nan, math.inf
     out = fn(x, mask=mask)
-    torch.testing.assert_close(out, clean, atol=0, rtol=0)
+    torch.testing.assert_close(out, clean, **EXACT)
 
 
 def test_nonfinite_rows_under_compile():
@@ -147,9 +147,9 @@ def test_nonfinite_rows_under_compile():
     ae = _row_alpha(xe, list(range(N_ROWS)))
     ye = sa.entmax(xe, ae)
     ye.backward(g)
-    torch.testing.assert_close(y, ye, atol=1e-12, rtol=0, equal_nan=True)
-    torch.testing.assert_close(x.grad, xe.grad, atol=1e-12, rtol=0, equal_nan=True)
-    torch.testing.assert_close(a.grad, ae.grad, atol=1e-12, rtol=0, equal_nan=True)
+    torch.testing.assert_close(y, ye, atol=TOL["same_values"][F64], rtol=0, equal_nan=True)
+    torch.testing.assert_close(x.grad, xe.grad, atol=TOL["same_values"][F64], rtol=0, equal_nan=True)
+    torch.testing.assert_close(a.grad, ae.grad, atol=TOL["same_values"][F64], rtol=0, equal_nan=True)
     assert torch.isnan(y[NAN_ROW]).all() and torch.isnan(x.grad[POS_INF_ROW]).all()
 
 
@@ -161,7 +161,7 @@ def test_fertility_attention_nan_scores_stay_in_their_batch_entry():
     scores[1, 1, 2] = math.nan
     attn, state = module(scores)
     assert torch.isfinite(attn[1, 0]).all() and torch.isnan(attn[1, 1:]).all()
-    torch.testing.assert_close(attn[[0, 2]], clean[[0, 2]], atol=0, rtol=0)
+    torch.testing.assert_close(attn[[0, 2]], clean[[0, 2]], **EXACT)
     assert torch.isnan(state.cumulative[1]).all() and torch.isfinite(state.cumulative[[0, 2]]).all()
 
 
@@ -206,8 +206,8 @@ def test_loss_nonfinite_logits(name, kind):
     xs = x.detach()[keep].clone().requires_grad_()
     ls = loss_fn(xs, target[keep])
     ls.backward(torch.ones_like(ls))
-    torch.testing.assert_close(loss.detach()[keep], ls.detach(), atol=1e-12, rtol=0)
-    torch.testing.assert_close(x.grad[keep], xs.grad, atol=1e-12, rtol=0)
+    torch.testing.assert_close(loss.detach()[keep], ls.detach(), atol=TOL["same_values"][F64], rtol=0)
+    torch.testing.assert_close(x.grad[keep], xs.grad, atol=TOL["same_values"][F64], rtol=0)
     assert torch.isnan(loss_fn(x.detach(), target, reduction="mean"))
 
 

@@ -1,8 +1,10 @@
 """House rules of the source tree: the package's modules import each other one way (no cycle, lazy imports inside
-functions included), and no source file passes 600 lines."""
+functions included), no source file passes 600 lines, and test tolerances come from the one table
+(``tests/helpers.py``: ``TOL`` and ``EXACT``)."""
 
 import ast
 import pathlib
+import re
 
 import pytest
 
@@ -70,3 +72,52 @@ def test_no_import_cycles():
 @pytest.mark.parametrize("path", _sources(), ids=lambda p: str(p.relative_to(ROOT)))
 def test_files_stay_under_600_lines(path):
     assert len(path.read_text().splitlines()) <= MAX_LINES, f"{path.relative_to(ROOT)}: split it by concern"
+
+
+# Test files whose tolerances are migrated to the table separately (others are editing them).
+TOLERANCE_SCAN_SKIPPED = {
+    "test_attention_fwd.py": "migrated separately",
+    "test_attention_bwd.py": "migrated separately",
+    "test_decode.py": "migrated separately",
+    "test_forward_passes.py": "migrated separately",
+    "test_variants.py": "migrated separately",
+}
+# ``atol=`` / ``rtol=`` given a number written at the site (``1e-5``, ``10 * tol``, ``0``).
+_LITERAL_TOL = re.compile(r"\b([ar]tol)\s*=\s*([-+]?\.?\d[\w.+-]*)")
+
+
+def literal_tolerances(text: str) -> list[str]:
+    """``line: text`` of each line of ``text`` that sets ``atol=`` / ``rtol=`` to a literal number and has no
+    ``# why:`` comment. A zero is the form of a bound, not its size (``rtol=0``: an absolute bound), and passes,
+    except both zero: an exact comparison, spelled ``**EXACT`` (or ``torch.equal``)."""
+    found = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if "# why:" in line:
+            continue
+        hits = _LITERAL_TOL.findall(line)
+        zeros = {name for name, value in hits if re.fullmatch(r"0(\.0*)?", value)}
+        if len(hits) > len(zeros) or zeros == {"atol", "rtol"}:
+            found.append(f"{number}: {line.strip()}")
+    return found
+
+
+def _test_files():
+    return sorted(p for p in (ROOT / "tests").glob("*.py")
+                  if p.name != "helpers.py" and p.name not in TOLERANCE_SCAN_SKIPPED)
+
+
+def test_tolerance_scan_catches_literals():
+    bad = ["assert_close(a, b, atol=1e-5, rtol=0)",  # why: the scan's own examples
+           "assert_close(a, b, rtol=1.3e-6, atol=TOL['x'])",  # why: the scan's own examples
+           "allclose(a, b, atol=.5)", "assert_close(a, b, atol=10 * tol, rtol=0)",  # why: the scan's own examples
+           "assert_close(a, b, atol=0, rtol=0)"]  # why: the scan's own examples
+    good = ["assert_close(a, b, atol=TOL['x'][dtype], rtol=0)", "assert_close(a, b, **EXACT)",
+            "assert_close(a, b, atol=0, rtol=TOL['y'])", "assert_close(a, b, atol=1e-3)  # why: a loose sanity bound"]
+    assert [hit.split(": ", 1)[1] for hit in literal_tolerances("\n".join(bad + good))] == bad
+
+
+@pytest.mark.parametrize("path", _test_files(), ids=lambda p: p.name)
+def test_tolerances_come_from_the_table(path):
+    found = literal_tolerances(path.read_text())
+    assert found == [], (f"{path.name}: literal atol/rtol (use TOL / EXACT from tests/helpers.py, or say "
+                         "'# why:' on the line):\n" + "\n".join(found))

@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from helpers import TOL, assert_close_to_ref, randn, reference_entmax
+from helpers import F64, TOL, assert_close_to_ref, randn, reference_entmax
 
 import sparse_attn._triton_rows as triton_rows
 import sparse_attn.mappings as mappings
@@ -30,16 +30,17 @@ EXACT = {
 def test_exact_paths_match_reference(name, dim):
     fn, alpha = EXACT[name]
     x = randn(5, 7, 6, seed=dim + 3)
-    torch.testing.assert_close(fn(x, dim=dim), reference_entmax(x, alpha, dim), atol=1e-10, rtol=0)
-    torch.testing.assert_close(entmax(x, alpha, dim=dim), reference_entmax(x, alpha, dim), atol=1e-10, rtol=0)
+    torch.testing.assert_close(fn(x, dim=dim), reference_entmax(x, alpha, dim), atol=TOL["oracle_f64"], rtol=0)
+    torch.testing.assert_close(entmax(x, alpha, dim=dim), reference_entmax(x, alpha, dim),
+                               atol=TOL["oracle_f64"], rtol=0)
 
 
 @pytest.mark.parametrize("alpha", [0.3, 0.8, 1.0, 1.1, 1.33, 1.5, 1.75, 2.0, 2.5, 4.0])
 def test_bisect_matches_reference(alpha):
     x = randn(6, 11, seed=int(alpha * 100))
     x[0, 3] = -math.inf
-    torch.testing.assert_close(entmax_bisect(x, alpha), reference_entmax(x, alpha), atol=1e-10, rtol=0)
-    torch.testing.assert_close(entmax(x, alpha), reference_entmax(x, alpha), atol=1e-10, rtol=0)
+    torch.testing.assert_close(entmax_bisect(x, alpha), reference_entmax(x, alpha), atol=TOL["oracle_f64"], rtol=0)
+    torch.testing.assert_close(entmax(x, alpha), reference_entmax(x, alpha), atol=TOL["oracle_f64"], rtol=0)
 
 
 def test_per_head_alpha_on_masked_scores():
@@ -50,7 +51,7 @@ def test_per_head_alpha_on_masked_scores():
     s[1, :, 4, :] = -math.inf
     alpha = torch.tensor([1.0, 1.5, 2.0, 1.25, 1.5], dtype=torch.float64).view(1, h, 1, 1)
     p = entmax(s, alpha, dim=-1)
-    torch.testing.assert_close(p, reference_entmax(s, alpha, -1), atol=1e-10, rtol=0)
+    torch.testing.assert_close(p, reference_entmax(s, alpha, -1), atol=TOL["oracle_f64"], rtol=0)
     assert torch.equal(p[0, 0], torch.softmax(s[0, 0], -1))
     assert bool((p[causal.expand_as(p)] == 0).all())
     assert bool((p[1, :, 4] == 0).all())
@@ -118,7 +119,8 @@ def test_alpha_gradient_fp32_matches_fp64(value):
         w = randn(4, 12, dtype=dt, seed=8)
         (entmax(x.to(dt), alpha) * w).sum().backward()
         grads.append(alpha.grad.double())
-    torch.testing.assert_close(grads[0], grads[1], atol=2e-4, rtol=2e-3)
+    torch.testing.assert_close(grads[0], grads[1],
+                               atol=2e-4, rtol=2e-3)  # why: fp32 dalpha near alpha = 1 (measured 4.3e-7)
 
 
 def test_alpha_to_one_continuity():
@@ -181,9 +183,9 @@ def test_large_magnitudes(fn, alpha, dtype, scale):
 def test_shift_invariance_and_permutation(fn):
     x = randn(5, 13, seed=10)
     p = fn(x)
-    torch.testing.assert_close(fn(x + 7.25), p, atol=1e-10, rtol=0)
+    torch.testing.assert_close(fn(x + 7.25), p, atol=TOL["same_values"][F64], rtol=0)
     perm = torch.randperm(13, generator=torch.Generator().manual_seed(0))
-    torch.testing.assert_close(fn(x[:, perm]), p[:, perm], atol=1e-12, rtol=0)
+    torch.testing.assert_close(fn(x[:, perm]), p[:, perm], atol=TOL["same_values"][F64], rtol=0)
 
 
 def test_fp16_bf16_match_fp32_reference():
@@ -281,9 +283,9 @@ def test_cuda_long_rows_match_cpu_path(dtype):
     w = randn(6, 4096, dtype=torch.float32, seed=18)
     pc = entmax(xc, ac)
     ph = entmax(xh, ah)
-    tol = TOL["rows_cuda_vs_cpu"][dtype]
+    tol, grad_tol = TOL["rows_cuda_vs_cpu"][dtype], TOL["rows_cuda_vs_cpu_grad"][dtype]
     torch.testing.assert_close(pc.cpu().float(), ph.float(), atol=tol, rtol=0)
     (pc.float() * w.cuda()).sum().backward()
     (ph.float() * w).sum().backward()
-    torch.testing.assert_close(xc.grad.cpu().float(), xh.grad.float(), atol=10 * tol, rtol=0)
-    torch.testing.assert_close(ac.grad.cpu(), ah.grad, atol=10 * tol, rtol=1e-2)
+    torch.testing.assert_close(xc.grad.cpu().float(), xh.grad.float(), atol=grad_tol, rtol=0)
+    torch.testing.assert_close(ac.grad.cpu(), ah.grad, atol=grad_tol, rtol=1e-2)  # why: dalpha sums 4096 terms

@@ -28,6 +28,7 @@ import sparsify  # noqa: E402
 import sparsify_data  # noqa: E402
 import sparsify_model  # noqa: E402
 import sparsify_stats  # noqa: E402
+from helpers import F32, TOL  # noqa: E402
 
 SHORT = ["--n-eval", "24", "--seq-len", "16", "--steps", "6", "--batch-size", "4", "--log-every", "2",
          "--alphas", "1,1.5", "--no-progress", "--threads", "1"]
@@ -59,7 +60,7 @@ def test_alpha_one_is_the_eager_softmax_model(held_out_batch):
         expected = eager(**held_out_batch).last_hidden_state
         got = entmax(**held_out_batch).last_hidden_state
     keep = held_out_batch["attention_mask"].bool()
-    torch.testing.assert_close(got[keep], expected[keep], rtol=0, atol=1e-5)
+    torch.testing.assert_close(got[keep], expected[keep], atol=TOL["same_values"][F32], rtol=0)
     sparsify.attach_alphas(entmax, sparsify.TrainConfig(learnable=False, alpha=1.5))
     with torch.no_grad():
         sparse = entmax(**held_out_batch).last_hidden_state
@@ -90,18 +91,18 @@ def test_learnable_alphas_move_and_fixed_stay(run):
     learn, fixed = runs["adapted learnable"], runs["adapted fixed 1.5"]
     assert learn.alpha_steps == [0, 2, 4, 6]
     first, last = learn.alpha_history[0], learn.alpha_history[-1]
-    assert np.allclose(first, 1.05, atol=1e-5)
+    assert np.allclose(first, 1.05, atol=TOL["same_values"][F32])
     change = np.abs(last - first)
     assert change.min() > 1e-4 and change.mean() > 5e-3, "every head's alpha should move"
     assert np.all((last > 1.0) & (last < 2.0))
     assert np.all(np.asarray(fixed.alpha_history) == 1.5)
     adapted = result["adapted"]["adapted learnable"]
-    assert np.allclose(adapted.alpha.numpy(), last, atol=1e-6)
+    assert np.allclose(adapted.alpha.numpy(), last, atol=TOL["same_values"][F32])
     assert torch.all((adapted.density > 0) & (adapted.density <= 1))
     with open(out / "alpha_trajectories.csv") as f:
         rows = [r for r in csv.DictReader(f) if r["run"] == "adapted learnable" and r["step"] == "6"]
     assert len(rows) == 6 * 12
-    assert np.allclose([float(r["alpha"]) for r in rows], last.reshape(-1), atol=1e-5)
+    assert np.allclose([float(r["alpha"]) for r in rows], last.reshape(-1), atol=1e-5)  # why: the CSV holds 6 decimals
 
 
 def test_reports_and_figures_written(run):
@@ -139,7 +140,7 @@ def test_stats_on_a_text_file_restores_the_learned_alphas(run, tmp_path):
     stats = sparsify_stats.main(["--model", str(out / "adapted_learnable"), "--text", str(text), "--seq-len", "32",
                                  "--batch-size", "4", "--out", str(tmp_path / "stats")])
     learned = result["runs"][0].alpha_history[-1]
-    assert np.allclose(stats["alpha"].numpy(), learned, atol=1e-5)
+    assert np.allclose(stats["alpha"].numpy(), learned, atol=TOL["same_values"][F32])
     assert stats["windows"] >= 2 and stats["tokens"] > 32
     density = stats["density"]
     assert density.shape == (6, 12) and torch.all((density > 0) & (density <= 1))

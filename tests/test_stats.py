@@ -5,7 +5,7 @@ import sys
 
 import pytest
 import torch
-from helpers import host_reads_outside
+from helpers import F64, TOL, host_reads_outside
 from torch import nn
 
 import sparse_attn.attention as attention_mod
@@ -95,7 +95,7 @@ def test_density_alpha_and_diversity_match_materialized_weights():
         for x, mem, kpm in batches:
             model(x, mem, kpm)
     assert rec.layer_names == ["self_attn", "cross"]
-    torch.testing.assert_close(rec.density(), expected, atol=1e-12, rtol=0)
+    torch.testing.assert_close(rec.density(), expected, atol=TOL["same_values"][F64], rtol=0)
     torch.testing.assert_close(rec.alphas(), torch.stack([model.self_attn.alpha, model.cross.alpha]).detach().double())
     div = rec.diversity()
     for layer, name in enumerate(rec.layer_names):
@@ -105,7 +105,7 @@ def test_density_alpha_and_diversity_match_materialized_weights():
     with record_head_stats(model) as fast:
         for x, mem, kpm in batches:
             model(x, mem, kpm)
-    torch.testing.assert_close(fast.density(), expected, atol=1e-12, rtol=0)
+    torch.testing.assert_close(fast.density(), expected, atol=TOL["same_values"][F64], rtol=0)
     with pytest.raises(RuntimeError, match="diversity=True"):
         fast.diversity()
 
@@ -132,7 +132,7 @@ def test_query_mask_leaves_padded_rows_out():
         for (x, mem, kpm), rows in zip(batches, row_masks):
             rec.set_query_mask(rows.bool() if x.shape[0] == 3 else rows)
             model(x, mem, kpm)
-    torch.testing.assert_close(rec.density(), num / den, atol=1e-12, rtol=0)
+    torch.testing.assert_close(rec.density(), num / den, atol=TOL["same_values"][F64], rtol=0)
     for layer, name in enumerate(rec.layer_names):
         assert rec.diversity()[name] == pytest.approx(sum(js_vals[layer]) / len(js_vals[layer]), abs=1e-10)
     with record_head_stats(model) as plain:
@@ -158,7 +158,7 @@ def test_density_history_per_call():
         for x, mem, kpm in batches:
             model(x, mem, kpm)
         model.self_attn(batches[0][0], batches[0][0], batches[0][0], is_causal=True)
-    torch.testing.assert_close(rec.density_history()[:3], want, atol=1e-12, rtol=0)
+    torch.testing.assert_close(rec.density_history()[:3], want, atol=TOL["same_values"][F64], rtol=0)
     assert rec.density_history().shape == (4, 2, H) and torch.isnan(rec.density_history()[3, 1]).all()
     with record_head_stats(model) as plain:
         model(*batches[0])
@@ -283,7 +283,7 @@ def test_density_from_fused_kernel_counts(kernel_device):
     frac = (w > 0).sum(-1).double() / n_valid.clamp_min(1)
     rows = (n_valid > 0).expand_as(frac)
     expected = (frac * rows).sum((0, 2)) / rows.sum((0, 2))
-    torch.testing.assert_close(rec.density()[0], expected.cpu(), atol=1e-12, rtol=0)
+    torch.testing.assert_close(rec.density()[0], expected.cpu(), atol=TOL["same_values"][F64], rtol=0)
 
 
 class _DotAttention(nn.Module):
