@@ -155,11 +155,11 @@ def _backward(ctx, d_out, *_unused):
     *saved, out, out_u, tau, lsum, live = ctx.saved_tensors
     a = {**dict(zip(_SAVED, saved, strict=True)), **ctx.args}
     need = {name: wants and a[name] is not None for name, wants in fwd_op_named(ctx.needs_input_grad).items()}
+    shared = ("q", "k", "v", "alpha", "bias", "cu_seqlens_q", "cu_seqlens_k", "scale", "is_causal", "window",
+              "alibi_slopes", "softcap", "sinks", "max_seqlen_q", "max_seqlen_k", "dropout_p", "seed", "alpha_class")
     dq, dk, dv, dalpha, dbias, dsinks = _bwd_op(
-        d_out.contiguous(), a["q"], a["k"], a["v"], out, out_u, tau, lsum, a["alpha"], a["bias"], a["cu_seqlens_q"],
-        a["cu_seqlens_k"], live, a["scale"], a["is_causal"], a["window"], a["alibi_slopes"], a["softcap"], a["sinks"],
-        a["max_seqlen_q"], a["max_seqlen_k"], a["dropout_p"], a["seed"], need["alpha"], need["bias"],
-        a["alpha_class"],
+        do=d_out.contiguous(), out=out, out_u=out_u, tau=tau, lsum=lsum, live=live, need_dalpha=need["alpha"],
+        need_dbias=need["bias"], **{name: a[name] for name in shared},
     )
     grads = dict(q=dq, k=dk, v=dv, alpha=dalpha, bias=dbias, sinks=dsinks)
     return tuple(grads[name] if name in DIFFERENTIABLE and need[name] else None for name in FWD_FIELDS)

@@ -322,9 +322,11 @@ def entmax_decode(
         return _reference_decode(q, k_cache, v_cache, seqlens, block_table, alpha, attn_mask, is_causal, scale,
                                  return_stats, window_size, alibi_slopes, sinks, softcap)
 
-    out, tau, nnz, n_valid = _decode_op(q, k_cache, v_cache, seqlens, alpha_t, alpha_value, scale, block_table,
-                                        attn_mask, is_causal, bound, num_splits, _window_arg(window_size),
-                                        alibi_slopes, softcap, sinks)
+    out, tau, nnz, n_valid = _decode_op(
+        q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=seqlens, alpha=alpha_t, alpha_value=alpha_value,
+        scale=scale, block_table=block_table, bias=attn_mask, is_causal=is_causal, max_seqlen_k=bound,
+        num_splits=num_splits, window_size=_window_arg(window_size), alibi_slopes=alibi_slopes, softcap=softcap,
+        sinks=sinks)
     return (out, AttentionStats(nnz, tau, n_valid)) if return_stats else out
 
 
@@ -361,8 +363,10 @@ def decode_attention(inputs: AttentionInputs, return_stats: bool = False):
     cache of ``Nk`` keys for every sequence. Returns ``out`` ``(B, Hq, Nq, Dv)`` or ``(out, AttentionStats)``."""
     q, k = inputs.q, inputs.k
     seqlens = torch.full((q.shape[0],), k.shape[2], dtype=torch.int32, device=q.device)
-    out, tau, nnz, n_valid = _decode_op(q, k, inputs.v, seqlens, inputs.alpha.detach().float().contiguous(),
-                                        inputs.alpha_value, inputs.scale, None, inputs.mask, inputs.is_causal,
-                                        k.shape[2], None, _window_arg(inputs.window_size), inputs.alibi_slopes,
-                                        inputs.softcap, inputs.sinks)
+    out, tau, nnz, n_valid = _decode_op(
+        q=q, k_cache=k, v_cache=inputs.v, cache_seqlens=seqlens, alpha=inputs.alpha.detach().float().contiguous(),
+        alpha_value=inputs.alpha_value, scale=inputs.scale, block_table=None, bias=inputs.mask,
+        is_causal=inputs.is_causal, max_seqlen_k=k.shape[2], num_splits=None,
+        window_size=_window_arg(inputs.window_size), alibi_slopes=inputs.alibi_slopes, softcap=inputs.softcap,
+        sinks=inputs.sinks)
     return (out, AttentionStats(nnz, tau, n_valid)) if return_stats else out
