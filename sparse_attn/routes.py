@@ -9,7 +9,7 @@ variant missing from a route's set is refused there, so a new variant is off eve
 Routes:
 
 * ``"sdpa"``: PyTorch's ``scaled_dot_product_attention`` for softmax heads (alpha = 1 for every head, CUDA, no
-  statistics; :func:`sparse_attn._attn_autograd.sdpa_fits` adds those conditions);
+  statistics; :func:`sparse_attn._attn_autograd.sdpa_refuses` adds those conditions);
 * ``"decode"``: the split-K decode kernels (a few queries against a KV cache; :func:`sparse_attn.decode.decode_fits`);
 * ``"fused"``: the general fused Triton forward and backward;
 * ``"chunked"``: the reference backend's CPU path in row blocks (:func:`sparse_attn._cpu_chunked.chunked_fits`);
