@@ -14,6 +14,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
+from helpers import TOL
 
 from sparse_attn.kernels._common import dropout_keep, dropout_keep_mask
 from sparse_attn.kernels.entmax_attn_fwd import DEFAULT_MAX_PASSES, entmax_attn_fwd
@@ -269,7 +270,7 @@ def test_scores_scaled_100(kernel_device):
 def test_rows_sum_to_one(kernel_device):
     res, _, valid = _run_case(device=kernel_device, Nq=50, Nk=70, D=16, v_ones=True, causal=True, bias=_padding_bias)
     rows = res.out[..., 0].double()
-    assert torch.allclose(rows[valid], torch.ones_like(rows[valid]), atol=1e-6)
+    assert torch.allclose(rows[valid], torch.ones_like(rows[valid]), atol=TOL["sum"][torch.float32])
     assert (rows[~valid] == 0).all()
 
 
@@ -279,7 +280,8 @@ def test_rows_sum_to_one_with_a_loose_threshold(kernel_device):
     q, k = torch.randn(1, 4, 50, 16, generator=gen), torch.randn(1, 2, 70, 16, generator=gen)
     v = torch.ones(1, 2, 70, 16)
     res = _on(kernel_device, entmax_attn_fwd, q, k, v, torch.tensor(ALPHAS4), 16**-0.5, is_causal=True, tol=1e-2)
-    assert torch.allclose(res.out[..., 0].double(), torch.ones(1, 4, 50, dtype=torch.float64), atol=1e-6)
+    ones = torch.ones(1, 4, 50, dtype=torch.float64)
+    assert torch.allclose(res.out[..., 0].double(), ones, atol=TOL["sum"][torch.float32])
 
 
 def test_fully_masked_and_empty(kernel_device):
@@ -319,7 +321,7 @@ def test_pass_cap_still_normalized(kernel_device):
     v = torch.ones(1, 2, 60, 16)
     res = _on(kernel_device, entmax_attn_fwd, q, k, v, torch.tensor([1.5, 1.2]), 1.0, max_passes=2, tol=0.0)
     assert (res.n_passes == 2).all()
-    assert torch.allclose(res.out.double(), torch.ones_like(res.out.double()), atol=1e-6)
+    assert torch.allclose(res.out.double(), torch.ones_like(res.out.double()), atol=TOL["sum"][torch.float32])
 
 
 @pytest.mark.parametrize("alpha", [1.0001, 1.001, 1.01])
@@ -341,7 +343,8 @@ def test_near_alpha_one_accurate(alpha, kernel_device):
     am1 = al.double().view(1, -1, 1, 1) - 1
     r64 = (am1 * _scores64(q, k, scale, None, False) - res.tau.double()[..., None]).clamp_min(0)
     lsum64 = (r64 ** (1 / am1)).sum(-1)
-    assert torch.allclose(res.lsum.double(), lsum64, rtol=1e-5, atol=0), "lsum does not match the saved tau"
+    lsum_ok = torch.allclose(res.lsum.double(), lsum64, rtol=1e-5, atol=0)  # why: float32 sum of Nk terms vs float64
+    assert lsum_ok, "lsum does not match the saved tau"
 
 
 def test_tighter_tol_is_at_least_as_accurate(kernel_device):
