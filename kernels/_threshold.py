@@ -376,10 +376,8 @@ def grid_tile(z, m, j_top, F, G, L, slot, w_grid, shift, beta, bm1, POW: tl.cons
     if live != 0:
         # ring: slot s holds the point of index i = j - ((j - s) mod K); a slot whose index changes restarts at
         # zero, which is exact: its new point lies above the old maximum, so no earlier key reaches it
-        d_old = j_top[:, None] - slot[None, :]
-        d_new = j_new[:, None] - slot[None, :]
-        i_old = j_top[:, None] - (d_old - GRID_K * tl.floor(d_old / GRID_K))
-        i_new = j_new[:, None] - (d_new - GRID_K * tl.floor(d_new / GRID_K))
+        i_old = ring_index(j_top[:, None], slot[None, :], GRID_K)
+        i_new = ring_index(j_new[:, None], slot[None, :], GRID_K)
         same = _lane_axis(i_old == i_new, LANES)
         if POW == 0:
             # rescale the kept sums to the new maximal key's base
