@@ -100,18 +100,30 @@ def attention_args(q, k, v, alpha, bias, cu_seqlens_q, cu_seqlens_k, scale, is_c
     is_varlen = cu_seqlens_q is not None
     head_dim = q.shape[3]
     return dict(
-        Q=q, K=k, V=v, ALPHA=alpha_arg(alpha, q.shape[1], q.device), **bias_args(bias, (*q.shape[:3], k.shape[2]), q),
+        Q=q, K=k, V=v, ALPHA=alpha_arg(alpha, q.shape[1], q.device),
+        **mods_args(bias, (*q.shape[:3], k.shape[2]), alibi_slopes, sinks, q),
         CU_SEQLENS_Q=cu_seqlens_q if is_varlen else q, CU_SEQLENS_K=cu_seqlens_k if is_varlen else q,
         **stride_args("stride_q", q, "bhmd"), **stride_args("stride_k", k, "bhnd"),
         **stride_args("stride_v", v, "bhnd"),
         n_heads=q.shape[1], kv_group=q.shape[1] // k.shape[1], total_q=q.shape[2], total_k=k.shape[2],
         scale=float(scale), dropout_p=float(dropout_p), seed=int(seed) & 0x7FFFFFFF,
         MASK=mask_spec(is_causal, window_size), SCORE=score_spec(softcap, alibi_slopes is not None, sinks is not None),
-        **alibi_args(alibi_slopes, q), SINKS=sinks_arg(sinks, q),
         HEAD_DIM=head_dim, BLOCK_D=head_dim_block(head_dim),
         HEAD_DIM_V=v.shape[3], BLOCK_DV=head_dim_block(v.shape[3]), IS_VARLEN=is_varlen,
         HAS_DROPOUT=float(dropout_p) > 0.0, UPCAST=interpreting(), DOT_PRECISION=dot_precision(q.dtype),
     )
+
+
+def mods_args(bias, shape: tuple, alibi_slopes, sinks, like) -> dict:
+    """``BIAS_KIND`` and ``MODS``, the tensors of the score modifications as one kernel argument (a tuple, read by
+    ``_masking.program_mods`` only): ``(BIAS, stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n, ALIBI,
+    stride_alibi_b, stride_alibi_h, SINKS)`` from :func:`bias_args`, :func:`alibi_args` and :func:`sinks_arg`. A new
+    per-program score input is a new entry here and in ``program_mods``; the kernels pass ``MODS`` on unread."""
+    b = bias_args(bias, shape, like)
+    a = alibi_args(alibi_slopes, like)
+    mods = (b["BIAS"], b["stride_bias_b"], b["stride_bias_h"], b["stride_bias_m"], b["stride_bias_n"], a["ALIBI"],
+            a["stride_alibi_b"], a["stride_alibi_h"], sinks_arg(sinks, like))
+    return dict(BIAS_KIND=b["BIAS_KIND"], MODS=mods)
 
 
 def bias_args(bias, shape: tuple, like) -> dict:

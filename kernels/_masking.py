@@ -180,6 +180,30 @@ def visible(rows, cols, seqlen_q, seqlen_k, MASK):
 
 
 @triton.jit
+def program_mods(MODS, b, seq, h, q_start, k_start, SCORE):
+    """The score modifications of one program (batch entry ``b``, sequence ``seq``, q head ``h``, its first row and key
+    at ``q_start``, ``k_start`` of the packed tensors) as one tuple, the ``mods`` of :func:`score_mod`:
+    ``(bias_base, stride_bias_m, stride_bias_n, slope, sink)``: the additive / boolean mask of its row 0, key 0, the
+    mask's row and key strides, the ALiBi slope (:func:`alibi_slope`) and the sink logit (:func:`sink_logit`).
+    ``MODS`` is the kernel argument of ``_common.mods_args``; helpers take ``mods`` and never index ``MODS``."""
+    bias_base = (MODS[0] + b.to(tl.int64) * MODS[1] + h.to(tl.int64) * MODS[2] + q_start.to(tl.int64) * MODS[3]
+                 + k_start.to(tl.int64) * MODS[4])
+    return (bias_base, MODS[3], MODS[4], alibi_slope(MODS[5], seq, h, MODS[6], MODS[7], SCORE),
+            sink_logit(MODS[8], h, SCORE))
+
+
+@triton.jit
+def score_mod(s, rows, cols, seqlen_q, seqlen_k, mods, bias_scale, MASK, SCORE, BIAS_KIND: tl.constexpr):
+    """Final scores of one tile from the scaled products ``s`` (``bias_scale`` times ``scale * q.k``): soft-capped
+    (:func:`soft_cap`, in the same scale), plus ``bias_scale * (bias - slope * |d|)``, ``-inf`` where the structural
+    mask or a boolean mask hides the key (:func:`mask_scores`). ``mods`` from :func:`program_mods`. The one place the
+    attention kernels modify scores. [BLOCK_M, BLOCK_N]"""
+    s = soft_cap(s, SCORE[1] * bias_scale, SCORE)
+    return mask_scores(s, rows, cols, seqlen_q, seqlen_k, mods[0], mods[1], mods[2], bias_scale, MASK, BIAS_KIND,
+                       mods[3], SCORE)
+
+
+@triton.jit
 def alibi_slope(ALIBI, seq, h, stride_alibi_b, stride_alibi_h, SCORE):
     """ALiBi slope of sequence (batch entry) ``seq`` and q head ``h`` (float32, shaped like ``h``; 0 without ALiBi).
     One return statement: a compiled function's returns must agree in shape."""

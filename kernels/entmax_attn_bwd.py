@@ -49,18 +49,16 @@ from ._bwd_tiles import (
 )
 from ._common import (
     alpha_class_id,
-    bias_base_ptr,
     load_rows,
     slice_base,
     store_rows,
 )
 from ._masking import (
-    alibi_slope,
     key_tile_range,
     live_tile,
+    program_mods,
     query_tile_range,
     seq_bounds,
-    sink_logit,
     sink_tile,
     tile_indices,
 )
@@ -72,13 +70,12 @@ _LIVE_STRIDES = ["stride_live_b", "stride_live_h", "stride_live_m"]
 
 @triton.jit(do_not_specialize=_LIVE_STRIDES)
 def _entmax_attn_bwd_dq_kernel(
-    Q, K, V, DO, OUT_U, TAU, LSUM, ALPHA, BIAS, LIVE, CU_SEQLENS_Q, CU_SEQLENS_K, ALIBI, SINKS,
+    Q, K, V, DO, OUT_U, TAU, LSUM, ALPHA, LIVE, CU_SEQLENS_Q, CU_SEQLENS_K, MODS,
     DQ, DELTA, DALPHA, DBIAS, DBIAS_ROWS, DSINKS,
     stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd, stride_dob, stride_doh, stride_dom, stride_dod,
     stride_oub, stride_ouh, stride_oum, stride_oud, stride_dqb, stride_dqh, stride_dqm, stride_dqd,
-    stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n, stride_live_b, stride_live_h, stride_live_m,
-    stride_alibi_b, stride_alibi_h,
+    stride_live_b, stride_live_h, stride_live_m,
     n_heads, kv_group, total_q, total_k, scale, dropout_p, seed, MASK, SCORE,
     ALPHA_CLASS: tl.constexpr, HEAD_FILTER: tl.constexpr,
     IS_VARLEN: tl.constexpr, BIAS_KIND: tl.constexpr, HAS_LIVE: tl.constexpr, LIVE_BLOCK_M: tl.constexpr,
@@ -123,11 +120,10 @@ def _entmax_attn_bwd_dq_kernel(
 
     k_base = slice_base(K, b, h_kv, k_start, stride_kb, stride_kh, stride_kn)
     v_base = slice_base(V, b, h_kv, k_start, stride_vb, stride_vh, stride_vn)
-    bias_base = bias_base_ptr(BIAS, b, h, q_start, k_start, stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n)
+    bias_base, stride_bias_m, stride_bias_n, slope, sink = program_mods(MODS, b, seq, h, q_start, k_start, SCORE)
     live_row = (_live_base(LIVE, seq, h, stride_live_b, stride_live_h)
                 + (pid_m * BLOCK_M // LIVE_BLOCK_M).to(tl.int64) * stride_live_m)
     kt_lo, kt_hi = key_tile_range(pid_m, seqlen_q, seqlen_k, MASK, BLOCK_M, BLOCK_N)
-    slope = alibi_slope(ALIBI, seq, h, stride_alibi_b, stride_alibi_h, SCORE)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     s_u = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -138,7 +134,7 @@ def _entmax_attn_bwd_dq_kernel(
     s_pld = tl.zeros([BLOCK_M], dtype=tl.float32)
     s_ds = tl.zeros([BLOCK_M], dtype=tl.float32)
     if SCORE[3]:
-        p_s, u_s, logp_s = _weights(sink_tile(sink_logit(SINKS, h, SCORE), BLOCK_M, BLOCK_N), tau, cu, cp, log_l,
+        p_s, u_s, logp_s = _weights(sink_tile(sink, BLOCK_M, BLOCK_N), tau, cu, cp, log_l,
                                     alpha, ALPHA_CLASS)
         tl.store(DSINKS + stat_offs, -tl.sum(u_s, 1) * delta, mask=row_ok)
         if NEED_DALPHA:
@@ -185,13 +181,12 @@ def _entmax_attn_bwd_dq_kernel(
 
 @triton.jit(do_not_specialize=_LIVE_STRIDES)
 def _entmax_attn_bwd_dkdv_kernel(
-    Q, K, V, DO, TAU, LSUM, DELTA, ALPHA, BIAS, LIVE, CU_SEQLENS_Q, CU_SEQLENS_K, ALIBI, SINKS,
+    Q, K, V, DO, TAU, LSUM, DELTA, ALPHA, LIVE, CU_SEQLENS_Q, CU_SEQLENS_K, MODS,
     DK, DV, DBIAS_COLS,
     stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd, stride_dob, stride_doh, stride_dom, stride_dod,
     stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-    stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n, stride_live_b, stride_live_h, stride_live_m,
-    stride_alibi_b, stride_alibi_h,
+    stride_live_b, stride_live_h, stride_live_m,
     n_heads, kv_group, total_q, total_k, scale, dropout_p, seed, MASK, SCORE,
     ALPHA_CLASS: tl.constexpr, HEAD_FILTER: tl.constexpr,
     IS_VARLEN: tl.constexpr, BIAS_KIND: tl.constexpr, HAS_LIVE: tl.constexpr, LIVE_BLOCK_M: tl.constexpr,
@@ -225,11 +220,9 @@ def _entmax_attn_bwd_dkdv_kernel(
         alpha = tl.load(ALPHA + h)
         if _in_launch(alpha, ALPHA_CLASS, HEAD_FILTER):
             bh = b * n_heads + h
-            slope = alibi_slope(ALIBI, seq, h, stride_alibi_b, stride_alibi_h, SCORE)
             q_base = slice_base(Q, b, h, q_start, stride_qb, stride_qh, stride_qm)
             do_base = slice_base(DO, b, h, q_start, stride_dob, stride_doh, stride_dom)
-            bias_base = bias_base_ptr(BIAS, b, h, q_start, k_start, stride_bias_b, stride_bias_h, stride_bias_m,
-                                      stride_bias_n)
+            bias_base, stride_bias_m, stride_bias_n, slope, _ = program_mods(MODS, b, seq, h, q_start, k_start, SCORE)
             live_col = _live_base(LIVE, seq, h, stride_live_b, stride_live_h) + pid_n // 32
             col_ds = tl.zeros([BLOCK_N], dtype=tl.float32)
             for c in range(qt_lo // 32, tl.cdiv(qt_hi, 32)):
@@ -268,11 +261,11 @@ def _entmax_attn_bwd_dkdv_kernel(
 
 @triton.jit(do_not_specialize=_LIVE_STRIDES)
 def _entmax_attn_bwd_dbias_kernel(
-    Q, K, V, DO, TAU, LSUM, DELTA, ALPHA, BIAS, LIVE, CU_SEQLENS_Q, CU_SEQLENS_K, ALIBI, SINKS, DBIAS,
+    Q, K, V, DO, TAU, LSUM, DELTA, ALPHA, LIVE, CU_SEQLENS_Q, CU_SEQLENS_K, MODS, DBIAS,
     stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd, stride_dob, stride_doh, stride_dom, stride_dod,
-    stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n, stride_live_b, stride_live_h, stride_live_m,
-    stride_dbias_b, stride_dbias_h, stride_alibi_b, stride_alibi_h,
+    stride_live_b, stride_live_h, stride_live_m,
+    stride_dbias_b, stride_dbias_h,
     n_heads, kv_group, total_q, total_k, scale, dropout_p, seed, MASK, SCORE, n_b_loop, n_h_loop,
     ALPHA_CLASS: tl.constexpr, HEAD_FILTER: tl.constexpr,
     IS_VARLEN: tl.constexpr, BIAS_KIND: tl.constexpr, HAS_LIVE: tl.constexpr, LIVE_BLOCK_M: tl.constexpr,
@@ -308,7 +301,6 @@ def _entmax_attn_bwd_dbias_kernel(
             h_kv = h // kv_group
             bh = b * n_heads + h
             alpha = tl.load(ALPHA + h)
-            slope = alibi_slope(ALIBI, seq, h, stride_alibi_b, stride_alibi_h, SCORE)
             q, do, tau, delta, cu, cp, log_l = _query_rows(
                 slice_base(Q, b, h, q_start, stride_qb, stride_qh, stride_qm),
                 slice_base(DO, b, h, q_start, stride_dob, stride_doh, stride_dom), TAU, LSUM, DELTA, bh, total_q, rows,
@@ -317,8 +309,7 @@ def _entmax_attn_bwd_dbias_kernel(
             )
             k_base = slice_base(K, b, h_kv, k_start, stride_kb, stride_kh, stride_kn)
             v_base = slice_base(V, b, h_kv, k_start, stride_vb, stride_vh, stride_vn)
-            bias_base = bias_base_ptr(BIAS, b, h, q_start, k_start, stride_bias_b, stride_bias_h, stride_bias_m,
-                                      stride_bias_n)
+            bias_base, stride_bias_m, stride_bias_n, slope, _ = program_mods(MODS, b, seq, h, q_start, k_start, SCORE)
             live_row = (_live_base(LIVE, seq, h, stride_live_b, stride_live_h)
                         + (pid_m * BLOCK_M // LIVE_BLOCK_M).to(tl.int64) * stride_live_m)
             kt_end = tl.where(_in_launch(alpha, ALPHA_CLASS, HEAD_FILTER), kt_hi, kt_lo)  # no tiles: another launch's

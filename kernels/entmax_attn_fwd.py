@@ -36,7 +36,6 @@ import triton.language as tl
 from . import _common, _masking
 from ._common import (
     alpha_class_id,
-    bias_base_ptr,
     class_launches,
     load_rows,
     resolve_alpha_class,
@@ -45,7 +44,7 @@ from ._common import (
 )
 from ._common import alpha_class_of as alpha_class_of  # re-exported: the public place of the class rule
 from ._fwd_rows import entmax_rows, softmax_rows
-from ._masking import alibi_slope, key_tile_range, max_first_tile, seq_bounds, sink_logit
+from ._masking import key_tile_range, max_first_tile, program_mods, seq_bounds
 from ._threshold import FWD_MAX_PASSES as DEFAULT_MAX_PASSES  # re-exported: the public place of the default
 from ._threshold import FWD_POINTS
 from ._threshold import default_tolerance as default_tolerance  # re-exported
@@ -90,14 +89,13 @@ class EntmaxAttnFwdResult(NamedTuple):
 # serves every length; their sm_90 builds are the same with and without (docs/kernels.md)
 @triton.jit(do_not_specialize=["n_q_tiles", "n_words"])
 def _entmax_attn_fwd_kernel(
-    Q, K, V, OUT, OUT_U, BIAS, ALPHA, TAU, LSUM, NNZ, N_VALID, LIVE, N_PASSES, TILE_VISITS, CU_SEQLENS_Q,
-    CU_SEQLENS_K, ALIBI, SINKS,
+    Q, K, V, OUT, OUT_U, ALPHA, TAU, LSUM, NNZ, N_VALID, LIVE, N_PASSES, TILE_VISITS, CU_SEQLENS_Q,
+    CU_SEQLENS_K, MODS,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_oh, stride_om, stride_od,
     stride_oub, stride_ouh, stride_oum, stride_oud,
-    stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n, stride_alibi_b, stride_alibi_h,
     n_heads, kv_group, total_q, total_k, n_q_tiles, n_words,
     scale, tol, max_passes, seed, dropout_p, inv_keep, MASK, SCORE,
     ALPHA_CLASS: tl.constexpr, HEAD_FILTER: tl.constexpr, GRID_K1: tl.constexpr, CAND_P1: tl.constexpr,
@@ -130,12 +128,10 @@ def _entmax_attn_fwd_kernel(
     q = load_rows(q_base, rows, offs_d, stride_qm, stride_qd, row_ok, offs_d < HEAD_DIM, UPCAST)  # [BLOCK_M, BLOCK_D]
     k_base = slice_base(K, b, h_kv, k_start, stride_kb, stride_kh, stride_kn)
     v_base = slice_base(V, b, h_kv, k_start, stride_vb, stride_vh, stride_vn)
-    bias_base = bias_base_ptr(BIAS, b, h, q_start, k_start, stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n)
+    bias_base, stride_bias_m, stride_bias_n, slope, sink = program_mods(MODS, b, seq, h, q_start, k_start, SCORE)
     tile_id = (seq.to(tl.int64) * n_heads + h) * n_q_tiles + pid_m
     live_base = LIVE + tile_id * n_words
     kt_lo, kt_hi = key_tile_range(pid_m, seqlen_q, seqlen_k, MASK, BLOCK_M, BLOCK_N)
-    slope = alibi_slope(ALIBI, seq, h, stride_alibi_b, stride_alibi_h, SCORE)
-    sink = sink_logit(SINKS, h, SCORE)
     for wd in range(0, n_words):
         tl.store(live_base + wd, 0)
     tl.debug_barrier()
