@@ -18,7 +18,7 @@ from torch import Tensor
 
 from ._common import alpha_class_of
 
-__all__ = ["AttnSpec", "DIFFERENTIABLE", "used_variants", "resolve_spec_alpha_class"]
+__all__ = ["AttnSpec", "DIFFERENTIABLE", "FIELDS", "used_variants", "resolve_spec_alpha_class"]
 
 DIFFERENTIABLE = ("q", "k", "v", "alpha", "mask", "alibi_slopes", "sinks")
 """The fields of :class:`AttnSpec` that may receive a gradient (each only when it requires one): what
@@ -162,6 +162,10 @@ class AttnSpec:
     def score_shape(self) -> tuple[int, int, int, int]:
         """``(B, Hq, Nq, Nk)``."""
         return (self.batch, self.n_heads, self.seqlen_q, self.seqlen_k)
+
+
+FIELDS = tuple(f.name for f in dataclasses.fields(AttnSpec))
+"""The spec's field names in order (computed once: ``torch.compile`` does not trace ``dataclasses.fields``)."""
 
 
 def resolve_spec_alpha_class(alpha: Tensor, alpha_value: float | None, alpha_checked: bool) -> str:

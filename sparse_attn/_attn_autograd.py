@@ -8,8 +8,6 @@ backward's ``out_u`` (docs/backward.md) only when an input requires a gradient a
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -18,6 +16,7 @@ from torch.nn.attention.bias import causal_lower_right
 from sparse_attn.attn_inputs import AttentionStats, AttnSpec
 from sparse_attn.decode import decode_attention, decode_fits
 from sparse_attn.kernels._spec import DIFFERENTIABLE
+from sparse_attn.kernels._spec import FIELDS as SPEC_FIELDS
 from sparse_attn.kernels.entmax_attn_bwd import entmax_attn_bwd
 from sparse_attn.kernels.entmax_attn_fwd import entmax_attn_fwd, fwd_block_sizes
 from sparse_attn.routes import refusal_message, refused
@@ -41,7 +40,7 @@ _OP_TYPES = {
 }
 """The ``torch.library`` schema type of each spec field (and the dropout seed): a spec field missing here fails at
 import, so a new field cannot be forgotten at the op boundary."""
-FWD_FIELDS = tuple(f.name for f in dataclasses.fields(AttnSpec)) + ("seed",)
+FWD_FIELDS = SPEC_FIELDS + ("seed",)
 """The forward op's arguments by name, in its positional order: the spec's fields, then the dropout seed."""
 _TENSOR_FIELDS = tuple(name for name in FWD_FIELDS if _OP_TYPES[name].startswith("Tensor"))
 _SPEC_SCHEMA = ", ".join(f"{_OP_TYPES[name]} {name}" for name in FWD_FIELDS)
@@ -55,7 +54,7 @@ _BWD_OUTPUTS = ("q", "k", "v", "alpha", "mask", "sinks")
 def spec_to_op_args(spec: AttnSpec, seed: int) -> tuple:
     """Flatten a spec (and the dropout seed) into the custom ops' positional arguments (:data:`FWD_FIELDS` order);
     :func:`spec_from_op_args` is the inverse."""
-    named = {f.name: getattr(spec, f.name) for f in dataclasses.fields(AttnSpec)}
+    named = {name: getattr(spec, name) for name in SPEC_FIELDS}
     named["window_size"] = None if spec.window_size is None else list(spec.window_size)
     named["seed"] = seed
     return tuple(named[name] for name in FWD_FIELDS)

@@ -10,8 +10,6 @@ Design and measurements: docs/decode.md.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 from torch import Tensor
 
@@ -173,7 +171,7 @@ def entmax_decode(
     if why:
         raise ValueError(refusal_message("decode", why, "use sparse_attn.entmax_attention to train, or call "
                                          "entmax_decode under torch.no_grad()"))
-    return _run_decode_op(spec)
+    return _run_decode_op(spec, spec.cache_seqlens, spec.need_stats)
 
 
 def _window_arg(window_size) -> list[int] | None:
@@ -210,16 +208,16 @@ def decode_attention(inputs: AttnSpec, return_stats: bool | None = None):
     (``return_stats`` None: the spec's ``need_stats``)."""
     q, k = inputs.q, inputs.k
     seqlens = torch.full((q.shape[0],), k.shape[2], dtype=torch.int32, device=q.device)
-    need_stats = inputs.need_stats if return_stats is None else return_stats
-    return _run_decode_op(dataclasses.replace(inputs, cache_seqlens=seqlens, need_stats=need_stats))
+    return _run_decode_op(inputs, seqlens, inputs.need_stats if return_stats is None else return_stats)
 
 
-def _run_decode_op(spec: AttnSpec):
-    """The decode op on a KV-cache spec (``cache_seqlens`` set): ``out`` or ``(out, AttentionStats)``."""
+def _run_decode_op(spec: AttnSpec, seqlens: Tensor, return_stats: bool):
+    """The decode op on a spec whose ``k`` / ``v`` are a KV cache holding ``seqlens`` keys per sequence: ``out`` or
+    ``(out, AttentionStats)``."""
     out, tau, nnz, n_valid = _decode_op(
-        q=spec.q, k_cache=spec.k, v_cache=spec.v, cache_seqlens=spec.cache_seqlens,
+        q=spec.q, k_cache=spec.k, v_cache=spec.v, cache_seqlens=seqlens,
         alpha=spec.alpha.detach().float().contiguous(), alpha_value=spec.alpha_value, scale=spec.scale,
         block_table=spec.block_table, bias=spec.mask, is_causal=spec.is_causal, max_seqlen_k=spec.max_seqlen_k,
         num_splits=spec.num_splits, window_size=_window_arg(spec.window_size), alibi_slopes=spec.alibi_slopes,
         softcap=spec.softcap, sinks=spec.sinks)
-    return (out, AttentionStats(nnz, tau, n_valid)) if spec.need_stats else out
+    return (out, AttentionStats(nnz, tau, n_valid)) if return_stats else out
