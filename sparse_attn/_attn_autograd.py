@@ -8,85 +8,104 @@ backward's ``out_u`` (docs/backward.md) only when an input requires a gradient a
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.bias import causal_lower_right
 
-from sparse_attn.attn_inputs import AttentionInputs, AttentionStats
+from sparse_attn.attn_inputs import AttentionStats, AttnSpec
 from sparse_attn.decode import decode_attention, decode_fits
+from sparse_attn.kernels._spec import DIFFERENTIABLE
+from sparse_attn.kernels._spec import FIELDS as SPEC_FIELDS
 from sparse_attn.kernels.entmax_attn_bwd import entmax_attn_bwd
-from sparse_attn.kernels.entmax_attn_fwd import alpha_class_of, entmax_attn_fwd, fwd_block_sizes
+from sparse_attn.kernels.entmax_attn_fwd import entmax_attn_fwd, fwd_block_sizes
 from sparse_attn.routes import refusal_message, refused
 
 
-def _live_shape(q: Tensor, k: Tensor, cu_seqlens_q, max_seqlen_q: int, max_seqlen_k: int):
-    block_m, block_n = fwd_block_sizes(q.shape[-1])
-    n_seq = q.shape[0] if cu_seqlens_q is None else cu_seqlens_q.shape[0] - 1
-    n_qt = -(-max_seqlen_q // block_m)
-    n_kt = -(-max_seqlen_k // block_n)
+def _live_shape(spec: AttnSpec):
+    block_m, block_n = fwd_block_sizes(spec.head_dim)
+    n_qt = -(-spec.max_seqlen_q // block_m)
+    n_kt = -(-spec.max_seqlen_k // block_n)
     n_words = -(-n_kt // 32)
-    return (n_seq, q.shape[1], n_qt, n_words), (n_seq, q.shape[1], n_qt)
+    return (spec.n_seqs, spec.n_heads, n_qt, n_words), (spec.n_seqs, spec.n_heads, n_qt)
 
 
-def _fwd_impl(
-    q: Tensor, k: Tensor, v: Tensor, alpha: Tensor, bias: Tensor | None,
-    cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None, scale: float, is_causal: bool,
-    window: list[int], alibi_slopes: Tensor | None, softcap: float | None, sinks: Tensor | None, max_seqlen_q: int,
-    max_seqlen_k: int, dropout_p: float, seed: int, alpha_class: str, need_grad: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """The fused forward; the last output is ``out_u`` (shape ``(0,)`` unless ``_needs_out_u``)."""
-    res = entmax_attn_fwd(
-        q, k, v, alpha, scale, bias=bias, is_causal=is_causal, window_size=window, alibi_slopes=alibi_slopes,
-        softcap=softcap, sinks=sinks, cu_seqlens_q=cu_seqlens_q,
-        cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-        dropout_p=dropout_p, seed=seed, alpha_class=None if alpha_class == "auto" else alpha_class,
-        need_out_u=_needs_out_u(need_grad, alpha_class, q.dtype),
-    )
-    out_u = q.new_empty(0, dtype=torch.float32) if res.out_u is None else res.out_u
-    return res.out, res.tau, res.lsum, res.nnz, res.n_valid, res.live, res.n_passes, res.tile_visits, out_u
-
-
-_fwd_op = torch.library.custom_op("sparse_attn::entmax_attn_fwd", mutates_args=())(_fwd_impl)
-FWD_FIELDS = tuple(inspect.signature(_fwd_impl).parameters)
-"""The forward op's arguments by name, in its positional order (the op's schema is its signature)."""
-DIFFERENTIABLE = ("q", "k", "v", "alpha", "bias", "sinks")
-"""The forward op's arguments that receive a gradient (each only when it requires one)."""
-_SAVED = ("q", "k", "v", "alpha", "bias", "cu_seqlens_q", "cu_seqlens_k", "alibi_slopes", "sinks")
+_OP_TYPES = {
+    "q": "Tensor", "k": "Tensor", "v": "Tensor", "alpha": "Tensor", "alpha_value": "float?", "alpha_checked": "bool",
+    "mask": "Tensor?", "is_causal": "bool", "scale": "float", "dropout_p": "float", "cu_seqlens_q": "Tensor?",
+    "cu_seqlens_k": "Tensor?", "max_seqlen_q": "int", "max_seqlen_k": "int", "backend": "str",
+    "window_size": "int[]?", "alibi_slopes": "Tensor?", "sinks": "Tensor?", "softcap": "float?", "alpha_class": "str",
+    "need_stats": "bool", "need_grad": "bool", "cache_seqlens": "Tensor?", "block_table": "Tensor?",
+    "num_splits": "int?", "seed": "int",
+}
+"""The ``torch.library`` schema type of each spec field (and the dropout seed): a spec field missing here fails at
+import, so a new field cannot be forgotten at the op boundary."""
+FWD_FIELDS = SPEC_FIELDS + ("seed",)
+"""The forward op's arguments by name, in its positional order: the spec's fields, then the dropout seed."""
+_TENSOR_FIELDS = tuple(name for name in FWD_FIELDS if _OP_TYPES[name].startswith("Tensor"))
+_SPEC_SCHEMA = ", ".join(f"{_OP_TYPES[name]} {name}" for name in FWD_FIELDS)
 _FWD_OUTPUTS = ("out", "tau", "lsum", "nnz", "n_valid", "live", "n_passes", "tile_visits", "out_u")
+_BWD_EXTRA = ("do", "out", "out_u", "tau", "lsum", "live", "need_dalpha", "need_dmask")
+"""The backward op's arguments before the spec's (the forward's results it reads, and which gradients)."""
+_BWD_OUTPUTS = ("q", "k", "v", "alpha", "mask", "sinks")
+"""The fields the backward op returns gradients for (a subset of :data:`DIFFERENTIABLE`), in its output order."""
 
 
-def fwd_op_args(inputs: AttentionInputs, seed: int, alpha_class: str, need_grad: bool) -> tuple:
-    """Flatten prepared inputs into the forward op's positional arguments (:data:`FWD_FIELDS` order)."""
-    named = dict(q=inputs.q, k=inputs.k, v=inputs.v, alpha=inputs.alpha, bias=inputs.mask,
-                 cu_seqlens_q=inputs.cu_seqlens_q, cu_seqlens_k=inputs.cu_seqlens_k, scale=inputs.scale,
-                 is_causal=inputs.is_causal, window=list(inputs.window_size or (-1, -1)),
-                 alibi_slopes=inputs.alibi_slopes, softcap=inputs.softcap, sinks=inputs.sinks,
-                 max_seqlen_q=inputs.max_seqlen_q, max_seqlen_k=inputs.max_seqlen_k, dropout_p=inputs.dropout_p,
-                 seed=seed, alpha_class=alpha_class, need_grad=need_grad)
+def spec_to_op_args(spec: AttnSpec, seed: int) -> tuple:
+    """Flatten a spec (and the dropout seed) into the custom ops' positional arguments (:data:`FWD_FIELDS` order);
+    :func:`spec_from_op_args` is the inverse."""
+    named = {name: getattr(spec, name) for name in SPEC_FIELDS}
+    named["window_size"] = None if spec.window_size is None else list(spec.window_size)
+    named["seed"] = seed
     return tuple(named[name] for name in FWD_FIELDS)
 
 
+def spec_from_op_args(args) -> tuple[AttnSpec, int]:
+    """The spec and the dropout seed back from the custom ops' positional arguments (the inverse of
+    :func:`spec_to_op_args`)."""
+    named = fwd_op_named(args)
+    seed = named.pop("seed")
+    if named["window_size"] is not None:
+        named["window_size"] = tuple(named["window_size"])
+    return AttnSpec(**named), seed
+
+
 def fwd_op_named(args) -> dict:
-    """The forward op's positional arguments (or ``ctx.needs_input_grad``) by field name: the inverse of
-    :func:`fwd_op_args`."""
+    """The forward op's positional arguments (or ``ctx.needs_input_grad``) by field name."""
     return dict(zip(FWD_FIELDS, args, strict=True))
 
 
-def _needs_out_u(need_grad: bool, alpha_class: str, dtype: torch.dtype) -> bool:
+def _needs_out_u(spec: AttnSpec) -> bool:
     """The backward's float32 ``out_u`` is computed when gradients are needed, unless every head is softmax with
     float32 inputs (then it is the output itself)."""
-    return need_grad and (alpha_class != "softmax" or dtype != torch.float32)
+    return spec.need_grad and (spec.alpha_class != "softmax" or spec.q.dtype != torch.float32)
+
+
+def _fwd_impl(*args) -> tuple[Tensor, ...]:
+    """The fused forward on a flattened spec; the last output is ``out_u`` (shape ``(0,)`` unless ``_needs_out_u``)."""
+    spec, seed = spec_from_op_args(args)
+    res = entmax_attn_fwd(
+        spec.q, spec.k, spec.v, spec.alpha, spec.scale, bias=spec.mask, is_causal=spec.is_causal,
+        window_size=list(spec.window_size or (-1, -1)), alibi_slopes=spec.alibi_slopes, softcap=spec.softcap,
+        sinks=spec.sinks, cu_seqlens_q=spec.cu_seqlens_q, cu_seqlens_k=spec.cu_seqlens_k,
+        max_seqlen_q=spec.max_seqlen_q, max_seqlen_k=spec.max_seqlen_k, dropout_p=spec.dropout_p, seed=seed,
+        alpha_class=spec.alpha_class, need_out_u=_needs_out_u(spec),
+    )
+    out_u = spec.q.new_empty(0, dtype=torch.float32) if res.out_u is None else res.out_u
+    return res.out, res.tau, res.lsum, res.nnz, res.n_valid, res.live, res.n_passes, res.tile_visits, out_u
+
+
+_fwd_op = torch.library.custom_op("sparse_attn::entmax_attn_fwd", _fwd_impl, mutates_args=(),
+                                  schema=f"({_SPEC_SCHEMA}) -> ({', '.join(['Tensor'] * len(_FWD_OUTPUTS))})")
 
 
 @_fwd_op.register_fake
-def _fwd_fake(q, k, v, alpha, bias, cu_seqlens_q, cu_seqlens_k, scale, is_causal, window, alibi_slopes, softcap, sinks,
-              max_seqlen_q, max_seqlen_k, dropout_p, seed, alpha_class, need_grad):
+def _fwd_fake(*args):
+    spec, _ = spec_from_op_args(args)
+    q = spec.q
     rows = q.shape[:3]
-    out_shape = (*rows, v.shape[3])
-    live_shape, tile_shape = _live_shape(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
+    out_shape = (*rows, spec.head_dim_v)
+    live_shape, tile_shape = _live_shape(spec)
     return (
         torch.empty(out_shape, dtype=q.dtype, device=q.device),
         q.new_empty(rows, dtype=torch.float32),
@@ -96,54 +115,58 @@ def _fwd_fake(q, k, v, alpha, bias, cu_seqlens_q, cu_seqlens_k, scale, is_causal
         q.new_empty(live_shape, dtype=torch.int32),
         q.new_empty(tile_shape, dtype=torch.int32),
         q.new_empty(tile_shape, dtype=torch.int32),
-        q.new_empty(out_shape if _needs_out_u(need_grad, alpha_class, q.dtype) else (0,), dtype=torch.float32),
+        q.new_empty(out_shape if _needs_out_u(spec) else (0,), dtype=torch.float32),
     )
 
 
-@torch.library.custom_op("sparse_attn::entmax_attn_bwd", mutates_args=())
-def _bwd_op(
-    do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, out_u: Tensor, tau: Tensor, lsum: Tensor,
-    alpha: Tensor, bias: Tensor | None, cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None,
-    live: Tensor, scale: float, is_causal: bool, window: list[int], alibi_slopes: Tensor | None,
-    softcap: float | None, sinks: Tensor | None, max_seqlen_q: int, max_seqlen_k: int, dropout_p: float, seed: int,
-    need_dalpha: bool, need_dbias: bool, alpha_class: str,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """The fused backward; the last output is d sinks (shape ``(0,)`` without sinks)."""
-    block_m, block_n = fwd_block_sizes(q.shape[-1])
-    dq, dk, dv, dalpha, dbias, *dsinks = entmax_attn_bwd(
-        do, q, k, v, out, tau, lsum, alpha, scale, bias=bias, is_causal=is_causal, window_size=window,
-        alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks,
-        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-        max_seqlen_k=max_seqlen_k, dropout_p=dropout_p, seed=seed, live=live,
-        block_m=block_m, block_n=block_n, need_dalpha=need_dalpha, need_dbias=need_dbias,
-        out_u=out_u if out_u.shape == out.shape else None, alpha_class=None if alpha_class == "auto" else alpha_class,
+def _bwd_impl(*args) -> tuple[Tensor, ...]:
+    """The fused backward: :data:`_BWD_EXTRA`, then a flattened spec; gradients in :data:`_BWD_OUTPUTS` order (an
+    empty tensor for one not asked for, and for d sinks without sinks)."""
+    extra = dict(zip(_BWD_EXTRA, args))
+    spec, seed = spec_from_op_args(args[len(_BWD_EXTRA):])
+    out, out_u = extra["out"], extra["out_u"]
+    block_m, block_n = fwd_block_sizes(spec.head_dim)
+    dq, dk, dv, dalpha, dmask, *dsinks = entmax_attn_bwd(
+        extra["do"], spec.q, spec.k, spec.v, out, extra["tau"], extra["lsum"], spec.alpha, spec.scale,
+        bias=spec.mask, is_causal=spec.is_causal, window_size=list(spec.window_size or (-1, -1)),
+        alibi_slopes=spec.alibi_slopes, softcap=spec.softcap, sinks=spec.sinks, cu_seqlens_q=spec.cu_seqlens_q,
+        cu_seqlens_k=spec.cu_seqlens_k, max_seqlen_q=spec.max_seqlen_q, max_seqlen_k=spec.max_seqlen_k,
+        dropout_p=spec.dropout_p, seed=seed, live=extra["live"], block_m=block_m, block_n=block_n,
+        need_dalpha=extra["need_dalpha"], need_dbias=extra["need_dmask"],
+        out_u=out_u if out_u.shape == out.shape else None, alpha_class=spec.alpha_class,
     )
     if dalpha is None:
-        dalpha = alpha.new_zeros(0)
-    if dbias is None:
-        dbias = q.new_zeros(0, dtype=torch.float32)
-    return dq, dk, dv, dalpha, dbias, dsinks[0] if dsinks else q.new_zeros(0, dtype=torch.float32)
+        dalpha = spec.alpha.new_zeros(0)
+    if dmask is None:
+        dmask = spec.q.new_zeros(0, dtype=torch.float32)
+    return dq, dk, dv, dalpha, dmask, dsinks[0] if dsinks else spec.q.new_zeros(0, dtype=torch.float32)
+
+
+_bwd_op = torch.library.custom_op(
+    "sparse_attn::entmax_attn_bwd", _bwd_impl, mutates_args=(),
+    schema=f"(Tensor do, Tensor out, Tensor out_u, Tensor tau, Tensor lsum, Tensor live, bool need_dalpha, "
+           f"bool need_dmask, {_SPEC_SCHEMA}) -> ({', '.join(['Tensor'] * len(_BWD_OUTPUTS))})")
 
 
 @_bwd_op.register_fake
-def _bwd_fake(do, q, k, v, out, out_u, tau, lsum, alpha, bias, cu_seqlens_q, cu_seqlens_k, live, scale, is_causal,
-              window, alibi_slopes, softcap, sinks, max_seqlen_q, max_seqlen_k, dropout_p, seed, need_dalpha,
-              need_dbias, alpha_class):
-    dbias_shape = bias.shape if need_dbias else (0,)
+def _bwd_fake(*args):
+    extra = dict(zip(_BWD_EXTRA, args))
+    spec, _ = spec_from_op_args(args[len(_BWD_EXTRA):])
+    q, alpha = spec.q, spec.alpha
     return (
-        torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
-        alpha.new_empty((alpha.shape[0],) if need_dalpha else (0,)),
-        q.new_empty(dbias_shape, dtype=torch.float32),
-        q.new_empty(0, dtype=torch.float32) if sinks is None else torch.empty_like(sinks),
+        torch.empty_like(q), torch.empty_like(spec.k), torch.empty_like(spec.v),
+        alpha.new_empty((alpha.shape[0],) if extra["need_dalpha"] else (0,)),
+        q.new_empty(spec.mask.shape if extra["need_dmask"] else (0,), dtype=torch.float32),
+        q.new_empty(0, dtype=torch.float32) if spec.sinks is None else torch.empty_like(spec.sinks),
     )
 
 
 def _setup_context(ctx, inputs, output):
     a = fwd_op_named(inputs)
     res = dict(zip(_FWD_OUTPUTS, output, strict=True))
-    ctx.save_for_backward(*(a[name] for name in _SAVED), res["out"], res["out_u"], res["tau"], res["lsum"],
+    ctx.save_for_backward(*(a[name] for name in _TENSOR_FIELDS), res["out"], res["out_u"], res["tau"], res["lsum"],
                           res["live"])
-    ctx.args = {name: a[name] for name in FWD_FIELDS if name not in _SAVED}
+    ctx.args = {name: a[name] for name in FWD_FIELDS if name not in _TENSOR_FIELDS}
 
 
 def _backward(ctx, d_out, *_unused):
@@ -153,53 +176,38 @@ def _backward(ctx, d_out, *_unused):
             "(create_graph=True) is not supported; use backend='reference' for higher-order gradients"
         )
     *saved, out, out_u, tau, lsum, live = ctx.saved_tensors
-    a = {**dict(zip(_SAVED, saved, strict=True)), **ctx.args}
+    a = {**dict(zip(_TENSOR_FIELDS, saved, strict=True)), **ctx.args}
+    spec, seed = spec_from_op_args(tuple(a[name] for name in FWD_FIELDS))
     need = {name: wants and a[name] is not None for name, wants in fwd_op_named(ctx.needs_input_grad).items()}
-    shared = ("q", "k", "v", "alpha", "bias", "cu_seqlens_q", "cu_seqlens_k", "scale", "is_causal", "window",
-              "alibi_slopes", "softcap", "sinks", "max_seqlen_q", "max_seqlen_k", "dropout_p", "seed", "alpha_class")
-    dq, dk, dv, dalpha, dbias, dsinks = _bwd_op(
-        do=d_out.contiguous(), out=out, out_u=out_u, tau=tau, lsum=lsum, live=live, need_dalpha=need["alpha"],
-        need_dbias=need["bias"], **{name: a[name] for name in shared},
-    )
-    grads = dict(q=dq, k=dk, v=dv, alpha=dalpha, bias=dbias, sinks=dsinks)
-    return tuple(grads[name] if name in DIFFERENTIABLE and need[name] else None for name in FWD_FIELDS)
+    grads = dict(zip(_BWD_OUTPUTS, _bwd_op(d_out.contiguous(), out, out_u, tau, lsum, live, need["alpha"],
+                                           need["mask"], *spec_to_op_args(spec, seed))))
+    return tuple(grads.get(name) if name in DIFFERENTIABLE and need[name] else None for name in FWD_FIELDS)
 
 
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _alpha_class(inputs: AttentionInputs) -> str:
-    """The forward's compile-time alpha class: exact for a Python alpha, from the values of a checked CPU tensor
-    (no device sync), otherwise the run-time branch per head (which also turns unchecked out-of-range heads
-    into NaN outputs)."""
-    if inputs.alpha_value is not None:
-        return alpha_class_of([inputs.alpha_value])
-    if inputs.alpha_checked and inputs.alpha.device.type == "cpu":
-        return "auto"
-    return "mixed"
-
-
-def sdpa_refuses(inputs: AttentionInputs, return_stats: bool) -> list[str]:
+def sdpa_refuses(inputs: AttnSpec, return_stats: bool | None = None) -> list[str]:
     """Why PyTorch's ``scaled_dot_product_attention`` cannot compute ``inputs`` with our semantics (empty: it can),
     whatever the device: the variants the ``"sdpa"`` route does not list (:data:`sparse_attn.routes.SUPPORTED`), a
     head not at alpha = 1 (a Python number), statistics, causal rows left without keys (``Nq > Nk``; bottom-right
-    alignment goes through ``causal_lower_right``)."""
+    alignment goes through ``causal_lower_right``). ``return_stats`` None: the spec's ``need_stats``."""
     why = refused("sdpa", inputs.used())
     if inputs.alpha_value != 1.0:
         why.append("alpha other than a Python 1")
-    if return_stats:
+    if inputs.need_stats if return_stats is None else return_stats:
         why.append("return_stats")
     if inputs.is_causal and inputs.q.shape[2] > inputs.k.shape[2]:
         why.append("causal with more queries than keys")
     return why
 
 
-def _sdpa_fits(inputs: AttentionInputs, return_stats: bool) -> bool:
+def _sdpa_fits(inputs: AttnSpec, return_stats: bool) -> bool:
     """Softmax heads the fused path hands to SDPA: CUDA tensors and nothing from :func:`sdpa_refuses`."""
     return inputs.q.is_cuda and not sdpa_refuses(inputs, return_stats)
 
 
-def _sdpa(inputs: AttentionInputs) -> Tensor:
+def _sdpa(inputs: AttnSpec) -> Tensor:
     """Softmax attention through ``torch.nn.functional.scaled_dot_product_attention`` (flash / cuDNN / efficient)."""
     q, k, v = inputs.q, inputs.k, inputs.v
     mask, causal = None, inputs.is_causal
@@ -209,7 +217,7 @@ def _sdpa(inputs: AttentionInputs) -> Tensor:
                                           scale=inputs.scale, enable_gqa=q.shape[1] != k.shape[1])
 
 
-def fused_entmax_attention(inputs: AttentionInputs, return_stats: bool):
+def fused_entmax_attention(inputs: AttnSpec, return_stats: bool | None = None):
     """Run the fused kernels on prepared inputs (see :func:`sparse_attn.entmax_attention`).
 
     Softmax heads (alpha = 1 for all heads) without statistics go to PyTorch's SDPA when it has our semantics
@@ -217,6 +225,7 @@ def fused_entmax_attention(inputs: AttentionInputs, return_stats: bool):
     kernels (:func:`sparse_attn.decode.decode_fits`); otherwise the Triton forward runs with the alpha class known
     on the host.
     """
+    return_stats = inputs.need_stats if return_stats is None else return_stats
     if _sdpa_fits(inputs, return_stats):
         return _sdpa(inputs)
     if decode_fits(inputs):
@@ -225,10 +234,7 @@ def fused_entmax_attention(inputs: AttentionInputs, return_stats: bool):
     if why:
         raise ValueError(refusal_message("fused", why, "pass backend='reference'"))
     seed = int(torch.randint(0, 2**31 - 1, (1,)).item()) if inputs.dropout_p > 0 else 0
-    args = fwd_op_named(fwd_op_args(inputs, seed, _alpha_class(inputs), need_grad=False))
-    args["need_grad"] = torch.is_grad_enabled() and any(args[name] is not None and args[name].requires_grad
-                                                        for name in DIFFERENTIABLE)
-    res = dict(zip(_FWD_OUTPUTS, _fwd_op(*args.values())))
+    res = dict(zip(_FWD_OUTPUTS, _fwd_op(*spec_to_op_args(inputs, seed))))
     out, tau, nnz, n_valid = res["out"], res["tau"], res["nnz"], res["n_valid"]
     if return_stats:
         return out, AttentionStats(nnz=nnz, tau=tau.detach(), n_valid=n_valid)

@@ -13,15 +13,17 @@ import torch
 
 from sparse_attn._cpu_chunked import chunked_attention, chunked_fits
 from sparse_attn._validation import check_bool, checks_enabled, set_checks
-from sparse_attn.attn_inputs import AttentionInputs, AttentionStats, prepare_attention
+from sparse_attn.attn_inputs import AttentionStats, AttnSpec, prepare_attention
 from sparse_attn.reference import reference_forward
 from sparse_attn.routes import refusal_message, refused
 
 __all__ = ["entmax_attention", "AttentionStats", "set_checks", "checks_enabled"]
 
 
-def run_attention(inputs: AttentionInputs, return_stats: bool = False):
-    """Run prepared inputs on their backend; returns ``out`` or ``(out, AttentionStats)``."""
+def run_attention(inputs: AttnSpec, return_stats: bool | None = None):
+    """Run prepared inputs on their backend; returns ``out`` or ``(out, AttentionStats)`` (``return_stats`` None: the
+    spec's ``need_stats``)."""
+    return_stats = inputs.need_stats if return_stats is None else return_stats
     if inputs.backend == "reference":
         why = refused("reference", inputs.used())
         if why:
@@ -36,7 +38,7 @@ def run_attention(inputs: AttentionInputs, return_stats: bool = False):
     return fused_entmax_attention(inputs, return_stats)
 
 
-def run_layer_attention(inputs: AttentionInputs, dense: bool, sink=None):
+def run_layer_attention(inputs: AttnSpec, dense: bool, sink=None):
     """The attention of a layer (module or integration) on prepared inputs.
 
     Args:
@@ -54,7 +56,7 @@ def run_layer_attention(inputs: AttentionInputs, dense: bool, sink=None):
             sink(res.stats.nnz, res.stats.n_valid, inputs.alpha, res.weights)
         return res.out, res.applied
     if sink is None:
-        return run_attention(inputs), None
+        return run_attention(inputs, return_stats=False), None
     out, stats = run_attention(inputs, return_stats=True)
     sink(stats.nnz, stats.n_valid, inputs.alpha, None)
     return out, None
@@ -149,10 +151,10 @@ def entmax_attention(
         Rows with no key to attend to give zeros (and zero gradients).
     """
     check_bool("return_stats", return_stats)
-    inputs = prepare_attention(
+    spec = prepare_attention(
         q, k, v, alpha, attn_mask=attn_mask, is_causal=is_causal, scale=scale, dropout_p=dropout_p,
         enable_gqa=enable_gqa, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, backend=backend, window_size=window_size,
-        alibi_slopes=alibi_slopes, sinks=sinks, softcap=softcap,
+        alibi_slopes=alibi_slopes, sinks=sinks, softcap=softcap, need_stats=return_stats,
     )
-    return run_attention(inputs, return_stats)
+    return run_attention(spec)

@@ -2,7 +2,8 @@
 
 :func:`prepare_attention` checks every argument of :func:`sparse_attn.entmax_attention` (and of
 the reference, the modules and the Hugging Face integration, which all go through it) and
-normalizes them into one :class:`AttentionInputs`; the fused path
+normalizes them into one frozen spec, :class:`~sparse_attn.kernels._spec.AttnSpec` (also named
+:data:`AttentionInputs`); the fused path
 (:mod:`sparse_attn._attn_autograd`) and the reference (:mod:`sparse_attn.reference`) consume it.
 
 The attention variants real models use (a sliding ``window_size``, ``alibi_slopes``, per-head
@@ -25,12 +26,15 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from sparse_attn._kv_cache import MAX_DECODE_QUERIES, check_kv_cache
 from sparse_attn._validation import check_bool, check_number, values_checkable
 from sparse_attn.kernels._common import interpreting
+from sparse_attn.kernels._spec import DIFFERENTIABLE, AttnSpec, resolve_spec_alpha_class
 from sparse_attn.masks import check_mask
 from sparse_attn.routes import refused, used_variants
 
 __all__ = [
+    "AttnSpec",
     "AttentionInputs",
     "AttentionStats",
     "prepare_attention",
@@ -71,68 +75,8 @@ class AttentionStats(NamedTuple):
     n_valid: Tensor
 
 
-class AttentionInputs(NamedTuple):
-    """One attention call's inputs after :func:`prepare_attention`. Layout ``(batch, heads, seq, head_dim)``.
-
-    q:             ``(B, Hq, Nq, D)`` (varlen: ``(1, Hq, total_q, D)``), float16/bfloat16/float32/float64.
-    k, v:          ``(B, Hk, Nk, D)`` and ``(B, Hk, Nk, Dv)``, ``Hq % Hk == 0``, dtype and device of ``q``.
-    alpha:         ``(Hq,)`` on ``q``'s device, float32 (float64 when ``q`` is float64); differentiable
-                   when the caller's alpha requires grad (a view of it, cast).
-    alpha_value:   the Python number when alpha was given as one, else None (exact fast paths).
-    alpha_checked: True when alpha's values are known to lie in [1, 2] (a Python number, a checked
-                   tensor, or a caller that guarantees it); otherwise an out-of-range or NaN
-                   head gives NaN outputs.
-    mask:          None, a boolean keep mask (True = attend) or a float additive bias, at its own
-                   shape (at most 4-d, broadcastable to ``(B, Hq, Nq, Nk)``, never expanded).
-    is_causal:     bottom-right aligned causal masking (per sequence with varlen).
-    scale:         score scale (``1 / sqrt(D)`` unless given; 1 when ``D == 0``).
-    dropout_p:     drop probability of the weights, in [0, 1).
-    cu_seqlens_q, cu_seqlens_k: int32 ``(nseq + 1,)`` packed-sequence offsets, or None.
-    max_seqlen_q, max_seqlen_k: longest query / key sequence (``Nq`` / ``Nk`` without varlen).
-    backend:       ``"triton"`` or ``"reference"`` (resolved from ``"auto"``).
-    window_size:   ``(left, right)`` sliding window (flash-attn semantics, bottom-right aligned, per
-                   sequence with varlen; ``-1`` = unbounded on that side), or None for no window.
-                   Intersected with ``is_causal`` and the mask.
-    alibi_slopes:  None or ``(Hq,)`` / ``(B, Hq)`` (varlen: ``(nseq, Hq)``) float32 (float64 for float64
-                   ``q``): the bias ``-slope * |i + Nk - Nq - j|`` is added to the (soft-capped) scores.
-    sinks:         None or ``(Hq,)`` float32 (float64 for float64 ``q``), differentiable: one sink logit per
-                   head, an extra key with a zero value in every row's normalization (not masked, not
-                   soft-capped, not scaled). Weights over the real keys then sum to ``1 - p_sink``.
-    softcap:       None or a positive float: finite scaled scores ``s`` become ``softcap * tanh(s / softcap)``
-                   before masks and biases are added (non-finite scores are left as they are).
-    """
-
-    q: Tensor
-    k: Tensor
-    v: Tensor
-    alpha: Tensor
-    alpha_value: float | None
-    alpha_checked: bool
-    mask: Tensor | None
-    is_causal: bool
-    scale: float
-    dropout_p: float
-    cu_seqlens_q: Tensor | None
-    cu_seqlens_k: Tensor | None
-    max_seqlen_q: int
-    max_seqlen_k: int
-    backend: str
-    window_size: tuple[int, int] | None = None
-    alibi_slopes: Tensor | None = None
-    sinks: Tensor | None = None
-    softcap: float | None = None
-
-    def used(self) -> frozenset:
-        """The variants this call uses (names of :data:`sparse_attn.routes.VARIANTS`); the routers refuse what a
-        route does not list in :data:`sparse_attn.routes.SUPPORTED`."""
-        return used_variants(self.q, self.k, self.v, alpha=self.alpha, mask=self.mask, is_causal=self.is_causal,
-                             dropout_p=self.dropout_p, cu_seqlens_q=self.cu_seqlens_q, window_size=self.window_size,
-                             alibi_slopes=self.alibi_slopes, sinks=self.sinks, softcap=self.softcap)
-
-    @property
-    def score_shape(self) -> tuple[int, int, int, int]:
-        """``(B, Hq, Nq, Nk)``."""
-        return (self.q.shape[0], self.q.shape[1], self.q.shape[2], self.k.shape[2])
+AttentionInputs = AttnSpec
+"""The spec under its earlier name (the same class): see :class:`sparse_attn.kernels._spec.AttnSpec`."""
 
 
 def _check_qkv(q, k, v, enable_gqa: bool, varlen: bool) -> None:
@@ -171,7 +115,7 @@ def unfused_variants(q: Tensor, v: Tensor, window_size=None, alibi_slopes=None, 
     """The arguments of a call that the fused Triton kernels do not implement yet, as error-message phrases.
 
     What :data:`sparse_attn.routes.SUPPORTED` refuses on the ``"fused"`` route, checked before the rest of the
-    arguments (the full set is checked again at dispatch, :meth:`AttentionInputs.used`), and the kernels' value
+    arguments (the full set is checked again at dispatch, :meth:`AttnSpec.used`), and the kernels' value
     head dims. Arguments as
     :func:`prepare_attention` (``window_size`` etc. already normalized: None when unused); ``v_name`` names ``v``
     in the phrases.
@@ -363,45 +307,65 @@ def prepare_attention(
     enable_gqa: bool = False, cu_seqlens_q: Tensor | None = None, cu_seqlens_k: Tensor | None = None,
     max_seqlen_q: int | None = None, max_seqlen_k: int | None = None, backend: str = "auto",
     window_size: tuple[int, int] | None = None, alibi_slopes: Tensor | None = None, sinks: Tensor | None = None,
-    softcap: float | None = None, alpha_in_range: bool = False,
-) -> AttentionInputs:
-    """Validate the arguments of :func:`sparse_attn.entmax_attention` and normalize them (see :class:`AttentionInputs`).
+    softcap: float | None = None, alpha_in_range: bool = False, need_stats: bool = False, kv_cache: bool = False,
+    cache_seqlens: Tensor | int | None = None, block_table: Tensor | None = None, num_splits: int | None = None,
+) -> AttnSpec:
+    """Validate the arguments of :func:`sparse_attn.entmax_attention` and normalize them into the one spec of the call
+    (see :class:`~sparse_attn.kernels._spec.AttnSpec`, also named :data:`AttentionInputs`).
 
-    Arguments as :func:`sparse_attn.entmax_attention`, plus a promise callers may make:
-    ``alpha_in_range`` (a tensor alpha's values are in [1, 2], e.g. a module's alpha, valid by
+    Arguments as :func:`sparse_attn.entmax_attention` (``need_stats`` is its ``return_stats``), plus a promise callers
+    may make: ``alpha_in_range`` (a tensor alpha's values are in [1, 2], e.g. a module's alpha, valid by
     construction: they are not read). Float masks are not checked for NaN / +inf: such entries make
     their rows NaN on every backend (the non-finite policy). Problems with no query, key, head or batch entry
     run on the reference (their output is empty or zero).
 
+    ``kv_cache=True`` is a decoding step (:func:`sparse_attn.entmax_decode`): ``k`` / ``v`` are its KV cache
+    (contiguous, or a page pool with ``block_table``), ``cache_seqlens``, ``max_seqlen_k`` and ``num_splits`` as that
+    function documents them (checked by :func:`sparse_attn._kv_cache.check_kv_cache`); grouped-query heads need no
+    flag, and the triton backend takes at most ``MAX_DECODE_QUERIES`` queries per sequence.
+
     Returns:
-        :class:`AttentionInputs`. Raises ``TypeError`` / ``ValueError`` naming the argument.
+        :class:`~sparse_attn.kernels._spec.AttnSpec`. Raises ``TypeError`` / ``ValueError`` naming the argument.
     """
     check_bool("is_causal", is_causal)
     check_bool("enable_gqa", enable_gqa)
-    if (cu_seqlens_q is None) != (cu_seqlens_k is None):
-        raise ValueError("cu_seqlens_q and cu_seqlens_k must be given together")
-    varlen = cu_seqlens_q is not None
-    _check_qkv(q, k, v, enable_gqa, varlen)
+    check_bool("need_stats", need_stats)
+    if kv_cache:
+        cache_seqlens, max_seqlen_k = check_kv_cache(q, k, v, cache_seqlens, block_table, max_seqlen_k, num_splits)
+        varlen, kv_names = False, ("k_cache", "v_cache")
+    else:
+        for name, given in (("cache_seqlens", cache_seqlens), ("block_table", block_table),
+                            ("num_splits", num_splits)):
+            if given is not None:
+                raise ValueError(f"{name} is only used with a KV cache (sparse_attn.entmax_decode), got {given!r}")
+        if (cu_seqlens_q is None) != (cu_seqlens_k is None):
+            raise ValueError("cu_seqlens_q and cu_seqlens_k must be given together")
+        varlen, kv_names = cu_seqlens_q is not None, ("k", "v")
+        _check_qkv(q, k, v, enable_gqa, varlen)
     packed = varlen and isinstance(cu_seqlens_q, Tensor) and cu_seqlens_q.dim() == 1
     n_rows = cu_seqlens_q.shape[0] - 1 if packed else q.shape[0]
     window_size, alibi_slopes, sinks, softcap = check_variants(q, n_rows, window_size, alibi_slopes, sinks, softcap,
                                                                "nseq" if varlen else "batch")
-    backend = resolve_backend(backend, q, v, unfused_variants(q, v, window_size, alibi_slopes, sinks, softcap))
-    if 0 in q.shape[:3] or k.shape[2] == 0:
+    backend = resolve_backend(backend, q, v, unfused_variants(q, v, window_size, alibi_slopes, sinks, softcap,
+                                                              kv_names[1]))
+    if kv_cache and backend == "triton" and q.shape[2] > MAX_DECODE_QUERIES:
+        raise ValueError(f"q: the decode kernels take at most {MAX_DECODE_QUERIES} queries per sequence, got "
+                         f"{q.shape[2]}; use sparse_attn.entmax_attention for longer query chunks")
+    if not kv_cache and (0 in q.shape[:3] or k.shape[2] == 0):
         backend = "reference"
     alpha_t, alpha_value, alpha_checked = _normalize_alpha(alpha, q, alpha_in_range)
-    shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-    check_mask("attn_mask", attn_mask, q.device, shape)
+    seqlen_k = (block_table.shape[1] * k.shape[1] if block_table is not None else k.shape[2])
+    check_mask("attn_mask", attn_mask, q.device, (q.shape[0], q.shape[1], q.shape[2], seqlen_k))
     if varlen:
         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k = _check_cu_seqlens(
             cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q, max_seqlen_k)
     else:
-        for name, given in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        for name, given in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", None if kv_cache else max_seqlen_k)):
             if given is not None:
                 raise ValueError(
                     f"{name} is only used with cu_seqlens_q/cu_seqlens_k (packed sequences), got {given!r}"
                 )
-        max_seqlen_q, max_seqlen_k = q.shape[2], k.shape[2]
+        max_seqlen_q, max_seqlen_k = q.shape[2], max_seqlen_k if kv_cache else k.shape[2]
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, Real)):
         raise TypeError(f"scale must be None or a Python number, got {type(scale).__name__}")
     if scale is not None and not abs(float(scale)) < float("inf"):
@@ -409,8 +373,14 @@ def prepare_attention(
     if scale is None:
         scale = q.shape[-1] ** -0.5 if q.shape[-1] > 0 else 1.0
     dropout_p = check_number("dropout_p", dropout_p, 0.0, 1.0, high_open=True)
-    return AttentionInputs(
-        q, k, v, alpha_t, alpha_value, alpha_checked, attn_mask, is_causal, float(scale), dropout_p,
-        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, backend,
+    fields = dict(q=q, k=k, v=v, alpha=alpha_t, mask=attn_mask, sinks=sinks, alibi_slopes=alibi_slopes)
+    need_grad = torch.is_grad_enabled() and any(isinstance(fields[name], Tensor) and fields[name].requires_grad
+                                                for name in DIFFERENTIABLE)
+    return AttnSpec(
+        q=q, k=k, v=v, alpha=alpha_t, alpha_value=alpha_value, alpha_checked=alpha_checked, mask=attn_mask,
+        is_causal=is_causal, scale=float(scale), dropout_p=dropout_p, cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, backend=backend,
         window_size=window_size, alibi_slopes=alibi_slopes, sinks=sinks, softcap=softcap,
+        alpha_class=resolve_spec_alpha_class(alpha_t, alpha_value, alpha_checked), need_stats=need_stats,
+        need_grad=need_grad, cache_seqlens=cache_seqlens, block_table=block_table, num_splits=num_splits,
     )

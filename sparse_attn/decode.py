@@ -10,31 +10,16 @@ Design and measurements: docs/decode.md.
 
 from __future__ import annotations
 
-from numbers import Integral, Real
-
 import torch
 from torch import Tensor
 
-from sparse_attn._validation import check_bool, check_number, values_checkable
-from sparse_attn.attn_inputs import (
-    AttentionInputs,
-    AttentionStats,
-    check_head_alpha,
-    check_variants,
-    resolve_backend,
-    unfused_variants,
-)
-from sparse_attn.masks import check_mask
+from sparse_attn._kv_cache import MAX_DECODE_QUERIES
+from sparse_attn._validation import check_bool
+from sparse_attn.attn_inputs import AttentionStats, AttnSpec, prepare_attention
 from sparse_attn.reference import entmax_attention_reference
-from sparse_attn.routes import refusal_message, refused, used_variants
+from sparse_attn.routes import refusal_message, refused
 
 __all__ = ["entmax_decode", "MAX_DECODE_QUERIES", "decode_attention", "decode_fits", "decode_unsupported"]
-
-MAX_DECODE_QUERIES = 16
-"""Queries per sequence the decode kernels take (longer query chunks: :func:`sparse_attn.entmax_attention`)."""
-
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
 
 @torch.library.custom_op("sparse_attn::entmax_decode", mutates_args=())
 def _decode_op(
@@ -62,122 +47,6 @@ def _decode_fake(q, k_cache, v_cache, cache_seqlens, alpha, alpha_value, scale, 
             q.new_empty(rows, dtype=torch.int32), q.new_empty(rows, dtype=torch.int32))
 
 
-def _check_cache(q: Tensor, k_cache, v_cache, block_table) -> tuple[int, int]:
-    """Check the cache tensors against ``q``; return ``(n_kv_heads, capacity)`` (keys a sequence may hold)."""
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if not isinstance(t, Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            layout = "(batch, heads, seq, head_dim)" if name == "q" or block_table is None else \
-                "(num_pages, page_size, kv_heads, head_dim) with block_table"
-            raise ValueError(f"{name} must have shape {layout}, got {tuple(t.shape)}")
-        if t.dtype not in _FLOAT_DTYPES:
-            raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
-    if not (q.dtype == k_cache.dtype == v_cache.dtype):
-        raise TypeError(f"q, k_cache and v_cache must share one dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
-    if not (q.device == k_cache.device == v_cache.device):
-        raise ValueError(f"q, k_cache and v_cache must be on one device, got {q.device}, {k_cache.device}, "
-                         f"{v_cache.device}")
-    if k_cache.shape[:3] != v_cache.shape[:3]:
-        raise ValueError(f"k_cache and v_cache must agree in all but the head dim, got shapes {tuple(k_cache.shape)} "
-                         f"and {tuple(v_cache.shape)}")
-    if k_cache.shape[3] != q.shape[3]:
-        raise ValueError(f"q and k_cache must have the same head_dim, got {q.shape[3]} and {k_cache.shape[3]}")
-    if block_table is None:
-        if k_cache.shape[0] != q.shape[0]:
-            raise ValueError(f"q and k_cache must have the same batch size, got {q.shape[0]} and {k_cache.shape[0]} "
-                             f"(a paged cache needs block_table)")
-        n_kv_heads, capacity = k_cache.shape[1], k_cache.shape[2]
-    else:
-        if not isinstance(block_table, Tensor):
-            raise TypeError(f"block_table must be None or a torch.Tensor, got {type(block_table).__name__}")
-        if block_table.dtype not in (torch.int32, torch.int64) or block_table.dim() != 2:
-            raise TypeError(f"block_table must be a 2-d int32 tensor (batch, max_pages_per_seq), got a "
-                            f"{block_table.dtype} tensor of shape {tuple(block_table.shape)}")
-        if block_table.device != q.device:
-            raise ValueError(f"block_table must be on the device of q ({q.device}), got {block_table.device}")
-        if block_table.shape[0] != q.shape[0]:
-            raise ValueError(f"block_table must have one row per batch entry ({q.shape[0]}), "
-                             f"got {block_table.shape[0]}")
-        if k_cache.shape[1] < 1:
-            raise ValueError(f"k_cache must have pages of at least one slot, got page size {k_cache.shape[1]}")
-        n_kv_heads, capacity = k_cache.shape[2], block_table.shape[1] * k_cache.shape[1]
-    h_q = q.shape[1]
-    if (n_kv_heads == 0 and h_q != 0) or (n_kv_heads != 0 and h_q % n_kv_heads != 0):
-        if block_table is None:
-            # The usual cause: a flash-attn (B, N, Hk, D) cache given as it is. A layout cannot be inferred from the
-            # shape (N == Hk, or N dividing Hq, is possible), so it is named rather than guessed.
-            raise ValueError(
-                f"the number of q heads ({h_q}) must be a multiple of the number of kv heads ({n_kv_heads}): a "
-                f"contiguous k_cache must have shape (B, Hk, N, D) (kv heads on dim 1), got k_cache of shape "
-                f"{tuple(k_cache.shape)} for q of shape {tuple(q.shape)} (B, Hq, Nq, D); a flash-attn (B, N, Hk, D) "
-                f"cache must be transposed first: k_cache.transpose(1, 2), v_cache.transpose(1, 2) (views, no copy; "
-                f"likewise a (B, Nq, Hq, D) q)")
-        raise ValueError(f"the number of q heads ({h_q}) must be a multiple of the number of kv heads ({n_kv_heads}): "
-                         f"a paged k_cache must have shape (num_pages, page_size, Hk, D), got "
-                         f"{tuple(k_cache.shape)} for q of shape {tuple(q.shape)} (B, Hq, Nq, D)")
-    return n_kv_heads, capacity
-
-
-def _seqlens(cache_seqlens, q: Tensor, capacity: int, block_table, num_pages: int, page_size: int) -> Tensor:
-    """``cache_seqlens`` as int32 ``(B,)`` on ``q``'s device, values checked when that is free (or asked for)."""
-    batch = q.shape[0]
-    if cache_seqlens is None:
-        return torch.full((batch,), capacity, dtype=torch.int32, device=q.device)
-    if isinstance(cache_seqlens, Integral) and not isinstance(cache_seqlens, bool):
-        if not 0 <= cache_seqlens <= capacity:
-            raise ValueError(f"cache_seqlens must be in [0, {capacity}] (the cache's capacity), got {cache_seqlens}")
-        return torch.full((batch,), int(cache_seqlens), dtype=torch.int32, device=q.device)
-    if not isinstance(cache_seqlens, Tensor) or cache_seqlens.dtype not in (torch.int32, torch.int64):
-        got = f"a {cache_seqlens.dtype} tensor" if isinstance(cache_seqlens, Tensor) else type(cache_seqlens).__name__
-        raise TypeError(f"cache_seqlens must be None, an int or an int32 tensor of shape ({batch},), got {got}")
-    if cache_seqlens.shape != (batch,):
-        raise ValueError(f"cache_seqlens must have shape ({batch},) (one length per batch entry), "
-                         f"got {tuple(cache_seqlens.shape)}")
-    if cache_seqlens.device != q.device:
-        raise ValueError(f"cache_seqlens must be on the device of q ({q.device}), got {cache_seqlens.device}")
-    if values_checkable(cache_seqlens):
-        vals = cache_seqlens.tolist()
-        if any(not 0 <= s <= capacity for s in vals):
-            raise ValueError(f"cache_seqlens must lie in [0, {capacity}] (the cache's capacity), got {vals}")
-        if block_table is not None and values_checkable(block_table):
-            for b, s in enumerate(vals):
-                used = block_table[b, : -(-s // page_size)]
-                if used.numel() and not bool(((used >= 0) & (used < num_pages)).all()):
-                    raise ValueError(f"block_table[{b}] must index pages in [0, {num_pages}) for the "
-                                     f"{s} keys of sequence {b}, got {used.tolist()}")
-    return cache_seqlens.to(torch.int32)
-
-
-def _max_seqlen(max_seqlen_k, seqlens: Tensor, capacity: int) -> int | None:
-    """The checked bound on ``cache_seqlens`` (None: the capacity)."""
-    if max_seqlen_k is None:
-        return int(seqlens.max()) if seqlens.device.type == "cpu" and seqlens.numel() else None
-    if isinstance(max_seqlen_k, bool) or not isinstance(max_seqlen_k, Integral):
-        raise TypeError(f"max_seqlen_k must be None or an int, got {type(max_seqlen_k).__name__}")
-    longest = int(seqlens.max()) if values_checkable(seqlens) and seqlens.numel() else 0
-    if not longest <= max_seqlen_k <= capacity:
-        raise ValueError(f"max_seqlen_k must lie in [{longest}, {capacity}] (the longest cache_seqlens entry, "
-                         f"the cache's capacity), got {max_seqlen_k}")
-    return int(max_seqlen_k)
-
-
-def _alpha(alpha, n_heads: int, device) -> tuple[Tensor, float | None]:
-    """``alpha`` for the kernels: a float32 ``(Hq,)`` tensor (values checked when readable) and the Python number
-    it holds when given as one."""
-    check_head_alpha("alpha", alpha, n_heads)
-    if not isinstance(alpha, Tensor):
-        value = check_number("alpha", alpha, 1.0, 2.0)
-        return torch.full((n_heads,), value, dtype=torch.float32, device=device), value
-    if alpha.device != device and alpha.device.type != "cpu":
-        raise ValueError(f"alpha must be on the device of q ({device}) or on the CPU, got {alpha.device}")
-    if values_checkable(alpha):
-        vals = alpha.detach()
-        if not bool(((vals >= 1) & (vals <= 2)).all()):
-            raise ValueError(f"alpha must be finite and in [1, 2], got {vals.flatten().tolist()}")
-    return alpha.detach().to(torch.float32).reshape(-1).expand(n_heads).contiguous(), None
-
-
 def _gathered(cache: Tensor, block_table: Tensor | None) -> Tensor:
     """The cache as ``(B, Hk, capacity, D)`` (pages gathered through the block table)."""
     if block_table is None:
@@ -187,22 +56,25 @@ def _gathered(cache: Tensor, block_table: Tensor | None) -> Tensor:
     return pages.reshape(b, n_pages * page_size, heads, d).transpose(1, 2)
 
 
-def _reference_decode(q, k_cache, v_cache, seqlens: Tensor, block_table, alpha, attn_mask, is_causal: bool,
-                      scale: float, return_stats: bool, window_size, alibi_slopes, sinks, softcap):
+def _reference_decode(spec: AttnSpec):
     """The reference backend: each sequence's first ``cache_seqlens[b]`` keys (slots past them may hold anything)
     through ``entmax_attention_reference``, so that the causal mask, the window and ALiBi take the decode
     alignment (query ``i`` at key position ``i + cache_seqlens[b] - Nq``)."""
-    k, v = _gathered(k_cache, block_table), _gathered(v_cache, block_table)
+    q, return_stats = spec.q, spec.need_stats
+    alpha = spec.alpha if spec.alpha_value is None else spec.alpha_value
+    k, v = _gathered(spec.k, spec.block_table), _gathered(spec.v, spec.block_table)
     if q.shape[0] == 0:
         return entmax_attention_reference(q, k, v, alpha, enable_gqa=True, return_stats=return_stats)
-    mask = None if attn_mask is None else attn_mask.expand(*q.shape[:3], k.shape[2])
+    mask = None if spec.mask is None else spec.mask.expand(*q.shape[:3], k.shape[2])
     outs, stats = [], []
-    for b, length in enumerate(seqlens.tolist()):
-        slopes = alibi_slopes if alibi_slopes is None or alibi_slopes.dim() == 1 else alibi_slopes[b:b + 1]
+    for b, length in enumerate(spec.cache_seqlens.tolist()):
+        slopes = spec.alibi_slopes
+        slopes = slopes if slopes is None or slopes.dim() == 1 else slopes[b:b + 1]
         out, st = entmax_attention_reference(
-            q[b:b + 1], k[b:b + 1, :, :length], v[b:b + 1, :, :length], alpha, scale=scale, is_causal=is_causal,
-            attn_mask=None if mask is None else mask[b:b + 1, ..., :length], enable_gqa=True, return_stats=True,
-            window_size=window_size, alibi_slopes=slopes, sinks=sinks, softcap=softcap)
+            q[b:b + 1], k[b:b + 1, :, :length], v[b:b + 1, :, :length], alpha, scale=spec.scale,
+            is_causal=spec.is_causal, attn_mask=None if mask is None else mask[b:b + 1, ..., :length],
+            enable_gqa=True, return_stats=True, window_size=spec.window_size, alibi_slopes=slopes, sinks=spec.sinks,
+            softcap=spec.softcap)
         outs.append(out)
         stats.append(st)
     out = torch.cat(outs)
@@ -288,46 +160,18 @@ def entmax_decode(
     """
     check_bool("is_causal", is_causal)
     check_bool("return_stats", return_stats)
-    _, capacity = _check_cache(q, k_cache, v_cache, block_table)
-    paged = block_table is not None
-    seqlens = _seqlens(cache_seqlens, q, capacity, block_table, k_cache.shape[0], k_cache.shape[1] if paged else 1)
-    bound = _max_seqlen(max_seqlen_k, seqlens, capacity)
-    window_size, alibi_slopes, sinks, softcap = check_variants(q, q.shape[0], window_size, alibi_slopes, sinks,
-                                                               softcap)
-    backend = resolve_backend(backend, q, v_cache,
-                              unfused_variants(q, v_cache, window_size, alibi_slopes, sinks, softcap, "v_cache"))
-    if backend == "triton" and q.shape[2] > MAX_DECODE_QUERIES:
-        raise ValueError(f"q: the decode kernels take at most {MAX_DECODE_QUERIES} queries per sequence, got "
-                         f"{q.shape[2]}; use sparse_attn.entmax_attention for longer query chunks")
-    alpha_t, alpha_value = _alpha(alpha, q.shape[1], q.device)
-    check_mask("attn_mask", attn_mask, q.device, (q.shape[0], q.shape[1], q.shape[2], capacity))
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, Real)):
-        raise TypeError(f"scale must be None or a Python number, got {type(scale).__name__}")
-    if scale is not None and not abs(float(scale)) < float("inf"):
-        raise ValueError(f"scale must be None or a finite number, got {scale!r}")
-    scale = float(scale) if scale is not None else q.shape[-1] ** -0.5
-    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, Integral)):
-        raise TypeError(f"num_splits must be None or an int, got {type(num_splits).__name__}")
-    if num_splits is not None and num_splits < 1:
-        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-
-    if backend == "triton":
-        used = used_variants(q, None, v_cache, alpha=alpha, mask=attn_mask, is_causal=is_causal,
-                             window_size=window_size, alibi_slopes=alibi_slopes, sinks=sinks, softcap=softcap)
-        why = refused("decode", used)
-        if why:
-            raise ValueError(refusal_message("decode", why, "use sparse_attn.entmax_attention to train, or call "
-                                             "entmax_decode under torch.no_grad()"))
-    if backend == "reference":
-        return _reference_decode(q, k_cache, v_cache, seqlens, block_table, alpha, attn_mask, is_causal, scale,
-                                 return_stats, window_size, alibi_slopes, sinks, softcap)
-
-    out, tau, nnz, n_valid = _decode_op(
-        q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=seqlens, alpha=alpha_t, alpha_value=alpha_value,
-        scale=scale, block_table=block_table, bias=attn_mask, is_causal=is_causal, max_seqlen_k=bound,
-        num_splits=num_splits, window_size=_window_arg(window_size), alibi_slopes=alibi_slopes, softcap=softcap,
-        sinks=sinks)
-    return (out, AttentionStats(nnz, tau, n_valid)) if return_stats else out
+    spec = prepare_attention(
+        q, k_cache, v_cache, alpha, attn_mask=attn_mask, is_causal=is_causal, scale=scale, max_seqlen_k=max_seqlen_k,
+        backend=backend, window_size=window_size, alibi_slopes=alibi_slopes, sinks=sinks, softcap=softcap,
+        need_stats=return_stats, kv_cache=True, cache_seqlens=cache_seqlens, block_table=block_table,
+        num_splits=num_splits)
+    if spec.backend == "reference":
+        return _reference_decode(spec)
+    why = refused("decode", spec.used())
+    if why:
+        raise ValueError(refusal_message("decode", why, "use sparse_attn.entmax_attention to train, or call "
+                                         "entmax_decode under torch.no_grad()"))
+    return _run_decode_op(spec, spec.cache_seqlens, spec.need_stats)
 
 
 def _window_arg(window_size) -> list[int] | None:
@@ -335,7 +179,7 @@ def _window_arg(window_size) -> list[int] | None:
     return None if window_size is None else [int(w) for w in window_size]
 
 
-def decode_unsupported(inputs: AttentionInputs) -> list[str]:
+def decode_unsupported(inputs: AttnSpec) -> list[str]:
     """What keeps a fused-path call off the decode kernels, as phrases (empty: they can run it).
 
     The variants the ``"decode"`` route does not list in :data:`sparse_attn.routes.SUPPORTED`: the decode kernels
@@ -347,7 +191,7 @@ def decode_unsupported(inputs: AttentionInputs) -> list[str]:
     return refused("decode", inputs.used())
 
 
-def decode_fits(inputs: AttentionInputs) -> bool:
+def decode_fits(inputs: AttnSpec) -> bool:
     """Whether the fused path runs ``inputs`` on the split-K decode kernels instead of the general forward.
 
     A decoding step: ``1 <= Nq <= MAX_DECODE_QUERIES`` queries per sequence against more keys than queries (a KV
@@ -358,15 +202,22 @@ def decode_fits(inputs: AttentionInputs) -> bool:
             and not decode_unsupported(inputs))
 
 
-def decode_attention(inputs: AttentionInputs, return_stats: bool = False):
+def decode_attention(inputs: AttnSpec, return_stats: bool | None = None):
     """Run prepared inputs for which :func:`decode_fits` holds on the decode kernels: ``k``, ``v`` are a contiguous
-    cache of ``Nk`` keys for every sequence. Returns ``out`` ``(B, Hq, Nq, Dv)`` or ``(out, AttentionStats)``."""
+    cache of ``Nk`` keys for every sequence. Returns ``out`` ``(B, Hq, Nq, Dv)`` or ``(out, AttentionStats)``
+    (``return_stats`` None: the spec's ``need_stats``)."""
     q, k = inputs.q, inputs.k
     seqlens = torch.full((q.shape[0],), k.shape[2], dtype=torch.int32, device=q.device)
+    return _run_decode_op(inputs, seqlens, inputs.need_stats if return_stats is None else return_stats)
+
+
+def _run_decode_op(spec: AttnSpec, seqlens: Tensor, return_stats: bool):
+    """The decode op on a spec whose ``k`` / ``v`` are a KV cache holding ``seqlens`` keys per sequence: ``out`` or
+    ``(out, AttentionStats)``."""
     out, tau, nnz, n_valid = _decode_op(
-        q=q, k_cache=k, v_cache=inputs.v, cache_seqlens=seqlens, alpha=inputs.alpha.detach().float().contiguous(),
-        alpha_value=inputs.alpha_value, scale=inputs.scale, block_table=None, bias=inputs.mask,
-        is_causal=inputs.is_causal, max_seqlen_k=k.shape[2], num_splits=None,
-        window_size=_window_arg(inputs.window_size), alibi_slopes=inputs.alibi_slopes, softcap=inputs.softcap,
-        sinks=inputs.sinks)
+        q=spec.q, k_cache=spec.k, v_cache=spec.v, cache_seqlens=seqlens,
+        alpha=spec.alpha.detach().float().contiguous(), alpha_value=spec.alpha_value, scale=spec.scale,
+        block_table=spec.block_table, bias=spec.mask, is_causal=spec.is_causal, max_seqlen_k=spec.max_seqlen_k,
+        num_splits=spec.num_splits, window_size=_window_arg(spec.window_size), alibi_slopes=spec.alibi_slopes,
+        softcap=spec.softcap, sinks=spec.sinks)
     return (out, AttentionStats(nnz, tau, n_valid)) if return_stats else out

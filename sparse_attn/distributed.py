@@ -58,7 +58,7 @@ from sparse_attn._cp_layout import (
 from sparse_attn._cp_shard import _unshard, pad_for_context_parallel, shard_positions, shard_sequence, unshard_sequence
 from sparse_attn._validation import check_bool
 from sparse_attn.attention import entmax_attention
-from sparse_attn.attn_inputs import AttentionStats, _check_window_size, check_head_alpha, prepare_attention
+from sparse_attn.attn_inputs import AttentionStats, check_head_alpha, prepare_attention
 from sparse_attn.masks import check_mask
 from sparse_attn.modules import EntmaxMultiheadAttention
 from sparse_attn.routes import refusal_message, refused
@@ -220,10 +220,11 @@ def context_parallel_attention(
     with _ranks_agree(lay, "context_parallel_attention", args):
         _check_local(q, k, v, key_padding_mask)
         check_bool("return_stats", return_stats)
-        _refuse("context_parallel", prepare_attention(
-            q, k, v, alpha, is_causal=is_causal, scale=scale, dropout_p=dropout_p, enable_gqa=enable_gqa,
-            backend=backend, window_size=window_size, **variants))
-        window = _check_window_size(window_size)
+        spec = prepare_attention(q, k, v, alpha, is_causal=is_causal, scale=scale, dropout_p=dropout_p,
+                                 enable_gqa=enable_gqa, backend=backend, window_size=window_size,
+                                 need_stats=return_stats, **variants)
+        _refuse("context_parallel", spec)
+        window = spec.window_size
         if alibi_slopes is not None and not is_causal and (window is None or window[1] != 0):
             raise ValueError("alibi_slopes with context_parallel_attention needs is_causal=True or window_size=(left, "
                              "0): a query chunk's ALiBi distances need its keys to end at the chunk's last position; "
@@ -335,7 +336,8 @@ def ulysses_attention(
                 raise ValueError(f"{name} is not supported by ulysses_attention: pass key_padding_mask (and is_causal)")
         if attn_fn is None:
             attn_fn = entmax_attention
-            _refuse("ulysses", prepare_attention(q, k, v, alpha, is_causal=is_causal, enable_gqa=enable_gqa, **kwargs))
+            _refuse("ulysses", prepare_attention(q, k, v, alpha, is_causal=is_causal, enable_gqa=enable_gqa,
+                                                 need_stats=return_stats, **kwargs))
         elif not callable(attn_fn):
             raise TypeError(f"attn_fn must be callable, got {type(attn_fn).__name__}")
         if is_causal and q.shape[2] != k.shape[2]:

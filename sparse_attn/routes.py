@@ -1,10 +1,10 @@
 """Which attention variants each execution route runs: one table, and routers that refuse what it does not list.
 
 A call's variants are named by :func:`used_variants` (from the normalized arguments of
-:func:`sparse_attn.attn_inputs.prepare_attention`, or :meth:`AttentionInputs.used`). Each route declares the set it
+:func:`sparse_attn.attn_inputs.prepare_attention`, or :meth:`AttnSpec.used`). Each route declares the set it
 implements in :data:`SUPPORTED`; ``refused(route, used)`` is what is left over, as phrases for an error message. A
 variant missing from a route's set is refused there, so a new variant is off every route until a route lists it
-(fail closed), and ``tests/test_routes.py`` checks that every field of ``AttentionInputs`` is named here.
+(fail closed), and ``tests/test_routes.py`` checks that every field of the spec (``AttnSpec``) is named here.
 
 Routes:
 
@@ -21,8 +21,7 @@ Routes:
 
 from __future__ import annotations
 
-import torch
-from torch import Tensor
+from sparse_attn.kernels._spec import used_variants  # re-exported: the variants of a call, read from its spec
 
 __all__ = ["VARIANTS", "SUPPORTED", "PROBLEM_FIELDS", "ROUTE_NAMES", "used_variants", "refused", "refusal_message"]
 
@@ -62,48 +61,12 @@ SUPPORTED: dict[str, frozenset] = {
 """The variants each route implements, listed by hand: a variant a route does not list is refused there."""
 
 PROBLEM_FIELDS = frozenset({"q", "k", "v", "alpha", "alpha_value", "alpha_checked", "scale", "max_seqlen_q",
-                            "max_seqlen_k", "backend", "cu_seqlens_k"})
-"""Fields of ``AttentionInputs`` that state the problem itself, not a variant (``cu_seqlens_k`` travels with
-``cu_seqlens_q``, the ``varlen`` variant); every other field must map to a variant in :func:`used_variants`."""
-
-
-def _wants_grad(*tensors) -> bool:
-    return torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad for t in tensors)
-
-
-def used_variants(q: Tensor, k: Tensor | None, v: Tensor, *, alpha=None, mask=None, is_causal: bool = False,
-                  dropout_p: float = 0.0, cu_seqlens_q=None, window_size=None, alibi_slopes=None, sinks=None,
-                  softcap=None) -> frozenset:
-    """The names (keys of :data:`VARIANTS`) of the variants a call uses, from normalized arguments (None when unused,
-    as :func:`sparse_attn.attn_inputs.prepare_attention` leaves them; ``k`` None: not known yet, no ``gqa``)."""
-    used = set()
-    if cu_seqlens_q is not None:
-        used.add("varlen")
-    if mask is not None:
-        used.add("bool_mask" if mask.dtype == torch.bool else "float_mask")
-        if _wants_grad(mask):
-            used.add("mask_grad")
-    if is_causal:
-        used.add("causal")
-    if window_size is not None:
-        used.add("window")
-    if alibi_slopes is not None:
-        used.add("alibi")
-        if _wants_grad(alibi_slopes):
-            used.add("alibi_grad")
-    if sinks is not None:
-        used.add("sinks")
-    if softcap is not None:
-        used.add("softcap")
-    if dropout_p > 0:
-        used.add("dropout")
-    if k is not None and k.shape[1] != q.shape[1]:
-        used.add("gqa")
-    if v.shape[-1] != q.shape[-1]:
-        used.add("dv")
-    if _wants_grad(q, k, v, alpha, mask, sinks, alibi_slopes):
-        used.add("grad")
-    return frozenset(used)
+                            "max_seqlen_k", "backend", "cu_seqlens_k", "alpha_class", "need_stats", "need_grad",
+                            "cache_seqlens", "block_table", "num_splits"})
+"""Fields of the spec (``AttnSpec`` = ``AttentionInputs``) that state the problem itself, not a variant
+(``cu_seqlens_k`` travels with ``cu_seqlens_q``, the ``varlen`` variant; ``need_grad`` is read by the ``grad``
+variant; the KV cache fields are the decode route's own layout); every other field must map to a variant in
+:func:`used_variants`."""
 
 
 def refused(route: str, used) -> list[str]:

@@ -7,6 +7,7 @@ pipeline; the non-finite policy; empty problems; the checks switch and host read
 bad arguments of every entry point is in tests/test_bad_arguments.py.
 """
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -583,23 +584,24 @@ def test_max_seqlen_upper_bound_gives_the_same_result(kernel_device):
 
 
 def test_custom_op_boundary_by_name():
-    """The forward custom op's arguments are named once (its signature): the fake takes the same, flattening prepared
-    inputs and naming them again round-trips every field, and the differentiable ones are op arguments."""
-    import inspect
-
-    from sparse_attn.attn_inputs import prepare_attention
+    """The forward custom op's arguments are the spec's fields (and the seed), named once: its schema lists them,
+    flattening a prepared spec and naming the arguments again round-trips every field, and the differentiable ones
+    are op arguments."""
+    from sparse_attn.attn_inputs import AttnSpec, prepare_attention
 
     fields = autograd_mod.FWD_FIELDS
-    assert tuple(inspect.signature(autograd_mod._fwd_fake).parameters) == fields
+    assert fields == tuple(f.name for f in dataclasses.fields(AttnSpec)) + ("seed",)
+    assert tuple(a.name for a in autograd_mod._fwd_op._opoverload._schema.arguments) == fields
     assert set(autograd_mod.DIFFERENTIABLE) <= set(fields)
     q, k, v = (torch.randn(1, 2, 6, 16) for _ in range(3))
     mask, slopes, sinks = torch.randn(6, 6), torch.rand(2), torch.zeros(2)
     inputs = prepare_attention(q, k, v, 1.5, attn_mask=mask, is_causal=True, window_size=(3, 1),
                                alibi_slopes=slopes, sinks=sinks, softcap=4.0, dropout_p=0.1, backend="reference")
-    named = autograd_mod.fwd_op_named(autograd_mod.fwd_op_args(inputs, seed=7, alpha_class="entmax15",
-                                                               need_grad=True))
-    assert named["bias"] is mask and named["alibi_slopes"] is inputs.alibi_slopes and named["sinks"] is inputs.sinks
-    assert (named["window"], named["softcap"], named["dropout_p"], named["seed"]) == ([3, 1], 4.0, 0.1, 7)
+    named = autograd_mod.fwd_op_named(autograd_mod.spec_to_op_args(dataclasses.replace(inputs, need_grad=True),
+                                                                   seed=7))
+    assert named["mask"] is mask and named["alibi_slopes"] is inputs.alibi_slopes and named["sinks"] is inputs.sinks
+    assert (named["window_size"], named["softcap"], named["dropout_p"], named["seed"]) == ([3, 1], 4.0, 0.1, 7)
     assert (named["q"], named["k"], named["v"]) == (q, k, v) and named["alpha_class"] == "entmax15"
+    assert named["need_grad"] is True
     with pytest.raises(ValueError):
         autograd_mod.fwd_op_named(tuple(named.values())[:-1])

@@ -5,12 +5,15 @@ public function is exercised as a user would, forward and backward through ``tor
 on CPU tensors under the Triton interpreter (on a GPU, on CUDA tensors).
 """
 
+import dataclasses
+
 import pytest
 import torch
 from helpers import F32, TOL, assert_close_to_ref
 
 from sparse_attn import entmax_attention
-from sparse_attn._attn_autograd import _fwd_op
+from sparse_attn._attn_autograd import _fwd_op, spec_to_op_args
+from sparse_attn.attn_inputs import prepare_attention
 from sparse_attn.kernels._common import dropout_keep_mask
 from sparse_attn.reference import entmax_attention_reference
 
@@ -338,8 +341,8 @@ def test_fused_dropout_replays_the_forward_mask(kernel_device):
     q, k, v = _leaves([(1, 2, 24, 16)] * 3, gen, kernel_device)
     alpha = torch.tensor([1.5, 1.0], device=kernel_device, requires_grad=True)
     seed, p_drop, scale = 1234, 0.3, 0.25
-    out = _fwd_op(q, k, v, alpha, None, None, None, scale, False, [-1, -1], None, None, None, 24, 24, p_drop, seed,
-                  "mixed", True)[0]
+    spec = prepare_attention(q, k, v, alpha, scale=scale, dropout_p=p_drop, backend="triton")
+    out = _fwd_op(*spec_to_op_args(dataclasses.replace(spec, alpha_class="mixed", need_grad=True), seed))[0]
     do = torch.randn(out.shape, generator=gen).to(kernel_device)
     grads = torch.autograd.grad((out * do).sum(), [q, k, v, alpha])
     keep = dropout_keep_mask(seed, 2, 24, 24, p_drop, kernel_device).reshape(1, 2, 24, 24)
@@ -489,11 +492,10 @@ def test_backward_op_returns_mask_shaped_gradient(kernel_device):
     q, k, v = (t.detach() for t in _leaves([(2, 2, 17, 16)] * 3, gen, kernel_device))
     mask = torch.randn(2, 1, 1, 17, generator=gen).to(kernel_device)
     alpha = torch.tensor([1.5, 2.0], device=kernel_device)
-    variants = ([-1, -1], None, None, None)  # window, alibi slopes, softcap, sinks
-    out, tau, lsum, _, _, live, _, _, out_u = _fwd_op(q, k, v, alpha, mask, None, None, 0.25, False, *variants, 17,
-                                                      17, 0.0, 0, "mixed", True)
-    args = (out, q, k, v, out, out_u, tau, lsum, alpha, mask, None, None, live, 0.25, False, *variants, 17, 17, 0.0, 0,
-            False, True, "mixed")
+    spec = dataclasses.replace(prepare_attention(q, k, v, alpha, attn_mask=mask, scale=0.25, backend="triton"),
+                               alpha_class="mixed", need_grad=True)
+    out, tau, lsum, _, _, live, _, _, out_u = _fwd_op(*spec_to_op_args(spec, 0))
+    args = (out, out, out_u, tau, lsum, live, False, True, *spec_to_op_args(spec, 0))
     dbias = torch.ops.sparse_attn.entmax_attn_bwd(*args)[4]
     assert dbias.shape == mask.shape
     from torch._subclasses.fake_tensor import FakeTensorMode

@@ -9,6 +9,7 @@ operation makes a tensor of the whole score matrix, the autograd graph keeps onl
 resident memory of a 4096-token call stays far below one score matrix (a subprocess).
 """
 
+import dataclasses
 import math
 import os
 import subprocess
@@ -386,7 +387,7 @@ def test_dispatch(monkeypatch):
     out_w, weights = run_layer_attention(inputs, dense=True)
     assert len(calls) == 1 and weights.shape == (*q.shape[:3], k.shape[2])
     _assert_same(out_w, out_r, F64, "out with weights")
-    assert not chunked_mod.chunked_fits(inputs._replace(backend="triton"))
+    assert not chunked_mod.chunked_fits(dataclasses.replace(inputs, backend="triton"))
 
 
 def test_backward_reuses_the_forwards_thresholds(monkeypatch):

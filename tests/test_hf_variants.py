@@ -11,6 +11,7 @@ attention), so ``alibi_slopes`` is checked at the attention function.
 """
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -166,7 +167,7 @@ def test_variants_reach_entmax_attention_as_arguments(name, recorded):
         full = reference_forward(inputs).out
         for field in essential:
             if getattr(inputs, field) is not None:
-                assert not torch.allclose(reference_forward(inputs._replace(**{field: None})).out, full,
+                assert not torch.allclose(reference_forward(dataclasses.replace(inputs, **{field: None})).out, full,
                                           atol=TOL["changed"])
 
 

@@ -6,6 +6,7 @@ against the reference on the CPU (the route itself only runs on CUDA).
 """
 
 import contextlib
+import dataclasses
 
 import pytest
 import torch
@@ -69,7 +70,8 @@ def _inputs(variant=None, alpha=1.0, backend="reference"):
 def test_every_variant_and_field_is_covered():
     """Each variant has an example and a field; every field of AttentionInputs is a problem field or a variant's."""
     assert set(VARIANT_EXAMPLES) == set(VARIANTS) == set(FIELD_OF)
-    assert set(AttentionInputs._fields) - PROBLEM_FIELDS == {f for f in FIELD_OF.values() if f is not None}
+    fields = {f.name for f in dataclasses.fields(AttentionInputs)}
+    assert fields - PROBLEM_FIELDS == {f for f in FIELD_OF.values() if f is not None}
     assert set(SUPPORTED) == {"sdpa", "decode", "fused", "chunked", "reference", "context_parallel", "ulysses"}
     assert all(route_set <= set(VARIANTS) for route_set in SUPPORTED.values())
 
@@ -99,7 +101,7 @@ def test_variant_by_route(variant, route):
         route, lambda: refused(route, inputs.used()))()
     assert (VARIANTS[variant] not in phrases) == accepted, (variant, route, phrases)
     if route == "decode" and not accepted:
-        assert not decode_fits(inputs._replace(backend="triton", q=inputs.q[:, :, :1], max_seqlen_q=1))
+        assert not decode_fits(dataclasses.replace(inputs, backend="triton", q=inputs.q[:, :, :1], max_seqlen_q=1))
 
 
 @pytest.mark.parametrize("variant", sorted(SUPPORTED["sdpa"] - {"dropout"}))
@@ -126,7 +128,7 @@ def test_a_variant_no_route_lists_is_refused_everywhere(monkeypatch):
     inputs = _inputs()
     assert "dummy_variant" in sdpa_refuses(inputs, False)
     assert "dummy_variant" in decode_unsupported(inputs)
-    assert not decode_fits(inputs._replace(backend="triton", q=inputs.q[:, :, :1], max_seqlen_q=1))
+    assert not decode_fits(dataclasses.replace(inputs, backend="triton", q=inputs.q[:, :, :1], max_seqlen_q=1))
     q, k, v = (t.float() for t in _qkv())
     fused = prepare_attention(q, k, v, 1.5, backend="triton")
     with pytest.raises(ValueError, match="dummy_variant: not supported on route 'fused'"):
@@ -172,7 +174,7 @@ def test_fused_route_refuses_by_name():
     with pytest.raises(ValueError, match="alibi_slopes that require grad"):
         prepare_attention(q, k, v, 1.5, backend="triton", alibi_slopes=torch.rand(H, requires_grad=True))
     inputs = prepare_attention(q, k, v, 1.5, backend="triton")
-    inputs = inputs._replace(alibi_slopes=torch.rand(H, requires_grad=True))
+    inputs = dataclasses.replace(inputs, alibi_slopes=torch.rand(H, requires_grad=True))
     with pytest.raises(ValueError, match="alibi_slopes that require grad .*: not supported on route 'fused'"):
         fused_entmax_attention(inputs, False)
 

@@ -1,0 +1,220 @@
+"""The attention problem as one frozen value: :class:`AttnSpec`.
+
+:func:`sparse_attn.attn_inputs.prepare_attention` (the one argument gate: :func:`sparse_attn.entmax_attention`, the
+reference, the modules, the Hugging Face function, :func:`sparse_attn.entmax_decode` and context parallelism) builds
+it once; the routers read :meth:`AttnSpec.used`, the reference and the decode route read its fields, and the fused
+custom op carries it across the ``torch.library`` boundary field by field (``sparse_attn._attn_autograd``:
+``spec_to_op_args`` / ``spec_from_op_args``). Change it with :func:`dataclasses.replace`, never in place.
+
+This module imports torch and the kernels package only (the import direction is ``sparse_attn`` -> ``kernels``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import Tensor
+
+from ._common import alpha_class_of
+
+__all__ = ["AttnSpec", "DIFFERENTIABLE", "FIELDS", "used_variants", "resolve_spec_alpha_class"]
+
+DIFFERENTIABLE = ("q", "k", "v", "alpha", "mask", "alibi_slopes", "sinks")
+"""The fields of :class:`AttnSpec` that may receive a gradient (each only when it requires one): what
+:attr:`AttnSpec.need_grad` looks at, and what the fused op's backward returns gradients for by name."""
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class AttnSpec:
+    """One attention call after :func:`~sparse_attn.attn_inputs.prepare_attention`. Layout ``(batch, heads, seq, dim)``.
+
+    q:             ``(B, Hq, Nq, D)`` (varlen: ``(1, Hq, total_q, D)``), float16/bfloat16/float32/float64.
+    k, v:          ``(B, Hk, Nk, D)`` and ``(B, Hk, Nk, Dv)``, ``Hq % Hk == 0``, dtype and device of ``q``; with a
+                   ``block_table`` a page pool ``(num_pages, page_size, Hk, D)`` / ``(..., Dv)`` (decode).
+    alpha:         ``(Hq,)`` on ``q``'s device, float32 (float64 when ``q`` is float64); differentiable
+                   when the caller's alpha requires grad (a view of it, cast).
+    alpha_value:   the Python number when alpha was given as one, else None (exact fast paths).
+    alpha_checked: True when alpha's values are known to lie in [1, 2] (a Python number, a checked
+                   tensor, or a caller that guarantees it); otherwise an out-of-range or NaN
+                   head gives NaN outputs.
+    mask:          None, a boolean keep mask (True = attend) or a float additive bias, at its own
+                   shape (at most 4-d, broadcastable to ``(B, Hq, Nq, Nk)``, never expanded).
+    is_causal:     bottom-right aligned causal masking (per sequence with varlen).
+    scale:         score scale (``1 / sqrt(D)`` unless given; 1 when ``D == 0``).
+    dropout_p:     drop probability of the weights, in [0, 1).
+    cu_seqlens_q, cu_seqlens_k: int32 ``(nseq + 1,)`` packed-sequence offsets, or None.
+    max_seqlen_q, max_seqlen_k: longest query / key sequence (``Nq`` / ``Nk`` without varlen; with a KV cache
+                   ``max_seqlen_k`` bounds ``cache_seqlens``, the capacity when not given).
+    backend:       ``"triton"`` or ``"reference"`` (resolved from ``"auto"``).
+    window_size:   ``(left, right)`` sliding window (flash-attn semantics, bottom-right aligned, per
+                   sequence with varlen; ``-1`` = unbounded on that side), or None for no window.
+                   Intersected with ``is_causal`` and the mask.
+    alibi_slopes:  None or ``(Hq,)`` / ``(B, Hq)`` (varlen: ``(nseq, Hq)``) float32 (float64 for float64
+                   ``q``): the bias ``-slope * |i + Nk - Nq - j|`` is added to the (soft-capped) scores.
+    sinks:         None or ``(Hq,)`` float32 (float64 for float64 ``q``), differentiable: one sink logit per
+                   head, an extra key with a zero value in every row's normalization (not masked, not
+                   soft-capped, not scaled). Weights over the real keys then sum to ``1 - p_sink``.
+    softcap:       None or a positive float: finite scaled scores ``s`` become ``softcap * tanh(s / softcap)``
+                   before masks and biases are added (non-finite scores are left as they are).
+    alpha_class:   the kernels' compile-time alpha class (``softmax``, ``sparsemax``, ``entmax15``, ``general`` or
+                   ``mixed``), resolved without a device sync (:func:`resolve_spec_alpha_class`).
+    need_stats:    the caller asked for :class:`~sparse_attn.attn_inputs.AttentionStats` (``return_stats``).
+    need_grad:     grad mode was on and a :data:`DIFFERENTIABLE` field requires grad when the spec was built.
+    cache_seqlens: decode only (:func:`sparse_attn.entmax_decode`): int32 ``(B,)`` valid keys per sequence of the
+                   KV cache ``k`` / ``v``; None otherwise.
+    block_table:   decode only: int32 ``(B, max_pages)`` pages of a paged cache, or None (contiguous cache).
+    num_splits:    decode only: key-range splits per (batch entry, kv head), or None (the launcher's choice).
+    """
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    alpha: Tensor
+    alpha_value: float | None
+    alpha_checked: bool
+    mask: Tensor | None
+    is_causal: bool
+    scale: float
+    dropout_p: float
+    cu_seqlens_q: Tensor | None
+    cu_seqlens_k: Tensor | None
+    max_seqlen_q: int
+    max_seqlen_k: int
+    backend: str
+    window_size: tuple[int, int] | None = None
+    alibi_slopes: Tensor | None = None
+    sinks: Tensor | None = None
+    softcap: float | None = None
+    alpha_class: str = "mixed"
+    need_stats: bool = False
+    need_grad: bool = False
+    cache_seqlens: Tensor | None = None
+    block_table: Tensor | None = None
+    num_splits: int | None = None
+
+    def used(self) -> frozenset:
+        """The variants this call uses (names of :data:`sparse_attn.routes.VARIANTS`); the routers refuse what a
+        route does not list in :data:`sparse_attn.routes.SUPPORTED`."""
+        return used_variants(self.q, self.k, self.v, alpha=self.alpha, mask=self.mask, is_causal=self.is_causal,
+                             dropout_p=self.dropout_p, cu_seqlens_q=self.cu_seqlens_q, window_size=self.window_size,
+                             alibi_slopes=self.alibi_slopes, sinks=self.sinks, softcap=self.softcap,
+                             n_kv_heads=self.n_kv_heads, need_grad=self.need_grad)
+
+    @property
+    def is_varlen(self) -> bool:
+        """Packed sequences (``cu_seqlens``)."""
+        return self.cu_seqlens_q is not None
+
+    @property
+    def is_paged(self) -> bool:
+        """A paged KV cache (``k`` / ``v`` are page pools read through ``block_table``)."""
+        return self.block_table is not None
+
+    @property
+    def batch(self) -> int:
+        """``B`` (1 with packed sequences)."""
+        return self.q.shape[0]
+
+    @property
+    def n_seqs(self) -> int:
+        """Sequences: ``B``, or the number of packed sequences."""
+        return self.batch if self.cu_seqlens_q is None else self.cu_seqlens_q.shape[0] - 1
+
+    @property
+    def n_heads(self) -> int:
+        """``Hq``."""
+        return self.q.shape[1]
+
+    @property
+    def n_kv_heads(self) -> int:
+        """``Hk``."""
+        return self.k.shape[2] if self.is_paged else self.k.shape[1]
+
+    @property
+    def kv_group(self) -> int:
+        """Query heads per kv head, ``Hq // Hk`` (1 without GQA; 0 when there is no kv head)."""
+        return self.n_heads // self.n_kv_heads if self.n_kv_heads else 0
+
+    @property
+    def seqlen_q(self) -> int:
+        """``Nq`` (the packed length with varlen)."""
+        return self.q.shape[2]
+
+    @property
+    def seqlen_k(self) -> int:
+        """``Nk`` (the packed length with varlen, the capacity of a KV cache)."""
+        if self.is_paged:
+            return self.block_table.shape[1] * self.k.shape[1]
+        return self.k.shape[2]
+
+    @property
+    def head_dim(self) -> int:
+        """``D``, the query/key head dim."""
+        return self.q.shape[-1]
+
+    @property
+    def head_dim_v(self) -> int:
+        """``Dv``, the value head dim."""
+        return self.v.shape[-1]
+
+    @property
+    def score_shape(self) -> tuple[int, int, int, int]:
+        """``(B, Hq, Nq, Nk)``."""
+        return (self.batch, self.n_heads, self.seqlen_q, self.seqlen_k)
+
+
+FIELDS = tuple(f.name for f in dataclasses.fields(AttnSpec))
+"""The spec's field names in order (computed once: ``torch.compile`` does not trace ``dataclasses.fields``)."""
+
+
+def resolve_spec_alpha_class(alpha: Tensor, alpha_value: float | None, alpha_checked: bool) -> str:
+    """The compile-time alpha class of a call: exact for a Python alpha, from the values of a checked CPU tensor (no
+    device sync, not while compiling), otherwise ``"mixed"`` (the run-time branch per head, which also turns
+    unchecked out-of-range heads into NaN outputs)."""
+    if alpha_value is not None:
+        return alpha_class_of([alpha_value])
+    if alpha_checked and alpha.device.type == "cpu" and not torch.compiler.is_compiling():
+        return alpha_class_of(alpha.detach().tolist())
+    return "mixed"
+
+
+def _wants_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad for t in tensors)
+
+
+def used_variants(q: Tensor, k: Tensor | None, v: Tensor, *, alpha=None, mask=None, is_causal: bool = False,
+                  dropout_p: float = 0.0, cu_seqlens_q=None, window_size=None, alibi_slopes=None, sinks=None,
+                  softcap=None, n_kv_heads: int | None = None, need_grad: bool | None = None) -> frozenset:
+    """The names (keys of :data:`sparse_attn.routes.VARIANTS`) of the variants a call uses, from normalized arguments
+    (None when unused, as :func:`sparse_attn.attn_inputs.prepare_attention` leaves them; ``k`` None: not known yet,
+    no ``gqa``; ``n_kv_heads``: ``Hk`` when ``k`` is not ``(B, Hk, Nk, D)``; ``need_grad``: the spec's decision,
+    None: from grad mode and the tensors now)."""
+    used = set()
+    if cu_seqlens_q is not None:
+        used.add("varlen")
+    if mask is not None:
+        used.add("bool_mask" if mask.dtype == torch.bool else "float_mask")
+        if _wants_grad(mask):
+            used.add("mask_grad")
+    if is_causal:
+        used.add("causal")
+    if window_size is not None:
+        used.add("window")
+    if alibi_slopes is not None:
+        used.add("alibi")
+        if _wants_grad(alibi_slopes):
+            used.add("alibi_grad")
+    if sinks is not None:
+        used.add("sinks")
+    if softcap is not None:
+        used.add("softcap")
+    if dropout_p > 0:
+        used.add("dropout")
+    if k is not None and (k.shape[1] if n_kv_heads is None else n_kv_heads) != q.shape[1]:
+        used.add("gqa")
+    if v.shape[-1] != q.shape[-1]:
+        used.add("dv")
+    if _wants_grad(q, k, v, alpha, mask, sinks, alibi_slopes) if need_grad is None else need_grad:
+        used.add("grad")
+    return frozenset(used)
