@@ -1,13 +1,22 @@
 """The fused forward's work on one query tile (``kernels/entmax_attn_fwd.py`` launches it): score tiles, the
 online-softmax pass at alpha = 1 and, for alpha in (1, 2], the grid pass, the candidate passes and the value pass
 (the module docstring of ``entmax_attn_fwd`` and docs/kernels.md describe them).
+
+The kernel builds the program's run-time values once as tuples and hands them down: :class:`KeyTiles` (the key and
+value slices), :class:`Rows` (the query rows, their sequence and their dropout draw), :class:`Tiles` (the key tile
+range and the liveness words), :class:`Scalars`, and ``mods`` (``_masking.program_mods``, read by
+``_masking.score_mod`` only). Block sizes are the lengths of their tensors (``BLOCK_M = rows.shape[0]``, ``BLOCK_D
+= q.shape[1]``, ``BLOCK_N``, ``BLOCK_DV``: :class:`KeyTiles`); the operands of ``tl.dot`` take ``q``'s dtype (float32
+when the kernel upcasts, ``UPCAST``).
 """
+
+from typing import NamedTuple
 
 import triton
 import triton.language as tl
 
 from ._common import LN2, LOG2E, dropout_keep, load_rows
-from ._masking import live_tile, mark_tile, mask_scores, sink_tile, soft_cap, visit_tile, walk_words, word_bits
+from ._masking import live_tile, mark_tile, score_mod, sink_tile, visit_tile, walk_words, word_bits
 from ._threshold import (
     cand_bracket,
     cand_points,
@@ -27,37 +36,93 @@ from ._threshold import (
 )
 
 
+class KeyTiles(NamedTuple):
+    """The key and value slices of a program's kv head: base pointers (key 0 of the sequence), row and head-dim strides,
+    the key offsets of one tile ``tl.arange(0, BLOCK_N)`` and the masks of the valid key / value head dims
+    (``[BLOCK_D]``, ``[BLOCK_DV]``)."""
+
+    k_base: tl.tensor
+    v_base: tl.tensor
+    stride_kn: tl.tensor
+    stride_kd: tl.tensor
+    stride_vn: tl.tensor
+    stride_vd: tl.tensor
+    offs_n: tl.tensor
+    d_ok: tl.tensor
+    dv_ok: tl.tensor
+
+
+class Rows(NamedTuple):
+    """The query rows of a program ``[BLOCK_M]`` (sequence-local), its sequence's lengths and first row / key in the
+    packed tensors, the key count ``total_k`` and flat batch-head index ``bh`` that index the dropout draw, and the
+    dropout's seed, probability and ``1 / (1 - dropout_p)``."""
+
+    rows: tl.tensor
+    seqlen_q: tl.tensor
+    seqlen_k: tl.tensor
+    q_start: tl.tensor
+    k_start: tl.tensor
+    total_k: tl.tensor
+    bh: tl.tensor
+    seed: tl.tensor
+    dropout_p: tl.tensor
+    inv_keep: tl.tensor
+
+
+class Tiles(NamedTuple):
+    """The key tiles of a program: the visible range ``[kt_lo, kt_hi)``, the grid pass's first tile
+    (``_masking.max_first_tile``), and the liveness words (``n_words`` from ``live_base``)."""
+
+    kt_lo: tl.tensor
+    kt_hi: tl.tensor
+    kt_first: tl.tensor
+    n_words: tl.tensor
+    live_base: tl.tensor
+
+
+class Scalars(NamedTuple):
+    """The run-time scalars of the threshold search: the score scale, the head's alpha, the tolerance and the cap on
+    the passes (``entmax_attn_fwd``)."""
+
+    scale: tl.tensor
+    alpha: tl.tensor
+    tol: tl.tensor
+    max_passes: tl.tensor
+
+
 @triton.jit
-def _score_tile(q, k_base, bias_base, rows, cols, seqlen_q, seqlen_k, stride_kn, stride_kd, stride_bias_m,
-                stride_bias_n, z_scale, bias_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                BIAS_KIND: tl.constexpr, MASK, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, slope, SCORE):
+def _key_cols(kt, kv):
+    """Sequence-local key indices of key tile ``kt``. [BLOCK_N]"""
+    return kt * kv.offs_n.shape[0] + kv.offs_n
+
+
+@triton.jit
+def _score_tile(q, kv, rw, cols, mods, z_scale, bias_scale, BIAS_KIND: tl.constexpr, MASK, SCORE,
+                DOT_PRECISION: tl.constexpr):
     """Scores ``z_scale * q.k`` (soft-capped in the same scale) ``+ bias_scale * (bias - slope * |d|)`` of one
-    tile, ``-inf`` where masked (``kernels/_masking.py``). [BLOCK_M, BLOCK_N]"""
-    offs_d = tl.arange(0, BLOCK_D)
-    k_ptrs = k_base + cols.to(tl.int64)[None, :] * stride_kn + offs_d.to(tl.int64)[:, None] * stride_kd
-    k = tl.load(k_ptrs, mask=(cols[None, :] < seqlen_k) & (offs_d[:, None] < HEAD_DIM), other=0.0)  # [BLOCK_D, BLOCK_N]
-    if UPCAST:
-        k = k.to(tl.float32)
-    z = soft_cap(tl.dot(q, k, input_precision=DOT_PRECISION) * z_scale, SCORE[1] * bias_scale, SCORE)
-    return mask_scores(z, rows, cols, seqlen_q, seqlen_k, bias_base, stride_bias_m, stride_bias_n, bias_scale, MASK,
-                       BIAS_KIND, slope, SCORE)
+    tile, ``-inf`` where masked (``_masking.score_mod``). [BLOCK_M, BLOCK_N]"""
+    offs_d = tl.arange(0, kv.d_ok.shape[0])
+    k_ptrs = kv.k_base + cols.to(tl.int64)[None, :] * kv.stride_kn + offs_d.to(tl.int64)[:, None] * kv.stride_kd
+    k = tl.load(k_ptrs, mask=(cols[None, :] < rw.seqlen_k) & kv.d_ok[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
+    s = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * z_scale
+    return score_mod(s, rw.rows, cols, rw.seqlen_q, rw.seqlen_k, mods, bias_scale, MASK, SCORE, BIAS_KIND)
 
 
 @triton.jit
-def _value_tile(v_base, cols, seqlen_k, stride_vn, stride_vd, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                UPCAST: tl.constexpr):
-    """Value rows of one key tile (``HEAD_DIM``, ``BLOCK_D``: the value head dim and its block). [BLOCK_N, BLOCK_D]"""
-    offs_d = tl.arange(0, BLOCK_D)
-    return load_rows(v_base, cols, offs_d, stride_vn, stride_vd, cols < seqlen_k, offs_d < HEAD_DIM, UPCAST)
+def _value_tile(q, kv, cols, seqlen_k):
+    """Value rows of one key tile in ``q``'s dtype. [BLOCK_N, BLOCK_DV]"""
+    offs_d = tl.arange(0, kv.dv_ok.shape[0])
+    return load_rows(kv.v_base, cols, offs_d, kv.stride_vn, kv.stride_vd, cols < seqlen_k, kv.dv_ok,
+                     False).to(q.dtype)
 
 
 @triton.jit
-def _apply_dropout(p, u, seed, bh, rows_global, cols_global, total_k, dropout_p, inv_keep, HAS_DROPOUT: tl.constexpr):
+def _apply_dropout(p, u, rw, cols, HAS_DROPOUT: tl.constexpr):
     """Weights ``p`` and ``u`` after one dropout draw (kept ones scaled by ``inv_keep``). [BLOCK_M, BLOCK_N] each"""
     if HAS_DROPOUT:
-        keep = dropout_keep(seed, bh, rows_global, cols_global, total_k, dropout_p)
-        p = tl.where(keep, p * inv_keep, 0.0)
-        u = tl.where(keep, u * inv_keep, 0.0)
+        keep = dropout_keep(rw.seed, rw.bh, rw.q_start + rw.rows, rw.k_start + cols, rw.total_k, rw.dropout_p)
+        p = tl.where(keep, p * rw.inv_keep, 0.0)
+        u = tl.where(keep, u * rw.inv_keep, 0.0)
     return p, u
 
 
@@ -102,18 +167,17 @@ def _tile_screen(z, t_low):
 
 
 @triton.jit
-def softmax_rows(q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, kt_hi,
-                  live_base, scale, seed, bh, q_start, k_start, total_k, dropout_p, inv_keep,
-                  stride_kn, stride_kd, stride_vn, stride_vd, stride_bias_m, stride_bias_n,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  BLOCK_D: tl.constexpr, BIAS_KIND: tl.constexpr, MASK,
-                  HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, slope, SCORE,
-                  HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, sink):
+def softmax_rows(q, kv, rw, tiles, mods, scale, BIAS_KIND: tl.constexpr, MASK, SCORE, HAS_DROPOUT: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr):
     """alpha == 1: one online-softmax pass (base-2 exponentials). Returns ``(out, tau, lsum, nnz, n_valid, visits)``.
 
-    With sinks (``SCORE[3]``) the sink logit ``sink`` starts the running max and the denominator (one more term,
+    With sinks (``SCORE[3]``) the sink logit (``mods``) starts the running max and the denominator (one more term,
     no value); a NaN or ``+inf`` sink makes every row NaN.
     """
+    BLOCK_M: tl.constexpr = rw.rows.shape[0]
+    BLOCK_DV: tl.constexpr = kv.dv_ok.shape[0]
+    kt_lo, kt_hi, live_base = tiles.kt_lo, tiles.kt_hi, tiles.live_base
+    sink = mods[4]
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_sum = tl.zeros([BLOCK_M], tl.float32)
     if SCORE[3]:
@@ -125,10 +189,8 @@ def softmax_rows(q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, 
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     word = tl.zeros([], tl.int32)
     for kt in range(kt_lo, kt_hi):
-        cols = kt * BLOCK_N + tl.arange(0, BLOCK_N)
-        s = _score_tile(q, k_base, bias_base, rows, cols, seqlen_q, seqlen_k,
-                        stride_kn, stride_kd, stride_bias_m, stride_bias_n, scale * LOG2E, LOG2E,
-                        HEAD_DIM, BLOCK_D, BIAS_KIND, MASK, UPCAST, DOT_PRECISION, slope, SCORE)
+        cols = _key_cols(kt, kv)
+        s = _score_tile(q, kv, rw, cols, mods, scale * LOG2E, LOG2E, BIAS_KIND, MASK, SCORE, DOT_PRECISION)
         ok = s > float("-inf")
         m_new = tl.maximum(m, tl.max(s, 1))
         m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
@@ -139,9 +201,8 @@ def softmax_rows(q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, 
         lane = kt % 32
         word = tl.where(lane == 0, 0, word) | (tl.max(ok.to(tl.int32)) << lane)
         tl.store(live_base + kt // 32, word)
-        p, _ = _apply_dropout(p, p, seed, bh, q_start + rows, k_start + cols, total_k, dropout_p, inv_keep,
-                              HAS_DROPOUT)
-        v = _value_tile(v_base, cols, seqlen_k, stride_vn, stride_vd, HEAD_DIM_V, BLOCK_DV, UPCAST)
+        p, _ = _apply_dropout(p, p, rw, cols, HAS_DROPOUT)
+        v = _value_tile(q, kv, cols, rw.seqlen_k)
         acc = acc * corr[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m = m_new
     valid = n_valid > 0
@@ -157,34 +218,34 @@ def softmax_rows(q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, 
 
 
 @triton.jit
-def _value_pass(q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, n_words, live_base, t_use, lo_kill, beta,
-                z_scale, am1, seed, bh, q_start, k_start, total_k, dropout_p, inv_keep, stride_kn, stride_kd, stride_vn,
-                stride_vd, stride_bias_m, stride_bias_n, visits, POW: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BIAS_KIND: tl.constexpr, MASK,
+def _value_pass(q, kv, rw, tiles, mods, vp, POW: tl.constexpr, BIAS_KIND: tl.constexpr, MASK, SCORE,
                 HAS_DROPOUT: tl.constexpr, WITH_P: tl.constexpr, WITH_U: tl.constexpr, HALF_P: tl.constexpr,
-                UPCAST: tl.constexpr,
-                DOT_PRECISION: tl.constexpr, slope, SCORE, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr):
-    """One pass over the live tiles at the thresholds ``t_use``: with ``WITH_P`` ``acc = sum_j p_ij v_j``,
+                DOT_PRECISION: tl.constexpr):
+    """One pass over the live tiles at the thresholds ``t_use`` (``vp = (t_use, lo_kill, beta, z_scale, am1, visits)``):
+    with ``WITH_P`` ``acc = sum_j p_ij v_j``,
     ``l_sum = sum_j p_ij``, ``nnz`` and the bitmap's words rewritten (tiles with no score above ``lo_kill`` die);
     with ``WITH_U`` ``acc_u = sum_j U_ij v_j`` and ``u_sum = sum_j U_ij`` (``_u_weights``). Returns
-    ``(acc, l_sum, nnz, acc_u, u_sum, visits)``, the accumulators not asked for zero. ``HALF_P``: the weights are
-    rounded to 16 bits for the value product, so ``_threshold.weights`` may take the fast log2."""
+    ``(acc, l_sum, nnz, acc_u, u_sum, visits)`` (``visits`` counts on the key tiles loaded), the accumulators not asked
+    for zero. ``HALF_P``: the weights are rounded to 16 bits for the value product, so ``_threshold.weights`` may take
+    the fast log2."""
+    BLOCK_M: tl.constexpr = rw.rows.shape[0]
+    BLOCK_DV: tl.constexpr = kv.dv_ok.shape[0]
+    t_use, lo_kill, beta, z_scale, am1, visits = vp
+    live_base = tiles.live_base
     l_sum = tl.zeros([BLOCK_M], tl.float32)
     nnz = tl.zeros([BLOCK_M], tl.int32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     u_sum = tl.zeros([BLOCK_M], tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    for wd in range(0, n_words):
+    for wd in range(0, tiles.n_words):
         word = tl.load(live_base + wd)
         new_word = tl.zeros([], tl.int32)
         if word != 0:
             bits, rank, n_set = word_bits(word)
             for i in range(0, n_set):
                 kt = live_tile(bits, rank, i, wd)
-                cols = kt * BLOCK_N + tl.arange(0, BLOCK_N)
-                z = _score_tile(q, k_base, bias_base, rows, cols, seqlen_q, seqlen_k,
-                                stride_kn, stride_kd, stride_bias_m, stride_bias_n, z_scale, am1,
-                                HEAD_DIM, BLOCK_D, BIAS_KIND, MASK, UPCAST, DOT_PRECISION, slope, SCORE)
+                cols = _key_cols(kt, kv)
+                z = _score_tile(q, kv, rw, cols, mods, z_scale, am1, BIAS_KIND, MASK, SCORE, DOT_PRECISION)
                 p = weights(z, t_use, POW, beta, HALF_P)
                 if WITH_P:
                     live = tl.max((z > lo_kill[:, None]).to(tl.int32))
@@ -195,9 +256,8 @@ def _value_pass(q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, n_words,
                 if WITH_U:
                     u = _u_weights(z, t_use, p, POW)
                     u_sum += tl.sum(u, 1)
-                p, u = _apply_dropout(p, u, seed, bh, q_start + rows, k_start + cols, total_k, dropout_p,
-                                      inv_keep, HAS_DROPOUT)
-                v = _value_tile(v_base, cols, seqlen_k, stride_vn, stride_vd, HEAD_DIM_V, BLOCK_DV, UPCAST)
+                p, u = _apply_dropout(p, u, rw, cols, HAS_DROPOUT)
+                v = _value_tile(q, kv, cols, rw.seqlen_k)
                 if WITH_P:
                     acc += tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
                 if WITH_U:
@@ -209,16 +269,9 @@ def _value_pass(q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, n_words,
 
 
 @triton.jit
-def entmax_rows(q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, kt_hi, kt_first,
-                 n_words, live_base, scale, alpha, tol, max_passes, seed, bh, q_start, k_start, total_k,
-                 dropout_p, inv_keep,
-                 stride_kn, stride_kd, stride_vn, stride_vd, stride_bias_m, stride_bias_n,
-                 POW: tl.constexpr, GRID_K: tl.constexpr, CAND_P: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 BLOCK_D: tl.constexpr, BIAS_KIND: tl.constexpr, MASK,
-                 HAS_DROPOUT: tl.constexpr, NEED_OUT_U: tl.constexpr, UPCAST: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr, slope, SCORE, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
-                 sink):
+def entmax_rows(q, kv, rw, tiles, mods, sc, POW: tl.constexpr, GRID_K: tl.constexpr, CAND_P: tl.constexpr,
+                BIAS_KIND: tl.constexpr, MASK, SCORE, HAS_DROPOUT: tl.constexpr, NEED_OUT_U: tl.constexpr,
+                DOT_PRECISION: tl.constexpr):
     """alpha in (1, 2]: grid pass, candidate passes, value pass (module docstring).
 
     Returns ``(out, out_u, tau, lsum, nnz, n_valid, n_passes, visits)``. Thresholds are carried as
@@ -242,6 +295,11 @@ def entmax_rows(q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, k
     that is dead and plain when visited (``_tile_screen``: two row reductions and one CTA-wide compare) skips the
     per-score NaN/+inf flags, the valid-key counts and ``grid_tile``; its valid-key counts come from the row max.
     """
+    BLOCK_M: tl.constexpr = rw.rows.shape[0]
+    BLOCK_N: tl.constexpr = kv.offs_n.shape[0]
+    kt_lo, kt_hi, kt_first, n_words, live_base = tiles
+    scale, alpha, tol, max_passes = sc
+    sink = mods[4]
     am1 = alpha - 1.0
     beta = 1.0 / am1
     bm1 = beta - 1.0
@@ -276,10 +334,8 @@ def entmax_rows(q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, k
     word_c, word_lo, w_lo, word_hi, w_hi = walk_words()
     for i in range(0, kt_hi - kt_lo):
         kt = visit_tile(i, kt_lo, kt_hi, kt_first)
-        cols = kt * BLOCK_N + tl.arange(0, BLOCK_N)
-        z = _score_tile(q, k_base, bias_base, rows, cols, seqlen_q, seqlen_k,
-                        stride_kn, stride_kd, stride_bias_m, stride_bias_n, z_scale, am1,
-                        HEAD_DIM, BLOCK_D, BIAS_KIND, MASK, UPCAST, DOT_PRECISION, slope, SCORE)
+        cols = _key_cols(kt, kv)
+        z = _score_tile(q, kv, rw, cols, mods, z_scale, am1, BIAS_KIND, MASK, SCORE, DOT_PRECISION)
         code, n_fast = _tile_screen(z, t_low)
         if code > 1:
             bad = bad | tl.max(((z != z) | (z == float("inf"))).to(tl.int32), 1)
@@ -339,6 +395,8 @@ def entmax_rows(q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, k
             FP = point_zeros(BLOCK_M, CAND_P, CAND_LANES)
             GP = point_zeros(BLOCK_M, CAND_P, CAND_LANES)
             CP = point_zeros(BLOCK_M, CAND_P, CAND_LANES)
+        pts = (t_1, l_1, t_p, l_p, cand)
+        acc = (f1, g1, c1, FP, GP, CP)
         for wd in range(0, n_words):
             word = tl.load(live_base + wd)
             new_word = tl.zeros([], tl.int32)
@@ -346,23 +404,18 @@ def entmax_rows(q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, k
                 bits, rank, n_set = word_bits(word)
                 for i in range(0, n_set):
                     kt = live_tile(bits, rank, i, wd)
-                    cols = kt * BLOCK_N + tl.arange(0, BLOCK_N)
-                    z = _score_tile(q, k_base, bias_base, rows, cols, seqlen_q, seqlen_k,
-                                    stride_kn, stride_kd, stride_bias_m, stride_bias_n, z_scale, am1,
-                                    HEAD_DIM, BLOCK_D, BIAS_KIND, MASK, UPCAST, DOT_PRECISION, slope, SCORE)
+                    cols = _key_cols(kt, kv)
+                    z = _score_tile(q, kv, rw, cols, mods, z_scale, am1, BIAS_KIND, MASK, SCORE, DOT_PRECISION)
                     live = tl.max((z > lo_kill[:, None]).to(tl.int32))
                     new_word = new_word | (live << (kt - wd * 32))
-                    f1, g1, c1, FP, GP, CP = cand_sums(z, t_1, l_1, f1, g1, c1, t_p, l_p, cand, FP, GP, CP, POW,
-                                                       CAND_P, bm1, CAND_LANES)
+                    acc = cand_sums(z, pts, acc, POW, CAND_P, bm1, CAND_LANES)
                     visits += 1
             tl.store(live_base + wd, new_word)
         if SCORE[3]:
-            f1, g1, c1, FP, GP, CP = cand_sums(zs, t_1, l_1, f1, g1, c1, t_p, l_p, cand, FP, GP, CP, POW, CAND_P,
-                                               bm1, CAND_LANES)
+            acc = cand_sums(zs, pts, acc, POW, CAND_P, bm1, CAND_LANES)
         tl.debug_barrier()
         act = done == 0
-        br = pick_bracket(act, cand_bracket(br, t_1, l_1, f1, g1, c1, t_p, l_p, cand, FP, GP, CP, am1, POW, CAND_P,
-                                            CAND_LANES), br)
+        br = pick_bracket(act, cand_bracket(br, pts, acc, am1, POW, CAND_P, CAND_LANES), br)
         n_est, n_lo, n_hi, n_exact = solve(br, POW)
         lo = tl.where(act, tl.maximum(lo, n_lo), lo)
         hi = tl.where(act, tl.minimum(hi, n_hi), hi)
@@ -382,22 +435,18 @@ def entmax_rows(q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, k
     lo_kill = tl.minimum(lo, t_use) - shift
     # weights rounded to 16 bits for the value product take the fast log2 (_threshold.weights); not in the training
     # forward, where it makes the general class spill (48-176 bytes under triton 3.6)
-    HALF_P: tl.constexpr = (v_base.dtype.element_ty != tl.float32) and not NEED_OUT_U
+    HALF_P: tl.constexpr = (kv.v_base.dtype.element_ty != tl.float32) and not NEED_OUT_U
     # with two head-dim-256 accumulators the training forward spills inside its loops (docs/kernels.md): there the
     # value pass runs twice, out first, then out_u over the tiles still live (the same sums: dead tiles add zeros)
-    SPLIT_U: tl.constexpr = NEED_OUT_U and BLOCK_DV > 128
+    SPLIT_U: tl.constexpr = NEED_OUT_U and kv.dv_ok.shape[0] > 128
     acc, l_sum, nnz, acc_u, u_sum, visits = _value_pass(
-        q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, n_words, live_base, t_use, lo_kill, beta, z_scale, am1,
-        seed, bh, q_start, k_start, total_k, dropout_p, inv_keep, stride_kn, stride_kd, stride_vn, stride_vd,
-        stride_bias_m, stride_bias_n, visits, POW, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, BIAS_KIND, MASK, HAS_DROPOUT,
-        True, NEED_OUT_U and not SPLIT_U, HALF_P, UPCAST, DOT_PRECISION, slope, SCORE, HEAD_DIM_V, BLOCK_DV)
+        q, kv, rw, tiles, mods, (t_use, lo_kill, beta, z_scale, am1, visits), POW, BIAS_KIND, MASK, SCORE, HAS_DROPOUT,
+        True, NEED_OUT_U and not SPLIT_U, HALF_P, DOT_PRECISION)
     if SPLIT_U:
         n_passes += 1
         _, _, _, acc_u, u_sum, visits = _value_pass(
-            q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, n_words, live_base, t_use, lo_kill, beta, z_scale,
-            am1, seed, bh, q_start, k_start, total_k, dropout_p, inv_keep, stride_kn, stride_kd, stride_vn, stride_vd,
-            stride_bias_m, stride_bias_n, visits, POW, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, BIAS_KIND, MASK,
-            HAS_DROPOUT, False, True, HALF_P, UPCAST, DOT_PRECISION, slope, SCORE, HEAD_DIM_V, BLOCK_DV)
+            q, kv, rw, tiles, mods, (t_use, lo_kill, beta, z_scale, am1, visits), POW, BIAS_KIND, MASK, SCORE,
+            HAS_DROPOUT, False, True, HALF_P, DOT_PRECISION)
     if SCORE[3]:
         p_s = weights(zs, t_use, POW, beta, HALF_P)
         l_sum += tl.sum(p_s, 1)

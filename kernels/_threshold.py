@@ -491,12 +491,15 @@ def cand_points(m, lo, hi, CAND_P: tl.constexpr):
 
 
 @triton.jit
-def cand_sums(z, t_1, l_1, f1, g1, c1, t_p, l_p, cand, FP, GP, CP, POW: tl.constexpr, CAND_P: tl.constexpr, bm1,
-              LANES: tl.constexpr = 0):
-    """Add the point sums of the score tile ``z`` of a candidate pass: at the point ``t_1`` (POW 0's reference log
-    ``l_1``) to ``f1``, ``g1``, ``c1`` (``[BLOCK_M]``) when ``CAND_P == 1``, else at the candidate points ``t_p``
-    (``l_p``) to ``FP``, ``GP``, ``CP`` (``[BLOCK_M, CAND_P]``); with ``LANES > 0`` per-lane partials (a trailing
-    ``LANES`` axis, ``row_sums``). The unused accumulators pass through."""
+def cand_sums(z, pts, acc, POW: tl.constexpr, CAND_P: tl.constexpr, bm1, LANES: tl.constexpr = 0):
+    """Add the point sums of the score tile ``z`` of a candidate pass to the accumulators ``acc = (f1, g1, c1, FP, GP,
+    CP)`` and return them. ``pts = (t_1, l_1, t_p, l_p, cand)``: with ``CAND_P == 1`` the point ``t_1`` (POW 0's
+    reference log ``l_1``), its sums added to ``f1``, ``g1``, ``c1`` (``[BLOCK_M]``); else the candidate points ``t_p``
+    (``l_p``; ``cand`` their column indices as float32, ``[CAND_P]``), their sums added to ``FP``, ``GP``, ``CP``
+    (``[BLOCK_M, CAND_P]``). With ``LANES > 0`` per-lane partials (a trailing ``LANES`` axis, ``row_sums``). The unused
+    entries of both tuples pass through."""
+    t_1, l_1, t_p, l_p, cand = pts
+    f1, g1, c1, FP, GP, CP = acc
     if CAND_P == 1:
         f, g, c = point_sums(z, t_1, POW, bm1, l_1, LANES)
         f1 += f
@@ -536,11 +539,12 @@ def grid_bracket(m, j_top, grid_ok, F, G, L, slot, w_grid, shift, am1, POW: tl.c
 
 
 @triton.jit
-def cand_bracket(br, t_1, l_1, f1, g1, c1, t_p, l_p, cand, FP, GP, CP, am1, POW: tl.constexpr, CAND_P: tl.constexpr,
-                 LANES: tl.constexpr):
-    """The bracket ``br`` tightened with the points of a candidate pass of the fused forward (the accumulators of
-    ``cand_sums``, summed over their lanes here): ``t_1`` with ``CAND_P == 1``, else the ``CAND_P`` points ``t_p``
-    merged one at a time."""
+def cand_bracket(br, pts, acc, am1, POW: tl.constexpr, CAND_P: tl.constexpr, LANES: tl.constexpr):
+    """The bracket ``br`` tightened with the points of a candidate pass of the fused forward (``pts`` and the
+    accumulators ``acc`` of ``cand_sums``, summed over their lanes here): ``t_1`` with ``CAND_P == 1``, else the
+    ``CAND_P`` points ``t_p`` merged one at a time."""
+    t_1, l_1, t_p, l_p, cand = pts
+    f1, g1, c1, FP, GP, CP = acc
     if CAND_P == 1:
         f1 = lane_total(f1, LANES)
         g1 = lane_total(g1, LANES)

@@ -43,7 +43,7 @@ from ._common import (
     store_rows,
 )
 from ._common import alpha_class_of as alpha_class_of  # re-exported: the public place of the class rule
-from ._fwd_rows import entmax_rows, softmax_rows
+from ._fwd_rows import KeyTiles, Rows, Scalars, Tiles, entmax_rows, softmax_rows
 from ._masking import key_tile_range, max_first_tile, program_mods, seq_bounds
 from ._threshold import FWD_MAX_PASSES as DEFAULT_MAX_PASSES  # re-exported: the public place of the default
 from ._threshold import FWD_POINTS
@@ -126,9 +126,12 @@ def _entmax_attn_fwd_kernel(
 
     q_base = slice_base(Q, b, h, q_start, stride_qb, stride_qh, stride_qm)
     q = load_rows(q_base, rows, offs_d, stride_qm, stride_qd, row_ok, offs_d < HEAD_DIM, UPCAST)  # [BLOCK_M, BLOCK_D]
-    k_base = slice_base(K, b, h_kv, k_start, stride_kb, stride_kh, stride_kn)
-    v_base = slice_base(V, b, h_kv, k_start, stride_vb, stride_vh, stride_vn)
-    bias_base, stride_bias_m, stride_bias_n, slope, sink = program_mods(MODS, b, seq, h, q_start, k_start, SCORE)
+    # the program's run-time values, built once and handed down as tuples (kernels/_fwd_rows.py)
+    kv = KeyTiles(slice_base(K, b, h_kv, k_start, stride_kb, stride_kh, stride_kn),
+                  slice_base(V, b, h_kv, k_start, stride_vb, stride_vh, stride_vn), stride_kn, stride_kd, stride_vn,
+                  stride_vd, tl.arange(0, BLOCK_N), offs_d < HEAD_DIM, offs_dv < HEAD_DIM_V)
+    rw = Rows(rows, seqlen_q, seqlen_k, q_start, k_start, total_k, bh, seed, dropout_p, inv_keep)
+    mods = program_mods(MODS, b, seq, h, q_start, k_start, SCORE)
     tile_id = (seq.to(tl.int64) * n_heads + h) * n_q_tiles + pid_m
     live_base = LIVE + tile_id * n_words
     kt_lo, kt_hi = key_tile_range(pid_m, seqlen_q, seqlen_k, MASK, BLOCK_M, BLOCK_N)
@@ -139,10 +142,8 @@ def _entmax_attn_fwd_kernel(
     alpha = tl.load(ALPHA + h)
     if ALPHA_CLASS == 0:
         out, tau, lsum, nnz, n_valid, visits = softmax_rows(
-            q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, kt_hi, live_base, scale, seed, bh, q_start,
-            k_start, total_k, dropout_p, inv_keep, stride_kn, stride_kd, stride_vn, stride_vd, stride_bias_m,
-            stride_bias_n, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, BIAS_KIND, MASK, HAS_DROPOUT, UPCAST, DOT_PRECISION,
-            slope, SCORE, HEAD_DIM_V, BLOCK_DV, sink)
+            q, kv, rw, Tiles(kt_lo, kt_hi, kt_lo, n_words, live_base), mods, scale, BIAS_KIND, MASK, SCORE,
+            HAS_DROPOUT, DOT_PRECISION)
         passes = tl.full([], 1, tl.int32)
         out_u = out  # U = p
     else:
@@ -160,13 +161,11 @@ def _entmax_attn_fwd_kernel(
             CAND_P: tl.constexpr = CAND_P0
         # unchecked device alpha outside [1, 2] (or NaN) reaches the general class: that head's outputs are NaN
         a_ok = (alpha >= 1.0) & (alpha <= 2.0)
+        tiles = Tiles(kt_lo, kt_hi, max_first_tile(pid_m, seqlen_q, seqlen_k, kt_lo, kt_hi, MASK, BLOCK_M, BLOCK_N),
+                      n_words, live_base)
         out, out_u, tau, lsum, nnz, n_valid, passes, visits = entmax_rows(
-            q, k_base, v_base, bias_base, rows, seqlen_q, seqlen_k, kt_lo, kt_hi,
-            max_first_tile(pid_m, seqlen_q, seqlen_k, kt_lo, kt_hi, MASK, BLOCK_M, BLOCK_N), n_words, live_base, scale,
-            tl.where(a_ok, alpha, 1.5), tol, max_passes, seed, bh, q_start, k_start, total_k, dropout_p, inv_keep,
-            stride_kn, stride_kd, stride_vn, stride_vd, stride_bias_m, stride_bias_n, POW, GRID_K, CAND_P, BLOCK_M,
-            BLOCK_N, HEAD_DIM, BLOCK_D, BIAS_KIND, MASK, HAS_DROPOUT, NEED_OUT_U, UPCAST, DOT_PRECISION, slope,
-            SCORE, HEAD_DIM_V, BLOCK_DV, sink)
+            q, kv, rw, tiles, mods, Scalars(scale, tl.where(a_ok, alpha, 1.5), tol, max_passes), POW, GRID_K, CAND_P,
+            BIAS_KIND, MASK, SCORE, HAS_DROPOUT, NEED_OUT_U, DOT_PRECISION)
         out = tl.where(a_ok, out, float("nan"))
         tau = tl.where(a_ok, tau, float("nan"))
         lsum = tl.where(a_ok, lsum, float("nan"))

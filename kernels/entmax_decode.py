@@ -346,11 +346,11 @@ def _entmax_decode_split_kernel(
                 live = tl.max((z > lo_kill[:, None]).to(tl.int32))
                 tl.store(list_base + n_out, kt, mask=live != 0)
                 n_out += live
-                _, _, _, FP, GP, CP = cand_sums(z, zero, zero, zero, zero, zero, t_p, l_p, cand, FP, GP, CP, POW,
-                                                CAND_P, bm1[:, None])
+                _, _, _, FP, GP, CP = cand_sums(z, (zero, zero, t_p, l_p, cand), (zero, zero, zero, FP, GP, CP),
+                                                POW, CAND_P, bm1[:, None])
             if SCORE[3]:
-                _, _, _, FP, GP, CP = cand_sums(zs, zero, zero, zero, zero, zero, t_p, l_p, cand, FP, GP, CP, POW,
-                                                CAND_P, bm1[:, None])
+                _, _, _, FP, GP, CP = cand_sums(zs, (zero, zero, t_p, l_p, cand), (zero, zero, zero, FP, GP, CP),
+                                                POW, CAND_P, bm1[:, None])
             _store_points(CAND_OUT, split_rows + split, active, FP, GP, CP, CAND_P)
             tl.store(live_n, n_out)
             tl.store(reads + pass_slot, n_in)
