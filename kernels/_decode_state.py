@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from ._common import LN2, LOG2E, alpha_class_id
-from ._masking import sink_logit
+from ._masking import program_mods
 from ._threshold import (
     Bracket,
     cand_points,
@@ -51,9 +51,21 @@ def _packed_rows(ALPHA, rt, h_kv, kv_group, seqlen_q, n_rows, ALPHA_CLASS: tl.co
 
 
 @triton.jit
-def _cache_rows(BLOCK_TABLE, b, cols, col_ok, stride_tb, stride_tn, page_size, IS_PAGED: tl.constexpr):
-    """``(outer, inner)`` int64 ``[BLOCK_N]`` indices of the keys ``cols`` of batch entry ``b`` in the cache:
-    ``(b, col)`` for a contiguous cache, ``(page, slot)`` through the block table for a paged one."""
+def _row_mods(MODS, b, h, SCORE):
+    """The ``mods`` of ``_masking.score_mod`` for packed rows of q heads ``h [BLOCK_M]`` of batch entry ``b``
+    (``_masking.program_mods`` per row, masks indexed by query and key position): the mask's base pointers and the
+    ALiBi slopes as ``[BLOCK_M, 1]`` columns of a score tile, the sink logits per row ``[BLOCK_M]`` (a scalar
+    ``-inf`` without sinks). ``MODS`` is the kernel argument of ``_common.mods_args``."""
+    bias_base, stride_m, stride_n, slope, sink = program_mods(MODS, b, b, h, b * 0, b * 0, SCORE)
+    return bias_base[:, None], stride_m, stride_n, (slope + tl.zeros([h.shape[0]], tl.float32))[:, None], sink
+
+
+@triton.jit
+def _cache_rows(pages, cols, col_ok, IS_PAGED: tl.constexpr):
+    """``(outer, inner)`` int64 ``[BLOCK_N]`` indices of the keys ``cols`` of the program's batch entry in the cache:
+    ``(b, col)`` for a contiguous cache, ``(page, slot)`` through the block table for a paged one. ``pages``:
+    ``(BLOCK_TABLE, stride_tb, stride_tn, page_size, b, h_kv, seqlen_k)`` (:func:`_cache_tile`)."""
+    BLOCK_TABLE, stride_tb, stride_tn, page_size, b, _, _ = pages
     if IS_PAGED:
         page = tl.load(BLOCK_TABLE + b.to(tl.int64) * stride_tb + (cols // page_size).to(tl.int64) * stride_tn,
                        mask=col_ok, other=0)
@@ -62,13 +74,16 @@ def _cache_rows(BLOCK_TABLE, b, cols, col_ok, stride_tb, stride_tn, page_size, I
 
 
 @triton.jit
-def _cache_tile(PTR, BLOCK_TABLE, b, h_kv, cols, seqlen_k, stride_b, stride_h, stride_n, stride_d, stride_tb,
-                stride_tn, page_size, IS_PAGED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+def _cache_tile(cache, pages, cols, IS_PAGED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                 TRANSPOSED: tl.constexpr, UPCAST: tl.constexpr):
     """Cache rows of the keys ``cols`` (those ``< seqlen_k``; 0 elsewhere): ``[BLOCK_N, BLOCK_D]``, or
-    ``[BLOCK_D, BLOCK_N]`` if ``TRANSPOSED``."""
-    col_ok = cols < seqlen_k
-    outer, inner = _cache_rows(BLOCK_TABLE, b, cols, col_ok, stride_tb, stride_tn, page_size, IS_PAGED)
+    ``[BLOCK_D, BLOCK_N]`` if ``TRANSPOSED``. ``cache``: ``(PTR, stride_b, stride_h, stride_n, stride_d)`` of the key
+    or value cache; ``pages``: ``(BLOCK_TABLE, stride_tb, stride_tn, page_size, b, h_kv, seqlen_k)``, where the keys
+    of the program's batch entry ``b`` and kv head ``h_kv`` are."""
+    PTR, stride_b, stride_h, stride_n, stride_d = cache
+    h_kv = pages[5]
+    col_ok = cols < pages[6]
+    outer, inner = _cache_rows(pages, cols, col_ok, IS_PAGED)
     offs_d = tl.arange(0, BLOCK_D)
     row = outer * stride_b + inner * stride_n + h_kv.to(tl.int64) * stride_h
     if TRANSPOSED:
@@ -187,15 +202,15 @@ def _load_state(STATE, state_rows, active):
 
 
 @triton.jit
-def _merge_cands(CAND, split_rows, n_splits, active, m, br, est, lo, hi, exact, usable, am1, shift, tol,
-                 POW: tl.constexpr, CAND_P: tl.constexpr, BLOCK_M: tl.constexpr):
+def _merge_cands(CAND, split_rows, n_splits, active, m, br, est, lo, hi, exact, usable, am1, tol, POW: tl.constexpr,
+                 CAND_P: tl.constexpr):
     """Merge the candidate sums of all splits at the points of the state into its bracket ``br`` and solve again
     (rows already done are left as they are). Returns the updated bracket, estimate and certified bounds."""
     t_p, l_p = cand_points(m, lo, hi, CAND_P)
     cand = tl.arange(0, CAND_P)
-    FP = tl.zeros([BLOCK_M, CAND_P], tl.float32)
-    GP = tl.zeros([BLOCK_M, CAND_P], tl.float32)
-    CP = tl.zeros([BLOCK_M, CAND_P], tl.float32)
+    FP = tl.zeros([m.shape[0], CAND_P], tl.float32)
+    GP = tl.zeros([m.shape[0], CAND_P], tl.float32)
+    CP = tl.zeros([m.shape[0], CAND_P], tl.float32)
     for s in range(0, n_splits):
         pts = CAND + (split_rows + s)[:, None] * (3 * CAND_P) + cand[None, :]
         FP += tl.load(pts, mask=active[:, None], other=0.0)
@@ -230,9 +245,9 @@ def _store_partials(PART_ROW, PART_ACC, split_rows, active, m, l_sum, nnz, acc, 
 
 @triton.jit
 def _entmax_decode_combine_kernel(
-    OUT, TAU, NNZ, N_VALID, ALPHA, SINKS, PART_ROW, PART_ACC,
+    OUT, TAU, NNZ, N_VALID, ALPHA, PART_ROW, PART_ACC,
     stride_ob, stride_oh, stride_om, stride_od,
-    n_heads, n_kv_heads, kv_group, seqlen_q, n_rows, n_row_tiles, n_splits, SCORE,
+    n_heads, n_kv_heads, kv_group, seqlen_q, n_rows, n_row_tiles, n_splits, SCORE, MODS,
     HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     """One program per (kv head x row tile, batch entry): ``out = sum_s w_s acc_s / sum_s w_s l_s`` with
@@ -245,7 +260,7 @@ def _entmax_decode_combine_kernel(
     split_rows = (((b * n_kv_heads + h_kv) * (n_row_tiles * BLOCK_M) + r) * n_splits).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_DV)
     d_ok = offs_d < HEAD_DIM_V
-    sink = sink_logit(SINKS, h, SCORE) * LOG2E + tl.zeros([BLOCK_M], tl.float32)
+    sink = _row_mods(MODS, b, h, SCORE)[4] * LOG2E + tl.zeros([BLOCK_M], tl.float32)
     sink_bad = (alpha == 1.0) & ((sink != sink) | (sink == float("inf")))
     s_sink = tl.where((alpha == 1.0) & (sink_bad == 0), sink, float("-inf"))
     m = s_sink

@@ -399,3 +399,26 @@ def mark_tile(kt, live, first, word_c, word_lo, w_lo, word_hi, w_hi):
     word_hi = tl.where(upper, tl.where(w == w_hi, word_hi, 0) | bit, word_hi)
     w_hi = tl.where(upper, w, w_hi)
     return w, tl.where(in_c, word_c, tl.where(lower, word_lo, word_hi)), word_c, word_lo, w_lo, word_hi, w_hi
+
+
+@triton.jit
+def key_block_range(row_lo, row_hi, seqlen_q, seqlen_k, MASK, BLOCK_N: tl.constexpr):
+    """``(kt_lo, kt_hi)``: rows ``row_lo .. row_hi`` (inclusive, in the sequence; any set of rows between them) may see
+    keys of the key blocks ``[kt_lo, kt_hi)`` of ``BLOCK_N`` keys only (:func:`key_range` in blocks; ``kt_lo`` the
+    constant 0 without a left window). The split-K decode kernels take their key blocks from it."""
+    k_lo, k_hi = key_range(row_lo, row_hi, seqlen_q, seqlen_k, MASK)
+    kt_hi = tl.cdiv(k_hi, BLOCK_N)
+    kt_lo = kt_hi * 0
+    if MASK[1]:  # without a left window the loops start at block 0, a constant the compiler sees
+        kt_lo = tl.minimum(k_lo // BLOCK_N, kt_hi)
+    return kt_lo, kt_hi
+
+
+def key_blocks_spanned(mask: tuple, seqlen_q: int, seqlen_k: int, block_n: int) -> int:
+    """Most key blocks of ``block_n`` keys that :func:`key_block_range` gives the rows of one sequence of ``seqlen_q``
+    rows and at most ``seqlen_k`` keys under ``mask`` (:func:`mask_spec`): all blocks, or with a left window the
+    ``seqlen_q + left`` keys before the sequence end (over one more block when unaligned)."""
+    n_blocks = triton.cdiv(seqlen_k, block_n)
+    if mask[1]:
+        n_blocks = min(n_blocks, triton.cdiv(seqlen_q + mask[3], block_n) + 1)
+    return n_blocks

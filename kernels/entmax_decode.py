@@ -57,11 +57,12 @@ from ._decode_state import (
     _load_state,
     _merge_cands,
     _packed_rows,
+    _row_mods,
     _store_partials,
     _store_points,
     _store_state,
 )
-from ._masking import alibi_slope, key_range, mask_scores, mask_spec, score_spec, sink_logit, sink_tile, soft_cap
+from ._masking import key_block_range, key_blocks_spanned, mask_spec, score_mod, score_spec, sink_tile
 from ._threshold import (
     DECODE_MAX_PASSES,
     DECODE_POINTS,
@@ -109,61 +110,57 @@ class EntmaxDecodeResult(NamedTuple):
 
 
 @triton.jit
-def _scores(q, K, BIAS, BLOCK_TABLE, b, h_kv, h, i, active, cols, seqlen_q, seqlen_k, z_scale, bias_scale, slope,
-            stride_kb, stride_kh, stride_kn, stride_kd, stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n,
-            stride_tb, stride_tn, page_size, MASK, SCORE, BIAS_KIND: tl.constexpr, IS_PAGED: tl.constexpr,
-            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Scores of one key block as the forward's: ``z_scale * q.k`` soft-capped in that scale, ``+ bias_scale *
-    (bias - slope * |d|)``, ``-inf`` where not visible (``kernels/_masking.py``) or the row is inactive.
+def _scores(q, keys, pages, rows, cols, z_scale, bias_scale, mods, MASK, SCORE, BIAS_KIND: tl.constexpr, CACHE):
+    """Scores of one key block as the forward's (``_masking.score_mod``): ``z_scale * q.k`` soft-capped in that
+    scale, ``+ bias_scale * (bias - slope * |d|)``, ``-inf`` where not visible or the row is inactive.
     [BLOCK_M, BLOCK_N]
 
-    ``z_scale``, ``bias_scale``, ``slope`` are per row ``[BLOCK_M]``; the mask is read per packed row at ``(b, h, i)``.
+    ``z_scale``, ``bias_scale`` are per row ``[BLOCK_M]``; ``mods`` from ``_decode_state._row_mods`` (the mask read
+    per packed row at ``(b, h, i)``); ``keys``, ``pages`` as ``_decode_state._cache_tile``; ``rows``: ``(i, active,
+    seqlen_q, seqlen_k, kt_lo, kt_hi)``, the packed rows' queries, which of them are active, the lengths and the
+    split's key blocks.
     """
-    k = _cache_tile(K, BLOCK_TABLE, b, h_kv, cols, seqlen_k, stride_kb, stride_kh, stride_kn, stride_kd, stride_tb,
-                    stride_tn, page_size, IS_PAGED, HEAD_DIM, BLOCK_D, True, UPCAST)
-    z = soft_cap(tl.dot(q, k, input_precision=DOT_PRECISION) * z_scale[:, None], SCORE[1] * bias_scale[:, None], SCORE)
-    bias_rows = BIAS + (b.to(tl.int64) * stride_bias_b + h.to(tl.int64) * stride_bias_h)[:, None]
-    z = mask_scores(z, i, cols, seqlen_q, seqlen_k, bias_rows, stride_bias_m, stride_bias_n, bias_scale[:, None], MASK,
-                    BIAS_KIND, slope[:, None], SCORE)
+    i, active, seqlen_q, seqlen_k, _, _ = rows
+    k = _cache_tile(keys, pages, cols, CACHE[0], CACHE[1], q.shape[1], True, CACHE[5])
+    z = score_mod(tl.dot(q, k, input_precision=CACHE[6]) * z_scale[:, None], i, cols, seqlen_q, seqlen_k, mods,
+                  bias_scale[:, None], MASK, SCORE, BIAS_KIND)
     return tl.where(active[:, None], z, float("-inf"))
 
 
 @triton.jit
-def _sink_scores(SINKS, h, am1, own, SCORE, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The sink as a virtual score tile (``_masking.sink_tile``: ``(alpha - 1) * sink`` in column 0) for the rows
-    ``own`` (split 0's: one score per row, counted once), ``-inf`` elsewhere and where the sink is NaN or
-    ``+inf``; and those rows' flag. ``[BLOCK_M, BLOCK_N]``, ``[BLOCK_M]``"""
-    z_sink = am1 * sink_logit(SINKS, h, SCORE)
+def _sink_scores(sink, am1, own, BLOCK_N: tl.constexpr):
+    """The sink (``sink``: the logit per row, ``_decode_state._row_mods``) as a virtual score tile
+    (``_masking.sink_tile``: ``(alpha - 1) * sink`` in column 0) for the rows ``own`` (split 0's: one score per row,
+    counted once), ``-inf`` elsewhere and where the sink is NaN or ``+inf``; and those rows' flag.
+    ``[BLOCK_M, BLOCK_N]``, ``[BLOCK_M]``"""
+    z_sink = am1 * sink
     sink_bad = (z_sink != z_sink) | (z_sink == float("inf"))
-    return sink_tile(tl.where(own & (sink_bad == 0), z_sink, float("-inf"))[:, None], BLOCK_M, BLOCK_N), sink_bad
+    return sink_tile(tl.where(own & (sink_bad == 0), z_sink, float("-inf"))[:, None], am1.shape[0], BLOCK_N), sink_bad
 
 
 @triton.jit
-def _grid_pass(q, K, BIAS, BLOCK_TABLE, Z, z_rows, list_base, b, h_kv, h, i, active, kt_lo, kt_hi, seqlen_q,
-               seqlen_k, z_scale, bias_scale, slope, beta, bm1, shift, zs,
-               stride_kb, stride_kh, stride_kn, stride_kd, stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n,
-               stride_tb, stride_tn, page_size, MASK, SCORE, POW: tl.constexpr, GRID_K: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BIAS_KIND: tl.constexpr, IS_PAGED: tl.constexpr,
-               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """The score pass over key blocks ``[kt_lo, kt_hi)`` (after the sink tile ``zs`` with sinks): stores the scores
-    and lists the live blocks; each block goes through the ring update it shares with the forward
-    (``_threshold.grid_tile``).
+def _grid_pass(q, keys, pages, rows, mods, out, ent, zs, MASK, SCORE, POW: tl.constexpr, GRID_K: tl.constexpr,
+               BLOCK_N: tl.constexpr, BIAS_KIND: tl.constexpr, CACHE):
+    """The score pass over the split's key blocks ``[kt_lo, kt_hi)`` of ``rows`` (after the sink tile ``zs`` with
+    sinks): stores the scores and lists the live blocks (``out``: ``(Z, z_rows, list_base)``); each block goes
+    through the ring update it shares with the forward (``_threshold.grid_tile``). ``ent``: ``(z_scale, am1, beta,
+    bm1, shift)`` per row.
 
     Returns ``(m, j_top, n_valid, bad, F, G, C, n_live)``: the split's row max, its grid index, valid keys,
     NaN/+inf flag and the ``[BLOCK_M, GRID_K]`` sums at the ring's points (POW 0: scaled by the split max's
     term; counts from ``_threshold.grid_counts``), and the number of live blocks written to ``list_base``.
     """
-    w_grid, slot, m, j_top, n_valid, bad, F, G, L = grid_start(BLOCK_M, GRID_K, 0)
+    Z, z_rows, list_base = out
+    z_scale, am1, beta, bm1, shift = ent
+    active = rows[1]
+    w_grid, slot, m, j_top, n_valid, bad, F, G, L = grid_start(q.shape[0], GRID_K, 0)
     n_live = tl.zeros([], tl.int32)
     if SCORE[3]:
         m, j_top, F, G, L, _ = grid_tile(zs, m, j_top, F, G, L, slot, w_grid, shift, beta[:, None], bm1[:, None],
                                          POW, GRID_K, 0)
-    for kt in range(kt_lo, kt_hi):
+    for kt in range(rows[4], rows[5]):
         cols = kt * BLOCK_N + tl.arange(0, BLOCK_N)
-        z = _scores(q, K, BIAS, BLOCK_TABLE, b, h_kv, h, i, active, cols, seqlen_q, seqlen_k, z_scale, bias_scale,
-                    slope, stride_kb, stride_kh, stride_kn, stride_kd, stride_bias_b, stride_bias_h, stride_bias_m,
-                    stride_bias_n, stride_tb, stride_tn, page_size, MASK, SCORE, BIAS_KIND, IS_PAGED, HEAD_DIM,
-                    BLOCK_D, UPCAST, DOT_PRECISION)
+        z = _scores(q, keys, pages, rows, cols, z_scale, am1, mods, MASK, SCORE, BIAS_KIND, CACHE)
         tl.store(Z + z_rows[:, None] + cols[None, :], z, mask=active[:, None])
         bad = bad | tl.max(((z != z) | (z == float("inf"))).to(tl.int32), 1)
         n_valid += tl.sum((z != float("-inf")).to(tl.int32), 1)
@@ -176,58 +173,51 @@ def _grid_pass(q, K, BIAS, BLOCK_TABLE, Z, z_rows, list_base, b, h_kv, h, i, act
 
 
 @triton.jit
-def _softmax_split(q, K, V, BIAS, BLOCK_TABLE, b, h_kv, h, i, active, kt_lo, kt_hi, seqlen_q, seqlen_k, scale, slope,
-                   stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd,
-                   stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n, stride_tb, stride_tn, page_size, MASK,
-                   SCORE, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BIAS_KIND: tl.constexpr,
-                   IS_PAGED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-                   BLOCK_DV: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """alpha == 1 on key blocks ``[kt_lo, kt_hi)``: online softmax (base 2). Returns ``(m, l, acc, n_valid)`` (the
-    sink joins in the combine)."""
+def _softmax_split(q, keys, values, pages, rows, mods, scale, MASK, SCORE, BLOCK_N: tl.constexpr,
+                   BIAS_KIND: tl.constexpr, CACHE):
+    """alpha == 1 on the split's key blocks ``[kt_lo, kt_hi)`` of ``rows``: online softmax (base 2). Returns ``(m, l,
+    acc, n_valid)`` (the sink joins in the combine)."""
+    BLOCK_M: tl.constexpr = q.shape[0]
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_sum = tl.zeros([BLOCK_M], tl.float32)
     n_valid = tl.zeros([BLOCK_M], tl.int32)
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    acc = tl.zeros([BLOCK_M, CACHE[4]], tl.float32)
     log2e = tl.zeros([BLOCK_M], tl.float32) + LOG2E
-    for kt in range(kt_lo, kt_hi):
+    for kt in range(rows[4], rows[5]):
         cols = kt * BLOCK_N + tl.arange(0, BLOCK_N)
-        s = _scores(q, K, BIAS, BLOCK_TABLE, b, h_kv, h, i, active, cols, seqlen_q, seqlen_k, log2e * scale, log2e,
-                    slope, stride_kb, stride_kh, stride_kn, stride_kd, stride_bias_b, stride_bias_h, stride_bias_m,
-                    stride_bias_n, stride_tb, stride_tn, page_size, MASK, SCORE, BIAS_KIND, IS_PAGED, HEAD_DIM,
-                    BLOCK_D, UPCAST, DOT_PRECISION)
+        s = _scores(q, keys, pages, rows, cols, log2e * scale, log2e, mods, MASK, SCORE, BIAS_KIND, CACHE)
         n_valid += tl.sum((s != float("-inf")).to(tl.int32), 1)
         m_new = tl.maximum(m, tl.max(s, 1))
         m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
         corr = tl.exp2(m - m_safe)
         p = tl.exp2(s - m_safe[:, None])
-        v = _cache_tile(V, BLOCK_TABLE, b, h_kv, cols, seqlen_k, stride_vb, stride_vh, stride_vn, stride_vd, stride_tb,
-                        stride_tn, page_size, IS_PAGED, HEAD_DIM_V, BLOCK_DV, False, UPCAST)
+        v = _cache_tile(values, pages, cols, CACHE[0], CACHE[3], CACHE[4], False, CACHE[5])
         l_sum = l_sum * corr + tl.sum(p, 1)
-        acc = acc * corr[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        acc = acc * corr[:, None] + tl.dot(p.to(v.dtype), v, input_precision=CACHE[6])
         m = m_new
     return m, l_sum, acc, n_valid
 
 
 @triton.jit
 def _entmax_decode_split_kernel(
-    Q, K, V, BIAS, ALPHA, BLOCK_TABLE, CACHE_SEQLENS, ALIBI, SINKS, Z, LIST, LIVE_N, GRID_ROW, GRID_PTS, CAND_IN,
+    Q, K, V, ALPHA, BLOCK_TABLE, CACHE_SEQLENS, Z, LIST, LIVE_N, GRID_ROW, GRID_PTS, CAND_IN,
     CAND_OUT, STATE_IN, STATE_OUT, PART_ROW, PART_ACC, TAU, BLOCKS_READ, N_PASSES,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n, stride_alibi_b, stride_alibi_h,
     stride_tb, stride_tn, page_size,
     n_heads, n_kv_heads, kv_group, seqlen_q, n_rows, n_row_tiles, n_splits, blocks_per_split, n_span,
-    max_seqlen_k, scale, tol, pass_slot, n_slots, MASK, SCORE,
+    max_seqlen_k, scale, tol, pass_slot, n_slots, MASK, SCORE, MODS, CACHE,
     ALPHA_CLASS: tl.constexpr, FILTER: tl.constexpr, PHASE: tl.constexpr, FROM_GRID: tl.constexpr,
-    GRID_K: tl.constexpr, CAND_P: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BIAS_KIND: tl.constexpr, IS_PAGED: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    GRID_K: tl.constexpr, CAND_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BIAS_KIND: tl.constexpr,
 ):
     """One program per (split, kv head x row tile, batch entry); ``PHASE`` 0 score pass, 1 candidate pass,
     2 value pass (module docstring). ``ALPHA_CLASS`` 0 (softmax) runs its single pass whatever ``PHASE``.
+    ``CACHE``: ``(IS_PAGED, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, UPCAST, DOT_PRECISION)`` (:func:`_cache_spec`),
+    passed on unread to the helpers that read the cache; ``MODS`` the score modifications (``_common.mods_args``).
 
-    The splits share the key blocks the tile's rows may see (``_masking.key_range``: a sliding window's blocks
+    The splits share the key blocks the tile's rows may see (``_masking.key_block_range``: a sliding window's blocks
     only, at most ``n_span``); the scores are stored relative to the first of them.
     """
     split = tl.program_id(0)
@@ -238,12 +228,8 @@ def _entmax_decode_split_kernel(
     if tl.max(active.to(tl.int32)) == 0:
         return
     seqlen_k = tl.minimum(tl.maximum(tl.load(CACHE_SEQLENS + b), 0), max_seqlen_k)
-    k_lo, k_hi = key_range(tl.min(tl.where(active, i, seqlen_q), 0), tl.max(tl.where(active, i, -1), 0), seqlen_q,
-                           seqlen_k, MASK)
-    kt_end = tl.cdiv(k_hi, BLOCK_N)
-    kt_start = kt_end * 0
-    if MASK[1]:  # without a left window the splits start at block 0, a constant the compiler sees
-        kt_start = tl.minimum(k_lo // BLOCK_N, kt_end)
+    kt_start, kt_end = key_block_range(tl.min(tl.where(active, i, seqlen_q), 0), tl.max(tl.where(active, i, -1), 0),
+                                       seqlen_q, seqlen_k, MASK, BLOCK_N)
     kt_lo = kt_start + split * blocks_per_split
     kt_hi = tl.maximum(tl.minimum(kt_lo + blocks_per_split, kt_end), kt_lo)
     tile = (b * n_kv_heads + h_kv) * n_row_tiles + rt
@@ -254,22 +240,24 @@ def _entmax_decode_split_kernel(
     list_base = LIST + tile.to(tl.int64) * n_span + split * blocks_per_split
     live_n = LIVE_N + tile.to(tl.int64) * n_splits + split
     reads = BLOCKS_READ + (tile.to(tl.int64) * n_splits + split) * n_slots
-    offs_d = tl.arange(0, BLOCK_D)
+    offs_d = tl.arange(0, CACHE[2])
     q_rows = b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh + i.to(tl.int64) * stride_qm
-    q = tl.load(Q + q_rows[:, None] + offs_d[None, :] * stride_qd, mask=active[:, None] & (offs_d[None, :] < HEAD_DIM),
+    q = tl.load(Q + q_rows[:, None] + offs_d[None, :] * stride_qd, mask=active[:, None] & (offs_d[None, :] < CACHE[1]),
                 other=0.0)
-    if UPCAST:
+    if CACHE[5]:
         q = q.to(tl.float32)
     stat_offs = (b.to(tl.int64) * n_heads + h) * seqlen_q + i
-    slope = alibi_slope(ALIBI, b, h, stride_alibi_b, stride_alibi_h, SCORE) + tl.zeros([BLOCK_M], tl.float32)
+    # the program's rows, score modifications and cache (tuples the helpers take)
+    rows = (i, active, seqlen_q, seqlen_k, kt_lo, kt_hi)
+    mods = _row_mods(MODS, b, h, SCORE)
+    pages = (BLOCK_TABLE, stride_tb, stride_tn, page_size, b, h_kv, seqlen_k)
+    keys = (K, stride_kb, stride_kh, stride_kn, stride_kd)
+    values = (V, stride_vb, stride_vh, stride_vn, stride_vd)
 
     if ALPHA_CLASS == 0:
-        m, l_sum, acc, n_valid = _softmax_split(
-            q, K, V, BIAS, BLOCK_TABLE, b, h_kv, h, i, active, kt_lo, kt_hi, seqlen_q, seqlen_k, scale, slope,
-            stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd,
-            stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n, stride_tb, stride_tn, page_size, MASK, SCORE,
-            BLOCK_M, BLOCK_N, BIAS_KIND, IS_PAGED, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, UPCAST, DOT_PRECISION)
-        _store_partials(PART_ROW, PART_ACC, split_rows + split, active, m, l_sum, n_valid, acc, HEAD_DIM_V, BLOCK_DV)
+        m, l_sum, acc, n_valid = _softmax_split(q, keys, values, pages, rows, mods, scale, MASK, SCORE, BLOCK_N,
+                                                BIAS_KIND, CACHE)
+        _store_partials(PART_ROW, PART_ACC, split_rows + split, active, m, l_sum, n_valid, acc, CACHE[3], CACHE[4])
         tl.store(PART_ROW + (split_rows + split) * N_PART + 3, n_valid.to(tl.float32), mask=active)
         tl.store(reads, kt_hi - kt_lo)
         tl.store(reads + n_slots - 1, kt_hi - kt_lo)
@@ -292,14 +280,12 @@ def _entmax_decode_split_kernel(
         shift = 1.0
     else:
         shift = 0.0
-    zs, sink_bad = _sink_scores(SINKS, h, am1, active & (split == 0), SCORE, BLOCK_M, BLOCK_N)
+    zs, sink_bad = _sink_scores(mods[4], am1, active & (split == 0), BLOCK_N)
 
     if PHASE == 0:
         m, j_top, n_valid, bad, F, G, C, n_live = _grid_pass(
-            q, K, BIAS, BLOCK_TABLE, Z, z_rows, list_base, b, h_kv, h, i, active, kt_lo, kt_hi, seqlen_q, seqlen_k,
-            scale * am1, am1, slope, beta, bm1, shift, zs, stride_kb, stride_kh, stride_kn, stride_kd, stride_bias_b,
-            stride_bias_h, stride_bias_m, stride_bias_n, stride_tb, stride_tn, page_size, MASK, SCORE, POW, GRID_K,
-            BLOCK_M, BLOCK_N, BIAS_KIND, IS_PAGED, HEAD_DIM, BLOCK_D, UPCAST, DOT_PRECISION)
+            q, keys, pages, rows, mods, (Z, z_rows, list_base), (scale * am1, am1, beta, bm1, shift), zs, MASK, SCORE,
+            POW, GRID_K, BLOCK_N, BIAS_KIND, CACHE)
         row = GRID_ROW + (split_rows + split) * N_PART
         tl.store(row, m, mask=active)
         tl.store(row + 1, j_top, mask=active)
@@ -320,7 +306,7 @@ def _entmax_decode_split_kernel(
         ran = tl.max((weight_done(exact, lo, hi, br.da, beta, usable, tol) == 0).to(tl.int32), 0)
         if ran != 0:
             br, est, lo, hi, exact = _merge_cands(CAND_IN, split_rows, n_splits, active, m, br, est, lo, hi, exact,
-                                                  usable, am1, shift, tol, POW, CAND_P, BLOCK_M)
+                                                  usable, am1, tol, POW, CAND_P)
             passes += 1.0
     n_in = tl.load(live_n)
     col_blk = tl.arange(0, BLOCK_N)
@@ -365,7 +351,7 @@ def _entmax_decode_split_kernel(
     if SCORE[3]:
         l_sum = tl.sum(tl.where(ok_row[:, None], weights(zs, t_use, POW, beta[:, None]), 0.0), 1)
     nnz = tl.zeros([BLOCK_M], tl.int32)
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    acc = tl.zeros([BLOCK_M, CACHE[4]], tl.float32)
     # weights of the live blocks; those holding a positive weight are listed again (in place: the list only
     # shrinks) and only their value rows are read, by a second loop without branches (its loads pipeline)
     v_reads = tl.zeros([], tl.int32)
@@ -383,12 +369,11 @@ def _entmax_decode_split_kernel(
         cols = tl.load(list_base + idx) * BLOCK_N + col_blk
         z = tl.load(Z + z_rows[:, None] + cols[None, :], mask=ok_row[:, None], other=float("-inf"))
         p = weights(z, t_use, POW, beta[:, None])
-        v = _cache_tile(V, BLOCK_TABLE, b, h_kv, cols, seqlen_k, stride_vb, stride_vh, stride_vn, stride_vd, stride_tb,
-                        stride_tn, page_size, IS_PAGED, HEAD_DIM_V, BLOCK_DV, False, UPCAST)
-        acc += tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        v = _cache_tile(values, pages, cols, CACHE[0], CACHE[3], CACHE[4], False, CACHE[5])
+        acc += tl.dot(p.to(v.dtype), v, input_precision=CACHE[6])
     is_bad = bad != 0.0
     _store_partials(PART_ROW, PART_ACC, split_rows + split, active, tl.zeros([BLOCK_M], tl.float32),
-                    tl.where(is_bad, float("nan"), l_sum), tl.where(is_bad, 0, nnz), acc, HEAD_DIM_V, BLOCK_DV)
+                    tl.where(is_bad, float("nan"), l_sum), tl.where(is_bad, 0, nnz), acc, CACHE[3], CACHE[4])
     tl.store(reads + pass_slot, n_in)
     tl.store(reads + pass_slot + 1, v_reads)
     if split == 0:
@@ -494,10 +479,7 @@ def entmax_decode_fwd(
     max_seqlen_k = capacity if max_seqlen_k is None else min(int(max_seqlen_k), capacity)
     n_row_tiles = triton.cdiv(n_rows, block_m)
     mask = mask_spec(is_causal, window_size)
-    n_span = triton.cdiv(max_seqlen_k, block_n)
-    if mask[1]:
-        # the keys of a left-bounded window: at most Nq + left of them, over one more block when unaligned
-        n_span = min(n_span, triton.cdiv(seqlen_q + mask[3], block_n) + 1)
+    n_span = key_blocks_spanned(mask, seqlen_q, max_seqlen_k, block_n)
     if num_splits is None:
         num_splits = default_num_splits(batch, n_kv_heads, n_row_tiles, n_span, q.device)
     blocks_per_split = max(triton.cdiv(n_span, max(int(num_splits), 1)), 1)
@@ -531,7 +513,7 @@ def entmax_decode_fwd(
     common = dict(
         Q=q, K=k_cache, V=v_cache, ALPHA=_common.alpha_arg(alpha, n_heads, dev),
         BLOCK_TABLE=block_table if paged else cache_seqlens, CACHE_SEQLENS=cache_seqlens,
-        **_common.alibi_args(alibi_slopes, q), SINKS=_common.sinks_arg(sinks, q),
+        **_common.mods_args(bias, (batch, n_heads, seqlen_q, capacity), alibi_slopes, sinks, q),
         Z=torch.empty((batch, n_kv_heads, n_rows, n_span * block_n), **ws),
         LIST=torch.empty((*tiles, n_span), dtype=torch.int32, device=dev),
         LIVE_N=torch.empty((*tiles, n_splits), dtype=torch.int32, device=dev),
@@ -539,16 +521,14 @@ def entmax_decode_fwd(
         TAU=tau,
         **_common.stride_args("stride_q", q, "bhmd"),
         **_cache_strides("stride_k", k_cache, paged), **_cache_strides("stride_v", v_cache, paged),
-        **_common.bias_args(bias, (batch, n_heads, seqlen_q, capacity), q),
         stride_tb=block_table.stride(0) if paged else 0, stride_tn=block_table.stride(1) if paged else 0,
         page_size=k_cache.shape[1] if paged else 1,
         n_heads=n_heads, n_kv_heads=n_kv_heads, kv_group=kv_group, seqlen_q=seqlen_q, n_rows=n_rows,
         n_row_tiles=n_row_tiles, n_splits=n_splits, blocks_per_split=blocks_per_split, n_span=n_span,
         max_seqlen_k=max_seqlen_k, scale=float(scale), tol=default_tolerance(q.dtype) if tol is None else float(tol),
         n_slots=n_slots, MASK=mask, SCORE=score_spec(softcap, alibi_slopes is not None, sinks is not None),
-        FILTER=len(classes) > 1, HEAD_DIM=head_dim, BLOCK_D=_common.head_dim_block(head_dim), HEAD_DIM_V=head_dim_v,
-        BLOCK_DV=_common.head_dim_block(head_dim_v), BLOCK_M=block_m, BLOCK_N=block_n,
-        IS_PAGED=paged, UPCAST=_common.interpreting(), DOT_PRECISION=_common.dot_precision(q.dtype),
+        FILTER=len(classes) > 1, BLOCK_M=block_m, BLOCK_N=block_n,
+        CACHE=_cache_spec(paged, head_dim, head_dim_v, q.dtype),
     )
     options = {} if _common.interpreting() else dict(num_warps=num_warps, num_stages=num_stages)
     grid = (n_splits, n_kv_heads * n_row_tiles, batch)
@@ -568,12 +548,21 @@ def entmax_decode_fwd(
                 **args, CAND_IN=cand[(p + 1) % 2], CAND_OUT=cand[p % 2], STATE_IN=state[(p + 1) % 2],
                 STATE_OUT=state[p % 2], pass_slot=p, PHASE=phase, FROM_GRID=from_grid, **options)
     _entmax_decode_combine_kernel[(n_kv_heads * n_row_tiles, batch)](
-        OUT=out, TAU=tau, NNZ=nnz, N_VALID=n_valid, ALPHA=common["ALPHA"], SINKS=common["SINKS"],
+        OUT=out, TAU=tau, NNZ=nnz, N_VALID=n_valid, ALPHA=common["ALPHA"],
         PART_ROW=common["PART_ROW"], PART_ACC=common["PART_ACC"], **_common.stride_args("stride_o", out, "bhmd"),
         n_heads=n_heads, n_kv_heads=n_kv_heads, kv_group=kv_group, seqlen_q=seqlen_q, n_rows=n_rows,
-        n_row_tiles=n_row_tiles, n_splits=n_splits, SCORE=common["SCORE"], HEAD_DIM_V=head_dim_v,
-        BLOCK_DV=common["BLOCK_DV"], BLOCK_M=block_m, **options)
+        n_row_tiles=n_row_tiles, n_splits=n_splits, SCORE=common["SCORE"], MODS=common["MODS"],
+        HEAD_DIM_V=head_dim_v, BLOCK_DV=_common.head_dim_block(head_dim_v), BLOCK_M=block_m, **options)
     return result
+
+
+def _cache_spec(paged: bool, head_dim: int, head_dim_v: int, dtype: torch.dtype) -> tuple:
+    """The ``CACHE`` kernel argument, how the split kernel reads the cache and multiplies by it (compile-time):
+    ``(IS_PAGED, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, UPCAST, DOT_PRECISION)`` (``_common.attention_args``
+    names them)."""
+    return tuple(tl.constexpr(x) for x in (
+        paged, head_dim, _common.head_dim_block(head_dim), head_dim_v, _common.head_dim_block(head_dim_v),
+        _common.interpreting(), _common.dot_precision(dtype)))
 
 
 def _cache_strides(prefix: str, cache: torch.Tensor, paged: bool) -> dict:
