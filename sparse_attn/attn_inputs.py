@@ -27,7 +27,7 @@ from torch import Tensor
 
 from sparse_attn._validation import check_bool, check_number, values_checkable
 from sparse_attn.kernels._common import interpreting
-from sparse_attn.masks import check_mask
+from sparse_attn.masks import BlockSparseMask, check_block_mask, check_mask
 from sparse_attn.routes import refused, used_variants
 
 __all__ = [
@@ -100,6 +100,8 @@ class AttentionInputs(NamedTuple):
                    soft-capped, not scaled). Weights over the real keys then sum to ``1 - p_sink``.
     softcap:       None or a positive float: finite scaled scores ``s`` become ``softcap * tanh(s / softcap)``
                    before masks and biases are added (non-finite scores are left as they are).
+    block_mask:    None or a :class:`sparse_attn.masks.BlockSparseMask` (validated; torch's ``BlockMask`` converted):
+                   keys of blocks it drops are masked, intersected with every other mask.
     """
 
     q: Tensor
@@ -121,13 +123,15 @@ class AttentionInputs(NamedTuple):
     alibi_slopes: Tensor | None = None
     sinks: Tensor | None = None
     softcap: float | None = None
+    block_mask: BlockSparseMask | None = None
 
     def used(self) -> frozenset:
         """The variants this call uses (names of :data:`sparse_attn.routes.VARIANTS`); the routers refuse what a
         route does not list in :data:`sparse_attn.routes.SUPPORTED`."""
         return used_variants(self.q, self.k, self.v, alpha=self.alpha, mask=self.mask, is_causal=self.is_causal,
                              dropout_p=self.dropout_p, cu_seqlens_q=self.cu_seqlens_q, window_size=self.window_size,
-                             alibi_slopes=self.alibi_slopes, sinks=self.sinks, softcap=self.softcap)
+                             alibi_slopes=self.alibi_slopes, sinks=self.sinks, softcap=self.softcap,
+                             block_mask=self.block_mask)
 
     @property
     def score_shape(self) -> tuple[int, int, int, int]:
@@ -363,7 +367,7 @@ def prepare_attention(
     enable_gqa: bool = False, cu_seqlens_q: Tensor | None = None, cu_seqlens_k: Tensor | None = None,
     max_seqlen_q: int | None = None, max_seqlen_k: int | None = None, backend: str = "auto",
     window_size: tuple[int, int] | None = None, alibi_slopes: Tensor | None = None, sinks: Tensor | None = None,
-    softcap: float | None = None, alpha_in_range: bool = False,
+    softcap: float | None = None, alpha_in_range: bool = False, block_mask=None,
 ) -> AttentionInputs:
     """Validate the arguments of :func:`sparse_attn.entmax_attention` and normalize them (see :class:`AttentionInputs`).
 
@@ -402,6 +406,8 @@ def prepare_attention(
                     f"{name} is only used with cu_seqlens_q/cu_seqlens_k (packed sequences), got {given!r}"
                 )
         max_seqlen_q, max_seqlen_k = q.shape[2], k.shape[2]
+    block_mask = check_block_mask("block_mask", block_mask, q.device, n_rows, q.shape[1], max_seqlen_q, max_seqlen_k,
+                                  "nseq" if varlen else "batch")
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, Real)):
         raise TypeError(f"scale must be None or a Python number, got {type(scale).__name__}")
     if scale is not None and not abs(float(scale)) < float("inf"):
@@ -412,5 +418,5 @@ def prepare_attention(
     return AttentionInputs(
         q, k, v, alpha_t, alpha_value, alpha_checked, attn_mask, is_causal, float(scale), dropout_p,
         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, backend,
-        window_size=window_size, alibi_slopes=alibi_slopes, sinks=sinks, softcap=softcap,
+        window_size=window_size, alibi_slopes=alibi_slopes, sinks=sinks, softcap=softcap, block_mask=block_mask,
     )

@@ -41,6 +41,7 @@ VARIANTS: dict[str, str] = {
     "gqa": "grouped-query heads (fewer k/v heads than q heads)",
     "dv": "a value head dim different from the query/key head dim",
     "grad": "gradients",
+    "block_mask": "a block-sparse block_mask",
 }
 """Every variant a call can use, with the phrase an error message names it by."""
 
@@ -49,7 +50,7 @@ SUPPORTED: dict[str, frozenset] = {
     "sdpa": frozenset({"causal", "dropout", "gqa", "dv", "grad"}),
     "decode": frozenset({"bool_mask", "float_mask", "causal", "window", "alibi", "sinks", "softcap", "gqa", "dv"}),
     "fused": frozenset({"varlen", "bool_mask", "float_mask", "mask_grad", "causal", "window", "alibi", "sinks",
-                        "softcap", "dropout", "gqa", "dv", "grad"}),
+                        "softcap", "dropout", "gqa", "dv", "grad", "block_mask"}),
     "chunked": frozenset({"varlen", "bool_mask", "float_mask", "mask_grad", "causal", "window", "alibi",
                           "alibi_grad", "sinks", "softcap", "dropout", "gqa", "dv", "grad"}),
     "context_parallel": frozenset({"bool_mask", "float_mask", "mask_grad", "causal", "window", "alibi", "sinks",
@@ -57,7 +58,7 @@ SUPPORTED: dict[str, frozenset] = {
     "ulysses": frozenset({"bool_mask", "float_mask", "mask_grad", "causal", "window", "alibi", "sinks", "softcap",
                           "dropout", "gqa", "dv", "grad"}),
     "reference": frozenset({"varlen", "bool_mask", "float_mask", "mask_grad", "causal", "window", "alibi",
-                            "alibi_grad", "sinks", "softcap", "dropout", "gqa", "dv", "grad"}),
+                            "alibi_grad", "sinks", "softcap", "dropout", "gqa", "dv", "grad", "block_mask"}),
 }
 """The variants each route implements, listed by hand: a variant a route does not list is refused there."""
 
@@ -73,7 +74,7 @@ def _wants_grad(*tensors) -> bool:
 
 def used_variants(q: Tensor, k: Tensor | None, v: Tensor, *, alpha=None, mask=None, is_causal: bool = False,
                   dropout_p: float = 0.0, cu_seqlens_q=None, window_size=None, alibi_slopes=None, sinks=None,
-                  softcap=None) -> frozenset:
+                  softcap=None, block_mask=None) -> frozenset:
     """The names (keys of :data:`VARIANTS`) of the variants a call uses, from normalized arguments (None when unused,
     as :func:`sparse_attn.attn_inputs.prepare_attention` leaves them; ``k`` None: not known yet, no ``gqa``)."""
     used = set()
@@ -97,6 +98,8 @@ def used_variants(q: Tensor, k: Tensor | None, v: Tensor, *, alpha=None, mask=No
         used.add("softcap")
     if dropout_p > 0:
         used.add("dropout")
+    if block_mask is not None:
+        used.add("block_mask")
     if k is not None and k.shape[1] != q.shape[1]:
         used.add("gqa")
     if v.shape[-1] != q.shape[-1]:
