@@ -46,13 +46,14 @@ def mask_spec(is_causal: bool, window_size: tuple | None = None) -> tuple:
             left if has_left else 0, right if has_right else 0)
 
 
-def score_spec(softcap: float | None, has_alibi: bool, has_sinks: bool = False) -> tuple:
-    """The ``SCORE`` kernel argument ``(HAS_SOFTCAP, softcap, HAS_ALIBI, HAS_SINKS)``: how scores are modified
-    before masks: ``softcap * tanh(s / softcap)`` (a run-time float, 1.0 when off) and ALiBi slopes read by
-    :func:`alibi_slope`; and whether each row has a per-head sink logit (:func:`sink_logit`), a virtual key with
-    zero value that joins the row's normalization."""
+def score_spec(softcap: float | None, has_alibi: bool, has_sinks: bool = False, has_blocks: bool = False) -> tuple:
+    """The ``SCORE`` kernel argument ``(HAS_SOFTCAP, softcap, HAS_ALIBI, HAS_SINKS, HAS_BLOCKS)``: how scores are
+    modified before masks: ``softcap * tanh(s / softcap)`` (a run-time float, 1.0 when off) and ALiBi slopes read by
+    :func:`alibi_slope`; whether each row has a per-head sink logit (:func:`sink_logit`), a virtual key with
+    zero value that joins the row's normalization; and whether a block-sparse mask hides whole blocks of keys
+    (:func:`block_visible`)."""
     return (tl.constexpr(softcap is not None), float(softcap) if softcap is not None else 1.0,
-            tl.constexpr(bool(has_alibi)), tl.constexpr(bool(has_sinks)))
+            tl.constexpr(bool(has_alibi)), tl.constexpr(bool(has_sinks)), tl.constexpr(bool(has_blocks)))
 
 
 class TilePlan(NamedTuple):
@@ -183,13 +184,19 @@ def visible(rows, cols, seqlen_q, seqlen_k, MASK):
 def program_mods(MODS, b, seq, h, q_start, k_start, SCORE):
     """The score modifications of one program (batch entry ``b``, sequence ``seq``, q head ``h``, its first row and key
     at ``q_start``, ``k_start`` of the packed tensors) as one tuple, the ``mods`` of :func:`score_mod`:
-    ``(bias_base, stride_bias_m, stride_bias_n, slope, sink)``: the additive / boolean mask of its row 0, key 0, the
-    mask's row and key strides, the ALiBi slope (:func:`alibi_slope`) and the sink logit (:func:`sink_logit`).
+    ``(bias_base, stride_bias_m, stride_bias_n, terms, sink)``: the additive / boolean mask of its row 0, key 0, the
+    mask's row and key strides, the position terms and the sink logit (:func:`sink_logit`). ``terms`` is the ALiBi
+    slope (:func:`alibi_slope`), or with a block mask (``SCORE[4]``) the tuple ``(slope, block_base, stride_block_m,
+    stride_block_n, block_q, block_k)`` (the block mask of this sequence and head, its strides and block sizes;
+    :func:`block_visible`), so that the kernels' five-entry ``mods`` stays as it is.
     ``MODS`` is the kernel argument of ``_common.mods_args``; helpers take ``mods`` and never index ``MODS``."""
     bias_base = (MODS[0] + b.to(tl.int64) * MODS[1] + h.to(tl.int64) * MODS[2] + q_start.to(tl.int64) * MODS[3]
                  + k_start.to(tl.int64) * MODS[4])
-    return (bias_base, MODS[3], MODS[4], alibi_slope(MODS[5], seq, h, MODS[6], MODS[7], SCORE),
-            sink_logit(MODS[8], h, SCORE))
+    terms = alibi_slope(MODS[5], seq, h, MODS[6], MODS[7], SCORE)
+    if SCORE[4]:
+        block_base = MODS[9] + seq.to(tl.int64) * MODS[10] + h.to(tl.int64) * MODS[11]
+        terms = (terms, block_base, MODS[12], MODS[13], MODS[14], MODS[15])
+    return (bias_base, MODS[3], MODS[4], terms, sink_logit(MODS[8], h, SCORE))
 
 
 @triton.jit
@@ -245,16 +252,20 @@ def soft_cap(s, cap, SCORE):
 
 @triton.jit
 def mask_scores(s, rows, cols, seqlen_q, seqlen_k, bias_base, stride_bias_m, stride_bias_n, bias_scale, MASK,
-                BIAS_KIND: tl.constexpr, slope, SCORE):
-    """Scores ``s + bias_scale * (bias - slope * |d|)`` where :func:`visible`, ``-inf`` elsewhere.
-    ``[BLOCK_M, BLOCK_N]``
+                BIAS_KIND: tl.constexpr, terms, SCORE):
+    """Scores ``s + bias_scale * (bias - slope * |d|)`` where :func:`visible` (and the block mask, when
+    ``SCORE[4]``), ``-inf`` elsewhere. ``[BLOCK_M, BLOCK_N]``
 
     ``BIAS_KIND``: 0 no mask, 1 an additive float mask, 2 a boolean keep mask read as uint8 (nonzero =
     may attend; never converted to a float tensor). ``bias_base`` points at the mask of row 0, key 0 of
-    this sequence and head. The ALiBi term (``SCORE[2]``, ``slope`` from :func:`alibi_slope`) uses the
-    bottom-right distance ``d = j - (i + seqlen_k - seqlen_q)``.
+    this sequence and head. ``terms``: the ALiBi slope, or with a block mask the tuple of :func:`program_mods`.
+    The ALiBi term (``SCORE[2]``) uses the bottom-right distance ``d = j - (i + seqlen_k - seqlen_q)``.
     """
     ok = visible(rows, cols, seqlen_q, seqlen_k, MASK)
+    slope = terms
+    if SCORE[4]:
+        slope = terms[0]
+        ok = ok & block_visible(rows, cols, terms, ok)
     if SCORE[2]:
         d = (cols[None, :] - rows[:, None] - (seqlen_k - seqlen_q)).to(tl.float32)
         s = s - (bias_scale * slope) * tl.abs(d)
@@ -399,3 +410,33 @@ def mark_tile(kt, live, first, word_c, word_lo, w_lo, word_hi, w_hi):
     word_hi = tl.where(upper, tl.where(w == w_hi, word_hi, 0) | bit, word_hi)
     w_hi = tl.where(upper, w, w_hi)
     return w, tl.where(in_c, word_c, tl.where(lower, word_lo, word_hi)), word_c, word_lo, w_lo, word_hi, w_hi
+
+
+@triton.jit
+def block_visible(rows, cols, terms, ok):
+    """``[BLOCK_M, BLOCK_N]`` True where the block mask keeps block ``(rows[i] // block_q, cols[j] // block_k)``
+    (``terms`` from :func:`program_mods` with ``SCORE[4]``); read (uint8) only where ``ok``."""
+    block_ptrs = (terms[1] + (rows // terms[4]).to(tl.int64)[:, None] * terms[2]
+                  + (cols // terms[5]).to(tl.int64)[None, :] * terms[3])
+    return tl.load(block_ptrs, mask=ok, other=0) != 0
+
+
+@triton.jit
+def block_tile_live(mods, row_lo, row_hi, kt, seqlen_k, SCORE, BLOCK_N: tl.constexpr):
+    """Whether the block mask keeps any block that meets rows ``row_lo .. row_hi`` (inclusive, in the sequence) and
+    key tile ``kt`` (keys ``kt * BLOCK_N ..`` up to the sequence end): a key tile for which it is False holds no
+    visible key for these rows and need not be loaded. Always True without a block mask (``SCORE[4]`` off).
+    ``mods`` from :func:`program_mods`. One ``[BLOCK_N]`` load per query block the rows meet."""
+    live = kt >= 0
+    if SCORE[4]:
+        terms = mods[3]
+        k_lo = kt * BLOCK_N
+        k_hi = tl.minimum(k_lo + BLOCK_N, seqlen_k) - 1
+        kb = k_lo // terms[5] + tl.arange(0, BLOCK_N)
+        kb_ok = kb <= k_hi // terms[5]
+        found = tl.zeros([BLOCK_N], tl.int32)
+        for qb in range(row_lo // terms[4], row_hi // terms[4] + 1):
+            ptrs = terms[1] + qb.to(tl.int64) * terms[2] + kb.to(tl.int64) * terms[3]
+            found = found | tl.load(ptrs, mask=kb_ok, other=0).to(tl.int32)
+        live = (tl.max(found, 0) != 0) & (k_lo <= k_hi)
+    return live

@@ -17,6 +17,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from sparse_attn.attn_inputs import AttentionInputs, AttentionStats
 from sparse_attn.decode import decode_attention, decode_fits
+from sparse_attn.kernels._common import BlockWindow
 from sparse_attn.kernels.entmax_attn_bwd import entmax_attn_bwd
 from sparse_attn.kernels.entmax_attn_fwd import alpha_class_of, entmax_attn_fwd, fwd_block_sizes
 from sparse_attn.routes import refusal_message, refused
@@ -35,11 +36,13 @@ def _fwd_impl(
     q: Tensor, k: Tensor, v: Tensor, alpha: Tensor, bias: Tensor | None,
     cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None, scale: float, is_causal: bool,
     window: list[int], alibi_slopes: Tensor | None, softcap: float | None, sinks: Tensor | None, max_seqlen_q: int,
-    max_seqlen_k: int, dropout_p: float, seed: int, alpha_class: str, need_grad: bool,
+    max_seqlen_k: int, dropout_p: float, seed: int, alpha_class: str, need_grad: bool, block_mask: Tensor | None,
+    block_size: list[int],
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The fused forward; the last output is ``out_u`` (shape ``(0,)`` unless ``_needs_out_u``)."""
     res = entmax_attn_fwd(
-        q, k, v, alpha, scale, bias=bias, is_causal=is_causal, window_size=window, alibi_slopes=alibi_slopes,
+        q, k, v, alpha, scale, bias=bias, is_causal=is_causal, window_size=_window(window, block_mask, block_size),
+        alibi_slopes=alibi_slopes,
         softcap=softcap, sinks=sinks, cu_seqlens_q=cu_seqlens_q,
         cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
         dropout_p=dropout_p, seed=seed, alpha_class=None if alpha_class == "auto" else alpha_class,
@@ -49,12 +52,17 @@ def _fwd_impl(
     return res.out, res.tau, res.lsum, res.nnz, res.n_valid, res.live, res.n_passes, res.tile_visits, out_u
 
 
+def _window(window: list[int], block_mask: Tensor | None, block_size: list[int]):
+    """The launchers' ``window_size``, carrying the block mask when there is one (``_common.BlockWindow``)."""
+    return window if block_mask is None else BlockWindow(window, (block_mask, tuple(block_size)))
+
+
 _fwd_op = torch.library.custom_op("sparse_attn::entmax_attn_fwd", mutates_args=())(_fwd_impl)
 FWD_FIELDS = tuple(inspect.signature(_fwd_impl).parameters)
 """The forward op's arguments by name, in its positional order (the op's schema is its signature)."""
 DIFFERENTIABLE = ("q", "k", "v", "alpha", "bias", "sinks")
 """The forward op's arguments that receive a gradient (each only when it requires one)."""
-_SAVED = ("q", "k", "v", "alpha", "bias", "cu_seqlens_q", "cu_seqlens_k", "alibi_slopes", "sinks")
+_SAVED = ("q", "k", "v", "alpha", "bias", "cu_seqlens_q", "cu_seqlens_k", "alibi_slopes", "sinks", "block_mask")
 _FWD_OUTPUTS = ("out", "tau", "lsum", "nnz", "n_valid", "live", "n_passes", "tile_visits", "out_u")
 
 
@@ -65,7 +73,9 @@ def fwd_op_args(inputs: AttentionInputs, seed: int, alpha_class: str, need_grad:
                  is_causal=inputs.is_causal, window=list(inputs.window_size or (-1, -1)),
                  alibi_slopes=inputs.alibi_slopes, softcap=inputs.softcap, sinks=inputs.sinks,
                  max_seqlen_q=inputs.max_seqlen_q, max_seqlen_k=inputs.max_seqlen_k, dropout_p=inputs.dropout_p,
-                 seed=seed, alpha_class=alpha_class, need_grad=need_grad)
+                 seed=seed, alpha_class=alpha_class, need_grad=need_grad,
+                 block_mask=None if inputs.block_mask is None else inputs.block_mask.mask,
+                 block_size=list(inputs.block_mask.block_size if inputs.block_mask is not None else (1, 1)))
     return tuple(named[name] for name in FWD_FIELDS)
 
 
@@ -83,7 +93,7 @@ def _needs_out_u(need_grad: bool, alpha_class: str, dtype: torch.dtype) -> bool:
 
 @_fwd_op.register_fake
 def _fwd_fake(q, k, v, alpha, bias, cu_seqlens_q, cu_seqlens_k, scale, is_causal, window, alibi_slopes, softcap, sinks,
-              max_seqlen_q, max_seqlen_k, dropout_p, seed, alpha_class, need_grad):
+              max_seqlen_q, max_seqlen_k, dropout_p, seed, alpha_class, need_grad, block_mask, block_size):
     rows = q.shape[:3]
     out_shape = (*rows, v.shape[3])
     live_shape, tile_shape = _live_shape(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
@@ -106,12 +116,13 @@ def _bwd_op(
     alpha: Tensor, bias: Tensor | None, cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None,
     live: Tensor, scale: float, is_causal: bool, window: list[int], alibi_slopes: Tensor | None,
     softcap: float | None, sinks: Tensor | None, max_seqlen_q: int, max_seqlen_k: int, dropout_p: float, seed: int,
-    need_dalpha: bool, need_dbias: bool, alpha_class: str,
+    need_dalpha: bool, need_dbias: bool, alpha_class: str, block_mask: Tensor | None, block_size: list[int],
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The fused backward; the last output is d sinks (shape ``(0,)`` without sinks)."""
     block_m, block_n = fwd_block_sizes(q.shape[-1])
     dq, dk, dv, dalpha, dbias, *dsinks = entmax_attn_bwd(
-        do, q, k, v, out, tau, lsum, alpha, scale, bias=bias, is_causal=is_causal, window_size=window,
+        do, q, k, v, out, tau, lsum, alpha, scale, bias=bias, is_causal=is_causal,
+        window_size=_window(window, block_mask, block_size),
         alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks,
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k, dropout_p=dropout_p, seed=seed, live=live,
@@ -128,7 +139,7 @@ def _bwd_op(
 @_bwd_op.register_fake
 def _bwd_fake(do, q, k, v, out, out_u, tau, lsum, alpha, bias, cu_seqlens_q, cu_seqlens_k, live, scale, is_causal,
               window, alibi_slopes, softcap, sinks, max_seqlen_q, max_seqlen_k, dropout_p, seed, need_dalpha,
-              need_dbias, alpha_class):
+              need_dbias, alpha_class, block_mask, block_size):
     dbias_shape = bias.shape if need_dbias else (0,)
     return (
         torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
@@ -156,7 +167,8 @@ def _backward(ctx, d_out, *_unused):
     a = {**dict(zip(_SAVED, saved, strict=True)), **ctx.args}
     need = {name: wants and a[name] is not None for name, wants in fwd_op_named(ctx.needs_input_grad).items()}
     shared = ("q", "k", "v", "alpha", "bias", "cu_seqlens_q", "cu_seqlens_k", "scale", "is_causal", "window",
-              "alibi_slopes", "softcap", "sinks", "max_seqlen_q", "max_seqlen_k", "dropout_p", "seed", "alpha_class")
+              "alibi_slopes", "softcap", "sinks", "max_seqlen_q", "max_seqlen_k", "dropout_p", "seed", "alpha_class",
+              "block_mask", "block_size")
     dq, dk, dv, dalpha, dbias, dsinks = _bwd_op(
         do=d_out.contiguous(), out=out, out_u=out_u, tau=tau, lsum=lsum, live=live, need_dalpha=need["alpha"],
         need_dbias=need["bias"], **{name: a[name] for name in shared},
