@@ -435,8 +435,9 @@ def block_tile_live(mods, row_lo, row_hi, kt, seqlen_k, SCORE, BLOCK_N: tl.const
         kb = k_lo // terms[5] + tl.arange(0, BLOCK_N)
         kb_ok = kb <= k_hi // terms[5]
         found = tl.zeros([BLOCK_N], tl.int32)
-        for qb in range(row_lo // terms[4], row_hi // terms[4] + 1):
-            ptrs = terms[1] + qb.to(tl.int64) * terms[2] + kb.to(tl.int64) * terms[3]
+        qb_lo = row_lo // terms[4]
+        for i in range(0, row_hi // terms[4] + 1 - qb_lo):
+            ptrs = terms[1] + (qb_lo + i).to(tl.int64) * terms[2] + kb.to(tl.int64) * terms[3]
             found = found | tl.load(ptrs, mask=kb_ok, other=0).to(tl.int32)
         live = (tl.max(found, 0) != 0) & (k_lo <= k_hi)
     return live
