@@ -13,7 +13,8 @@ aligned (as flash-attn): with ``d = j - (i + seqlen_k - seqlen_q)``, causal keep
 window ``-left <= d <= right`` (a side of ``-1`` is unbounded).
 Before masks, scores can be soft-capped (:func:`soft_cap`) and get ALiBi's ``-slope * |d|``
 (:func:`mask_scores`), as described by the ``SCORE`` argument of :func:`score_spec`.
-The additive mask (``BIAS``) is applied by :func:`mask_scores` on top of this; on the host,
+The additive mask (``BIAS``) and a block-sparse mask (``SCORE[4]``, :func:`block_visible`; :func:`block_tile_live`
+tells the tile loops which key tiles it hides) are applied by :func:`mask_scores` on top of this; on the host,
 :func:`dbias_mode` and :func:`sum_to_mask` say how its gradient is reduced to its broadcast shape,
 and :func:`tile_plan` gives the launch geometry (grids, tile counts, liveness words). Loops over the live tiles
 of a liveness word (or of any 32 tiles) walk a compacted list built in registers by :func:`word_bits` /
