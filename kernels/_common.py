@@ -90,40 +90,56 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 
 def attention_args(q, k, v, alpha, bias, cu_seqlens_q, cu_seqlens_k, scale, is_causal, dropout_p, seed,
-                   window_size=None, alibi_slopes=None, softcap=None, sinks=None) -> dict:
+                   window_size=None, alibi_slopes=None, softcap=None, sinks=None, block_mask=None) -> dict:
     """The keyword arguments every attention kernel (forward, dQ, dK/dV, d bias) takes, named as in
     CONTRIBUTING.md ("Naming in kernels/"). ``bias`` (an additive float mask, or a boolean / uint8 keep mask
     read as is: ``BIAS_KIND`` 1 or 2) is broadcast to ``(B, Hq, Nq, Nk)`` by zero strides; ``is_causal`` and
     ``window_size`` become the structural mask ``MASK`` (``_masking.mask_spec``); ``softcap`` and
     ``alibi_slopes`` (float32 ``(Hq,)`` or ``(B or nseq, Hq)``) the score modifications ``SCORE`` and ``ALIBI``
-    (``_masking.score_spec``); ``sinks`` (``(Hq,)``, read as float32) the per-head sink logits ``SINKS``."""
+    (``_masking.score_spec``); ``sinks`` (``(Hq,)``, read as float32) the per-head sink logits ``SINKS``;
+    ``block_mask`` a ``(mask, (block_q, block_k))`` pair, ``mask`` boolean ``(B or nseq or 1, Hq or 1, q blocks,
+    k blocks)`` (:func:`mods_args`)."""
     is_varlen = cu_seqlens_q is not None
     head_dim = q.shape[3]
     return dict(
         Q=q, K=k, V=v, ALPHA=alpha_arg(alpha, q.shape[1], q.device),
-        **mods_args(bias, (*q.shape[:3], k.shape[2]), alibi_slopes, sinks, q),
+        **mods_args(bias, (*q.shape[:3], k.shape[2]), alibi_slopes, sinks, q, block_mask),
         CU_SEQLENS_Q=cu_seqlens_q if is_varlen else q, CU_SEQLENS_K=cu_seqlens_k if is_varlen else q,
         **stride_args("stride_q", q, "bhmd"), **stride_args("stride_k", k, "bhnd"),
         **stride_args("stride_v", v, "bhnd"),
         n_heads=q.shape[1], kv_group=q.shape[1] // k.shape[1], total_q=q.shape[2], total_k=k.shape[2],
         scale=float(scale), dropout_p=float(dropout_p), seed=int(seed) & 0x7FFFFFFF,
-        MASK=mask_spec(is_causal, window_size), SCORE=score_spec(softcap, alibi_slopes is not None, sinks is not None),
+        MASK=mask_spec(is_causal, window_size),
+        SCORE=score_spec(softcap, alibi_slopes is not None, sinks is not None, block_mask is not None),
         HEAD_DIM=head_dim, BLOCK_D=head_dim_block(head_dim),
         HEAD_DIM_V=v.shape[3], BLOCK_DV=head_dim_block(v.shape[3]), IS_VARLEN=is_varlen,
         HAS_DROPOUT=float(dropout_p) > 0.0, UPCAST=interpreting(), DOT_PRECISION=dot_precision(q.dtype),
     )
 
 
-def mods_args(bias, shape: tuple, alibi_slopes, sinks, like) -> dict:
+def mods_args(bias, shape: tuple, alibi_slopes, sinks, like, block_mask=None) -> dict:
     """``BIAS_KIND`` and ``MODS``, the tensors of the score modifications as one kernel argument (a tuple, read by
     ``_masking.program_mods`` only): ``(BIAS, stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n, ALIBI,
-    stride_alibi_b, stride_alibi_h, SINKS)`` from :func:`bias_args`, :func:`alibi_args` and :func:`sinks_arg`. A new
+    stride_alibi_b, stride_alibi_h, SINKS, BLOCKS, stride_block_b, stride_block_h, stride_block_m, stride_block_n,
+    block_q, block_k)`` from :func:`bias_args`, :func:`alibi_args`, :func:`sinks_arg` and :func:`block_args`. A new
     per-program score input is a new entry here and in ``program_mods``; the kernels pass ``MODS`` on unread."""
     b = bias_args(bias, shape, like)
     a = alibi_args(alibi_slopes, like)
     mods = (b["BIAS"], b["stride_bias_b"], b["stride_bias_h"], b["stride_bias_m"], b["stride_bias_n"], a["ALIBI"],
-            a["stride_alibi_b"], a["stride_alibi_h"], sinks_arg(sinks, like))
+            a["stride_alibi_b"], a["stride_alibi_h"], sinks_arg(sinks, like), *block_args(block_mask, like))
     return dict(BIAS_KIND=b["BIAS_KIND"], MODS=mods)
+
+
+def block_args(block_mask, like) -> tuple:
+    """``(BLOCKS, stride_block_b, stride_block_h, stride_block_m, stride_block_n, block_q, block_k)``: a block mask
+    ``(mask, (block_q, block_k))`` (boolean ``(B or nseq or 1, Hq or 1, q blocks, k blocks)``, indexed by sequence
+    and q head) read as uint8, stride 0 along its broadcast dims; ``like`` and zeros (block sizes 1) for none."""
+    if block_mask is None:
+        return (like, 0, 0, 0, 0, 1, 1)
+    mask, (block_q, block_k) = block_mask
+    mask = mask.to(device=like.device, dtype=torch.bool).view(torch.uint8)
+    strides = [0 if n == 1 else st for n, st in zip(mask.shape, mask.stride(), strict=True)]
+    return (mask, *strides, int(block_q), int(block_k))
 
 
 def bias_args(bias, shape: tuple, like) -> dict:

@@ -56,8 +56,8 @@ def _row_mods(MODS, b, h, SCORE):
     (``_masking.program_mods`` per row, masks indexed by query and key position): the mask's base pointers and the
     ALiBi slopes as ``[BLOCK_M, 1]`` columns of a score tile, the sink logits per row ``[BLOCK_M]`` (a scalar
     ``-inf`` without sinks). ``MODS`` is the kernel argument of ``_common.mods_args``."""
-    bias_base, stride_m, stride_n, slope, sink = program_mods(MODS, b, b, h, b * 0, b * 0, SCORE)
-    return bias_base[:, None], stride_m, stride_n, (slope + tl.zeros([h.shape[0]], tl.float32))[:, None], sink
+    bias_base, stride_m, stride_n, slope, sink, blocks = program_mods(MODS, b, b, h, b * 0, b * 0, SCORE)
+    return bias_base[:, None], stride_m, stride_n, (slope + tl.zeros([h.shape[0]], tl.float32))[:, None], sink, blocks
 
 
 @triton.jit

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from ._common import LN2, LOG2E, dropout_keep, load_rows
-from ._masking import live_tile, mark_tile, score_mod, sink_tile, visit_tile, walk_words, word_bits
+from ._masking import block_tile_live, live_tile, mark_tile, score_mod, sink_tile, visit_tile, walk_words, word_bits
 from ._threshold import (
     cand_bracket,
     cand_points,
@@ -167,6 +167,13 @@ def _tile_screen(z, t_low):
 
 
 @triton.jit
+def _row_span(rw):
+    """``(row_lo, row_hi)``: the first and last row of the program's query tile inside its sequence (for
+    ``_masking.block_tile_live``; ``row_hi < row_lo`` for a tile past the sequence end)."""
+    return tl.min(rw.rows, 0), tl.minimum(tl.max(rw.rows, 0), rw.seqlen_q - 1)
+
+
+@triton.jit
 def softmax_rows(q, kv, rw, tiles, mods, scale, BIAS_KIND: tl.constexpr, MASK, SCORE, HAS_DROPOUT: tl.constexpr,
                  DOT_PRECISION: tl.constexpr):
     """alpha == 1: one online-softmax pass (base-2 exponentials). Returns ``(out, tau, lsum, nnz, n_valid, visits)``.
@@ -188,23 +195,35 @@ def softmax_rows(q, kv, rw, tiles, mods, scale, BIAS_KIND: tl.constexpr, MASK, S
     n_valid = tl.zeros([BLOCK_M], tl.int32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     word = tl.zeros([], tl.int32)
+    shut = tl.zeros([], tl.int32)
+    if SCORE[4]:
+        row_lo, row_hi = _row_span(rw)
     for kt in range(kt_lo, kt_hi):
-        cols = _key_cols(kt, kv)
-        s = _score_tile(q, kv, rw, cols, mods, scale * LOG2E, LOG2E, BIAS_KIND, MASK, SCORE, DOT_PRECISION)
-        ok = s > float("-inf")
-        m_new = tl.maximum(m, tl.max(s, 1))
-        m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
-        corr = tl.exp2(m - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_sum = l_sum * corr + tl.sum(p, 1)
-        n_valid += tl.sum(ok.to(tl.int32), 1)
+        # a key tile the block mask hides from every row is never loaded (its live bit stays 0)
+        tile_open = True
+        if SCORE[4]:
+            tile_open = block_tile_live(mods, row_lo, row_hi, kt, rw.seqlen_k, SCORE, kv.offs_n.shape[0])
+            shut += tl.where(tile_open, 0, 1)
         lane = kt % 32
-        word = tl.where(lane == 0, 0, word) | (tl.max(ok.to(tl.int32)) << lane)
-        tl.store(live_base + kt // 32, word)
-        p, _ = _apply_dropout(p, p, rw, cols, HAS_DROPOUT)
-        v = _value_tile(q, kv, cols, rw.seqlen_k)
-        acc = acc * corr[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m = m_new
+        word = tl.where(lane == 0, 0, word)
+        if tile_open:
+            cols = _key_cols(kt, kv)
+            s = _score_tile(q, kv, rw, cols, mods, scale * LOG2E, LOG2E, BIAS_KIND, MASK, SCORE, DOT_PRECISION)
+            ok = s > float("-inf")
+            m_new = tl.maximum(m, tl.max(s, 1))
+            m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
+            corr = tl.exp2(m - m_safe)
+            p = tl.exp2(s - m_safe[:, None])
+            l_sum = l_sum * corr + tl.sum(p, 1)
+            n_valid += tl.sum(ok.to(tl.int32), 1)
+            word = word | (tl.max(ok.to(tl.int32)) << lane)
+            tl.store(live_base + kt // 32, word)
+            p, _ = _apply_dropout(p, p, rw, cols, HAS_DROPOUT)
+            v = _value_tile(q, kv, cols, rw.seqlen_k)
+            acc = acc * corr[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            m = m_new
+        else:
+            tl.store(live_base + kt // 32, word)
     valid = n_valid > 0
     l_safe = tl.where(valid, l_sum, 1.0)
     out = acc / l_safe[:, None]
@@ -214,7 +233,7 @@ def softmax_rows(q, kv, rw, tiles, mods, scale, BIAS_KIND: tl.constexpr, MASK, S
         out = tl.where(sink_bad, float("nan"), out)
         tau = tl.where(sink_bad, float("nan"), tau)
         lsum = tl.where(sink_bad, float("nan"), lsum)
-    return out, tau, lsum, n_valid, n_valid, kt_hi - kt_lo
+    return out, tau, lsum, n_valid, n_valid, kt_hi - kt_lo - shut
 
 
 @triton.jit
@@ -332,28 +351,37 @@ def entmax_rows(q, kv, rw, tiles, mods, sc, POW: tl.constexpr, GRID_K: tl.conste
     # dead and plain when visited (_tile_screen) costs its score product and two row reductions
     t_low = lowest_point(j_top, w_grid, GRID_K)
     word_c, word_lo, w_lo, word_hi, w_hi = walk_words()
+    shut = tl.zeros([], tl.int32)
+    if SCORE[4]:
+        row_lo, row_hi = _row_span(rw)
     for i in range(0, kt_hi - kt_lo):
         kt = visit_tile(i, kt_lo, kt_hi, kt_first)
-        cols = _key_cols(kt, kv)
-        z = _score_tile(q, kv, rw, cols, mods, z_scale, am1, BIAS_KIND, MASK, SCORE, DOT_PRECISION)
-        code, n_fast = _tile_screen(z, t_low)
-        if code > 1:
-            bad = bad | tl.max(((z != z) | (z == float("inf"))).to(tl.int32), 1)
-            n_valid += tl.sum((z > float("-inf")).to(tl.int32), 1)
-        else:
-            n_valid += n_fast
         live = tl.zeros([], tl.int32)
-        if code != 0:
-            m, j_top, F, G, L, live = grid_tile(z, m, j_top, F, G, L, slot, w_grid, shift, beta, bm1, POW, GRID_K,
-                                                LANES)
-            t_low = lowest_point(j_top, w_grid, GRID_K)
+        # a key tile the block mask hides from every row is never loaded (dead from the start)
+        tile_open = True
+        if SCORE[4]:
+            tile_open = block_tile_live(mods, row_lo, row_hi, kt, rw.seqlen_k, SCORE, BLOCK_N)
+            shut += tl.where(tile_open, 0, 1)
+        if tile_open:
+            cols = _key_cols(kt, kv)
+            z = _score_tile(q, kv, rw, cols, mods, z_scale, am1, BIAS_KIND, MASK, SCORE, DOT_PRECISION)
+            code, n_fast = _tile_screen(z, t_low)
+            if code > 1:
+                bad = bad | tl.max(((z != z) | (z == float("inf"))).to(tl.int32), 1)
+                n_valid += tl.sum((z > float("-inf")).to(tl.int32), 1)
+            else:
+                n_valid += n_fast
+            if code != 0:
+                m, j_top, F, G, L, live = grid_tile(z, m, j_top, F, G, L, slot, w_grid, shift, beta, bm1, POW, GRID_K,
+                                                    LANES)
+                t_low = lowest_point(j_top, w_grid, GRID_K)
         w, word, word_c, word_lo, w_lo, word_hi, w_hi = mark_tile(kt, live, kt_first, word_c, word_lo, w_lo, word_hi,
                                                                   w_hi)
         tl.store(live_base + w, word)
     tl.debug_barrier()
     F, G = grid_sums(F, G, LANES)
     n_passes = tl.full([], 1, tl.int32)
-    visits = kt_hi - kt_lo
+    visits = kt_hi - kt_lo - shut
 
     # ---- bracket from the grid: the lowest point has phi >= 0 in exact arithmetic; the row max closes it
     valid = n_valid > 0

@@ -13,7 +13,8 @@ aligned (as flash-attn): with ``d = j - (i + seqlen_k - seqlen_q)``, causal keep
 window ``-left <= d <= right`` (a side of ``-1`` is unbounded).
 Before masks, scores can be soft-capped (:func:`soft_cap`) and get ALiBi's ``-slope * |d|``
 (:func:`mask_scores`), as described by the ``SCORE`` argument of :func:`score_spec`.
-The additive mask (``BIAS``) is applied by :func:`mask_scores` on top of this; on the host,
+The additive mask (``BIAS``) and a block-sparse mask (``SCORE[4]``, :func:`block_visible`; :func:`block_tile_live`
+tells the tile loops which key tiles it hides) are applied by :func:`mask_scores` on top of this; on the host,
 :func:`dbias_mode` and :func:`sum_to_mask` say how its gradient is reduced to its broadcast shape,
 and :func:`tile_plan` gives the launch geometry (grids, tile counts, liveness words). Loops over the live tiles
 of a liveness word (or of any 32 tiles) walk a compacted list built in registers by :func:`word_bits` /
@@ -46,13 +47,14 @@ def mask_spec(is_causal: bool, window_size: tuple | None = None) -> tuple:
             left if has_left else 0, right if has_right else 0)
 
 
-def score_spec(softcap: float | None, has_alibi: bool, has_sinks: bool = False) -> tuple:
-    """The ``SCORE`` kernel argument ``(HAS_SOFTCAP, softcap, HAS_ALIBI, HAS_SINKS)``: how scores are modified
-    before masks: ``softcap * tanh(s / softcap)`` (a run-time float, 1.0 when off) and ALiBi slopes read by
-    :func:`alibi_slope`; and whether each row has a per-head sink logit (:func:`sink_logit`), a virtual key with
-    zero value that joins the row's normalization."""
+def score_spec(softcap: float | None, has_alibi: bool, has_sinks: bool = False, has_blocks: bool = False) -> tuple:
+    """The ``SCORE`` kernel argument ``(HAS_SOFTCAP, softcap, HAS_ALIBI, HAS_SINKS, HAS_BLOCKS)``: how scores are
+    modified before masks: ``softcap * tanh(s / softcap)`` (a run-time float, 1.0 when off) and ALiBi slopes read by
+    :func:`alibi_slope`; whether each row has a per-head sink logit (:func:`sink_logit`), a virtual key with
+    zero value that joins the row's normalization; and whether a block-sparse mask hides whole blocks of keys
+    (:func:`block_visible`)."""
     return (tl.constexpr(softcap is not None), float(softcap) if softcap is not None else 1.0,
-            tl.constexpr(bool(has_alibi)), tl.constexpr(bool(has_sinks)))
+            tl.constexpr(bool(has_alibi)), tl.constexpr(bool(has_sinks)), tl.constexpr(bool(has_blocks)))
 
 
 class TilePlan(NamedTuple):
@@ -183,13 +185,18 @@ def visible(rows, cols, seqlen_q, seqlen_k, MASK):
 def program_mods(MODS, b, seq, h, q_start, k_start, SCORE):
     """The score modifications of one program (batch entry ``b``, sequence ``seq``, q head ``h``, its first row and key
     at ``q_start``, ``k_start`` of the packed tensors) as one tuple, the ``mods`` of :func:`score_mod`:
-    ``(bias_base, stride_bias_m, stride_bias_n, slope, sink)``: the additive / boolean mask of its row 0, key 0, the
-    mask's row and key strides, the ALiBi slope (:func:`alibi_slope`) and the sink logit (:func:`sink_logit`).
-    ``MODS`` is the kernel argument of ``_common.mods_args``; helpers take ``mods`` and never index ``MODS``."""
+    ``(bias_base, stride_bias_m, stride_bias_n, slope, sink, blocks)``: the additive / boolean mask of its row 0, key 0,
+    the mask's row and key strides, the ALiBi slope (:func:`alibi_slope`), the sink logit (:func:`sink_logit`) and the
+    block mask ``blocks = (block_base, stride_block_m, stride_block_n, block_q, block_k)`` of this sequence and head
+    (read only with ``SCORE[4]``: :func:`block_visible`, :func:`block_tile_live`).
+    ``MODS`` is the kernel argument of ``_common.mods_args``; helpers take ``mods`` and never index ``MODS``; a new
+    per-program score input is one more entry here, read by :func:`mask_scores`."""
     bias_base = (MODS[0] + b.to(tl.int64) * MODS[1] + h.to(tl.int64) * MODS[2] + q_start.to(tl.int64) * MODS[3]
                  + k_start.to(tl.int64) * MODS[4])
+    blocks = (MODS[9] + seq.to(tl.int64) * MODS[10] + h.to(tl.int64) * MODS[11], MODS[12], MODS[13], MODS[14],
+              MODS[15])
     return (bias_base, MODS[3], MODS[4], alibi_slope(MODS[5], seq, h, MODS[6], MODS[7], SCORE),
-            sink_logit(MODS[8], h, SCORE))
+            sink_logit(MODS[8], h, SCORE), blocks)
 
 
 @triton.jit
@@ -199,8 +206,7 @@ def score_mod(s, rows, cols, seqlen_q, seqlen_k, mods, bias_scale, MASK, SCORE, 
     mask or a boolean mask hides the key (:func:`mask_scores`). ``mods`` from :func:`program_mods`. The one place the
     attention kernels modify scores. [BLOCK_M, BLOCK_N]"""
     s = soft_cap(s, SCORE[1] * bias_scale, SCORE)
-    return mask_scores(s, rows, cols, seqlen_q, seqlen_k, mods[0], mods[1], mods[2], bias_scale, MASK, BIAS_KIND,
-                       mods[3], SCORE)
+    return mask_scores(s, rows, cols, seqlen_q, seqlen_k, mods, bias_scale, MASK, BIAS_KIND, SCORE)
 
 
 @triton.jit
@@ -244,17 +250,19 @@ def soft_cap(s, cap, SCORE):
 
 
 @triton.jit
-def mask_scores(s, rows, cols, seqlen_q, seqlen_k, bias_base, stride_bias_m, stride_bias_n, bias_scale, MASK,
-                BIAS_KIND: tl.constexpr, slope, SCORE):
-    """Scores ``s + bias_scale * (bias - slope * |d|)`` where :func:`visible`, ``-inf`` elsewhere.
-    ``[BLOCK_M, BLOCK_N]``
+def mask_scores(s, rows, cols, seqlen_q, seqlen_k, mods, bias_scale, MASK, BIAS_KIND: tl.constexpr, SCORE):
+    """Scores ``s + bias_scale * (bias - slope * |d|)`` where :func:`visible` (and the block mask, when
+    ``SCORE[4]``), ``-inf`` elsewhere. ``[BLOCK_M, BLOCK_N]``
 
     ``BIAS_KIND``: 0 no mask, 1 an additive float mask, 2 a boolean keep mask read as uint8 (nonzero =
-    may attend; never converted to a float tensor). ``bias_base`` points at the mask of row 0, key 0 of
-    this sequence and head. The ALiBi term (``SCORE[2]``, ``slope`` from :func:`alibi_slope`) uses the
+    may attend; never converted to a float tensor). ``mods`` from :func:`program_mods`: the mask's base (row 0, key 0
+    of this sequence and head) and strides, the ALiBi slope, the block mask. The ALiBi term (``SCORE[2]``) uses the
     bottom-right distance ``d = j - (i + seqlen_k - seqlen_q)``.
     """
+    bias_base, stride_bias_m, stride_bias_n, slope, _, blocks = mods
     ok = visible(rows, cols, seqlen_q, seqlen_k, MASK)
+    if SCORE[4]:
+        ok = ok & block_visible(rows, cols, blocks, ok)
     if SCORE[2]:
         d = (cols[None, :] - rows[:, None] - (seqlen_k - seqlen_q)).to(tl.float32)
         s = s - (bias_scale * slope) * tl.abs(d)
@@ -422,3 +430,34 @@ def key_blocks_spanned(mask: tuple, seqlen_q: int, seqlen_k: int, block_n: int) 
     if mask[1]:
         n_blocks = min(n_blocks, triton.cdiv(seqlen_q + mask[3], block_n) + 1)
     return n_blocks
+
+
+@triton.jit
+def block_visible(rows, cols, blocks, ok):
+    """``[BLOCK_M, BLOCK_N]`` True where the block mask keeps block ``(rows[i] // block_q, cols[j] // block_k)``
+    (``blocks``: the last entry of :func:`program_mods`' tuple); read (uint8) only where ``ok``."""
+    block_ptrs = (blocks[0] + (rows // blocks[3]).to(tl.int64)[:, None] * blocks[1]
+                  + (cols // blocks[4]).to(tl.int64)[None, :] * blocks[2])
+    return tl.load(block_ptrs, mask=ok, other=0) != 0
+
+
+@triton.jit
+def block_tile_live(mods, row_lo, row_hi, kt, seqlen_k, SCORE, BLOCK_N: tl.constexpr):
+    """Whether the block mask keeps any block that meets rows ``row_lo .. row_hi`` (inclusive, in the sequence) and
+    key tile ``kt`` (keys ``kt * BLOCK_N ..`` up to the sequence end): a key tile for which it is False holds no
+    visible key for these rows and need not be loaded. Always True without a block mask (``SCORE[4]`` off).
+    ``mods`` from :func:`program_mods`. One ``[BLOCK_N]`` load per query block the rows meet."""
+    live = kt >= 0
+    if SCORE[4]:
+        block_base, stride_m, stride_n, block_q, block_k = mods[5]
+        k_lo = kt * BLOCK_N
+        k_hi = tl.minimum(k_lo + BLOCK_N, seqlen_k) - 1
+        kb = k_lo // block_k + tl.arange(0, BLOCK_N)
+        kb_ok = kb <= k_hi // block_k
+        found = tl.zeros([BLOCK_N], tl.int32)
+        qb_lo = row_lo // block_q
+        for i in range(0, row_hi // block_q + 1 - qb_lo):
+            ptrs = block_base + (qb_lo + i).to(tl.int64) * stride_m + kb.to(tl.int64) * stride_n
+            found = found | tl.load(ptrs, mask=kb_ok, other=0).to(tl.int32)
+        live = (tl.max(found, 0) != 0) & (k_lo <= k_hi)
+    return live

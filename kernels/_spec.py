@@ -64,6 +64,10 @@ class AttnSpec:
     cache_seqlens: decode only (:func:`sparse_attn.entmax_decode`): int32 ``(B,)`` valid keys per sequence of the
                    KV cache ``k`` / ``v``; None otherwise.
     block_table:   decode only: int32 ``(B, max_pages)`` pages of a paged cache, or None (contiguous cache).
+    block_mask:    None or a boolean block grid ``(B or nseq or 1, Hq or 1, ceil(Nq / bq), ceil(Nk / bk))``
+                   (validated; torch's ``BlockMask`` converted, :func:`sparse_attn.masks.check_block_mask`): key ``j``
+                   is hidden from row ``i`` when block ``(i // bq, j // bk)`` is False (sequence-local with varlen).
+    block_size:    ``(bq, bk)`` of ``block_mask`` (None without one).
     num_splits:    decode only: key-range splits per (batch entry, kv head), or None (the launcher's choice).
     """
 
@@ -92,6 +96,8 @@ class AttnSpec:
     cache_seqlens: Tensor | None = None
     block_table: Tensor | None = None
     num_splits: int | None = None
+    block_mask: Tensor | None = None
+    block_size: tuple[int, int] | None = None
 
     def used(self) -> frozenset:
         """The variants this call uses (names of :data:`sparse_attn.routes.VARIANTS`); the routers refuse what a
@@ -99,7 +105,7 @@ class AttnSpec:
         return used_variants(self.q, self.k, self.v, alpha=self.alpha, mask=self.mask, is_causal=self.is_causal,
                              dropout_p=self.dropout_p, cu_seqlens_q=self.cu_seqlens_q, window_size=self.window_size,
                              alibi_slopes=self.alibi_slopes, sinks=self.sinks, softcap=self.softcap,
-                             n_kv_heads=self.n_kv_heads, need_grad=self.need_grad)
+                             n_kv_heads=self.n_kv_heads, need_grad=self.need_grad, block_mask=self.block_mask)
 
     @property
     def is_varlen(self) -> bool:
@@ -185,7 +191,8 @@ def _wants_grad(*tensors) -> bool:
 
 def used_variants(q: Tensor, k: Tensor | None, v: Tensor, *, alpha=None, mask=None, is_causal: bool = False,
                   dropout_p: float = 0.0, cu_seqlens_q=None, window_size=None, alibi_slopes=None, sinks=None,
-                  softcap=None, n_kv_heads: int | None = None, need_grad: bool | None = None) -> frozenset:
+                  softcap=None, n_kv_heads: int | None = None, need_grad: bool | None = None,
+                  block_mask=None) -> frozenset:
     """The names (keys of :data:`sparse_attn.routes.VARIANTS`) of the variants a call uses, from normalized arguments
     (None when unused, as :func:`sparse_attn.attn_inputs.prepare_attention` leaves them; ``k`` None: not known yet,
     no ``gqa``; ``n_kv_heads``: ``Hk`` when ``k`` is not ``(B, Hk, Nk, D)``; ``need_grad``: the spec's decision,
@@ -211,6 +218,8 @@ def used_variants(q: Tensor, k: Tensor | None, v: Tensor, *, alpha=None, mask=No
         used.add("softcap")
     if dropout_p > 0:
         used.add("dropout")
+    if block_mask is not None:
+        used.add("block_mask")
     if k is not None and (k.shape[1] if n_kv_heads is None else n_kv_heads) != q.shape[1]:
         used.add("gqa")
     if v.shape[-1] != q.shape[-1]:

@@ -248,6 +248,7 @@ def entmax_attn_fwd(
     alibi_slopes: torch.Tensor | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    block_mask: tuple | None = None,
 ) -> EntmaxAttnFwdResult:
     """Fused entmax attention forward (one kernel launch).
 
@@ -276,6 +277,9 @@ def entmax_attn_fwd(
         sinks: ``(Hq,)`` per-head sink logits (read as float32): each row is normalized over its keys plus a virtual
             key of score ``sinks[h]`` (not scaled, capped or masked) and zero value; ``lsum`` and ``tau`` include it.
             A NaN or ``+inf`` sink makes that head's rows NaN. Default None.
+        block_mask: ``(mask, (bq, bk))``: key ``j`` is hidden from row ``i`` (sequence-local) when
+            ``mask[b or seq, h, i // bq, j // bk]`` is False (``mask`` boolean ``(B or nseq or 1, Hq or 1, q blocks,
+            k blocks)``). Default None.
         cu_seqlens_q, cu_seqlens_k: int32 ``(nseq + 1,)`` packed-sequence offsets (then ``B == 1``).
         max_seqlen_q, max_seqlen_k: longest sequences; computed from ``cu_seqlens`` when None.
         dropout_p: probability of dropping a weight after the entmax (kept ones scaled by
@@ -306,7 +310,7 @@ def entmax_attn_fwd(
     forced = _forced_options(num_warps, num_stages, q.shape[-1])
     plan = _plan(q, k, v, alpha, scale, bias, is_causal, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                  dropout_p, seed, tol, max_passes, alpha_class, need_out_u, block_m, block_n, window_size, alibi_slopes,
-                 softcap, sinks)
+                 softcap, sinks, block_mask)
     for args in plan.launches:
         if forced is not None:
             _entmax_attn_fwd_kernel[plan.grid](**args, **forced)
@@ -342,7 +346,7 @@ class _Launch(NamedTuple):
 
 def _plan(q, k, v, alpha, scale, bias, is_causal, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
           seed, tol, max_passes, alpha_class, need_out_u, block_m, block_n, window_size=None, alibi_slopes=None,
-          softcap=None, sinks=None) -> _Launch:
+          softcap=None, sinks=None, block_mask=None) -> _Launch:
     """Allocate the outputs and name every kernel argument of one forward launch."""
     batch, n_heads, total_q, head_dim = q.shape
     assert 16 <= head_dim <= 256, f"q: head dim must be in [16, 256], got {head_dim}"
@@ -381,7 +385,7 @@ def _plan(q, k, v, alpha, scale, bias, is_causal, cu_seqlens_q, cu_seqlens_k, ma
     (k1, p1), (k2, p2), (k0, p0) = FWD_POINTS[1], FWD_POINTS[2], FWD_POINTS[0]
     args = dict(
         **_common.attention_args(q, k, v, alpha, bias, cu_seqlens_q, cu_seqlens_k, scale, is_causal, dropout_p, seed,
-                                 window_size, alibi_slopes, softcap, sinks),
+                                 window_size, alibi_slopes, softcap, sinks, block_mask),
         OUT=out, OUT_U=out if out_u is None else out_u, TAU=tau, LSUM=lsum, NNZ=nnz, N_VALID=n_valid, LIVE=live,
         N_PASSES=n_passes, TILE_VISITS=tile_visits, **_common.stride_args("stride_o", out, "bhmd"),
         **_common.stride_args("stride_ou", out if out_u is None else out_u, "bhmd"), NEED_OUT_U=out_u is not None,

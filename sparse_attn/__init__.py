@@ -24,6 +24,7 @@ from sparse_attn.mappings import (
     entmax_bisect,
     sparsemax,
 )
+from sparse_attn.masks import BlockSparseMask
 from sparse_attn.modules import EntmaxAlpha, EntmaxMultiheadAttention, swap_attention
 from sparse_attn.sdpa import attach_entmax_sdpa, entmax_sdpa, swap_sdpa_attention
 from sparse_attn.stats import HeadStatsRecorder, record_head_stats
@@ -41,6 +42,7 @@ from sparse_attn.structured import (
 __all__ = [
     "__version__",
     "entmax_attention",
+    "BlockSparseMask",
     "AttentionStats",
     "set_checks",
     "checks_enabled",

@@ -36,7 +36,7 @@ _OP_TYPES = {
     "cu_seqlens_k": "Tensor?", "max_seqlen_q": "int", "max_seqlen_k": "int", "backend": "str",
     "window_size": "int[]?", "alibi_slopes": "Tensor?", "sinks": "Tensor?", "softcap": "float?", "alpha_class": "str",
     "need_stats": "bool", "need_grad": "bool", "cache_seqlens": "Tensor?", "block_table": "Tensor?",
-    "num_splits": "int?", "seed": "int",
+    "num_splits": "int?", "block_mask": "Tensor?", "block_size": "int[]?", "seed": "int",
 }
 """The ``torch.library`` schema type of each spec field (and the dropout seed): a spec field missing here fails at
 import, so a new field cannot be forgotten at the op boundary."""
@@ -56,6 +56,7 @@ def spec_to_op_args(spec: AttnSpec, seed: int) -> tuple:
     :func:`spec_from_op_args` is the inverse."""
     named = {name: getattr(spec, name) for name in SPEC_FIELDS}
     named["window_size"] = None if spec.window_size is None else list(spec.window_size)
+    named["block_size"] = None if spec.block_size is None else list(spec.block_size)
     named["seed"] = seed
     return tuple(named[name] for name in FWD_FIELDS)
 
@@ -65,14 +66,20 @@ def spec_from_op_args(args) -> tuple[AttnSpec, int]:
     :func:`spec_to_op_args`)."""
     named = fwd_op_named(args)
     seed = named.pop("seed")
-    if named["window_size"] is not None:
-        named["window_size"] = tuple(named["window_size"])
+    for name in ("window_size", "block_size"):
+        if named[name] is not None:
+            named[name] = tuple(named[name])
     return AttnSpec(**named), seed
 
 
 def fwd_op_named(args) -> dict:
     """The forward op's positional arguments (or ``ctx.needs_input_grad``) by field name."""
     return dict(zip(FWD_FIELDS, args, strict=True))
+
+
+def _block_mask(spec: AttnSpec):
+    """The launchers' ``block_mask``: the ``(grid, (bq, bk))`` pair, or None."""
+    return None if spec.block_mask is None else (spec.block_mask, spec.block_size)
 
 
 def _needs_out_u(spec: AttnSpec) -> bool:
@@ -89,7 +96,7 @@ def _fwd_impl(*args) -> tuple[Tensor, ...]:
         window_size=list(spec.window_size or (-1, -1)), alibi_slopes=spec.alibi_slopes, softcap=spec.softcap,
         sinks=spec.sinks, cu_seqlens_q=spec.cu_seqlens_q, cu_seqlens_k=spec.cu_seqlens_k,
         max_seqlen_q=spec.max_seqlen_q, max_seqlen_k=spec.max_seqlen_k, dropout_p=spec.dropout_p, seed=seed,
-        alpha_class=spec.alpha_class, need_out_u=_needs_out_u(spec),
+        alpha_class=spec.alpha_class, need_out_u=_needs_out_u(spec), block_mask=_block_mask(spec),
     )
     out_u = spec.q.new_empty(0, dtype=torch.float32) if res.out_u is None else res.out_u
     return res.out, res.tau, res.lsum, res.nnz, res.n_valid, res.live, res.n_passes, res.tile_visits, out_u
@@ -133,7 +140,7 @@ def _bwd_impl(*args) -> tuple[Tensor, ...]:
         cu_seqlens_k=spec.cu_seqlens_k, max_seqlen_q=spec.max_seqlen_q, max_seqlen_k=spec.max_seqlen_k,
         dropout_p=spec.dropout_p, seed=seed, live=extra["live"], block_m=block_m, block_n=block_n,
         need_dalpha=extra["need_dalpha"], need_dbias=extra["need_dmask"],
-        out_u=out_u if out_u.shape == out.shape else None, alpha_class=spec.alpha_class,
+        out_u=out_u if out_u.shape == out.shape else None, alpha_class=spec.alpha_class, block_mask=_block_mask(spec),
     )
     if dalpha is None:
         dalpha = spec.alpha.new_zeros(0)

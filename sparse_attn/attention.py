@@ -83,6 +83,7 @@ def entmax_attention(
     alibi_slopes: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
     softcap: float | None = None,
+    block_mask=None,
 ):
     """Attention whose weights are alpha-entmax of the scores, computed tile by tile.
 
@@ -145,6 +146,13 @@ def entmax_attention(
         softcap: logit soft-capping (Gemma-2): finite scaled scores ``s`` become
             ``softcap * tanh(s / softcap)`` before masks and biases are added. None or 0 = off
             (default); otherwise a finite positive Python number.
+        block_mask: block-sparse mask: a :class:`sparse_attn.BlockSparseMask` ``(mask, (bq, bk))`` with ``mask``
+            boolean ``(B or 1, Hq or 1, ceil(Nq / bq), ceil(Nk / bk))`` (varlen: ``(nseq or 1, Hq or 1,
+            ceil(max_seqlen_q / bq), ceil(max_seqlen_k / bk))``, per sequence), or torch's
+            ``flex_attention.BlockMask`` built with ``noop_mask`` (its partial and full blocks are kept; another
+            ``mask_mod`` raises ``ValueError``: give the element mask as ``attn_mask`` / ``is_causal`` /
+            ``window_size``). Key ``j`` is visible to query ``i`` iff block ``(i // bq, j // bk)`` is True and every
+            other mask allows it. Default None.
 
     Returns:
         ``out`` of shape ``(B, Hq, Nq, Dv)`` in the input dtype, or ``(out, stats)``.
@@ -155,6 +163,6 @@ def entmax_attention(
         q, k, v, alpha, attn_mask=attn_mask, is_causal=is_causal, scale=scale, dropout_p=dropout_p,
         enable_gqa=enable_gqa, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, backend=backend, window_size=window_size,
-        alibi_slopes=alibi_slopes, sinks=sinks, softcap=softcap, need_stats=return_stats,
+        alibi_slopes=alibi_slopes, sinks=sinks, softcap=softcap, need_stats=return_stats, block_mask=block_mask,
     )
     return run_attention(spec)

@@ -30,7 +30,7 @@ from sparse_attn._kv_cache import MAX_DECODE_QUERIES, check_kv_cache
 from sparse_attn._validation import check_bool, check_number, values_checkable
 from sparse_attn.kernels._common import interpreting
 from sparse_attn.kernels._spec import DIFFERENTIABLE, AttnSpec, resolve_spec_alpha_class
-from sparse_attn.masks import check_mask
+from sparse_attn.masks import check_block_mask, check_mask
 from sparse_attn.routes import refused, used_variants
 
 __all__ = [
@@ -309,6 +309,7 @@ def prepare_attention(
     window_size: tuple[int, int] | None = None, alibi_slopes: Tensor | None = None, sinks: Tensor | None = None,
     softcap: float | None = None, alpha_in_range: bool = False, need_stats: bool = False, kv_cache: bool = False,
     cache_seqlens: Tensor | int | None = None, block_table: Tensor | None = None, num_splits: int | None = None,
+    block_mask=None,
 ) -> AttnSpec:
     """Validate the arguments of :func:`sparse_attn.entmax_attention` and normalize them into the one spec of the call
     (see :class:`~sparse_attn.kernels._spec.AttnSpec`, also named :data:`AttentionInputs`).
@@ -366,6 +367,8 @@ def prepare_attention(
                     f"{name} is only used with cu_seqlens_q/cu_seqlens_k (packed sequences), got {given!r}"
                 )
         max_seqlen_q, max_seqlen_k = q.shape[2], max_seqlen_k if kv_cache else k.shape[2]
+    block_mask = check_block_mask("block_mask", block_mask, q.device, n_rows, q.shape[1], max_seqlen_q, max_seqlen_k,
+                                  "nseq" if varlen else "batch")
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, Real)):
         raise TypeError(f"scale must be None or a Python number, got {type(scale).__name__}")
     if scale is not None and not abs(float(scale)) < float("inf"):
@@ -383,4 +386,6 @@ def prepare_attention(
         window_size=window_size, alibi_slopes=alibi_slopes, sinks=sinks, softcap=softcap,
         alpha_class=resolve_spec_alpha_class(alpha_t, alpha_value, alpha_checked), need_stats=need_stats,
         need_grad=need_grad, cache_seqlens=cache_seqlens, block_table=block_table, num_splits=num_splits,
+        block_mask=None if block_mask is None else block_mask.mask,
+        block_size=None if block_mask is None else block_mask.block_size,
     )

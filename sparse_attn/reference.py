@@ -31,7 +31,7 @@ from torch import Tensor
 from sparse_attn._validation import check_bool
 from sparse_attn.attn_inputs import AttentionInputs, AttentionStats, prepare_attention
 from sparse_attn.mappings import entmax
-from sparse_attn.masks import alibi_bias, causal_keep, check_mask, combine_masks, window_keep
+from sparse_attn.masks import alibi_bias, block_keep, causal_keep, check_mask, combine_masks, window_keep
 
 __all__ = ["entmax_attention_reference", "reference_forward", "ReferenceResult", "causal_keep"]
 
@@ -142,14 +142,17 @@ def _attend(q, k, v, alpha, bad_head, bias, keep, inputs, ct, dropout_mask, gene
 
 
 def _block_masks(inputs: AttentionInputs, bias, keep, n_q: int, n_k: int, device, seq: int | None = None):
-    """``(bias, keep)`` of one block with the structural masks added: causal, sliding window, ALiBi.
+    """``(bias, keep)`` of one block with the structural masks added: causal, sliding window, block mask, ALiBi.
 
-    ``seq``: the packed sequence (picks the row of ``(nseq, H)`` ALiBi slopes), None without varlen.
+    ``seq``: the packed sequence (picks the row of ``(nseq, H)`` ALiBi slopes and the block mask's entry), None
+    without varlen.
     """
     if inputs.is_causal:
         keep = combine_masks(keep, causal_keep(n_q, n_k, device))
     if inputs.window_size is not None:
         keep = combine_masks(keep, window_keep(n_q, n_k, inputs.window_size, device))
+    if inputs.block_mask is not None:
+        keep = combine_masks(keep, block_keep((inputs.block_mask, inputs.block_size), n_q, n_k, seq))
     slopes = inputs.alibi_slopes
     if slopes is not None:
         if seq is not None and slopes.dim() == 2:
@@ -259,6 +262,7 @@ def entmax_attention_reference(
     alibi_slopes: Tensor | None = None,
     sinks: Tensor | None = None,
     softcap: float | None = None,
+    block_mask=None,
 ):
     """Materialized entmax attention (the oracle). Arguments as :func:`sparse_attn.entmax_attention`.
 
@@ -278,7 +282,7 @@ def entmax_attention_reference(
         compute_dtype: ``torch.float32`` or ``torch.float64``; default float64 for float64 inputs,
             float32 otherwise. Scores, masks, weights and the value product use it.
         generator: RNG of the dropout draw when ``dropout_mask`` is None.
-        window_size, alibi_slopes, sinks, softcap: as :func:`sparse_attn.entmax_attention`
+        window_size, alibi_slopes, sinks, softcap, block_mask: as :func:`sparse_attn.entmax_attention`
             (differentiable w.r.t. ``sinks`` and ``alibi_slopes``).
 
     Returns:
@@ -295,7 +299,7 @@ def entmax_attention_reference(
         q, k, v, alpha, attn_mask=attn_mask, is_causal=is_causal, scale=scale, dropout_p=dropout_p,
         enable_gqa=True, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k, backend="reference", window_size=window_size, alibi_slopes=alibi_slopes,
-        sinks=sinks, softcap=softcap,
+        sinks=sinks, softcap=softcap, block_mask=block_mask,
     )
     if dropout_mask is not None:
         check_mask("dropout_mask", dropout_mask, q.device, inputs.score_shape, keep_means="True = keep")

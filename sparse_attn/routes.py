@@ -40,6 +40,7 @@ VARIANTS: dict[str, str] = {
     "gqa": "grouped-query heads (fewer k/v heads than q heads)",
     "dv": "a value head dim different from the query/key head dim",
     "grad": "gradients",
+    "block_mask": "a block-sparse block_mask",
 }
 """Every variant a call can use, with the phrase an error message names it by."""
 
@@ -48,7 +49,7 @@ SUPPORTED: dict[str, frozenset] = {
     "sdpa": frozenset({"causal", "dropout", "gqa", "dv", "grad"}),
     "decode": frozenset({"bool_mask", "float_mask", "causal", "window", "alibi", "sinks", "softcap", "gqa", "dv"}),
     "fused": frozenset({"varlen", "bool_mask", "float_mask", "mask_grad", "causal", "window", "alibi", "sinks",
-                        "softcap", "dropout", "gqa", "dv", "grad"}),
+                        "softcap", "dropout", "gqa", "dv", "grad", "block_mask"}),
     "chunked": frozenset({"varlen", "bool_mask", "float_mask", "mask_grad", "causal", "window", "alibi",
                           "alibi_grad", "sinks", "softcap", "dropout", "gqa", "dv", "grad"}),
     "context_parallel": frozenset({"bool_mask", "float_mask", "mask_grad", "causal", "window", "alibi", "sinks",
@@ -56,17 +57,17 @@ SUPPORTED: dict[str, frozenset] = {
     "ulysses": frozenset({"bool_mask", "float_mask", "mask_grad", "causal", "window", "alibi", "sinks", "softcap",
                           "dropout", "gqa", "dv", "grad"}),
     "reference": frozenset({"varlen", "bool_mask", "float_mask", "mask_grad", "causal", "window", "alibi",
-                            "alibi_grad", "sinks", "softcap", "dropout", "gqa", "dv", "grad"}),
+                            "alibi_grad", "sinks", "softcap", "dropout", "gqa", "dv", "grad", "block_mask"}),
 }
 """The variants each route implements, listed by hand: a variant a route does not list is refused there."""
 
 PROBLEM_FIELDS = frozenset({"q", "k", "v", "alpha", "alpha_value", "alpha_checked", "scale", "max_seqlen_q",
                             "max_seqlen_k", "backend", "cu_seqlens_k", "alpha_class", "need_stats", "need_grad",
-                            "cache_seqlens", "block_table", "num_splits"})
+                            "cache_seqlens", "block_table", "num_splits", "block_size"})
 """Fields of the spec (``AttnSpec`` = ``AttentionInputs``) that state the problem itself, not a variant
 (``cu_seqlens_k`` travels with ``cu_seqlens_q``, the ``varlen`` variant; ``need_grad`` is read by the ``grad``
-variant; the KV cache fields are the decode route's own layout); every other field must map to a variant in
-:func:`used_variants`."""
+variant; the KV cache fields are the decode route's own layout; ``block_size`` travels with ``block_mask``); every
+other field must map to a variant in :func:`used_variants`."""
 
 
 def refused(route: str, used) -> list[str]:

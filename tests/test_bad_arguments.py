@@ -334,6 +334,14 @@ ATTENTION_BAD = [
     ("ar", dict(attn_mask=torch.zeros(9, 11, dtype=torch.int32)), TypeError, "attn_mask must be boolean"),
     ("ar", dict(attn_mask=[[True]]), TypeError, "attn_mask must be a torch.Tensor"),
     ("ar", dict(attn_mask=torch.zeros(9, 11, device=_M)), ValueError, "attn_mask must be on the device"),
+    ("ar", dict(block_mask=torch.ones(1, 1, 1, 1, dtype=torch.bool)), TypeError, "block_mask must be None, a "),
+    ("ar", dict(block_mask=sa.BlockSparseMask(torch.ones(1, 1, 1, 1), 16)), TypeError, "block_mask: the mask must"),
+    ("ar", dict(block_mask=sa.BlockSparseMask(torch.ones(1, 1, 1, 1, dtype=torch.bool), (16, 0))), ValueError,
+     "block_mask: block_size must be"),
+    ("ar", dict(block_mask=sa.BlockSparseMask(torch.ones(2, 4, 1, 2, dtype=torch.bool), 8)), ValueError,
+     r"block_mask: the mask must have shape .* = \(2 or 1, 4 or 1, 2, 2\)"),
+    ("ar", dict(block_mask=sa.BlockSparseMask(torch.ones(1, 1, 1, 1, dtype=torch.bool, device=_M), 16)), ValueError,
+     "block_mask must be on the device"),
     ("ar", dict(dropout_p=1.0), ValueError, r"dropout_p must be finite and in \[0, 1\)"),
     ("ar", dict(dropout_p=-0.1), ValueError, r"dropout_p must be finite and in \[0, 1\)"),
     ("ar", dict(dropout_p=float("nan")), ValueError, "dropout_p must be finite"),
@@ -544,6 +552,7 @@ MODULE_TARGETS = {"mha": sa.EntmaxMultiheadAttention, "forward": sa.EntmaxMultih
 NO_BAD_INPUT_ROWS = {
     "checks_enabled": "takes no argument",
     "AttentionStats": "the statistics entmax_attention(return_stats=True) returns; never built by users",
+    "BlockSparseMask": "a plain (mask, block_size) pair, checked where passed (block_mask= rows in ATTENTION_BAD)",
     "FertilityState": "the decoding state FertilityAttention returns; its users pass it back as state=, checked there",
 }
 

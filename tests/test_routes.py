@@ -17,6 +17,7 @@ from sparse_attn.attention import run_attention
 from sparse_attn.attn_inputs import AttentionInputs, prepare_attention
 from sparse_attn.decode import decode_fits, decode_unsupported
 from sparse_attn.distributed import context_parallel_attention, ulysses_attention
+from sparse_attn.masks import BlockSparseMask
 from sparse_attn.routes import PROBLEM_FIELDS, SUPPORTED, VARIANTS, refused
 
 B, H, N, D = 2, 4, 12, 16
@@ -52,11 +53,14 @@ VARIANT_EXAMPLES = {
     "gqa": lambda: dict(zip("qkv", _qkv(h_k=2)), enable_gqa=True),
     "dv": lambda: dict(zip("qkv", _qkv(d_v=32))),
     "grad": lambda: dict(zip("qkv", _qkv(grad=True))),
+    "block_mask": lambda: dict(block_mask=BlockSparseMask(
+        torch.rand(1, H, 3, 2, generator=torch.Generator().manual_seed(2)) > 0.3, (4, 8))),
 }
 # the AttentionInputs field each variant lives in (those from the shapes or the autograd state: None)
 FIELD_OF = {"varlen": "cu_seqlens_q", "bool_mask": "mask", "float_mask": "mask", "mask_grad": "mask",
             "causal": "is_causal", "window": "window_size", "alibi": "alibi_slopes", "alibi_grad": "alibi_slopes",
-            "sinks": "sinks", "softcap": "softcap", "dropout": "dropout_p", "gqa": None, "dv": None, "grad": None}
+            "sinks": "sinks", "softcap": "softcap", "dropout": "dropout_p", "gqa": None, "dv": None, "grad": None,
+            "block_mask": "block_mask"}
 
 
 def _inputs(variant=None, alpha=1.0, backend="reference"):

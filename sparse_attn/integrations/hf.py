@@ -147,7 +147,9 @@ def entmax_attention_forward(
             ``position_bias`` (float, broadcastable to the scores) is added to the scores;
             ``sliding_window`` (int ``W``): the window ``(W - 1, 0)`` (``(W - 1, W - 1)`` for a
             bidirectional layer) without a 4-d mask; ``softcap`` (Gemma-2's logit soft-capping);
-            ``s_aux`` (gpt-oss's per-head sinks, ``(Hq,)``); ``alibi_slopes`` (``(Hq,)`` or ``(B, Hq)``).
+            ``s_aux`` (gpt-oss's per-head sinks, ``(Hq,)``); ``alibi_slopes`` (``(Hq,)`` or ``(B, Hq)``);
+            ``block_mask`` (a :class:`sparse_attn.BlockSparseMask` or torch's ``BlockMask`` built with ``noop_mask``,
+            intersected with the layer's masks; a ``BlockMask`` given as ``attention_mask`` is taken as this).
             See :func:`sparse_attn.entmax_attention` for their semantics.
 
     Returns:
@@ -158,6 +160,9 @@ def entmax_attention_forward(
             got = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
             raise ValueError(f"{name} must be a tensor of shape (batch, heads, seq, head_dim), got {got}")
     dropout = check_number("dropout", dropout, 0.0, 1.0, high_open=True)
+    block_mask = kwargs.get("block_mask")
+    if type(attention_mask).__name__ == "BlockMask":  # flex_attention's mask object: a block mask, no element mask
+        block_mask, attention_mask = attention_mask, None
     n_heads, n_kv = query.shape[1], key.shape[1]
     q_len = query.shape[2]
     scores = (query.shape[0], n_heads, q_len, key.shape[2])
@@ -201,7 +206,7 @@ def entmax_attention_forward(
         query, key, value, alpha, attn_mask=combine_masks(attention_mask, position_bias), is_causal=causal,
         scale=scaling, dropout_p=dropout, enable_gqa=n_kv != n_heads, backend="reference" if dense else backend,
         window_size=window, alibi_slopes=kwargs.get("alibi_slopes"), sinks=kwargs.get("s_aux"),
-        softcap=kwargs.get("softcap"), alpha_in_range=alpha_in_range,
+        softcap=kwargs.get("softcap"), alpha_in_range=alpha_in_range, block_mask=block_mask,
     )
     out, weights = run_layer_attention(inputs, dense, sink)
     return out.transpose(1, 2).contiguous(), weights if output_attentions else None
