@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 
 from ._common import LN2, LOG2E, alpha_class_id, dropout_keep, expm1mx_series, load_rows, log2_1p, slice_base
-from ._masking import bit_rank, mask_scores, soft_cap, tile_indices
+from ._masking import bit_rank, score_mod, soft_cap, tile_indices
 
 
 @triton.jit
@@ -77,21 +77,23 @@ def _dalpha_terms(p, u, logp, alpha, inv_eps2):
 
 
 @triton.jit
-def _tile(
-    q, do, k, v, tau, cu, cp, log_l, delta, alpha, scale, bias_base, stride_bias_m, stride_bias_n, rows, cols,
-    seqlen_q, seqlen_k, rows_global, cols_global, total_k, seed, bh, dropout_p, MASK,
-    ALPHA_CLASS: tl.constexpr, BIAS_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    slope, SCORE,
-):
+def _tile(qrow, k, v, idx, alpha, scale, mods, drop, MASK, SCORE, ALPHA_CLASS: tl.constexpr, BIAS_KIND: tl.constexpr,
+          HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Recompute one tile: weights ``p``, ``U``, ``log p``, ``dP``, the dropped weights ``pd``, ``dS = U (dP - delta)``
     (the gradient of the final scores, that of the mask) and ``dS_qk``, that of ``scale * q.k`` (``dS`` times the
-    soft cap's derivative ``1 - tanh^2``), all ``[BLOCK_M, BLOCK_N]`` (row statistics ``[BLOCK_M]``)."""
-    s = soft_cap(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale, SCORE[1], SCORE)
-    s_m = mask_scores(s, rows, cols, seqlen_q, seqlen_k, bias_base, stride_bias_m, stride_bias_n, 1.0, MASK,
-                      BIAS_KIND, slope, SCORE)
+    soft cap's derivative ``1 - tanh^2``), all ``[BLOCK_M, BLOCK_N]``.
+
+    ``qrow``: the query rows ``(q, do, tau, cu, cp, log_l, delta)`` (``_query_rows``); ``k``, ``v``: the key tile;
+    ``idx``: ``(rows, cols, rows_global, cols_global, seqlen_q, seqlen_k)`` (sequence-local and packed indices,
+    sequence lengths); ``mods``: ``_masking.program_mods``; ``drop``: ``(seed, bh, total_k, dropout_p)``."""
+    q, do, tau, cu, cp, log_l, delta = qrow
+    rows, cols, rows_global, cols_global, seqlen_q, seqlen_k = idx
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
+    s_m = score_mod(s, rows, cols, seqlen_q, seqlen_k, mods, 1.0, MASK, SCORE, BIAS_KIND)
     p, u, logp = _weights(s_m, tau, cu, cp, log_l, alpha, ALPHA_CLASS)
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
     if HAS_DROPOUT:
+        seed, bh, total_k, dropout_p = drop
         keep = dropout_keep(seed, bh, rows_global, cols_global, total_k, dropout_p)
         fac = tl.where(keep, 1.0 / (1.0 - dropout_p), 0.0)
         dp = dp * fac
@@ -101,7 +103,7 @@ def _tile(
     ds = u * (dp - delta[:, None])
     ds_qk = ds
     if SCORE[0]:
-        t = s / SCORE[1]
+        t = soft_cap(s, SCORE[1], SCORE) / SCORE[1]  # the capped scores score_mod computed (one build: CSE)
         ds_qk = ds * (1.0 - t * t)
     return p, u, logp, dp, pd, ds, ds_qk
 
@@ -153,65 +155,62 @@ def _column_tile_bits(live_col, c, kt, qt_lo, qt_hi, stride_live_m, HAS_LIVE: tl
 
 
 @triton.jit
-def _tile_rows(X, Y, b, h, start, seqlen, tile, stride_xb, stride_xh, stride_xn, stride_xd, stride_yb, stride_yh,
-               stride_yn, stride_yd, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-               BLOCK_DV: tl.constexpr, BLOCK: tl.constexpr, UPCAST: tl.constexpr):
-    """The tile a program owns: rows ``tile * BLOCK ...`` of the (batch ``b``, head ``h``) slices, starting at
-    ``start``, of ``X`` (head dim ``HEAD_DIM``: q or k) and ``Y`` (``HEAD_DIM_V``: dO or v).
-
-    Returns ``idx, idx_global, ok`` (``[BLOCK]``, ``_masking.tile_indices``), the head-dim offsets and flags
-    ``offs_d, d_ok`` (``[BLOCK_D]``) and ``offs_dv, dv_ok`` (``[BLOCK_DV]``), and the rows ``x [BLOCK, BLOCK_D]``,
-    ``y [BLOCK, BLOCK_DV]`` (0 outside; float32 with ``UPCAST``)."""
-    idx, idx_global, ok = tile_indices(tile, start, seqlen, BLOCK)
+def _head_dims(HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """``dims = (offs_d, d_ok, offs_dv, dv_ok)``: the head-dim offsets and in-range flags of q / k (``[BLOCK_D]``) and
+    of dO / v (``[BLOCK_DV]``)."""
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     offs_dv = tl.arange(0, BLOCK_DV)
     dv_ok = offs_dv < HEAD_DIM_V
-    x = load_rows(slice_base(X, b, h, start, stride_xb, stride_xh, stride_xn), idx, offs_d, stride_xn, stride_xd, ok,
-                  d_ok, UPCAST)
-    y = load_rows(slice_base(Y, b, h, start, stride_yb, stride_yh, stride_yn), idx, offs_dv, stride_yn, stride_yd, ok,
-                  dv_ok, UPCAST)
-    return idx, idx_global, ok, offs_d, d_ok, offs_dv, dv_ok, x, y
+    return offs_d, d_ok, offs_dv, dv_ok
 
 
 @triton.jit
-def _key_tile(
-    kt, q, do, tau, cu, cp, log_l, delta, alpha, scale, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-    bias_base, stride_bias_m, stride_bias_n, rows, rows_global, seqlen_q, seqlen_k, k_start, total_k, offs_d, d_ok,
-    offs_dv, dv_ok,
-    seed, bh, dropout_p, MASK, ALPHA_CLASS: tl.constexpr,
-    BIAS_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_N: tl.constexpr, slope, SCORE,
-):
-    """Key tile ``kt`` of a query tile: loads its K/V rows and recomputes it with ``_tile``.
+def _tile_rows(X, Y, b, h, start, seqlen, tile, strides_x, strides_y, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+               HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK: tl.constexpr, UPCAST: tl.constexpr):
+    """The tile a program owns: rows ``tile * BLOCK ...`` of the (batch ``b``, head ``h``) slices, starting at
+    ``start``, of ``X`` (head dim ``HEAD_DIM``: q or k) and ``Y`` (``HEAD_DIM_V``: dO or v), with strides
+    ``strides_x``, ``strides_y`` (each ``(batch, head, row, dim)``).
 
-    Returns ``p, u, logp, dp, ds, ds_qk`` (``[BLOCK_M, BLOCK_N]``), the keys ``k [BLOCK_N, BLOCK_D]``, their
-    global indices ``cols_global`` and in-sequence flags ``col_ok`` (``[BLOCK_N]``).
-    """
+    Returns ``idx, idx_global, ok`` (``[BLOCK]``, ``_masking.tile_indices``), the head dims ``dims`` (``_head_dims``)
+    and the rows ``x [BLOCK, BLOCK_D]``, ``y [BLOCK, BLOCK_DV]`` (0 outside; float32 with ``UPCAST``)."""
+    idx, idx_global, ok = tile_indices(tile, start, seqlen, BLOCK)
+    dims = _head_dims(HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV)
+    offs_d, d_ok, offs_dv, dv_ok = dims
+    x = load_rows(slice_base(X, b, h, start, strides_x[0], strides_x[1], strides_x[2]), idx, offs_d, strides_x[2],
+                  strides_x[3], ok, d_ok, UPCAST)
+    y = load_rows(slice_base(Y, b, h, start, strides_y[0], strides_y[1], strides_y[2]), idx, offs_dv, strides_y[2],
+                  strides_y[3], ok, dv_ok, UPCAST)
+    return idx, idx_global, ok, dims, x, y
+
+
+@triton.jit
+def _key_tile(kt, kv, k_start, seqlen_k, dims, UPCAST: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Key tile ``kt`` of a query tile: ``cols, cols_global, col_ok`` (``[BLOCK_N]``, ``_masking.tile_indices``) and
+    its rows ``k [BLOCK_N, BLOCK_D]``, ``v [BLOCK_N, BLOCK_DV]`` (0 outside; float32 with ``UPCAST``).
+    ``kv = (k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd)``: the sequence's K / V slices of the kv head;
+    ``dims``: ``_head_dims``."""
+    k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd = kv
+    offs_d, d_ok, offs_dv, dv_ok = dims
     cols, cols_global, col_ok = tile_indices(kt, k_start, seqlen_k, BLOCK_N)
     k = load_rows(k_base, cols, offs_d, stride_kn, stride_kd, col_ok, d_ok, UPCAST)
     v = load_rows(v_base, cols, offs_dv, stride_vn, stride_vd, col_ok, dv_ok, UPCAST)
-    p, u, logp, dp, pd, ds, ds_qk = _tile(
-        q, do, k, v, tau, cu, cp, log_l, delta, alpha, scale, bias_base, stride_bias_m, stride_bias_n, rows, cols,
-        seqlen_q, seqlen_k, rows_global, cols_global, total_k, seed, bh, dropout_p, MASK, ALPHA_CLASS, BIAS_KIND,
-        HAS_DROPOUT, DOT_PRECISION, slope, SCORE,
-    )
-    return p, u, logp, dp, ds, ds_qk, k, cols_global, col_ok
+    return cols, cols_global, col_ok, k, v
 
 
 @triton.jit
-def _query_rows(
-    q_base, do_base, TAU, LSUM, DELTA, bh, total_q, rows, rows_global, row_ok, offs_d, d_ok, offs_dv, dv_ok, alpha,
-    stride_qm, stride_qd, stride_dom, stride_dod, UPCAST: tl.constexpr,
-):
-    """Rows ``rows`` of one (batch, q head) after the dQ kernel: ``q`` (``[BLOCK_M, BLOCK_D]``), ``do``
-    (``[BLOCK_M, BLOCK_DV]``)
-    and the per-row ``tau``, ``delta`` and weight factors ``cu``, ``cp``, ``log lsum``."""
+def _query_rows(qdo, STATS, bh, total_q, rows, rows_global, row_ok, dims, alpha, UPCAST: tl.constexpr):
+    """Rows ``rows`` of one (batch, q head) after the dQ kernel: ``qrow = (q, do, tau, cu, cp, log_l, delta)`` (the
+    ``qrow`` of ``_tile``): ``q [BLOCK_M, BLOCK_D]``, ``do [BLOCK_M, BLOCK_DV]``, the per-row ``tau``, weight factors
+    ``cu``, ``cp``, ``log lsum`` (``_row_factors``) and ``delta``. ``qdo = (q_base, do_base, stride_qm, stride_qd,
+    stride_dom, stride_dod)``: the sequence's Q / dO slices of the head; ``STATS = (TAU, LSUM, DELTA)``."""
+    q_base, do_base, stride_qm, stride_qd, stride_dom, stride_dod = qdo
+    offs_d, d_ok, offs_dv, dv_ok = dims
     q = load_rows(q_base, rows, offs_d, stride_qm, stride_qd, row_ok, d_ok, UPCAST)
     do = load_rows(do_base, rows, offs_dv, stride_dom, stride_dod, row_ok, dv_ok, UPCAST)
     stat_offs = bh.to(tl.int64) * total_q + rows_global.to(tl.int64)
-    tau = tl.load(TAU + stat_offs, mask=row_ok, other=float("inf"))
-    lsum = tl.load(LSUM + stat_offs, mask=row_ok, other=0.0)
-    delta = tl.load(DELTA + stat_offs, mask=row_ok, other=0.0)
+    tau = tl.load(STATS[0] + stat_offs, mask=row_ok, other=float("inf"))
+    lsum = tl.load(STATS[1] + stat_offs, mask=row_ok, other=0.0)
+    delta = tl.load(STATS[2] + stat_offs, mask=row_ok, other=0.0)
     cu, cp, log_l = _row_factors(alpha, lsum)
-    return q, do, tau, delta, cu, cp, log_l
+    return q, do, tau, cu, cp, log_l, delta

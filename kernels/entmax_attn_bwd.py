@@ -37,6 +37,7 @@ from . import _common, _masking
 from ._bwd_tiles import (
     _column_tile_bits,
     _dalpha_terms,
+    _head_dims,
     _in_launch,
     _key_tile,
     _live_base,
@@ -103,9 +104,10 @@ def _entmax_attn_bwd_dq_kernel(
     if pid_m * BLOCK_M >= seqlen_q:
         return
     bh = b * n_heads + h
-    rows, rows_global, row_ok, offs_d, d_ok, offs_dv, dv_ok, q, do = _tile_rows(
-        Q, DO, b, h, q_start, seqlen_q, pid_m, stride_qb, stride_qh, stride_qm, stride_qd, stride_dob, stride_doh,
-        stride_dom, stride_dod, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M, UPCAST)
+    rows, rows_global, row_ok, dims, q, do = _tile_rows(
+        Q, DO, b, h, q_start, seqlen_q, pid_m, (stride_qb, stride_qh, stride_qm, stride_qd),
+        (stride_dob, stride_doh, stride_dom, stride_dod), HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M, UPCAST)
+    offs_d, d_ok, offs_dv, dv_ok = dims
     stat_offs = bh.to(tl.int64) * total_q + rows_global.to(tl.int64)
     tau = tl.load(TAU + stat_offs, mask=row_ok, other=float("inf"))
     lsum = tl.load(LSUM + stat_offs, mask=row_ok, other=0.0)
@@ -118,9 +120,11 @@ def _entmax_attn_bwd_dq_kernel(
     cu, cp, log_l = _row_factors(alpha, lsum)
     inv_eps2 = 1.0 / tl.maximum((alpha - 1.0) * (alpha - 1.0), 1e-30)
 
-    k_base = slice_base(K, b, h_kv, k_start, stride_kb, stride_kh, stride_kn)
-    v_base = slice_base(V, b, h_kv, k_start, stride_vb, stride_vh, stride_vn)
-    bias_base, stride_bias_m, stride_bias_n, slope, sink = program_mods(MODS, b, seq, h, q_start, k_start, SCORE)
+    qrow = (q, do, tau, cu, cp, log_l, delta)
+    kv = (slice_base(K, b, h_kv, k_start, stride_kb, stride_kh, stride_kn), slice_base(V, b, h_kv, k_start, stride_vb,
+          stride_vh, stride_vn), stride_kn, stride_kd, stride_vn, stride_vd)
+    mods = program_mods(MODS, b, seq, h, q_start, k_start, SCORE)
+    drop = (seed, bh, total_k, dropout_p)
     live_row = (_live_base(LIVE, seq, h, stride_live_b, stride_live_h)
                 + (pid_m * BLOCK_M // LIVE_BLOCK_M).to(tl.int64) * stride_live_m)
     kt_lo, kt_hi = key_tile_range(pid_m, seqlen_q, seqlen_k, MASK, BLOCK_M, BLOCK_N)
@@ -134,8 +138,7 @@ def _entmax_attn_bwd_dq_kernel(
     s_pld = tl.zeros([BLOCK_M], dtype=tl.float32)
     s_ds = tl.zeros([BLOCK_M], dtype=tl.float32)
     if SCORE[3]:
-        p_s, u_s, logp_s = _weights(sink_tile(sink, BLOCK_M, BLOCK_N), tau, cu, cp, log_l,
-                                    alpha, ALPHA_CLASS)
+        p_s, u_s, logp_s = _weights(sink_tile(mods[4], BLOCK_M, BLOCK_N), tau, cu, cp, log_l, alpha, ALPHA_CLASS)
         tl.store(DSINKS + stat_offs, -tl.sum(u_s, 1) * delta, mask=row_ok)
         if NEED_DALPHA:
             plogp_s, pg_s = _dalpha_terms(p_s, u_s, logp_s, alpha, inv_eps2)
@@ -146,13 +149,11 @@ def _entmax_attn_bwd_dq_kernel(
     for wd in range(kt_lo // 32, tl.cdiv(kt_hi, 32)):
         bits, rank, n_set = _row_tile_bits(live_row, wd, kt_lo, kt_hi, HAS_LIVE)
         for i in range(0, n_set):
-            kt = live_tile(bits, rank, i, wd)
-            p, u, logp, dp, ds, ds_qk, k, cols_global, col_ok = _key_tile(
-                kt, q, do, tau, cu, cp, log_l, delta, alpha, scale, k_base, v_base, stride_kn, stride_kd, stride_vn,
-                stride_vd, bias_base, stride_bias_m, stride_bias_n, rows, rows_global, seqlen_q, seqlen_k, k_start,
-                total_k, offs_d, d_ok, offs_dv, dv_ok, seed, bh, dropout_p, MASK, ALPHA_CLASS, BIAS_KIND, HAS_DROPOUT,
-                UPCAST, DOT_PRECISION, BLOCK_N, slope, SCORE,
-            )
+            cols, cols_global, col_ok, k, v = _key_tile(live_tile(bits, rank, i, wd), kv, k_start, seqlen_k, dims,
+                                                        UPCAST, BLOCK_N)
+            p, u, logp, dp, _, ds, ds_qk = _tile(
+                qrow, k, v, (rows, cols, rows_global, cols_global, seqlen_q, seqlen_k), alpha, scale, mods, drop,
+                MASK, SCORE, ALPHA_CLASS, BIAS_KIND, HAS_DROPOUT, DOT_PRECISION)
             dq += tl.dot(ds_qk.to(k.dtype), k, input_precision=DOT_PRECISION)
             if NEED_DBIAS:
                 tl.store(dbias_base + rows_global.to(tl.int64)[:, None] * total_k + cols_global.to(tl.int64)[None, :],
@@ -208,9 +209,10 @@ def _entmax_attn_bwd_dkdv_kernel(
     b, q_start, seqlen_q, k_start, seqlen_k = seq_bounds(CU_SEQLENS_Q, CU_SEQLENS_K, seq, total_q, total_k, IS_VARLEN)
     if pid_n * BLOCK_N >= seqlen_k:
         return
-    cols, cols_global, col_ok, offs_d, d_ok, offs_dv, dv_ok, k, v = _tile_rows(
-        K, V, b, h_kv, k_start, seqlen_k, pid_n, stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh,
-        stride_vn, stride_vd, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, UPCAST)
+    cols, cols_global, col_ok, dims, k, v = _tile_rows(
+        K, V, b, h_kv, k_start, seqlen_k, pid_n, (stride_kb, stride_kh, stride_kn, stride_kd),
+        (stride_vb, stride_vh, stride_vn, stride_vd), HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, UPCAST)
+    offs_d, d_ok, offs_dv, dv_ok = dims
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     qt_lo, qt_hi = query_tile_range(pid_n, seqlen_q, seqlen_k, MASK, BLOCK_M, BLOCK_N)
@@ -220,9 +222,10 @@ def _entmax_attn_bwd_dkdv_kernel(
         alpha = tl.load(ALPHA + h)
         if _in_launch(alpha, ALPHA_CLASS, HEAD_FILTER):
             bh = b * n_heads + h
-            q_base = slice_base(Q, b, h, q_start, stride_qb, stride_qh, stride_qm)
-            do_base = slice_base(DO, b, h, q_start, stride_dob, stride_doh, stride_dom)
-            bias_base, stride_bias_m, stride_bias_n, slope, _ = program_mods(MODS, b, seq, h, q_start, k_start, SCORE)
+            qdo = (slice_base(Q, b, h, q_start, stride_qb, stride_qh, stride_qm), slice_base(DO, b, h, q_start,
+                   stride_dob, stride_doh, stride_dom), stride_qm, stride_qd, stride_dom, stride_dod)
+            mods = program_mods(MODS, b, seq, h, q_start, k_start, SCORE)
+            drop = (seed, bh, total_k, dropout_p)
             live_col = _live_base(LIVE, seq, h, stride_live_b, stride_live_h) + pid_n // 32
             col_ds = tl.zeros([BLOCK_N], dtype=tl.float32)
             for c in range(qt_lo // 32, tl.cdiv(qt_hi, 32)):
@@ -231,15 +234,12 @@ def _entmax_attn_bwd_dkdv_kernel(
                 for i in range(0, n_set):
                     qt = live_tile(bits, rank, i, c)
                     rows, rows_global, row_ok = tile_indices(qt, q_start, seqlen_q, BLOCK_M)
-                    q, do, tau, delta, cu, cp, log_l = _query_rows(
-                        q_base, do_base, TAU, LSUM, DELTA, bh, total_q, rows, rows_global, row_ok, offs_d, d_ok,
-                        offs_dv, dv_ok, alpha, stride_qm, stride_qd, stride_dom, stride_dod, UPCAST,
-                    )
+                    qrow = _query_rows(qdo, (TAU, LSUM, DELTA), bh, total_q, rows, rows_global, row_ok, dims, alpha,
+                                       UPCAST)
                     p, u, logp, dp, pd, ds, ds_qk = _tile(
-                        q, do, k, v, tau, cu, cp, log_l, delta, alpha, scale, bias_base, stride_bias_m,
-                        stride_bias_n, rows, cols, seqlen_q, seqlen_k, rows_global, cols_global, total_k, seed, bh,
-                        dropout_p, MASK, ALPHA_CLASS, BIAS_KIND, HAS_DROPOUT, DOT_PRECISION, slope, SCORE,
-                    )
+                        qrow, k, v, (rows, cols, rows_global, cols_global, seqlen_q, seqlen_k), alpha, scale, mods,
+                        drop, MASK, SCORE, ALPHA_CLASS, BIAS_KIND, HAS_DROPOUT, DOT_PRECISION)
+                    q, do = qrow[0], qrow[1]
                     dv += tl.dot(tl.trans(pd).to(do.dtype), do, input_precision=DOT_PRECISION)
                     dk += tl.dot(tl.trans(ds_qk).to(q.dtype), q, input_precision=DOT_PRECISION)
                     if NEED_DBIAS_COLS:
@@ -285,10 +285,7 @@ def _entmax_attn_bwd_dbias_kernel(
     pid_m = tl.program_id(0)
     pid_h = tl.program_id(1)
     pid_b = tl.program_id(2)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
-    offs_dv = tl.arange(0, BLOCK_DV)
-    dv_ok = offs_dv < HEAD_DIM_V
+    dims = _head_dims(HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV)
     dbias_base = DBIAS + pid_b.to(tl.int64) * stride_dbias_b + pid_h.to(tl.int64) * stride_dbias_h
     for bi in range(0, n_b_loop):
         seq = pid_b + bi
@@ -301,28 +298,24 @@ def _entmax_attn_bwd_dbias_kernel(
             h_kv = h // kv_group
             bh = b * n_heads + h
             alpha = tl.load(ALPHA + h)
-            q, do, tau, delta, cu, cp, log_l = _query_rows(
-                slice_base(Q, b, h, q_start, stride_qb, stride_qh, stride_qm),
-                slice_base(DO, b, h, q_start, stride_dob, stride_doh, stride_dom), TAU, LSUM, DELTA, bh, total_q, rows,
-                rows_global, row_ok, offs_d, d_ok, offs_dv, dv_ok, alpha, stride_qm, stride_qd, stride_dom, stride_dod,
-                UPCAST,
-            )
-            k_base = slice_base(K, b, h_kv, k_start, stride_kb, stride_kh, stride_kn)
-            v_base = slice_base(V, b, h_kv, k_start, stride_vb, stride_vh, stride_vn)
-            bias_base, stride_bias_m, stride_bias_n, slope, _ = program_mods(MODS, b, seq, h, q_start, k_start, SCORE)
+            qdo = (slice_base(Q, b, h, q_start, stride_qb, stride_qh, stride_qm), slice_base(DO, b, h, q_start,
+                   stride_dob, stride_doh, stride_dom), stride_qm, stride_qd, stride_dom, stride_dod)
+            qrow = _query_rows(qdo, (TAU, LSUM, DELTA), bh, total_q, rows, rows_global, row_ok, dims, alpha, UPCAST)
+            kv = (slice_base(K, b, h_kv, k_start, stride_kb, stride_kh, stride_kn), slice_base(V, b, h_kv, k_start,
+                  stride_vb, stride_vh, stride_vn), stride_kn, stride_kd, stride_vn, stride_vd)
+            mods = program_mods(MODS, b, seq, h, q_start, k_start, SCORE)
+            drop = (seed, bh, total_k, dropout_p)
             live_row = (_live_base(LIVE, seq, h, stride_live_b, stride_live_h)
                         + (pid_m * BLOCK_M // LIVE_BLOCK_M).to(tl.int64) * stride_live_m)
             kt_end = tl.where(_in_launch(alpha, ALPHA_CLASS, HEAD_FILTER), kt_hi, kt_lo)  # no tiles: another launch's
             for wd in range(kt_lo // 32, tl.cdiv(kt_end, 32)):
                 bits, rank, n_set = _row_tile_bits(live_row, wd, kt_lo, kt_end, HAS_LIVE)
                 for i in range(0, n_set):
-                    kt = live_tile(bits, rank, i, wd)
-                    p, u, logp, dp, ds, ds_qk, k, cols_global, col_ok = _key_tile(
-                        kt, q, do, tau, cu, cp, log_l, delta, alpha, scale, k_base, v_base, stride_kn, stride_kd,
-                        stride_vn, stride_vd, bias_base, stride_bias_m, stride_bias_n, rows, rows_global, seqlen_q,
-                        seqlen_k, k_start, total_k, offs_d, d_ok, offs_dv, dv_ok, seed, bh, dropout_p, MASK,
-                        ALPHA_CLASS, BIAS_KIND, HAS_DROPOUT, UPCAST, DOT_PRECISION, BLOCK_N, slope, SCORE,
-                    )
+                    cols, cols_global, col_ok, k, v = _key_tile(live_tile(bits, rank, i, wd), kv, k_start, seqlen_k,
+                                                                dims, UPCAST, BLOCK_N)
+                    _, _, _, _, _, ds, _ = _tile(
+                        qrow, k, v, (rows, cols, rows_global, cols_global, seqlen_q, seqlen_k), alpha, scale, mods,
+                        drop, MASK, SCORE, ALPHA_CLASS, BIAS_KIND, HAS_DROPOUT, DOT_PRECISION)
                     ptrs = dbias_base + rows_global.to(tl.int64)[:, None] * total_k + cols_global.to(tl.int64)[None, :]
                     ok = row_ok[:, None] & col_ok[None, :]
                     tl.store(ptrs, tl.load(ptrs, mask=ok, other=0.0) + ds, mask=ok)
