@@ -439,10 +439,10 @@ def _buffers(q, k, v, bias, is_varlen, need_dalpha, need_dbias) -> _Buffers:
 
 def _common_args(q, k, v, do, tau, lsum, alpha, bias, cu_seqlens_q, cu_seqlens_k, live, scale, is_causal, dropout_p,
                  seed, live_block_m: int, block_n: int, window_size=None, alibi_slopes=None, softcap=None,
-                 sinks=None) -> dict:
+                 sinks=None, block_mask=None) -> dict:
     """Keyword arguments the three backward kernels share."""
     args = _common.attention_args(q, k, v, alpha, bias, cu_seqlens_q, cu_seqlens_k, scale, is_causal, dropout_p, seed,
-                                  window_size, alibi_slopes, softcap, sinks)
+                                  window_size, alibi_slopes, softcap, sinks, block_mask)
     return dict(
         args, DO=do, TAU=tau.contiguous(), LSUM=lsum.contiguous(), **_common.stride_args("stride_do", do, "bhmd"),
         **_live_args(live, q), HAS_LIVE=live is not None, LIVE_BLOCK_M=live_block_m, BLOCK_N=block_n,
@@ -453,7 +453,7 @@ def entmax_attn_bwd(
     do, q, k, v, out, tau, lsum, alpha, scale, bias=None, is_causal=False, cu_seqlens_q=None,
     cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, dropout_p=0.0, seed=0,
     live=None, block_m=None, block_n=None, need_dalpha=False, need_dbias=False, *, out_u=None, alpha_class=None,
-    window_size=None, alibi_slopes=None, softcap=None, sinks=None,
+    window_size=None, alibi_slopes=None, softcap=None, sinks=None, block_mask=None,
 ):
     """Gradients of alpha-entmax attention from the forward's per-row statistics.
 
@@ -493,6 +493,7 @@ def entmax_attn_bwd(
         window_size, alibi_slopes, softcap: the forward's sliding window, ALiBi slopes and soft cap
             (``entmax_attn_fwd``), or None.
         sinks: the forward's ``(Hq,)`` per-head sink logits (``entmax_attn_fwd``), or None. Default None.
+        block_mask: the forward's ``(mask, (bq, bk))`` block mask, or None (key tiles it hides are dead in ``live``).
 
     Returns:
         ``(dq, dk, dv, dalpha, dbias)``: ``dq`` like ``q``, ``dk``/``dv`` like ``k``/``v``
@@ -536,7 +537,7 @@ def entmax_attn_bwd(
         buf.dk.zero_()
         buf.dv.zero_()
     common = _common_args(q, k, v, do, tau, lsum, alpha, bias, cu_seqlens_q, cu_seqlens_k, live, scale, is_causal,
-                          dropout_p, seed, live_m, block_n, window_size, alibi_slopes, softcap, sinks)
+                          dropout_p, seed, live_m, block_n, window_size, alibi_slopes, softcap, sinks, block_mask)
     out_u = out if out_u is None else out_u
     # rows outside every packed sequence are never visited
     dsinks_rows = None if sinks is None else torch.zeros(q.shape[:3], dtype=torch.float32, device=q.device)
