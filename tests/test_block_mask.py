@@ -249,3 +249,28 @@ def test_block_tile_live_says_whether_a_tile_meets_a_kept_block(bq, bk):
     want = pad.unflatten(2, (n_qt, bm_)).unflatten(4, (n_kt, bn)).any(dim=(3, 5)).to(torch.int32)
     torch.testing.assert_close(out, want, **EXACT)
     assert 0 < int(want.sum()) < want.numel()
+
+
+@pytest.mark.parametrize("alpha", [1.0, 1.5, 2.0])
+def test_key_tiles_the_block_mask_hides_are_never_loaded(alpha, kernel_device):
+    """The forward's tile-visit counter: with a block-diagonal mask of the kernels' own tile size, each query tile's
+    grid (or softmax) pass loads its one kept key tile only, and the later passes no more than that tile, where
+    without the block mask the grid pass alone loads every key tile; the outputs match the reference."""
+    from sparse_attn.kernels.entmax_attn_fwd import entmax_attn_fwd, fwd_block_sizes
+
+    block_m, block_n = fwd_block_sizes(32)
+    n_tiles = 4
+    n = n_tiles * max(block_m, block_n)
+    q, k, v = (t.to(kernel_device) for t in qkv(b=1, hq=2, hk=2, nq=n, nk=n, d=32, dtype=F32, seed=7))
+    grid = torch.eye(n // block_m, n // block_n, dtype=torch.bool, device=kernel_device)[None, None]
+    alphas = torch.full((2,), alpha, device=kernel_device)
+    plain = entmax_attn_fwd(q, k, v, alphas, 32 ** -0.5)
+    masked = entmax_attn_fwd(q, k, v, alphas, 32 ** -0.5, block_mask=(grid, (block_m, block_n)))
+    assert bool((plain.tile_visits >= n // block_n).all())
+    kept = (grid.sum(-1)[0, 0]).to(torch.int32)  # key tiles kept per query tile: 1
+    assert torch.equal(masked.tile_visits.cpu() <= masked.n_passes.cpu() * kept.cpu(),
+                       torch.ones_like(masked.tile_visits.cpu(), dtype=torch.bool))
+    assert int(masked.tile_visits.sum()) < int(plain.tile_visits.sum())
+    ref = entmax_attention_reference(q.double(), k.double(), v.double(), alpha,
+                                     block_mask=sa.BlockSparseMask(grid, (block_m, block_n)))
+    assert scaled_err(masked.out, ref) <= TOL["fused_rel_f32"]["out"]

@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 import torch
 
+import sparse_attn as sa
 import sparse_attn.decode as decode_mod
 import sparse_attn.distributed as distributed_mod
 from sparse_attn import routes
@@ -31,7 +32,8 @@ def _every_variant(grad=True):
         attn_mask=torch.randn(N, N, dtype=torch.float64, requires_grad=grad), is_causal=True, dropout_p=0.1,
         cu_seqlens_q=cu, cu_seqlens_k=cu, window_size=(3, 1), softcap=5.0,
         alibi_slopes=torch.rand(2, H, dtype=torch.float64, requires_grad=grad),
-        sinks=torch.zeros(H, dtype=torch.float64), backend="reference", need_stats=True)
+        sinks=torch.zeros(H, dtype=torch.float64), backend="reference", need_stats=True,
+        block_mask=sa.BlockSparseMask(torch.rand(2, 1, 2, 3, generator=gen) > 0.3, (4, 2)))
 
 
 def _paged_decode_spec():
@@ -59,7 +61,7 @@ def test_every_variant_is_used_and_matches_the_route_table():
     assert routes.used_variants(spec.q, spec.k, spec.v, alpha=spec.alpha, mask=spec.mask, is_causal=spec.is_causal,
                                 dropout_p=spec.dropout_p, cu_seqlens_q=spec.cu_seqlens_q,
                                 window_size=spec.window_size, alibi_slopes=spec.alibi_slopes, sinks=spec.sinks,
-                                softcap=spec.softcap) == spec.used()
+                                softcap=spec.softcap, block_mask=spec.block_mask) == spec.used()
     with torch.no_grad():
         assert "grad" not in _every_variant().used()
 
