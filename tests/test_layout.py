@@ -115,3 +115,28 @@ def test_tolerances_come_from_the_table(path):
     found = literal_tolerances(path.read_text())
     assert found == [], (f"{path.name}: literal atol/rtol (use TOL / EXACT from tests/helpers.py, or say "
                          "'# why:' on the line):\n" + "\n".join(found))
+
+
+MAX_HELPER_PARAMS = 15
+
+
+def _jit_functions(path):
+    """``(name, parameter count, launched)`` of every ``@triton.jit`` function of a kernel source file; ``launched``:
+    a kernel (a name ending in ``_kernel``), whose parameters are the launch arguments."""
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef) and any("jit" in ast.unparse(d) for d in node.decorator_list):
+            yield node.name, len(node.args.args), node.name.endswith("_kernel")
+
+
+def test_helper_scan_sees_every_kernel_file():
+    found = {name for path in (ROOT / "kernels").rglob("*.py") for name, _, _ in _jit_functions(path)}
+    assert {"score_mod", "program_mods", "_entmax_attn_fwd_kernel", "_entmax_decode_split_kernel"} <= found
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "kernels").rglob("*.py")), ids=lambda p: str(p.relative_to(ROOT)))
+def test_kernel_helpers_take_at_most_15_parameters(path):
+    """Inner ``@triton.jit`` helpers take the program's values as grouped tuples (``mods``, rows, key tiles ...), not
+    as loose arguments threaded through every helper (docs/design.md, "The spec in the kernels")."""
+    over = [(name, n) for name, n, launched in _jit_functions(path) if not launched and n > MAX_HELPER_PARAMS]
+    assert not over, f"{path.relative_to(ROOT)}: {over} take more than {MAX_HELPER_PARAMS} parameters"
