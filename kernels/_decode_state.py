@@ -80,12 +80,10 @@ def _tile_live(mods, rows, kt, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _read_count(rows, SCORE):
-    """Key blocks a split reads from the cache, before its loop over ``[kt_lo, kt_hi)`` (``rows[4:6]``): all of
-    them, or none yet with a block mask (its loop adds the blocks :func:`_tile_live` leaves)."""
-    n_read = rows[5] - rows[4]
-    if SCORE[4]:
-        n_read = n_read * 0
-    return n_read
+    """The count of key blocks a split reads, before its loop over ``[kt_lo, kt_hi)`` (``rows[4:6]``): zero; with a
+    block mask the loop adds the blocks :func:`_tile_live` leaves, without one the kernel stores ``kt_hi - kt_lo``
+    after the loop (so that nothing stays live across it)."""
+    return rows[4] * 0
 
 
 @triton.jit

@@ -278,6 +278,8 @@ def _entmax_decode_split_kernel(
     if ALPHA_CLASS == 0:
         m, l_sum, acc, n_valid, n_read = _softmax_split(q, keys, values, pages, rows, mods, scale, MASK, SCORE,
                                                         BLOCK_N, BIAS_KIND, CACHE)
+        if not SCORE[4]:
+            n_read = kt_hi - kt_lo
         _store_partials(PART_ROW, PART_ACC, split_rows + split, active, m, l_sum, n_valid, acc, CACHE[3], CACHE[4])
         tl.store(PART_ROW + (split_rows + split) * N_PART + 3, n_valid.to(tl.float32), mask=active)
         tl.store(reads, n_read)
@@ -307,6 +309,8 @@ def _entmax_decode_split_kernel(
         m, j_top, n_valid, bad, F, G, C, n_live, n_read = _grid_pass(
             q, keys, pages, rows, mods, (Z, z_rows, list_base), (scale * am1, am1, beta, bm1, shift), zs, MASK, SCORE,
             POW, GRID_K, BLOCK_N, BIAS_KIND, CACHE)
+        if not SCORE[4]:
+            n_read = kt_hi - kt_lo
         row = GRID_ROW + (split_rows + split) * N_PART
         tl.store(row, m, mask=active)
         tl.store(row + 1, j_top, mask=active)
