@@ -1,15 +1,18 @@
 """The decode kernels' rows, cache addressing and per-row state across splits and launches
-(``kernels/entmax_decode.py``): the packed (GQA) rows of a program, cache rows through a block table, merging
+(``kernels/entmax_decode.py``): the packed (GQA) rows of a program, cache rows through a block table (and the
+launcher's ``CACHE`` argument and cache strides), which key blocks a block mask leaves live, merging
 per-split point sums into certified brackets (a ``_threshold.Bracket`` per row), the state stored between launches,
 and the combine of the splits' partial value sums (docs/decode.md). The threshold arithmetic, the stopping rule and
 the candidate points are those of ``kernels/_threshold.py``.
 """
 
+import torch
 import triton
 import triton.language as tl
 
+from . import _common
 from ._common import LN2, LOG2E, alpha_class_id
-from ._masking import program_mods
+from ._masking import block_visible, program_mods
 from ._threshold import (
     Bracket,
     cand_points,
@@ -55,9 +58,32 @@ def _row_mods(MODS, b, h, SCORE):
     """The ``mods`` of ``_masking.score_mod`` for packed rows of q heads ``h [BLOCK_M]`` of batch entry ``b``
     (``_masking.program_mods`` per row, masks indexed by query and key position): the mask's base pointers and the
     ALiBi slopes as ``[BLOCK_M, 1]`` columns of a score tile, the sink logits per row ``[BLOCK_M]`` (a scalar
-    ``-inf`` without sinks). ``MODS`` is the kernel argument of ``_common.mods_args``."""
+    ``-inf`` without sinks), the block mask with its base per row as a ``[BLOCK_M, 1]`` column (the block grid of
+    batch entry ``b`` and head ``h``, its rows the query index ``i`` as the fused forward's:
+    ``_masking.block_visible``). ``MODS`` is the kernel argument of ``_common.mods_args``."""
     bias_base, stride_m, stride_n, slope, sink, blocks = program_mods(MODS, b, b, h, b * 0, b * 0, SCORE)
-    return bias_base[:, None], stride_m, stride_n, (slope + tl.zeros([h.shape[0]], tl.float32))[:, None], sink, blocks
+    return (bias_base[:, None], stride_m, stride_n, (slope + tl.zeros([h.shape[0]], tl.float32))[:, None], sink,
+            (blocks[0][:, None], blocks[1], blocks[2], blocks[3], blocks[4]))
+
+
+@triton.jit
+def _tile_live(mods, rows, kt, BLOCK_N: tl.constexpr):
+    """Whether the block mask keeps, for some active packed row of ``rows`` (``(i, active, seqlen_q, seqlen_k, ...)``),
+    a key of key block ``kt``: the OR over the rows' own (head, query block) of their grids, so a grid with a head dim
+    is exact too (``_masking.block_tile_live`` takes one head). A block for which it is False holds no visible key of
+    the tile and is never loaded. One ``[BLOCK_M, BLOCK_N]`` uint8 load (``_masking.block_visible``) of a few
+    distinct bytes. ``mods`` from :func:`_row_mods`; read only with a block mask (``SCORE[4]``)."""
+    cols = kt * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = rows[1][:, None] & (cols < rows[3])[None, :]
+    return tl.max((block_visible(rows[0], cols, mods[5], ok) & ok).to(tl.int32)) != 0
+
+
+@triton.jit
+def _read_count(rows, SCORE):
+    """The count of key blocks a split reads, before its loop over ``[kt_lo, kt_hi)`` (``rows[4:6]``): zero; with a
+    block mask the loop adds the blocks :func:`_tile_live` leaves, without one the kernel stores ``kt_hi - kt_lo``
+    after the loop (so that nothing stays live across it)."""
+    return rows[4] * 0
 
 
 @triton.jit
@@ -95,6 +121,24 @@ def _cache_tile(cache, pages, cols, IS_PAGED: tl.constexpr, HEAD_DIM: tl.constex
     if UPCAST:
         x = x.to(tl.float32)
     return x
+
+
+def _cache_spec(paged: bool, head_dim: int, head_dim_v: int, dtype: torch.dtype) -> tuple:
+    """The ``CACHE`` kernel argument, how the split kernel reads the cache and multiplies by it (compile-time):
+    ``(IS_PAGED, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, UPCAST, DOT_PRECISION)`` (``_common.attention_args``
+    names them)."""
+    return tuple(tl.constexpr(x) for x in (
+        paged, head_dim, _common.head_dim_block(head_dim), head_dim_v, _common.head_dim_block(head_dim_v),
+        _common.interpreting(), _common.dot_precision(dtype)))
+
+
+def _cache_strides(prefix: str, cache: torch.Tensor, paged: bool) -> dict:
+    """``stride_<x>b/h/n/d`` of a cache: ``(B, Hk, Nk, D)``, or a page pool ``(pages, page_size, Hk, D)`` whose
+    ``b`` stride steps pages and ``n`` stride slots within a page."""
+    if paged:
+        st = cache.stride()
+        return {prefix + "b": st[0], prefix + "n": st[1], prefix + "h": st[2], prefix + "d": st[3]}
+    return _common.stride_args(prefix, cache, "bhnd")
 
 
 @triton.jit

@@ -31,7 +31,9 @@ also writes the merged state the next launch starts from (two buffers, alternati
 The attention variants are the forward's, from ``kernels/_masking.py``: the scores are soft-capped, get ALiBi's
 term and the window (``MASK``, ``SCORE``) with the decode alignment (query ``i`` at key position
 ``i + cache_seqlens[b] - Nq``), and the splits share only the key blocks the tile's rows may see
-(``_masking.key_range``: with a sliding window, the window's blocks). A sink is one virtual score per row held by
+(``_masking.key_range``: with a sliding window, the window's blocks); a block-sparse mask (``SCORE[4]``, indexed by the
+query's index ``i`` and the key position) hides keys per element, and a key block it hides from every row of a
+program is never read (``_decode_state._tile_live``). A sink is one virtual score per row held by
 split 0 (``_masking.sink_tile``): it enters that split's max and grid sums, its candidate sums and its value-pass
 weight sum, so every merge sees it exactly once; softmax rows add it in the combine (max and denominator).
 Values may have their own head dim (``HEAD_DIM_V``). Derivation, measurements and the offline sm_90 builds:
@@ -51,16 +53,20 @@ from ._common import ALPHA_CLASSES, LOG2E, alpha_class_of, class_launches, resol
 from ._decode_state import (
     N_PART,
     N_STATE,
+    _cache_spec,
+    _cache_strides,
     _cache_tile,
     _entmax_decode_combine_kernel,
     _grid_state,
     _load_state,
     _merge_cands,
     _packed_rows,
+    _read_count,
     _row_mods,
     _store_partials,
     _store_points,
     _store_state,
+    _tile_live,
 )
 from ._masking import key_block_range, key_blocks_spanned, mask_spec, score_mod, score_spec, sink_tile
 from ._threshold import (
@@ -146,56 +152,71 @@ def _grid_pass(q, keys, pages, rows, mods, out, ent, zs, MASK, SCORE, POW: tl.co
     through the ring update it shares with the forward (``_threshold.grid_tile``). ``ent``: ``(z_scale, am1, beta,
     bm1, shift)`` per row.
 
-    Returns ``(m, j_top, n_valid, bad, F, G, C, n_live)``: the split's row max, its grid index, valid keys,
+    Returns ``(m, j_top, n_valid, bad, F, G, C, n_live, n_read)``: the split's row max, its grid index, valid keys,
     NaN/+inf flag and the ``[BLOCK_M, GRID_K]`` sums at the ring's points (POW 0: scaled by the split max's
-    term; counts from ``_threshold.grid_counts``), and the number of live blocks written to ``list_base``.
+    term; counts from ``_threshold.grid_counts``), the number of live blocks written to ``list_base`` and of
+    blocks read from the cache (those a block mask hides from every row are not: ``_decode_state._tile_live``).
     """
     Z, z_rows, list_base = out
     z_scale, am1, beta, bm1, shift = ent
     active = rows[1]
     w_grid, slot, m, j_top, n_valid, bad, F, G, L = grid_start(q.shape[0], GRID_K, 0)
     n_live = tl.zeros([], tl.int32)
+    n_read = _read_count(rows, SCORE)
     if SCORE[3]:
         m, j_top, F, G, L, _ = grid_tile(zs, m, j_top, F, G, L, slot, w_grid, shift, beta[:, None], bm1[:, None],
                                          POW, GRID_K, 0)
     for kt in range(rows[4], rows[5]):
-        cols = kt * BLOCK_N + tl.arange(0, BLOCK_N)
-        z = _scores(q, keys, pages, rows, cols, z_scale, am1, mods, MASK, SCORE, BIAS_KIND, CACHE)
-        tl.store(Z + z_rows[:, None] + cols[None, :], z, mask=active[:, None])
-        bad = bad | tl.max(((z != z) | (z == float("inf"))).to(tl.int32), 1)
-        n_valid += tl.sum((z != float("-inf")).to(tl.int32), 1)
-        m, j_top, F, G, L, live = grid_tile(z, m, j_top, F, G, L, slot, w_grid, shift, beta[:, None],
-                                            bm1[:, None], POW, GRID_K, 0)
-        tl.store(list_base + n_live, kt, mask=live != 0)
-        n_live += live
+        # a key block the block mask hides from every row is never loaded nor listed (its scores are not stored)
+        tile_open = True
+        if SCORE[4]:
+            tile_open = _tile_live(mods, rows, kt, BLOCK_N)
+            n_read += tile_open.to(tl.int32)
+        if tile_open:
+            cols = kt * BLOCK_N + tl.arange(0, BLOCK_N)
+            z = _scores(q, keys, pages, rows, cols, z_scale, am1, mods, MASK, SCORE, BIAS_KIND, CACHE)
+            tl.store(Z + z_rows[:, None] + cols[None, :], z, mask=active[:, None])
+            bad = bad | tl.max(((z != z) | (z == float("inf"))).to(tl.int32), 1)
+            n_valid += tl.sum((z != float("-inf")).to(tl.int32), 1)
+            m, j_top, F, G, L, live = grid_tile(z, m, j_top, F, G, L, slot, w_grid, shift, beta[:, None],
+                                                bm1[:, None], POW, GRID_K, 0)
+            tl.store(list_base + n_live, kt, mask=live != 0)
+            n_live += live
     F, G = grid_sums(F, G, 0)
-    return m, j_top, n_valid, bad, F, G, grid_counts(G, POW), n_live
+    return m, j_top, n_valid, bad, F, G, grid_counts(G, POW), n_live, n_read
 
 
 @triton.jit
 def _softmax_split(q, keys, values, pages, rows, mods, scale, MASK, SCORE, BLOCK_N: tl.constexpr,
                    BIAS_KIND: tl.constexpr, CACHE):
     """alpha == 1 on the split's key blocks ``[kt_lo, kt_hi)`` of ``rows``: online softmax (base 2). Returns ``(m, l,
-    acc, n_valid)`` (the sink joins in the combine)."""
+    acc, n_valid, n_read)`` (the sink joins in the combine; ``n_read``: key blocks read, those a block mask hides
+    from every row are not)."""
     BLOCK_M: tl.constexpr = q.shape[0]
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_sum = tl.zeros([BLOCK_M], tl.float32)
     n_valid = tl.zeros([BLOCK_M], tl.int32)
     acc = tl.zeros([BLOCK_M, CACHE[4]], tl.float32)
     log2e = tl.zeros([BLOCK_M], tl.float32) + LOG2E
+    n_read = _read_count(rows, SCORE)
     for kt in range(rows[4], rows[5]):
         cols = kt * BLOCK_N + tl.arange(0, BLOCK_N)
-        s = _scores(q, keys, pages, rows, cols, log2e * scale, log2e, mods, MASK, SCORE, BIAS_KIND, CACHE)
-        n_valid += tl.sum((s != float("-inf")).to(tl.int32), 1)
-        m_new = tl.maximum(m, tl.max(s, 1))
-        m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
-        corr = tl.exp2(m - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        v = _cache_tile(values, pages, cols, CACHE[0], CACHE[3], CACHE[4], False, CACHE[5])
-        l_sum = l_sum * corr + tl.sum(p, 1)
-        acc = acc * corr[:, None] + tl.dot(p.to(v.dtype), v, input_precision=CACHE[6])
-        m = m_new
-    return m, l_sum, acc, n_valid
+        tile_open = True
+        if SCORE[4]:
+            tile_open = _tile_live(mods, rows, kt, BLOCK_N)
+            n_read += tile_open.to(tl.int32)
+        if tile_open:
+            s = _scores(q, keys, pages, rows, cols, log2e * scale, log2e, mods, MASK, SCORE, BIAS_KIND, CACHE)
+            n_valid += tl.sum((s != float("-inf")).to(tl.int32), 1)
+            m_new = tl.maximum(m, tl.max(s, 1))
+            m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
+            corr = tl.exp2(m - m_safe)
+            p = tl.exp2(s - m_safe[:, None])
+            v = _cache_tile(values, pages, cols, CACHE[0], CACHE[3], CACHE[4], False, CACHE[5])
+            l_sum = l_sum * corr + tl.sum(p, 1)
+            acc = acc * corr[:, None] + tl.dot(p.to(v.dtype), v, input_precision=CACHE[6])
+            m = m_new
+    return m, l_sum, acc, n_valid, n_read
 
 
 @triton.jit
@@ -255,12 +276,14 @@ def _entmax_decode_split_kernel(
     values = (V, stride_vb, stride_vh, stride_vn, stride_vd)
 
     if ALPHA_CLASS == 0:
-        m, l_sum, acc, n_valid = _softmax_split(q, keys, values, pages, rows, mods, scale, MASK, SCORE, BLOCK_N,
-                                                BIAS_KIND, CACHE)
+        m, l_sum, acc, n_valid, n_read = _softmax_split(q, keys, values, pages, rows, mods, scale, MASK, SCORE,
+                                                        BLOCK_N, BIAS_KIND, CACHE)
+        if not SCORE[4]:
+            n_read = kt_hi - kt_lo
         _store_partials(PART_ROW, PART_ACC, split_rows + split, active, m, l_sum, n_valid, acc, CACHE[3], CACHE[4])
         tl.store(PART_ROW + (split_rows + split) * N_PART + 3, n_valid.to(tl.float32), mask=active)
-        tl.store(reads, kt_hi - kt_lo)
-        tl.store(reads + n_slots - 1, kt_hi - kt_lo)
+        tl.store(reads, n_read)
+        tl.store(reads + n_slots - 1, n_read)
         if split == 0:
             tl.store(N_PASSES + tile, 1)
         return
@@ -283,9 +306,11 @@ def _entmax_decode_split_kernel(
     zs, sink_bad = _sink_scores(mods[4], am1, active & (split == 0), BLOCK_N)
 
     if PHASE == 0:
-        m, j_top, n_valid, bad, F, G, C, n_live = _grid_pass(
+        m, j_top, n_valid, bad, F, G, C, n_live, n_read = _grid_pass(
             q, keys, pages, rows, mods, (Z, z_rows, list_base), (scale * am1, am1, beta, bm1, shift), zs, MASK, SCORE,
             POW, GRID_K, BLOCK_N, BIAS_KIND, CACHE)
+        if not SCORE[4]:
+            n_read = kt_hi - kt_lo
         row = GRID_ROW + (split_rows + split) * N_PART
         tl.store(row, m, mask=active)
         tl.store(row + 1, j_top, mask=active)
@@ -294,7 +319,7 @@ def _entmax_decode_split_kernel(
         tl.store(PART_ROW + (split_rows + split) * N_PART + 3, n_valid.to(tl.float32), mask=active)
         _store_points(GRID_PTS, split_rows + split, active, F, G, C, GRID_K)
         tl.store(live_n, n_live)
-        tl.store(reads, kt_hi - kt_lo)
+        tl.store(reads, n_read)
         return
 
     # the state after the previous pass: merged grid sums, or the previous state merged with its candidates
@@ -426,6 +451,7 @@ def entmax_decode_fwd(
     max_passes: int | None = None,
     alpha_class: str | None = None,
     block_n: int | None = None,
+    block_mask: tuple | None = None,
 ) -> EntmaxDecodeResult:
     """Split-K entmax attention of a few queries per sequence over a KV cache (a chain of kernel launches, no
     host synchronization).
@@ -461,6 +487,10 @@ def entmax_decode_fwd(
         alpha_class: as :func:`sparse_attn.kernels.entmax_attn_fwd.entmax_attn_fwd` (default from the values for a
             Python float or a CPU tensor, else ``"mixed"``).
         block_n: keys per block (a power of two >= 16); default by head dim.
+        block_mask: ``(mask, (block_q, block_k))``: ``mask`` boolean ``(B or 1, Hq or 1, >= ceil(Nq / block_q),
+            >= ceil(max_seqlen_k / block_k))``; query ``i`` (its index among the ``Nq``, as the fused forward's rows)
+            sees key ``j`` only if block ``(i // block_q, j // block_k)`` is True. Key blocks it hides from every
+            row of a program are not read. Default None.
 
     Returns:
         :class:`EntmaxDecodeResult`.
@@ -487,6 +517,11 @@ def entmax_decode_fwd(
     if max_passes is None:
         max_passes = DECODE_MAX_PASSES[q.dtype]
     assert max_passes >= 2, f"max_passes: got {max_passes}"
+    if block_mask is not None:
+        grid_blocks, (block_q, block_k) = block_mask
+        assert grid_blocks.dim() == 4 and grid_blocks.shape[0] in (1, batch) and grid_blocks.shape[1] in (1, n_heads)
+        assert grid_blocks.shape[2] >= triton.cdiv(seqlen_q, block_q), f"block_mask: got {tuple(grid_blocks.shape)}"
+        assert grid_blocks.shape[3] >= triton.cdiv(max_seqlen_k, block_k), f"block_mask: got {tuple(grid_blocks.shape)}"
     alpha_class = resolve_alpha_class(alpha, alpha_class)
     if alpha_class == "mixed" and isinstance(alpha, torch.Tensor) and alpha.device.type == "cpu":
         classes = sorted({ALPHA_CLASSES[alpha_class_of([a])] if 1 <= a <= 2 else 3 for a in alpha.tolist()})
@@ -513,7 +548,7 @@ def entmax_decode_fwd(
     common = dict(
         Q=q, K=k_cache, V=v_cache, ALPHA=_common.alpha_arg(alpha, n_heads, dev),
         BLOCK_TABLE=block_table if paged else cache_seqlens, CACHE_SEQLENS=cache_seqlens,
-        **_common.mods_args(bias, (batch, n_heads, seqlen_q, capacity), alibi_slopes, sinks, q),
+        **_common.mods_args(bias, (batch, n_heads, seqlen_q, capacity), alibi_slopes, sinks, q, block_mask),
         Z=torch.empty((batch, n_kv_heads, n_rows, n_span * block_n), **ws),
         LIST=torch.empty((*tiles, n_span), dtype=torch.int32, device=dev),
         LIVE_N=torch.empty((*tiles, n_splits), dtype=torch.int32, device=dev),
@@ -526,7 +561,8 @@ def entmax_decode_fwd(
         n_heads=n_heads, n_kv_heads=n_kv_heads, kv_group=kv_group, seqlen_q=seqlen_q, n_rows=n_rows,
         n_row_tiles=n_row_tiles, n_splits=n_splits, blocks_per_split=blocks_per_split, n_span=n_span,
         max_seqlen_k=max_seqlen_k, scale=float(scale), tol=default_tolerance(q.dtype) if tol is None else float(tol),
-        n_slots=n_slots, MASK=mask, SCORE=score_spec(softcap, alibi_slopes is not None, sinks is not None),
+        n_slots=n_slots, MASK=mask,
+        SCORE=score_spec(softcap, alibi_slopes is not None, sinks is not None, block_mask is not None),
         FILTER=len(classes) > 1, BLOCK_M=block_m, BLOCK_N=block_n,
         CACHE=_cache_spec(paged, head_dim, head_dim_v, q.dtype),
     )
@@ -555,20 +591,3 @@ def entmax_decode_fwd(
         HEAD_DIM_V=head_dim_v, BLOCK_DV=_common.head_dim_block(head_dim_v), BLOCK_M=block_m, **options)
     return result
 
-
-def _cache_spec(paged: bool, head_dim: int, head_dim_v: int, dtype: torch.dtype) -> tuple:
-    """The ``CACHE`` kernel argument, how the split kernel reads the cache and multiplies by it (compile-time):
-    ``(IS_PAGED, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, UPCAST, DOT_PRECISION)`` (``_common.attention_args``
-    names them)."""
-    return tuple(tl.constexpr(x) for x in (
-        paged, head_dim, _common.head_dim_block(head_dim), head_dim_v, _common.head_dim_block(head_dim_v),
-        _common.interpreting(), _common.dot_precision(dtype)))
-
-
-def _cache_strides(prefix: str, cache: torch.Tensor, paged: bool) -> dict:
-    """``stride_<x>b/h/n/d`` of a cache: ``(B, Hk, Nk, D)``, or a page pool ``(pages, page_size, Hk, D)`` whose
-    ``b`` stride steps pages and ``n`` stride slots within a page."""
-    if paged:
-        st = cache.stride()
-        return {prefix + "b": st[0], prefix + "n": st[1], prefix + "h": st[2], prefix + "d": st[3]}
-    return _common.stride_args(prefix, cache, "bhnd")

@@ -26,22 +26,24 @@ def _decode_op(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor, alpha: Tensor, alpha_value: float | None,
     scale: float, block_table: Tensor | None, bias: Tensor | None, is_causal: bool, max_seqlen_k: int | None,
     num_splits: int | None, window_size: list[int] | None, alibi_slopes: Tensor | None, softcap: float | None,
-    sinks: Tensor | None,
+    sinks: Tensor | None, block_mask: Tensor | None = None, block_size: list[int] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The decode kernels as a custom op (forward only): ``(out, tau, nnz, n_valid)``; ``alpha`` float32 ``(Hq,)``,
-    ``alpha_value`` the Python number it holds when it was given as one (one compile-time alpha class)."""
+    ``alpha_value`` the Python number it holds when it was given as one (one compile-time alpha class);
+    ``block_mask``, ``block_size``: the spec's block grid and its ``(bq, bk)`` (both None without one)."""
     from sparse_attn.kernels import entmax_decode as kernels
 
     res = kernels.entmax_decode_fwd(
         q, k_cache, v_cache, cache_seqlens, alpha if alpha_value is None else alpha_value, scale,
         block_table=block_table, bias=bias, is_causal=is_causal, window_size=window_size, alibi_slopes=alibi_slopes,
-        softcap=softcap, sinks=sinks, max_seqlen_k=max_seqlen_k, num_splits=num_splits)
+        softcap=softcap, sinks=sinks, max_seqlen_k=max_seqlen_k, num_splits=num_splits,
+        block_mask=None if block_mask is None else (block_mask, tuple(block_size)))
     return res.out, res.tau, res.nnz, res.n_valid
 
 
 @_decode_op.register_fake
 def _decode_fake(q, k_cache, v_cache, cache_seqlens, alpha, alpha_value, scale, block_table, bias, is_causal,
-                 max_seqlen_k, num_splits, window_size, alibi_slopes, softcap, sinks):
+                 max_seqlen_k, num_splits, window_size, alibi_slopes, softcap, sinks, block_mask=None, block_size=None):
     rows = q.shape[:3]
     return (q.new_empty((*rows, v_cache.shape[-1])), q.new_empty(rows, dtype=torch.float32),
             q.new_empty(rows, dtype=torch.int32), q.new_empty(rows, dtype=torch.int32))
@@ -184,9 +186,9 @@ def decode_unsupported(inputs: AttnSpec) -> list[str]:
 
     The variants the ``"decode"`` route does not list in :data:`sparse_attn.routes.SUPPORTED`: the decode kernels
     implement masks (boolean or float), bottom-right causal masking, GQA/MQA, per-head alpha and every attention
-    variant the fused path takes (sliding window, ALiBi, sinks, soft cap, ``Dv != D``), forward only. What the fused
-    path refuses (:func:`sparse_attn.attn_inputs.unfused_variants`: slopes that require grad, value head dims outside
-    [16, 256]) never reaches here.
+    variant the fused path takes (sliding window, ALiBi, sinks, soft cap, ``Dv != D``, a block mask), forward only.
+    What the fused path refuses (:func:`sparse_attn.attn_inputs.unfused_variants`: slopes that require grad, value
+    head dims outside [16, 256]) never reaches here.
     """
     return refused("decode", inputs.used())
 
@@ -219,5 +221,6 @@ def _run_decode_op(spec: AttnSpec, seqlens: Tensor, return_stats: bool):
         alpha=spec.alpha.detach().float().contiguous(), alpha_value=spec.alpha_value, scale=spec.scale,
         block_table=spec.block_table, bias=spec.mask, is_causal=spec.is_causal, max_seqlen_k=spec.max_seqlen_k,
         num_splits=spec.num_splits, window_size=_window_arg(spec.window_size), alibi_slopes=spec.alibi_slopes,
-        softcap=spec.softcap, sinks=spec.sinks)
+        softcap=spec.softcap, sinks=spec.sinks, block_mask=spec.block_mask,
+        block_size=None if spec.block_size is None else [int(n) for n in spec.block_size])
     return (out, AttentionStats(nnz, tau, n_valid)) if return_stats else out

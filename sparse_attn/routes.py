@@ -47,7 +47,8 @@ VARIANTS: dict[str, str] = {
 _ALL = frozenset(VARIANTS)
 SUPPORTED: dict[str, frozenset] = {
     "sdpa": frozenset({"causal", "dropout", "gqa", "dv", "grad"}),
-    "decode": frozenset({"bool_mask", "float_mask", "causal", "window", "alibi", "sinks", "softcap", "gqa", "dv"}),
+    "decode": frozenset({"bool_mask", "float_mask", "causal", "window", "alibi", "sinks", "softcap", "gqa", "dv",
+                         "block_mask"}),
     "fused": frozenset({"varlen", "bool_mask", "float_mask", "mask_grad", "causal", "window", "alibi", "sinks",
                         "softcap", "dropout", "gqa", "dv", "grad", "block_mask"}),
     "chunked": frozenset({"varlen", "bool_mask", "float_mask", "mask_grad", "causal", "window", "alibi",

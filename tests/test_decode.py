@@ -16,11 +16,13 @@ import pytest
 import torch
 from helpers import TOL, assert_close_to_ref
 
+import sparse_attn as sa
 import sparse_attn.kernels.entmax_decode as decode_kernels
 from sparse_attn import AttentionStats, entmax_attention, record_head_stats
 from sparse_attn.attn_inputs import prepare_attention
 from sparse_attn.decode import decode_fits, decode_unsupported, entmax_decode
 from sparse_attn.kernels.entmax_decode import entmax_decode_fwd
+from sparse_attn.masks import block_keep
 from sparse_attn.reference import entmax_attention_reference
 
 # Absolute slack added to twice the reference's own error in the kernel dtype (the fused kernels' slack).
@@ -786,3 +788,128 @@ def test_gpu_variants_match_reference(dtype):
     out64, _ = _reference(q, k, v, alpha, seqlens, **ref)
     out_lp, _ = _reference(q, k, v, alpha, seqlens, dtype=dtype, **ref)
     _check("out", out.cpu(), out64, out_lp, dtype)
+
+
+def _block_grid(B, Hq, Nq, N, bq, bk, seed, p_keep=0.5):
+    """A random boolean block grid ``(B, Hq, ceil(Nq / bq), ceil(N / bk))`` (a head dim of 1 when ``Hq == 1``)."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.rand(B, Hq, -(-Nq // bq), -(-N // bk), generator=gen) < p_keep
+
+
+def _hidden_tiles_read(grid, bq, bk, seqlens, Nq, Hq, Hk, block_n):
+    """Cache key blocks of ``block_n`` keys the score pass must read per (batch entry, kv head): those holding a key
+    of the sequence in a block the grid keeps for some query of a q head of the group. ``(B, Hk)``"""
+    B = len(seqlens)
+    keep = block_keep(sa.BlockSparseMask(grid, (bq, bk)), Nq, int(max(seqlens)))
+    keep = keep.expand(B, Hq, Nq, keep.shape[-1]) & (torch.arange(keep.shape[-1]) < seqlens.view(B, 1, 1, 1))
+    per_kv = keep.unflatten(1, (Hk, Hq // Hk)).any(dim=(2, 3))  # (B, Hk, N)
+    n_tiles = -(-per_kv.shape[-1] // block_n)
+    pad = torch.zeros(B, Hk, n_tiles * block_n, dtype=torch.bool)
+    pad[..., :per_kv.shape[-1]] = per_kv
+    return pad.unflatten(2, (n_tiles, block_n)).any(-1).sum(-1).to(torch.int32)
+
+
+BLOCK_CASES = {
+    "softmax-gqa-contiguous-nq1": dict(alpha=1.0, Hq=4, Hk=2, Nq=1, seqlens=[70, 45], bq=1, bk=8),
+    "entmax15-paged-nq3-per-head": dict(alpha=1.5, Hq=4, Hk=2, Nq=3, seqlens=[70, 33], bq=2, bk=16, page_size=8),
+    "sparsemax-paged-causal-nq4-broadcast-heads": dict(alpha=2.0, Hq=4, Hk=1, Nq=4, seqlens=[70, 64], bq=3, bk=24,
+                                                       page_size=16, causal=True, heads=1),
+    "mixed-gqa-contiguous-nq2": dict(alpha=MIXED, Hq=4, Hk=2, Nq=2, seqlens=[70, 18], bq=16, bk=32, batch1=True),
+}
+
+
+@pytest.mark.parametrize("name", list(BLOCK_CASES))
+def test_block_mask_matches_reference(name):
+    """``block_mask=`` on the decode kernels (the grid's rows are the query's index among the ``Nq``, its columns key
+    positions, as the fused forward's): out, tau, n_valid and supports against the float64 reference with the
+    expanded keep mask; GQA rows of different heads read their own head's grid (or one broadcast over heads, or over
+    the batch); paged and contiguous caches; key blocks the grid hides from every row of a kv head are not read."""
+    case = dict(BLOCK_CASES[name])
+    bq, bk, heads, batch1 = case.pop("bq"), case.pop("bk"), case.pop("heads", None), case.pop("batch1", False)
+    alpha, Hq, Hk, Nq, page_size = case["alpha"], case["Hq"], case["Hk"], case["Nq"], case.get("page_size")
+    causal = case.get("causal", False)
+    B, N, D = 2, 70, 16
+    seqlens = torch.tensor(case["seqlens"], dtype=torch.int32)
+    grid = _block_grid(1 if batch1 else B, heads or Hq, Nq, N, bq, bk, seed=len(name), p_keep=0.4)
+    gen = torch.Generator().manual_seed(31)
+    q = torch.randn(B, Hq, Nq, D, generator=gen)
+    k, v = _cache(gen, B, Hk, N, D, torch.float32), _cache(gen, B, Hk, N, D, torch.float32)
+    kc, vc, table = (k, v, None) if page_size is None else _page(k, v, seqlens, page_size, gen)
+    alpha_t = torch.tensor(alpha) if isinstance(alpha, list) else alpha
+    res = entmax_decode_fwd(q, kc, vc, seqlens, alpha_t, D ** -0.5, block_table=table, is_causal=causal,
+                            max_seqlen_k=N, num_splits=2, block_n=16, block_mask=(grid, (bq, bk)))
+    keep = block_keep(sa.BlockSparseMask(grid, (bq, bk)), Nq, N).expand(B, Hq, Nq, N)
+    out64, st64 = _reference(q, k, v, alpha_t, seqlens, causal, keep)
+    out_lp, st_lp = _reference(q, k, v, alpha_t, seqlens, causal, keep, dtype=torch.float32)
+    assert _max_err(_reference(q, k, v, alpha_t, seqlens, causal)[0], out64) > 1e-3, "the grid changes nothing"
+    assert not torch.isnan(res.out).any()
+    _check("out", res.out, out64, out_lp, torch.float32)
+    assert torch.equal(res.n_valid, st64.n_valid) and (st64.n_valid == 0).any() == (res.out.abs().sum(-1) == 0).any()
+    valid = st64.n_valid > 0
+    assert torch.equal(valid, torch.isfinite(res.tau))
+    zero = torch.zeros_like(st64.tau)
+    _check("tau", torch.where(valid, res.tau.double(), zero), torch.where(valid, st64.tau, zero),
+           torch.where(valid, st_lp.tau.double(), zero), torch.float32)
+    want = _hidden_tiles_read(grid, bq, bk, seqlens, Nq, Hq, Hk, 16)
+    full = -(-seqlens.view(B, 1) // 16).expand(B, Hk)
+    assert (want < full).any()
+    if isinstance(alpha, list):  # one launch per alpha class, each over the rows of its class: no more than all rows
+        assert (res.blocks_read[..., 0].sum(dim=(3, 4)) <= want).all()
+    else:
+        assert torch.equal(res.blocks_read[..., 0].sum(dim=(0, 3, 4)), want)
+
+
+@pytest.mark.parametrize("alpha", [1.0, 1.5, 2.0])
+def test_key_blocks_the_block_mask_hides_are_never_read(alpha):
+    """A block-diagonal grid over a 128-key cache in the kernels' 16-key blocks: each query's heads keep one key
+    block; keys and values of every other block are NaN and the output stays finite and right (a value block read
+    by the softmax pass would turn its rows NaN through ``0 * NaN`` in ``P V``); the score pass reads one block per
+    query block, the value pass no more."""
+    gen = torch.Generator().manual_seed(33)
+    B, Hq, Hk, Nq, N, D = 1, 4, 2, 2, 128, 16
+    seqlens = torch.tensor([N], dtype=torch.int32)
+    grid = torch.zeros(1, 1, Nq, N // 16, dtype=torch.bool)
+    grid[0, 0, 0, 2] = grid[0, 0, 1, 5] = True
+    q = torch.randn(B, Hq, Nq, D, generator=gen)
+    k, v = _cache(gen, B, Hk, N, D, torch.float32), _cache(gen, B, Hk, N, D, torch.float32)
+    hidden = ~grid[0, 0].any(0).repeat_interleave(16)[:N]
+    k_nan, v_nan = (x.masked_fill(hidden[:, None], float("nan")) for x in (k, v))
+    res = entmax_decode_fwd(q, k_nan, v_nan, seqlens, alpha, D ** -0.5, num_splits=3, block_n=16,
+                            block_mask=(grid, (1, 16)))
+    keep = block_keep(sa.BlockSparseMask(grid, (1, 16)), Nq, N).expand(B, Hq, Nq, N)
+    out64, _ = _reference(q, k, v, alpha, seqlens, mask=keep)
+    out_lp, _ = _reference(q, k, v, alpha, seqlens, mask=keep, dtype=torch.float32)
+    assert not torch.isnan(res.out).any()
+    _check("out", res.out, out64, out_lp, torch.float32)
+    reads = res.blocks_read.sum(dim=(0, 4))  # (B, Hk, row tiles, slots)
+    assert (reads[..., 0] == 2).all() and (reads[..., -1] <= 2).all()
+
+
+def test_entmax_attention_block_mask_decoding_step_takes_the_decode_kernels(monkeypatch):
+    """A decoding-shaped ``entmax_attention`` call with a block mask (GQA, per-head alpha, causal) fits the decode
+    route and runs on the decode kernels, once, with the block grid, matching the float64 reference."""
+    calls, grids = _spy_decode(monkeypatch), []
+    real = decode_kernels.entmax_decode_fwd
+
+    def spy(*args, **kwargs):
+        grids.append(kwargs.get("block_mask"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(decode_kernels, "entmax_decode_fwd", spy)
+    gen = torch.Generator().manual_seed(34)
+    B, Hq, Hk, Nq, N, D = 2, 4, 2, 3, 50, 16
+    q = torch.randn(B, Hq, Nq, D, generator=gen)
+    k, v = _cache(gen, B, Hk, N, D, torch.float32), _cache(gen, B, Hk, N, D, torch.float32)
+    bm = sa.BlockSparseMask(_block_grid(B, Hq, Nq, N, 2, 8, seed=5), (2, 8))
+    a = torch.tensor(MIXED)
+    kw = dict(is_causal=True, enable_gqa=True, return_stats=True, block_mask=bm)
+    assert decode_fits(prepare_attention(q, k, v, a, backend="triton", enable_gqa=True, block_mask=bm))
+    out, st = entmax_attention(q, k, v, a, backend="triton", **kw)
+    assert calls == [Nq] and len(grids) == 1 and grids[0][1] == (2, 8) and torch.equal(grids[0][0], bm.mask)
+    out64, st64 = entmax_attention_reference(q.double(), k.double(), v.double(), a.double(), **kw)
+    out32, st32 = entmax_attention_reference(q, k, v, a, **kw)
+    assert _max_err(entmax_attention_reference(q.double(), k.double(), v.double(), a.double(), is_causal=True,
+                                               enable_gqa=True), out64) > 1e-3
+    _check("out", out, out64, out32, torch.float32)
+    _check("tau", st.tau, st64.tau, st32.tau, torch.float32)
+    assert torch.equal(st.n_valid, st64.n_valid)
