@@ -67,7 +67,7 @@ MOVES = {
     "sparse_attn/reference.py": "sparse_attn/attn",
     "sparse_attn/_cpu_chunked.py": "sparse_attn/attn",
     "sparse_attn/decode.py": "sparse_attn/attn",
-    "sparse_attn/block_masks.py": "sparse_attn/attn",  # if the block-sparse variant adds it
+    "sparse_attn/_kv_cache.py": "sparse_attn/attn",  # decode's cache checks (prepare_attention's kv_cache option)
     # the model-facing layer (context parallelism wraps the modules: it imports modules.py and stats.py)
     "sparse_attn/modules.py": "sparse_attn/models",
     "sparse_attn/_head_alpha.py": "sparse_attn/models",
