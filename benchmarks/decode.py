@@ -1,4 +1,4 @@
-"""Decode-step counters of the split-K entmax kernel (``kernels/entmax_decode.py``), and GPU timings when a GPU is
+"""Decode-step counters of the split-K entmax kernel (``kernels/attn/entmax_decode.py``), and GPU timings when a GPU is
 at hand.
 
 CPU (``TRITON_INTERPRET=1``, the default without CUDA): for alpha in {1, 1.25, 1.5, 2} and caches with random

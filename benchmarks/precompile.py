@@ -25,7 +25,7 @@ A venv with the device's Triton (torch from the project's venv serves)::
 
 Writes into ``--out`` (default ``.triton-sm90/`` in the repo root, git-ignored): the cache entries, only the
 ``.cubin`` and metadata ``.json`` of each (``--keep-ir`` keeps the IRs), and ``manifest.json``: the Triton version and
-key, the commit, a hash of ``kernels/*.py``, the headline arguments, and per kernel its name, cache hash, warps,
+key, the commit, a hash of ``kernels/**/*.py``, the headline arguments, and per kernel its name, cache hash, warps,
 stages, shared memory, constexprs and 16-divisible arguments. The build is additive while the kernel sources and the
 Triton key stay the same (``--fresh`` empties the folder first); a manifest of other sources or another key is
 replaced. ``--jobs`` processes compile (each kernel once: a kernel belongs to the process its JIT key hashes to), then
@@ -63,10 +63,10 @@ KEEP_SUFFIXES = (".json", ".cubin")
 
 
 def kernels_digest() -> str:
-    """sha256 of the kernel sources (``kernels/*.py``): the JIT key hashes them, line numbers included."""
+    """sha256 of the kernel sources (``kernels/**/*.py``): the JIT key hashes them, line numbers included."""
     h = hashlib.sha256()
-    for path in sorted((ROOT / "kernels").glob("*.py")):
-        h.update(path.name.encode() + b"\0" + path.read_bytes())
+    for path in sorted((ROOT / "kernels").rglob("*.py")):
+        h.update(path.relative_to(ROOT / "kernels").as_posix().encode() + b"\0" + path.read_bytes())
     return h.hexdigest()
 
 
@@ -423,7 +423,7 @@ def build(args) -> int:
     if p.returncode != 0:
         raise SystemExit("precompile: the check run failed")
     if kernels_digest() != digest:
-        raise SystemExit("precompile: kernels/*.py changed during the build: its keys may be stale, rerun it")
+        raise SystemExit("precompile: kernels/**/*.py changed during the build: its keys may be stale, rerun it")
     result = json.loads(out.strip().splitlines()[-1])
     kernels = {e["hash"]: {k: v for k, v in e.items() if k not in ("cache_hit", "compile_s")}
                for e in result["events"]}

@@ -4,9 +4,13 @@ Layout everywhere: ``(batch, heads, seq, head_dim)``.
 """
 
 from sparse_attn._version import __version__
-from sparse_attn.attention import AttentionStats, checks_enabled, entmax_attention, set_checks
-from sparse_attn.constrained import FertilityAttention, FertilityPredictor, FertilityState, csoftmax, csparsemax
-from sparse_attn.losses import (
+from sparse_attn.attn.attention import AttentionStats, checks_enabled, entmax_attention, set_checks
+from sparse_attn.attn.masks import BlockSparseMask
+from sparse_attn.models.modules import EntmaxAlpha, EntmaxMultiheadAttention, swap_attention
+from sparse_attn.models.sdpa import attach_entmax_sdpa, entmax_sdpa, swap_sdpa_attention
+from sparse_attn.models.stats import HeadStatsRecorder, record_head_stats
+from sparse_attn.rows.constrained import FertilityAttention, FertilityPredictor, FertilityState, csoftmax, csparsemax
+from sparse_attn.rows.losses import (
     Entmax15Loss,
     EntmaxBisectLoss,
     SparsemaxLoss,
@@ -14,7 +18,7 @@ from sparse_attn.losses import (
     entmax_bisect_loss,
     sparsemax_loss,
 )
-from sparse_attn.mappings import (
+from sparse_attn.rows.mappings import (
     Entmax,
     Entmax15,
     EntmaxBisect,
@@ -24,11 +28,7 @@ from sparse_attn.mappings import (
     entmax_bisect,
     sparsemax,
 )
-from sparse_attn.masks import BlockSparseMask
-from sparse_attn.modules import EntmaxAlpha, EntmaxMultiheadAttention, swap_attention
-from sparse_attn.sdpa import attach_entmax_sdpa, entmax_sdpa, swap_sdpa_attention
-from sparse_attn.stats import HeadStatsRecorder, record_head_stats
-from sparse_attn.structured import (
+from sparse_attn.rows.structured import (
     Fusedmax,
     Oscarmax,
     fusedmax,
@@ -88,3 +88,9 @@ __all__ = [
 from sparse_attn.integrations import register_hf_when_imported as _register_hf_when_imported  # noqa: E402
 
 _register_hf_when_imported()
+
+# The module paths of the flat layout (sparse_attn.mappings, sparse_attn.kernels.entmax_attn_fwd, ...) keep importing
+# the same module objects (sparse_attn/_old_paths.py).
+from sparse_attn._old_paths import install as _install_old_paths  # noqa: E402
+
+_install_old_paths()

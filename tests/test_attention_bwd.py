@@ -1,4 +1,4 @@
-"""The fused Triton backward (``kernels/entmax_attn_bwd.py``) against float64 autograd.
+"""The fused Triton backward (``kernels/attn/entmax_attn_bwd.py``) against float64 autograd.
 
 The oracle is ``torch.autograd`` through the materialized float64 reference. The kernel is fed
 the reference's threshold ``tau`` rounded to float32 and the matching renormalizer ``lsum``
@@ -371,7 +371,7 @@ FWD_FIELDS = ("out", "tau", "lsum", "nnz", "n_valid", "live", "n_passes", "tile_
     dict(alpha=[1.0, 1.3, 1.5, 2.0], Hq=4, Hk=2, causal=True, dropout_p=0.25, mask="float"),
     dict(alpha=[1.0001, 1.7], Hq=2, Hk=1, cu_q=[0, 9, 9, 40], cu_k=[0, 13, 20, 47], causal=True, mask="bool"),
     dict(alpha=2.0, Nq=33, Nk=50),
-    # head dim above 128: out_u in a second value pass (kernels/_fwd_rows.py, SPLIT_U)
+    # head dim above 128: out_u in a second value pass (kernels/attn/_fwd_rows.py, SPLIT_U)
     dict(alpha=[1.0, 1.25, 1.5, 2.0], Hq=4, Hk=2, D=160, Nq=24, Nk=40, causal=True, dropout_p=0.25, mask="float"),
 ])
 def test_training_forward_equals_inference_forward(kw, kernel_device):

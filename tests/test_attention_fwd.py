@@ -1,4 +1,4 @@
-"""The fused Triton forward (``kernels/entmax_attn_fwd.py``) against the float64 reference.
+"""The fused Triton forward (``kernels/attn/entmax_attn_fwd.py``) against the float64 reference.
 
 Every kernel output is allocated poisoned (NaN, or the int32 max) by the ``poison_uninitialized``
 fixture of ``conftest.py``, so a value the kernel fails to write shows up as a mismatch. Errors follow GUIDE §4:

@@ -1,4 +1,5 @@
-"""Split-K decoding (``sparse_attn.decode.entmax_decode``, ``kernels/entmax_decode.py``) against the float64 reference.
+"""Split-K decoding (``sparse_attn.decode.entmax_decode``, ``kernels/attn/entmax_decode.py``) against the float64
+reference.
 
 The reference is ``entmax_attention_reference`` on the cache gathered into a contiguous float64 ``(B, Hk, Nk, D)``
 tensor with a keep mask for ``cache_seqlens`` (and causality), built here independently of the decode module.

@@ -1,4 +1,4 @@
-"""The route table (``sparse_attn/routes.py``): every variant named, every route refusing what it does not list.
+"""The route table (``sparse_attn/attn/routes.py``): every variant named, every route refusing what it does not list.
 
 A new field of ``AttentionInputs`` or a new variant without an example here fails the coverage tests; a variant a
 route does not list is refused there (the dummy-variant test), and what the SDPA route claims to run is checked

@@ -67,11 +67,11 @@ except ImportError as exc:  # pragma: no cover - exercised only without (a recen
     ) from exc
 
 from sparse_attn._validation import check_number
-from sparse_attn.attention import run_layer_attention
-from sparse_attn.attn_inputs import prepare_attention
-from sparse_attn.masks import check_mask, combine_masks
-from sparse_attn.modules import EntmaxAlpha, resolve_learnable
-from sparse_attn.stats import head_stats_sink, register_layer_type
+from sparse_attn.attn.attention import run_layer_attention
+from sparse_attn.attn.attn_inputs import prepare_attention
+from sparse_attn.attn.masks import check_mask, combine_masks
+from sparse_attn.models.modules import EntmaxAlpha, resolve_learnable
+from sparse_attn.models.stats import head_stats_sink, register_layer_type
 
 __all__ = [
     "IMPLEMENTATION",

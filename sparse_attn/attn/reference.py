@@ -29,9 +29,9 @@ import torch
 from torch import Tensor
 
 from sparse_attn._validation import check_bool
-from sparse_attn.attn_inputs import AttentionInputs, AttentionStats, prepare_attention
-from sparse_attn.mappings import entmax
-from sparse_attn.masks import alibi_bias, block_keep, causal_keep, check_mask, combine_masks, window_keep
+from sparse_attn.attn.attn_inputs import AttentionInputs, AttentionStats, prepare_attention
+from sparse_attn.attn.masks import alibi_bias, block_keep, causal_keep, check_mask, combine_masks, window_keep
+from sparse_attn.rows.mappings import entmax
 
 __all__ = ["entmax_attention_reference", "reference_forward", "ReferenceResult", "causal_keep"]
 

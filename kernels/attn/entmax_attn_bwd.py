@@ -33,7 +33,22 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _common, _masking
+from .. import _common, _masking
+from .._common import (
+    alpha_class_id,
+    load_rows,
+    slice_base,
+    store_rows,
+)
+from .._masking import (
+    key_tile_range,
+    live_tile,
+    program_mods,
+    query_tile_range,
+    seq_bounds,
+    sink_tile,
+    tile_indices,
+)
 from ._bwd_tiles import (
     _column_tile_bits,
     _dalpha_terms,
@@ -47,21 +62,6 @@ from ._bwd_tiles import (
     _tile,
     _tile_rows,
     _weights,
-)
-from ._common import (
-    alpha_class_id,
-    load_rows,
-    slice_base,
-    store_rows,
-)
-from ._masking import (
-    key_tile_range,
-    live_tile,
-    program_mods,
-    query_tile_range,
-    seq_bounds,
-    sink_tile,
-    tile_indices,
 )
 
 _DEFAULT_BLOCK = 64

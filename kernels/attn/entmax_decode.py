@@ -9,11 +9,11 @@ its own key blocks and every later launch first combining what all splits of the
    from the cache and stored (``Z``, float32, ``Nq x Hq / Hk`` rows per kv head: a fraction of the key
    cache's own size), together with the split's row max, valid-key count, NaN flag and ``f``, ``g``, ``c``
    at ``GRID_K`` absolute grid points ``i / (GRID_K - 1)`` below the split's own running max (the forward's
-   ring, kernels/entmax_attn_fwd.py). Blocks whose scores all lie below the lowest point are dead.
+   ring, kernels/attn/entmax_attn_fwd.py). Blocks whose scores all lie below the lowest point are dead.
 2. **candidate passes** (``PHASE 1``, at most ``max_passes - 2`` launches): every program merges the
    splits' grid sums into the global sums (exact: the grid is absolute, so a point above a split's own
    max simply has nothing from that split), or the previous pass's candidate sums into the previous
-   bracket, solves for a certified bracket and an estimate (kernels/_threshold.py) and, while a row of
+   bracket, solves for a certified bracket and an estimate (kernels/attn/_threshold.py) and, while a row of
    its tile is not pinned down, evaluates ``CAND_P`` points of the bracket over its live blocks, reading
    the stored scores (not the cache) and dropping blocks below the certified lower bound.
 3. **value pass** (``PHASE 2``): the final threshold (same merge and solve), then for every live block
@@ -48,8 +48,9 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _common
-from ._common import ALPHA_CLASSES, LOG2E, alpha_class_of, class_launches, resolve_alpha_class
+from .. import _common
+from .._common import ALPHA_CLASSES, LOG2E, alpha_class_of, class_launches, resolve_alpha_class
+from .._masking import key_block_range, key_blocks_spanned, mask_spec, score_mod, score_spec, sink_tile
 from ._decode_state import (
     N_PART,
     N_STATE,
@@ -68,7 +69,6 @@ from ._decode_state import (
     _store_state,
     _tile_live,
 )
-from ._masking import key_block_range, key_blocks_spanned, mask_spec, score_mod, score_spec, sink_tile
 from ._threshold import (
     DECODE_MAX_PASSES,
     DECODE_POINTS,

@@ -13,13 +13,13 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.bias import causal_lower_right
 
-from sparse_attn.attn_inputs import AttentionStats, AttnSpec
-from sparse_attn.decode import decode_attention, decode_fits
+from sparse_attn.attn.attn_inputs import AttentionStats, AttnSpec
+from sparse_attn.attn.decode import decode_attention, decode_fits
+from sparse_attn.attn.routes import refusal_message, refused
 from sparse_attn.kernels._spec import DIFFERENTIABLE
 from sparse_attn.kernels._spec import FIELDS as SPEC_FIELDS
-from sparse_attn.kernels.entmax_attn_bwd import entmax_attn_bwd
-from sparse_attn.kernels.entmax_attn_fwd import entmax_attn_fwd, fwd_block_sizes
-from sparse_attn.routes import refusal_message, refused
+from sparse_attn.kernels.attn.entmax_attn_bwd import entmax_attn_bwd
+from sparse_attn.kernels.attn.entmax_attn_fwd import entmax_attn_fwd, fwd_block_sizes
 
 
 def _live_shape(spec: AttnSpec):

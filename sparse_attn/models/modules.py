@@ -16,25 +16,25 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from sparse_attn._head_alpha import EntmaxAlpha, _check_factory, _HeadAlphaMixin, resolve_learnable
-from sparse_attn._sdpa_callers import sdpa_modules
 from sparse_attn._validation import check_bool, check_number
-from sparse_attn.attention import run_layer_attention
-from sparse_attn.attn_inputs import (
+from sparse_attn.attn.attention import run_layer_attention
+from sparse_attn.attn.attn_inputs import (
     KERNEL_DTYPES,
     MAX_HEAD_DIM,
     MIN_HEAD_DIM,
     prepare_attention,
 )
-from sparse_attn.kernels._common import interpreting
-from sparse_attn.masks import (
+from sparse_attn.attn.masks import (
     causal_keep,
     check_mask,
     combine_masks,
     from_mha_mask,
     key_padding_to_mask,
 )
-from sparse_attn.stats import head_stats_sink, register_layer_type
+from sparse_attn.kernels._common import interpreting
+from sparse_attn.models._head_alpha import EntmaxAlpha, _check_factory, _HeadAlphaMixin, resolve_learnable
+from sparse_attn.models._sdpa_callers import sdpa_modules
+from sparse_attn.models.stats import head_stats_sink, register_layer_type
 
 __all__ = ["EntmaxAlpha", "EntmaxMultiheadAttention", "swap_attention"]
 

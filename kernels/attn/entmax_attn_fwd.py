@@ -12,7 +12,7 @@ without storing the scores ``z = (alpha - 1) * s``:
    their score product (``_fwd_rows._tile_screen``);
 2. **candidate passes** over the live tiles, only while some row of the tile has not pinned its
    threshold down to the dtype's tolerance: ``f``, ``g`` at ``CAND_P`` points of the certified bracket
-   (kernels/_threshold.py), tiles with no score above the certified lower bound marked dead;
+   (kernels/attn/_threshold.py), tiles with no score above the certified lower bound marked dead;
 3. a **value pass** over the live tiles accumulating ``sum_j p_ij v_j`` and ``sum_j p_ij``, divided at
    the end so that every row sums to one; when gradients are needed also ``sum_j U_ij v_j`` and
    ``sum_j U_ij`` (``U = p^(2 - alpha)``, the backward's ``delta``, docs/backward.md).
@@ -33,8 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _common, _masking
-from ._common import (
+from .. import _common, _masking
+from .._common import (
     alpha_class_id,
     class_launches,
     load_rows,
@@ -42,9 +42,9 @@ from ._common import (
     slice_base,
     store_rows,
 )
-from ._common import alpha_class_of as alpha_class_of  # re-exported: the public place of the class rule
+from .._common import alpha_class_of as alpha_class_of  # re-exported: the public place of the class rule
+from .._masking import key_tile_range, max_first_tile, program_mods, seq_bounds
 from ._fwd_rows import KeyTiles, Rows, Scalars, Tiles, entmax_rows, softmax_rows
-from ._masking import key_tile_range, max_first_tile, program_mods, seq_bounds
 from ._threshold import FWD_MAX_PASSES as DEFAULT_MAX_PASSES  # re-exported: the public place of the default
 from ._threshold import FWD_POINTS
 from ._threshold import default_tolerance as default_tolerance  # re-exported
@@ -126,7 +126,7 @@ def _entmax_attn_fwd_kernel(
 
     q_base = slice_base(Q, b, h, q_start, stride_qb, stride_qh, stride_qm)
     q = load_rows(q_base, rows, offs_d, stride_qm, stride_qd, row_ok, offs_d < HEAD_DIM, UPCAST)  # [BLOCK_M, BLOCK_D]
-    # the program's run-time values, built once and handed down as tuples (kernels/_fwd_rows.py)
+    # the program's run-time values, built once and handed down as tuples (kernels/attn/_fwd_rows.py)
     kv = KeyTiles(slice_base(K, b, h_kv, k_start, stride_kb, stride_kh, stride_kn),
                   slice_base(V, b, h_kv, k_start, stride_vb, stride_vh, stride_vn), stride_kn, stride_kd, stride_vn,
                   stride_vd, tl.arange(0, BLOCK_N), offs_d < HEAD_DIM, offs_dv < HEAD_DIM_V)

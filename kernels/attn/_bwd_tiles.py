@@ -1,4 +1,4 @@
-"""The fused backward's tile-level work (``kernels/entmax_attn_bwd.py`` launches the kernels): row factors, the
+"""The fused backward's tile-level work (``kernels/attn/entmax_attn_bwd.py`` launches the kernels): row factors, the
 weights ``p``, ``U = p^(2 - alpha)`` and ``log p`` of a recomputed score tile by alpha class, the alpha-gradient
 terms, one tile's ``dP`` and ``dS``, the loads of a key tile / query rows, and the liveness bits a loop walks.
 Derivations in docs/backward.md.
@@ -7,8 +7,8 @@ Derivations in docs/backward.md.
 import triton
 import triton.language as tl
 
-from ._common import LN2, LOG2E, alpha_class_id, dropout_keep, expm1mx_series, load_rows, log2_1p, slice_base
-from ._masking import bit_rank, score_mod, soft_cap, tile_indices
+from .._common import LN2, LOG2E, alpha_class_id, dropout_keep, expm1mx_series, load_rows, log2_1p, slice_base
+from .._masking import bit_rank, score_mod, soft_cap, tile_indices
 
 
 @triton.jit

@@ -47,10 +47,10 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from sparse_attn.attn_inputs import AttentionInputs, AttentionStats
-from sparse_attn.mappings import _apply as _entmax_rows
-from sparse_attn.mappings import _rows_vjp, _threshold_from_sorted
-from sparse_attn.reference import _SAFE_ALPHA, _soft_cap, _stats
+from sparse_attn.attn.attn_inputs import AttentionInputs, AttentionStats
+from sparse_attn.attn.reference import _SAFE_ALPHA, _soft_cap, _stats
+from sparse_attn.rows.mappings import _apply as _entmax_rows
+from sparse_attn.rows.mappings import _rows_vjp, _threshold_from_sorted
 
 __all__ = ["chunked_fits", "chunked_attention", "BLOCK_BYTES", "MIN_SCORES"]
 

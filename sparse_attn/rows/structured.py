@@ -48,7 +48,8 @@ import math
 import torch
 from torch import nn
 
-from sparse_attn._structured_rows import (
+from sparse_attn._validation import check_dim, check_floating, check_int, check_real
+from sparse_attn.rows._structured_rows import (
     from_rows,
     oscar_prox_rows,
     poison_rows,
@@ -57,8 +58,7 @@ from sparse_attn._structured_rows import (
     tv_prox_valid,
     valid_rows,
 )
-from sparse_attn._validation import check_dim, check_floating, check_int, check_real
-from sparse_attn.mappings import _compute_dtype, sparsemax
+from sparse_attn.rows.mappings import _compute_dtype, sparsemax
 
 __all__ = [
     "fusedmax",

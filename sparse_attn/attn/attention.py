@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import torch
 
-from sparse_attn._cpu_chunked import chunked_attention, chunked_fits
 from sparse_attn._validation import check_bool, checks_enabled, set_checks
-from sparse_attn.attn_inputs import AttentionStats, AttnSpec, prepare_attention
-from sparse_attn.reference import reference_forward
-from sparse_attn.routes import refusal_message, refused
+from sparse_attn.attn._cpu_chunked import chunked_attention, chunked_fits
+from sparse_attn.attn.attn_inputs import AttentionStats, AttnSpec, prepare_attention
+from sparse_attn.attn.reference import reference_forward
+from sparse_attn.attn.routes import refusal_message, refused
 
 __all__ = ["entmax_attention", "AttentionStats", "set_checks", "checks_enabled"]
 
@@ -33,7 +33,7 @@ def run_attention(inputs: AttnSpec, return_stats: bool | None = None):
             return (out, stats) if return_stats else out
         res = reference_forward(inputs, with_stats=return_stats)
         return (res.out, res.stats) if return_stats else res.out
-    from sparse_attn._attn_autograd import fused_entmax_attention
+    from sparse_attn.attn._attn_autograd import fused_entmax_attention
 
     return fused_entmax_attention(inputs, return_stats)
 

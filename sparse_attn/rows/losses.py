@@ -41,7 +41,7 @@ from sparse_attn._validation import (
     check_positive_int,
     check_tensor,
 )
-from sparse_attn.mappings import _check_alpha_arg, _compute_dtype, entmax15, entmax_bisect, sparsemax
+from sparse_attn.rows.mappings import _check_alpha_arg, _compute_dtype, entmax15, entmax_bisect, sparsemax
 
 __all__ = [
     "sparsemax_loss",

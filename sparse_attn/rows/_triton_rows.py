@@ -1,12 +1,12 @@
 """Autograd wiring and entry point of the Triton alpha-entmax row kernels (long rows on CUDA).
 
-The launchers of ``kernels/row_entmax.py`` are wrapped as the ``torch.library`` custom ops
+The launchers of ``kernels/rows/row_entmax.py`` are wrapped as the ``torch.library`` custom ops
 ``sparse_attn::entmax_rows_fwd`` and ``sparse_attn::entmax_rows_bwd`` with fake
 implementations (shapes only) and a registered autograd formula, following the rule of
 ``sparse_attn._dispatch``. ``sparse_attn.mappings`` calls :func:`entmax_rows_triton` for CUDA
 tensors with long rows (the ``auto`` dispatch); called directly it is the forced kernel path
 and raises instead of falling back. It also runs on CPU tensors under ``TRITON_INTERPRET=1``
-(tests). The math and the solver are described in ``kernels/row_entmax.py``.
+(tests). The math and the solver are described in ``kernels/rows/row_entmax.py``.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from torch import Tensor
 
 from sparse_attn._validation import check_alpha, check_dim, check_tensor
 from sparse_attn.kernels._common import interpreting
-from sparse_attn.kernels.row_entmax import MODE_GENERAL, entmax_rows_bwd, entmax_rows_fwd, row_mode
+from sparse_attn.kernels.rows.row_entmax import MODE_GENERAL, entmax_rows_bwd, entmax_rows_fwd, row_mode
 
 __all__ = ["entmax_rows_triton"]
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from sparse_attn._cp_layout import _all_gather_seq, _chunk_size, _GatherSequence, _Layout, _layout, _ranks_agree
 from sparse_attn._validation import check_int, values_checkable
+from sparse_attn.models._cp_layout import _all_gather_seq, _chunk_size, _GatherSequence, _Layout, _layout, _ranks_agree
 
 
 def shard_positions(seq_len: int, world_size: int, rank: int, *, load_balance: bool = True) -> Tensor:

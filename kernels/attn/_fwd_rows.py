@@ -1,4 +1,4 @@
-"""The fused forward's work on one query tile (``kernels/entmax_attn_fwd.py`` launches it): score tiles, the
+"""The fused forward's work on one query tile (``kernels/attn/entmax_attn_fwd.py`` launches it): score tiles, the
 online-softmax pass at alpha = 1 and, for alpha in (1, 2], the grid pass, the candidate passes and the value pass
 (the module docstring of ``entmax_attn_fwd`` and docs/kernels.md describe them).
 
@@ -15,8 +15,8 @@ from typing import NamedTuple
 import triton
 import triton.language as tl
 
-from ._common import LN2, LOG2E, dropout_keep, load_rows
-from ._masking import block_tile_live, live_tile, mark_tile, score_mod, sink_tile, visit_tile, walk_words, word_bits
+from .._common import LN2, LOG2E, dropout_keep, load_rows
+from .._masking import block_tile_live, live_tile, mark_tile, score_mod, sink_tile, visit_tile, walk_words, word_bits
 from ._threshold import (
     cand_bracket,
     cand_points,
@@ -294,7 +294,7 @@ def entmax_rows(q, kv, rw, tiles, mods, sc, POW: tl.constexpr, GRID_K: tl.conste
     """alpha in (1, 2]: grid pass, candidate passes, value pass (module docstring).
 
     Returns ``(out, out_u, tau, lsum, nnz, n_valid, n_passes, visits)``. Thresholds are carried as
-    ``theta = tau + shift`` (shift 1 on the general path POW 0, see kernels/_threshold.py). With ``NEED_OUT_U``
+    ``theta = tau + shift`` (shift 1 on the general path POW 0, see kernels/attn/_threshold.py). With ``NEED_OUT_U``
     the value pass also accumulates ``sum_j U_ij v_j`` and ``sum_j U_ij`` (``U = p^(2 - alpha)`` up to a row
     factor, dropout applied to the first): ``out_u`` is their ratio, from which the backward's ``delta`` is
     ``dO . out_u`` (docs/backward.md); otherwise ``out_u`` is ``out``.

@@ -43,7 +43,6 @@ import torch
 from torch import nn
 from torch._higher_order_ops import while_loop
 
-from sparse_attn._dispatch import load_kernel
 from sparse_attn._validation import (
     check_alpha,
     check_bool,
@@ -53,6 +52,7 @@ from sparse_attn._validation import (
     check_positive_int,
     check_real,
 )
+from sparse_attn.rows._dispatch import load_kernel
 
 __all__ = [
     "entmax",
@@ -367,7 +367,7 @@ def _apply(X, alpha, dim, k, max_iter, ensure_sum_one, exact):
         return X.clone()
     n = X.shape[d]
     if _use_triton_rows(X, n, alpha_min, alpha_max):
-        kernel = load_kernel("sparse_attn._triton_rows", "entmax_rows_triton")
+        kernel = load_kernel("sparse_attn.rows._triton_rows", "entmax_rows_triton")
         if kernel is not None:
             return kernel(X, alpha, d)
     xr = X.movedim(d, -1)

@@ -26,12 +26,12 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from sparse_attn._kv_cache import MAX_DECODE_QUERIES, check_kv_cache
 from sparse_attn._validation import check_bool, check_number, values_checkable
+from sparse_attn.attn._kv_cache import MAX_DECODE_QUERIES, check_kv_cache
+from sparse_attn.attn.masks import check_block_mask, check_mask
+from sparse_attn.attn.routes import refused, used_variants
 from sparse_attn.kernels._common import interpreting
 from sparse_attn.kernels._spec import DIFFERENTIABLE, AttnSpec, resolve_spec_alpha_class
-from sparse_attn.masks import check_block_mask, check_mask
-from sparse_attn.routes import refused, used_variants
 
 __all__ = [
     "AttnSpec",

@@ -4,7 +4,7 @@
 ``flash_attn_with_kvcache`` (without the in-kernel cache append: the cache already holds the keys of the current
 queries) and returns, when asked, the same per-row statistics as ``entmax_attention(..., return_stats=True)``, so a
 generation loop can report head densities per generated token at no extra cost. CUDA tensors run the split-K
-kernels of ``kernels/entmax_decode.py``; other tensors gather the cache and run the float64-capable reference.
+kernels of ``kernels/attn/entmax_decode.py``; other tensors gather the cache and run the float64-capable reference.
 Design and measurements: docs/decode.md.
 """
 
@@ -13,11 +13,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from sparse_attn._kv_cache import MAX_DECODE_QUERIES
 from sparse_attn._validation import check_bool
-from sparse_attn.attn_inputs import AttentionStats, AttnSpec, prepare_attention
-from sparse_attn.reference import entmax_attention_reference
-from sparse_attn.routes import refusal_message, refused
+from sparse_attn.attn._kv_cache import MAX_DECODE_QUERIES
+from sparse_attn.attn.attn_inputs import AttentionStats, AttnSpec, prepare_attention
+from sparse_attn.attn.reference import entmax_attention_reference
+from sparse_attn.attn.routes import refusal_message, refused
 
 __all__ = ["entmax_decode", "MAX_DECODE_QUERIES", "decode_attention", "decode_fits", "decode_unsupported"]
 
@@ -31,7 +31,7 @@ def _decode_op(
     """The decode kernels as a custom op (forward only): ``(out, tau, nnz, n_valid)``; ``alpha`` float32 ``(Hq,)``,
     ``alpha_value`` the Python number it holds when it was given as one (one compile-time alpha class);
     ``block_mask``, ``block_size``: the spec's block grid and its ``(bq, bk)`` (both None without one)."""
-    from sparse_attn.kernels import entmax_decode as kernels
+    from sparse_attn.kernels.attn import entmax_decode as kernels
 
     res = kernels.entmax_decode_fwd(
         q, k_cache, v_cache, cache_seqlens, alpha if alpha_value is None else alpha_value, scale,

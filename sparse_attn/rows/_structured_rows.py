@@ -25,10 +25,10 @@ import math
 import torch
 from torch import Tensor
 
-from sparse_attn._dispatch import load_kernel
 from sparse_attn._validation import check_bool_mask, check_device, check_tensor
+from sparse_attn.rows._dispatch import load_kernel
 
-_KERNELS = "sparse_attn.kernels.structured"
+_KERNELS = "sparse_attn.kernels.rows.structured"
 
 
 def valid_rows(X: torch.Tensor, d: int, mask, lengths) -> torch.Tensor:
@@ -223,7 +223,7 @@ def _tv_prox_op(x: Tensor, lengths: Tensor, lam: float, use_triton: bool) -> Ten
     if lam == 0.0:
         return torch.where(pos < lengths.unsqueeze(1), x, torch.zeros_like(x))
     if use_triton:
-        from sparse_attn.kernels.structured import tv_prox_rows
+        from sparse_attn.kernels.rows.structured import tv_prox_rows
 
         y = tv_prox_rows(x, lengths, lam)
         return torch.where(pos < lengths.unsqueeze(1), y, torch.zeros_like(y))
@@ -320,7 +320,7 @@ def _oscar_prox_op(x: Tensor, valid: Tensor, lam: float, on_simplex: bool,
     weights = lam * (n_valid - 1 - pos).clamp(min=0).to(x.dtype)
     v = torch.where(in_row, key_sorted - weights, torch.full_like(x, -math.inf))
     if use_triton:
-        from sparse_attn.kernels.structured import isotonic_nonincreasing_rows
+        from sparse_attn.kernels.rows.structured import isotonic_nonincreasing_rows
 
         z_sorted = isotonic_nonincreasing_rows(v, n_valid.squeeze(1))
     else:

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from sparse_attn._validation import check_number
-from sparse_attn.attn_inputs import check_head_alpha
+from sparse_attn.attn.attn_inputs import check_head_alpha
 
 
 def _per_head(name: str, value, num_heads: int, low: float, high: float) -> Tensor:

@@ -38,7 +38,6 @@ import math
 import torch
 from torch import nn
 
-from sparse_attn._structured_rows import from_rows, poison_rows, replace_rows, split_nonfinite, to_rows, valid_rows
 from sparse_attn._validation import (
     check_bool,
     check_bool_mask,
@@ -50,7 +49,8 @@ from sparse_attn._validation import (
     check_real,
     check_tensor,
 )
-from sparse_attn.mappings import _compute_dtype
+from sparse_attn.rows._structured_rows import from_rows, poison_rows, replace_rows, split_nonfinite, to_rows, valid_rows
+from sparse_attn.rows.mappings import _compute_dtype
 
 __all__ = [
     "csoftmax",

@@ -2,7 +2,7 @@
 the row arithmetic (evaluation points, the bracket state ``Bracket``, certified brackets, the estimate), the stopping
 rules, and, per key tile, the passes that feed them (the grid pass's ring of ``GRID_K`` absolute points below the
 running max and its first bracket, the candidate passes' points, sums and merge; at the end of the module). The loops
-over key tiles stay with their kernels: ``kernels/_fwd_rows.py`` and ``kernels/entmax_decode.py``.
+over key tiles stay with their kernels: ``kernels/attn/_fwd_rows.py`` and ``kernels/attn/entmax_decode.py``.
 
 For ``alpha > 1`` a row's threshold ``tau`` solves ``f(tau) = sum_j [z_j - tau]_+^beta = 1`` with
 ``z = (alpha - 1) * score`` and ``beta = 1 / (alpha - 1)``. ``phi = f^(1/beta) - 1`` is convex and
@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import fast_log2, log2_1p
+from .._common import fast_log2, log2_1p
 
 # (grid points, candidate points per later pass) by threshold arithmetic (POW 1: alpha = 2, 2: alpha = 1.5, 0: other
 # alpha). The fused forward's: chosen in docs/kernels.md from the pass counts and the per-score cost model

@@ -1,18 +1,18 @@
 """The decode kernels' rows, cache addressing and per-row state across splits and launches
-(``kernels/entmax_decode.py``): the packed (GQA) rows of a program, cache rows through a block table (and the
+(``kernels/attn/entmax_decode.py``): the packed (GQA) rows of a program, cache rows through a block table (and the
 launcher's ``CACHE`` argument and cache strides), which key blocks a block mask leaves live, merging
 per-split point sums into certified brackets (a ``_threshold.Bracket`` per row), the state stored between launches,
 and the combine of the splits' partial value sums (docs/decode.md). The threshold arithmetic, the stopping rule and
-the candidate points are those of ``kernels/_threshold.py``.
+the candidate points are those of ``kernels/attn/_threshold.py``.
 """
 
 import torch
 import triton
 import triton.language as tl
 
-from . import _common
-from ._common import LN2, LOG2E, alpha_class_id
-from ._masking import block_visible, program_mods
+from .. import _common
+from .._common import LN2, LOG2E, alpha_class_id
+from .._masking import block_visible, program_mods
 from ._threshold import (
     Bracket,
     cand_points,

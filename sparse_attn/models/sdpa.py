@@ -40,13 +40,13 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from sparse_attn._sdpa_callers import _SDPA, sdpa_modules
 from sparse_attn._validation import check_number
-from sparse_attn.attention import run_layer_attention
-from sparse_attn.attn_inputs import check_head_alpha, prepare_attention
-from sparse_attn.masks import causal_keep, combine_masks
-from sparse_attn.modules import EntmaxAlpha, resolve_learnable
-from sparse_attn.stats import head_stats_sink, register_layer_type
+from sparse_attn.attn.attention import run_layer_attention
+from sparse_attn.attn.attn_inputs import check_head_alpha, prepare_attention
+from sparse_attn.attn.masks import causal_keep, combine_masks
+from sparse_attn.models._sdpa_callers import _SDPA, sdpa_modules
+from sparse_attn.models.modules import EntmaxAlpha, resolve_learnable
+from sparse_attn.models.stats import head_stats_sink, register_layer_type
 
 __all__ = ["attach_entmax_sdpa", "detach_entmax_sdpa", "entmax_sdpa", "sdpa_modules", "swap_sdpa_attention"]
 

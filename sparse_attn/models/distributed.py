@@ -45,7 +45,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from sparse_attn._cp_layout import (
+from sparse_attn._validation import check_bool
+from sparse_attn.attn.attention import entmax_attention
+from sparse_attn.attn.attn_inputs import AttentionStats, check_head_alpha, prepare_attention
+from sparse_attn.attn.masks import check_mask
+from sparse_attn.attn.routes import refusal_message, refused
+from sparse_attn.models._cp_layout import (
     _all_gather_seq,
     _AllToAll,
     _chunk_size,
@@ -55,14 +60,15 @@ from sparse_attn._cp_layout import (
     _layout,
     _ranks_agree,
 )
-from sparse_attn._cp_shard import _unshard, pad_for_context_parallel, shard_positions, shard_sequence, unshard_sequence
-from sparse_attn._validation import check_bool
-from sparse_attn.attention import entmax_attention
-from sparse_attn.attn_inputs import AttentionStats, check_head_alpha, prepare_attention
-from sparse_attn.masks import check_mask
-from sparse_attn.modules import EntmaxMultiheadAttention
-from sparse_attn.routes import refusal_message, refused
-from sparse_attn.stats import head_stats_sink
+from sparse_attn.models._cp_shard import (
+    _unshard,
+    pad_for_context_parallel,
+    shard_positions,
+    shard_sequence,
+    unshard_sequence,
+)
+from sparse_attn.models.modules import EntmaxMultiheadAttention
+from sparse_attn.models.stats import head_stats_sink
 
 __all__ = [
     "context_parallel_attention",
