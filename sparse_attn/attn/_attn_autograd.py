@@ -77,9 +77,16 @@ def fwd_op_named(args) -> dict:
     return dict(zip(FWD_FIELDS, args, strict=True))
 
 
-def _block_mask(spec: AttnSpec):
-    """The launchers' ``block_mask``: the ``(grid, (bq, bk))`` pair, or None."""
-    return None if spec.block_mask is None else (spec.block_mask, spec.block_size)
+def _launch_kwargs(spec: AttnSpec, seed: int) -> dict:
+    """The keyword arguments the forward and backward launchers take from the spec (the variants, varlen, dropout,
+    the alpha class): the one place the fused path reads them, so that a new variant is one entry here."""
+    return dict(
+        bias=spec.mask, is_causal=spec.is_causal, window_size=list(spec.window_size or (-1, -1)),
+        alibi_slopes=spec.alibi_slopes, softcap=spec.softcap, sinks=spec.sinks, cu_seqlens_q=spec.cu_seqlens_q,
+        cu_seqlens_k=spec.cu_seqlens_k, max_seqlen_q=spec.max_seqlen_q, max_seqlen_k=spec.max_seqlen_k,
+        dropout_p=spec.dropout_p, seed=seed, alpha_class=spec.alpha_class,
+        block_mask=None if spec.block_mask is None else (spec.block_mask, spec.block_size),
+    )
 
 
 def _needs_out_u(spec: AttnSpec) -> bool:
@@ -91,13 +98,8 @@ def _needs_out_u(spec: AttnSpec) -> bool:
 def _fwd_impl(*args) -> tuple[Tensor, ...]:
     """The fused forward on a flattened spec; the last output is ``out_u`` (shape ``(0,)`` unless ``_needs_out_u``)."""
     spec, seed = spec_from_op_args(args)
-    res = entmax_attn_fwd(
-        spec.q, spec.k, spec.v, spec.alpha, spec.scale, bias=spec.mask, is_causal=spec.is_causal,
-        window_size=list(spec.window_size or (-1, -1)), alibi_slopes=spec.alibi_slopes, softcap=spec.softcap,
-        sinks=spec.sinks, cu_seqlens_q=spec.cu_seqlens_q, cu_seqlens_k=spec.cu_seqlens_k,
-        max_seqlen_q=spec.max_seqlen_q, max_seqlen_k=spec.max_seqlen_k, dropout_p=spec.dropout_p, seed=seed,
-        alpha_class=spec.alpha_class, need_out_u=_needs_out_u(spec), block_mask=_block_mask(spec),
-    )
+    res = entmax_attn_fwd(spec.q, spec.k, spec.v, spec.alpha, spec.scale, need_out_u=_needs_out_u(spec),
+                          **_launch_kwargs(spec, seed))
     out_u = spec.q.new_empty(0, dtype=torch.float32) if res.out_u is None else res.out_u
     return res.out, res.tau, res.lsum, res.nnz, res.n_valid, res.live, res.n_passes, res.tile_visits, out_u
 
@@ -135,12 +137,8 @@ def _bwd_impl(*args) -> tuple[Tensor, ...]:
     block_m, block_n = fwd_block_sizes(spec.head_dim)
     dq, dk, dv, dalpha, dmask, *dsinks = entmax_attn_bwd(
         extra["do"], spec.q, spec.k, spec.v, out, extra["tau"], extra["lsum"], spec.alpha, spec.scale,
-        bias=spec.mask, is_causal=spec.is_causal, window_size=list(spec.window_size or (-1, -1)),
-        alibi_slopes=spec.alibi_slopes, softcap=spec.softcap, sinks=spec.sinks, cu_seqlens_q=spec.cu_seqlens_q,
-        cu_seqlens_k=spec.cu_seqlens_k, max_seqlen_q=spec.max_seqlen_q, max_seqlen_k=spec.max_seqlen_k,
-        dropout_p=spec.dropout_p, seed=seed, live=extra["live"], block_m=block_m, block_n=block_n,
-        need_dalpha=extra["need_dalpha"], need_dbias=extra["need_dmask"],
-        out_u=out_u if out_u.shape == out.shape else None, alpha_class=spec.alpha_class, block_mask=_block_mask(spec),
+        live=extra["live"], block_m=block_m, block_n=block_n, need_dalpha=extra["need_dalpha"],
+        need_dbias=extra["need_dmask"], out_u=out_u if out_u.shape == out.shape else None, **_launch_kwargs(spec, seed),
     )
     if dalpha is None:
         dalpha = spec.alpha.new_zeros(0)
