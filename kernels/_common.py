@@ -90,7 +90,8 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 
 def attention_args(q, k, v, alpha, bias, cu_seqlens_q, cu_seqlens_k, scale, is_causal, dropout_p, seed,
-                   window_size=None, alibi_slopes=None, softcap=None, sinks=None, block_mask=None) -> dict:
+                   window_size=None, alibi_slopes=None, softcap=None, sinks=None, block_mask=None,
+                   tiles: tuple | None = None) -> dict:
     """The keyword arguments every attention kernel (forward, dQ, dK/dV, d bias) takes, named as in
     CONTRIBUTING.md ("Naming in kernels/"). ``bias`` (an additive float mask, or a boolean / uint8 keep mask
     read as is: ``BIAS_KIND`` 1 or 2) is broadcast to ``(B, Hq, Nq, Nk)`` by zero strides; ``is_causal`` and
@@ -98,7 +99,8 @@ def attention_args(q, k, v, alpha, bias, cu_seqlens_q, cu_seqlens_k, scale, is_c
     ``alibi_slopes`` (float32 ``(Hq,)`` or ``(B or nseq, Hq)``) the score modifications ``SCORE`` and ``ALIBI``
     (``_masking.score_spec``); ``sinks`` (``(Hq,)``, read as float32) the per-head sink logits ``SINKS``;
     ``block_mask`` a ``(mask, (block_q, block_k))`` pair, ``mask`` boolean ``(B or nseq or 1, Hq or 1, q blocks,
-    k blocks)`` (:func:`mods_args`)."""
+    k blocks)`` (:func:`mods_args`); ``tiles``: the ``(block_m, block_n)`` of a launch whose tile loops decide the block
+    mask per tile (:func:`blocks_mode`)."""
     is_varlen = cu_seqlens_q is not None
     head_dim = q.shape[3]
     return dict(
@@ -110,11 +112,23 @@ def attention_args(q, k, v, alpha, bias, cu_seqlens_q, cu_seqlens_k, scale, is_c
         n_heads=q.shape[1], kv_group=q.shape[1] // k.shape[1], total_q=q.shape[2], total_k=k.shape[2],
         scale=float(scale), dropout_p=float(dropout_p), seed=int(seed) & 0x7FFFFFFF,
         MASK=mask_spec(is_causal, window_size),
-        SCORE=score_spec(softcap, alibi_slopes is not None, sinks is not None, block_mask is not None),
+        SCORE=score_spec(softcap, alibi_slopes is not None, sinks is not None, blocks_mode(block_mask, tiles)),
         HEAD_DIM=head_dim, BLOCK_D=head_dim_block(head_dim),
         HEAD_DIM_V=v.shape[3], BLOCK_DV=head_dim_block(v.shape[3]), IS_VARLEN=is_varlen,
         HAS_DROPOUT=float(dropout_p) > 0.0, UPCAST=interpreting(), DOT_PRECISION=dot_precision(q.dtype),
     )
+
+
+def blocks_mode(block_mask, tiles: tuple | None) -> int:
+    """``SCORE[4]`` (``_masking.score_spec``) for a block mask ``(grid, (bq, bk))`` and the launch's ``tiles``
+    ``(block_m, block_n)``: 0 without a block mask; 1 when every tile lies in one block (``bq``, ``bk`` multiples of
+    the tiles: the tile loops' skip decides alone, the per-score check would only cost, and at head dim 128 spill);
+    2 otherwise, or when ``tiles`` is None (a kernel that visits tiles the forward's skip did not decide)."""
+    if block_mask is None:
+        return 0
+    _, (block_q, block_k) = block_mask
+    aligned = tiles is not None and block_q % tiles[0] == 0 and block_k % tiles[1] == 0
+    return 1 if aligned else 2
 
 
 def mods_args(bias, shape: tuple, alibi_slopes, sinks, like, block_mask=None) -> dict:

@@ -47,14 +47,17 @@ def mask_spec(is_causal: bool, window_size: tuple | None = None) -> tuple:
             left if has_left else 0, right if has_right else 0)
 
 
-def score_spec(softcap: float | None, has_alibi: bool, has_sinks: bool = False, has_blocks: bool = False) -> tuple:
+def score_spec(softcap: float | None, has_alibi: bool, has_sinks: bool = False, has_blocks: int = 0) -> tuple:
     """The ``SCORE`` kernel argument ``(HAS_SOFTCAP, softcap, HAS_ALIBI, HAS_SINKS, HAS_BLOCKS)``: how scores are
     modified before masks: ``softcap * tanh(s / softcap)`` (a run-time float, 1.0 when off) and ALiBi slopes read by
     :func:`alibi_slope`; whether each row has a per-head sink logit (:func:`sink_logit`), a virtual key with
     zero value that joins the row's normalization; and whether a block-sparse mask hides whole blocks of keys
-    (:func:`block_visible`)."""
+    (:func:`block_visible`).
+    ``has_blocks`` (``SCORE[4]``): 0 no block mask; 1 a block mask whose blocks are unions of the launch's tiles (the
+    tile loops skip hidden tiles and every tile they visit is whole in one kept block: no per-score check); 2 any
+    other block mask (the tile skip and the per-score check, :func:`block_visible`)."""
     return (tl.constexpr(softcap is not None), float(softcap) if softcap is not None else 1.0,
-            tl.constexpr(bool(has_alibi)), tl.constexpr(bool(has_sinks)), tl.constexpr(bool(has_blocks)))
+            tl.constexpr(bool(has_alibi)), tl.constexpr(bool(has_sinks)), tl.constexpr(int(has_blocks)))
 
 
 class TilePlan(NamedTuple):
@@ -261,7 +264,7 @@ def mask_scores(s, rows, cols, seqlen_q, seqlen_k, mods, bias_scale, MASK, BIAS_
     """
     bias_base, stride_bias_m, stride_bias_n, slope, _, blocks = mods
     ok = visible(rows, cols, seqlen_q, seqlen_k, MASK)
-    if SCORE[4]:
+    if SCORE[4] == 2:
         ok = ok & block_visible(rows, cols, blocks, ok)
     if SCORE[2]:
         d = (cols[None, :] - rows[:, None] - (seqlen_k - seqlen_q)).to(tl.float32)

@@ -241,7 +241,7 @@ def test_block_tile_live_says_whether_a_tile_meets_a_kept_block(bq, bk):
     mods = _common.mods_args(None, (2, 3, nq, nk), None, None, like, (grid, (bq, bk)))["MODS"]
     n_qt, n_kt = triton.cdiv(nq, bm_), triton.cdiv(nk, bn)
     out = torch.full((2, 3, n_qt, n_kt), -1, dtype=torch.int32)
-    _tile_live_kernel[(n_qt, 3, 2)](out, mods, nq, nk, n_kt, _masking.score_spec(None, False, False, True),
+    _tile_live_kernel[(n_qt, 3, 2)](out, mods, nq, nk, n_kt, _masking.score_spec(None, False, False, 2),
                                     BLOCK_M=bm_, BLOCK_N=bn)
     keep = block_keep(sa.BlockSparseMask(grid, (bq, bk)), nq, nk)
     pad = torch.zeros(2, 3, n_qt * bm_, n_kt * bn, dtype=torch.bool)

@@ -442,7 +442,8 @@ def _common_args(q, k, v, do, tau, lsum, alpha, bias, cu_seqlens_q, cu_seqlens_k
                  sinks=None, block_mask=None) -> dict:
     """Keyword arguments the three backward kernels share."""
     args = _common.attention_args(q, k, v, alpha, bias, cu_seqlens_q, cu_seqlens_k, scale, is_causal, dropout_p, seed,
-                                  window_size, alibi_slopes, softcap, sinks, block_mask)
+                                  window_size, alibi_slopes, softcap, sinks, block_mask,
+                                  None if live is None else (live_block_m, block_n))
     return dict(
         args, DO=do, TAU=tau.contiguous(), LSUM=lsum.contiguous(), **_common.stride_args("stride_do", do, "bhmd"),
         **_live_args(live, q), HAS_LIVE=live is not None, LIVE_BLOCK_M=live_block_m, BLOCK_N=block_n,

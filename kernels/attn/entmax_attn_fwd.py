@@ -385,7 +385,8 @@ def _plan(q, k, v, alpha, scale, bias, is_causal, cu_seqlens_q, cu_seqlens_k, ma
     (k1, p1), (k2, p2), (k0, p0) = FWD_POINTS[1], FWD_POINTS[2], FWD_POINTS[0]
     args = dict(
         **_common.attention_args(q, k, v, alpha, bias, cu_seqlens_q, cu_seqlens_k, scale, is_causal, dropout_p, seed,
-                                 window_size, alibi_slopes, softcap, sinks, block_mask),
+                                 window_size, alibi_slopes, softcap, sinks, block_mask,
+                                 (plan.block_m, plan.block_n)),
         OUT=out, OUT_U=out if out_u is None else out_u, TAU=tau, LSUM=lsum, NNZ=nnz, N_VALID=n_valid, LIVE=live,
         N_PASSES=n_passes, TILE_VISITS=tile_visits, **_common.stride_args("stride_o", out, "bhmd"),
         **_common.stride_args("stride_ou", out if out_u is None else out_u, "bhmd"), NEED_OUT_U=out_u is not None,

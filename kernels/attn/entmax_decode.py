@@ -562,7 +562,7 @@ def entmax_decode_fwd(
         n_row_tiles=n_row_tiles, n_splits=n_splits, blocks_per_split=blocks_per_split, n_span=n_span,
         max_seqlen_k=max_seqlen_k, scale=float(scale), tol=default_tolerance(q.dtype) if tol is None else float(tol),
         n_slots=n_slots, MASK=mask,
-        SCORE=score_spec(softcap, alibi_slopes is not None, sinks is not None, block_mask is not None),
+        SCORE=score_spec(softcap, alibi_slopes is not None, sinks is not None, 0 if block_mask is None else 2),
         FILTER=len(classes) > 1, BLOCK_M=block_m, BLOCK_N=block_n,
         CACHE=_cache_spec(paged, head_dim, head_dim_v, q.dtype),
     )
