@@ -52,6 +52,7 @@ from sparse_attn._validation import (
     check_positive_int,
     check_real,
 )
+from sparse_attn.kernels._common import computed_alpha
 from sparse_attn.rows._dispatch import load_kernel
 
 __all__ = [
@@ -378,7 +379,8 @@ def _apply(X, alpha, dim, k, max_iter, ensure_sum_one, exact):
         a = alpha.reshape(shape).expand(*X.shape[:d], 1, *X.shape[d + 1:])
         a = a.movedim(d, -1).reshape(-1, 1)
     else:
-        a = float(alpha)
+        # as the computation holds it: 1 + 1e-9 is softmax in float32 (a tensor alpha is rounded the same way)
+        a = computed_alpha(alpha, _compute_dtype(X.dtype))
     p = _EntmaxRowsFunction.apply(xr, a, k, max_iter, ensure_sum_one, exact)
     return p.reshape(*batch_shape, n).movedim(-1, d)
 
