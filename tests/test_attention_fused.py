@@ -291,7 +291,7 @@ def test_fused_fp16_within_twice_the_reference_error(kernel_device):
 def test_fused_variants_half_precision_within_twice_the_reference_error(dtype, kernel_device):
     """Every variant at once (window, ALiBi, soft cap, sinks, Dv != D, GQA, causal, mixed alpha) in fp16 / bf16:
     outputs and gradients within twice the error of the reference run on the same rounded inputs in float32
-    (rounded to the dtype), against float64 (the GUIDE's rule, tests/helpers.py)."""
+    (rounded to the dtype), against float64 (the tolerance rule, tests/helpers.py)."""
     gen = torch.Generator().manual_seed(12)
     q, k, v = (t.detach().to(dtype).requires_grad_() for t in
                _leaves([(1, 4, 45, 16), (1, 2, 50, 16), (1, 2, 50, 32)], gen, kernel_device))
@@ -409,7 +409,8 @@ def test_training_learnable_per_head_alpha_on_fused_path(kernel_device):
 
 
 # Absolute slack (relative to the largest |float64 value|) added to twice the error of the reference
-# run in the kernel's dtype (GUIDE §4): fp16/bf16 products on the GPU round P and dS to that dtype.
+# run in the kernel's dtype (the tolerance rule, tests/helpers.py): fp16/bf16 products on the GPU round P and dS to
+# that dtype.
 LOWP_EPS = {torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 
@@ -522,7 +523,7 @@ def test_backward_outputs_are_poisoned_then_fully_written(kernel_device):
 @pytest.mark.parametrize("D,dtype", [(40, torch.float32), (80, torch.float16), (96, torch.float32)])
 def test_transposed_inputs_noncontiguous_grad_and_head_dims(D, dtype, kernel_device):
     """(B, N, H, D) tensors viewed as (B, H, N, D), a non-contiguous output gradient, odd head dims; fp16 by
-    GUIDE §4: err <= 2 * err(float32 reference rounded to fp16) + eps, all against float64 autograd."""
+    The tolerance rule: err <= 2 * err(float32 reference rounded to fp16) + eps, all against float64 autograd."""
     gen = torch.Generator().manual_seed(23 + D)
     B, Hq, Hk, Nq, Nk = 2, 2, 1, 19, 23
     base = [torch.randn(B, n, h, D, generator=gen).to(dtype) for n, h in ((Nq, Hq), (Nk, Hk), (Nk, Hk))]

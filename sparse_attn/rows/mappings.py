@@ -1,20 +1,19 @@
 """Row-wise sparse probability mappings: sparsemax, 1.5-entmax and alpha-entmax.
 
-For ``alpha != 1`` the mapping of a row ``x`` is (Peters et al. 2019,
-``peters2019-sparse-seq2seq-entmax.txt``; Correia et al. 2019,
-``correia2019-adaptively-sparse-transformers.txt``)::
+For ``alpha != 1`` the mapping of a row ``x`` is (Peters, Niculae & Martins 2019, "Sparse Sequence-to-Sequence
+Models"; Correia, Niculae & Martins 2019, "Adaptively Sparse Transformers")::
 
     p_j = [(alpha - 1) * x_j - tau]_+ ** (1 / (alpha - 1)),   sum_j p_j = 1,
 
-``alpha = 1`` is softmax, ``alpha = 2`` sparsemax (Martins & Astudillo 2016,
-``martins2016-softmax-to-sparsemax.txt``) and ``alpha = 1.5`` 1.5-entmax.
+``alpha = 1`` is softmax, ``alpha = 2`` sparsemax (Martins & Astudillo 2016, "From Softmax to Sparsemax") and
+``alpha = 1.5`` 1.5-entmax.
 Internally the row is written as ``p_j = [1 + (alpha - 1) * (x_j - t)]_+ ** (1 / (alpha - 1))``
 with ``t`` in the scale of ``x`` (``tau = (alpha - 1) * t - 1``); this form tends to
 ``exp(x_j - t)`` as ``alpha -> 1`` and is evaluated with ``log1p``/``exp`` so that the
 mapping is continuous at ``alpha = 1``.
 
 Exact paths (``alpha`` in {1, 1.5, 2}) sort the row (optionally only its top ``k``);
-other values use a safeguarded Newton solver on the Tsallis norm (GUIDE section 2)
+other values use a safeguarded Newton solver on the Tsallis norm (docs/kernels.md, "The threshold")
 that stops on ``|sum p - 1| <= tol`` and renormalizes. All paths share one closed-form
 backward: with ``U = p ** (2 - alpha)`` on the support,
 ``dX = U * (g - sum(U g) / sum(U))`` and the alpha gradient of Correia et al.
