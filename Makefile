@@ -41,7 +41,10 @@ sparsify: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(PYTEST) $(PYTEST_ARGS)
 
-test-gpu: $(VENV)/.installed
+# The gpu-marked tests (bf16, large shapes, real compilation; skipped without CUDA). On a machine whose Python already
+# has torch with CUDA, triton, pytest, pytest-xdist and hypothesis, `make test-gpu PY=python3` installs nothing.
+# benchmarks/gpu_run.sh MODE=tests runs the same tests and writes a stamped log.
+test-gpu: $(if $(filter $(VENV)/bin/python,$(PY)),$(VENV)/.installed)
 	$(PYTEST) -m gpu $(PYTEST_ARGS)
 
 lint: $(VENV)/.installed
