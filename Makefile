@@ -13,7 +13,8 @@ TORCH_VERSION ?= 2.13.0
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 HAS_NVIDIA := $(shell command -v nvidia-smi 2>/dev/null)
 TORCH_INDEX_ARGS ?= $(if $(HAS_NVIDIA),,--index-url $(TORCH_CPU_INDEX))
-PYTEST_ARGS ?= -n 2
+# loadgroup: like xdist's default, but a module marked xdist_group runs on one worker (its module fixtures once).
+PYTEST_ARGS ?= -n 2 --dist loadgroup
 # The venv sees system site-packages (to reuse an installed torch), so pytest plugins
 # installed system-wide must not load: autoload is off and ours are named here.
 PYTEST := PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 $(PY) -m pytest -p xdist.plugin -p _hypothesis_pytestplugin

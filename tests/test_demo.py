@@ -22,6 +22,9 @@ from helpers import F32, TOL  # noqa: E402
 
 from sparse_attn.stats import record_head_stats  # noqa: E402
 
+# One worker runs this module under `make test` (-n 2 --dist loadgroup), so the module's demo training runs once.
+pytestmark = pytest.mark.xdist_group("test_demo")
+
 TINY = ["--length", "5", "--d-model", "32", "--heads", "2", "--layers", "1", "--d-ff", "32", "--steps", "40",
         "--batch-size", "32", "--lr", "1e-2", "--warmup", "5", "--val-size", "64", "--log-every", "5", "--no-progress"]
 

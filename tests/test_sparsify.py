@@ -30,6 +30,9 @@ import sparsify_model  # noqa: E402
 import sparsify_stats  # noqa: E402
 from helpers import F32, TOL  # noqa: E402
 
+# One worker runs this module under `make test` (-n 2 --dist loadgroup), so its adaptation run happens once.
+pytestmark = pytest.mark.xdist_group("test_sparsify")
+
 SHORT = ["--n-eval", "24", "--seq-len", "16", "--steps", "6", "--batch-size", "4", "--log-every", "2",
          "--alphas", "1,1.5", "--no-progress", "--threads", "1"]
 PNG = b"\x89PNG\r\n\x1a\n"
