@@ -203,7 +203,9 @@ def test_fused_alibi_and_softcap_forward_and_backward(name, kernel_device):
     nq, nk, opts, alphas = SCORE_CASES[name]
     opts = dict(opts)
     gen = torch.Generator().manual_seed(len(name) + 40)
-    q, k, v = _leaves([(2, 2, nq, 16), (2, 2, nk, 16), (2, 2, nk, 16)], gen, kernel_device)
+    # two batch entries where something differs per entry (ALiBi slopes per (B, H), a per-entry key mask), else one
+    b = 2 if opts.get("alibi") == (2, 2) or opts.get("mask") else 1
+    q, k, v = _leaves([(b, 2, nq, 16), (b, 2, nk, 16), (b, 2, nk, 16)], gen, kernel_device)
     q.data *= 2.0  # larger scores: the soft cap bends them
     if "alibi" in opts:
         opts["alibi_slopes"] = (torch.rand(*opts.pop("alibi"), generator=gen) / 4).to(kernel_device)
