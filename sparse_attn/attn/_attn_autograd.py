@@ -222,6 +222,16 @@ def _sdpa(inputs: AttnSpec) -> Tensor:
                                           scale=inputs.scale, enable_gqa=q.shape[1] != k.shape[1])
 
 
+def meta_attention(inputs: AttnSpec, return_stats: bool):
+    """Shape inference on meta tensors: the forward op's fake implementation gives every output's shape and dtype
+    (nothing is computed or read back, whatever alpha is), and its registered autograd the gradients' shapes."""
+    res = dict(zip(_FWD_OUTPUTS, _fwd_op(*spec_to_op_args(inputs, 0))))
+    if return_stats:
+        tau = res["tau"].detach().to(torch.float64 if inputs.q.dtype == torch.float64 else torch.float32)
+        return res["out"], AttentionStats(nnz=res["nnz"], tau=tau, n_valid=res["n_valid"])
+    return res["out"]
+
+
 def fused_entmax_attention(inputs: AttnSpec, return_stats: bool | None = None):
     """Run the fused kernels on prepared inputs (see :func:`sparse_attn.entmax_attention`).
 
