@@ -2,19 +2,25 @@
 costs before any GPU work, and how many launches it makes.
 
 The kernels of ``kernels/attn/entmax_decode.py`` are replaced by recorders (a launch costs nothing here; on a GPU each
-Triton launch adds its own host time, roughly proportional to its number of arguments, which is printed); every
-other line of the call runs as it does on a GPU, on CPU tensors (``TRITON_INTERPRET=1``, only so that the triton
-backend accepts them). Stages (inclusive wall time per call, median over ``--steps`` calls after a warm-up):
+Triton launch adds its own host time, which grows with its number of arguments, printed); every other line of the
+call runs as it does on a GPU, on CPU tensors (``TRITON_INTERPRET=1``, only so that the triton backend accepts them).
+As for CUDA tensors, tensor values are not read back for checks (``--read-values``: read them, as CPU tensors are).
+Stages (inclusive wall time per call, median over ``--steps`` calls after a warm-up):
 
 * ``call``: the whole ``entmax_decode`` call;
-* ``prepare``: ``prepare_attention`` (argument checks, the cache checks, the spec);
-* ``op``: the custom op ``sparse_attn::entmax_decode`` (dispatch, its checks and the launcher);
-* ``launcher``: ``entmax_decode_fwd`` (planning, buffer allocations, the argument dicts, the stubbed launches).
+* ``prepare``: the argument gate (``prepare_attention``: the checks, the cache checks, the spec), or its cached form;
+* ``op``: the custom op ``sparse_attn::entmax_decode`` (dispatch and the launcher), when the call goes through it
+  (eager calls skip it where nothing needs it: ``sparse_attn.attn.decode``);
+* ``launcher``: ``entmax_decode_fwd`` (planning, buffers, the argument dicts, the stubbed launches);
+* ``alloc``: the time spent in ``torch.empty`` / ``torch.zeros`` / ``torch.full`` during the call (all stages).
 
-Also counted per call: kernel launches (split and combine), buffers allocated (``torch.empty`` / ``torch.zeros``:
-on a GPU every ``zeros`` is one more launch, a memset) and the arguments of each launch.
+Also counted per call: kernel launches (split and combine), buffers allocated (``torch.empty`` / ``torch.zeros`` /
+``torch.full``: on a GPU every ``zeros`` and ``full`` is one more launch, a fill kernel) and the arguments of each
+launch.
 
-Usage: ``python benchmarks/decode_host.py [--batch 1 8 32] [--keys 1024 32768] [--alpha 1.0 1.5] [--steps 200]``.
+Usage: ``python benchmarks/decode_host.py [--batch 1 8 32] [--keys 1024 32768] [--alpha 1.0 1.5] [--steps 200]
+[--route decode attention] [--read-values]`` (``--route attention``: the step through ``entmax_attention`` as a
+Hugging Face model calls it, a contiguous cache).
 """
 
 from __future__ import annotations
@@ -29,7 +35,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import torch  # noqa: E402
 
 import sparse_attn.attn.decode as decode_mod  # noqa: E402
-from sparse_attn.attn import attn_inputs  # noqa: E402
+from sparse_attn import _validation  # noqa: E402
+from sparse_attn.attn import attention as attention_mod  # noqa: E402
 from sparse_attn.kernels.attn import entmax_decode as dec  # noqa: E402
 
 
@@ -56,55 +63,90 @@ def _timed(stage: str, fn, times: dict):
 
 
 def measure(batch: int, keys: int, alpha: float, steps: int, heads: int = 32, kv_heads: int = 8, d: int = 128,
-            dtype=torch.bfloat16) -> dict:
+            dtype=torch.bfloat16, route: str = "decode", read_values: bool = False) -> dict:
     """Median host seconds per stage of one decode step, launches and allocations per call."""
     g = torch.Generator().manual_seed(0)
     q = torch.randn(batch, heads, 1, d, generator=g).to(dtype)
-    k = torch.randn(batch, kv_heads, keys, d, generator=g).to(dtype)
-    v = torch.randn(batch, kv_heads, keys, d, generator=g).to(dtype)
+    # the launches are stubbed, so the cache's values are never read: a broadcast view stands for any cache size
+    k = torch.randn(1, 1, 1, d, generator=g).to(dtype).expand(batch, kv_heads, keys, d)
+    v = torch.randn(1, 1, 1, d, generator=g).to(dtype).expand(batch, kv_heads, keys, d)
     seqlens = torch.full((batch,), keys, dtype=torch.int32)
     log: list = []
     times: dict = {}
-    allocs = [0]
-    saved = (dec._entmax_decode_split_kernel, dec._entmax_decode_combine_kernel, attn_inputs.prepare_attention,
-             decode_mod.prepare_attention, dec.entmax_decode_fwd, torch.empty, torch.zeros)
-    real_empty, real_zeros = torch.empty, torch.zeros
+    allocs = [0, 0.0]
+    op = torch.ops.sparse_attn.entmax_decode.default
+    names = ("_entmax_decode_split_kernel", "_entmax_decode_combine_kernel", "entmax_decode_fwd")
+    saved_dec = {n: getattr(dec, n) for n in names if hasattr(dec, n)}
+    saved_mod = {n: getattr(decode_mod, n) for n in ("prepare_attention", "_decode_op", "_gate")
+                 if hasattr(decode_mod, n)}
+    saved_torch = (torch.empty, torch.zeros, torch.full)
+    saved_free = _validation._FREE_READ_DEVICES
+    saved_prepare = attention_mod.prepare_attention
 
     def count(fn):
         def wrapper(*args, **kwargs):
             allocs[0] += 1
-            return fn(*args, **kwargs)
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                allocs[1] += time.perf_counter() - t0
         return wrapper
 
     try:
+        if not read_values:
+            _validation._FREE_READ_DEVICES = frozenset()
         dec._entmax_decode_split_kernel = _Recorder(log, "split")
         dec._entmax_decode_combine_kernel = _Recorder(log, "combine")
-        decode_mod.prepare_attention = _timed("prepare", attn_inputs.prepare_attention, times)
-        dec.entmax_decode_fwd = _timed("launcher", saved[4], times)
-        op = torch.ops.sparse_attn.entmax_decode
+        for name in ("prepare_attention", "_gate"):
+            if name in saved_mod:
+                setattr(decode_mod, name, _timed("prepare", saved_mod[name], times))
+        if "_decode_op" in saved_mod:
+            decode_mod._decode_op = _timed("op", saved_mod["_decode_op"], times)
+        dec.entmax_decode_fwd = _timed("launcher", saved_dec["entmax_decode_fwd"], times)
 
-        def step():
-            return decode_mod.entmax_decode(q, k, v, seqlens, alpha, backend="triton")
+        if route == "decode":
+            def step():
+                return decode_mod.entmax_decode(q, k, v, seqlens, alpha, backend="triton")
+        else:
+            attention_mod.prepare_attention = _timed("prepare", saved_prepare, times)
 
-        step()  # warm-up: imports, op registration, first-call caches
-        times.clear()
-        log.clear()
-        torch.empty, torch.zeros = count(real_empty), count(real_zeros)
-        allocs[0] = 0
-        for _ in range(steps):
-            t0 = time.perf_counter()
+            def step():
+                return attention_mod.entmax_attention(q, k, v, alpha, enable_gqa=True, backend="triton")
+
+        with torch.no_grad():
+            step()  # warm-up: imports, op registration, first-call caches
             step()
-            times.setdefault("call", []).append(time.perf_counter() - t0)
-        torch.empty, torch.zeros = real_empty, real_zeros
+            times.clear()
+            log.clear()
+            torch.empty, torch.zeros, torch.full = (count(f) for f in saved_torch)
+            allocs[:] = [0, 0.0]
+            alloc_times = []
+            for _ in range(steps):
+                before = allocs[1]
+                t0 = time.perf_counter()
+                step()
+                times.setdefault("call", []).append(time.perf_counter() - t0)
+                alloc_times.append(allocs[1] - before)
+            torch.empty, torch.zeros, torch.full = saved_torch
         del op
     finally:
-        (dec._entmax_decode_split_kernel, dec._entmax_decode_combine_kernel, attn_inputs.prepare_attention,
-         decode_mod.prepare_attention, dec.entmax_decode_fwd, torch.empty, torch.zeros) = saved
+        torch.empty, torch.zeros, torch.full = saved_torch
+        _validation._FREE_READ_DEVICES = saved_free
+        attention_mod.prepare_attention = saved_prepare
+        for n, f in saved_dec.items():
+            setattr(dec, n, f)
+        for n, f in saved_mod.items():
+            setattr(decode_mod, n, f)
     launches = [n for _, n in log]
     row = {stage: statistics.median(t) for stage, t in times.items()}
-    row.update(launches=len(launches) / steps, args_per_launch=max(launches) if launches else 0,
-               allocs=allocs[0] / steps)
+    row.update(alloc=statistics.median(alloc_times), launches=len(launches) / steps,
+               args_per_launch=max(launches) if launches else 0, allocs=allocs[0] / steps)
     return row
+
+
+def _us(row: dict, stage: str) -> str:
+    return f"{row[stage] * 1e6:.0f}" if stage in row else "-"
 
 
 def main(argv=None) -> int:
@@ -113,18 +155,24 @@ def main(argv=None) -> int:
     ap.add_argument("--keys", type=int, nargs="+", default=[1024, 32768])
     ap.add_argument("--alpha", type=float, nargs="+", default=[1.0, 1.5])
     ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--route", nargs="+", default=["decode"], choices=["decode", "attention"])
+    ap.add_argument("--read-values", action="store_true", help="read tensor values for checks, as for CPU tensors")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     print(f"host time of one decode step, launches stubbed; torch {torch.__version__}, 32 q / 8 kv heads, head dim "
-          f"128, bf16, one query per sequence, {args.steps} steps, median; load average {os.getloadavg()[0]:.2f}\n")
-    print("| B | keys | alpha | call us | prepare us | launcher us | launches | args per launch | allocations |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for b in args.batch:
-        for n in args.keys:
-            for a in args.alpha:
-                r = measure(b, n, a, args.steps)
-                print(f"| {b} | {n} | {a:g} | {r['call'] * 1e6:.0f} | {r['prepare'] * 1e6:.0f} | "
-                      f"{r['launcher'] * 1e6:.0f} | {r['launches']:g} | {r['args_per_launch']} | {r['allocs']:g} |")
+          f"128, bf16, one query per sequence, {args.steps} steps, median; values "
+          f"{'read' if args.read_values else 'not read (as on a GPU)'}; load average {os.getloadavg()[0]:.2f}\n")
+    print("| route | B | keys | alpha | call us | prepare us | op us | launcher us | alloc us | launches | "
+          "args per launch | allocations |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for route in args.route:
+        for b in args.batch:
+            for n in args.keys:
+                for a in args.alpha:
+                    r = measure(b, n, a, args.steps, route=route, read_values=args.read_values)
+                    print(f"| {route} | {b} | {n} | {a:g} | {_us(r, 'call')} | {_us(r, 'prepare')} | {_us(r, 'op')} | "
+                          f"{_us(r, 'launcher')} | {_us(r, 'alloc')} | {r['launches']:g} | {r['args_per_launch']} | "
+                          f"{r['allocs']:g} |", flush=True)
     return 0
 
 
