@@ -19,8 +19,10 @@ Also counted per call: kernel launches (split and combine), buffers allocated (`
 launch.
 
 Usage: ``python benchmarks/decode_host.py [--batch 1 8 32] [--keys 1024 32768] [--alpha 1.0 1.5] [--steps 200]
-[--route decode attention] [--read-values]`` (``--route attention``: the step through ``entmax_attention`` as a
-Hugging Face model calls it, a contiguous cache).
+[--route decode attention] [--read-values] [--bind]`` (``--route attention``: the step through ``entmax_attention``
+as a Hugging Face model calls it, a contiguous cache; ``--bind``: also the host time Triton's launch path spends on
+each launch before the driver call, binding and specializing the arguments and finding the compiled kernel, for an
+sm_90 target, measured with the Triton installed: run it with the GPU machine's version).
 """
 
 from __future__ import annotations
@@ -28,28 +30,62 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+# --bind needs the kernels as JIT functions (their launch signature); otherwise the interpreter only lets the triton
+# backend take CPU tensors
+os.environ["TRITON_INTERPRET"] = "0" if "--bind" in sys.argv else os.environ.get("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
 
 import sparse_attn.attn.decode as decode_mod  # noqa: E402
 from sparse_attn import _validation  # noqa: E402
 from sparse_attn.attn import attention as attention_mod  # noqa: E402
+from sparse_attn.attn import attn_inputs  # noqa: E402
 from sparse_attn.kernels.attn import entmax_decode as dec  # noqa: E402
 
 
 class _Recorder:
-    """Stands in for a JIT kernel: ``kernel[grid](**kwargs)`` counts the launch and its arguments."""
+    """Stands in for a JIT kernel: ``kernel[grid](**kwargs)`` records the launch and its arguments."""
 
     def __init__(self, log: list, name: str):
         self.log, self.name = log, name
 
     def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.log.append((self.name, len(args) + len(kwargs)))
+        def launch(**kwargs):
+            self.log.append((self.name, kwargs))
         return launch
+
+
+def _count_args(values) -> int:
+    """Arguments of a launch, tuples flattened (what the launch passes)."""
+    return sum(_count_args(v) if isinstance(v, tuple) else 1 for v in values)
+
+
+def bind_times(log: list, kernels: dict, repeats: int = 2000) -> float:
+    """Median microseconds Triton's launch path spends before the driver call on the recorded launches (triton 3.x:
+    binding the arguments and specializing them, ``create_function_from_signature``, and the compiled-kernel key,
+    ``compute_cache_key``), for an sm_90 target; the mean over the launches of one step."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import make_backend
+    from triton.runtime import jit
+
+    backend = make_backend(GPUTarget("cuda", 90, 32))
+    per_launch = []
+    for name, kwargs in log:
+        kernel = kernels[name]
+        binder = jit.create_function_from_signature(kernel.signature, kernel.params, backend)
+        kw = dict(kwargs, debug=False)
+        cache: dict = {}
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            _, spec, opts = binder(**kw)
+            jit.compute_cache_key(cache, spec, opts)
+            times.append(time.perf_counter() - t0)
+        per_launch.append(statistics.median(times))
+    return sum(per_launch) / max(len(per_launch), 1)
 
 
 def _timed(stage: str, fn, times: dict):
@@ -63,7 +99,7 @@ def _timed(stage: str, fn, times: dict):
 
 
 def measure(batch: int, keys: int, alpha: float, steps: int, heads: int = 32, kv_heads: int = 8, d: int = 128,
-            dtype=torch.bfloat16, route: str = "decode", read_values: bool = False) -> dict:
+            dtype=torch.bfloat16, route: str = "decode", read_values: bool = False, bind: bool = False) -> dict:
     """Median host seconds per stage of one decode step, launches and allocations per call."""
     g = torch.Generator().manual_seed(0)
     q = torch.randn(batch, heads, 1, d, generator=g).to(dtype)
@@ -93,7 +129,10 @@ def measure(batch: int, keys: int, alpha: float, steps: int, heads: int = 32, kv
                 allocs[1] += time.perf_counter() - t0
         return wrapper
 
+    saved_interp = attn_inputs.interpreting
     try:
+        if bind:  # the triton backend's device check (CPU tensors only under the interpreter) is the one thing to pass
+            attn_inputs.interpreting = lambda: True
         if not read_values:
             _validation._FREE_READ_DEVICES = frozenset()
         dec._entmax_decode_split_kernel = _Recorder(log, "split")
@@ -133,15 +172,21 @@ def measure(batch: int, keys: int, alpha: float, steps: int, heads: int = 32, kv
     finally:
         torch.empty, torch.zeros, torch.full = saved_torch
         _validation._FREE_READ_DEVICES = saved_free
+        attn_inputs.interpreting = saved_interp
         attention_mod.prepare_attention = saved_prepare
         for n, f in saved_dec.items():
             setattr(dec, n, f)
         for n, f in saved_mod.items():
             setattr(decode_mod, n, f)
-    launches = [n for _, n in log]
+    n_launches = len(log) // steps
     row = {stage: statistics.median(t) for stage, t in times.items()}
-    row.update(alloc=statistics.median(alloc_times), launches=len(launches) / steps,
-               args_per_launch=max(launches) if launches else 0, allocs=allocs[0] / steps)
+    row.update(alloc=statistics.median(alloc_times), launches=len(log) / steps,
+               args_per_launch=max((_count_args(kw.values()) for _, kw in log[-n_launches:]), default=0),
+               allocs=allocs[0] / steps)
+    if bind:
+        one_step = log[-n_launches:]
+        row["bind"] = bind_times(one_step, {"split": saved_dec["_entmax_decode_split_kernel"],
+                                            "combine": saved_dec["_entmax_decode_combine_kernel"]})
     return row
 
 
@@ -157,22 +202,27 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--route", nargs="+", default=["decode"], choices=["decode", "attention"])
     ap.add_argument("--read-values", action="store_true", help="read tensor values for checks, as for CPU tensors")
+    ap.add_argument("--bind", action="store_true",
+                    help="also time Triton's argument binding and kernel key per launch (an sm_90 target, no GPU)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     print(f"host time of one decode step, launches stubbed; torch {torch.__version__}, 32 q / 8 kv heads, head dim "
           f"128, bf16, one query per sequence, {args.steps} steps, median; values "
           f"{'read' if args.read_values else 'not read (as on a GPU)'}; load average {os.getloadavg()[0]:.2f}\n")
+    import triton
+
+    bind_col = f" triton bind us per launch ({triton.__version__}) |" if args.bind else ""
     print("| route | B | keys | alpha | call us | prepare us | op us | launcher us | alloc us | launches | "
-          "args per launch | allocations |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "args per launch | allocations |" + bind_col)
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if args.bind else ""))
     for route in args.route:
         for b in args.batch:
             for n in args.keys:
                 for a in args.alpha:
-                    r = measure(b, n, a, args.steps, route=route, read_values=args.read_values)
+                    r = measure(b, n, a, args.steps, route=route, read_values=args.read_values, bind=args.bind)
                     print(f"| {route} | {b} | {n} | {a:g} | {_us(r, 'call')} | {_us(r, 'prepare')} | {_us(r, 'op')} | "
                           f"{_us(r, 'launcher')} | {_us(r, 'alloc')} | {r['launches']:g} | {r['args_per_launch']} | "
-                          f"{r['allocs']:g} |", flush=True)
+                          f"{r['allocs']:g} |" + (f" {_us(r, 'bind')} |" if args.bind else ""), flush=True)
     return 0
 
 

@@ -50,11 +50,10 @@ import triton.language as tl
 
 from .. import _common
 from .._common import ALPHA_CLASSES, LOG2E, alpha_class_of, class_launches, resolve_alpha_class
-from .._masking import key_block_range, key_blocks_spanned, mask_spec, score_mod, score_spec, sink_tile
+from .._masking import key_block_range, score_mod, sink_tile
+from . import _decode_launch as _launch
 from ._decode_state import (
     N_PART,
-    N_STATE,
-    _cache_spec,
     _cache_strides,
     _cache_tile,
     _entmax_decode_combine_kernel,
@@ -70,11 +69,8 @@ from ._decode_state import (
     _tile_live,
 )
 from ._threshold import (
-    DECODE_MAX_PASSES,
-    DECODE_POINTS,
     cand_points,
     cand_sums,
-    default_tolerance,
     grid_counts,
     grid_start,
     grid_sums,
@@ -82,9 +78,6 @@ from ._threshold import (
     weight_done,
     weights,
 )
-
-# Nq * Hq / Hk rows per program at most; more rows take more row tiles (each reads the cache again)
-MAX_BLOCK_M = 32
 
 
 class EntmaxDecodeResult(NamedTuple):
@@ -407,29 +400,6 @@ def _entmax_decode_split_kernel(
         tl.store(N_PASSES + tile, passes.to(tl.int32) + 1)
 
 
-def _pick_config(head_dim: int, n_rows: int, interpret: bool):
-    """``(block_m, block_n, num_warps, num_stages)``: packed rows padded to a power of two >= 16 (``tl.dot``),
-    at most ``MAX_BLOCK_M``; 64-key blocks up to head dim 128, 32 above (16 under the interpreter)."""
-    block_m = min(MAX_BLOCK_M, max(16, triton.next_power_of_2(max(n_rows, 1))))
-    if interpret:
-        return block_m, 16, 4, 1
-    return block_m, 64 if _common.head_dim_block(head_dim) <= 128 else 32, 4, 2
-
-
-def default_num_splits(batch: int, n_kv_heads: int, n_row_tiles: int, n_kblocks: int, device) -> int:
-    """Key-range splits: enough programs to fill the GPU twice over, at least 4 key blocks per split, at most 32
-    splits (each later launch merges every split's results); 4 at most under the interpreter."""
-    if n_kblocks == 0:
-        return 1
-    if device.type == "cuda":
-        want = 2 * torch.cuda.get_device_properties(device).multi_processor_count
-        cap = 32
-    else:
-        want, cap = 4, 4
-    splits = triton.cdiv(want, max(batch * n_kv_heads * n_row_tiles, 1))
-    return max(1, min(splits, cap, triton.cdiv(n_kblocks, 4)))
-
-
 def entmax_decode_fwd(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -452,6 +422,8 @@ def entmax_decode_fwd(
     alpha_class: str | None = None,
     block_n: int | None = None,
     block_mask: tuple | None = None,
+    counters: bool = True,
+    stats: bool = True,
 ) -> EntmaxDecodeResult:
     """Split-K entmax attention of a few queries per sequence over a KV cache (a chain of kernel launches, no
     host synchronization).
@@ -480,7 +452,7 @@ def entmax_decode_fwd(
         alibi_slopes, softcap, sinks: as ``entmax_attn_fwd`` (ALiBi distance ``|i + L - Nq - j|``; slopes ``(Hq,)``
             or ``(B, Hq)``). Default None.
         max_seqlen_k: bound on ``cache_seqlens`` (default the capacity); the splits cover this many keys.
-        num_splits: key-range splits per (batch entry, kv head); default :func:`default_num_splits`.
+        num_splits: key-range splits per (batch entry, kv head); default ``_decode_launch.default_num_splits``.
         tol: change of a row's total weight across its certified bracket at which its threshold counts as found
             (default by dtype).
         max_passes: passes per step, score and value pass included (``>= 2``; default by dtype).
@@ -491,6 +463,12 @@ def entmax_decode_fwd(
             >= ceil(max_seqlen_k / block_k))``; query ``i`` (its index among the ``Nq``, as the fused forward's rows)
             sees key ``j`` only if block ``(i // block_q, j // block_k)`` is True. Key blocks it hides from every
             row of a program are not read. Default None.
+
+        counters: return ``n_passes`` and ``blocks_read`` (False: None, and the kernels write them to scratch).
+        stats: return ``tau``, ``nnz`` and ``n_valid`` (False: None, likewise).
+
+    Everything but the tensors is planned once per configuration and the scratch memory is reused from step to step
+    (``kernels/attn/_decode_launch.py``); the returned tensors are allocated afresh on every call.
 
     Returns:
         :class:`EntmaxDecodeResult`.
@@ -503,91 +481,72 @@ def entmax_decode_fwd(
     assert 16 <= head_dim <= 256 and 16 <= head_dim_v <= 256 and n_heads % max(n_kv_heads, 1) == 0
     kv_group = n_heads // max(n_kv_heads, 1)
     n_rows = kv_group * seqlen_q
-    block_m, default_n, num_warps, num_stages = _pick_config(head_dim, n_rows, _common.interpreting())
-    block_n = default_n if block_n is None else block_n
-    assert block_n >= 16 and block_n & (block_n - 1) == 0, f"block_n: got {block_n}"
-    max_seqlen_k = capacity if max_seqlen_k is None else min(int(max_seqlen_k), capacity)
-    n_row_tiles = triton.cdiv(n_rows, block_m)
-    mask = mask_spec(is_causal, window_size)
-    n_span = key_blocks_spanned(mask, seqlen_q, max_seqlen_k, block_n)
-    if num_splits is None:
-        num_splits = default_num_splits(batch, n_kv_heads, n_row_tiles, n_span, q.device)
-    blocks_per_split = max(triton.cdiv(n_span, max(int(num_splits), 1)), 1)
-    n_splits = max(triton.cdiv(n_span, blocks_per_split), 1)
-    if max_passes is None:
-        max_passes = DECODE_MAX_PASSES[q.dtype]
-    assert max_passes >= 2, f"max_passes: got {max_passes}"
+    alpha_class = resolve_alpha_class(alpha, alpha_class)
+    if alpha_class == "mixed" and isinstance(alpha, torch.Tensor) and alpha.device.type == "cpu":
+        classes = tuple(sorted({ALPHA_CLASSES[alpha_class_of([a])] if 1 <= a <= 2 else 3 for a in alpha.tolist()}))
+    else:
+        classes = tuple(c for c, _ in class_launches(alpha_class))
+    plan = _launch.static_plan(q.dtype, paged, head_dim, head_dim_v, n_rows, bool(is_causal),
+                               None if window_size is None else tuple(window_size), softcap, alibi_slopes is not None,
+                               sinks is not None, block_mask is not None, classes, tol, max_passes, block_n)
+    dev = q.device
+    sz = _launch.sizes(plan, batch, n_kv_heads, n_rows, seqlen_q, capacity, max_seqlen_k, num_splits, dev)
     if block_mask is not None:
         grid_blocks, (block_q, block_k) = block_mask
         assert grid_blocks.dim() == 4 and grid_blocks.shape[0] in (1, batch) and grid_blocks.shape[1] in (1, n_heads)
-        assert grid_blocks.shape[2] >= triton.cdiv(seqlen_q, block_q), f"block_mask: got {tuple(grid_blocks.shape)}"
-        assert grid_blocks.shape[3] >= triton.cdiv(max_seqlen_k, block_k), f"block_mask: got {tuple(grid_blocks.shape)}"
-    alpha_class = resolve_alpha_class(alpha, alpha_class)
-    if alpha_class == "mixed" and isinstance(alpha, torch.Tensor) and alpha.device.type == "cpu":
-        classes = sorted({ALPHA_CLASSES[alpha_class_of([a])] if 1 <= a <= 2 else 3 for a in alpha.tolist()})
-    else:
-        classes = [c for c, _ in class_launches(alpha_class)]
+        assert grid_blocks.shape[2] >= -(-seqlen_q // block_q), f"block_mask: got {tuple(grid_blocks.shape)}"
+        assert grid_blocks.shape[3] >= -(-sz.max_seqlen_k // block_k), f"block_mask: got {tuple(grid_blocks.shape)}"
 
-    dev = q.device
-    stats = dict(size=(batch, n_heads, seqlen_q), device=dev)
-    out = torch.empty((batch, n_heads, seqlen_q, head_dim_v), dtype=q.dtype, device=dev)
-    tau = torch.empty(**stats, dtype=torch.float32)
-    nnz = torch.empty(**stats, dtype=torch.int32)
-    n_valid = torch.empty(**stats, dtype=torch.int32)
-    n_slots = max_passes + 1
-    tiles = (batch, n_kv_heads, n_row_tiles)
-    n_passes = torch.zeros((len(classes), *tiles), dtype=torch.int32, device=dev)
-    blocks_read = torch.zeros((len(classes), *tiles, n_splits, n_slots), dtype=torch.int32, device=dev)
-    result = EntmaxDecodeResult(out, tau, nnz, n_valid, n_passes, blocks_read, n_splits, block_n)
+    rows = (batch, n_heads, seqlen_q)
+    out = torch.empty((*rows, head_dim_v), dtype=q.dtype, device=dev)
+    tiles = (batch, n_kv_heads, sz.n_row_tiles)
+    ws = _launch.workspace(_launch.scratch_layout(plan, sz, rows, n_kv_heads, head_dim_v, counters, stats), dev)
+    if stats:
+        tau = torch.empty(rows, dtype=torch.float32, device=dev)
+        nnz = torch.empty(rows, dtype=torch.int32, device=dev)
+        n_valid = torch.empty(rows, dtype=torch.int32, device=dev)
+    else:
+        tau, nnz, n_valid = ws["TAU"], ws["NNZ"], ws["N_VALID"]
+    if counters:
+        n_passes = torch.zeros((len(classes), *tiles), dtype=torch.int32, device=dev)
+        blocks_read = torch.zeros((len(classes), *tiles, sz.n_splits, plan.max_passes + 1), dtype=torch.int32,
+                                  device=dev)
+    else:
+        n_passes, blocks_read = ws["N_PASSES"], ws["BLOCKS_READ"]
+    result = EntmaxDecodeResult(out, tau if stats else None, nnz if stats else None, n_valid if stats else None,
+                                n_passes if counters else None, blocks_read if counters else None, sz.n_splits,
+                                plan.block_n)
     if out.numel() == 0:
         return result
 
-    rows_pad = n_row_tiles * block_m
-    ws = dict(dtype=torch.float32, device=dev)
-    per_split = (batch, n_kv_heads, rows_pad, n_splits)
-    common = dict(
-        Q=q, K=k_cache, V=v_cache, ALPHA=_common.alpha_arg(alpha, n_heads, dev),
-        BLOCK_TABLE=block_table if paged else cache_seqlens, CACHE_SEQLENS=cache_seqlens,
-        **_common.mods_args(bias, (batch, n_heads, seqlen_q, capacity), alibi_slopes, sinks, q, block_mask),
-        Z=torch.empty((batch, n_kv_heads, n_rows, n_span * block_n), **ws),
-        LIST=torch.empty((*tiles, n_span), dtype=torch.int32, device=dev),
-        LIVE_N=torch.empty((*tiles, n_splits), dtype=torch.int32, device=dev),
-        PART_ROW=torch.empty((*per_split, N_PART.value), **ws), PART_ACC=torch.empty((*per_split, head_dim_v), **ws),
-        TAU=tau,
-        **_common.stride_args("stride_q", q, "bhmd"),
-        **_cache_strides("stride_k", k_cache, paged), **_cache_strides("stride_v", v_cache, paged),
+    alpha_t = _common.alpha_arg(alpha, n_heads, dev)
+    mods = _common.mods_args(bias, (batch, n_heads, seqlen_q, capacity), alibi_slopes, sinks, q, block_mask)
+    args = dict(
+        plan.consts, Q=q, K=k_cache, V=v_cache, ALPHA=alpha_t, BLOCK_TABLE=block_table if paged else cache_seqlens,
+        CACHE_SEQLENS=cache_seqlens, **mods, Z=ws["Z"], LIST=ws["LIST"], LIVE_N=ws["LIVE_N"],
+        PART_ROW=ws["PART_ROW"], PART_ACC=ws["PART_ACC"], GRID_ROW=ws["GRID_ROW"], TAU=tau,
+        **_common.stride_args("stride_q", q, "bhmd"), **_cache_strides("stride_k", k_cache, paged),
+        **_cache_strides("stride_v", v_cache, paged),
         stride_tb=block_table.stride(0) if paged else 0, stride_tn=block_table.stride(1) if paged else 0,
-        page_size=k_cache.shape[1] if paged else 1,
-        n_heads=n_heads, n_kv_heads=n_kv_heads, kv_group=kv_group, seqlen_q=seqlen_q, n_rows=n_rows,
-        n_row_tiles=n_row_tiles, n_splits=n_splits, blocks_per_split=blocks_per_split, n_span=n_span,
-        max_seqlen_k=max_seqlen_k, scale=float(scale), tol=default_tolerance(q.dtype) if tol is None else float(tol),
-        n_slots=n_slots, MASK=mask,
-        SCORE=score_spec(softcap, alibi_slopes is not None, sinks is not None, 0 if block_mask is None else 2),
-        FILTER=len(classes) > 1, BLOCK_M=block_m, BLOCK_N=block_n,
-        CACHE=_cache_spec(paged, head_dim, head_dim_v, q.dtype),
-    )
-    options = {} if _common.interpreting() else dict(num_warps=num_warps, num_stages=num_stages)
-    grid = (n_splits, n_kv_heads * n_row_tiles, batch)
-    pow_of = {1: 1, 2: 2, 3: 0}
-    for launch, cls in enumerate(classes):
-        grid_k, cand_p = DECODE_POINTS[pow_of.get(cls, 1)]
-        state = [torch.empty((batch, n_kv_heads, rows_pad, N_STATE.value), **ws) for _ in range(2)]
-        cand = [torch.empty((*per_split, 3, cand_p), **ws) for _ in range(2)]
-        args = dict(common, GRID_ROW=torch.empty((*per_split, N_PART.value), **ws),
-                    GRID_PTS=torch.empty((*per_split, 3, grid_k), **ws), BLOCKS_READ=blocks_read[launch],
-                    N_PASSES=n_passes[launch], ALPHA_CLASS=cls, GRID_K=grid_k, CAND_P=cand_p)
-        phases = [(0, False)] if cls == 0 else [(0, False)] + [(1, p == 1) for p in range(1, max_passes - 1)]
-        if cls != 0:
-            phases.append((2, max_passes == 2))
+        page_size=k_cache.shape[1] if paged else 1, n_heads=n_heads, n_kv_heads=n_kv_heads, kv_group=kv_group,
+        seqlen_q=seqlen_q, n_rows=n_rows, n_row_tiles=sz.n_row_tiles, n_splits=sz.n_splits,
+        blocks_per_split=sz.blocks_per_split, n_span=sz.n_span, max_seqlen_k=sz.max_seqlen_k, scale=float(scale))
+    grid = (sz.n_splits, n_kv_heads * sz.n_row_tiles, batch)
+    state = (ws["STATE0"], ws["STATE1"])
+    per_split = ws["PART_ROW"].shape[:4]
+    for launch, (cls, grid_k, cand_p, phases) in enumerate(plan.chains):
+        # the point sums of this class's chain, contiguous at its own point count
+        grid_pts = _launch.carve(ws["GRID_PTS"], (*per_split, 3, grid_k))
+        cand = tuple(_launch.carve(ws[f"CAND{i}"], (*per_split, 3, cand_p)) for i in range(2))
         for p, (phase, from_grid) in enumerate(phases):
             _entmax_decode_split_kernel[grid](
-                **args, CAND_IN=cand[(p + 1) % 2], CAND_OUT=cand[p % 2], STATE_IN=state[(p + 1) % 2],
-                STATE_OUT=state[p % 2], pass_slot=p, PHASE=phase, FROM_GRID=from_grid, **options)
-    _entmax_decode_combine_kernel[(n_kv_heads * n_row_tiles, batch)](
-        OUT=out, TAU=tau, NNZ=nnz, N_VALID=n_valid, ALPHA=common["ALPHA"],
-        PART_ROW=common["PART_ROW"], PART_ACC=common["PART_ACC"], **_common.stride_args("stride_o", out, "bhmd"),
-        n_heads=n_heads, n_kv_heads=n_kv_heads, kv_group=kv_group, seqlen_q=seqlen_q, n_rows=n_rows,
-        n_row_tiles=n_row_tiles, n_splits=n_splits, SCORE=common["SCORE"], MODS=common["MODS"],
-        HEAD_DIM_V=head_dim_v, BLOCK_DV=_common.head_dim_block(head_dim_v), BLOCK_M=block_m, **options)
+                **args, GRID_PTS=grid_pts, BLOCKS_READ=blocks_read[launch], N_PASSES=n_passes[launch],
+                ALPHA_CLASS=cls, GRID_K=grid_k, CAND_P=cand_p, CAND_IN=cand[(p + 1) % 2], CAND_OUT=cand[p % 2],
+                STATE_IN=state[(p + 1) % 2], STATE_OUT=state[p % 2], pass_slot=p, PHASE=phase, FROM_GRID=from_grid,
+                **plan.options)
+    _entmax_decode_combine_kernel[(n_kv_heads * sz.n_row_tiles, batch)](
+        **plan.combine, OUT=out, TAU=tau, NNZ=nnz, N_VALID=n_valid, ALPHA=alpha_t, PART_ROW=args["PART_ROW"],
+        PART_ACC=args["PART_ACC"], **_common.stride_args("stride_o", out, "bhmd"), n_heads=n_heads,
+        n_kv_heads=n_kv_heads, kv_group=kv_group, seqlen_q=seqlen_q, n_rows=n_rows, n_row_tiles=sz.n_row_tiles,
+        n_splits=sz.n_splits, MODS=mods["MODS"], **plan.options)
     return result
-

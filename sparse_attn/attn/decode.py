@@ -10,14 +10,18 @@ Design and measurements: docs/decode.md.
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from sparse_attn._validation import check_bool
+from sparse_attn._validation import check_bool, values_checkable
 from sparse_attn.attn._kv_cache import MAX_DECODE_QUERIES
-from sparse_attn.attn.attn_inputs import AttentionStats, AttnSpec, prepare_attention
+from sparse_attn.attn.attn_inputs import AttentionStats, AttnSpec, alpha_tensor, head_cast, prepare_attention
 from sparse_attn.attn.reference import entmax_attention_reference
 from sparse_attn.attn.routes import refusal_message, refused
+from sparse_attn.kernels._common import alpha_class_of
 
 __all__ = ["entmax_decode", "MAX_DECODE_QUERIES", "decode_attention", "decode_fits", "decode_unsupported"]
 
@@ -31,14 +35,22 @@ def _decode_op(
     """The decode kernels as a custom op (forward only): ``(out, tau, nnz, n_valid)``; ``alpha`` float32 ``(Hq,)``,
     ``alpha_value`` the Python number it holds when it was given as one (one compile-time alpha class);
     ``block_mask``, ``block_size``: the spec's block grid and its ``(bq, bk)`` (both None without one)."""
+    res = _launch(q, k_cache, v_cache, cache_seqlens, alpha, alpha_value, scale, block_table, bias, is_causal,
+                  max_seqlen_k, num_splits, window_size, alibi_slopes, softcap, sinks, block_mask, block_size, True)
+    return res.out, res.tau, res.nnz, res.n_valid
+
+
+def _launch(q, k_cache, v_cache, cache_seqlens, alpha, alpha_value, scale, block_table, bias, is_causal,
+            max_seqlen_k, num_splits, window_size, alibi_slopes, softcap, sinks, block_mask, block_size, stats):
+    """The launcher on the op's arguments (the op, and eager calls that need no op: :func:`_run_decode_op`); the
+    statistics are computed into scratch memory unless ``stats``."""
     from sparse_attn.kernels.attn import entmax_decode as kernels
 
-    res = kernels.entmax_decode_fwd(
-        q, k_cache, v_cache, cache_seqlens, alpha if alpha_value is None else alpha_value, scale,
-        block_table=block_table, bias=bias, is_causal=is_causal, window_size=window_size, alibi_slopes=alibi_slopes,
-        softcap=softcap, sinks=sinks, max_seqlen_k=max_seqlen_k, num_splits=num_splits,
-        block_mask=None if block_mask is None else (block_mask, tuple(block_size)))
-    return res.out, res.tau, res.nnz, res.n_valid
+    return kernels.entmax_decode_fwd(
+        q, k_cache, v_cache, cache_seqlens, alpha, scale, block_table=block_table, bias=bias, is_causal=is_causal,
+        window_size=window_size, alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks, max_seqlen_k=max_seqlen_k,
+        num_splits=num_splits, block_mask=None if block_mask is None else (block_mask, tuple(block_size)),
+        alpha_class=None if alpha_value is None else alpha_class_of([alpha_value]), counters=False, stats=stats)
 
 
 @_decode_op.register_fake
@@ -139,8 +151,9 @@ def entmax_decode(
         is_causal: the queries are the last ``Nq`` keys of their sequence: query ``i`` sees key ``j`` iff
             ``j <= i + cache_seqlens[b] - Nq``. Default False (every query sees the whole cache).
         scale: score scale, default ``1 / sqrt(D)``.
-        max_seqlen_k: an upper bound on ``cache_seqlens`` (default: the capacity, or the longest entry of a CPU
-            tensor); the key range the splits cover, so a tight bound saves idle programs.
+        max_seqlen_k: an upper bound on ``cache_seqlens`` (default: the capacity, or the longest entry where the
+            values are read for checks: a CPU tensor); the key range the splits cover, so a tight bound saves idle
+            programs.
         num_splits: key-range splits per (batch entry, kv head); default: enough programs to fill the GPU.
         return_stats: also return :class:`sparse_attn.AttentionStats` (per-row support size ``nnz``, threshold
             ``tau`` and valid keys ``n_valid``, each ``(B, Hq, Nq)``), as ``entmax_attention`` does.
@@ -162,18 +175,73 @@ def entmax_decode(
     """
     check_bool("is_causal", is_causal)
     check_bool("return_stats", return_stats)
-    spec = prepare_attention(
-        q, k_cache, v_cache, alpha, attn_mask=attn_mask, is_causal=is_causal, scale=scale, max_seqlen_k=max_seqlen_k,
-        backend=backend, window_size=window_size, alibi_slopes=alibi_slopes, sinks=sinks, softcap=softcap,
-        need_stats=return_stats, kv_cache=True, cache_seqlens=cache_seqlens, block_table=block_table,
-        num_splits=num_splits)
+    spec, why = _gate(q, k_cache, v_cache, cache_seqlens, alpha, dict(
+        attn_mask=attn_mask, is_causal=is_causal, scale=scale, max_seqlen_k=max_seqlen_k, backend=backend,
+        window_size=window_size, alibi_slopes=alibi_slopes, sinks=sinks, softcap=softcap, need_stats=return_stats,
+        block_table=block_table, num_splits=num_splits))
     if spec.backend == "reference":
         return _reference_decode(spec)
-    why = refused("decode", spec.used())
     if why:
         raise ValueError(refusal_message("decode", why, "use sparse_attn.entmax_attention to train, or call "
                                          "entmax_decode under torch.no_grad()"))
     return _run_decode_op(spec, spec.cache_seqlens, spec.need_stats)
+
+
+# the argument gate of entmax_decode, cached by what its checks read (_gate)
+_GATE: OrderedDict = OrderedDict()
+_GATE_SIZE = 64
+# the spec fields that hold the call's own tensors: swapped in on every call, never kept by the cache
+_CALL_TENSORS = ("q", "k", "v", "mask", "block_table", "alibi_slopes", "sinks")
+
+
+def _meta(x):
+    """What the checks read of one argument: a tensor's type, shape, dtype, device and ``requires_grad``; any other
+    value itself, with its type (``True`` and ``1`` differ)."""
+    if isinstance(x, Tensor):
+        return (type(x), x.shape, x.dtype, x.device, x.requires_grad)
+    return (type(x), x)
+
+
+def _gate(q, k_cache, v_cache, cache_seqlens, alpha, kw: dict):
+    """``prepare_attention`` of a decoding step, and what keeps it off the decode kernels (phrases; None on the
+    reference backend).
+
+    A second call whose arguments have the same metadata (:func:`_meta`: types, shapes, dtypes, devices,
+    ``requires_grad``, the other arguments' values, grad mode) skips the checks, which read nothing else: the spec of
+    the first call is kept without its tensors and this call's tensors are swapped in (converted as
+    ``prepare_attention`` converts them). Never while the values of a tensor are read for checks (CPU tensors,
+    :func:`sparse_attn.set_checks`; those checks run on every call), while ``torch.compile`` traces, or (for keeping
+    a spec) while a CUDA graph is being captured: an integer ``cache_seqlens`` or a Python ``alpha`` become device
+    tensors the kept spec holds, which a capture would leave unwritten."""
+    cacheable = not values_checkable(q, cache_seqlens, kw["block_table"], alpha)
+    if cacheable:
+        try:
+            key = (torch.is_grad_enabled(), _meta(q), _meta(k_cache), _meta(v_cache), _meta(cache_seqlens),
+                   _meta(alpha), *(_meta(x) for x in kw.values()))
+            hit = _GATE.get(key)
+        except TypeError:  # an unhashable argument (the checks will name it, or it is a list): not cached
+            cacheable, hit = False, None
+        if hit is not None:
+            template, why = hit
+            fields = dict(q=q, k=k_cache, v=v_cache, mask=kw["attn_mask"], block_table=kw["block_table"],
+                          alibi_slopes=head_cast(kw["alibi_slopes"], q), sinks=head_cast(kw["sinks"], q))
+            if isinstance(alpha, Tensor):
+                fields["alpha"] = alpha_tensor(alpha, q)
+            if isinstance(cache_seqlens, Tensor):
+                fields["cache_seqlens"] = cache_seqlens.to(torch.int32)
+            return template.swapped(**fields), why
+    spec = prepare_attention(q, k_cache, v_cache, alpha, kv_cache=True, cache_seqlens=cache_seqlens, **kw)
+    why = refused("decode", spec.used()) if spec.backend == "triton" else None
+    if cacheable and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+        dropped = dict.fromkeys(_CALL_TENSORS)
+        if isinstance(alpha, Tensor):
+            dropped["alpha"] = None
+        if isinstance(cache_seqlens, Tensor):
+            dropped["cache_seqlens"] = None
+        _GATE[key] = (spec.swapped(**dropped), why)
+        if len(_GATE) > _GATE_SIZE:
+            _GATE.popitem(last=False)
+    return spec, why
 
 
 def _window_arg(window_size) -> list[int] | None:
@@ -208,19 +276,47 @@ def decode_attention(inputs: AttnSpec, return_stats: bool | None = None):
     """Run prepared inputs for which :func:`decode_fits` holds on the decode kernels: ``k``, ``v`` are a contiguous
     cache of ``Nk`` keys for every sequence. Returns ``out`` ``(B, Hq, Nq, Dv)`` or ``(out, AttentionStats)``
     (``return_stats`` None: the spec's ``need_stats``)."""
-    q, k = inputs.q, inputs.k
-    seqlens = torch.full((q.shape[0],), k.shape[2], dtype=torch.int32, device=q.device)
-    return _run_decode_op(inputs, seqlens, inputs.need_stats if return_stats is None else return_stats)
+    return _run_decode_op(inputs, _whole_cache(inputs.q.shape[0], inputs.q.device),
+                          inputs.need_stats if return_stats is None else return_stats)
+
+
+_WHOLE: dict = {}
+
+
+def _whole_cache(batch: int, device: torch.device) -> Tensor:
+    """Lengths that say "every key of the cache": int32 ``(B,)`` of int32's largest value, which the kernels clamp to
+    ``max_seqlen_k`` (the cache's ``Nk``). One tensor per (batch size, device), made outside CUDA graph captures
+    and compiled traces (within them: a new one, part of the graph)."""
+    if torch.compiler.is_compiling():
+        return torch.full((batch,), 2**31 - 1, dtype=torch.int32, device=device)
+    lengths = _WHOLE.get((batch, device))
+    if lengths is None:
+        lengths = torch.full((batch,), 2**31 - 1, dtype=torch.int32, device=device)
+        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            _WHOLE[(batch, device)] = lengths
+    return lengths
+
+
+def _direct(*tensors) -> bool:
+    """Whether an eager call may run the launcher without the custom op: plain tensors (or parameters) off the meta
+    device, nothing tracing (``torch.compile``, ``torch.jit.trace``) and no dispatch mode (fake tensors, counters,
+    ...) that must see the op. The op adds only its dispatch: the launcher and its results are the same."""
+    if torch.compiler.is_compiling() or torch.jit.is_tracing() or _get_current_dispatch_mode() is not None:
+        return False
+    return all(t is None or (type(t) in (Tensor, torch.nn.Parameter) and t.device.type != "meta") for t in tensors)
 
 
 def _run_decode_op(spec: AttnSpec, seqlens: Tensor, return_stats: bool):
-    """The decode op on a spec whose ``k`` / ``v`` are a KV cache holding ``seqlens`` keys per sequence: ``out`` or
-    ``(out, AttentionStats)``."""
-    out, tau, nnz, n_valid = _decode_op(
-        q=spec.q, k_cache=spec.k, v_cache=spec.v, cache_seqlens=seqlens,
-        alpha=spec.alpha.detach().float().contiguous(), alpha_value=spec.alpha_value, scale=spec.scale,
-        block_table=spec.block_table, bias=spec.mask, is_causal=spec.is_causal, max_seqlen_k=spec.max_seqlen_k,
-        num_splits=spec.num_splits, window_size=_window_arg(spec.window_size), alibi_slopes=spec.alibi_slopes,
-        softcap=spec.softcap, sinks=spec.sinks, block_mask=spec.block_mask,
-        block_size=None if spec.block_size is None else [int(n) for n in spec.block_size])
+    """The decode kernels on a spec whose ``k`` / ``v`` are a KV cache holding ``seqlens`` keys per sequence: ``out``
+    or ``(out, AttentionStats)``; through the custom op, or straight to the launcher where :func:`_direct` allows."""
+    args = (spec.q, spec.k, spec.v, seqlens, spec.alpha.detach().float().contiguous(), spec.alpha_value, spec.scale,
+            spec.block_table, spec.mask, spec.is_causal, spec.max_seqlen_k, spec.num_splits,
+            _window_arg(spec.window_size), spec.alibi_slopes, spec.softcap, spec.sinks, spec.block_mask,
+            None if spec.block_size is None else [int(n) for n in spec.block_size])
+    if _direct(spec.q, spec.k, spec.v, seqlens, spec.mask, spec.block_table, spec.alibi_slopes, spec.sinks,
+               spec.block_mask):
+        res = _launch(*args, return_stats)
+        out, tau, nnz, n_valid = res.out, res.tau, res.nnz, res.n_valid
+    else:
+        out, tau, nnz, n_valid = _decode_op(*args)
     return (out, AttentionStats(nnz, tau, n_valid)) if return_stats else out
