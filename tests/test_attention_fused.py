@@ -510,8 +510,8 @@ def test_backward_op_returns_mask_shaped_gradient(kernel_device):
     alpha = torch.tensor([1.5, 2.0], device=kernel_device)
     spec = dataclasses.replace(prepare_attention(q, k, v, alpha, attn_mask=mask, scale=0.25, backend="triton"),
                                alpha_class="mixed", need_grad=True)
-    out, tau, lsum, _, _, live, _, _, out_u = _fwd_op(*spec_to_op_args(spec, 0))
-    args = (out, out, out_u, tau, lsum, live, False, True, *spec_to_op_args(spec, 0))
+    out, tau, tau_lo, lsum, _, _, live, _, _, out_u = _fwd_op(*spec_to_op_args(spec, 0))
+    args = (out, out, out_u, tau, tau_lo, lsum, live, False, True, *spec_to_op_args(spec, 0))
     dbias = torch.ops.sparse_attn.entmax_attn_bwd(*args)[4]
     assert dbias.shape == mask.shape
     from torch._subclasses.fake_tensor import FakeTensorMode
