@@ -25,9 +25,8 @@ its own key blocks and every later launch first combining what all splits of the
 
 alpha == 1 is flash-decoding: one pass per split (online softmax, exponents ``(s - m) log2(e)`` in the scores' own
 scale) and the same combine, rescaled by the split maxima. Every later pass takes the stored scores relative to the
-global reference score, so the threshold arithmetic never sees their magnitude (docs/kernels.md, "Shift
-invariance"). A launch whose row tile has nothing left to refine returns after its merge, so the
-number of launches is fixed on the host (no synchronization) while the passes actually run adapt.
+row's reference score (docs/kernels.md, "Shift invariance"). A launch whose row tile has nothing left to refine
+returns after its merge, so the number of launches is fixed on the host (no synchronization) while the passes adapt.
 Every program of a launch computes the same merge from the same inputs with the same code, so all
 splits use bitwise the same threshold. No atomics: each split writes only its own slots; split 0
 also writes the merged state the next launch starts from (two buffers, alternating).
