@@ -351,7 +351,7 @@ def entmax_rows(q, kv, rw, tiles, mods, sc, POW: tl.constexpr, GRID_K: tl.conste
         LANES: tl.constexpr = 0
         CAND_LANES: tl.constexpr = 0
 
-    # ---- pass 1: max, valid keys, NaN/+inf rows, and f, g, c at GRID_K absolute points below the running max
+    # ---- pass 1: max, valid keys, NaN/+inf rows, and f, g, c at GRID_K points below the running max (relative to ref)
     w_grid, slot, m, j_top, ref, n_valid, bad, F, G, L = grid_start(BLOCK_M, GRID_K, LANES)
     z_sink = am1 * sink
     sink_bad = (z_sink != z_sink) | (z_sink == float("inf"))

@@ -1,6 +1,6 @@
 """The threshold algorithm of the fused entmax forward and the decode kernels, in one module: the threshold constants,
 the row arithmetic (evaluation points, the bracket state ``Bracket``, certified brackets, the estimate), the stopping
-rules, and, per key tile, the passes that feed them (the grid pass's ring of ``GRID_K`` absolute points below the
+rules, and, per key tile, the passes that feed them (the grid pass's ring of ``GRID_K`` points below the
 running max and its first bracket, the candidate passes' points, sums and merge; at the end of the module). The loops
 over key tiles stay with their kernels: ``kernels/attn/_fwd_rows.py`` and ``kernels/attn/entmax_decode.py``.
 

@@ -4,8 +4,9 @@ One program owns one query tile of one (batch or sequence, head). It computes, t
 without storing the scores ``z = (alpha - 1) * s``:
 
 1. a **grid pass** over the visible key tiles: the row maximum ``m``, the number of valid keys
-   and ``f``, ``g`` (and the key count) at ``GRID_K`` absolute points ``i / (GRID_K - 1)`` just below
-   the running maximum, kept in a ring so that they are exact over all keys when the pass ends;
+   and ``f``, ``g`` (and the key count) at ``GRID_K`` points ``ref + i / (GRID_K - 1)`` just below
+   the running maximum (``ref``: the row's reference score, every later quantity is relative to it; docs/kernels.md,
+   "Shift invariance"), kept in a ring so that they are exact over all keys when the pass ends;
    key tiles with every score below the lowest point are dead (the threshold is at least ``m - 1``);
    the tiles are visited max-first (the diagonal tile first when causal, else the diagonal or window centre, then
    outward: ``_masking.max_first_tile``), so that far tiles are already dead when seen and cost little more than
