@@ -56,7 +56,7 @@ class BwdTiles(NamedTuple):
 
 
 def _pick_config(head_dim: int, interpret: bool, need_dalpha: bool = False, dense_dbias: bool = False,
-                 deterministic: bool = True) -> dict:
+                 deterministic: bool = True, alpha_class: str = "mixed") -> dict:
     """``{kernel: BwdTiles}`` for ``"dq"``, ``"dkdv"``, ``"dbias"``: each backward kernel's own tiles and pinned
     launch config for this head dim and call. The tiles are powers of two, independent of the forward's (the
     bitmap's): a backward tile lies in one forward tile or is a union of whole ones (``_bwd_tiles._live_bits``).
@@ -66,8 +66,10 @@ def _pick_config(head_dim: int, interpret: bool, need_dalpha: bool = False, dens
     64 or 128 query rows, the dK/dV kernel 128 keys, the M of all its products, ``_keys_as_m``), and no spill inside
     a loop for any alpha class. The row sums of d alpha (``need_dalpha``) and the stored dS tiles of a dense mask
     gradient (``dense_dbias``) need registers in the kernel that sweeps them: the dQ kernel, or without determinism
-    the dK/dV kernel, which then also adds dQ; that kernel takes narrower tiles. The interpreter runs its own small
-    tiles, chosen to exercise both relations to the forward's 32 x 32 tiles."""
+    the dK/dV kernel, which then also adds dQ; that kernel takes narrower tiles, as does the atomic dQ's dK/dV kernel
+    at head dim 128 for the general alpha class (``alpha_class``: the launch's, ``"mixed"`` for a filtered launch of
+    every class). The interpreter runs its own small tiles, chosen to exercise both relations to the forward's 32 x 32
+    tiles."""
     if interpret:
         return dict(dq=BwdTiles(64, 16, 4, 1), dkdv=BwdTiles(16, 64, 4, 1), dbias=BwdTiles(16, 64, 4, 1))
     head_dim_block = _common.head_dim_block(head_dim)
@@ -81,8 +83,10 @@ def _pick_config(head_dim: int, interpret: bool, need_dalpha: bool = False, dens
             dq = BwdTiles(64, 16, 4, 2)
         else:
             dq = BwdTiles(128, 32 if dq_dalpha or dq_dense else 64, 8, 2)
-        # the atomic dQ's extra product (and its d alpha sums) leave no registers for 32 query rows a step
-        dkdv = BwdTiles(32 if deterministic else 16, 128, 8, 2)
+        # the atomic dQ's extra product and its d alpha sums (or the general class's weights) leave no registers for
+        # 32 query rows a step
+        narrow = not deterministic and (need_dalpha or alpha_class in ("general", "mixed"))
+        dkdv = BwdTiles(16 if narrow else 32, 128, 8, 2)
         return dict(dq=dq, dkdv=dkdv, dbias=BwdTiles(64, 32, 4, 2))
     dq = BwdTiles(64, 16 if dq_dalpha or dq_dense else 32, 4, 2)
     return dict(dq=dq, dkdv=BwdTiles(16, 32, 8, 2), dbias=BwdTiles(64, 32, 8, 2))
@@ -95,12 +99,16 @@ def _keys_as_m(head_dim: int, head_dim_v: int) -> bool:
     return _common.head_dim_block(max(head_dim, head_dim_v)) <= 128
 
 
+_CLASS_NAMES = {cls: name for name, cls in _common.ALPHA_CLASSES.items()}
+
+
 def _call_flags(args: dict) -> tuple:
-    """``(need_dalpha, dense_dbias, deterministic)`` of ``_pick_config`` from one kernel launch's arguments: as far as
-    they choose that kernel's tiles (the dQ kernel's sweep, or without determinism the dK/dV kernel, accumulates the
-    d alpha sums and stores the dense dS tiles)."""
+    """``(need_dalpha, dense_dbias, deterministic, alpha_class)`` of ``_pick_config`` from one kernel launch's
+    arguments: as far as they choose that kernel's tiles (the dQ kernel's sweep, or without determinism the dK/dV
+    kernel, accumulates the d alpha sums and stores the dense dS tiles; a filtered launch is ``"mixed"``)."""
     deterministic = args.get("PHASE", 0) == 0 and not args.get("NEED_DQ", False)
-    return bool(args.get("NEED_DALPHA", False)), bool(args.get("NEED_DBIAS", False)), deterministic
+    alpha_class = "mixed" if args.get("HEAD_FILTER", True) else _CLASS_NAMES[args["ALPHA_CLASS"]]
+    return bool(args.get("NEED_DALPHA", False)), bool(args.get("NEED_DBIAS", False)), deterministic, alpha_class
 
 
 def _pinned(kernel: str):
@@ -141,7 +149,7 @@ def _launch(name: str, grid: tuple, args: dict, alpha_class: str, forced: BwdTil
     for cls, head_filter in _common.class_launches(alpha_class):
         launch = dict(args, ALPHA_CLASS=cls, HEAD_FILTER=head_filter)
         if forced is not None or _common.pinned_launch():
-            tiles = forced or _pick_config(args["HEAD_DIM"], _common.interpreting(), *_call_flags(args))[name]
+            tiles = forced or _pick_config(args["HEAD_DIM"], _common.interpreting(), *_call_flags(launch))[name]
             globals()[f"_entmax_attn_bwd_{name}_kernel"][grid](**launch, num_warps=tiles.num_warps,
                                                                num_stages=tiles.num_stages)
         else:
@@ -336,7 +344,8 @@ def entmax_attn_bwd(
         grads = _zero_grads(q, k, v, bias, need_dalpha, need_dbias)
         return grads if sinks is None else (*grads, torch.zeros_like(sinks))
     dense = need_dbias and _masking.dbias_mode(bias, (*q.shape[:3], k.shape[2])) == "dense"
-    config = _pick_config(q.shape[3], _common.interpreting(), bool(need_dalpha), dense, deterministic)
+    alpha_class = _common.resolve_alpha_class(alpha, alpha_class)
+    config = _pick_config(q.shape[3], _common.interpreting(), bool(need_dalpha), dense, deterministic, alpha_class)
     forced = {name: BwdTiles(*t) for name, t in (tiles or {}).items()}
     assert set(forced) <= set(config), f"tiles: expected kernels among {sorted(config)}, got {sorted(forced)}"
     assert all(b >= 16 and b & (b - 1) == 0 for t in forced.values() for b in t[:2]) and all(
@@ -347,7 +356,6 @@ def entmax_attn_bwd(
     live_plan = _masking.tile_plan(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *live_tiles)
     live_shape = (live_plan.n_seq, n_heads, live_plan.n_q_tiles, live_plan.n_words)
     assert live is None or (live.shape == live_shape and live.dtype == torch.int32), f"live: expected {live_shape}"
-    alpha_class = _common.resolve_alpha_class(alpha, alpha_class)
     assert out_u is not None or alpha_class == "softmax", (
         "out_u: required unless every head has alpha = 1 (entmax_attn_fwd(..., need_out_u=True).out_u)")
     plans = {name: _masking.tile_plan(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, t.block_m,
