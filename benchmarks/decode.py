@@ -147,8 +147,9 @@ SM90_CLASSES = {"softmax": 1.0, "sparsemax": 2.0, "entmax15": 1.5, "general": 1.
 def sm90_builds(head_dim: int, alpha_class: str, paged: bool = True, mask: str | None = None, causal: bool = False,
                 dtype=torch.bfloat16, batch: int = 4, n: int = 4096, heads: int = 32, kv_heads: int = 8,
                 variants: bool = False):
-    """Build every kernel one decode step launches (each split-kernel phase of each alpha class, the combine) for
-    sm_90 as the launcher launches it (``benchmarks/sm90_build.py``); one analysis dict per distinct kernel.
+    """Build every kernel one decode step launches (the score and the value pass of each alpha class, each with its
+    last-program part: the candidate passes, the combine) for sm_90 as the launcher launches it
+    (``benchmarks/sm90_build.py``); one analysis dict per distinct kernel.
 
     ``mask``: None, ``"float"`` (an additive ``(B, 1, 1, Nk)`` bias) or ``"bool"`` (a keep mask). ``variants``:
     every attention variant at once (a ``(1024, 0)`` window, ALiBi, a soft cap, sinks, ``Dv = head_dim / 2``).
@@ -167,25 +168,18 @@ def sm90_builds(head_dim: int, alpha_class: str, paged: bool = True, mask: str |
                  sinks=torch.zeros(heads)) if variants else {}
     value = SM90_CLASSES[alpha_class]
     alpha = torch.tensor([1.0, 1.5, 2.0, 1.25] * (heads // 4)) if value is None else value
-    combine = []
-
-    def launch():
-        kernel, launches = captured_launches(
-            dec, "_entmax_decode_combine_kernel", dec.entmax_decode_fwd, q, k, v,
-            torch.full((batch,), n, dtype=torch.int32), alpha, head_dim ** -0.5, block_table=table, bias=bias,
-            is_causal=causal, num_splits=8, alpha_class=alpha_class, **extra)
-        combine.extend((kernel, g, a, kw) for g, a, kw in launches)
-
-    split_kernel, launches = captured_launches(dec, "_entmax_decode_split_kernel", launch)
+    split_kernel, launches = captured_launches(
+        dec, "_entmax_decode_split_kernel", dec.entmax_decode_fwd, q, k, v, torch.full((batch,), n, dtype=torch.int32),
+        alpha, head_dim ** -0.5, block_table=table, bias=bias, is_causal=causal, num_splits=8, alpha_class=alpha_class,
+        **extra)
     seen, out = set(), []
-    for kernel, _, args, kwargs in [(split_kernel, *x) for x in launches] + combine:
-        name = "combine" if kernel is not split_kernel else \
-            f"phase{kwargs['PHASE']}{'g' if kwargs['FROM_GRID'] else ''}"
+    for _, args, kwargs in launches:
+        name = f"phase{kwargs['PHASE']}"
         key = (name, kwargs.get("ALPHA_CLASS"))
         if key in seen:
             continue
         seen.add(key)
-        info = analyse(compile_like_launch(kernel, args, kwargs))
+        info = analyse(compile_like_launch(split_kernel, args, kwargs))
         cls = {v: c for c, v in dec.ALPHA_CLASSES.items()}.get(kwargs.get("ALPHA_CLASS"), "all")
         info.update(kernel=name, d=head_dim, alpha=cls + (" (filtered)" if kwargs.get("FILTER") else ""),
                     block=f"{kwargs['BLOCK_M']}x{kwargs.get('BLOCK_N', '-')}", warps=kwargs.get("num_warps", 4),

@@ -14,15 +14,15 @@ Stages (inclusive wall time per call, median over ``--steps`` calls after a warm
 * ``launcher``: ``entmax_decode_fwd`` (planning, buffers, the argument dicts, the stubbed launches);
 * ``alloc``: the time spent in ``torch.empty`` / ``torch.zeros`` / ``torch.full`` during the call (all stages).
 
-Also counted per call: kernel launches (split and combine), buffers allocated (``torch.empty`` / ``torch.zeros`` /
+Also counted per call: kernel launches, buffers allocated (``torch.empty`` / ``torch.zeros`` /
 ``torch.full``: on a GPU every ``zeros`` and ``full`` is one more launch, a fill kernel) and the arguments of each
 launch.
 
 Usage: ``python benchmarks/decode_host.py [--batch 1 8 32] [--keys 1024 32768] [--alpha 1.0 1.5] [--steps 200]
 [--route decode attention] [--read-values] [--bind]`` (``--route attention``: the step through ``entmax_attention``
 as a Hugging Face model calls it, a contiguous cache; ``--bind``: also the host time Triton's launch path spends on
-each launch before the driver call, binding and specializing the arguments and finding the compiled kernel, for an
-sm_90 target, measured with the Triton installed: run it with the GPU machine's version).
+the step's launches before the driver calls, binding and specializing the arguments and finding the compiled
+kernel, for an sm_90 target, measured with the Triton installed: run it with the GPU machine's version).
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def _count_args(values) -> int:
 def bind_times(log: list, kernels: dict, repeats: int = 2000) -> float:
     """Median microseconds Triton's launch path spends before the driver call on the recorded launches (triton 3.x:
     binding the arguments and specializing them, ``create_function_from_signature``, and the compiled-kernel key,
-    ``compute_cache_key``), for an sm_90 target; the mean over the launches of one step."""
+    ``compute_cache_key``), for an sm_90 target; summed over the launches of one step."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler.compiler import make_backend
     from triton.runtime import jit
@@ -85,7 +85,7 @@ def bind_times(log: list, kernels: dict, repeats: int = 2000) -> float:
             jit.compute_cache_key(cache, spec, opts)
             times.append(time.perf_counter() - t0)
         per_launch.append(statistics.median(times))
-    return sum(per_launch) / max(len(per_launch), 1)
+    return sum(per_launch)
 
 
 def _timed(stage: str, fn, times: dict):
@@ -136,7 +136,8 @@ def measure(batch: int, keys: int, alpha: float, steps: int, heads: int = 32, kv
         if not read_values:
             _validation._FREE_READ_DEVICES = frozenset()
         dec._entmax_decode_split_kernel = _Recorder(log, "split")
-        dec._entmax_decode_combine_kernel = _Recorder(log, "combine")
+        if "_entmax_decode_combine_kernel" in saved_dec:  # earlier sources: a separate combine kernel
+            dec._entmax_decode_combine_kernel = _Recorder(log, "combine")
         for name in ("prepare_attention", "_gate"):
             if name in saved_mod:
                 setattr(decode_mod, name, _timed("prepare", saved_mod[name], times))
@@ -186,7 +187,7 @@ def measure(batch: int, keys: int, alpha: float, steps: int, heads: int = 32, kv
     if bind:
         one_step = log[-n_launches:]
         row["bind"] = bind_times(one_step, {"split": saved_dec["_entmax_decode_split_kernel"],
-                                            "combine": saved_dec["_entmax_decode_combine_kernel"]})
+                                            "combine": saved_dec.get("_entmax_decode_combine_kernel")})
     return row
 
 
@@ -211,7 +212,7 @@ def main(argv=None) -> int:
           f"{'read' if args.read_values else 'not read (as on a GPU)'}; load average {os.getloadavg()[0]:.2f}\n")
     import triton
 
-    bind_col = f" triton bind us per launch ({triton.__version__}) |" if args.bind else ""
+    bind_col = f" triton bind us per step ({triton.__version__}) |" if args.bind else ""
     print("| route | B | keys | alpha | call us | prepare us | op us | launcher us | alloc us | launches | "
           "args per launch | allocations |" + bind_col)
     print("|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if args.bind else ""))

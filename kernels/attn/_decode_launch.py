@@ -28,8 +28,8 @@ from .._masking import mask_spec, score_spec
 from ._decode_state import N_PART, N_STATE, _cache_spec
 from ._threshold import DECODE_MAX_PASSES, DECODE_POINTS, default_tolerance
 
-__all__ = ["StaticPlan", "Sizes", "static_plan", "sizes", "scratch_layout", "carve", "workspace", "release_workspaces",
-           "default_num_splits", "sm_count"]
+__all__ = ["StaticPlan", "Sizes", "static_plan", "sizes", "scratch_layout", "carve", "workspace", "tickets",
+           "reset_tickets", "release_workspaces", "default_num_splits", "sm_count"]
 
 # Nq * Hq / Hk rows per program at most; more rows take more row tiles (each reads the cache again)
 MAX_BLOCK_M = 32
@@ -45,9 +45,8 @@ class StaticPlan(NamedTuple):
     block_n: int
     options: dict          # num_warps / num_stages (none under the interpreter)
     max_passes: int
-    consts: dict           # split-kernel arguments that are the same for every call of the configuration
-    combine: dict          # likewise, of the combine kernel
-    chains: tuple          # per alpha class: (ALPHA_CLASS, GRID_K, CAND_P, ((PHASE, FROM_GRID), ...))
+    consts: dict           # kernel arguments that are the same for every call of the configuration
+    chains: tuple          # per alpha class: (ALPHA_CLASS, GRID_K, CAND_P, (PHASE, ...))
 
 
 class Sizes(NamedTuple):
@@ -102,20 +101,14 @@ def static_plan(dtype: torch.dtype, paged: bool, head_dim: int, head_dim_v: int,
     assert block_n >= 16 and block_n & (block_n - 1) == 0, f"block_n: got {block_n}"
     max_passes = DECODE_MAX_PASSES[dtype] if max_passes is None else max_passes
     assert max_passes >= 2, f"max_passes: got {max_passes}"
-    chains = []
-    for cls in classes:
-        grid_k, cand_p = DECODE_POINTS[_POW_OF.get(cls, 1)]
-        phases = ((0, False),) if cls == 0 else ((0, False),) + tuple((1, p == 1) for p in range(1, max_passes - 1))
-        if cls != 0:
-            phases += ((2, max_passes == 2),)
-        chains.append((cls, grid_k, cand_p, phases))
+    # per alpha class: the score pass (softmax: its only pass), then the value pass
+    chains = tuple((cls, *DECODE_POINTS[_POW_OF.get(cls, 1)], (0,) if cls == 0 else (0, 2)) for cls in classes)
     score = score_spec(softcap, has_alibi, has_sinks, 2 if has_blocks else 0)
     consts = dict(tol=default_tolerance(dtype) if tol is None else float(tol), n_slots=max_passes + 1,
                   MASK=mask_spec(is_causal, window_size), SCORE=score, FILTER=len(classes) > 1, BLOCK_M=block_m,
                   BLOCK_N=block_n, CACHE=_cache_spec(paged, head_dim, head_dim_v, dtype))
-    combine = dict(SCORE=score, HEAD_DIM_V=head_dim_v, BLOCK_DV=_common.head_dim_block(head_dim_v), BLOCK_M=block_m)
     plan = StaticPlan(block_m, block_n, {} if interpret else dict(num_warps=num_warps, num_stages=num_stages),
-                      max_passes, consts, combine, tuple(chains))
+                      max_passes, consts, chains)
     _PLANS[key] = plan
     if len(_PLANS) > _MAX_PLANS:
         _PLANS.popitem(last=False)
@@ -153,23 +146,20 @@ def sizes(plan: StaticPlan, batch: int, n_kv_heads: int, n_rows: int, seqlen_q: 
 def scratch_layout(plan: StaticPlan, sz: Sizes, rows: tuple, n_kv_heads: int, head_dim_v: int, counters: bool,
                    stats: bool) -> tuple:
     """``(name, shape, dtype)`` of every scratch tensor of a step with ``rows = (B, Hq, Nq)``: the stored scores
-    ``Z``, the live lists, the per-split partials, the state and point sums of a class chain (shared by the chains,
-    which run one after the other; the point sums flat, cut per chain by :func:`carve`), and the write-only
-    stand-ins of the counters (without ``counters``) and of the statistics (without ``stats``)."""
+    ``Z``, the live lists, the per-split partials, the grid sums (flat: each class chain cuts its own point count,
+    :func:`carve`; the chains run one after the other and share them) and the tiles' threshold state, and the
+    write-only stand-ins of the counters (without ``counters``) and of the statistics (without ``stats``)."""
     f32, i32 = torch.float32, torch.int32
     batch = rows[0]
     n_rows = rows[1] // max(n_kv_heads, 1) * rows[2]
     tiles = (batch, n_kv_heads, sz.n_row_tiles)
     per_split = (batch, n_kv_heads, sz.n_row_tiles * plan.block_m, sz.n_splits)
-    n_split_rows = batch * n_kv_heads * sz.n_row_tiles * plan.block_m * sz.n_splits
     grid_k = max((c[1] for c in plan.chains), default=1)
-    cand_p = max((c[2] for c in plan.chains), default=1)
     layout = [("Z", (batch, n_kv_heads, n_rows, sz.n_span * plan.block_n), f32),
               ("LIST", (*tiles, sz.n_span), i32), ("LIVE_N", (*tiles, sz.n_splits), i32),
               ("PART_ROW", (*per_split, N_PART.value), f32), ("PART_ACC", (*per_split, head_dim_v), f32),
-              ("GRID_ROW", (*per_split, N_PART.value), f32), ("GRID_PTS", (n_split_rows * 3 * grid_k,), f32),
-              ("STATE0", (*per_split[:3], N_STATE.value), f32), ("STATE1", (*per_split[:3], N_STATE.value), f32),
-              ("CAND0", (n_split_rows * 3 * cand_p,), f32), ("CAND1", (n_split_rows * 3 * cand_p,), f32)]
+              ("GRID_ROW", (*per_split, N_PART.value), f32), ("GRID_PTS", (_numel(per_split) * 3 * grid_k,), f32),
+              ("STATE", (*per_split[:3], N_STATE.value), f32)]
     if not counters:
         layout += [("N_PASSES", (len(plan.chains), *tiles), i32),
                    ("BLOCKS_READ", (len(plan.chains), *tiles, sz.n_splits, plan.max_passes + 1), i32)]
@@ -184,12 +174,12 @@ def carve(flat: torch.Tensor, shape: tuple) -> torch.Tensor:
 
 
 class _Arena:
-    """One thread's scratch buffer on one (device, stream), and the views last cut from it."""
+    """One thread's scratch buffer on one (device, stream), the views last cut from it, and its ticket counters."""
 
-    __slots__ = ("buf", "layout", "views")
+    __slots__ = ("buf", "layout", "views", "tickets")
 
     def __init__(self):
-        self.buf, self.layout, self.views = None, None, None
+        self.buf, self.layout, self.views, self.tickets = None, None, None, None
 
 
 _LOCAL = threading.local()
@@ -221,12 +211,7 @@ def _offsets(layout: tuple) -> tuple[list, int]:
     return offs, total
 
 
-def workspace(layout: tuple, device: torch.device) -> dict:
-    """The scratch tensors of ``layout`` (:func:`scratch_layout`) by name: views of this thread's buffer for the
-    current stream of ``device``, or fresh allocations while a CUDA graph is captured or ``torch.compile`` traces.
-    Their contents are whatever an earlier step left (the kernels write every entry before reading it)."""
-    if torch.compiler.is_compiling() or _capturing(device):
-        return {name: torch.empty(shape, dtype=dtype, device=device) for name, shape, dtype in layout}
+def _arena(device: torch.device) -> _Arena:
     arenas = getattr(_LOCAL, "arenas", None)
     if arenas is None:
         arenas = _LOCAL.arenas = {}
@@ -234,6 +219,37 @@ def workspace(layout: tuple, device: torch.device) -> dict:
     arena = arenas.get(key)
     if arena is None:
         arena = arenas[key] = _Arena()
+    return arena
+
+
+def tickets(n: int, device: torch.device, reuse: bool = True) -> torch.Tensor:
+    """``n`` int32 ticket counters (one per row tile) for the last-arrival combines of the decode kernels: zero, and
+    left zero by every launch that completes. This thread's counters for the current stream (grown, zeroed, when a
+    step needs more), or fresh zeros without ``reuse``, while a CUDA graph is captured or ``torch.compile`` traces (the
+    graph then resets them itself: a fill node)."""
+    if not reuse or torch.compiler.is_compiling() or _capturing(device):
+        return torch.zeros(n, dtype=torch.int32, device=device)
+    arena = _arena(device)
+    if arena.tickets is None or arena.tickets.numel() < n:
+        arena.tickets = torch.zeros(max(n, 64), dtype=torch.int32, device=device)
+    return arena.tickets
+
+
+def reset_tickets(device: torch.device) -> None:
+    """Zero this thread's ticket counters for the current stream (after a launch that raised)."""
+    arena = getattr(_LOCAL, "arenas", {}).get(_stream_key(device))
+    if arena is not None and arena.tickets is not None:
+        arena.tickets.zero_()
+
+
+def workspace(layout: tuple, device: torch.device, reuse: bool = True) -> dict:
+    """The scratch tensors of ``layout`` (:func:`scratch_layout`) by name: views of this thread's buffer for the
+    current stream of ``device``, or fresh allocations without ``reuse``, while a CUDA graph is captured or
+    ``torch.compile`` traces. Their contents are whatever an earlier step left (the kernels write every entry before
+    reading it)."""
+    if not reuse or torch.compiler.is_compiling() or _capturing(device):
+        return {name: torch.empty(shape, dtype=dtype, device=device) for name, shape, dtype in layout}
+    arena = _arena(device)
     if arena.layout == layout and arena.views is not None:
         return arena.views
     offs, total = _offsets(layout)

@@ -2,34 +2,33 @@
 
 One program owns one key range (a *split*) of one (batch entry, kv head, row tile); its rows are the
 ``Nq x (Hq / Hk)`` queries that read that kv head (GQA packing: every q head of a group shares one read of
-the cache). For alpha > 1 a decode step is a short chain of launches of one kernel, every split working on
-its own key blocks and every later launch first combining what all splits of the previous one wrote:
+the cache). For alpha > 1 a decode step is two launches of one kernel, every split working on its own key blocks,
+and in each launch the last program of a row tile to finish (a ticket per tile, ``_decode_state._last_arrival``)
+doing what needs every split's results:
 
 1. **score pass** (``PHASE 0``): the scores ``z = (alpha - 1) s`` of the split's keys are computed once
    from the cache and stored (``Z``, float32, ``Nq x Hq / Hk`` rows per kv head: a fraction of the key
    cache's own size), together with the split's row max, valid-key count, NaN flag and ``f``, ``g``, ``c``
    at ``GRID_K`` grid points ``ref + i / (GRID_K - 1)`` below the split's own running max (the forward's
    ring, kernels/attn/entmax_attn_fwd.py; ``ref`` the split's reference score, ``_threshold.anchor``). Blocks whose
-   scores all lie below the lowest point are dead.
-2. **candidate passes** (``PHASE 1``, at most ``max_passes - 2`` launches): every program merges the
-   splits' grid sums into the global sums (exact: the splits' references are a whole number of ring turns apart,
-   so their grids are one grid and each slot of a split is that slot of the global ring; a point above a split's
-   own max simply has nothing from that split), or the previous pass's candidate sums into the previous
-   bracket, solves for a certified bracket and an estimate (kernels/attn/_threshold.py) and, while a row of
-   its tile is not pinned down, evaluates ``CAND_P`` points of the bracket over its live blocks, reading
-   the stored scores (not the cache) and dropping blocks below the certified lower bound.
-3. **value pass** (``PHASE 2``): the final threshold (same merge and solve), then for every live block
-   the weights; the block's value rows are read only when some weight is positive. Partial
-   ``sum_j p_j v_j``, ``sum_j p_j`` and support sizes per split.
-4. **combine** (second kernel): ``out = sum_s acc_s / sum_s l_s`` and the statistics.
+   scores all lie below the lowest point are dead. The last program merges the splits' grid sums into the global
+   sums (exact: the splits' references are a whole number of ring turns apart, so their grids are one grid and each
+   slot of a split is that slot of the global ring; a point above a split's own max simply has nothing from that
+   split), solves for a certified bracket and an estimate (kernels/attn/_threshold.py) and, while a row of the tile
+   is not pinned down (at most ``max_passes - 2`` times), runs a **candidate pass** over every split's live blocks:
+   ``CAND_P`` points of the bracket, from the stored scores (not the cache), dropping blocks below the certified
+   lower bound (``_decode_state._cand_passes``). It stores the final threshold state of the tile.
+2. **value pass** (``PHASE 2``): with that threshold, for every live block of the split the weights; the block's
+   value rows are read only when some weight is positive. Partial ``sum_j p_j v_j``, ``sum_j p_j`` and support
+   sizes per split; the last program combines them: ``out = sum_s acc_s / sum_s l_s`` and the statistics
+   (``_decode_state._combine_rows``).
 
-alpha == 1 is flash-decoding: one pass per split (online softmax, exponents ``(s - m) log2(e)`` in the scores' own
-scale) and the same combine, rescaled by the split maxima. Every later pass takes the stored scores relative to the
-row's reference score (docs/kernels.md, "Shift invariance"). A launch whose row tile has nothing left to refine
-returns after its merge, so the number of launches is fixed on the host (no synchronization) while the passes adapt.
-Every program of a launch computes the same merge from the same inputs with the same code, so all
-splits use bitwise the same threshold. No atomics: each split writes only its own slots; split 0
-also writes the merged state the next launch starts from (two buffers, alternating).
+alpha == 1 is flash-decoding: one launch, one pass per split (online softmax, exponents ``(s - m) log2(e)`` in the
+scores' own scale), the last program combining the splits rescaled by their maxima. Every pass after the score pass
+takes the stored scores relative to the row's reference score (docs/kernels.md, "Shift invariance"). The number of
+launches is fixed on the host (no synchronization) while the candidate passes adapt. Each split writes only its
+own slots; the last program of a launch reads them all (the ticket orders its reads after every split's stores) and
+sets the ticket back to zero.
 
 The attention variants are the forward's, from ``kernels/_masking.py``: the scores are soft-capped, get ALiBi's
 term and the window (``MASK``, ``SCORE``) with the decode alignment (query ``i`` at key position
@@ -59,26 +58,25 @@ from ._decode_state import (
     N_PART,
     _cache_strides,
     _cache_tile,
-    _entmax_decode_combine_kernel,
+    _cand_passes,
+    _combine_rows,
     _grid_state,
+    _last_arrival,
     _load_state,
-    _merge_cands,
     _packed_rows,
     _read_count,
     _row_mods,
     _store_partials,
     _store_points,
     _store_state,
+    _tile_list,
     _tile_live,
 )
 from ._threshold import (
-    cand_points,
-    cand_sums,
     grid_counts,
     grid_start,
     grid_sums,
     grid_tile,
-    weight_done,
     weights,
 )
 
@@ -219,22 +217,23 @@ def _softmax_split(q, keys, values, pages, rows, mods, scale, MASK, SCORE, BLOCK
 
 @triton.jit
 def _entmax_decode_split_kernel(
-    Q, K, V, ALPHA, BLOCK_TABLE, CACHE_SEQLENS, Z, LIST, LIVE_N, GRID_ROW, GRID_PTS, CAND_IN,
-    CAND_OUT, STATE_IN, STATE_OUT, PART_ROW, PART_ACC, TAU, BLOCKS_READ, N_PASSES,
+    Q, K, V, ALPHA, BLOCK_TABLE, CACHE_SEQLENS, Z, LIST, LIVE_N, GRID_ROW, GRID_PTS, STATE, PART_ROW, PART_ACC,
+    OUT, TAU, NNZ, N_VALID, COUNT, BLOCKS_READ, N_PASSES,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_tb, stride_tn, page_size,
     n_heads, n_kv_heads, kv_group, seqlen_q, n_rows, n_row_tiles, n_splits, blocks_per_split, n_span,
-    max_seqlen_k, scale, tol, pass_slot, n_slots, MASK, SCORE, MODS, CACHE,
-    ALPHA_CLASS: tl.constexpr, FILTER: tl.constexpr, PHASE: tl.constexpr, FROM_GRID: tl.constexpr,
-    GRID_K: tl.constexpr, CAND_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BIAS_KIND: tl.constexpr,
+    max_seqlen_k, scale, tol, n_slots, MASK, SCORE, MODS, CACHE,
+    ALPHA_CLASS: tl.constexpr, FILTER: tl.constexpr, PHASE: tl.constexpr, GRID_K: tl.constexpr,
+    CAND_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BIAS_KIND: tl.constexpr,
 ):
-    """One program per (split, kv head x row tile, batch entry); ``PHASE`` 0 score pass, 1 candidate pass,
-    2 value pass (module docstring). ``ALPHA_CLASS`` 0 (softmax) runs its single pass whatever ``PHASE``.
-    ``CACHE``: ``(IS_PAGED, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, UPCAST, DOT_PRECISION)`` (:func:`_cache_spec`),
-    passed on unread to the helpers that read the cache; ``MODS`` the score modifications (``_common.mods_args``).
+    """One program per (split, kv head x row tile, batch entry); ``PHASE`` 0 the score pass (and, in the tile's last
+    program, the merge and the candidate passes), 2 the value pass (and the combine), as the module docstring says.
+    ``ALPHA_CLASS`` 0 (softmax) runs its single pass (and the combine) whatever ``PHASE``. ``CACHE``: ``(IS_PAGED,
+    HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, UPCAST, DOT_PRECISION)`` (:func:`_cache_spec`), passed on unread to the
+    helpers that read the cache; ``MODS`` the score modifications (``_common.mods_args``); ``OUT`` contiguous;
+    ``COUNT`` one ticket counter per row tile, zero at rest.
 
     The splits share the key blocks the tile's rows may see (``_masking.key_block_range``: a sliding window's blocks
     only, at most ``n_span``); the scores are stored relative to the first of them.
@@ -256,7 +255,8 @@ def _entmax_decode_split_kernel(
     split_rows = (((b * n_kv_heads + h_kv) * rows_pad + r) * n_splits).to(tl.int64)  # [BLOCK_M]
     state_rows = ((b * n_kv_heads + h_kv) * rows_pad + r).to(tl.int64)
     z_rows = ((b * n_kv_heads + h_kv) * n_rows + r).to(tl.int64) * (n_span * BLOCK_N) - kt_start * BLOCK_N
-    list_base = LIST + tile.to(tl.int64) * n_span + split * blocks_per_split
+    list_tile = LIST + tile.to(tl.int64) * n_span
+    list_base = list_tile + split * blocks_per_split
     live_n = LIVE_N + tile.to(tl.int64) * n_splits + split
     reads = BLOCKS_READ + (tile.to(tl.int64) * n_splits + split) * n_slots
     offs_d = tl.arange(0, CACHE[2])
@@ -272,6 +272,7 @@ def _entmax_decode_split_kernel(
     pages = (BLOCK_TABLE, stride_tb, stride_tn, page_size, b, h_kv, seqlen_k)
     keys = (K, stride_kb, stride_kh, stride_kn, stride_kd)
     values = (V, stride_vb, stride_vh, stride_vn, stride_vd)
+    outs = (OUT, TAU, NNZ, N_VALID)
 
     if ALPHA_CLASS == 0:
         m, l_sum, acc, n_valid, n_read = _softmax_split(q, keys, values, pages, rows, mods, scale, MASK, SCORE,
@@ -284,6 +285,9 @@ def _entmax_decode_split_kernel(
         tl.store(reads + n_slots - 1, n_read)
         if split == 0:
             tl.store(N_PASSES + tile, 1)
+        if _last_arrival(COUNT + tile, n_splits):
+            _combine_rows(outs, PART_ROW, PART_ACC, split_rows, n_splits, stat_offs, active, alpha,
+                          mods[4] + tl.zeros([BLOCK_M], tl.float32), CACHE[3], CACHE[4])
         return
 
     if ALPHA_CLASS == 1:
@@ -319,54 +323,28 @@ def _entmax_decode_split_kernel(
         _store_points(GRID_PTS, split_rows + split, active, F, G, C, GRID_K)
         tl.store(live_n, n_live)
         tl.store(reads, n_read)
+        if _last_arrival(COUNT + tile, n_splits):
+            # the merged state (m, the thresholds and the points relative to the rows' reference score ref), then
+            # the candidate passes over every split's live blocks; the sink counted once
+            g_m, g_br, g_est, g_lo, g_hi, g_exact, g_usable, g_bad, g_passes, g_ref = _grid_state(
+                GRID_ROW, GRID_PTS, split_rows, n_splits, active, am1, beta, bm1, shift, POW, GRID_K, BLOCK_M)
+            live_tile = LIVE_N + tile.to(tl.int64) * n_splits
+            c_m, c_br, c_est, c_lo, c_hi, c_exact, c_usable, c_passes, c_ref = _cand_passes(
+                (Z, z_rows, list_tile, live_tile, BLOCKS_READ + tile.to(tl.int64) * n_splits * n_slots),
+                _tile_list(list_tile, live_tile, n_splits, blocks_per_split), n_slots,
+                (g_m, g_br, g_est, g_lo, g_hi, g_exact, g_usable, g_passes, g_ref), (am1, beta, bm1, shift),
+                _sink_scores(mods[4], am1, active, BLOCK_N)[0], tol, SCORE, POW, CAND_P, BLOCK_N)
+            _store_state(STATE, state_rows, active, c_m, c_br, c_est, c_lo, c_hi, c_exact, c_usable, g_bad, c_passes,
+                         c_ref)
         return
 
-    # the state after the previous pass: merged grid sums, or the previous state merged with its candidates
-    # (m, the thresholds and the points relative to the rows' reference score ref)
-    if FROM_GRID:
-        m, br, est, lo, hi, exact, usable, bad, passes, ref = _grid_state(
-            GRID_ROW, GRID_PTS, split_rows, n_splits, active, am1, beta, bm1, shift, POW, GRID_K, BLOCK_M)
-    else:
-        m, br, est, lo, hi, exact, usable, bad, passes, ref = _load_state(STATE_IN, state_rows, active)
-        ran = tl.max((weight_done(exact, lo, hi, br.da, beta, usable, tol) == 0).to(tl.int32), 0)
-        if ran != 0:
-            br, est, lo, hi, exact = _merge_cands(CAND_IN, split_rows, n_splits, active, m, br, est, lo, hi, exact,
-                                                  usable, am1, tol, POW, CAND_P)
-            passes += 1.0
-    n_in = tl.load(live_n)
+    m, br, est, lo, hi, exact, usable, bad, passes, ref = _load_state(STATE, state_rows, active)
+    # this split's share of the tile's live blocks (the list the score pass's last program left)
+    n_all = tl.load(LIVE_N + tile.to(tl.int64) * n_splits)
+    share = list_tile + split * n_all // n_splits
+    n_in = (split + 1) * n_all // n_splits - split * n_all // n_splits
     col_blk = tl.arange(0, BLOCK_N)
     ok_row = usable != 0.0
-
-    if PHASE == 1:
-        go = tl.max((weight_done(exact, lo, hi, br.da, beta, usable, tol) == 0).to(tl.int32), 0)
-        if split == 0:
-            _store_state(STATE_OUT, state_rows, active, m, br, est, lo, hi, exact, usable, bad, passes, ref)
-        if go != 0:
-            t_p, l_p = cand_points(m, lo, hi, CAND_P)
-            cand = tl.arange(0, CAND_P).to(tl.float32)
-            zero = tl.zeros([BLOCK_M], tl.float32)
-            FP = tl.zeros([BLOCK_M, CAND_P], tl.float32)
-            GP = tl.zeros([BLOCK_M, CAND_P], tl.float32)
-            CP = tl.zeros([BLOCK_M, CAND_P], tl.float32)
-            lo_kill = lo - shift
-            n_out = tl.zeros([], tl.int32)
-            for idx in range(0, n_in):
-                kt = tl.load(list_base + idx)
-                z = tl.load(Z + z_rows[:, None] + (kt * BLOCK_N + col_blk)[None, :], mask=ok_row[:, None],
-                            other=float("-inf")) - ref[:, None]
-                live = tl.max((z > lo_kill[:, None]).to(tl.int32))
-                tl.store(list_base + n_out, kt, mask=live != 0)
-                n_out += live
-                _, _, _, FP, GP, CP = cand_sums(z, (zero, zero, t_p, l_p, cand), (zero, zero, zero, FP, GP, CP),
-                                                POW, CAND_P, bm1[:, None])
-            if SCORE[3]:
-                _, _, _, FP, GP, CP = cand_sums(zs - ref[:, None], (zero, zero, t_p, l_p, cand),
-                                                (zero, zero, zero, FP, GP, CP), POW, CAND_P, bm1[:, None])
-            _store_points(CAND_OUT, split_rows + split, active, FP, GP, CP, CAND_P)
-            tl.store(live_n, n_out)
-            tl.store(reads + pass_slot, n_in)
-        return
-
     # value pass at the estimate; a threshold at the max would leave no weight: keep it one rounding step below
     tau_lim = m - tl.maximum(tl.abs(m) * 2.4e-7, 1e-15) + shift
     t_use = tl.where(ok_row, tl.minimum(est, tau_lim), 0.0)
@@ -381,17 +359,17 @@ def _entmax_decode_split_kernel(
     # shrinks) and only their value rows are read, by a second loop without branches (its loads pipeline)
     v_reads = tl.zeros([], tl.int32)
     for idx in range(0, n_in):
-        kt = tl.load(list_base + idx)
+        kt = tl.load(share + idx)
         z = tl.load(Z + z_rows[:, None] + (kt * BLOCK_N + col_blk)[None, :], mask=ok_row[:, None],
                     other=float("-inf")) - ref[:, None]
         p = weights(z, t_use, POW, beta[:, None])
         l_sum += tl.sum(p, 1)
         nnz += tl.sum((p > 0.0).to(tl.int32), 1)
         pos = (tl.max(p) > 0.0).to(tl.int32)
-        tl.store(list_base + v_reads, kt, mask=pos != 0)
+        tl.store(share + v_reads, kt, mask=pos != 0)
         v_reads += pos
     for idx in range(0, v_reads):
-        cols = tl.load(list_base + idx) * BLOCK_N + col_blk
+        cols = tl.load(share + idx) * BLOCK_N + col_blk
         z = tl.load(Z + z_rows[:, None] + cols[None, :], mask=ok_row[:, None], other=float("-inf")) - ref[:, None]
         p = weights(z, t_use, POW, beta[:, None])
         v = _cache_tile(values, pages, cols, CACHE[0], CACHE[3], CACHE[4], False, CACHE[5])
@@ -399,12 +377,15 @@ def _entmax_decode_split_kernel(
     is_bad = bad != 0.0
     _store_partials(PART_ROW, PART_ACC, split_rows + split, active, tl.zeros([BLOCK_M], tl.float32),
                     tl.where(is_bad, float("nan"), l_sum), tl.where(is_bad, 0, nnz), acc, CACHE[3], CACHE[4])
-    tl.store(reads + pass_slot, n_in)
-    tl.store(reads + pass_slot + 1, v_reads)
+    tl.store(reads + n_slots - 2, n_in)
+    tl.store(reads + n_slots - 1, v_reads)
     if split == 0:
         tau = tl.where(is_bad, float("nan"), tl.where(ok_row, ref + tau_row, float("inf")))
         tl.store(TAU + stat_offs, tau, mask=active)
         tl.store(N_PASSES + tile, passes.to(tl.int32) + 1)
+    if _last_arrival(COUNT + tile, n_splits):
+        _combine_rows(outs, PART_ROW, PART_ACC, split_rows, n_splits, stat_offs, active, alpha,
+                      mods[4] + tl.zeros([BLOCK_M], tl.float32), CACHE[3], CACHE[4])
 
 
 def entmax_decode_fwd(
@@ -431,6 +412,7 @@ def entmax_decode_fwd(
     block_mask: tuple | None = None,
     counters: bool = True,
     stats: bool = True,
+    reuse_scratch: bool = True,
 ) -> EntmaxDecodeResult:
     """Split-K entmax attention of a few queries per sequence over a KV cache (a chain of kernel launches, no
     host synchronization).
@@ -473,6 +455,8 @@ def entmax_decode_fwd(
 
         counters: return ``n_passes`` and ``blocks_read`` (False: None, and the kernels write them to scratch).
         stats: return ``tau``, ``nnz`` and ``n_valid`` (False: None, likewise).
+        reuse_scratch: take the scratch memory from the per-stream buffers that steps reuse (False: allocate it, as
+            the custom op does: under ``torch.compile``'s CUDA graphs an allocation belongs to the graph's pool).
 
     Everything but the tensors is planned once per configuration and the scratch memory is reused from step to step
     (``kernels/attn/_decode_launch.py``); the returned tensors are allocated afresh on every call.
@@ -507,7 +491,8 @@ def entmax_decode_fwd(
     rows = (batch, n_heads, seqlen_q)
     out = torch.empty((*rows, head_dim_v), dtype=q.dtype, device=dev)
     tiles = (batch, n_kv_heads, sz.n_row_tiles)
-    ws = _launch.workspace(_launch.scratch_layout(plan, sz, rows, n_kv_heads, head_dim_v, counters, stats), dev)
+    ws = _launch.workspace(_launch.scratch_layout(plan, sz, rows, n_kv_heads, head_dim_v, counters, stats), dev,
+                           reuse_scratch)
     if stats:
         tau = torch.empty(rows, dtype=torch.float32, device=dev)
         nnz = torch.empty(rows, dtype=torch.int32, device=dev)
@@ -531,7 +516,9 @@ def entmax_decode_fwd(
     args = dict(
         plan.consts, Q=q, K=k_cache, V=v_cache, ALPHA=alpha_t, BLOCK_TABLE=block_table if paged else cache_seqlens,
         CACHE_SEQLENS=cache_seqlens, **mods, Z=ws["Z"], LIST=ws["LIST"], LIVE_N=ws["LIVE_N"],
-        PART_ROW=ws["PART_ROW"], PART_ACC=ws["PART_ACC"], GRID_ROW=ws["GRID_ROW"], TAU=tau,
+        GRID_ROW=ws["GRID_ROW"], STATE=ws["STATE"], PART_ROW=ws["PART_ROW"], PART_ACC=ws["PART_ACC"], OUT=out,
+        TAU=tau, NNZ=nnz, N_VALID=n_valid,
+        COUNT=_launch.tickets(batch * n_kv_heads * sz.n_row_tiles, dev, reuse_scratch),
         **_common.stride_args("stride_q", q, "bhmd"), **_cache_strides("stride_k", k_cache, paged),
         **_cache_strides("stride_v", v_cache, paged),
         stride_tb=block_table.stride(0) if paged else 0, stride_tn=block_table.stride(1) if paged else 0,
@@ -539,21 +526,16 @@ def entmax_decode_fwd(
         seqlen_q=seqlen_q, n_rows=n_rows, n_row_tiles=sz.n_row_tiles, n_splits=sz.n_splits,
         blocks_per_split=sz.blocks_per_split, n_span=sz.n_span, max_seqlen_k=sz.max_seqlen_k, scale=float(scale))
     grid = (sz.n_splits, n_kv_heads * sz.n_row_tiles, batch)
-    state = (ws["STATE0"], ws["STATE1"])
     per_split = ws["PART_ROW"].shape[:4]
-    for launch, (cls, grid_k, cand_p, phases) in enumerate(plan.chains):
-        # the point sums of this class's chain, contiguous at its own point count
-        grid_pts = _launch.carve(ws["GRID_PTS"], (*per_split, 3, grid_k))
-        cand = tuple(_launch.carve(ws[f"CAND{i}"], (*per_split, 3, cand_p)) for i in range(2))
-        for p, (phase, from_grid) in enumerate(phases):
-            _entmax_decode_split_kernel[grid](
-                **args, GRID_PTS=grid_pts, BLOCKS_READ=blocks_read[launch], N_PASSES=n_passes[launch],
-                ALPHA_CLASS=cls, GRID_K=grid_k, CAND_P=cand_p, CAND_IN=cand[(p + 1) % 2], CAND_OUT=cand[p % 2],
-                STATE_IN=state[(p + 1) % 2], STATE_OUT=state[p % 2], pass_slot=p, PHASE=phase, FROM_GRID=from_grid,
-                **plan.options)
-    _entmax_decode_combine_kernel[(n_kv_heads * sz.n_row_tiles, batch)](
-        **plan.combine, OUT=out, TAU=tau, NNZ=nnz, N_VALID=n_valid, ALPHA=alpha_t, PART_ROW=args["PART_ROW"],
-        PART_ACC=args["PART_ACC"], **_common.stride_args("stride_o", out, "bhmd"), n_heads=n_heads,
-        n_kv_heads=n_kv_heads, kv_group=kv_group, seqlen_q=seqlen_q, n_rows=n_rows, n_row_tiles=sz.n_row_tiles,
-        n_splits=sz.n_splits, MODS=mods["MODS"], **plan.options)
+    try:
+        for launch, (cls, grid_k, cand_p, phases) in enumerate(plan.chains):
+            # the grid sums of this class's chain, contiguous at its own point count
+            grid_pts = _launch.carve(ws["GRID_PTS"], (*per_split, 3, grid_k))
+            for phase in phases:
+                _entmax_decode_split_kernel[grid](
+                    **args, GRID_PTS=grid_pts, BLOCKS_READ=blocks_read[launch], N_PASSES=n_passes[launch],
+                    ALPHA_CLASS=cls, GRID_K=grid_k, CAND_P=cand_p, PHASE=phase, **plan.options)
+    except BaseException:
+        _launch.reset_tickets(dev)  # a launch that did not finish leaves tickets taken
+        raise
     return result

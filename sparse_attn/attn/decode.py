@@ -36,21 +36,24 @@ def _decode_op(
     ``alpha_value`` the Python number it holds when it was given as one (one compile-time alpha class);
     ``block_mask``, ``block_size``: the spec's block grid and its ``(bq, bk)`` (both None without one)."""
     res = _launch(q, k_cache, v_cache, cache_seqlens, alpha, alpha_value, scale, block_table, bias, is_causal,
-                  max_seqlen_k, num_splits, window_size, alibi_slopes, softcap, sinks, block_mask, block_size, True)
+                  max_seqlen_k, num_splits, window_size, alibi_slopes, softcap, sinks, block_mask, block_size, True,
+                  False)
     return res.out, res.tau, res.nnz, res.n_valid
 
 
 def _launch(q, k_cache, v_cache, cache_seqlens, alpha, alpha_value, scale, block_table, bias, is_causal,
-            max_seqlen_k, num_splits, window_size, alibi_slopes, softcap, sinks, block_mask, block_size, stats):
-    """The launcher on the op's arguments (the op, and eager calls that need no op: :func:`_run_decode_op`); the
-    statistics are computed into scratch memory unless ``stats``."""
+            max_seqlen_k, num_splits, window_size, alibi_slopes, softcap, sinks, block_mask, block_size, stats, reuse):
+    """The launcher on the op's arguments, for the op (``stats`` and not ``reuse``: every output fresh, the scratch
+    allocated, which under ``torch.compile``'s CUDA graphs belongs to the graph's pool) or for an eager call that
+    needs no op (:func:`_run_decode_op`: the scratch reused, the statistics computed into it unless ``stats``)."""
     from sparse_attn.kernels.attn import entmax_decode as kernels
 
     return kernels.entmax_decode_fwd(
         q, k_cache, v_cache, cache_seqlens, alpha, scale, block_table=block_table, bias=bias, is_causal=is_causal,
         window_size=window_size, alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks, max_seqlen_k=max_seqlen_k,
         num_splits=num_splits, block_mask=None if block_mask is None else (block_mask, tuple(block_size)),
-        alpha_class=None if alpha_value is None else alpha_class_of([alpha_value]), counters=False, stats=stats)
+        alpha_class=None if alpha_value is None else alpha_class_of([alpha_value]), counters=False,
+        stats=stats, reuse_scratch=reuse)
 
 
 @_decode_op.register_fake
@@ -194,6 +197,11 @@ _GATE_SIZE = 64
 _CALL_TENSORS = ("q", "k", "v", "mask", "block_table", "alibi_slopes", "sinks")
 
 
+def _capturing(q) -> bool:
+    """Whether a CUDA graph is being captured on the current stream of ``q``'s device."""
+    return isinstance(q, Tensor) and q.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def _meta(x):
     """What the checks read of one argument: a tensor's type, shape, dtype, device and ``requires_grad``; any other
     value itself, with its type (``True`` and ``1`` differ)."""
@@ -210,10 +218,11 @@ def _gate(q, k_cache, v_cache, cache_seqlens, alpha, kw: dict):
     ``requires_grad``, the other arguments' values, grad mode) skips the checks, which read nothing else: the spec of
     the first call is kept without its tensors and this call's tensors are swapped in (converted as
     ``prepare_attention`` converts them). Never while the values of a tensor are read for checks (CPU tensors,
-    :func:`sparse_attn.set_checks`; those checks run on every call), while ``torch.compile`` traces, or (for keeping
-    a spec) while a CUDA graph is being captured: an integer ``cache_seqlens`` or a Python ``alpha`` become device
-    tensors the kept spec holds, which a capture would leave unwritten."""
-    cacheable = not values_checkable(q, cache_seqlens, kw["block_table"], alpha)
+    :func:`sparse_attn.set_checks`; those checks run on every call), while ``torch.compile`` traces, or while a CUDA
+    graph is being captured: an integer ``cache_seqlens`` or a Python ``alpha`` become device tensors the kept spec
+    holds, which a capture would leave unwritten, and a graph must not read a kept tensor the cache may drop."""
+    cacheable = not (torch.compiler.is_compiling() or _capturing(q)
+                     or values_checkable(q, cache_seqlens, kw["block_table"], alpha))
     if cacheable:
         try:
             key = (torch.is_grad_enabled(), _meta(q), _meta(k_cache), _meta(v_cache), _meta(cache_seqlens),
@@ -232,7 +241,7 @@ def _gate(q, k_cache, v_cache, cache_seqlens, alpha, kw: dict):
             return template.swapped(**fields), why
     spec = prepare_attention(q, k_cache, v_cache, alpha, kv_cache=True, cache_seqlens=cache_seqlens, **kw)
     why = refused("decode", spec.used()) if spec.backend == "triton" else None
-    if cacheable and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+    if cacheable:
         dropped = dict.fromkeys(_CALL_TENSORS)
         if isinstance(alpha, Tensor):
             dropped["alpha"] = None
@@ -315,7 +324,7 @@ def _run_decode_op(spec: AttnSpec, seqlens: Tensor, return_stats: bool):
             None if spec.block_size is None else [int(n) for n in spec.block_size])
     if _direct(spec.q, spec.k, spec.v, seqlens, spec.mask, spec.block_table, spec.alibi_slopes, spec.sinks,
                spec.block_mask):
-        res = _launch(*args, return_stats)
+        res = _launch(*args, return_stats, True)
         out, tau, nnz, n_valid = res.out, res.tau, res.nnz, res.n_valid
     else:
         out, tau, nnz, n_valid = _decode_op(*args)
