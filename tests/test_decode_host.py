@@ -166,3 +166,168 @@ def test_a_step_reads_no_value_and_allocates_only_its_output(device_semantics, m
     assert reads == [] and allocs == ["empty"]
     assert [name for name, _ in log] == ["split"] * launches
 
+
+def _paged(seed, B=2, Hq=4, Hk=2, D=16, page=8, pages_per_seq=5, lengths=(33, 12)):
+    """A paged step's inputs: q, the page pools, a shuffled block table and lengths."""
+    gen = torch.Generator().manual_seed(seed)
+    n_pages = B * pages_per_seq + 3
+    q = torch.randn(B, Hq, 1, D, generator=gen)
+    k_pool, v_pool = (torch.randn(n_pages, page, Hk, D, generator=gen) for _ in range(2))
+    table = torch.randperm(n_pages, generator=gen)[:B * pages_per_seq].view(B, pages_per_seq).to(torch.int32)
+    return q, k_pool, v_pool, table, torch.tensor(lengths, dtype=torch.int32)
+
+
+def _paged_step(q, k_pool, v_pool, table, seqlens):
+    return entmax_decode(q, k_pool, v_pool, seqlens, 1.5, block_table=table, backend="triton", return_stats=True,
+                         is_causal=True)
+
+
+def test_paged_step_compiles_fullgraph_and_equals_eager(monkeypatch):
+    """A paged decoding step of ``entmax_decode`` compiles with ``fullgraph=True`` (through the custom op, whose fake
+    implementation gives the shapes), runs the kernels once per call and equals the eager step, on two steps of new
+    values through the same compiled graph."""
+    calls = []
+    real = dec.entmax_decode_fwd
+    monkeypatch.setattr(dec, "entmax_decode_fwd", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    compiled = torch.compile(_paged_step, fullgraph=True, backend="aot_eager")
+    for seed, lengths in ((8, (33, 12)), (9, (34, 13))):
+        inputs = _paged(seed, lengths=lengths)
+        with torch.no_grad():
+            eager = _paged_step(*inputs)
+            got = compiled(*inputs)
+        torch.testing.assert_close(got[0], eager[0], **EXACT)
+        for a, b in zip(got[1], eager[1], strict=True):
+            torch.testing.assert_close(a, b, **EXACT)
+    assert len(calls) == 4
+
+
+def test_fake_tensor_trace_of_a_decode_step(device_semantics):
+    """Traced with fake tensors (``make_fx``; values not read, as for CUDA tensors), a decoding step is one
+    ``sparse_attn.entmax_decode`` node with the output shapes and dtypes of the real call, and no value read."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    inputs = _paged(10)
+    with torch.no_grad():
+        graph = make_fx(_paged_step, tracing_mode="fake")(*inputs)
+    targets = [str(node.target) for node in graph.graph.nodes if node.op == "call_function"]
+    assert targets.count("sparse_attn.entmax_decode.default") == 1, targets
+    assert not [t for t in targets if "_local_scalar_dense" in t or t.startswith("aten.item")], targets
+    with torch.no_grad():
+        out, st = graph(*inputs)
+    assert out.shape == (2, 4, 1, 16) and st.tau.dtype == torch.float32 and st.nnz.dtype == torch.int32
+
+
+def test_hf_generate_with_a_static_cache_takes_the_decode_path(monkeypatch):
+    """``generate`` with ``cache_implementation="static"`` (the cache a CUDA-graph decode loop needs: fixed shapes,
+    the unfilled slots masked) runs every step after the prompt on the decode kernels and generates what a dynamic
+    cache generates."""
+    transformers = pytest.importorskip("transformers")
+    import sparse_attn.integrations.hf as entmax_hf
+
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_attention_heads=2,
+                                      num_key_value_heads=1, num_hidden_layers=1, max_position_embeddings=64,
+                                      pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM._from_config(config, attn_implementation="entmax").eval()
+    for name, p in model.named_parameters():
+        if "q_proj" in name or "k_proj" in name:
+            torch.nn.init.normal_(p, std=0.5)
+    entmax_hf.attach_entmax_alpha(model, alpha=[1.5, 2.0], learnable=False)
+    model.config.entmax_backend = "triton"
+    calls = []
+    real = dec.entmax_decode_fwd
+    monkeypatch.setattr(dec, "entmax_decode_fwd", lambda q, *a, **kw: calls.append(q.shape[2]) or real(q, *a, **kw))
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, 64, (2, 6), generator=gen)
+    mask = torch.ones(2, 6, dtype=torch.long)
+    ids[1, :2], mask[1, :2] = 0, 0
+    kw = dict(attention_mask=mask, max_new_tokens=3, min_new_tokens=3, do_sample=False)
+    with torch.no_grad():
+        static = model.generate(ids, cache_implementation="static", **kw)
+        assert calls == [6, 1, 1]  # the prompt too: 6 queries against the 9 slots of the static cache
+        dynamic = model.generate(ids, **kw)
+    assert torch.equal(static, dynamic)
+
+
+def _static_paged_cuda(seed, alpha):
+    q, k_pool, v_pool, table, seqlens = (t.cuda() for t in _paged(seed, B=3, Hq=8, Hk=2, D=64, page=16,
+                                                                     pages_per_seq=40, lengths=(600, 37, 311)))
+    return [q.bfloat16(), k_pool.bfloat16(), v_pool.bfloat16(), table, seqlens], alpha
+
+
+def _advance(inputs, seed):
+    """One decoding step's in-place update of static inputs: new queries, a new key and value per sequence written
+    at its length, the lengths one longer."""
+    q, k_pool, v_pool, table, seqlens = inputs
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q.copy_(torch.randn(q.shape, generator=gen, device="cuda"))
+    page, slot = table.gather(1, (seqlens // k_pool.shape[1]).long()[:, None])[:, 0].long(), seqlens % k_pool.shape[1]
+    k_pool[page, slot.long()] = torch.randn(k_pool[page, slot.long()].shape, generator=gen, device="cuda").bfloat16()
+    v_pool[page, slot.long()] = torch.randn(v_pool[page, slot.long()].shape, generator=gen, device="cuda").bfloat16()
+    seqlens += 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("alpha", [1.0, 1.5, [1.0, 1.5, 2.0, 1.25] * 2], ids=["softmax", "entmax15", "mixed"])
+def test_gpu_cuda_graph_replay_equals_eager(alpha):
+    """A decoding step captured in a CUDA graph (``torch.cuda.graph``) and replayed after in-place updates of its
+    static inputs (queries, a new key per sequence, lengths) gives bitwise the eager step's output and statistics."""
+    inputs, alpha = _static_paged_cuda(11, alpha)
+    alpha = torch.tensor(alpha, device="cuda") if isinstance(alpha, list) else alpha
+
+    def step():
+        return entmax_decode(inputs[0], inputs[1], inputs[2], inputs[4], alpha, block_table=inputs[3],
+                             return_stats=True)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    for seed in range(3):
+        _advance(inputs, seed)
+        graph.replay()
+        eager = step()
+        torch.testing.assert_close(captured[0], eager[0], **EXACT)
+        for a, b in zip(captured[1], eager[1], strict=True):
+            torch.testing.assert_close(a, b, **EXACT)
+
+
+@pytest.mark.gpu
+def test_gpu_compile_reduce_overhead_equals_eager():
+    """``torch.compile(mode="reduce-overhead")`` (CUDA graphs through the custom op) of a paged decoding step equals
+    the eager step over several steps of in-place updated inputs."""
+    inputs, _ = _static_paged_cuda(12, 1.5)
+    compiled = torch.compile(_paged_step, mode="reduce-overhead", fullgraph=True)
+    for seed in range(4):
+        _advance(inputs, seed)
+        with torch.no_grad():
+            got = compiled(*inputs)
+            eager = _paged_step(*inputs)
+        torch.testing.assert_close(got[0], eager[0], **EXACT)
+        torch.testing.assert_close(got[1].tau, eager[1].tau, **EXACT)
+
+
+@pytest.mark.gpu
+def test_gpu_hf_generate_static_cache_compiled():
+    """On a GPU, ``generate`` with a static cache and the model's forward compiled with
+    ``mode="reduce-overhead"`` (Hugging Face's CUDA-graph recipe) generates what eager generation does."""
+    transformers = pytest.importorskip("transformers")
+    import sparse_attn.integrations.hf as entmax_hf
+
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=256, intermediate_size=256, num_attention_heads=8,
+                                      num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=256,
+                                      pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM._from_config(config, attn_implementation="entmax").cuda().eval()
+    entmax_hf.attach_entmax_alpha(model, alpha=[1.5, 2.0] * 4, learnable=False)
+    ids = torch.randint(3, 128, (2, 20), device="cuda")
+    kw = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, cache_implementation="static")
+    with torch.no_grad():
+        eager = model.generate(ids, **kw)
+        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+        compiled = model.generate(ids, **kw)
+    assert torch.equal(compiled, eager)
