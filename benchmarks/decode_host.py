@@ -19,10 +19,12 @@ Also counted per call: kernel launches, buffers allocated (``torch.empty`` / ``t
 launch.
 
 Usage: ``python benchmarks/decode_host.py [--batch 1 8 32] [--keys 1024 32768] [--alpha 1.0 1.5] [--steps 200]
-[--route decode attention] [--read-values] [--bind]`` (``--route attention``: the step through ``entmax_attention``
-as a Hugging Face model calls it, a contiguous cache; ``--bind``: also the host time Triton's launch path spends on
-the step's launches before the driver calls, binding and specializing the arguments and finding the compiled
-kernel, for an sm_90 target, measured with the Triton installed: run it with the GPU machine's version).
+[--route decode attention] [--read-values] [--bind] [--device cuda]``. ``--route attention``: the step through
+``entmax_attention`` as a Hugging Face model calls it, a contiguous cache. ``--bind``: also the host time Triton's
+launch path spends on the step's launches before the driver calls, binding and specializing the arguments and
+finding the compiled kernel, for an sm_90 target, measured with the Triton installed (run it with the GPU machine's
+version). ``--device cuda``: on a GPU, CUDA tensors and real launches, the host time of each stage with the GPU
+working behind it, Triton's launch path included in ``launcher``.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ import time
 
 # --bind needs the kernels as JIT functions (their launch signature); otherwise the interpreter only lets the triton
 # backend take CPU tensors
-os.environ["TRITON_INTERPRET"] = "0" if "--bind" in sys.argv else os.environ.get("TRITON_INTERPRET", "1")
+os.environ["TRITON_INTERPRET"] = ("0" if "--bind" in sys.argv or "cuda" in sys.argv
+                                  else os.environ.get("TRITON_INTERPRET", "1"))
 
 import torch  # noqa: E402
 
@@ -45,16 +48,24 @@ from sparse_attn.attn import attention as attention_mod  # noqa: E402
 from sparse_attn.attn import attn_inputs  # noqa: E402
 from sparse_attn.kernels.attn import entmax_decode as dec  # noqa: E402
 
+try:  # where the custom op lives (sparse_attn.attn.decode itself in earlier sources)
+    import sparse_attn.attn._decode_op as op_mod  # noqa: E402
+except ImportError:
+    op_mod = decode_mod
+
 
 class _Recorder:
-    """Stands in for a JIT kernel: ``kernel[grid](**kwargs)`` records the launch and its arguments."""
+    """Stands in for a JIT kernel: ``kernel[grid](**kwargs)`` records the launch and its arguments, and launches
+    ``real`` (a GPU run) or nothing."""
 
-    def __init__(self, log: list, name: str):
-        self.log, self.name = log, name
+    def __init__(self, log: list, name: str, real=None):
+        self.log, self.name, self.real = log, name, real
 
     def __getitem__(self, grid):
         def launch(**kwargs):
             self.log.append((self.name, kwargs))
+            if self.real is not None:
+                self.real[grid](**kwargs)
         return launch
 
 
@@ -99,22 +110,27 @@ def _timed(stage: str, fn, times: dict):
 
 
 def measure(batch: int, keys: int, alpha: float, steps: int, heads: int = 32, kv_heads: int = 8, d: int = 128,
-            dtype=torch.bfloat16, route: str = "decode", read_values: bool = False, bind: bool = False) -> dict:
-    """Median host seconds per stage of one decode step, launches and allocations per call."""
+            dtype=torch.bfloat16, route: str = "decode", read_values: bool = False, bind: bool = False,
+            device: str = "cpu") -> dict:
+    """Median host seconds per stage of one decode step, launches and allocations per call (``device="cuda"``: real
+    tensors and launches, the host time of each stage as the GPU runs behind it)."""
     g = torch.Generator().manual_seed(0)
-    q = torch.randn(batch, heads, 1, d, generator=g).to(dtype)
-    # the launches are stubbed, so the cache's values are never read: a broadcast view stands for any cache size
-    k = torch.randn(1, 1, 1, d, generator=g).to(dtype).expand(batch, kv_heads, keys, d)
-    v = torch.randn(1, 1, 1, d, generator=g).to(dtype).expand(batch, kv_heads, keys, d)
-    seqlens = torch.full((batch,), keys, dtype=torch.int32)
+    q = torch.randn(batch, heads, 1, d, generator=g).to(dtype).to(device)
+    if device == "cpu":
+        # the launches are stubbed, so the cache's values are never read: a broadcast view stands for any cache size
+        k = torch.randn(1, 1, 1, d, generator=g).to(dtype).expand(batch, kv_heads, keys, d)
+        v = torch.randn(1, 1, 1, d, generator=g).to(dtype).expand(batch, kv_heads, keys, d)
+    else:
+        k, v = (torch.randn(batch, kv_heads, keys, d, device=device, dtype=dtype) for _ in range(2))
+    seqlens = torch.full((batch,), keys, dtype=torch.int32, device=device)
     log: list = []
     times: dict = {}
     allocs = [0, 0.0]
     op = torch.ops.sparse_attn.entmax_decode.default
     names = ("_entmax_decode_split_kernel", "_entmax_decode_combine_kernel", "entmax_decode_fwd")
     saved_dec = {n: getattr(dec, n) for n in names if hasattr(dec, n)}
-    saved_mod = {n: getattr(decode_mod, n) for n in ("prepare_attention", "_decode_op", "_gate")
-                 if hasattr(decode_mod, n)}
+    saved_mod = {n: getattr(decode_mod, n) for n in ("prepare_attention", "_gate") if hasattr(decode_mod, n)}
+    saved_op = op_mod._decode_op
     saved_torch = (torch.empty, torch.zeros, torch.full)
     saved_free = _validation._FREE_READ_DEVICES
     saved_prepare = attention_mod.prepare_attention
@@ -135,14 +151,16 @@ def measure(batch: int, keys: int, alpha: float, steps: int, heads: int = 32, kv
             attn_inputs.interpreting = lambda: True
         if not read_values:
             _validation._FREE_READ_DEVICES = frozenset()
-        dec._entmax_decode_split_kernel = _Recorder(log, "split")
+        real = device != "cpu"
+        dec._entmax_decode_split_kernel = _Recorder(log, "split", saved_dec["_entmax_decode_split_kernel"] if real
+                                                    else None)
         if "_entmax_decode_combine_kernel" in saved_dec:  # earlier sources: a separate combine kernel
-            dec._entmax_decode_combine_kernel = _Recorder(log, "combine")
+            dec._entmax_decode_combine_kernel = _Recorder(
+                log, "combine", saved_dec["_entmax_decode_combine_kernel"] if real else None)
         for name in ("prepare_attention", "_gate"):
             if name in saved_mod:
                 setattr(decode_mod, name, _timed("prepare", saved_mod[name], times))
-        if "_decode_op" in saved_mod:
-            decode_mod._decode_op = _timed("op", saved_mod["_decode_op"], times)
+        op_mod._decode_op = _timed("op", saved_op, times)
         dec.entmax_decode_fwd = _timed("launcher", saved_dec["entmax_decode_fwd"], times)
 
         if route == "decode":
@@ -169,6 +187,8 @@ def measure(batch: int, keys: int, alpha: float, steps: int, heads: int = 32, kv
                 times.setdefault("call", []).append(time.perf_counter() - t0)
                 alloc_times.append(allocs[1] - before)
             torch.empty, torch.zeros, torch.full = saved_torch
+            if real:
+                torch.cuda.synchronize()
         del op
     finally:
         torch.empty, torch.zeros, torch.full = saved_torch
@@ -179,6 +199,7 @@ def measure(batch: int, keys: int, alpha: float, steps: int, heads: int = 32, kv
             setattr(dec, n, f)
         for n, f in saved_mod.items():
             setattr(decode_mod, n, f)
+        op_mod._decode_op = saved_op
     n_launches = len(log) // steps
     row = {stage: statistics.median(t) for stage, t in times.items()}
     row.update(alloc=statistics.median(alloc_times), launches=len(log) / steps,
@@ -203,11 +224,14 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--route", nargs="+", default=["decode"], choices=["decode", "attention"])
     ap.add_argument("--read-values", action="store_true", help="read tensor values for checks, as for CPU tensors")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                    help="cuda: real tensors and launches on a GPU (the GPU part of the breakdown)")
     ap.add_argument("--bind", action="store_true",
                     help="also time Triton's argument binding and kernel key per launch (an sm_90 target, no GPU)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    print(f"host time of one decode step, launches stubbed; torch {torch.__version__}, 32 q / 8 kv heads, head dim "
+    where = "launches stubbed" if args.device == "cpu" else f"on {torch.cuda.get_device_name()}, launches real"
+    print(f"host time of one decode step, {where}; torch {torch.__version__}, 32 q / 8 kv heads, head dim "
           f"128, bf16, one query per sequence, {args.steps} steps, median; values "
           f"{'read' if args.read_values else 'not read (as on a GPU)'}; load average {os.getloadavg()[0]:.2f}\n")
     import triton
@@ -220,7 +244,8 @@ def main(argv=None) -> int:
         for b in args.batch:
             for n in args.keys:
                 for a in args.alpha:
-                    r = measure(b, n, a, args.steps, route=route, read_values=args.read_values, bind=args.bind)
+                    r = measure(b, n, a, args.steps, route=route, read_values=args.read_values, bind=args.bind,
+                                device=args.device)
                     print(f"| {route} | {b} | {n} | {a:g} | {_us(r, 'call')} | {_us(r, 'prepare')} | {_us(r, 'op')} | "
                           f"{_us(r, 'launcher')} | {_us(r, 'alloc')} | {r['launches']:g} | {r['args_per_launch']} | "
                           f"{r['allocs']:g} |" + (f" {_us(r, 'bind')} |" if args.bind else ""), flush=True)

@@ -17,7 +17,8 @@ from sparse_attn._validation import values_checkable
 __all__ = ["MAX_DECODE_QUERIES", "check_kv_cache"]
 
 MAX_DECODE_QUERIES = 16
-"""Queries per sequence the decode kernels take (longer query chunks: :func:`sparse_attn.entmax_attention`)."""
+"""Queries per sequence the decode kernels take at once (more: :func:`sparse_attn.entmax_decode` runs them on the fused
+kernels, or on the decode kernels this many at a time)."""
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 

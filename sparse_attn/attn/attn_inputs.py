@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from sparse_attn._validation import check_bool, check_number, values_checkable
-from sparse_attn.attn._kv_cache import MAX_DECODE_QUERIES, check_kv_cache
+from sparse_attn.attn._kv_cache import check_kv_cache
 from sparse_attn.attn.masks import check_block_mask, check_mask
 from sparse_attn.attn.routes import refused, used_variants
 from sparse_attn.kernels._common import computed_alpha, interpreting
@@ -364,7 +364,7 @@ def prepare_attention(
     ``kv_cache=True`` is a decoding step (:func:`sparse_attn.entmax_decode`): ``k`` / ``v`` are its KV cache
     (contiguous, or a page pool with ``block_table``), ``cache_seqlens``, ``max_seqlen_k`` and ``num_splits`` as that
     function documents them (checked by :func:`sparse_attn._kv_cache.check_kv_cache`); grouped-query heads need no
-    flag, and the triton backend takes at most ``MAX_DECODE_QUERIES`` queries per sequence.
+    flag.
 
     Returns:
         :class:`~sparse_attn.kernels._spec.AttnSpec`. Raises ``TypeError`` / ``ValueError`` naming the argument.
@@ -391,9 +391,6 @@ def prepare_attention(
                                                                "nseq" if varlen else "batch")
     backend = resolve_backend(backend, q, v, unfused_variants(q, v, window_size, alibi_slopes, sinks, softcap,
                                                               kv_names[1]))
-    if kv_cache and backend == "triton" and q.shape[2] > MAX_DECODE_QUERIES:
-        raise ValueError(f"q: the decode kernels take at most {MAX_DECODE_QUERIES} queries per sequence, got "
-                         f"{q.shape[2]}; use sparse_attn.entmax_attention for longer query chunks")
     if not kv_cache and (0 in q.shape[:3] or k.shape[2] == 0):
         backend = "reference"
     alpha_t, alpha_value, alpha_checked = _normalize_alpha(alpha, q, alpha_in_range, compute_dtype)
