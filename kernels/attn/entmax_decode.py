@@ -89,13 +89,15 @@ class EntmaxDecodeResult(NamedTuple):
                  ``+inf`` for rows with no valid key, NaN for rows with a NaN or ``+inf`` score.
     nnz:         int32 ``(B, Hq, Nq)``: support size (valid keys at alpha == 1; 0 for NaN rows).
     n_valid:     int32 ``(B, Hq, Nq)``: keys the row may attend to.
-    n_passes:    int32 ``(n_launches, B, Hk, n_row_tiles)``: passes that ran per row tile (score and value pass
-                 included; 1 for softmax), one entry per alpha-class launch (0 where a launch had no row of
-                 its class in the tile).
-    blocks_read: int32 ``(n_launches, B, Hk, n_row_tiles, n_splits, max_passes + 1)``: key blocks read per split
+    n_passes:    int32 ``(n_chains, B, Hk, n_row_tiles)``: passes that ran per row tile (score and value pass
+                 included; 1 for softmax), one entry per alpha class launched (0 where it had no row of its class
+                 in the tile).
+    blocks_read: int32 ``(n_chains, B, Hk, n_row_tiles, n_splits, max_passes + 1)``: key blocks read per split
                  and pass. Column 0: cache key blocks of the score pass (softmax: its only pass); 1 .. max_passes
-                 - 2: score blocks of each candidate pass (from the stored scores); max_passes - 1: score blocks
-                 of the value pass; max_passes: cache value blocks (those with a positive weight).
+                 - 2: score blocks of each candidate pass (from the stored scores; the tile's last program reads
+                 every split's, counted in split 0's row); max_passes - 1: score blocks of the value pass (each
+                 split's share of the tile's live blocks); max_passes: cache value blocks (those with a positive
+                 weight).
     n_splits, block_n: the key-range splits and the key block size used.
     """
 
