@@ -370,6 +370,8 @@ def _entmax_decode_split_kernel(
         pos = (tl.max(p) > 0.0).to(tl.int32)
         tl.store(share + v_reads, kt, mask=pos != 0)
         v_reads += pos
+    # one thread stores each list entry, every thread reads them: the last store before the next loop's first loads
+    tl.debug_barrier()
     for idx in range(0, v_reads):
         cols = tl.load(share + idx) * BLOCK_N + col_blk
         z = tl.load(Z + z_rows[:, None] + cols[None, :], mask=ok_row[:, None], other=float("-inf")) - ref[:, None]
