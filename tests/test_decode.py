@@ -115,8 +115,11 @@ def _check(name, got, want64, ref_lp, dtype):
 
 
 def _run(B=2, Hq=4, Hk=2, Nq=1, N=40, D=16, alpha=1.5, seqlens=None, dtype=torch.float32, layout="bhnd",
-         page_size=None, causal=False, mask=None, num_splits=2, seed=0, mult=1.0, q_mult=1.0, dv=None, **variants):
+         page_size=None, causal=False, mask=None, num_splits=2, seed=0, mult=1.0, q_mult=1.0, dv=None, tau_hint=None,
+         **variants):
     """Decode on the triton backend (interpreter on CPU) and check out, tau, nnz, n_valid against the reference.
+
+    ``tau_hint``: None, or a function of the float64 reference's ``tau`` giving ``entmax_decode``'s ``tau_hint``.
 
     ``variants``: ``window``, ``slopes``, ``sinks``, ``softcap`` (``entmax_decode``'s ``window_size``,
     ``alibi_slopes``, ``sinks``, ``softcap``); each must change the float64 reference's output (no vacuous case).
@@ -132,10 +135,11 @@ def _run(B=2, Hq=4, Hk=2, Nq=1, N=40, D=16, alpha=1.5, seqlens=None, dtype=torch
     else:
         kc, vc, table = _page(k, v, seqlens, page_size, gen)
     names = dict(window="window_size", slopes="alibi_slopes", sinks="sinks", softcap="softcap")
+    out64, st64 = _reference(q, k, v, alpha_t, seqlens, causal, mask, **variants)
     out, st = entmax_decode(q, kc, vc, seqlens, alpha_t, block_table=table, attn_mask=mask, is_causal=causal,
                             num_splits=num_splits, return_stats=True, backend="triton",
+                            tau_hint=None if tau_hint is None else tau_hint(st64.tau),
                             **{names[n]: x for n, x in variants.items()})
-    out64, st64 = _reference(q, k, v, alpha_t, seqlens, causal, mask, **variants)
     out_lp, st_lp = _reference(q, k, v, alpha_t, seqlens, causal, mask, dtype=dtype, **variants)
     for name in variants:
         without = _reference(q, k, v, alpha_t, seqlens, causal, mask, **dict(variants, **{name: None}))[0]
@@ -442,6 +446,86 @@ def test_mixed_launches_equal_single_class_launches():
     assert not torch.isnan(bad.out[:, [0, 2, 3]]).any()
 
 
+def _garbage_hint(tau):
+    """Hints no threshold search may trust: NaN, +-inf, huge values and values far on either side of the root."""
+    bad = torch.tensor([float("nan"), float("inf"), -float("inf"), 3e38, -3e38, 1e6, -50.0, 0.0], dtype=torch.float64)
+    return bad[torch.arange(tau.numel()) % bad.numel()].view(tau.shape).float()
+
+
+HINTS = {
+    "exact": lambda tau: tau.float(),
+    "close": lambda tau: (tau + 3e-4).float(),
+    "stale": lambda tau: (tau - 0.07).float(),
+    "garbage": _garbage_hint,
+}
+
+
+@pytest.mark.parametrize("hint", sorted(HINTS))
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(alpha=1.5, Hq=4, Hk=2, seqlens=[37, 40]),
+        dict(alpha=2.0, Hq=4, Hk=1, Nq=2, page_size=8, seqlens=[33, 12], N=33, causal=True),
+        dict(alpha=MIXED, Hq=4, Hk=1, Nq=1, seqlens=[0, 29], N=29, dtype=torch.bfloat16),
+        dict(alpha=[1.1, 1.75], Hq=2, Hk=1, seqlens=[31], B=1, N=31, mult=2.0, sinks=torch.tensor([0.5, -1.0]),
+             softcap=3.0, slopes=torch.tensor([0.1, 0.3])),
+    ],
+    ids=["entmax15-gqa", "sparsemax-paged-causal-nq2", "mixed-bf16-empty", "general-sinks-softcap-alibi"],
+)
+def test_tau_hint_matches_reference(case, hint):
+    """With a threshold hint (the float64 tau itself, a close one, a stale one, garbage: NaN, +-inf, huge and far
+    values), outputs and statistics meet the same float64 reference checks as without one (:func:`_run`: output and
+    tau by the tolerance rule, support sizes away from ties, n_valid exactly)."""
+    _run(tau_hint=HINTS[hint], **case)
+
+
+def test_tau_hint_broadcasts_and_non_finite_entries_are_ignored_bitwise():
+    """A hint of shape (B, Hq, 1) broadcasts over the queries; NaN and infinite entries add no point, so a hint of only
+    such entries gives bitwise the result of no hint (same passes, same blocks read)."""
+    gen = torch.Generator().manual_seed(21)
+    q = torch.randn(2, 4, 2, 16, generator=gen)
+    k, v = _cache(gen, 2, 2, 70, 16, torch.float32), _cache(gen, 2, 2, 70, 16, torch.float32)
+    lens = torch.tensor([70, 50], dtype=torch.int32)
+    base = entmax_decode_fwd(q, k, v, lens, 1.5, 0.25, num_splits=2)
+    bad = torch.tensor([float("nan"), float("inf"), -float("inf"), float("nan")]).view(1, 4, 1).expand(2, 4, 1)
+    none = entmax_decode_fwd(q, k, v, lens, 1.5, 0.25, num_splits=2, tau_hint=bad)
+    for a, b in zip(base[:6], none[:6], strict=True):
+        assert torch.equal(a, b)
+    one = entmax_decode_fwd(q, k, v, lens, 1.5, 0.25, num_splits=2, tau_hint=base.tau[:, :, :1])
+    two = entmax_decode_fwd(q, k, v, lens, 1.5, 0.25, num_splits=2, tau_hint=base.tau[:, :, :1].expand(2, 4, 2)
+                            .contiguous())
+    for a, b in zip(one[:6], two[:6], strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("alpha", [1.5, 2.0, 1.25])
+def test_tau_hint_cuts_the_candidate_passes(alpha):
+    """A step whose threshold search needs candidate passes (float32, 4 x 64 random keys) needs none with the
+    previous step's tau as the hint when the step changed nothing but one appended key outside the support: 2 passes
+    (score and value pass) on every row tile, no stored-score block read between them; the result stays within the
+    tolerance rule of the float64 reference. A stale hint (off by 0.05) never costs a pass."""
+    gen = torch.Generator().manual_seed(22)
+    N, D = 256, 16
+    q = torch.randn(1, 8, 1, D, generator=gen)
+    k, v = _cache(gen, 1, 2, N + 1, D, torch.float32), _cache(gen, 1, 2, N + 1, D, torch.float32)
+    group_q = q[0, :, 0].view(2, 4, D).sum(1)
+    k[0, :, N] = -4 * group_q / group_q.norm(dim=-1, keepdim=True)  # scores low for its group: outside every support
+    prev = entmax_decode_fwd(q, k, v, torch.tensor([N], dtype=torch.int32), alpha, 0.25, num_splits=4, block_n=16)
+    lens = torch.tensor([N + 1], dtype=torch.int32)
+    base = entmax_decode_fwd(q, k, v, lens, alpha, 0.25, num_splits=4, block_n=16)
+    hinted = entmax_decode_fwd(q, k, v, lens, alpha, 0.25, num_splits=4, block_n=16, tau_hint=prev.tau)
+    stale = entmax_decode_fwd(q, k, v, lens, alpha, 0.25, num_splits=4, block_n=16, tau_hint=prev.tau - 0.05)
+    assert (base.n_passes > 2).any(), "no candidate pass to save in this case"
+    assert (hinted.n_passes == 2).all() and (hinted.blocks_read[..., 1:-2] == 0).all()
+    assert (stale.n_passes <= base.n_passes).all()
+    out64, st64 = _reference(q, k, v, alpha, lens)
+    out_lp, st_lp = _reference(q, k, v, alpha, lens, dtype=torch.float32)
+    assert torch.equal(st64.nnz, _reference(q, k, v, alpha, lens - 1)[1].nnz), "the appended key is in a support"
+    for res in (base, hinted, stale):
+        _check("out", res.out, out64, out_lp, torch.float32)
+        _check("tau", res.tau, st64.tau, st_lp.tau, torch.float32)
+
+
 def test_reference_backend_gathers_pages():
     """backend="reference" (CPU "auto") on a paged cache equals the contiguous float64 reference, with every variant
     too (each sequence aligned on its own length, ``Dv != D``, an empty cache)."""
@@ -513,6 +597,14 @@ def _bad_call(**overrides):
         (dict(alibi_slopes=torch.ones(4, requires_grad=True), backend="triton"), ValueError,
          "alibi_slopes that require grad"),
         (dict(v_cache=torch.randn(2, 2, 10, 8), backend="triton"), ValueError, "v_cache of head_dim 8"),
+        (dict(tau_hint=[0.0]), TypeError, "tau_hint must be a torch.Tensor"),
+        (dict(tau_hint=torch.zeros(2, 4, 1, dtype=torch.float64)), TypeError, "tau_hint must be a float32"),
+        (dict(tau_hint=torch.zeros(3, 4, 1)), ValueError, r"tau_hint must be broadcastable to .* \(2, 4, 1\)"),
+        (dict(tau_hint=torch.zeros(2, 4, 2)), ValueError, "tau_hint must be broadcastable"),
+        (dict(tau_hint=torch.zeros(1, 2, 4, 1)), ValueError, "tau_hint must be broadcastable"),
+        (dict(tau_hint=torch.zeros(2, 4, 1, device="meta")), ValueError, "tau_hint must be on the device of q"),
+        (dict(q=torch.randn(2, 4, 17, 16), tau_hint=torch.zeros(2, 4, 17), backend="triton"), ValueError,
+         "tau_hint is taken with at most 16 queries"),
     ],
 )
 def test_bad_arguments(overrides, exc, match):

@@ -143,16 +143,18 @@ class _Recorder:
         return lambda **kwargs: self.log.append((self.name, len(kwargs)))
 
 
+@pytest.mark.parametrize("hint", [False, True], ids=["", "tau_hint"])
 @pytest.mark.parametrize("alpha,launches", [(1.0, 1), (1.5, 2), (2.0, 2)])
-def test_a_step_reads_no_value_and_allocates_only_its_output(device_semantics, monkeypatch, alpha, launches):
+def test_a_step_reads_no_value_and_allocates_only_its_output(device_semantics, monkeypatch, alpha, launches, hint):
     """With the kernel stubbed and tensors treated as on a GPU, a repeated decoding step reads no tensor value back
     (no host sync), allocates its output only and makes one launch at alpha = 1, two above (score and value pass,
-    each finished by the last program of a row tile)."""
+    each finished by the last program of a row tile); a threshold hint (a tensor, broadcast) changes none of it."""
     log = []
     monkeypatch.setattr(dec, "_entmax_decode_split_kernel", _Recorder(log, "split"))
     q, k, v, seqlens = (t.bfloat16() if t.is_floating_point() else t for t in _inputs(7))
+    kw = dict(tau_hint=torch.zeros(2, 4, 1)[:, :1]) if hint else {}
     with torch.no_grad():
-        entmax_decode(q, k, v, seqlens, alpha, backend="triton")
+        entmax_decode(q, k, v, seqlens, alpha, backend="triton", **kw)
     reads, allocs = [], []
     for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__"):
         real = getattr(torch.Tensor, name)
@@ -162,7 +164,7 @@ def test_a_step_reads_no_value_and_allocates_only_its_output(device_semantics, m
         monkeypatch.setattr(torch, name, lambda *a, _n=name, _r=real, **kw: allocs.append(_n) or _r(*a, **kw))
     log.clear()
     with torch.no_grad():
-        entmax_decode(q, k, v, seqlens, alpha, backend="triton")
+        entmax_decode(q, k, v, seqlens, alpha, backend="triton", **kw)
     assert reads == [] and allocs == ["empty"]
     assert [name for name, _ in log] == ["split"] * launches
 
@@ -217,6 +219,35 @@ def test_fake_tensor_trace_of_a_decode_step(device_semantics):
     assert out.shape == (2, 4, 1, 16) and st.tau.dtype == torch.float32 and st.nnz.dtype == torch.int32
 
 
+def _hinted_step(q, k_pool, v_pool, table, seqlens, tau_hint):
+    return entmax_decode(q, k_pool, v_pool, seqlens, 1.5, block_table=table, backend="triton", return_stats=True,
+                         is_causal=True, tau_hint=tau_hint)
+
+
+def test_hinted_steps_compile_fullgraph_and_trace_without_reads(device_semantics):
+    """A decoding loop that feeds each step's tau to the next as ``tau_hint`` compiles with ``fullgraph=True`` and
+    equals the eager loop bitwise; traced with fake tensors a hinted step is one ``sparse_attn.entmax_decode`` node and
+    reads no value (the hint is a tensor, as a CUDA graph needs)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    compiled = torch.compile(_hinted_step, fullgraph=True, backend="aot_eager")
+    hints = [torch.full((2, 4, 1), float("nan"))] * 2
+    for seed, lengths in ((12, (33, 12)), (13, (34, 13))):
+        inputs = _paged(seed, lengths=lengths)
+        with torch.no_grad():
+            eager = _hinted_step(*inputs, hints[0])
+            got = compiled(*inputs, hints[1])
+        torch.testing.assert_close(got[0], eager[0], **EXACT)
+        for a, b in zip(got[1], eager[1], strict=True):
+            torch.testing.assert_close(a, b, **EXACT)
+        hints = [eager[1].tau, got[1].tau]
+    with torch.no_grad():
+        graph = make_fx(_hinted_step, tracing_mode="fake")(*_paged(14), hints[0])
+    targets = [str(node.target) for node in graph.graph.nodes if node.op == "call_function"]
+    assert targets.count("sparse_attn.entmax_decode.default") == 1, targets
+    assert not [t for t in targets if "_local_scalar_dense" in t or t.startswith("aten.item")], targets
+
+
 def test_hf_generate_with_a_static_cache_takes_the_decode_path(monkeypatch):
     """``generate`` with ``cache_implementation="static"`` (the cache a CUDA-graph decode loop needs: fixed shapes,
     the unfilled slots masked) runs every step after the prompt on the decode kernels and generates what a dynamic
@@ -267,6 +298,29 @@ def _advance(inputs, seed):
     seqlens += 1
 
 
+def _capture(step):
+    """``step`` warmed up on a side stream, then captured in a CUDA graph: ``(graph, the captured outputs)``."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    return graph, captured
+
+
+def _replay_equals_eager(graph, captured, step, inputs, seed):
+    """One step of new values (:func:`_advance`): the graph's replay gives bitwise the eager step's results."""
+    _advance(inputs, seed)
+    graph.replay()
+    eager = step()
+    torch.testing.assert_close(captured[0], eager[0], **EXACT)
+    for a, b in zip(captured[1], eager[1], strict=True):
+        torch.testing.assert_close(a, b, **EXACT)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("alpha", [1.0, 1.5, [1.0, 1.5, 2.0, 1.25] * 2], ids=["softmax", "entmax15", "mixed"])
 def test_gpu_cuda_graph_replay_equals_eager(alpha):
@@ -279,21 +333,26 @@ def test_gpu_cuda_graph_replay_equals_eager(alpha):
         return entmax_decode(inputs[0], inputs[1], inputs[2], inputs[4], alpha, block_table=inputs[3],
                              return_stats=True)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
+    graph, captured = _capture(step)
     for seed in range(3):
-        _advance(inputs, seed)
-        graph.replay()
-        eager = step()
-        torch.testing.assert_close(captured[0], eager[0], **EXACT)
-        for a, b in zip(captured[1], eager[1], strict=True):
-            torch.testing.assert_close(a, b, **EXACT)
+        _replay_equals_eager(graph, captured, step, inputs, seed)
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_replay_with_a_hint_equals_eager():
+    """A captured step whose ``tau_hint`` is a static tensor, refilled from the previous replay's ``tau`` before each
+    replay, gives bitwise the eager step with the same hint."""
+    inputs, alpha = _static_paged_cuda(12, 1.5)
+    hint = torch.full(inputs[0].shape[:3], float("nan"), device="cuda")
+
+    def step():
+        return entmax_decode(inputs[0], inputs[1], inputs[2], inputs[4], alpha, block_table=inputs[3],
+                             return_stats=True, tau_hint=hint)
+
+    graph, captured = _capture(step)
+    for seed in range(3):
+        _replay_equals_eager(graph, captured, step, inputs, seed)
+        hint.copy_(captured[1].tau)  # the next step's hint: this one's thresholds
 
 
 @pytest.mark.gpu

@@ -26,7 +26,7 @@ import torch
 from .. import _common
 from .._masking import mask_spec, score_spec
 from ._decode_state import N_PART, N_STATE, _cache_spec
-from ._threshold import DECODE_MAX_PASSES, DECODE_POINTS, default_tolerance
+from ._threshold import DECODE_MAX_PASSES, DECODE_POINTS, HINT_POINTS, default_tolerance
 
 __all__ = ["StaticPlan", "Sizes", "static_plan", "sizes", "scratch_layout", "carve", "workspace", "tickets",
            "reset_tickets", "release_workspaces", "default_num_splits", "sm_count"]
@@ -85,12 +85,12 @@ def _pick_config(head_dim: int, n_rows: int, interpret: bool) -> tuple[int, int,
 
 def static_plan(dtype: torch.dtype, paged: bool, head_dim: int, head_dim_v: int, n_rows: int, is_causal: bool,
                 window_size, softcap, has_alibi: bool, has_sinks: bool, has_blocks: bool, classes: tuple,
-                tol, max_passes, block_n) -> StaticPlan:
+                tol, max_passes, block_n, has_hint: bool = False) -> StaticPlan:
     """The launches' configuration (cached): ``classes`` the ``ALPHA_CLASS`` values launched (``FILTER`` when more
-    than one), ``tol`` / ``max_passes`` / ``block_n`` None for the defaults. Arguments as
-    :func:`sparse_attn.kernels.entmax_decode.entmax_decode_fwd`."""
+    than one), ``tol`` / ``max_passes`` / ``block_n`` None for the defaults, ``has_hint`` a threshold hint given.
+    Arguments as :func:`sparse_attn.kernels.entmax_decode.entmax_decode_fwd`."""
     key = (dtype, paged, head_dim, head_dim_v, n_rows, is_causal, window_size, softcap, has_alibi, has_sinks,
-           has_blocks, classes, tol, max_passes, block_n)
+           has_blocks, classes, tol, max_passes, block_n, has_hint)
     plan = _PLANS.get(key)
     if plan is not None:
         _PLANS.move_to_end(key)
@@ -106,7 +106,8 @@ def static_plan(dtype: torch.dtype, paged: bool, head_dim: int, head_dim_v: int,
     score = score_spec(softcap, has_alibi, has_sinks, 2 if has_blocks else 0)
     consts = dict(tol=default_tolerance(dtype) if tol is None else float(tol), n_slots=max_passes + 1,
                   MASK=mask_spec(is_causal, window_size), SCORE=score, FILTER=len(classes) > 1, BLOCK_M=block_m,
-                  BLOCK_N=block_n, CACHE=_cache_spec(paged, head_dim, head_dim_v, dtype))
+                  BLOCK_N=block_n, CACHE=_cache_spec(paged, head_dim, head_dim_v, dtype), HAS_HINT=has_hint,
+                  HINT_P=HINT_POINTS)
     plan = StaticPlan(block_m, block_n, {} if interpret else dict(num_warps=num_warps, num_stages=num_stages),
                       max_passes, consts, chains)
     _PLANS[key] = plan
@@ -147,7 +148,8 @@ def scratch_layout(plan: StaticPlan, sz: Sizes, rows: tuple, n_kv_heads: int, he
                    stats: bool) -> tuple:
     """``(name, shape, dtype)`` of every scratch tensor of a step with ``rows = (B, Hq, Nq)``: the stored scores
     ``Z``, the live lists, the per-split partials, the grid sums (flat: each class chain cuts its own point count,
-    :func:`carve`; the chains run one after the other and share them) and the tiles' threshold state, and the
+    :func:`carve`; the chains run one after the other and share them), the tiles' threshold state and, with a
+    threshold hint, the splits' sums at its points, and the
     write-only stand-ins of the counters (without ``counters``) and of the statistics (without ``stats``)."""
     f32, i32 = torch.float32, torch.int32
     batch = rows[0]
@@ -160,6 +162,8 @@ def scratch_layout(plan: StaticPlan, sz: Sizes, rows: tuple, n_kv_heads: int, he
               ("PART_ROW", (*per_split, N_PART.value), f32), ("PART_ACC", (*per_split, head_dim_v), f32),
               ("GRID_ROW", (*per_split, N_PART.value), f32), ("GRID_PTS", (_numel(per_split) * 3 * grid_k,), f32),
               ("STATE", (*per_split[:3], N_STATE.value), f32)]
+    if plan.consts["HAS_HINT"]:
+        layout.append(("HINT_PTS", (*per_split, 3, plan.consts["HINT_P"]), f32))
     if not counters:
         layout += [("N_PASSES", (len(plan.chains), *tiles), i32),
                    ("BLOCKS_READ", (len(plan.chains), *tiles, sz.n_splits, plan.max_passes + 1), i32)]

@@ -154,7 +154,8 @@ def _store_points(PTS, split_rows, active, F, G, C, N: tl.constexpr):
 
 @triton.jit
 def _grid_state(GRID_ROW, GRID_PTS, split_rows, n_splits, active, am1, beta, bm1, shift, POW: tl.constexpr,
-                GRID_K: tl.constexpr, BLOCK_M: tl.constexpr):
+                GRID_K: tl.constexpr, BLOCK_M: tl.constexpr, HINT_PTS, T, HAS_HINT: tl.constexpr,
+                HINT_P: tl.constexpr):
     """Merge the splits' score-pass results into the global row state and solve the first bracket.
 
     Split ``s`` holds its sums at the points ``ref_s + i w`` (``i`` in ``(J_s - GRID_K, J_s]``) below its own max;
@@ -163,6 +164,9 @@ def _grid_state(GRID_ROW, GRID_PTS, split_rows, n_splits, active, am1, beta, bm1
     ``off_s = (ref_s - ref) (GRID_K - 1)``, held by the same slot. So split ``s`` holds the sums at the global points
     ``(J - GRID_K, J]`` that are not above its own top index, and nothing at the others (each of its keys lies below
     its max). Returns the state tuple of :func:`_store_state` (``m`` relative to ``ref``).
+
+    With ``HAS_HINT`` the splits' sums at the hint points ``T`` (``[BLOCK_M, HINT_P]``, absolute: the same points in
+    every split, so their sums add; POW 0 rescaled from each split's max to the row's) are merged too, at ``T - ref``.
     """
     w_grid = 1.0 / (GRID_K - 1)
     slot = tl.arange(0, GRID_K).to(tl.float32)
@@ -188,6 +192,7 @@ def _grid_state(GRID_ROW, GRID_PTS, split_rows, n_splits, active, am1, beta, bm1
         ref_s = tl.load(row + 4, mask=has, other=0.0, cache_modifier=".cg")
         j_top = tl.maximum(j_top, tl.where(has, j_s + (ref_s - ref) * (GRID_K - 1), -1e30))
         j_far = tl.maximum(j_far, tl.abs(j_s))
+    m_abs = m
     m = tl.where(usable, m - ref, 0.0)
     j_top = tl.where(usable, j_top, 0.0)
     i_glob = ring_index(j_top[:, None], slot[None, :], GRID_K)
@@ -201,20 +206,10 @@ def _grid_state(GRID_ROW, GRID_PTS, split_rows, n_splits, active, am1, beta, bm1
         m_s = tl.load(row, mask=usable, other=float("-inf"), cache_modifier=".cg")
         off_s = (tl.load(row + 4, mask=usable, other=0.0, cache_modifier=".cg") - ref) * (GRID_K - 1)
         j_s = tl.load(row + 1, mask=usable, other=-1e30, cache_modifier=".cg") + off_s
-        pts = GRID_PTS + (split_rows + s)[:, None] * (3 * GRID_K) + tl.arange(0, GRID_K)[None, :]
         same = ((ring_index(j_s[:, None], slot[None, :], GRID_K) == i_glob) & usable[:, None]
                 & (m_s > float("-inf"))[:, None])
-        f_s = tl.load(pts, mask=same, other=0.0, cache_modifier=".cg")
-        g_s = tl.load(pts + GRID_K, mask=same, other=0.0, cache_modifier=".cg")
-        if POW == 0:
-            # rescale from the split max's term to the global max's
-            d_l = log_ref((m_s - ref)[:, None], t_glob) - l_glob
-            F += tl.where(same, f_s * tl.exp2(beta[:, None] * d_l), 0.0)
-            G += tl.where(same, g_s * tl.exp2(bm1[:, None] * d_l), 0.0)
-        else:
-            F += f_s
-            G += g_s
-            C += tl.load(pts + 2 * GRID_K, mask=same, other=0.0, cache_modifier=".cg")
+        F, G, C = _add_split_points(GRID_PTS, split_rows + s, same, (F, G, C), log_ref((m_s - ref)[:, None], t_glob)
+                                    - l_glob, beta, bm1, POW, GRID_K)
     # beyond 2**22 grid steps fp32 cannot index the grid: those rows start from [m - 1, m], phi(m - 1) unknown
     grid_ok = (tl.abs(j_top) < 4194304.0) & (j_far < 4194304.0)
     br = open_bracket(m, grid_ok, shift)
@@ -223,9 +218,52 @@ def _grid_state(GRID_ROW, GRID_PTS, split_rows, n_splits, active, am1, beta, bm1
     lowest = i_glob == (j_top - (GRID_K - 1))[:, None]
     br = merge_points(br, tl.where(grid_ok[:, None], t_glob, float("nan")), tl.where(lowest, tl.maximum(ph, 0.0), ph),
                       dph, tl.where(lowest, tl.maximum(F, 1.0), F), G, C, GRID_K)
+    if HAS_HINT:
+        br = _merge_hint(br, GRID_ROW, HINT_PTS, T, split_rows, n_splits, usable, m_abs, ref, am1, beta, bm1, POW,
+                         HINT_P)
     est, lo, hi, exact = solve(br, POW)
     return (m, Bracket(*br[:10], br.top.to(tl.float32)), est, lo, hi, exact.to(tl.float32), usable.to(tl.float32),
             tl.where(active, bad, 0.0), tl.full([], 1.0, tl.float32), ref)
+
+
+@triton.jit
+def _add_split_points(PTS, rows, has, sums, d_l, beta, bm1, POW: tl.constexpr, N: tl.constexpr):
+    """Add one split's ``[BLOCK_M, N]`` point sums (as :func:`_store_points` stored them at ``rows``), where ``has``, to
+    ``sums = (F, G, C)``; POW 0 rescales them from the split max's term to the row max's (``d_l`` the difference of
+    the two ``log_ref``). Returns the sums."""
+    F, G, C = sums
+    pts = PTS + rows[:, None] * (3 * N) + tl.arange(0, N)[None, :]
+    f_s = tl.load(pts, mask=has, other=0.0, cache_modifier=".cg")
+    g_s = tl.load(pts + N, mask=has, other=0.0, cache_modifier=".cg")
+    if POW == 0:
+        F += tl.where(has, f_s * tl.exp2(beta[:, None] * d_l), 0.0)
+        G += tl.where(has, g_s * tl.exp2(bm1[:, None] * d_l), 0.0)
+    else:
+        F += f_s
+        G += g_s
+        C += tl.load(pts + 2 * N, mask=has, other=0.0, cache_modifier=".cg")
+    return F, G, C
+
+
+@triton.jit
+def _merge_hint(br, GRID_ROW, HINT_PTS, T, split_rows, n_splits, usable, m_abs, ref, am1, beta, bm1,
+                POW: tl.constexpr, HINT_P: tl.constexpr):
+    """The bracket ``br`` tightened with the splits' sums at the hint points ``T`` (absolute, ``[BLOCK_M, HINT_P]``):
+    the sums add over the splits (POW 0: each rescaled from its split max's term to the row max ``m_abs``'s), and each
+    point moves an end of the bracket only where its ``phi`` certifies it (``merge_points``); a non-finite hint's
+    points lie far above the row max and move nothing."""
+    FH = tl.zeros([T.shape[0], HINT_P], tl.float32)
+    GH = tl.zeros([T.shape[0], HINT_P], tl.float32)
+    CH = tl.zeros([T.shape[0], HINT_P], tl.float32)
+    l_row = log_ref(m_abs[:, None], T)
+    for s in range(0, n_splits):
+        m_s = tl.load(GRID_ROW + (split_rows + s) * N_PART, mask=usable, other=float("-inf"), cache_modifier=".cg")
+        has = usable[:, None] & (m_s > float("-inf"))[:, None]
+        FH, GH, CH = _add_split_points(HINT_PTS, split_rows + s, has, (FH, GH, CH), log_ref(m_s[:, None], T) - l_row,
+                                       beta, bm1, POW, HINT_P)
+    ph, dph = phi(FH, GH, POW, am1[:, None], l_row)
+    t_rel = tl.where((T < 1e38) & usable[:, None], T - ref[:, None], float("nan"))
+    return merge_points(br, t_rel, ph, dph, FH, GH, CH, HINT_P)
 
 
 @triton.jit

@@ -73,10 +73,12 @@ from ._decode_state import (
     _tile_live,
 )
 from ._threshold import (
+    HINT_STEP,
     grid_counts,
     grid_start,
     grid_sums,
     grid_tile,
+    hint_sums,
     weights,
 )
 
@@ -141,18 +143,20 @@ def _sink_scores(sink, am1, own, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _grid_pass(q, keys, pages, rows, mods, out, ent, zs, MASK, SCORE, POW: tl.constexpr, GRID_K: tl.constexpr,
-               BLOCK_N: tl.constexpr, BIAS_KIND: tl.constexpr, CACHE):
+def _grid_pass(q, keys, pages, rows, mods, out, ent, zs, T, MASK, SCORE, POW: tl.constexpr, GRID_K: tl.constexpr,
+               HAS_HINT: tl.constexpr, HINT_P: tl.constexpr, BLOCK_N: tl.constexpr, BIAS_KIND: tl.constexpr, CACHE):
     """The score pass over the split's key blocks ``[kt_lo, kt_hi)`` of ``rows`` (after the sink tile ``zs`` with
     sinks): stores the scores and lists the live blocks (``out``: ``(Z, z_rows, list_base)``); each block goes
     through the ring update it shares with the forward (``_threshold.grid_tile``). ``ent``: ``(z_scale, am1, beta,
-    bm1, shift)`` per row.
+    bm1, shift)`` per row. With ``HAS_HINT`` every block (dead ones too: a hint may lie below the grid) also adds
+    its point sums at the hint points ``T [BLOCK_M, HINT_P]`` (``_threshold.hint_sums``).
 
-    Returns ``(m, j_top, ref, n_valid, bad, F, G, C, n_live, n_read)``: the split's row max, its grid index
-    relative to its reference score ``ref``, the reference, valid keys,
-    NaN/+inf flag and the ``[BLOCK_M, GRID_K]`` sums at the ring's points (POW 0: scaled by the split max's
-    term; counts from ``_threshold.grid_counts``), the number of live blocks written to ``list_base`` and of
-    blocks read from the cache (those a block mask hides from every row are not: ``_decode_state._tile_live``).
+    Returns ``(m, j_top, ref, n_valid, bad, F, G, C, n_live, n_read, (FH, GH, CH))``: the split's row max, its grid
+    index relative to its reference score ``ref``, the reference, valid keys, NaN/+inf flag and the ``[BLOCK_M,
+    GRID_K]`` sums at the ring's points (POW 0: scaled by the split max's term; counts from
+    ``_threshold.grid_counts``), the number of live blocks written to ``list_base`` and of blocks read from the cache
+    (those a block mask hides from every row are not: ``_decode_state._tile_live``), and the sums at the hint points
+    (scaled by the split max's term at POW 0).
     """
     Z, z_rows, list_base = out
     z_scale, am1, beta, bm1, shift = ent
@@ -160,9 +164,15 @@ def _grid_pass(q, keys, pages, rows, mods, out, ent, zs, MASK, SCORE, POW: tl.co
     w_grid, slot, m, j_top, ref, n_valid, bad, F, G, L = grid_start(q.shape[0], GRID_K, 0)
     n_live = tl.zeros([], tl.int32)
     n_read = _read_count(rows, SCORE)
+    FH = tl.zeros([q.shape[0], HINT_P], tl.float32)
+    GH = tl.zeros([q.shape[0], HINT_P], tl.float32)
+    CH = tl.zeros([q.shape[0], HINT_P], tl.float32)
+    LH = tl.full([q.shape[0], HINT_P], -99.65784284662087, tl.float32)
     if SCORE[3]:
         m, j_top, ref, F, G, L, _ = grid_tile(zs, m, j_top, ref, F, G, L, slot, w_grid, shift, beta[:, None],
                                               bm1[:, None], POW, GRID_K, 0)
+        if HAS_HINT:
+            LH, FH, GH, CH = hint_sums(zs, m, T, LH, FH, GH, CH, beta, bm1, POW, HINT_P)
     for kt in range(rows[4], rows[5]):
         # a key block the block mask hides from every row is never loaded nor listed (its scores are not stored)
         tile_open = True
@@ -179,8 +189,10 @@ def _grid_pass(q, keys, pages, rows, mods, out, ent, zs, MASK, SCORE, POW: tl.co
                                                      bm1[:, None], POW, GRID_K, 0)
             tl.store(list_base + n_live, kt, mask=live != 0)
             n_live += live
+            if HAS_HINT:
+                LH, FH, GH, CH = hint_sums(z, m, T, LH, FH, GH, CH, beta, bm1, POW, HINT_P)
     F, G = grid_sums(F, G, 0)
-    return m, j_top, ref, n_valid, bad, F, G, grid_counts(G, POW), n_live, n_read
+    return m, j_top, ref, n_valid, bad, F, G, grid_counts(G, POW), n_live, n_read, (FH, GH, CH)
 
 
 @triton.jit
@@ -220,8 +232,8 @@ def _softmax_split(q, keys, values, pages, rows, mods, scale, MASK, SCORE, BLOCK
 @triton.jit
 def _entmax_decode_split_kernel(
     Q, K, V, ALPHA, BLOCK_TABLE, CACHE_SEQLENS, Z, LIST, LIVE_N, GRID_ROW, GRID_PTS, STATE, PART_ROW, PART_ACC,
-    OUT, TAU, NNZ, N_VALID, COUNT, BLOCKS_READ, N_PASSES,
-    stride_qb, stride_qh, stride_qm, stride_qd,
+    OUT, TAU, NNZ, N_VALID, COUNT, BLOCKS_READ, N_PASSES, TAU_HINT, HINT_PTS,
+    stride_qb, stride_qh, stride_qm, stride_qd, stride_hintb, stride_hinth, stride_hintm, hint_step,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_tb, stride_tn, page_size,
@@ -229,13 +241,18 @@ def _entmax_decode_split_kernel(
     max_seqlen_k, scale, tol, n_slots, MASK, SCORE, MODS, CACHE,
     ALPHA_CLASS: tl.constexpr, FILTER: tl.constexpr, PHASE: tl.constexpr, GRID_K: tl.constexpr,
     CAND_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BIAS_KIND: tl.constexpr,
+    HAS_HINT: tl.constexpr, HINT_P: tl.constexpr,
 ):
     """One program per (split, kv head x row tile, batch entry); ``PHASE`` 0 the score pass (and, in the tile's last
     program, the merge and the candidate passes), 2 the value pass (and the combine), as the module docstring says.
     ``ALPHA_CLASS`` 0 (softmax) runs its single pass (and the combine) whatever ``PHASE``. ``CACHE``: ``(IS_PAGED,
     HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, UPCAST, DOT_PRECISION)`` (:func:`_cache_spec`), passed on unread to the
     helpers that read the cache; ``MODS`` the score modifications (``_common.mods_args``); ``OUT`` contiguous;
-    ``COUNT`` one ticket counter per row tile, zero at rest.
+    ``COUNT`` one ticket counter per row tile, zero at rest. With ``HAS_HINT``, ``TAU_HINT`` holds a threshold per row
+    (``(B, Hq, Nq)`` at the ``stride_hint*`` strides, absolute, in the z-scale: a previous step's ``tau``); the score
+    pass evaluates ``f``, ``g``, ``c`` at ``HINT_P`` points ``hint_step`` apart around it (``HINT_PTS``, per split) and
+    the merge adds them to the bracket like any other point (certified on whichever side they fall; a non-finite hint
+    gives no point).
 
     The splits share the key blocks the tile's rows may see (``_masking.key_block_range``: a sliding window's blocks
     only, at most ``n_span``); the scores are stored relative to the first of them.
@@ -310,9 +327,17 @@ def _entmax_decode_split_kernel(
     zs, sink_bad = _sink_scores(mods[4], am1, active & (split == 0), BLOCK_N)
 
     if PHASE == 0:
-        m, j_top, ref, n_valid, bad, F, G, C, n_live, n_read = _grid_pass(
-            q, keys, pages, rows, mods, (Z, z_rows, list_base), (scale * am1, am1, beta, bm1, shift), zs, MASK, SCORE,
-            POW, GRID_K, BLOCK_N, BIAS_KIND, CACHE)
+        T = tl.zeros([BLOCK_M, HINT_P], tl.float32)
+        if HAS_HINT:
+            t_h = tl.load(TAU_HINT + b.to(tl.int64) * stride_hintb + h.to(tl.int64) * stride_hinth
+                          + i.to(tl.int64) * stride_hintm, mask=active, other=float("nan"))
+            # the points, absolute (tau + shift); far above every score (no sums, no point) for a hint that is NaN,
+            # infinite or beyond +-1e15 (whose squared distances to the scores could overflow float32 sums)
+            offs = (tl.arange(0, HINT_P).to(tl.float32) - 0.5 * (HINT_P - 1)) * hint_step
+            T = tl.where((tl.abs(t_h) < 1e15)[:, None], t_h[:, None] + offs[None, :] + shift, 3e38)
+        m, j_top, ref, n_valid, bad, F, G, C, n_live, n_read, hint_pts = _grid_pass(
+            q, keys, pages, rows, mods, (Z, z_rows, list_base), (scale * am1, am1, beta, bm1, shift), zs, T, MASK,
+            SCORE, POW, GRID_K, HAS_HINT, HINT_P, BLOCK_N, BIAS_KIND, CACHE)
         if not SCORE[4]:
             n_read = kt_hi - kt_lo
         row = GRID_ROW + (split_rows + split) * N_PART
@@ -323,13 +348,16 @@ def _entmax_decode_split_kernel(
         tl.store(row + 4, ref, mask=active)
         tl.store(PART_ROW + (split_rows + split) * N_PART + 3, n_valid.to(tl.float32), mask=active)
         _store_points(GRID_PTS, split_rows + split, active, F, G, C, GRID_K)
+        if HAS_HINT:
+            _store_points(HINT_PTS, split_rows + split, active, hint_pts[0], hint_pts[1], hint_pts[2], HINT_P)
         tl.store(live_n, n_live)
         tl.store(reads, n_read)
         if _last_arrival(COUNT + tile, n_splits):
             # the merged state (m, the thresholds and the points relative to the rows' reference score ref), then
             # the candidate passes over every split's live blocks; the sink counted once
             g_m, g_br, g_est, g_lo, g_hi, g_exact, g_usable, g_bad, g_passes, g_ref = _grid_state(
-                GRID_ROW, GRID_PTS, split_rows, n_splits, active, am1, beta, bm1, shift, POW, GRID_K, BLOCK_M)
+                GRID_ROW, GRID_PTS, split_rows, n_splits, active, am1, beta, bm1, shift, POW, GRID_K, BLOCK_M,
+                HINT_PTS, T, HAS_HINT, HINT_P)
             live_tile = LIVE_N + tile.to(tl.int64) * n_splits
             c_m, c_br, c_est, c_lo, c_hi, c_exact, c_usable, c_passes, c_ref = _cand_passes(
                 (Z, z_rows, list_tile, live_tile, BLOCKS_READ + tile.to(tl.int64) * n_splits * n_slots),
@@ -392,6 +420,17 @@ def _entmax_decode_split_kernel(
                       mods[4] + tl.zeros([BLOCK_M], tl.float32), CACHE[3], CACHE[4])
 
 
+def _hint_args(tau_hint, rows: tuple, ws: dict, dtype: torch.dtype, hint_step) -> dict:
+    """The threshold hint's kernel arguments: the tensor broadcast to ``rows`` (a view: stride 0 on broadcast dims),
+    its strides and the spacing of its points; without a hint, a scratch tensor that is never read."""
+    if tau_hint is None:
+        return dict(TAU_HINT=ws["STATE"], HINT_PTS=ws["STATE"], stride_hintb=0, stride_hinth=0, stride_hintm=0,
+                    hint_step=0.0)
+    hint = tau_hint.expand(rows)
+    return dict(TAU_HINT=hint, HINT_PTS=ws["HINT_PTS"], **_common.stride_args("stride_hint", hint, "bhm"),
+                hint_step=float(HINT_STEP[dtype] if hint_step is None else hint_step))
+
+
 def entmax_decode_fwd(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -414,6 +453,8 @@ def entmax_decode_fwd(
     alpha_class: str | None = None,
     block_n: int | None = None,
     block_mask: tuple | None = None,
+    tau_hint: torch.Tensor | None = None,
+    hint_step: float | None = None,
     counters: bool = True,
     stats: bool = True,
     reuse_scratch: bool = True,
@@ -456,6 +497,12 @@ def entmax_decode_fwd(
             >= ceil(max_seqlen_k / block_k))``; query ``i`` (its index among the ``Nq``, as the fused forward's rows)
             sees key ``j`` only if block ``(i // block_q, j // block_k)`` is True. Key blocks it hides from every
             row of a program are not read. Default None.
+        tau_hint: float32, broadcastable to ``(B, Hq, Nq)`` (any strides): a threshold per row, absolute, in the
+            z-scale of ``tau`` (a previous step's ``tau``). The score pass evaluates the row's total weight at
+            ``HINT_POINTS`` points ``hint_step`` apart around it, which tighten the certified bracket where they
+            fall on either side of the root; non-finite entries and softmax rows are ignored. The result is the
+            same up to ``tol``; fewer candidate passes run when the hint is close (docs/decode.md). Default None.
+        hint_step: spacing of the hint's points in the z-scale (default ``_threshold.HINT_STEP`` by dtype).
 
         counters: return ``n_passes`` and ``blocks_read`` (False: None, and the kernels write them to scratch).
         stats: return ``tau``, ``nnz`` and ``n_valid`` (False: None, likewise).
@@ -483,7 +530,8 @@ def entmax_decode_fwd(
         classes = tuple(c for c, _ in class_launches(alpha_class))
     plan = _launch.static_plan(q.dtype, paged, head_dim, head_dim_v, n_rows, bool(is_causal),
                                None if window_size is None else tuple(window_size), softcap, alibi_slopes is not None,
-                               sinks is not None, block_mask is not None, classes, tol, max_passes, block_n)
+                               sinks is not None, block_mask is not None, classes, tol, max_passes, block_n,
+                               tau_hint is not None)
     dev = q.device
     sz = _launch.sizes(plan, batch, n_kv_heads, n_rows, seqlen_q, capacity, max_seqlen_k, num_splits, dev)
     if block_mask is not None:
@@ -523,7 +571,8 @@ def entmax_decode_fwd(
         GRID_ROW=ws["GRID_ROW"], STATE=ws["STATE"], PART_ROW=ws["PART_ROW"], PART_ACC=ws["PART_ACC"], OUT=out,
         TAU=tau, NNZ=nnz, N_VALID=n_valid,
         COUNT=_launch.tickets(batch * n_kv_heads * sz.n_row_tiles, dev, reuse_scratch),
-        **_common.stride_args("stride_q", q, "bhmd"), **_cache_strides("stride_k", k_cache, paged),
+        **_common.stride_args("stride_q", q, "bhmd"), **_hint_args(tau_hint, rows, ws, q.dtype, hint_step),
+        **_cache_strides("stride_k", k_cache, paged),
         **_cache_strides("stride_v", v_cache, paged),
         stride_tb=block_table.stride(0) if paged else 0, stride_tn=block_table.stride(1) if paged else 0,
         page_size=k_cache.shape[1] if paged else 1, n_heads=n_heads, n_kv_heads=n_kv_heads, kv_group=kv_group,

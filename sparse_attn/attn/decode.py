@@ -15,7 +15,7 @@ from collections import OrderedDict
 import torch
 from torch import Tensor
 
-from sparse_attn._validation import check_bool, values_checkable
+from sparse_attn._validation import check_bool, check_device, check_tensor, values_checkable
 from sparse_attn.attn._decode_op import _run_decode_op, decode_attention, decode_fits, decode_unsupported
 from sparse_attn.attn._kv_cache import MAX_DECODE_QUERIES
 from sparse_attn.attn.attn_inputs import AttentionStats, AttnSpec, alpha_tensor, head_cast, prepare_attention
@@ -87,6 +87,7 @@ def entmax_decode(
     sinks: Tensor | None = None,
     softcap: float | None = None,
     block_mask=None,
+    tau_hint: Tensor | None = None,
 ):
     """Entmax attention of ``Nq`` new queries per sequence over a KV cache (a decoding step, or a chunk of a prompt).
 
@@ -144,6 +145,16 @@ def entmax_decode(
             ``flex_attention.BlockMask`` (as :func:`sparse_attn.entmax_attention` takes it): query ``i`` sees key
             ``j`` only if block ``(i // bq, j // bk)`` is True; key blocks hidden from every query of a program are
             not read. Default None.
+        tau_hint: the previous decoding step's thresholds, ``stats.tau`` of a call with ``return_stats=True`` on the
+            same layer (float32, broadcastable to ``(B, Hq, Nq)``, on ``q``'s device; in the same coordinates as
+            that ``tau``: the z-scale ``(alpha - 1) * score``, soft cap, ALiBi and sinks included). The kernels
+            evaluate each row's total weight at a few points around its hint in the pass that reads the keys, and
+            use them only where they bracket the row's threshold (certified as every other bracket point, on
+            either side of it): the result is the same as without the hint up to the kernels' threshold tolerance,
+            and when the hint is close the passes that refine the threshold are skipped (docs/decode.md). A stale
+            or wrong hint costs nothing but those points; NaN and infinite entries (rows with no key), entries
+            beyond +-1e15 and softmax rows are ignored. The reference backend ignores it (its threshold is exact).
+            Not taken with more than 16 queries per sequence. Default None.
 
     More than 16 queries per sequence (a chunk of a prompt over the cache: causal within the chunk, bottom-right
     against the cache) take the fused kernels on the triton backend: the sequences' keys are gathered from the cache
@@ -162,14 +173,33 @@ def entmax_decode(
         attn_mask=attn_mask, is_causal=is_causal, scale=scale, max_seqlen_k=max_seqlen_k, backend=backend,
         window_size=window_size, alibi_slopes=alibi_slopes, sinks=sinks, softcap=softcap, need_stats=return_stats,
         block_table=block_table, num_splits=num_splits, block_mask=block_mask))
+    if tau_hint is not None:
+        _check_tau_hint(tau_hint, spec.q)
     if spec.backend == "reference":
         return _reference_decode(spec)
     if why:
         raise ValueError(refusal_message("decode", why, "use sparse_attn.entmax_attention to train, or call "
                                          "entmax_decode under torch.no_grad()"))
     if spec.q.shape[2] > MAX_DECODE_QUERIES:
+        if tau_hint is not None:
+            raise ValueError(f"tau_hint is taken with at most {MAX_DECODE_QUERIES} queries per sequence (a decoding "
+                             f"step), got {spec.q.shape[2]} queries")
         return _prefill(spec)
-    return _run_decode_op(spec, spec.cache_seqlens, spec.need_stats)
+    return _run_decode_op(spec, spec.cache_seqlens, spec.need_stats, tau_hint)
+
+
+def _check_tau_hint(tau_hint, q: Tensor) -> None:
+    """``tau_hint`` of :func:`entmax_decode`: a float32 tensor on ``q``'s device, broadcastable to ``(B, Hq, Nq)``
+    (metadata only: its values are never read on the host)."""
+    check_tensor("tau_hint", tau_hint)
+    if tau_hint.dtype != torch.float32:
+        raise TypeError(f"tau_hint must be a float32 tensor (the tau of a previous step's stats), got dtype "
+                        f"{tau_hint.dtype}")
+    check_device("tau_hint", tau_hint, q.device, "q")
+    rows = tuple(q.shape[:3])
+    if tau_hint.dim() > 3 or any(n not in (1, r) for n, r in zip(tau_hint.shape[::-1], rows[::-1], strict=False)):
+        raise ValueError(f"tau_hint must be broadcastable to (batch, q heads, queries) = {rows}, got shape "
+                         f"{tuple(tau_hint.shape)}")
 
 
 # the argument gate of entmax_decode, cached by what its checks read (_gate)
