@@ -180,13 +180,14 @@ SM90_CLASSES = {"softmax": 1.0, "sparsemax": 2.0, "entmax15": 1.5, "general": 1.
 
 def sm90_builds(head_dim: int, alpha_class: str, paged: bool = True, mask: str | None = None, causal: bool = False,
                 dtype=torch.bfloat16, batch: int = 4, n: int = 4096, heads: int = 32, kv_heads: int = 8,
-                variants: bool = False):
+                variants: bool = False, hint: bool = False):
     """Build every kernel one decode step launches (the score and the value pass of each alpha class, each with its
     last-program part: the candidate passes, the combine) for sm_90 as the launcher launches it
     (``benchmarks/sm90_build.py``); one analysis dict per distinct kernel.
 
     ``mask``: None, ``"float"`` (an additive ``(B, 1, 1, Nk)`` bias) or ``"bool"`` (a keep mask). ``variants``:
     every attention variant at once (a ``(1024, 0)`` window, ALiBi, a soft cap, sinks, ``Dv = head_dim / 2``).
+    ``hint``: with a threshold hint (``tau_hint``).
     """
     from sm90_build import analyse, captured_launches, compile_like_launch
 
@@ -205,7 +206,7 @@ def sm90_builds(head_dim: int, alpha_class: str, paged: bool = True, mask: str |
     split_kernel, launches = captured_launches(
         dec, "_entmax_decode_split_kernel", dec.entmax_decode_fwd, q, k, v, torch.full((batch,), n, dtype=torch.int32),
         alpha, head_dim ** -0.5, block_table=table, bias=bias, is_causal=causal, num_splits=8, alpha_class=alpha_class,
-        **extra)
+        tau_hint=torch.zeros(batch, heads, 1) if hint else None, **extra)
     seen, out = set(), []
     for _, args, kwargs in launches:
         name = f"phase{kwargs['PHASE']}"
@@ -239,6 +240,7 @@ def main(argv=None):
     if args.sm90_check:
         sm90_builds(128, "mixed", paged=True, mask="float", causal=True)
         sm90_builds(128, "mixed", paged=True, mask="bool", causal=True, variants=True)
+        sm90_builds(128, "mixed", paged=True, hint=True)
         print("built")
         return 0
     if args.sm90:

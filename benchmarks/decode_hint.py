@@ -5,10 +5,12 @@ A generation loop is simulated per (dtype, alpha, drift): ``B`` sequences with `
 heads each, one query per step against a random cache of ``N`` keys that grows by one key per step; the queries drift
 as an AR(1) process, ``q_t = rho q_{t-1} + sqrt(1 - rho^2) e_t`` (``rho = 1``: the same query every step, only the
 cache changes; ``rho = 0``: an unrelated query). Each step runs three times on the same inputs: without a hint, with
-the previous step's ``tau`` (``good``), and with a ``stale`` hint (the ``tau`` of ``--stale`` steps before) or
+the previous step's ``tau`` (``good``), and with a ``stale`` hint (the ``tau`` of ``--stale`` steps before, or of
+the first step when there are fewer) or
 ``garbage`` (the previous ``tau`` plus noise of standard deviation 1, and NaN / inf entries). Columns: mean passes per
 row tile (score and value pass included), the candidate passes' stored-score blocks per step and kv head, and the
-largest difference of the outputs and thresholds from the run without a hint.
+largest difference of the outputs and thresholds from the run without a hint; ``median step of tau``: the median
+``|tau_t - tau_{t-1}|`` over rows and steps (the run without a hint).
 
     python benchmarks/decode_hint.py --n 4096 --steps 6 --markdown
 """
@@ -55,7 +57,7 @@ def simulate(n, steps, rho, alpha, dtype, hint_step, stale, batch, n_kv, d, bloc
         noisy.view(-1)[::3] = float("nan")
         noisy.view(-1)[1::3] = float("inf")
         hints["garbage"] = noisy
-        row = {"none": base}
+        row = {"none": base, "dtau": (base.tau - taus[-2]).abs()}
         for name, h in hints.items():
             row[name] = run(h)
         rows.append(row)
@@ -64,8 +66,8 @@ def simulate(n, steps, rho, alpha, dtype, hint_step, stale, batch, n_kv, d, bloc
 
 def summarize(rows):
     """Per kind: mean passes, candidate blocks per (step, kv head) and the largest output / tau differences."""
-    out = {}
-    for kind in rows[0]:
+    out = {"dtau": torch.cat([r["dtau"][torch.isfinite(r["dtau"])] for r in rows]).median().item()}
+    for kind in ("none", "good", "stale", "garbage"):
         passes = torch.stack([r[kind].n_passes.float().mean() for r in rows]).mean().item()
         cand = torch.stack([r[kind].blocks_read[..., 1:-2].sum().float() / r[kind].n_passes[0].numel()
                             for r in rows]).mean().item()
@@ -93,8 +95,8 @@ def main():
     ap.add_argument("--markdown", action="store_true")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
-    head = ("| dtype | alpha | rho | passes none | good | stale | garbage | cand blocks none | good | stale | garbage "
-            "| max out diff (good) | max tau diff (good) |")
+    head = ("| dtype | alpha | rho | median step of tau | passes none | good | stale | garbage | cand blocks none "
+            "| good | stale | garbage | max out diff (good) | max tau diff (good) |")
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
     for dt in args.dtype:
@@ -104,7 +106,8 @@ def main():
                                 args.batch, args.kv_heads, args.d, args.block_n, args.seed, device)
                 s = summarize(rows)
                 kinds = ("none", "good", "stale", "garbage")
-                print(f"| {dt} | {alpha} | {rho} | " + " | ".join(f"{s[k][0]:.2f}" for k in kinds) + " | "
+                print(f"| {dt} | {alpha} | {rho} | {s['dtau']:.1e} | "
+                      + " | ".join(f"{s[k][0]:.2f}" for k in kinds) + " | "
                       + " | ".join(f"{s[k][1]:.1f}" for k in kinds)
                       + f" | {s['good'][2]:.1e} | {s['good'][3]:.1e} |", flush=True)
 

@@ -35,7 +35,8 @@ __all__ = ["StaticPlan", "Sizes", "static_plan", "sizes", "scratch_layout", "car
 MAX_BLOCK_M = 32
 _MAX_PLANS = 64
 _ALIGN = 256  # bytes: every scratch tensor starts at a multiple (the pointer specialization of a fresh allocation)
-_POW_OF = {1: 1, 2: 2, 3: 0}
+# the threshold arithmetic (POW) of each entmax ALPHA_CLASS
+POW_OF = {1: 1, 2: 2, 3: 0}
 
 
 class StaticPlan(NamedTuple):
@@ -102,7 +103,7 @@ def static_plan(dtype: torch.dtype, paged: bool, head_dim: int, head_dim_v: int,
     max_passes = DECODE_MAX_PASSES[dtype] if max_passes is None else max_passes
     assert max_passes >= 2, f"max_passes: got {max_passes}"
     # per alpha class: the score pass (softmax: its only pass), then the value pass
-    chains = tuple((cls, *DECODE_POINTS[_POW_OF.get(cls, 1)], (0,) if cls == 0 else (0, 2)) for cls in classes)
+    chains = tuple((cls, *DECODE_POINTS[POW_OF.get(cls, 1)], (0,) if cls == 0 else (0, 2)) for cls in classes)
     score = score_spec(softcap, has_alibi, has_sinks, 2 if has_blocks else 0)
     consts = dict(tol=default_tolerance(dtype) if tol is None else float(tol), n_slots=max_passes + 1,
                   MASK=mask_spec(is_causal, window_size), SCORE=score, FILTER=len(classes) > 1, BLOCK_M=block_m,

@@ -49,10 +49,12 @@ FWD_POINTS = {1: (8, 4), 2: (8, 1), 0: (4, 1)}
 # cache reads
 DECODE_POINTS = {1: (8, 8), 2: (8, 8), 0: (8, 4)}
 # the decode kernels' threshold hint (the previous step's tau, ``entmax_decode(tau_hint=)``): points the score pass
-# evaluates around it (a power of two), and their spacing in the z-scale by input dtype (docs/decode.md, "Reusing the
-# previous step's threshold")
+# evaluates around it (a power of two), and their spacing in the z-scale by threshold arithmetic (POW as
+# ``DECODE_POINTS``): at alpha = 2 and 1.5 a bracket between two points with no score inside gives the exact root
+# whatever its width, so the points spread wide; other alpha need a bracket narrow in total weight (docs/decode.md,
+# "Reusing the previous step's threshold")
 HINT_POINTS = 8
-HINT_STEP = {torch.float16: 1e-3, torch.bfloat16: 2e-3, torch.float32: 5e-4}
+HINT_STEP = {1: 1e-2, 2: 1e-2, 0: 3e-3}
 # the largest beta = 1 / (alpha - 1) at which the value pass of 16-bit outputs takes the fast log2 (``weights``)
 FAST_BETA_MAX = tl.constexpr(256.0)
 # passes over the key range per query tile at most (grid and value pass included) in the fused forward

@@ -250,7 +250,8 @@ def _entmax_decode_split_kernel(
     helpers that read the cache; ``MODS`` the score modifications (``_common.mods_args``); ``OUT`` contiguous;
     ``COUNT`` one ticket counter per row tile, zero at rest. With ``HAS_HINT``, ``TAU_HINT`` holds a threshold per row
     (``(B, Hq, Nq)`` at the ``stride_hint*`` strides, absolute, in the z-scale: a previous step's ``tau``); the score
-    pass evaluates ``f``, ``g``, ``c`` at ``HINT_P`` points ``hint_step`` apart around it (``HINT_PTS``, per split) and
+    pass evaluates ``f``, ``g``, ``c`` at ``HINT_P`` points ``hint_step`` apart around it, the hint itself one of them
+    (``HINT_PTS``, per split), and
     the merge adds them to the bracket like any other point (certified on whichever side they fall; a non-finite hint
     gives no point).
 
@@ -333,7 +334,7 @@ def _entmax_decode_split_kernel(
                           + i.to(tl.int64) * stride_hintm, mask=active, other=float("nan"))
             # the points, absolute (tau + shift); far above every score (no sums, no point) for a hint that is NaN,
             # infinite or beyond +-1e15 (whose squared distances to the scores could overflow float32 sums)
-            offs = (tl.arange(0, HINT_P).to(tl.float32) - 0.5 * (HINT_P - 1)) * hint_step
+            offs = (tl.arange(0, HINT_P) - HINT_P // 2).to(tl.float32) * hint_step  # the hint itself among them
             T = tl.where((tl.abs(t_h) < 1e15)[:, None], t_h[:, None] + offs[None, :] + shift, 3e38)
         m, j_top, ref, n_valid, bad, F, G, C, n_live, n_read, hint_pts = _grid_pass(
             q, keys, pages, rows, mods, (Z, z_rows, list_base), (scale * am1, am1, beta, bm1, shift), zs, T, MASK,
@@ -420,15 +421,13 @@ def _entmax_decode_split_kernel(
                       mods[4] + tl.zeros([BLOCK_M], tl.float32), CACHE[3], CACHE[4])
 
 
-def _hint_args(tau_hint, rows: tuple, ws: dict, dtype: torch.dtype, hint_step) -> dict:
-    """The threshold hint's kernel arguments: the tensor broadcast to ``rows`` (a view: stride 0 on broadcast dims),
-    its strides and the spacing of its points; without a hint, a scratch tensor that is never read."""
+def _hint_args(tau_hint, rows: tuple, ws: dict) -> dict:
+    """The threshold hint's kernel arguments: the tensor broadcast to ``rows`` (a view: stride 0 on broadcast dims)
+    and its strides; without a hint, a scratch tensor that is never read."""
     if tau_hint is None:
-        return dict(TAU_HINT=ws["STATE"], HINT_PTS=ws["STATE"], stride_hintb=0, stride_hinth=0, stride_hintm=0,
-                    hint_step=0.0)
+        return dict(TAU_HINT=ws["STATE"], HINT_PTS=ws["STATE"], stride_hintb=0, stride_hinth=0, stride_hintm=0)
     hint = tau_hint.expand(rows)
-    return dict(TAU_HINT=hint, HINT_PTS=ws["HINT_PTS"], **_common.stride_args("stride_hint", hint, "bhm"),
-                hint_step=float(HINT_STEP[dtype] if hint_step is None else hint_step))
+    return dict(TAU_HINT=hint, HINT_PTS=ws["HINT_PTS"], **_common.stride_args("stride_hint", hint, "bhm"))
 
 
 def entmax_decode_fwd(
@@ -502,7 +501,7 @@ def entmax_decode_fwd(
             ``HINT_POINTS`` points ``hint_step`` apart around it, which tighten the certified bracket where they
             fall on either side of the root; non-finite entries and softmax rows are ignored. The result is the
             same up to ``tol``; fewer candidate passes run when the hint is close (docs/decode.md). Default None.
-        hint_step: spacing of the hint's points in the z-scale (default ``_threshold.HINT_STEP`` by dtype).
+        hint_step: spacing of the hint's points in the z-scale (default ``_threshold.HINT_STEP`` by alpha class).
 
         counters: return ``n_passes`` and ``blocks_read`` (False: None, and the kernels write them to scratch).
         stats: return ``tau``, ``nnz`` and ``n_valid`` (False: None, likewise).
@@ -571,7 +570,7 @@ def entmax_decode_fwd(
         GRID_ROW=ws["GRID_ROW"], STATE=ws["STATE"], PART_ROW=ws["PART_ROW"], PART_ACC=ws["PART_ACC"], OUT=out,
         TAU=tau, NNZ=nnz, N_VALID=n_valid,
         COUNT=_launch.tickets(batch * n_kv_heads * sz.n_row_tiles, dev, reuse_scratch),
-        **_common.stride_args("stride_q", q, "bhmd"), **_hint_args(tau_hint, rows, ws, q.dtype, hint_step),
+        **_common.stride_args("stride_q", q, "bhmd"), **_hint_args(tau_hint, rows, ws),
         **_cache_strides("stride_k", k_cache, paged),
         **_cache_strides("stride_v", v_cache, paged),
         stride_tb=block_table.stride(0) if paged else 0, stride_tn=block_table.stride(1) if paged else 0,
@@ -587,6 +586,7 @@ def entmax_decode_fwd(
             for phase in phases:
                 _entmax_decode_split_kernel[grid](
                     **args, GRID_PTS=grid_pts, BLOCKS_READ=blocks_read[launch], N_PASSES=n_passes[launch],
+                    hint_step=float(HINT_STEP[_launch.POW_OF.get(cls, 1)] if hint_step is None else hint_step),
                     ALPHA_CLASS=cls, GRID_K=grid_k, CAND_P=cand_p, PHASE=phase, **plan.options)
     except BaseException:
         _launch.reset_tickets(dev)  # a launch that did not finish leaves tickets taken

@@ -15,7 +15,7 @@ from collections import OrderedDict
 import torch
 from torch import Tensor
 
-from sparse_attn._validation import check_bool, check_device, check_tensor, values_checkable
+from sparse_attn._validation import check_bool, check_tensor, values_checkable
 from sparse_attn.attn._decode_op import _run_decode_op, decode_attention, decode_fits, decode_unsupported
 from sparse_attn.attn._kv_cache import MAX_DECODE_QUERIES
 from sparse_attn.attn.attn_inputs import AttentionStats, AttnSpec, alpha_tensor, head_cast, prepare_attention
@@ -185,7 +185,7 @@ def entmax_decode(
             raise ValueError(f"tau_hint is taken with at most {MAX_DECODE_QUERIES} queries per sequence (a decoding "
                              f"step), got {spec.q.shape[2]} queries")
         return _prefill(spec)
-    return _run_decode_op(spec, spec.cache_seqlens, spec.need_stats, tau_hint)
+    return _run_decode_op(spec, spec.cache_seqlens, spec.need_stats, None if tau_hint is None else tau_hint.detach())
 
 
 def _check_tau_hint(tau_hint, q: Tensor) -> None:
@@ -195,7 +195,8 @@ def _check_tau_hint(tau_hint, q: Tensor) -> None:
     if tau_hint.dtype != torch.float32:
         raise TypeError(f"tau_hint must be a float32 tensor (the tau of a previous step's stats), got dtype "
                         f"{tau_hint.dtype}")
-    check_device("tau_hint", tau_hint, q.device, "q")
+    if tau_hint.device != q.device:  # a 0-d CPU tensor too: the kernels read it
+        raise ValueError(f"tau_hint must be on the device of q ({q.device}), got {tau_hint.device}")
     rows = tuple(q.shape[:3])
     if tau_hint.dim() > 3 or any(n not in (1, r) for n, r in zip(tau_hint.shape[::-1], rows[::-1], strict=False)):
         raise ValueError(f"tau_hint must be broadcastable to (batch, q heads, queries) = {rows}, got shape "
