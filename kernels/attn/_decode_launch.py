@@ -26,7 +26,7 @@ import torch
 from .. import _common
 from .._masking import mask_spec, score_spec
 from ._decode_state import N_PART, N_STATE, _cache_spec
-from ._threshold import DECODE_MAX_PASSES, DECODE_POINTS, HINT_POINTS, default_tolerance
+from ._threshold import DECODE_MAX_PASSES, DECODE_POINTS, default_tolerance
 
 __all__ = ["StaticPlan", "Sizes", "static_plan", "sizes", "scratch_layout", "carve", "workspace", "tickets",
            "reset_tickets", "release_workspaces", "default_num_splits", "sm_count"]
@@ -37,6 +37,12 @@ _MAX_PLANS = 64
 _ALIGN = 256  # bytes: every scratch tensor starts at a multiple (the pointer specialization of a fresh allocation)
 # the threshold arithmetic (POW) of each entmax ALPHA_CLASS
 POW_OF = {1: 1, 2: 2, 3: 0}
+# the threshold hint (``entmax_decode(tau_hint=)``): points the score pass evaluates around it (``HINT_P``, a power of
+# two; the hint itself among them) and their spacing in the z-scale by POW: wide where two points with no score
+# between them give the exact root (alpha = 2, 1.5), narrower at other alpha, which need a bracket narrow in total
+# weight (docs/decode.md, "Reusing the previous step's threshold")
+HINT_POINTS = 8
+HINT_STEP = {1: 1e-2, 2: 1e-2, 0: 3e-3}
 
 
 class StaticPlan(NamedTuple):

@@ -154,8 +154,7 @@ def _store_points(PTS, split_rows, active, F, G, C, N: tl.constexpr):
 
 @triton.jit
 def _grid_state(GRID_ROW, GRID_PTS, split_rows, n_splits, active, am1, beta, bm1, shift, POW: tl.constexpr,
-                GRID_K: tl.constexpr, BLOCK_M: tl.constexpr, HINT_PTS, T, HAS_HINT: tl.constexpr,
-                HINT_P: tl.constexpr):
+                GRID_K: tl.constexpr, BLOCK_M: tl.constexpr, hint):
     """Merge the splits' score-pass results into the global row state and solve the first bracket.
 
     Split ``s`` holds its sums at the points ``ref_s + i w`` (``i`` in ``(J_s - GRID_K, J_s]``) below its own max;
@@ -165,8 +164,9 @@ def _grid_state(GRID_ROW, GRID_PTS, split_rows, n_splits, active, am1, beta, bm1
     ``(J - GRID_K, J]`` that are not above its own top index, and nothing at the others (each of its keys lies below
     its max). Returns the state tuple of :func:`_store_state` (``m`` relative to ``ref``).
 
-    With ``HAS_HINT`` the splits' sums at the hint points ``T`` (``[BLOCK_M, HINT_P]``, absolute: the same points in
-    every split, so their sums add; POW 0 rescaled from each split's max to the row's) are merged too, at ``T - ref``.
+    ``hint``: ``(HINT_PTS, T)``; with ``HINT_P > 1`` hint points ``T`` (``[BLOCK_M, HINT_P]``; ``[BLOCK_M, 1]``: no
+    hint), the splits' sums at them (``HINT_PTS``; absolute points, the same in every split, so their sums add; POW 0
+    rescaled from each split's max to the row's) are merged too, at ``T - ref`` (:func:`_merge_hint`).
     """
     w_grid = 1.0 / (GRID_K - 1)
     slot = tl.arange(0, GRID_K).to(tl.float32)
@@ -218,9 +218,8 @@ def _grid_state(GRID_ROW, GRID_PTS, split_rows, n_splits, active, am1, beta, bm1
     lowest = i_glob == (j_top - (GRID_K - 1))[:, None]
     br = merge_points(br, tl.where(grid_ok[:, None], t_glob, float("nan")), tl.where(lowest, tl.maximum(ph, 0.0), ph),
                       dph, tl.where(lowest, tl.maximum(F, 1.0), F), G, C, GRID_K)
-    if HAS_HINT:
-        br = _merge_hint(br, GRID_ROW, HINT_PTS, T, split_rows, n_splits, usable, m_abs, ref, am1, beta, bm1, POW,
-                         HINT_P)
+    if hint[1].shape[1] > 1:
+        br = _merge_hint(br, GRID_ROW, hint, split_rows, n_splits, usable, m_abs, ref, am1, beta, bm1, POW)
     est, lo, hi, exact = solve(br, POW)
     return (m, Bracket(*br[:10], br.top.to(tl.float32)), est, lo, hi, exact.to(tl.float32), usable.to(tl.float32),
             tl.where(active, bad, 0.0), tl.full([], 1.0, tl.float32), ref)
@@ -246,12 +245,14 @@ def _add_split_points(PTS, rows, has, sums, d_l, beta, bm1, POW: tl.constexpr, N
 
 
 @triton.jit
-def _merge_hint(br, GRID_ROW, HINT_PTS, T, split_rows, n_splits, usable, m_abs, ref, am1, beta, bm1,
-                POW: tl.constexpr, HINT_P: tl.constexpr):
-    """The bracket ``br`` tightened with the splits' sums at the hint points ``T`` (absolute, ``[BLOCK_M, HINT_P]``):
+def _merge_hint(br, GRID_ROW, hint, split_rows, n_splits, usable, m_abs, ref, am1, beta, bm1, POW: tl.constexpr):
+    """The bracket ``br`` tightened with the splits' sums ``HINT_PTS`` at the hint points ``T`` (absolute, ``[BLOCK_M,
+    HINT_P]``; ``hint = (HINT_PTS, T)``):
     the sums add over the splits (POW 0: each rescaled from its split max's term to the row max ``m_abs``'s), and each
     point moves an end of the bracket only where its ``phi`` certifies it (``merge_points``); a non-finite hint's
     points lie far above the row max and move nothing."""
+    HINT_PTS, T = hint
+    HINT_P: tl.constexpr = T.shape[1]
     FH = tl.zeros([T.shape[0], HINT_P], tl.float32)
     GH = tl.zeros([T.shape[0], HINT_P], tl.float32)
     CH = tl.zeros([T.shape[0], HINT_P], tl.float32)
@@ -264,6 +265,23 @@ def _merge_hint(br, GRID_ROW, HINT_PTS, T, split_rows, n_splits, usable, m_abs, 
     ph, dph = phi(FH, GH, POW, am1[:, None], l_row)
     t_rel = tl.where((T < 1e38) & usable[:, None], T - ref[:, None], float("nan"))
     return merge_points(br, t_rel, ph, dph, FH, GH, CH, HINT_P)
+
+
+@triton.jit
+def _hint_sums(z, m, T, LH, FH, GH, CH, beta, bm1, POW: tl.constexpr, HINT_P: tl.constexpr):
+    """Add the point sums of the score tile ``z [BLOCK_M, BLOCK_N]`` (absolute scores) at the decode kernels' hint
+    points ``T [BLOCK_M, HINT_P]`` (absolute, ``tau + shift``) to ``FH``, ``GH``, ``CH`` and return ``(LH, FH, GH,
+    CH)``. ``m`` is the running max after the tile; POW 0's sums are scaled by the max key's term, ``LH =
+    log_ref(m, T)``, and rescaled here when the max rises (as the grid's ring)."""
+    if POW == 0:
+        l_new = log_ref(m[:, None], T)
+        FH = FH * tl.exp2(beta[:, None] * (LH - l_new))
+        GH = GH * tl.exp2(bm1[:, None] * (LH - l_new))
+        LH = l_new
+    zero = tl.zeros([z.shape[0]], tl.float32)
+    _, _, _, FH, GH, CH = cand_sums(z, (zero, zero, T, LH, tl.arange(0, HINT_P).to(tl.float32)),
+                                    (zero, zero, zero, FH, GH, CH), POW, HINT_P, bm1[:, None])
+    return LH, FH, GH, CH
 
 
 @triton.jit

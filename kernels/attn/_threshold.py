@@ -48,13 +48,6 @@ FWD_POINTS = {1: (8, 4), 2: (8, 1), 0: (4, 1)}
 # on the measured caches (docs/decode.md); candidate passes read only the stored scores, so their points cost no
 # cache reads
 DECODE_POINTS = {1: (8, 8), 2: (8, 8), 0: (8, 4)}
-# the decode kernels' threshold hint (the previous step's tau, ``entmax_decode(tau_hint=)``): points the score pass
-# evaluates around it (a power of two), and their spacing in the z-scale by threshold arithmetic (POW as
-# ``DECODE_POINTS``): at alpha = 2 and 1.5 a bracket between two points with no score inside gives the exact root
-# whatever its width, so the points spread wide; other alpha need a bracket narrow in total weight (docs/decode.md,
-# "Reusing the previous step's threshold")
-HINT_POINTS = 8
-HINT_STEP = {1: 1e-2, 2: 1e-2, 0: 3e-3}
 # the largest beta = 1 / (alpha - 1) at which the value pass of 16-bit outputs takes the fast log2 (``weights``)
 FAST_BETA_MAX = tl.constexpr(256.0)
 # passes over the key range per query tile at most (grid and value pass included) in the fused forward
@@ -555,23 +548,6 @@ def cand_sums(z, pts, acc, POW: tl.constexpr, CAND_P: tl.constexpr, bm1, LANES: 
             if POW != 0:
                 CP += tl.where(_lane_axis(sel_c, LANES), _at_slot(c, LANES), 0.0)
     return f1, g1, c1, FP, GP, CP
-
-
-@triton.jit
-def hint_sums(z, m, T, LH, FH, GH, CH, beta, bm1, POW: tl.constexpr, HINT_P: tl.constexpr):
-    """Add the point sums of the score tile ``z [BLOCK_M, BLOCK_N]`` (absolute scores) at the decode kernels' hint
-    points ``T [BLOCK_M, HINT_P]`` (absolute, ``tau + shift``) to ``FH``, ``GH``, ``CH`` and return ``(LH, FH, GH,
-    CH)``. ``m`` is the running max after the tile; POW 0's sums are scaled by the max key's term, ``LH =
-    log_ref(m, T)``, and rescaled here when the max rises (as the grid's ring)."""
-    if POW == 0:
-        l_new = log_ref(m[:, None], T)
-        FH = FH * tl.exp2(beta[:, None] * (LH - l_new))
-        GH = GH * tl.exp2(bm1[:, None] * (LH - l_new))
-        LH = l_new
-    zero = tl.zeros([z.shape[0]], tl.float32)
-    _, _, _, FH, GH, CH = cand_sums(z, (zero, zero, T, LH, tl.arange(0, HINT_P).to(tl.float32)),
-                                    (zero, zero, zero, FH, GH, CH), POW, HINT_P, bm1[:, None])
-    return LH, FH, GH, CH
 
 
 @triton.jit

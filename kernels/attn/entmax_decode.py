@@ -61,6 +61,7 @@ from ._decode_state import (
     _cand_passes,
     _combine_rows,
     _grid_state,
+    _hint_sums,
     _last_arrival,
     _load_state,
     _packed_rows,
@@ -73,12 +74,10 @@ from ._decode_state import (
     _tile_live,
 )
 from ._threshold import (
-    HINT_STEP,
     grid_counts,
     grid_start,
     grid_sums,
     grid_tile,
-    hint_sums,
     weights,
 )
 
@@ -143,13 +142,14 @@ def _sink_scores(sink, am1, own, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _grid_pass(q, keys, pages, rows, mods, out, ent, zs, T, MASK, SCORE, POW: tl.constexpr, GRID_K: tl.constexpr,
-               HAS_HINT: tl.constexpr, HINT_P: tl.constexpr, BLOCK_N: tl.constexpr, BIAS_KIND: tl.constexpr, CACHE):
+def _grid_pass(q, keys, pages, rows, mods, out, ent, zs, MASK, SCORE, POW: tl.constexpr, GRID_K: tl.constexpr,
+               BLOCK_N: tl.constexpr, BIAS_KIND: tl.constexpr, CACHE):
     """The score pass over the split's key blocks ``[kt_lo, kt_hi)`` of ``rows`` (after the sink tile ``zs`` with
     sinks): stores the scores and lists the live blocks (``out``: ``(Z, z_rows, list_base)``); each block goes
     through the ring update it shares with the forward (``_threshold.grid_tile``). ``ent``: ``(z_scale, am1, beta,
-    bm1, shift)`` per row. With ``HAS_HINT`` every block (dead ones too: a hint may lie below the grid) also adds
-    its point sums at the hint points ``T [BLOCK_M, HINT_P]`` (``_threshold.hint_sums``).
+    bm1, shift, T)`` per row, ``T`` the hint points ``[BLOCK_M, HINT_P]`` (``[BLOCK_M, 1]``: no hint); with a hint
+    every block (dead ones too: a hint may lie below the grid) also adds its point sums there
+    (``_decode_state._hint_sums``).
 
     Returns ``(m, j_top, ref, n_valid, bad, F, G, C, n_live, n_read, (FH, GH, CH))``: the split's row max, its grid
     index relative to its reference score ``ref``, the reference, valid keys, NaN/+inf flag and the ``[BLOCK_M,
@@ -159,7 +159,8 @@ def _grid_pass(q, keys, pages, rows, mods, out, ent, zs, T, MASK, SCORE, POW: tl
     (scaled by the split max's term at POW 0).
     """
     Z, z_rows, list_base = out
-    z_scale, am1, beta, bm1, shift = ent
+    z_scale, am1, beta, bm1, shift, T = ent
+    HINT_P: tl.constexpr = T.shape[1]
     active = rows[1]
     w_grid, slot, m, j_top, ref, n_valid, bad, F, G, L = grid_start(q.shape[0], GRID_K, 0)
     n_live = tl.zeros([], tl.int32)
@@ -171,8 +172,8 @@ def _grid_pass(q, keys, pages, rows, mods, out, ent, zs, T, MASK, SCORE, POW: tl
     if SCORE[3]:
         m, j_top, ref, F, G, L, _ = grid_tile(zs, m, j_top, ref, F, G, L, slot, w_grid, shift, beta[:, None],
                                               bm1[:, None], POW, GRID_K, 0)
-        if HAS_HINT:
-            LH, FH, GH, CH = hint_sums(zs, m, T, LH, FH, GH, CH, beta, bm1, POW, HINT_P)
+        if HINT_P > 1:
+            LH, FH, GH, CH = _hint_sums(zs, m, T, LH, FH, GH, CH, beta, bm1, POW, HINT_P)
     for kt in range(rows[4], rows[5]):
         # a key block the block mask hides from every row is never loaded nor listed (its scores are not stored)
         tile_open = True
@@ -189,8 +190,8 @@ def _grid_pass(q, keys, pages, rows, mods, out, ent, zs, T, MASK, SCORE, POW: tl
                                                      bm1[:, None], POW, GRID_K, 0)
             tl.store(list_base + n_live, kt, mask=live != 0)
             n_live += live
-            if HAS_HINT:
-                LH, FH, GH, CH = hint_sums(z, m, T, LH, FH, GH, CH, beta, bm1, POW, HINT_P)
+            if HINT_P > 1:
+                LH, FH, GH, CH = _hint_sums(z, m, T, LH, FH, GH, CH, beta, bm1, POW, HINT_P)
     F, G = grid_sums(F, G, 0)
     return m, j_top, ref, n_valid, bad, F, G, grid_counts(G, POW), n_live, n_read, (FH, GH, CH)
 
@@ -328,7 +329,6 @@ def _entmax_decode_split_kernel(
     zs, sink_bad = _sink_scores(mods[4], am1, active & (split == 0), BLOCK_N)
 
     if PHASE == 0:
-        T = tl.zeros([BLOCK_M, HINT_P], tl.float32)
         if HAS_HINT:
             t_h = tl.load(TAU_HINT + b.to(tl.int64) * stride_hintb + h.to(tl.int64) * stride_hinth
                           + i.to(tl.int64) * stride_hintm, mask=active, other=float("nan"))
@@ -336,9 +336,11 @@ def _entmax_decode_split_kernel(
             # infinite or beyond +-1e15 (whose squared distances to the scores could overflow float32 sums)
             offs = (tl.arange(0, HINT_P) - HINT_P // 2).to(tl.float32) * hint_step  # the hint itself among them
             T = tl.where((tl.abs(t_h) < 1e15)[:, None], t_h[:, None] + offs[None, :] + shift, 3e38)
+        else:
+            T = tl.zeros([BLOCK_M, 1], tl.float32)
         m, j_top, ref, n_valid, bad, F, G, C, n_live, n_read, hint_pts = _grid_pass(
-            q, keys, pages, rows, mods, (Z, z_rows, list_base), (scale * am1, am1, beta, bm1, shift), zs, T, MASK,
-            SCORE, POW, GRID_K, HAS_HINT, HINT_P, BLOCK_N, BIAS_KIND, CACHE)
+            q, keys, pages, rows, mods, (Z, z_rows, list_base), (scale * am1, am1, beta, bm1, shift, T), zs, MASK,
+            SCORE, POW, GRID_K, BLOCK_N, BIAS_KIND, CACHE)
         if not SCORE[4]:
             n_read = kt_hi - kt_lo
         row = GRID_ROW + (split_rows + split) * N_PART
@@ -358,7 +360,7 @@ def _entmax_decode_split_kernel(
             # the candidate passes over every split's live blocks; the sink counted once
             g_m, g_br, g_est, g_lo, g_hi, g_exact, g_usable, g_bad, g_passes, g_ref = _grid_state(
                 GRID_ROW, GRID_PTS, split_rows, n_splits, active, am1, beta, bm1, shift, POW, GRID_K, BLOCK_M,
-                HINT_PTS, T, HAS_HINT, HINT_P)
+                (HINT_PTS, T))
             live_tile = LIVE_N + tile.to(tl.int64) * n_splits
             c_m, c_br, c_est, c_lo, c_hi, c_exact, c_usable, c_passes, c_ref = _cand_passes(
                 (Z, z_rows, list_tile, live_tile, BLOCKS_READ + tile.to(tl.int64) * n_splits * n_slots),
@@ -501,7 +503,7 @@ def entmax_decode_fwd(
             ``HINT_POINTS`` points ``hint_step`` apart around it, which tighten the certified bracket where they
             fall on either side of the root; non-finite entries and softmax rows are ignored. The result is the
             same up to ``tol``; fewer candidate passes run when the hint is close (docs/decode.md). Default None.
-        hint_step: spacing of the hint's points in the z-scale (default ``_threshold.HINT_STEP`` by alpha class).
+        hint_step: spacing of the hint's points in the z-scale (default ``_decode_launch.HINT_STEP`` by alpha class).
 
         counters: return ``n_passes`` and ``blocks_read`` (False: None, and the kernels write them to scratch).
         stats: return ``tau``, ``nnz`` and ``n_valid`` (False: None, likewise).
@@ -586,7 +588,7 @@ def entmax_decode_fwd(
             for phase in phases:
                 _entmax_decode_split_kernel[grid](
                     **args, GRID_PTS=grid_pts, BLOCKS_READ=blocks_read[launch], N_PASSES=n_passes[launch],
-                    hint_step=float(HINT_STEP[_launch.POW_OF.get(cls, 1)] if hint_step is None else hint_step),
+                    hint_step=float(_launch.HINT_STEP[_launch.POW_OF.get(cls, 1)] if hint_step is None else hint_step),
                     ALPHA_CLASS=cls, GRID_K=grid_k, CAND_P=cand_p, PHASE=phase, **plan.options)
     except BaseException:
         _launch.reset_tickets(dev)  # a launch that did not finish leaves tickets taken
