@@ -494,10 +494,10 @@ def entmax_decode_fwd(
         alpha_class: as :func:`sparse_attn.kernels.entmax_attn_fwd.entmax_attn_fwd` (default from the values for a
             Python float or a CPU tensor, else ``"mixed"``).
         block_n: keys per block (a power of two >= 16); default by head dim.
-        block_mask: ``(mask, (block_q, block_k))``: ``mask`` boolean ``(B or 1, Hq or 1, >= ceil(Nq / block_q),
-            >= ceil(max_seqlen_k / block_k))``; query ``i`` (its index among the ``Nq``, as the fused forward's rows)
-            sees key ``j`` only if block ``(i // block_q, j // block_k)`` is True. Key blocks it hides from every
-            row of a program are not read. Default None.
+        block_mask: ``(mask, (block_q, block_k)[, bits])`` (``_common.block_args``): ``mask`` ``(B or 1, Hq or 1,
+            >= ceil(Nq / block_q), >= ceil(max_seqlen_k / block_k))``; query ``i`` (its index among the ``Nq``, as
+            the fused forward's rows) sees key ``j`` only if block ``(i // block_q, j // block_k)`` keeps it. Key
+            blocks it hides from every row of a program are not read. Default None.
 
     Returns:
         :class:`EntmaxDecodeResult`.
@@ -525,7 +525,7 @@ def entmax_decode_fwd(
         max_passes = DECODE_MAX_PASSES[q.dtype]
     assert max_passes >= 2, f"max_passes: got {max_passes}"
     if block_mask is not None:
-        grid_blocks, (block_q, block_k) = block_mask
+        grid_blocks, (block_q, block_k), _ = _common.block_parts(block_mask)
         assert grid_blocks.dim() == 4 and grid_blocks.shape[0] in (1, batch) and grid_blocks.shape[1] in (1, n_heads)
         assert grid_blocks.shape[2] >= triton.cdiv(seqlen_q, block_q), f"block_mask: got {tuple(grid_blocks.shape)}"
         assert grid_blocks.shape[3] >= triton.cdiv(max_seqlen_k, block_k), f"block_mask: got {tuple(grid_blocks.shape)}"
@@ -569,7 +569,7 @@ def entmax_decode_fwd(
         n_row_tiles=n_row_tiles, n_splits=n_splits, blocks_per_split=blocks_per_split, n_span=n_span,
         max_seqlen_k=max_seqlen_k, scale=float(scale), tol=default_tolerance(q.dtype) if tol is None else float(tol),
         n_slots=n_slots, MASK=mask,
-        SCORE=score_spec(softcap, alibi_slopes is not None, sinks is not None, 0 if block_mask is None else 2),
+        SCORE=score_spec(softcap, alibi_slopes is not None, sinks is not None, _common.blocks_mode(block_mask, None)),
         FILTER=len(classes) > 1, BLOCK_M=block_m, BLOCK_N=block_n,
         CACHE=_cache_spec(paged, head_dim, head_dim_v, q.dtype),
     )

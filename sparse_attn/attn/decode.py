@@ -27,23 +27,26 @@ def _decode_op(
     scale: float, block_table: Tensor | None, bias: Tensor | None, is_causal: bool, max_seqlen_k: int | None,
     num_splits: int | None, window_size: list[int] | None, alibi_slopes: Tensor | None, softcap: float | None,
     sinks: Tensor | None, block_mask: Tensor | None = None, block_size: list[int] | None = None,
+    block_bits: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The decode kernels as a custom op (forward only): ``(out, tau, nnz, n_valid)``; ``alpha`` float32 ``(Hq,)``,
     ``alpha_value`` the Python number it holds when it was given as one (one compile-time alpha class);
-    ``block_mask``, ``block_size``: the spec's block grid and its ``(bq, bk)`` (both None without one)."""
+    ``block_mask``, ``block_size``, ``block_bits``: the spec's block grid, its ``(bq, bk)`` and its partial blocks'
+    bits (None without them)."""
     from sparse_attn.kernels.attn import entmax_decode as kernels
 
     res = kernels.entmax_decode_fwd(
         q, k_cache, v_cache, cache_seqlens, alpha if alpha_value is None else alpha_value, scale,
         block_table=block_table, bias=bias, is_causal=is_causal, window_size=window_size, alibi_slopes=alibi_slopes,
         softcap=softcap, sinks=sinks, max_seqlen_k=max_seqlen_k, num_splits=num_splits,
-        block_mask=None if block_mask is None else (block_mask, tuple(block_size)))
+        block_mask=None if block_mask is None else (block_mask, tuple(block_size), block_bits))
     return res.out, res.tau, res.nnz, res.n_valid
 
 
 @_decode_op.register_fake
 def _decode_fake(q, k_cache, v_cache, cache_seqlens, alpha, alpha_value, scale, block_table, bias, is_causal,
-                 max_seqlen_k, num_splits, window_size, alibi_slopes, softcap, sinks, block_mask=None, block_size=None):
+                 max_seqlen_k, num_splits, window_size, alibi_slopes, softcap, sinks, block_mask=None, block_size=None,
+                 block_bits=None):
     rows = q.shape[:3]
     return (q.new_empty((*rows, v_cache.shape[-1])), q.new_empty(rows, dtype=torch.float32),
             q.new_empty(rows, dtype=torch.int32), q.new_empty(rows, dtype=torch.int32))
@@ -222,5 +225,5 @@ def _run_decode_op(spec: AttnSpec, seqlens: Tensor, return_stats: bool):
         block_table=spec.block_table, bias=spec.mask, is_causal=spec.is_causal, max_seqlen_k=spec.max_seqlen_k,
         num_splits=spec.num_splits, window_size=_window_arg(spec.window_size), alibi_slopes=spec.alibi_slopes,
         softcap=spec.softcap, sinks=spec.sinks, block_mask=spec.block_mask,
-        block_size=None if spec.block_size is None else [int(n) for n in spec.block_size])
+        block_size=None if spec.block_size is None else [int(n) for n in spec.block_size], block_bits=spec.block_bits)
     return (out, AttentionStats(nnz, tau, n_valid)) if return_stats else out
