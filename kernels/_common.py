@@ -167,7 +167,7 @@ def mods_args(bias, shape: tuple, alibi_slopes, sinks, like, block_mask=None) ->
     """``BIAS_KIND`` and ``MODS``, the tensors of the score modifications as one kernel argument (a tuple, read by
     ``_masking.program_mods`` only): ``(BIAS, stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n, ALIBI,
     stride_alibi_b, stride_alibi_h, SINKS, BLOCKS, stride_block_b, stride_block_h, stride_block_m, stride_block_n,
-    block_q, block_k, BITS, n_words)`` from :func:`bias_args`, :func:`alibi_args`, :func:`sinks_arg` and
+    block_q, block_k[, BITS, n_words])`` from :func:`bias_args`, :func:`alibi_args`, :func:`sinks_arg` and
     :func:`block_args`. A new per-program score input is a new entry here and in ``program_mods``; the kernels pass
     ``MODS`` on unread."""
     b = bias_args(bias, shape, like)
@@ -178,25 +178,23 @@ def mods_args(bias, shape: tuple, alibi_slopes, sinks, like, block_mask=None) ->
 
 
 def block_args(block_mask, like) -> tuple:
-    """``(BLOCKS, stride_block_b, stride_block_h, stride_block_m, stride_block_n, block_q, block_k, BITS, n_words)``:
-    a block mask (:func:`block_parts`) indexed by sequence and q head, stride 0 along its broadcast dims. A boolean
-    grid ``(B or nseq or 1, Hq or 1, q blocks, k blocks)`` is read as uint8 (no ``BITS``: ``like``, 0 words); with
-    partial blocks the grid holds int32 states (0 hidden, 1 full, ``2 + i`` partial block ``i``) and ``BITS`` the int32
-    words ``(n_partial, block_q, n_words)`` of their element masks (``n_words = ceil(block_k / 32)``; bit ``c % 32`` of
-    word ``c // 32`` of row ``r`` keeps the block's row ``r``, key ``c``). ``like`` and zeros (block sizes 1) for
-    none."""
+    """``(BLOCKS, stride_block_b, stride_block_h, stride_block_m, stride_block_n, block_q, block_k)``, and ``(BITS,
+    n_words)`` after them with partial blocks: a block mask (:func:`block_parts`) indexed by sequence and q head,
+    stride 0 along its broadcast dims. A boolean grid ``(B or nseq or 1, Hq or 1, q blocks, k blocks)`` is read as
+    uint8; with partial blocks the grid holds int32 states (0 hidden, 1 full, ``2 + i`` partial block ``i``) and
+    ``BITS`` the int32 words ``(n_partial, block_q, n_words)`` of their element masks (``n_words = ceil(block_k /
+    32)``; bit ``c % 32`` of word ``c // 32`` of row ``r`` keeps the block's row ``r``, key ``c``). ``like`` and zeros
+    (block sizes 1) for none."""
     if block_mask is None:
-        return (like, 0, 0, 0, 0, 1, 1, like, 0)
+        return (like, 0, 0, 0, 0, 1, 1)
     mask, (block_q, block_k), bits = block_parts(block_mask)
     if bits is None:
-        mask = mask.to(device=like.device, dtype=torch.bool).view(torch.uint8)
-        bits, n_words = like, 0
+        mask, partial = mask.to(device=like.device, dtype=torch.bool).view(torch.uint8), ()
     else:
         mask = mask.to(device=like.device, dtype=torch.int32)
-        bits = bits.to(device=like.device, dtype=torch.int32).contiguous()
-        n_words = bits.shape[2]
+        partial = (bits.to(device=like.device, dtype=torch.int32).contiguous(), bits.shape[2])
     strides = [0 if n == 1 else st for n, st in zip(mask.shape, mask.stride(), strict=True)]
-    return (mask, *strides, int(block_q), int(block_k), bits, n_words)
+    return (mask, *strides, int(block_q), int(block_k), *partial)
 
 
 def bias_args(bias, shape: tuple, like) -> dict:

@@ -197,13 +197,18 @@ def program_mods(MODS, b, seq, h, q_start, k_start, SCORE):
     the mask's row and key strides, the ALiBi slope (:func:`alibi_slope`), the sink logit (:func:`sink_logit`) and the
     block mask ``blocks = (block_base, stride_block_m, stride_block_n, block_q, block_k, BITS, n_words)`` of this
     sequence and head: its grid, block sizes, and the element masks of its partial blocks (``n_words`` int32 words per
-    block row, :func:`block_state`; read only with ``SCORE[4]``: :func:`block_visible`, :func:`block_tile_live`).
+    block row, :func:`block_state`; with ``SCORE[4]`` 3 or 4 only); read only with ``SCORE[4]``
+    (:func:`block_visible`, :func:`block_tile_live`).
     ``MODS`` is the kernel argument of ``_common.mods_args``; helpers take ``mods`` and never index ``MODS``; a new
     per-program score input is one more entry here, read by :func:`mask_scores`."""
     bias_base = (MODS[0] + b.to(tl.int64) * MODS[1] + h.to(tl.int64) * MODS[2] + q_start.to(tl.int64) * MODS[3]
                  + k_start.to(tl.int64) * MODS[4])
+    if SCORE[4] >= 3:
+        bits = MODS[16], MODS[17]
+    else:  # no partial blocks: MODS ends at the block sizes (the kernel takes no more arguments than without them)
+        bits = MODS[9], 0
     blocks = (MODS[9] + seq.to(tl.int64) * MODS[10] + h.to(tl.int64) * MODS[11], MODS[12], MODS[13], MODS[14],
-              MODS[15], MODS[16], MODS[17])
+              MODS[15], bits[0], bits[1])
     return (bias_base, MODS[3], MODS[4], alibi_slope(MODS[5], seq, h, MODS[6], MODS[7], SCORE),
             sink_logit(MODS[8], h, SCORE), blocks)
 
