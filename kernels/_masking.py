@@ -13,8 +13,8 @@ aligned (as flash-attn): with ``d = j - (i + seqlen_k - seqlen_q)``, causal keep
 window ``-left <= d <= right`` (a side of ``-1`` is unbounded).
 Before masks, scores can be soft-capped (:func:`soft_cap`) and get ALiBi's ``-slope * |d|``
 (:func:`mask_scores`), as described by the ``SCORE`` argument of :func:`score_spec`.
-The additive mask (``BIAS``) and a block-sparse mask (``SCORE[4]``, :func:`block_visible`, :func:`tile_block_keep`,
-:func:`score_block_keep`; :func:`block_tile_live` tells the tile loops which key tiles it hides) are applied by
+The additive mask (``BIAS``) and a block-sparse mask (``SCORE[4]``, :func:`block_visible`, :func:`partial_tile`,
+:func:`partial_scores`; :func:`block_tile_live` tells the tile loops which key tiles it hides) are applied by
 :func:`mask_scores` on top of this; on the host,
 :func:`dbias_mode` and :func:`sum_to_mask` say how its gradient is reduced to its broadcast shape,
 and :func:`tile_plan` gives the launch geometry (grids, tile counts, liveness words). Loops over the live tiles
@@ -59,8 +59,8 @@ def score_spec(softcap: float | None, has_alibi: bool, has_sinks: bool = False, 
     and every tile they visit is whole in one kept block: no per-score check); 2 otherwise (the tile skip and the
     per-score check, :func:`block_visible`). A block mask with partial blocks (an int32 grid of block states and
     their element masks as bits, :func:`block_state`): 3 when aligned as in mode 1 (one state read per tile; only a
-    tile in a partial block tests its scores' bits, :func:`tile_block_keep`); 4 otherwise (mode 2's per-score
-    state, and the bits of the scores in partial blocks when the tile meets one, :func:`score_block_keep`)."""
+    tile in a partial block tests its scores' bits, :func:`partial_tile`); 4 otherwise (the per-score states, and the
+    bits of the scores in partial blocks when the tile meets one, :func:`partial_scores`)."""
     return (tl.constexpr(softcap is not None), float(softcap) if softcap is not None else 1.0,
             tl.constexpr(bool(has_alibi)), tl.constexpr(bool(has_sinks)), tl.constexpr(int(has_blocks)))
 
@@ -292,9 +292,7 @@ def mask_scores(s, rows, cols, seqlen_q, seqlen_k, mods, bias_scale, MASK, BIAS_
     if SCORE[4] == 2:
         ok = ok & block_visible(rows, cols, blocks, ok)
     if SCORE[4] == 3:
-        ok = tile_block_keep(ok, rows, cols, seqlen_q, seqlen_k, blocks)
-    if SCORE[4] == 4:
-        ok = score_block_keep(ok, rows, cols, blocks)
+        ok = partial_tile(ok, rows, cols, seqlen_q, seqlen_k, blocks)
     if SCORE[2]:
         d = (cols[None, :] - rows[:, None] - (seqlen_k - seqlen_q)).to(tl.float32)
         s = s - (bias_scale * slope) * tl.abs(d)
@@ -306,7 +304,11 @@ def mask_scores(s, rows, cols, seqlen_q, seqlen_k, mods, bias_scale, MASK, BIAS_
             s = s + tl.load(bias_ptrs, mask=ok, other=0.0).to(tl.float32) * bias_scale
     if ref is not None:
         s = s - ref[:, None]
-    return tl.where(ok, s, float("-inf"))
+    s = tl.where(ok, s, float("-inf"))
+    # mode 4 last, on the final scores: its per-score states and words are not live across the bias terms
+    if SCORE[4] == 4:
+        s = partial_scores(s, rows, cols, seqlen_q, seqlen_k, blocks)
+    return s
 
 
 @triton.jit
@@ -508,11 +510,13 @@ def block_state(rows, cols, blocks, ok):
 
 
 @triton.jit
-def tile_block_keep(ok, rows, cols, seqlen_q, seqlen_k, blocks):
-    """``ok`` of a tile lying in one block of a block mask with partial blocks (``SCORE[4]`` 3): unchanged when the
-    block is full (one state read for the tile, no work per score), and with the block's bits of the tile's scores
-    when it is partial (a per-tile branch: the tile's rows' words, ``ceil(BLOCK_N / 32)`` loads of ``[BLOCK_M]``).
-    The tile loops skip hidden blocks' tiles, so none reaches here. ``[BLOCK_M, BLOCK_N]``"""
+def partial_tile(ok, rows, cols, seqlen_q, seqlen_k, blocks):
+    """``ok`` of a tile lying in one block of a block mask with partial blocks (``SCORE[4]`` 3), and the block's bits
+    of the tile's scores when the block is partial. Decided per tile: one state read (the tile loops skip hidden
+    blocks' tiles, so none reaches here); a full block's tile does nothing more, a partial block's tile (a run-time
+    branch) loads its rows' words (``ceil(BLOCK_N / 32)`` loads of ``[BLOCK_M]``) and tests the bits. Applied to the
+    mask before the bias and ALiBi terms: of the forms measured in the sm_90 builds (docs/design.md) this one keeps
+    the tile loops free of spills under triton 3.6 and 3.9. ``[BLOCK_M, BLOCK_N]``"""
     BLOCK_N: tl.constexpr = cols.shape[0]
     N_WORDS: tl.constexpr = (BLOCK_N + 31) // 32
     row0 = tl.min(rows, 0)
@@ -535,20 +539,20 @@ def tile_block_keep(ok, rows, cols, seqlen_q, seqlen_k, blocks):
 
 
 @triton.jit
-def score_block_keep(ok, rows, cols, blocks):
-    """``ok`` where each score's block is full, or partial with the score's bit set (``SCORE[4]`` 4: tiles that may
-    meet several blocks): the block state per score (:func:`block_state`), and the bits only in a tile that meets a
-    partial block. ``[BLOCK_M, BLOCK_N]``"""
-    state = block_state(rows, cols, blocks, ok)
-    keep = state == 1
+def partial_scores(s, rows, cols, seqlen_q, seqlen_k, blocks):
+    """Scores ``s`` with ``-inf`` where a score's block is hidden, or partial with the score's bit clear (``SCORE[4]``
+    4: tiles that may meet several blocks): the block state per score (:func:`block_state`), and the bits only in a
+    tile that meets a partial block. ``[BLOCK_M, BLOCK_N]``"""
+    state = block_state(rows, cols, blocks, (rows < seqlen_q)[:, None] & (cols < seqlen_k)[None, :])
+    s = tl.where(state != 0, s, float("-inf"))
     if tl.max(tl.max(state, 1), 0) >= 2:
         partial = state >= 2
         in_block = cols % blocks[4]
         word_ptrs = (blocks[5] + (state - 2).to(tl.int64) * (blocks[3] * blocks[6])
                      + (rows % blocks[3]).to(tl.int64)[:, None] * blocks[6] + (in_block // 32).to(tl.int64)[None, :])
         word = tl.load(word_ptrs, mask=partial, other=0)
-        keep = keep | (((word >> (in_block % 32)[None, :]) & 1) != 0)
-    return ok & keep
+        s = tl.where(partial & (((word >> (in_block % 32)[None, :]) & 1) == 0), float("-inf"), s)
+    return s
 
 
 @triton.jit

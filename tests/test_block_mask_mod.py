@@ -271,3 +271,25 @@ def test_mask_mods_that_cannot_be_evaluated_are_refused_by_name():
     q, k, v = qkv(b=1, hq=2, hk=2, nq=40, nk=40, d=16, dtype=F32)
     with pytest.raises(ValueError, match=r"block_mask: the BlockMask was built for seq_lengths \(32, 32\)"):
         sa.entmax_attention(q[:, :, :31], k, v, 1.5, block_mask=short)
+
+
+@pytest.mark.parametrize("bias_shape", [(1, 2, 64, 64), (2, 2, 64, 64), (2, 2, 64, 1), (2, 1, 1, 64)])
+def test_mask_gradients_honour_the_partial_blocks(bias_shape, kernel_device):
+    """A float attn_mask that requires grad next to a BlockMask with partial blocks: the gradient of the mask (the d
+    bias kernel for a batch- or head-broadcast mask, the dQ kernel's dS tiles for a full one, its row sums, the dK/dV
+    kernel's column sums) and of q, k, v against float64; pairs the BlockMask hides get no gradient."""
+    n = 64
+    q, k, v = (t.to(kernel_device) for t in qkv(b=2, hq=2, hk=2, nq=n, nk=n, d=16, dtype=F64, seed=11))
+    bias = torch.randn(bias_shape, generator=gen(12), dtype=F64).to(kernel_device)
+    bm = create_block_mask(sliding_window, None, None, n, n, device=kernel_device, BLOCK_SIZE=32)
+    do = torch.randn(2, 2, n, 16, generator=gen(13), dtype=F64).to(kernel_device)
+    grads = {}
+    for backend, dtype in (("reference", F64), ("triton", F32)):
+        leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v, bias)]
+        out = sa.entmax_attention(*leaves[:3], 1.5, attn_mask=leaves[3], block_mask=bm, backend=backend)
+        grads[backend] = torch.autograd.grad((out.double() * do).sum(), leaves)
+    for g, g64, name in zip(grads["triton"], grads["reference"], ("dq", "dk", "dv", "dmask"), strict=True):
+        assert scaled_err(g, g64) <= TOL["fused_rel_f32"]["grad"], name
+    if bias_shape == (2, 2, 64, 64):
+        hidden = ~_flex_keep(bm, sliding_window, 2, 2).to(kernel_device)
+        assert bool(hidden.any()) and bool((grads["triton"][3][hidden] == 0).all())

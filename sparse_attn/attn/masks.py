@@ -199,10 +199,10 @@ def block_mask_from_torch(block_mask, n_rows: int | None = None, n_heads: int | 
     query head, ``q_idx`` / ``kv_idx`` sequence-local), and stored as bits (:class:`BlockSparseMask`'s ``bits``);
     a partial block whose pairs all turn out kept (or all hidden) becomes a full (hidden) block, and a mask with no
     partial block left is a boolean grid. Where the block grid broadcasts over batch entries or heads (``B`` or ``H``
-    of 1) and the call has ``n_rows`` batch entries (sequences) / ``n_heads`` heads, the ``mask_mod`` is evaluated at
-    each of them and the bits are kept per entry only when they differ. The result is cached with the mask object
-    (per ``n_rows``, ``n_heads``): build a new ``BlockMask`` when what its ``mask_mod`` reads changes. ``noop_mask``
-    keeps every listed block whole (no evaluation).
+    of 1) and the call has ``n_rows`` batch entries (sequences) / ``n_heads`` heads (default: the mask's own), the
+    ``mask_mod`` is evaluated at each of them and the bits are kept per entry only when they differ. The result is
+    cached with the mask object (per ``n_rows``, ``n_heads``): build a new ``BlockMask`` when what its ``mask_mod``
+    reads changes. ``noop_mask`` keeps every listed block whole (no evaluation).
 
     Memory: the ``(B, H, q blocks, kv blocks)`` grid and one bit per pair of a partial block. Raises ``ValueError``
     naming the ``mask_mod`` when it cannot be evaluated that way (Python control flow on its arguments, ``.item()``,
