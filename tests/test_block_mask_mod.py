@@ -293,3 +293,34 @@ def test_mask_gradients_honour_the_partial_blocks(bias_shape, kernel_device):
     if bias_shape == (2, 2, 64, 64):
         hidden = ~_flex_keep(bm, sliding_window, 2, 2).to(kernel_device)
         assert bool(hidden.any()) and bool((grads["triton"][3][hidden] == 0).all())
+
+
+CACHE_PREFIX = torch.tensor([9, 40, 3])
+
+
+def cache_prefix(b, h, q_idx, kv_idx):
+    return (kv_idx < CACHE_PREFIX[b]) | ((kv_idx + q_idx + h) % 3 == 0)
+
+
+@pytest.mark.parametrize("nq", [3, 20])
+def test_entmax_decode_takes_a_mask_mod_block_mask(nq, kernel_device):
+    """entmax_decode over a KV cache with a BlockMask whose mask_mod reads b and h: a decoding step (the decode
+    kernels) and a prompt chunk of 20 queries (packed on the fused kernels), sequences of different lengths (one
+    empty); the triton backend and the reference backend (per sequence, the grid cut to its keys) against the
+    reference given the element mask."""
+    from sparse_attn.decode import entmax_decode
+
+    n = 48
+    q, k, v = qkv(b=3, hq=4, hk=2, nq=nq, nk=n, d=16, dtype=F64, seed=21)
+    lengths = torch.tensor([48, 0, 30], dtype=torch.int32)
+    bm = create_block_mask(cache_prefix, 3, 4, nq, n, device=kernel_device, BLOCK_SIZE=(2 if nq < 16 else 16, 16))
+    dense = _flex_keep(bm, cache_prefix, 3, 4)
+    kw = dict(is_causal=True, return_stats=True)
+    want, st_want = entmax_decode(q, k, v, lengths, 1.5, backend="reference", attn_mask=dense, **kw)
+    ref, st_ref = entmax_decode(q, k, v, lengths, 1.5, backend="reference", block_mask=bm, **kw)
+    torch.testing.assert_close(ref, want, **EXACT)
+    assert torch.equal(st_ref.n_valid, st_want.n_valid)
+    dev = [t.float().to(kernel_device) for t in (q, k, v)]
+    out, st = entmax_decode(*dev, lengths.to(kernel_device), 1.5, backend="triton", block_mask=bm, **kw)
+    assert scaled_err(out, want) <= TOL["fused_rel_f32"]["out"]
+    assert torch.equal(st.n_valid.cpu(), st_want.n_valid)
