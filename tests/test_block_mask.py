@@ -1,7 +1,8 @@
 """Block-sparse masks (``block_mask=``): a boolean block grid with its block sizes, or torch's flex_attention
-``BlockMask`` (noop_mask), intersected with every other mask; the fused kernels (interpreter) and the reference
-against the float64 reference, the torch conversion, bad inputs, rows left without keys, the Hugging Face function,
-and the kernels' tile-liveness helper ``_masking.block_tile_live``."""
+``BlockMask`` (noop_mask here; with other mask_mods: tests/test_block_mask_mod.py), intersected with every other
+mask; the fused kernels (interpreter) and the reference against the float64 reference, the torch conversion, bad
+inputs, rows left without keys, the Hugging Face function, and the kernels' tile-liveness helper
+``_masking.block_tile_live``."""
 
 import math
 
@@ -169,12 +170,16 @@ def test_torch_block_masks_equal_the_boolean_block_mask():
         torch.testing.assert_close(entmax_attention_reference(q, k, v, 1.5, block_mask=torch_mask), ours, **EXACT)
 
 
-def test_a_torch_block_mask_with_a_mask_mod_is_refused_with_the_remedy():
-    q, k, v = qkv(b=1, hq=2, hk=2, nq=40, nk=40, d=16, dtype=F32)
-    causal = create_block_mask(lambda b, h, i, j: j <= i, None, None, 40, 40, device="cpu", BLOCK_SIZE=16)
-    for backend in ("reference", "triton"):
-        with pytest.raises(ValueError, match="block_mask: a torch BlockMask must be built with mask_mod=noop_mask"):
-            sa.entmax_attention(q, k, v, 1.5, block_mask=causal, backend=backend)
+def test_a_torch_block_mask_with_a_mask_mod_is_its_element_mask(kernel_device):
+    """create_block_mask(causal mask_mod) (partial diagonal blocks: tests/test_block_mask_mod.py for the others) gives
+    what is_causal gives, on the reference exactly and on the kernels within float32 rounding."""
+    q, k, v = (t.to(kernel_device) for t in qkv(b=1, hq=2, hk=2, nq=40, nk=40, d=16, dtype=F32))
+    causal = create_block_mask(lambda b, h, i, j: j <= i, None, None, 40, 40, device=kernel_device, BLOCK_SIZE=16)
+    want = entmax_attention_reference(q.double(), k.double(), v.double(), 1.5, is_causal=True)
+    got = entmax_attention_reference(q.double(), k.double(), v.double(), 1.5, block_mask=causal)
+    torch.testing.assert_close(got, want, **EXACT)
+    out = sa.entmax_attention(q, k, v, 1.5, block_mask=causal, backend="triton")
+    assert scaled_err(out, want) <= TOL["fused_rel_f32"]["out"]
 
 
 @pytest.mark.parametrize("block_mask,err,match", [

@@ -65,7 +65,7 @@ def _row_mods(MODS, b, h, SCORE):
     ``_masking.block_visible``). ``MODS`` is the kernel argument of ``_common.mods_args``."""
     bias_base, stride_m, stride_n, slope, sink, blocks = program_mods(MODS, b, b, h, b * 0, b * 0, SCORE)
     return (bias_base[:, None], stride_m, stride_n, (slope + tl.zeros([h.shape[0]], tl.float32))[:, None], sink,
-            (blocks[0][:, None], blocks[1], blocks[2], blocks[3], blocks[4]))
+            (blocks[0][:, None], blocks[1], blocks[2], blocks[3], blocks[4], blocks[5], blocks[6]))
 
 
 @triton.jit

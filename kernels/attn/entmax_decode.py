@@ -452,10 +452,10 @@ def entmax_decode_fwd(
         alpha_class: as :func:`sparse_attn.kernels.entmax_attn_fwd.entmax_attn_fwd` (default from the values for a
             Python float or a CPU tensor, else ``"mixed"``).
         block_n: keys per block (a power of two >= 16); default by head dim.
-        block_mask: ``(mask, (block_q, block_k))``: ``mask`` boolean ``(B or 1, Hq or 1, >= ceil(Nq / block_q),
-            >= ceil(max_seqlen_k / block_k))``; query ``i`` (its index among the ``Nq``, as the fused forward's rows)
-            sees key ``j`` only if block ``(i // block_q, j // block_k)`` is True. Key blocks it hides from every
-            row of a program are not read. Default None.
+        block_mask: ``(mask, (block_q, block_k)[, bits])`` (``_common.block_args``): ``mask`` ``(B or 1, Hq or 1,
+            >= ceil(Nq / block_q), >= ceil(max_seqlen_k / block_k))``; query ``i`` (its index among the ``Nq``, as
+            the fused forward's rows) sees key ``j`` only if block ``(i // block_q, j // block_k)`` keeps it. Key
+            blocks it hides from every row of a program are not read. Default None.
 
         counters: return ``n_passes`` and ``blocks_read`` (False: None, and the kernels write them to scratch).
         stats: return ``tau``, ``nnz`` and ``n_valid`` (False: None, likewise).
@@ -483,11 +483,12 @@ def entmax_decode_fwd(
         classes = tuple(c for c, _ in class_launches(alpha_class))
     plan = _launch.static_plan(q.dtype, paged, head_dim, head_dim_v, n_rows, bool(is_causal),
                                None if window_size is None else tuple(window_size), softcap, alibi_slopes is not None,
-                               sinks is not None, block_mask is not None, classes, tol, max_passes, block_n)
+                               sinks is not None, _common.blocks_mode(block_mask, None), classes, tol, max_passes,
+                               block_n)
     dev = q.device
     sz = _launch.sizes(plan, batch, n_kv_heads, n_rows, seqlen_q, capacity, max_seqlen_k, num_splits, dev)
     if block_mask is not None:
-        grid_blocks, (block_q, block_k) = block_mask
+        grid_blocks, (block_q, block_k), _ = _common.block_parts(block_mask)
         assert grid_blocks.dim() == 4 and grid_blocks.shape[0] in (1, batch) and grid_blocks.shape[1] in (1, n_heads)
         assert grid_blocks.shape[2] >= -(-seqlen_q // block_q), f"block_mask: got {tuple(grid_blocks.shape)}"
         assert grid_blocks.shape[3] >= -(-sz.max_seqlen_k // block_k), f"block_mask: got {tuple(grid_blocks.shape)}"
