@@ -375,6 +375,35 @@ def tile_loops(compiled, block_m, block_n, d, warps):
     return res
 
 
+def split_builds(d: int, n: int, classes, need_out_u: bool = False, causal: bool = False):
+    """The real split forward (``kernels/attn/_fwd_split.py``) built as a launch builds it (CPU tensors, the JIT's
+    specialization, the pinned config): ``[(name, compiled, block_m, block_n, warps)]`` for the threshold and the
+    value kernel of each class."""
+    from sparse_attn.kernels.attn import _fwd_split
+
+    out = []
+    for cls in classes:
+        q, k, v, _ = sm90_build._problem(d, n, torch.bfloat16, False)
+        alpha = torch.full((q.shape[1],), sm90_build.ALPHA_OF_CLASS[cls])
+        caps = {}
+        for name in ("_entmax_attn_thr_kernel", "_entmax_attn_val_kernel"):
+            caps[name] = sm90_build._Capture(getattr(_fwd_split, name))
+            setattr(_fwd_split, name, caps[name])
+        try:
+            _fwd_split.entmax_attn_fwd_split(q, k, v, alpha, d ** -0.5, is_causal=causal, alpha_class=cls,
+                                             need_out_u=need_out_u)
+        finally:
+            for name, cap in caps.items():
+                setattr(_fwd_split, name, cap.kernel)
+        for name, cap in caps.items():
+            _, args, kwargs = cap.launches[-1]
+            compiled = sm90_build.compile_like_launch(cap.kernel, args, kwargs)
+            kind = "threshold" if "thr" in name else "value"
+            out.append((f"split {kind}{'+out_u' if need_out_u else ''} {cls}", compiled, kwargs["BLOCK_M"],
+                        kwargs["BLOCK_N"], kwargs["num_warps"]))
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--d", type=int, default=128)
@@ -386,7 +415,29 @@ def main(argv=None):
     ap.add_argument("--classes", nargs="+", default=["entmax15", "sparsemax", "general"])
     ap.add_argument("--only", nargs="*", default=None, help="prototype names starting with these")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--split", action="store_true",
+                    help="build the real split forward (kernels/attn/_fwd_split.py) instead of the prototypes")
     args = ap.parse_args(argv)
+    if args.split:
+        rows = []
+        print(f"# lean_passes --split: triton {triton.__version__}, sm_90, bf16, d {args.d}, N {args.n}, not causal",
+              flush=True)
+        for need_out_u in (False, True):
+            for name, compiled, bm, bn, warps in split_builds(args.d, args.n, args.classes, need_out_u):
+                info = sm90_build.analyse(compiled)
+                loops = tile_loops(compiled, bm, bn, args.d, warps)
+                rows.append(dict(name=name, triton=triton.__version__, regs=info["regs"], spill=info["spill"],
+                                 smem=info["smem"], loop_ldst=info["loop_ldst"], block=f"{bm}x{bn}", num_warps=warps,
+                                 loops=loops))
+                print(f"{name:28s} {bm}x{bn} w{warps} regs {info['regs']:3d} spill {info['spill']:4d} (in loops "
+                      f"{info['loop_ldst']}) smem {info['smem']} | " + "; ".join(
+                          f"{lp['live']['cycles']}" + (f" ({lp['dead']['cycles']})" if lp["dead"]["instr"] !=
+                                                        lp["live"]["instr"] else "") +
+                          f" {lp['live']['per_score']:.1f}/score {lp['live']['bound']}" for lp in loops), flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+        return 0
     block_m, block_n = args.block
     print(f"# lean_passes: triton {triton.__version__}, sm_90, bf16, d {args.d}, N {args.n}, {block_m}x{block_n}, "
           f"{args.warps} warps, {args.stages} stages" + (f", maxnreg {args.maxnreg}" if args.maxnreg else ""),

@@ -54,6 +54,7 @@ from ._threshold import (
     more_passes,
     open_bracket,
     pick_bracket,
+    point_sums,
     point_zeros,
     solve,
     weights,
@@ -61,7 +62,7 @@ from ._threshold import (
 )
 
 # points of the bracket pass (docs/kernels.md: 4 points and 2-point refinements model cheapest with one code shape)
-SPLIT_POINTS = 4
+SPLIT_POINTS = tl.constexpr(4)
 
 
 @triton.jit
@@ -142,8 +143,8 @@ def _max_pass(q, kv, rw, mods, z_scale, am1, live_base, kt_lo, kt_hi, kt_first, 
 
 @triton.jit
 def _points_pass(q, kv, rw, mods, m, pts, acc, z_scale, am1, bm1, lo_kill, live_base, n_words, zs, visits,
-                 POW: tl.constexpr, NPTS: tl.constexpr, LANES: tl.constexpr, BIAS_KIND: tl.constexpr, MASK, SCORE,
-                 DOT_PRECISION: tl.constexpr):
+                 POW: tl.constexpr, NPTS: tl.constexpr, LANES: tl.constexpr, COUNT: tl.constexpr,
+                 BIAS_KIND: tl.constexpr, MASK, SCORE, DOT_PRECISION: tl.constexpr):
     """One pass over the live tiles adding the point sums of ``z - m`` at the points ``pts`` (``cand_sums``) to
     ``acc``; tiles with no score above ``lo_kill`` (relative to ``m``) die. Returns ``(acc, visits)``."""
     for wd in range(0, n_words):
@@ -158,13 +159,38 @@ def _points_pass(q, kv, rw, mods, m, pts, acc, z_scale, am1, bm1, lo_kill, live_
                 zr = z - m[:, None]
                 live = tl.max((zr > lo_kill[:, None]).to(tl.int32))
                 new_word = new_word | (live << (kt - wd * 32))
-                acc = cand_sums(zr, pts, acc, POW, NPTS, bm1, LANES)
+                acc = _point_sums(zr, pts, acc, POW, NPTS, bm1, LANES, COUNT)
                 visits += 1
         tl.store(live_base + wd, new_word)
     if SCORE[3]:
-        acc = cand_sums(zs - m[:, None], pts, acc, POW, NPTS, bm1, LANES)
+        acc = _point_sums(zs - m[:, None], pts, acc, POW, NPTS, bm1, LANES, COUNT)
     tl.debug_barrier()
     return acc, visits
+
+
+@triton.jit
+def _point_sums(zr, pts, acc, POW: tl.constexpr, NPTS: tl.constexpr, bm1, LANES: tl.constexpr,
+                COUNT: tl.constexpr):
+    """``_threshold.cand_sums`` for ``NPTS >= 2`` points, counting the keys above each point only with ``COUNT``
+    (the bracket pass at alpha 1.5 does not: a count is two more instructions per score and point, and only the
+    exact-root test reads it; at alpha 2 the count is ``g``)."""
+    if COUNT or POW != 2:
+        out = cand_sums(zr, pts, acc, POW, NPTS, bm1, LANES)
+    else:
+        _, _, t_p, l_p, cand = pts
+        f1, g1, c1, FP, GP, CP = acc
+        for p in tl.static_range(NPTS):
+            sel_c = (cand == p)[None, :]
+            f, g, _ = point_sums(zr, tl.sum(tl.where(sel_c, t_p, 0.0), 1), POW, bm1, tl.sum(tl.where(sel_c, l_p, 0.0),
+                                                                                           1), LANES)
+            if LANES == 0:
+                FP += tl.where(sel_c, f[:, None], 0.0)
+                GP += tl.where(sel_c, g[:, None], 0.0)
+            else:
+                FP += tl.where(sel_c[:, :, None], f[:, None, :], 0.0)
+                GP += tl.where(sel_c[:, :, None], g[:, None, :], 0.0)
+        out = (f1, g1, c1, FP, GP, CP)
+    return out
 
 
 @triton.jit
@@ -226,7 +252,7 @@ def threshold_rows(q, kv, rw, mods, tiles, sc, POW: tl.constexpr, BIAS_KIND: tl.
     # tiles die at m - 1, a few ulps of m lower (z - m rounds at that scale)
     lo_kill = zero - 1.0 - 4.8e-7 * (1.0 + tl.abs(m))
     acc, visits = _points_pass(q, kv, rw, mods, m, pts, acc, z_scale, am1, bm1, lo_kill, live_base, n_words, zs,
-                               visits, POW, SPLIT_POINTS, LANES, BIAS_KIND, MASK, SCORE, DOT_PRECISION)
+                               visits, POW, SPLIT_POINTS, LANES, False, BIAS_KIND, MASK, SCORE, DOT_PRECISION)
     br = open_bracket(zero, m == m, shift)
     br = _relative_bracket(cand_bracket(br, pts, acc, am1, POW, SPLIT_POINTS, LANES), shift)
     est, lo, hi, exact = solve(br, POW)
@@ -239,13 +265,13 @@ def threshold_rows(q, kv, rw, mods, tiles, sc, POW: tl.constexpr, BIAS_KIND: tl.
     while go:
         half = tl.maximum(0.1 * (hi - lo), 0.45 * (tol + 4.8e-7 * tl.abs(lo)))
         t_2 = tl.where(pair[None, :] == 0, tl.maximum(est - half, lo)[:, None], tl.minimum(est + half, hi)[:, None])
-        pts = (zero, zero, t_2, log_ref(zero[:, None], t_2), pair)
-        acc = (zero, zero, zero, point_zeros(BLOCK_M, 2, LANES), point_zeros(BLOCK_M, 2, LANES),
-               point_zeros(BLOCK_M, 2, LANES))
-        acc, visits = _points_pass(q, kv, rw, mods, m, pts, acc, z_scale, am1, bm1, lo - shift, live_base, n_words,
-                                   zs, visits, POW, 2, LANES, BIAS_KIND, MASK, SCORE, DOT_PRECISION)
+        pts_2 = (zero, zero, t_2, log_ref(zero[:, None], t_2), pair)
+        acc_2 = (zero, zero, zero, point_zeros(BLOCK_M, 2, LANES), point_zeros(BLOCK_M, 2, LANES),
+                 point_zeros(BLOCK_M, 2, LANES))
+        acc_2, visits = _points_pass(q, kv, rw, mods, m, pts_2, acc_2, z_scale, am1, bm1, lo - shift, live_base,
+                                     n_words, zs, visits, POW, 2, LANES, True, BIAS_KIND, MASK, SCORE, DOT_PRECISION)
         act = done == 0
-        br = pick_bracket(act, cand_bracket(br, pts, acc, am1, POW, 2, LANES), br)
+        br = pick_bracket(act, cand_bracket(br, pts_2, acc_2, am1, POW, 2, LANES), br)
         n_est, n_lo, n_hi, n_exact = solve(br, POW)
         lo = tl.where(act, tl.maximum(lo, n_lo), lo)
         hi = tl.where(act, tl.minimum(hi, n_hi), hi)
