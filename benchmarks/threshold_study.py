@@ -499,6 +499,45 @@ def cmd_model(args):
                 print("  ".join(r))
 
 
+def cmd_after(args):
+    """The built split forward (``lean_passes.py --split --json``) priced like ``model``: max pass (its plain path),
+    bracket pass, refinement passes (the mean count of ``--strategy`` in the emulation, bf16) and the value pass,
+    against today's kernel (``sass_cost.py --json``) and its softmax loop, static and with the issue share."""
+    recs = [json.loads(line) for path in args.emulation for line in open(path)]
+    with open(args.split) as f:
+        split = {r["name"]: r for r in json.load(f)}
+    today = _today(args.today, 4)
+    soft = today["softmax"]
+    soft_u = issue_share(soft["regs"], soft["smem"], soft["warps"], args.cpi)[0]
+    print("| class | threshold kernel: max (plain) / 4 points / 2-point refinement, regs | value kernel, regs | "
+          "refinements | dense / 60% / 90% dead, static | today's | dense / 90% dead, issue share | today's |")
+    print("|---|---|---|---|---|---|---|---|")
+    for alpha, cls in CLASS_OF_ALPHA.items():
+        thr, val = split.get(f"split threshold {cls}"), split.get(f"split value {cls}")
+        if thr is None or val is None:
+            continue
+        mx, pts, ref = (lp["live"]["cycles"] for lp in thr["loops"])
+        mx_plain = thr["loops"][0]["dead"]["cycles"]
+        vv = val["loops"][0]["live"]["cycles"]
+        sel = [r for r in recs if r["alpha"] == alpha and r["strategy"] == args.strategy and r["dtype"] == "bf16"]
+        n_ref = sum(sum(1 for name, _, _ in v if name == "refine") for r in sel for v in r["visits"]) / max(
+            sum(len(r["visits"]) for r in sel), 1)
+        dense = mx_plain + pts + n_ref * ref + vv
+        u_t = issue_share(thr["regs"], thr["smem"], thr["num_warps"], args.cpi)[0]
+        u_v = issue_share(val["regs"], val["smem"], val["num_warps"], args.cpi)[0]
+        dense_u = (mx_plain + pts + n_ref * ref) / u_t + vv / u_v
+        t = today[cls]
+        t_dense = t["grid"] + t["cand"] * (1.12 if alpha == 2.0 else 1.0) + t["value"]
+        s0 = soft["softmax"]
+        stat = [dense / s0] + [((1 - d) * dense + d * mx_plain) / s0 for d in (0.6, 0.9)]
+        t_stat = [t_dense / s0] + [((1 - d) * t_dense + d * t["grid_dead"]) / s0 for d in (0.6, 0.9)]
+        occ = [dense_u / (s0 / soft_u), (0.1 * dense_u + 0.9 * mx_plain / u_t) / (s0 / soft_u)]
+        print(f"| {cls} | {mx} ({mx_plain}) / {pts} / {ref}, {thr['regs']} | {vv}, {val['regs']} | {n_ref:.2f} | "
+              + " / ".join(f"{x:.2f}x" for x in stat) + " | " + " / ".join(f"{x:.2f}x" for x in t_stat) + " | "
+              + " / ".join(f"{x:.2f}x" for x in occ) + f" (W {u_t * args.cpi:g} / {u_v * args.cpi:g}) | "
+              + f"{t_stat[0]:.2f}x / {t_stat[2]:.2f}x |")
+
+
 def cmd_table(args):
     """One markdown row per prototype: for each ``lean_passes.py --json`` file, registers / spill bytes and the main
     tile loop's cycles (dead path), instructions per score and binding resource."""
@@ -550,11 +589,17 @@ def main(argv=None):
     mo.add_argument("--cpi", type=float, default=4.0)
     mo.add_argument("--fused", action="store_true", help="design (a): one kernel, the larger register count")
     mo.add_argument("--markdown", action="store_true")
+    af = sub.add_parser("after")
+    af.add_argument("emulation", nargs="+")
+    af.add_argument("--split", required=True, help="lean_passes.py --split --json output")
+    af.add_argument("--today", required=True)
+    af.add_argument("--strategy", default="rel 4,2,0.1")
+    af.add_argument("--cpi", type=float, default=4.0)
     tb = sub.add_parser("table")
     tb.add_argument("cycles", nargs="+", help="lean_passes.py --json outputs")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    {"emulate": cmd_emulate, "model": cmd_model, "table": cmd_table}[args.cmd](args)
+    {"emulate": cmd_emulate, "model": cmd_model, "table": cmd_table, "after": cmd_after}[args.cmd](args)
     return 0
 
 
