@@ -380,6 +380,7 @@ def split_builds(d: int, n: int, classes, need_out_u: bool = False, causal: bool
     specialization, the pinned config): ``[(name, compiled, block_m, block_n, warps)]`` for the threshold and the
     value kernel of each class."""
     from sparse_attn.kernels.attn import _fwd_split
+    from sparse_attn.kernels.attn.entmax_attn_fwd import entmax_attn_fwd_split
 
     out = []
     for cls in classes:
@@ -390,7 +391,7 @@ def split_builds(d: int, n: int, classes, need_out_u: bool = False, causal: bool
             caps[name] = sm90_build._Capture(getattr(_fwd_split, name))
             setattr(_fwd_split, name, caps[name])
         try:
-            _fwd_split.entmax_attn_fwd_split(q, k, v, alpha, d ** -0.5, is_causal=causal, alpha_class=cls,
+            entmax_attn_fwd_split(q, k, v, alpha, d ** -0.5, is_causal=causal, alpha_class=cls,
                                              need_out_u=need_out_u)
         finally:
             for name, cap in caps.items():

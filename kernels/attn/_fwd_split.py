@@ -44,7 +44,6 @@ from .._masking import (
     walk_words,
     word_bits,
 )
-from . import entmax_attn_fwd as _fused
 from ._fwd_rows import KeyTiles, Rows, _apply_dropout, _row_span, _score_tile, _u_weights, _value_tile
 from ._threshold import (
     Bracket,
@@ -63,39 +62,6 @@ from ._threshold import (
 
 # points of the bracket pass (docs/kernels.md: 4 points and 2-point refinements model cheapest with one code shape)
 SPLIT_POINTS = tl.constexpr(4)
-
-
-@triton.jit
-def _program(Q, K, V, ALPHA, CU_SEQLENS_Q, CU_SEQLENS_K, MODS, stride_qb, stride_qh, stride_qm, stride_qd,
-             stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd, n_heads, kv_group,
-             total_q, total_k, n_q_tiles, n_words, seed, dropout_p, inv_keep, LIVE, MASK, SCORE,
-             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
-             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr, UPCAST: tl.constexpr):
-    """The program's query tile and run-time tuples, as the fused kernel builds them: ``(q, kv, rw, mods, tile_id,
-    live_base, kt_lo, kt_hi, kt_first, stat_offs, row_ok, b, h)``."""
-    pid_m = n_q_tiles - 1 - tl.program_id(0)
-    h = tl.program_id(1)
-    seq = tl.program_id(2)
-    b, q_start, seqlen_q, k_start, seqlen_k = seq_bounds(CU_SEQLENS_Q, CU_SEQLENS_K, seq, total_q, total_k, IS_VARLEN)
-    h_kv = h // kv_group
-    bh = b * n_heads + h
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    row_ok = rows < seqlen_q
-    q_base = slice_base(Q, b, h, q_start, stride_qb, stride_qh, stride_qm)
-    q = load_rows(q_base, rows, offs_d, stride_qm, stride_qd, row_ok, offs_d < HEAD_DIM, UPCAST)  # [BLOCK_M, BLOCK_D]
-    kv = KeyTiles(slice_base(K, b, h_kv, k_start, stride_kb, stride_kh, stride_kn),
-                  slice_base(V, b, h_kv, k_start, stride_vb, stride_vh, stride_vn), stride_kn, stride_kd, stride_vn,
-                  stride_vd, tl.arange(0, BLOCK_N), offs_d < HEAD_DIM, offs_dv < HEAD_DIM_V)
-    rw = Rows(rows, seqlen_q, seqlen_k, q_start, k_start, total_k, bh, seed, dropout_p, inv_keep)
-    mods = program_mods(MODS, b, seq, h, q_start, k_start, SCORE)
-    tile_id = (seq.to(tl.int64) * n_heads + h) * n_q_tiles + pid_m
-    live_base = LIVE + tile_id * n_words
-    kt_lo, kt_hi = key_tile_range(pid_m, seqlen_q, seqlen_k, MASK, BLOCK_M, BLOCK_N)
-    kt_first = max_first_tile(pid_m, seqlen_q, seqlen_k, kt_lo, kt_hi, MASK, BLOCK_M, BLOCK_N)
-    stat_offs = bh.to(tl.int64) * total_q + (q_start + rows).to(tl.int64)
-    return q, kv, rw, mods, tile_id, live_base, kt_lo, kt_hi, kt_first, stat_offs, row_ok, b, h
 
 
 @triton.jit
@@ -142,11 +108,12 @@ def _max_pass(q, kv, rw, mods, z_scale, am1, live_base, kt_lo, kt_hi, kt_first, 
 
 
 @triton.jit
-def _points_pass(q, kv, rw, mods, m, pts, acc, z_scale, am1, bm1, lo_kill, live_base, n_words, zs, visits,
-                 POW: tl.constexpr, NPTS: tl.constexpr, LANES: tl.constexpr, COUNT: tl.constexpr,
-                 BIAS_KIND: tl.constexpr, MASK, SCORE, DOT_PRECISION: tl.constexpr):
+def _points_pass(q, kv, rw, mods, pts, acc, st, POW: tl.constexpr, NPTS: tl.constexpr, LANES: tl.constexpr,
+                 COUNT: tl.constexpr, BIAS_KIND: tl.constexpr, MASK, SCORE, DOT_PRECISION: tl.constexpr):
     """One pass over the live tiles adding the point sums of ``z - m`` at the points ``pts`` (``cand_sums``) to
-    ``acc``; tiles with no score above ``lo_kill`` (relative to ``m``) die. Returns ``(acc, visits)``."""
+    ``acc``; tiles with no score above ``lo_kill`` (relative to ``m``) die. ``st = (m, z_scale, am1, bm1, lo_kill,
+    live_base, n_words, zs, visits)``. Returns ``(acc, visits)``."""
+    m, z_scale, am1, bm1, lo_kill, live_base, n_words, zs, visits = st
     for wd in range(0, n_words):
         word = tl.load(live_base + wd)
         new_word = tl.zeros([], tl.int32)
@@ -251,8 +218,9 @@ def threshold_rows(q, kv, rw, mods, tiles, sc, POW: tl.constexpr, BIAS_KIND: tl.
            point_zeros(BLOCK_M, SPLIT_POINTS, LANES))
     # tiles die at m - 1, a few ulps of m lower (z - m rounds at that scale)
     lo_kill = zero - 1.0 - 4.8e-7 * (1.0 + tl.abs(m))
-    acc, visits = _points_pass(q, kv, rw, mods, m, pts, acc, z_scale, am1, bm1, lo_kill, live_base, n_words, zs,
-                               visits, POW, SPLIT_POINTS, LANES, False, BIAS_KIND, MASK, SCORE, DOT_PRECISION)
+    acc, visits = _points_pass(q, kv, rw, mods, pts, acc, (m, z_scale, am1, bm1, lo_kill, live_base, n_words, zs,
+                                                           visits),
+                               POW, SPLIT_POINTS, LANES, False, BIAS_KIND, MASK, SCORE, DOT_PRECISION)
     br = open_bracket(zero, m == m, shift)
     br = _relative_bracket(cand_bracket(br, pts, acc, am1, POW, SPLIT_POINTS, LANES), shift)
     est, lo, hi, exact = solve(br, POW)
@@ -268,8 +236,9 @@ def threshold_rows(q, kv, rw, mods, tiles, sc, POW: tl.constexpr, BIAS_KIND: tl.
         pts_2 = (zero, zero, t_2, log_ref(zero[:, None], t_2), pair)
         acc_2 = (zero, zero, zero, point_zeros(BLOCK_M, 2, LANES), point_zeros(BLOCK_M, 2, LANES),
                  point_zeros(BLOCK_M, 2, LANES))
-        acc_2, visits = _points_pass(q, kv, rw, mods, m, pts_2, acc_2, z_scale, am1, bm1, lo - shift, live_base,
-                                     n_words, zs, visits, POW, 2, LANES, True, BIAS_KIND, MASK, SCORE, DOT_PRECISION)
+        acc_2, visits = _points_pass(q, kv, rw, mods, pts_2, acc_2,
+                                     (m, z_scale, am1, bm1, lo - shift, live_base, n_words, zs, visits),
+                                     POW, 2, LANES, True, BIAS_KIND, MASK, SCORE, DOT_PRECISION)
         act = done == 0
         br = pick_bracket(act, cand_bracket(br, pts_2, acc_2, am1, POW, 2, LANES), br)
         n_est, n_lo, n_hi, n_exact = solve(br, POW)
@@ -289,12 +258,13 @@ def threshold_rows(q, kv, rw, mods, tiles, sc, POW: tl.constexpr, BIAS_KIND: tl.
 
 
 @triton.jit
-def _value_rows(q, kv, rw, mods, m, t_use, lo_kill, beta, z_scale, am1, live_base, n_words, visits,
-                POW: tl.constexpr, BIAS_KIND: tl.constexpr, MASK, SCORE, HAS_DROPOUT: tl.constexpr,
-                WITH_P: tl.constexpr, WITH_U: tl.constexpr, HALF_P: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """The value pass at the thresholds ``t_use`` relative to ``m`` (``_fwd_rows._value_pass`` on ``z - m``):
-    ``(acc, l_sum, nnz, acc_u, u_sum, visits)``, the bitmap words rewritten with ``WITH_P`` (tiles with no score above
-    ``lo_kill`` die)."""
+def _value_rows(q, kv, rw, mods, vp, POW: tl.constexpr, BIAS_KIND: tl.constexpr, MASK, SCORE,
+                HAS_DROPOUT: tl.constexpr, WITH_P: tl.constexpr, WITH_U: tl.constexpr, HALF_P: tl.constexpr,
+                DOT_PRECISION: tl.constexpr):
+    """The value pass at the thresholds ``t_use`` relative to ``m`` (``_fwd_rows._value_pass`` on ``z - m``), ``vp =
+    (m, t_use, lo_kill, beta, z_scale, am1, live_base, n_words, visits)``: ``(acc, l_sum, nnz, acc_u, u_sum,
+    visits)``, the bitmap words rewritten with ``WITH_P`` (tiles with no score above ``lo_kill`` die)."""
+    m, t_use, lo_kill, beta, z_scale, am1, live_base, n_words, visits = vp
     BLOCK_M: tl.constexpr = rw.rows.shape[0]
     BLOCK_DV: tl.constexpr = kv.dv_ok.shape[0]
     l_sum = tl.zeros([BLOCK_M], tl.float32)
@@ -356,11 +326,28 @@ def _entmax_attn_thr_kernel(
     if HEAD_FILTER:
         if alpha_class_id(tl.load(ALPHA + tl.program_id(1))) != ALPHA_CLASS:
             return
-    q, kv, rw, mods, tile_id, live_base, kt_lo, kt_hi, kt_first, stat_offs, row_ok, b, h = _program(
-        Q, K, V, ALPHA, CU_SEQLENS_Q, CU_SEQLENS_K, MODS, stride_qb, stride_qh, stride_qm, stride_qd, stride_kb,
-        stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd, n_heads, kv_group, total_q,
-        total_k, n_q_tiles, n_words, seed, dropout_p, inv_keep, LIVE, MASK, SCORE, HEAD_DIM, BLOCK_D, HEAD_DIM_V,
-        BLOCK_DV, BLOCK_M, BLOCK_N, IS_VARLEN, UPCAST)
+    pid_m = n_q_tiles - 1 - tl.program_id(0)
+    h = tl.program_id(1)
+    seq = tl.program_id(2)
+    b, q_start, seqlen_q, k_start, seqlen_k = seq_bounds(CU_SEQLENS_Q, CU_SEQLENS_K, seq, total_q, total_k, IS_VARLEN)
+    h_kv = h // kv_group
+    bh = b * n_heads + h
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    row_ok = rows < seqlen_q
+    q_base = slice_base(Q, b, h, q_start, stride_qb, stride_qh, stride_qm)
+    q = load_rows(q_base, rows, offs_d, stride_qm, stride_qd, row_ok, offs_d < HEAD_DIM, UPCAST)  # [BLOCK_M, BLOCK_D]
+    kv = KeyTiles(slice_base(K, b, h_kv, k_start, stride_kb, stride_kh, stride_kn),
+                  slice_base(V, b, h_kv, k_start, stride_vb, stride_vh, stride_vn), stride_kn, stride_kd, stride_vn,
+                  stride_vd, tl.arange(0, BLOCK_N), offs_d < HEAD_DIM, offs_dv < HEAD_DIM_V)
+    rw = Rows(rows, seqlen_q, seqlen_k, q_start, k_start, total_k, bh, seed, dropout_p, inv_keep)
+    mods = program_mods(MODS, b, seq, h, q_start, k_start, SCORE)
+    tile_id = (seq.to(tl.int64) * n_heads + h) * n_q_tiles + pid_m
+    live_base = LIVE + tile_id * n_words
+    kt_lo, kt_hi = key_tile_range(pid_m, seqlen_q, seqlen_k, MASK, BLOCK_M, BLOCK_N)
+    kt_first = max_first_tile(pid_m, seqlen_q, seqlen_k, kt_lo, kt_hi, MASK, BLOCK_M, BLOCK_N)
+    stat_offs = bh.to(tl.int64) * total_q + (q_start + rows).to(tl.int64)
     for wd in range(0, n_words):
         tl.store(live_base + wd, 0)
     tl.debug_barrier()
@@ -408,11 +395,27 @@ def _entmax_attn_val_kernel(
     if HEAD_FILTER:
         if alpha_class_id(tl.load(ALPHA + tl.program_id(1))) != ALPHA_CLASS:
             return
-    q, kv, rw, mods, tile_id, live_base, kt_lo, kt_hi, kt_first, stat_offs, row_ok, b, h = _program(
-        Q, K, V, ALPHA, CU_SEQLENS_Q, CU_SEQLENS_K, MODS, stride_qb, stride_qh, stride_qm, stride_qd, stride_kb,
-        stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd, n_heads, kv_group, total_q,
-        total_k, n_q_tiles, n_words, seed, dropout_p, inv_keep, LIVE, MASK, SCORE, HEAD_DIM, BLOCK_D, HEAD_DIM_V,
-        BLOCK_DV, BLOCK_M, BLOCK_N, IS_VARLEN, UPCAST)
+    pid_m = n_q_tiles - 1 - tl.program_id(0)
+    h = tl.program_id(1)
+    seq = tl.program_id(2)
+    b, q_start, seqlen_q, k_start, seqlen_k = seq_bounds(CU_SEQLENS_Q, CU_SEQLENS_K, seq, total_q, total_k, IS_VARLEN)
+    h_kv = h // kv_group
+    bh = b * n_heads + h
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    row_ok = rows < seqlen_q
+    q_base = slice_base(Q, b, h, q_start, stride_qb, stride_qh, stride_qm)
+    q = load_rows(q_base, rows, offs_d, stride_qm, stride_qd, row_ok, offs_d < HEAD_DIM, UPCAST)  # [BLOCK_M, BLOCK_D]
+    kv = KeyTiles(slice_base(K, b, h_kv, k_start, stride_kb, stride_kh, stride_kn),
+                  slice_base(V, b, h_kv, k_start, stride_vb, stride_vh, stride_vn), stride_kn, stride_kd, stride_vn,
+                  stride_vd, tl.arange(0, BLOCK_N), offs_d < HEAD_DIM, offs_dv < HEAD_DIM_V)
+    rw = Rows(rows, seqlen_q, seqlen_k, q_start, k_start, total_k, bh, seed, dropout_p, inv_keep)
+    mods = program_mods(MODS, b, seq, h, q_start, k_start, SCORE)
+    tile_id = (seq.to(tl.int64) * n_heads + h) * n_q_tiles + pid_m
+    live_base = LIVE + tile_id * n_words
+    kt_lo, kt_hi = key_tile_range(pid_m, seqlen_q, seqlen_k, MASK, BLOCK_M, BLOCK_N)
+    stat_offs = bh.to(tl.int64) * total_q + (q_start + rows).to(tl.int64)
     alpha = tl.load(ALPHA + h)
     a_ok = (alpha >= 1.0) & (alpha <= 2.0)
     alpha = tl.where(a_ok & (alpha > 1.0), alpha, 1.5)
@@ -440,12 +443,12 @@ def _entmax_attn_val_kernel(
     HALF_P: tl.constexpr = (kv.v_base.dtype.element_ty != tl.float32) and not NEED_OUT_U
     SPLIT_U: tl.constexpr = NEED_OUT_U and BLOCK_DV > 128
     acc, l_sum, nnz, acc_u, u_sum, visits = _value_rows(
-        q, kv, rw, mods, m, t_use, lo_kill, beta, z_scale, am1, live_base, n_words, visits, POW, BIAS_KIND, MASK,
+        q, kv, rw, mods, (m, t_use, lo_kill, beta, z_scale, am1, live_base, n_words, visits), POW, BIAS_KIND, MASK,
         SCORE, HAS_DROPOUT, True, NEED_OUT_U and not SPLIT_U, HALF_P, DOT_PRECISION)
     if SPLIT_U:
         passes += 1
         _, _, _, acc_u, u_sum, visits = _value_rows(
-            q, kv, rw, mods, m, t_use, lo_kill, beta, z_scale, am1, live_base, n_words, visits, POW, BIAS_KIND, MASK,
+            q, kv, rw, mods, (m, t_use, lo_kill, beta, z_scale, am1, live_base, n_words, visits), POW, BIAS_KIND, MASK,
             SCORE, HAS_DROPOUT, False, True, HALF_P, DOT_PRECISION)
     if SCORE[3]:
         z_sink = am1 * mods[4]
@@ -479,31 +482,16 @@ def _entmax_attn_val_kernel(
     tl.store(TILE_VISITS + tile_id, visits)
 
 
-def entmax_attn_fwd_split(q, k, v, alpha, scale, *args, **kwargs):
-    """:func:`~.entmax_attn_fwd.entmax_attn_fwd` (same arguments, same result) with the heads of alpha in (1, 2] run
-    by the threshold kernel and the value kernel of this module; softmax heads by the fused kernel. Launch configs:
-    the fused kernel's pinned ones (``num_warps`` / ``num_stages`` when given)."""
-    num_warps, num_stages = kwargs.pop("num_warps", None), kwargs.pop("num_stages", None)
-    kw = dict(kwargs)
-    names = ("bias", "is_causal", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "dropout_p", "seed",
-             "tol", "max_passes")
-    for name, value in zip(names, args):
-        kw[name] = value
-    plan = _fused._plan(q, k, v, alpha, scale, kw.pop("bias", None), kw.pop("is_causal", False),
-                        kw.pop("cu_seqlens_q", None), kw.pop("cu_seqlens_k", None), kw.pop("max_seqlen_q", None),
-                        kw.pop("max_seqlen_k", None), kw.pop("dropout_p", 0.0), kw.pop("seed", 0), kw.pop("tol", None),
-                        kw.pop("max_passes", None), kw.pop("alpha_class", None), kw.pop("need_out_u", False),
-                        kw.pop("block_m", None), kw.pop("block_n", None), **kw)
-    forced = _fused._forced_options(num_warps, num_stages, q.shape[-1])
-    options = plan.options if forced is None else forced
-    res = plan.result
-    scratch = torch.empty((3, *res.tau.shape), dtype=torch.float32, device=q.device) if plan.launches else None
-    for args_ in plan.launches:
-        if args_["ALPHA_CLASS"] == 0:
-            _fused._entmax_attn_fwd_kernel[plan.grid](**args_, **options)
+def launch_split(grid, launches, options, fused_kernel, result):
+    """Run the launches of one forward (``entmax_attn_fwd._plan``): the heads of alpha in (1, 2] by the threshold
+    kernel then the value kernel of this module, softmax heads by ``fused_kernel``, each with ``options`` (the fused
+    kernel's launch options). Fills ``result`` (an ``EntmaxAttnFwdResult``) and returns it."""
+    scratch = torch.empty((3, *result.tau.shape), dtype=torch.float32, device=result.tau.device) if launches else None
+    for args in launches:
+        if args["ALPHA_CLASS"] == 0:
+            fused_kernel[grid](**args, **options)
             continue
-        split_args = dict(args_, SCRATCH=scratch, n_stat=res.tau.numel())
-        _entmax_attn_thr_kernel[plan.grid](**split_args, **options)
-        _entmax_attn_val_kernel[plan.grid](**split_args, **options)
-    return res
-
+        split_args = dict(args, SCRATCH=scratch, n_stat=result.tau.numel())
+        _entmax_attn_thr_kernel[grid](**split_args, **options)
+        _entmax_attn_val_kernel[grid](**split_args, **options)
+    return result

@@ -27,6 +27,7 @@ dropout) in ``docs/design.md``.
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -45,6 +46,7 @@ from .._common import (
 from .._common import alpha_class_of as alpha_class_of  # re-exported: the public place of the class rule
 from .._masking import key_tile_range, max_first_tile, program_mods, seq_bounds
 from ._fwd_rows import KeyTiles, Rows, Scalars, Tiles, entmax_rows, softmax_rows
+from ._fwd_split import launch_split
 from ._threshold import FWD_MAX_PASSES as DEFAULT_MAX_PASSES  # re-exported: the public place of the default
 from ._threshold import FWD_POINTS
 from ._threshold import default_tolerance as default_tolerance  # re-exported
@@ -249,6 +251,7 @@ def entmax_attn_fwd(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     block_mask: tuple | None = None,
+    split: bool | None = None,
 ) -> EntmaxAttnFwdResult:
     """Fused entmax attention forward (one kernel launch).
 
@@ -299,6 +302,9 @@ def entmax_attn_fwd(
             one not given is the pinned one of this head dim) instead of the GPU's ``triton.autotune`` over
             ``_common.launch_configs``; for tuning (``benchmarks/tune_tiles.py``). Default None (autotuned on a GPU,
             pinned under the interpreter or with ``SPARSE_ATTN_PINNED=1``).
+        split: run the heads of alpha in (1, 2] by the split forward (a threshold kernel, then a value kernel that
+            knows tau: ``kernels/attn/_fwd_split.py``) with the pinned launch config; None: only when the environment
+            sets ``SPARSE_ATTN_FWD_SPLIT=1``. Default None.
 
     Returns:
         :class:`EntmaxAttnFwdResult`.
@@ -311,6 +317,10 @@ def entmax_attn_fwd(
     plan = _plan(q, k, v, alpha, scale, bias, is_causal, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                  dropout_p, seed, tol, max_passes, alpha_class, need_out_u, block_m, block_n, window_size, alibi_slopes,
                  softcap, sinks, block_mask)
+    if split or (split is None and os.environ.get("SPARSE_ATTN_FWD_SPLIT", "0") == "1"):
+        # the split forward (docs/kernels.md, "After: the split forward as built"); opt-in until a GPU has timed it
+        return launch_split(plan.grid, plan.launches, plan.options if forced is None else forced,
+                            _entmax_attn_fwd_kernel, plan.result)
     for args in plan.launches:
         if forced is not None:
             _entmax_attn_fwd_kernel[plan.grid](**args, **forced)
@@ -398,3 +408,8 @@ def _plan(q, k, v, alpha, scale, bias, is_causal, cu_seqlens_q, cu_seqlens_k, ma
     )
     launches = [dict(args, ALPHA_CLASS=c, HEAD_FILTER=f) for c, f in class_launches(alpha_class)]
     return _Launch((n_q_tiles, n_heads, n_seq), launches, dict(num_warps=num_warps, num_stages=num_stages), result)
+
+
+def entmax_attn_fwd_split(*args, **kwargs) -> EntmaxAttnFwdResult:
+    """:func:`entmax_attn_fwd` with ``split=True``: the same arguments and result."""
+    return entmax_attn_fwd(*args, split=True, **kwargs)
