@@ -72,7 +72,7 @@ def _method(name: str, args, q, k, v):
     from sparse_attn import entmax_attention
     from sparse_attn.reference import entmax_attention_reference
 
-    alpha = args.alpha
+    alpha = _alpha(args, q.shape[1], q.requires_grad)
     if name == "ours":
         return lambda: entmax_attention(q, k, v, alpha, is_causal=args.causal)
     if name == "old":
@@ -82,13 +82,15 @@ def _method(name: str, args, q, k, v):
     if name == "entmax":
         import entmax
 
-        if alpha == 1.5:
+        if isinstance(alpha, float) and alpha == 1.5:
             mapping = entmax.entmax15
-        elif alpha == 2.0:
+        elif isinstance(alpha, float) and alpha == 2.0:
             mapping = entmax.sparsemax
         else:
+            a = alpha if isinstance(alpha, float) else alpha.view(1, -1, 1, 1)
+
             def mapping(x, dim):
-                return entmax.entmax_bisect(x, alpha, dim=dim)
+                return entmax.entmax_bisect(x, a, dim=dim)
 
         n_q, n_k = q.shape[2], k.shape[2]
         drop = None
@@ -103,6 +105,16 @@ def _method(name: str, args, q, k, v):
 
         return run
     raise ValueError(f"unknown method {name!r}")
+
+
+def _alpha(args, heads: int, grad: bool):
+    """The benchmark's alpha: a Python number, or ``learnable``: one alpha per head, ``linspace(1, 2, heads)``, a
+    tensor that requires a gradient in the ``fwd+bwd`` mode (as a module's learnable alpha)."""
+    import torch
+
+    if args.alpha == "learnable":
+        return torch.linspace(1.0, 2.0, heads).requires_grad_(grad)
+    return float(args.alpha)
 
 
 def worker(args) -> dict:
@@ -162,7 +174,9 @@ def main(argv=None) -> int:
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--seq", type=int, default=2048, help="queries = keys (default 2048)")
     parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--alpha", type=float, default=1.5)
+    parser.add_argument("--alpha", default="1.5",
+                        help="a number in [1, 2], or 'learnable': linspace(1, 2, heads), one alpha per head, "
+                             "differentiated in fwd+bwd (default 1.5)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "float64"))
     parser.add_argument("--no-causal", dest="causal", action="store_false", help="full attention (default causal)")
     parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {','.join(METHODS)}")

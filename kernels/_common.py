@@ -12,6 +12,7 @@ backward replays exactly the mask the forward drew without storing it.
 from __future__ import annotations
 
 import os
+import struct
 
 import torch
 import triton
@@ -29,9 +30,29 @@ LN2 = tl.constexpr(0.6931471805599453)
 ALPHA_CLASSES = {"softmax": 0, "sparsemax": 1, "entmax15": 2, "general": 3}
 
 
+def computed_alpha(alpha: float, dtype: torch.dtype = torch.float32) -> float:
+    """``alpha`` as a computation in ``dtype`` holds it: rounded to float32, or kept in float64 when ``dtype`` is
+    float64 (the kernels and every float32 / float16 / bfloat16 computation hold alpha in float32).
+
+    Every path decides its alpha class from this value, so a Python alpha such as ``1 + 1e-9`` (1.0 in float32) is
+    the softmax class rather than a general alpha whose ``alpha - 1`` rounds to 0. The general arithmetic is exact in
+    kind for every float32 alpha above 1 (the smallest, ``1 + 2**-23``, included); entmax tends to softmax as
+    ``alpha -> 1`` with weights off by ``O((alpha - 1) * s**2)`` (``s``: the scores' spread), below float32's
+    resolution wherever rounding makes alpha exactly 1.
+    """
+    alpha = float(alpha)
+    if dtype == torch.float64:
+        return alpha
+    try:
+        return struct.unpack("f", struct.pack("f", alpha))[0]  # on the host: no tensor, nothing read back
+    except OverflowError:  # beyond float32's range (no alpha of an attention call): nothing near 1 to decide
+        return alpha
+
+
 def alpha_class_of(alpha_values) -> str:
-    """The compile-time alpha class for known per-head alpha values (a sequence of floats in [1, 2])."""
-    vals = {float(a) for a in alpha_values}
+    """The compile-time alpha class for known per-head alpha values (a sequence of floats in [1, 2]), each taken as
+    the kernels hold it (:func:`computed_alpha`)."""
+    vals = {computed_alpha(a) for a in alpha_values}
     if vals == {1.0}:
         return "softmax"
     if vals == {2.0}:

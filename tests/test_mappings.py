@@ -43,6 +43,40 @@ def test_bisect_matches_reference(alpha):
     torch.testing.assert_close(entmax(x, alpha), reference_entmax(x, alpha), atol=TOL["oracle_f64"], rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [F64, torch.float32], ids=str)
+def test_long_rows_take_the_candidate_solver(dtype, monkeypatch):
+    """Rows of at least 4 * _GROUPS entries are solved over their candidates only (mappings._solve_rows): narrow and
+    nearly flat rows in one batch, per-row alpha above 2 too, -inf entries, temperatures from 0.3 to 10. Against
+    the float64 bisection oracle, with exact zeros off the support and the candidate path checked to have run."""
+    n, alphas = 700, [1.02, 1.1, 1.3, 1.5, 1.6, 1.9, 2.0, 2.5, 3.5, 1.3, 1.7, 1.25]
+    scales = torch.tensor([0.3, 1.0, 3.0, 10.0] * 3, dtype=F64).unsqueeze(1)
+    x = randn(len(alphas), n, seed=11) * scales
+    x[2, ::3] = -math.inf
+    x[5, 100:] = -math.inf
+    alpha = torch.tensor(alphas, dtype=F64).unsqueeze(1)
+    solved = []
+    real = mappings._newton_rows
+
+    def spy(rows, a, *args, **kwargs):
+        solved.append((tuple(rows.shape), kwargs.get("t0") is not None))
+        return real(rows, a, *args, **kwargs)
+
+    monkeypatch.setattr(mappings, "_newton_rows", spy)
+    xd, ad = x.to(dtype), alpha.to(dtype)
+    p = entmax_bisect(xd, ad)
+    ref = reference_entmax(xd.to(F64), ad.to(F64))
+    if dtype == F64:
+        torch.testing.assert_close(p, ref, atol=TOL["oracle_f64"], rtol=0)
+    else:
+        assert_close_to_ref(p, ref, eps=TOL["eps_mapping"])
+    assert all(started for _, started in solved) and any(w < n for (_, w), _ in solved), solved
+    assert bool((p[ref == 0] == 0).all()), "a weight outside the support"
+    # the same rows one at a time (other batch companions, other padding) give the same weights
+    for i in (0, 3, 8):
+        torch.testing.assert_close(entmax_bisect(xd[i:i + 1], ad[i:i + 1]), p[i:i + 1], atol=TOL["same_values"][dtype],
+                                   rtol=0)
+
+
 def test_per_head_alpha_on_masked_scores():
     b, h, n = 2, 5, 9
     s = randn(b, h, n, n, seed=7)

@@ -18,6 +18,7 @@ import triton.language as tl
 from .._common import LN2, LOG2E, dropout_keep, load_rows
 from .._masking import block_tile_live, live_tile, mark_tile, score_mod, sink_tile, visit_tile, walk_words, word_bits
 from ._threshold import (
+    FAST_BETA_MAX,
     cand_bracket,
     cand_points,
     cand_sums,
@@ -467,16 +468,28 @@ def entmax_rows(q, kv, rw, tiles, mods, sc, POW: tl.constexpr, GRID_K: tl.conste
     # with two head-dim-256 accumulators the training forward spills inside its loops (docs/kernels.md): there the
     # value pass runs twice, out first, then out_u over the tiles still live (the same sums: dead tiles add zeros)
     SPLIT_U: tl.constexpr = NEED_OUT_U and kv.dv_ok.shape[0] > 128
-    acc, l_sum, nnz, acc_u, u_sum, visits = _value_pass(
-        q, kv, rw, tiles, mods, (t_use, lo_kill, beta, z_scale, am1, visits), POW, BIAS_KIND, MASK, SCORE, HAS_DROPOUT,
-        True, NEED_OUT_U and not SPLIT_U, HALF_P, DOT_PRECISION)
+    vp = (t_use, lo_kill, beta, z_scale, am1, visits)
+    if HALF_P and POW == 0:
+        # the fast log2 rounds 1 + w to float32 first: about 2.3e-7 * beta relative error per weight, kept under an
+        # eighth of float16's rounding only up to FAST_BETA_MAX (near alpha = 1, beta reaches 2**23)
+        if beta <= FAST_BETA_MAX:
+            acc, l_sum, nnz, acc_u, u_sum, visits = _value_pass(
+                q, kv, rw, tiles, mods, vp, POW, BIAS_KIND, MASK, SCORE, HAS_DROPOUT, True, False, True, DOT_PRECISION)
+        else:
+            acc, l_sum, nnz, acc_u, u_sum, visits = _value_pass(
+                q, kv, rw, tiles, mods, vp, POW, BIAS_KIND, MASK, SCORE, HAS_DROPOUT, True, False, False,
+                DOT_PRECISION)
+    else:
+        acc, l_sum, nnz, acc_u, u_sum, visits = _value_pass(
+            q, kv, rw, tiles, mods, vp, POW, BIAS_KIND, MASK, SCORE, HAS_DROPOUT, True, NEED_OUT_U and not SPLIT_U,
+            False, DOT_PRECISION)
     if SPLIT_U:
         n_passes += 1
         _, _, _, acc_u, u_sum, visits = _value_pass(
             q, kv, rw, tiles, mods, (t_use, lo_kill, beta, z_scale, am1, visits), POW, BIAS_KIND, MASK, SCORE,
-            HAS_DROPOUT, False, True, HALF_P, DOT_PRECISION)
+            HAS_DROPOUT, False, True, False, DOT_PRECISION)
     if SCORE[3]:
-        p_s = weights(zs, t_use, POW, beta, HALF_P)
+        p_s = weights(zs, t_use, POW, beta)
         l_sum += tl.sum(p_s, 1)
         if NEED_OUT_U:
             u_sum += tl.sum(_u_weights(zs, t_use, p_s, POW), 1)

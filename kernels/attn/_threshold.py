@@ -39,6 +39,8 @@ FWD_POINTS = {1: (8, 4), 2: (8, 1), 0: (4, 1)}
 # on the measured caches (docs/decode.md); candidate passes read only the stored scores, so their points cost no
 # cache reads
 DECODE_POINTS = {1: (8, 8), 2: (8, 8), 0: (8, 4)}
+# the largest beta = 1 / (alpha - 1) at which the value pass of 16-bit outputs takes the fast log2 (``weights``)
+FAST_BETA_MAX = tl.constexpr(256.0)
 # passes over the key range per query tile at most (grid and value pass included) in the fused forward
 FWD_MAX_PASSES = 32
 # launches of the decode split kernel per step (score pass and value pass included) by input dtype; a candidate
@@ -115,7 +117,8 @@ def weights(z, t, POW: tl.constexpr, beta, FAST: tl.constexpr = False):
     The general path forms ``log2(1 + w)``, ``w = z - (tau + 1)``, with ``log2_1p``: near alpha = 1,
     ``r = 1 + w`` is within O(alpha - 1) of 1 and rounding it would cost ``beta`` ulps per weight. ``FAST``
     (weights that are rounded to 16 bits before the value product): ``fast_log2(1 + w)``, a relative error of
-    about ``2.3e-7 * beta`` per weight (1.7e-5 at alpha 1.01), far below the rounding to 16 bits (2**-9).
+    about ``2.3e-7 * beta`` per weight (1.7e-5 at alpha 1.01), far below the rounding to 16 bits (2**-9) while
+    ``beta <= FAST_BETA_MAX``; callers take the accurate form above it.
     """
     if POW == 1:
         p = tl.maximum(z - t[:, None], 0.0)

@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sparse_attn.kernels._common import LN2, LOG2E, expm1mx_series, interpreting, log2_1p
+from sparse_attn.kernels._common import LN2, LOG2E, computed_alpha, expm1mx_series, interpreting, log2_1p
 
 __all__ = [
     "MODE_SOFTMAX",
@@ -67,7 +67,9 @@ _STALL = tl.constexpr(4.76837158203125e-07)
 
 
 def row_mode(alpha: float) -> int:
-    """Kernel mode for one alpha shared by all rows: the exact routes for 1, 1.5 and 2."""
+    """Kernel mode for one alpha shared by all rows: the exact routes for 1, 1.5 and 2 (alpha as the kernel holds it:
+    ``_common.computed_alpha``)."""
+    alpha = computed_alpha(alpha)
     if alpha == 1.0:
         return MODE_SOFTMAX
     if alpha == 2.0:

@@ -30,7 +30,7 @@ from sparse_attn._validation import check_bool, check_number, values_checkable
 from sparse_attn.attn._kv_cache import MAX_DECODE_QUERIES, check_kv_cache
 from sparse_attn.attn.masks import check_block_mask, check_mask
 from sparse_attn.attn.routes import refused, used_variants
-from sparse_attn.kernels._common import interpreting
+from sparse_attn.kernels._common import computed_alpha, interpreting
 from sparse_attn.kernels._spec import DIFFERENTIABLE, AttnSpec, resolve_spec_alpha_class
 
 __all__ = [
@@ -185,8 +185,9 @@ def check_head_alpha(name: str, alpha, n_heads: int) -> None:
         raise TypeError(f"{name} must be a float or a tensor, got {type(alpha).__name__}")
 
 
-def _normalize_alpha(alpha, q: Tensor, in_range: bool):
-    """alpha as ``(tensor (Hq,), python value or None, values known in range)``."""
+def _normalize_alpha(alpha, q: Tensor, in_range: bool, compute_dtype: torch.dtype | None = None):
+    """alpha as ``(tensor (Hq,), python value or None, values known in range)``; a Python alpha as the computation
+    holds it (``compute_dtype``: default float64 for float64 ``q``, float32 otherwise)."""
     n_heads = q.shape[1]
     check_head_alpha("alpha", alpha, n_heads)
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -202,7 +203,9 @@ def _normalize_alpha(alpha, q: Tensor, in_range: bool):
         return alpha.to(device=q.device, dtype=dtype).reshape(-1).expand(n_heads), None, checked
     if not torch.compiler.is_compiling():
         alpha = check_number("alpha", alpha, 1.0, 2.0)
-    return torch.full((n_heads,), alpha, dtype=dtype, device=q.device), float(alpha), True
+    # the value the computation holds (1 + 1e-9 is 1.0 in float32: the softmax class, as a tensor alpha would be)
+    alpha = computed_alpha(alpha, dtype if compute_dtype is None else compute_dtype)
+    return torch.full((n_heads,), alpha, dtype=dtype, device=q.device), alpha, True
 
 
 def _check_cu_seqlens(cu_q, cu_k, q: Tensor, k: Tensor, max_seqlen_q, max_seqlen_k):
@@ -309,14 +312,15 @@ def prepare_attention(
     window_size: tuple[int, int] | None = None, alibi_slopes: Tensor | None = None, sinks: Tensor | None = None,
     softcap: float | None = None, alpha_in_range: bool = False, need_stats: bool = False, kv_cache: bool = False,
     cache_seqlens: Tensor | int | None = None, block_table: Tensor | None = None, num_splits: int | None = None,
-    block_mask=None,
+    block_mask=None, compute_dtype: torch.dtype | None = None,
 ) -> AttnSpec:
     """Validate the arguments of :func:`sparse_attn.entmax_attention` and normalize them into the one spec of the call
     (see :class:`~sparse_attn.kernels._spec.AttnSpec`, also named :data:`AttentionInputs`).
 
     Arguments as :func:`sparse_attn.entmax_attention` (``need_stats`` is its ``return_stats``), plus a promise callers
     may make: ``alpha_in_range`` (a tensor alpha's values are in [1, 2], e.g. a module's alpha, valid by
-    construction: they are not read). Float masks are not checked for NaN / +inf: such entries make
+    construction: they are not read), and the reference's ``compute_dtype`` (a Python alpha is held as that dtype
+    holds it: ``kernels._common.computed_alpha``). Float masks are not checked for NaN / +inf: such entries make
     their rows NaN on every backend (the non-finite policy). Problems with no query, key, head or batch entry
     run on the reference (their output is empty or zero).
 
@@ -354,7 +358,7 @@ def prepare_attention(
                          f"{q.shape[2]}; use sparse_attn.entmax_attention for longer query chunks")
     if not kv_cache and (0 in q.shape[:3] or k.shape[2] == 0):
         backend = "reference"
-    alpha_t, alpha_value, alpha_checked = _normalize_alpha(alpha, q, alpha_in_range)
+    alpha_t, alpha_value, alpha_checked = _normalize_alpha(alpha, q, alpha_in_range, compute_dtype)
     seqlen_k = (block_table.shape[1] * k.shape[1] if block_table is not None else k.shape[2])
     check_mask("attn_mask", attn_mask, q.device, (q.shape[0], q.shape[1], q.shape[2], seqlen_k))
     if varlen:

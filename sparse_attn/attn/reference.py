@@ -299,7 +299,7 @@ def entmax_attention_reference(
         q, k, v, alpha, attn_mask=attn_mask, is_causal=is_causal, scale=scale, dropout_p=dropout_p,
         enable_gqa=True, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k, backend="reference", window_size=window_size, alibi_slopes=alibi_slopes,
-        sinks=sinks, softcap=softcap, block_mask=block_mask,
+        sinks=sinks, softcap=softcap, block_mask=block_mask, compute_dtype=compute_dtype,
     )
     if dropout_mask is not None:
         check_mask("dropout_mask", dropout_mask, q.device, inputs.score_shape, keep_means="True = keep")

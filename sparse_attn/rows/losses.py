@@ -41,6 +41,7 @@ from sparse_attn._validation import (
     check_positive_int,
     check_tensor,
 )
+from sparse_attn.kernels._common import computed_alpha
 from sparse_attn.rows.mappings import _check_alpha_arg, _compute_dtype, entmax15, entmax_bisect, sparsemax
 
 __all__ = [
@@ -164,7 +165,7 @@ def _fy_loss(X, target, alpha, mapping, ignore_index, reduction):
     if isinstance(alpha, torch.Tensor):
         alpha_rows = alpha.detach().to(cdt).reshape(-1, 1).expand(n_rows, 1)
     else:
-        alpha_rows = float(alpha)
+        alpha_rows = computed_alpha(alpha, cdt)
     loss = _FenchelYoungFunction.apply(X, p, y, alpha_rows)
     if keep is not None:
         loss = torch.where(keep, loss, torch.zeros_like(loss))
