@@ -72,6 +72,15 @@ def _q_tile(Q, stride_qm, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
+def _walked_tile(q, K, bits, rank, i, wd, offs_n, offs_d, stride_kn, seqlen_k, z_scale, lo, new_word):
+    """The ``i``-th live tile of bitmap word ``wd`` (``word_bits``): its scores ``z`` and ``new_word`` with the tile's
+    bit set when some row max lies above ``lo``."""
+    kt = live_tile(bits, rank, i, wd)
+    z = tl.dot(q, _k_tile(K, kt, offs_n, offs_d, stride_kn, seqlen_k)) * z_scale
+    return z, new_word | (tl.max((tl.max(z, 1) > lo).to(tl.int32), 0) << (kt - wd * 32))
+
+
+@triton.jit
 def _max_kernel(Q, K, M_OUT, BAD_OUT, stride_qm, stride_kn, seqlen_k, n_tiles, z_scale,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     rows, q = _q_tile(Q, stride_qm, BLOCK_M, BLOCK_D)
@@ -85,6 +94,24 @@ def _max_kernel(Q, K, M_OUT, BAD_OUT, stride_qm, stride_kn, seqlen_k, n_tiles, z
         tot += tl.sum(s, 1)
     tl.store(M_OUT + rows, m * z_scale)
     tl.store(BAD_OUT + rows, (tl.abs(tot) == float("inf")) | (tot != tot))
+
+
+@triton.jit
+def _fixed_points(z, kt, word, t_low, width, pts, F, G, bm1, POW: tl.constexpr, LANES: tl.constexpr, LIVE):
+    """One score tile ``z`` of a points pass at the points ``t_low + i width`` (``i < pts.shape[0]``): the per-lane
+    sums added to ``F``, ``G`` unless no score lies above ``t_low``; its live bit set in ``word`` and stored. Returns
+    ``(word, F, G)``."""
+    live = tl.max((tl.max(z, 1) > t_low).to(tl.int32), 0)
+    lane = kt % 32
+    word = tl.where(lane == 0, 0, word) | (live << lane)
+    if live != 0:
+        for i in tl.static_range(pts.shape[0]):
+            f, g, _ = point_sums(z, t_low + i * width, POW, bm1, t_low, LANES)
+            sel = (pts == i)[None, :, None]
+            F += tl.where(sel, f[:, None, :], 0.0)
+            G += tl.where(sel, g[:, None, :], 0.0)
+    tl.store(LIVE + kt // 32, word)
+    return word, F, G
 
 
 @triton.jit
@@ -102,19 +129,40 @@ def _points_kernel(Q, K, M_IN, F_OUT, G_OUT, LIVE, stride_qm, stride_kn, seqlen_
     word = tl.zeros([], tl.int32)
     for kt in range(0, n_tiles):
         z = tl.dot(q, _k_tile(K, kt, offs_n, offs_d, stride_kn, seqlen_k)) * z_scale
-        live = tl.max((tl.max(z, 1) > t_low).to(tl.int32), 0)
-        lane = kt % 32
-        word = tl.where(lane == 0, 0, word) | (live << lane)
-        if live != 0:
-            for i in tl.static_range(NPTS):
-                f, g, _ = point_sums(z, t_low + i * width, POW, bm1, t_low, LANES)
-                sel = (pts == i)[None, :, None]
-                F += tl.where(sel, f[:, None, :], 0.0)
-                G += tl.where(sel, g[:, None, :], 0.0)
-        tl.store(LIVE + kt // 32, word)
+        word, F, G = _fixed_points(z, kt, word, t_low, width, pts, F, G, bm1, POW, LANES, LIVE)
     offs_p = tl.arange(0, NPTS)
     tl.store(F_OUT + rows[:, None] * NPTS + offs_p[None, :], tl.sum(F, 2))
     tl.store(G_OUT + rows[:, None] * NPTS + offs_p[None, :], tl.sum(G, 2))
+
+
+@triton.jit
+def _refine_pass(q, K, LIVE, n_words, t, lo, kv, bm1, POW: tl.constexpr, LANES: tl.constexpr, COUNT: tl.constexpr):
+    """A refinement pass over the live tiles: per-lane ``f``, ``g`` (and with ``COUNT`` the key counts) at the points
+    ``t [BLOCK_M, NPTS]``, ``[BLOCK_M, NPTS, LANES]`` each; tiles whose row maxima all lie at or below ``lo`` die.
+    ``kv = (offs_n, offs_d, stride_kn, seqlen_k, z_scale)``."""
+    offs_n, offs_d, stride_kn, seqlen_k, z_scale = kv
+    BLOCK_M: tl.constexpr = t.shape[0]
+    NPTS: tl.constexpr = t.shape[1]
+    offs_p = tl.arange(0, NPTS)
+    F = tl.zeros([BLOCK_M, NPTS, LANES], tl.float32)
+    G = tl.zeros([BLOCK_M, NPTS, LANES], tl.float32)
+    C = tl.zeros([BLOCK_M, NPTS, LANES], tl.float32)
+    for wd in range(0, n_words):
+        bits, rank, n_set = word_bits(tl.load(LIVE + wd))
+        new_word = tl.zeros([], tl.int32)
+        for i in range(0, n_set):
+            z, new_word = _walked_tile(q, K, bits, rank, i, wd, offs_n, offs_d, stride_kn, seqlen_k, z_scale, lo,
+                                       new_word)
+            for p in tl.static_range(NPTS):
+                sel = (offs_p == p)[None, :]
+                t_p = tl.sum(tl.where(sel, t, 0.0), 1)
+                f, g, c = point_sums(z, t_p, POW, bm1, t_p, LANES)
+                F += tl.where(sel[:, :, None], f[:, None, :], 0.0)
+                G += tl.where(sel[:, :, None], g[:, None, :], 0.0)
+                if COUNT:
+                    C += tl.where(sel[:, :, None], c[:, None, :], 0.0)
+        tl.store(LIVE + wd, new_word)
+    return F, G, C
 
 
 @triton.jit
@@ -127,27 +175,8 @@ def _refine_kernel(Q, K, T_IN, LO_IN, F_OUT, G_OUT, C_OUT, LIVE, stride_qm, stri
     offs_p = tl.arange(0, NPTS)
     t = tl.load(T_IN + rows[:, None] * NPTS + offs_p[None, :])  # [BLOCK_M, NPTS]
     lo = tl.load(LO_IN + rows)
-    F = tl.zeros([BLOCK_M, NPTS, LANES], tl.float32)
-    G = tl.zeros([BLOCK_M, NPTS, LANES], tl.float32)
-    C = tl.zeros([BLOCK_M, NPTS, LANES], tl.float32)
-    for wd in range(0, n_words):
-        word = tl.load(LIVE + wd)
-        new_word = tl.zeros([], tl.int32)
-        if word != 0:
-            bits, rank, n_set = word_bits(word)
-            for i in range(0, n_set):
-                kt = live_tile(bits, rank, i, wd)
-                z = tl.dot(q, _k_tile(K, kt, offs_n, offs_d, stride_kn, seqlen_k)) * z_scale
-                new_word = new_word | (tl.max((tl.max(z, 1) > lo).to(tl.int32), 0) << (kt - wd * 32))
-                for p in tl.static_range(NPTS):
-                    sel = (offs_p == p)[None, :]
-                    t_p = tl.sum(tl.where(sel, t, 0.0), 1)
-                    f, g, c = point_sums(z, t_p, POW, bm1, t_p, LANES)
-                    F += tl.where(sel[:, :, None], f[:, None, :], 0.0)
-                    G += tl.where(sel[:, :, None], g[:, None, :], 0.0)
-                    if POW != 0:
-                        C += tl.where(sel[:, :, None], c[:, None, :], 0.0)
-        tl.store(LIVE + wd, new_word)
+    F, G, C = _refine_pass(q, K, LIVE, n_words, t, lo, (offs_n, offs_d, stride_kn, seqlen_k, z_scale), bm1, POW,
+                           LANES, POW != 0)
     tl.store(F_OUT + rows[:, None] * NPTS + offs_p[None, :], tl.sum(F, 2))
     tl.store(G_OUT + rows[:, None] * NPTS + offs_p[None, :], tl.sum(G, 2))
     tl.store(C_OUT + rows[:, None] * NPTS + offs_p[None, :], tl.sum(C, 2))
@@ -202,21 +231,19 @@ def _value_kernel(Q, K, V, TAU_IN, OUT, L_OUT, NNZ_OUT, LIVE, stride_qm, stride_
         l_sum = tl.zeros([BLOCK_M, LANES], tl.float32)
         nnz = tl.zeros([BLOCK_M, LANES], tl.float32)
     for wd in range(0, n_words):
-        word = tl.load(LIVE + wd)
+        bits, rank, n_set = word_bits(tl.load(LIVE + wd))
         new_word = tl.zeros([], tl.int32)
-        if word != 0:
-            bits, rank, n_set = word_bits(word)
-            for i in range(0, n_set):
-                kt = live_tile(bits, rank, i, wd)
-                z = tl.dot(q, _k_tile(K, kt, offs_n, offs_d, stride_kn, seqlen_k)) * z_scale
-                p = weights(z, tau, POW, beta, True)
-                l_sum += row_sums(p, LANES)
-                if NNZ:
-                    pos = p > 0.0
-                    nnz += row_sums(pos.to(tl.float32), LANES)
-                    new_word = new_word | (tl.max(tl.max(pos.to(tl.int32), 1), 0) << (kt - wd * 32))
-                v = _v_tile(V, kt, offs_n, offs_d, stride_vn, seqlen_k)
-                acc += tl.dot(p.to(v.dtype), v)
+        for i in range(0, n_set):
+            kt = live_tile(bits, rank, i, wd)
+            z = tl.dot(q, _k_tile(K, kt, offs_n, offs_d, stride_kn, seqlen_k)) * z_scale
+            p = weights(z, tau, POW, beta, True)
+            l_sum += row_sums(p, LANES)
+            if NNZ:
+                pos = p > 0.0
+                nnz += row_sums(pos.to(tl.float32), LANES)
+                new_word = new_word | (tl.max(tl.max(pos.to(tl.int32), 1), 0) << (kt - wd * 32))
+            v = _v_tile(V, kt, offs_n, offs_d, stride_vn, seqlen_k)
+            acc += tl.dot(p.to(v.dtype), v)
         if NNZ:
             tl.store(LIVE + wd, new_word)
     if LANES == 0:
@@ -252,16 +279,7 @@ def _threshold_kernel(Q, K, TAU_OUT, LIVE, stride_qm, stride_kn, seqlen_k, n_til
     word = tl.zeros([], tl.int32)
     for kt in range(0, n_tiles):
         z = tl.dot(q, _k_tile(K, kt, offs_n, offs_d, stride_kn, seqlen_k)) * z_scale
-        live = tl.max((tl.max(z, 1) > t_low).to(tl.int32), 0)
-        lane = kt % 32
-        word = tl.where(lane == 0, 0, word) | (live << lane)
-        if live != 0:
-            for i in tl.static_range(4):
-                f, g, _ = point_sums(z, t_low + i / 3.0, POW, bm1, t_low, 4)
-                sel = (pts == i)[None, :, None]
-                F += tl.where(sel, f[:, None, :], 0.0)
-                G += tl.where(sel, g[:, None, :], 0.0)
-        tl.store(LIVE + kt // 32, word)
+        word, F, G = _fixed_points(z, kt, word, t_low, 1.0 / 3.0, pts, F, G, bm1, POW, 4, LIVE)
     tl.debug_barrier()
     f4 = tl.sum(F, 2)
     above = tl.sum((f4 >= 1.0).to(tl.float32), 1) - 1.0
@@ -274,30 +292,15 @@ def _threshold_kernel(Q, K, TAU_OUT, LIVE, stride_qm, stride_kn, seqlen_k, n_til
         est = 0.5 * (lo + hi)
         t0 = est - 0.5 * tol
         t1 = est + 0.5 * tol
-        F0 = tl.zeros([BLOCK_M, 4], tl.float32)
-        F1 = tl.zeros([BLOCK_M, 4], tl.float32)
-        G0 = tl.zeros([BLOCK_M, 4], tl.float32)
-        G1 = tl.zeros([BLOCK_M, 4], tl.float32)
-        for wd in range(0, n_words):
-            word = tl.load(LIVE + wd)
-            new_word = tl.zeros([], tl.int32)
-            if word != 0:
-                bits, rank, n_set = word_bits(word)
-                for i in range(0, n_set):
-                    kt = live_tile(bits, rank, i, wd)
-                    z = tl.dot(q, _k_tile(K, kt, offs_n, offs_d, stride_kn, seqlen_k)) * z_scale
-                    new_word = new_word | (tl.max((tl.max(z, 1) > lo).to(tl.int32), 0) << (kt - wd * 32))
-                    f, g, _ = point_sums(z, t0, POW, bm1, t0, 4)
-                    F0 += f
-                    G0 += g
-                    f, g, _ = point_sums(z, t1, POW, bm1, t1, 4)
-                    F1 += f
-                    G1 += g
-            tl.store(LIVE + wd, new_word)
+        pair = tl.arange(0, 2)[None, :, None]
+        t = tl.where(tl.arange(0, 2)[None, :] == 0, t0[:, None], t1[:, None])
+        F2, G2, _ = _refine_pass(q, K, LIVE, n_words, t, lo, (offs_n, offs_d, stride_kn, seqlen_k, z_scale), bm1, POW,
+                                 4, False)
         tl.debug_barrier()
-        f0 = tl.sum(F0, 1)
-        f1 = tl.sum(F1, 1)
-        lo = tl.where(f0 >= 1.0, tl.maximum(lo, t0 + (f0 - 1.0) / tl.maximum(tl.sum(G0, 1), 1e-30)), lo)
+        f0 = tl.sum(tl.sum(tl.where(pair == 0, F2, 0.0), 2), 1)
+        f1 = tl.sum(tl.sum(tl.where(pair == 1, F2, 0.0), 2), 1)
+        g0 = tl.sum(tl.sum(tl.where(pair == 0, G2, 0.0), 2), 1)
+        lo = tl.where(f0 >= 1.0, tl.maximum(lo, t0 + (f0 - 1.0) / tl.maximum(g0, 1e-30)), lo)
         hi = tl.where(f1 < 1.0, tl.minimum(hi, t1), hi)
         passes += 1
         go = (tl.max(hi - lo, 0) > tol) & (passes < max_passes)
@@ -375,31 +378,29 @@ def tile_loops(compiled, block_m, block_n, d, warps):
     return res
 
 
-def split_builds(d: int, n: int, classes, need_out_u: bool = False, causal: bool = False):
-    """The real split forward (``kernels/attn/_fwd_split.py``) built as a launch builds it (CPU tensors, the JIT's
-    specialization, the pinned config): ``[(name, compiled, block_m, block_n, warps)]`` for the threshold and the
-    value kernel of each class."""
-    from sparse_attn.kernels.attn import _fwd_split
-    from sparse_attn.kernels.attn.entmax_attn_fwd import entmax_attn_fwd_split
+def split_builds(d: int, n: int, classes, need_out_u: bool = False, causal: bool = False, options=None):
+    """The real split forward (``kernels/attn/_fwd_split.py``: stages 1 and 2 of the forward kernel) built as a launch
+    builds it (CPU tensors, the JIT's specialization, the pinned config, or ``options`` over it: the launcher's
+    ``block_m``, ``block_n``, ``num_warps``, ``num_stages``, and ``maxnreg`` for the threshold kernel):
+    ``[(name, compiled, block_m, block_n, warps)]`` for the threshold and the value kernel of each class."""
+    from sparse_attn.kernels.attn import entmax_attn_fwd as fwd
 
+    options = dict(options or {})
+    launch = {k: options.pop(k) for k in ("block_m", "block_n", "num_warps", "num_stages") if k in options}
+    maxnreg = options.pop("maxnreg", None)
     out = []
     for cls in classes:
         q, k, v, _ = sm90_build._problem(d, n, torch.bfloat16, False)
         alpha = torch.full((q.shape[1],), sm90_build.ALPHA_OF_CLASS[cls])
-        caps = {}
-        for name in ("_entmax_attn_thr_kernel", "_entmax_attn_val_kernel"):
-            caps[name] = sm90_build._Capture(getattr(_fwd_split, name))
-            setattr(_fwd_split, name, caps[name])
-        try:
-            entmax_attn_fwd_split(q, k, v, alpha, d ** -0.5, is_causal=causal, alpha_class=cls,
-                                             need_out_u=need_out_u)
-        finally:
-            for name, cap in caps.items():
-                setattr(_fwd_split, name, cap.kernel)
-        for name, cap in caps.items():
-            _, args, kwargs = cap.launches[-1]
-            compiled = sm90_build.compile_like_launch(cap.kernel, args, kwargs)
-            kind = "threshold" if "thr" in name else "value"
+        kernel, launches = sm90_build.captured_launches(fwd, "_entmax_attn_fwd_kernel", fwd.entmax_attn_fwd, q, k, v,
+                                                        alpha, d ** -0.5, is_causal=causal, alpha_class=cls,
+                                                        need_out_u=need_out_u, split=True, **launch)
+        for _, args, kwargs in launches:
+            kwargs = dict(kwargs, **options)
+            if maxnreg and kwargs["STAGE"] == 1:
+                kwargs["maxnreg"] = maxnreg
+            compiled = sm90_build.compile_like_launch(kernel, args, kwargs)
+            kind = "threshold" if kwargs["STAGE"] == 1 else "value"
             out.append((f"split {kind}{'+out_u' if need_out_u else ''} {cls}", compiled, kwargs["BLOCK_M"],
                         kwargs["BLOCK_N"], kwargs["num_warps"]))
     return out
@@ -409,9 +410,9 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--d", type=int, default=128)
     ap.add_argument("--n", type=int, default=4096)
-    ap.add_argument("--block", type=int, nargs=2, default=[64, 64])
-    ap.add_argument("--warps", type=int, default=4)
-    ap.add_argument("--stages", type=int, default=2)
+    ap.add_argument("--block", type=int, nargs=2, default=None, help="tiles (default 64 64; --split: the pinned)")
+    ap.add_argument("--warps", type=int, default=None, help="warps (default 4; --split: the pinned)")
+    ap.add_argument("--stages", type=int, default=None, help="pipeline stages (default 2; --split: the pinned)")
     ap.add_argument("--maxnreg", type=int, default=None, help="register cap of the threshold kernel builds")
     ap.add_argument("--classes", nargs="+", default=["entmax15", "sparsemax", "general"])
     ap.add_argument("--only", nargs="*", default=None, help="prototype names starting with these")
@@ -421,10 +422,14 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.split:
         rows = []
-        print(f"# lean_passes --split: triton {triton.__version__}, sm_90, bf16, d {args.d}, N {args.n}, not causal",
-              flush=True)
+        opts = {k: v for k, v in (("num_warps", args.warps), ("num_stages", args.stages), ("maxnreg", args.maxnreg))
+                if v is not None}
+        if args.block:
+            opts.update(block_m=args.block[0], block_n=args.block[1])
+        print(f"# lean_passes --split: triton {triton.__version__}, sm_90, bf16, d {args.d}, N {args.n}, not causal"
+              + (f", {opts}" if opts else ""), flush=True)
         for need_out_u in (False, True):
-            for name, compiled, bm, bn, warps in split_builds(args.d, args.n, args.classes, need_out_u):
+            for name, compiled, bm, bn, warps in split_builds(args.d, args.n, args.classes, need_out_u, options=opts):
                 info = sm90_build.analyse(compiled)
                 loops = tile_loops(compiled, bm, bn, args.d, warps)
                 rows.append(dict(name=name, triton=triton.__version__, regs=info["regs"], spill=info["spill"],
@@ -439,7 +444,9 @@ def main(argv=None):
             with open(args.json, "w") as f:
                 json.dump(rows, f, indent=1)
         return 0
-    block_m, block_n = args.block
+    block_m, block_n = args.block or (64, 64)
+    args.warps = args.warps or 4
+    args.stages = args.stages or 2
     print(f"# lean_passes: triton {triton.__version__}, sm_90, bf16, d {args.d}, N {args.n}, {block_m}x{block_n}, "
           f"{args.warps} warps, {args.stages} stages" + (f", maxnreg {args.maxnreg}" if args.maxnreg else ""),
           flush=True)

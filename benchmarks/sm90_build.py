@@ -119,14 +119,14 @@ def _problem(head_dim, n, dtype, varlen, heads=4):
 def fwd_case(head_dim: int, alpha_class: str, causal: bool = True, dtype=torch.bfloat16, n: int = N_DEFAULT,
              mask: str | None = None, dropout: bool = False, varlen: bool = False, need_out_u: bool = False,
              window_size=None, softcap: float | None = None, alibi: bool = False, sinks: bool = False,
-             config: tuple | None = None):
+             config: tuple | None = None, block: tuple | None = None):
     """Build the forward for one configuration as the launcher launches it; returns the analysis dict.
 
     ``mask``: None, ``"float"`` (an additive ``(B, 1, Nq, Nk)`` bias) or ``"bool"`` (a keep mask);
     ``need_out_u``: the training forward, which also accumulates the backward's ``out_u``;
     ``window_size``: a sliding window ``(left, right)`` or None; ``softcap``, ``alibi``, ``sinks``: soft-capping,
     ALiBi slopes, per-head sinks; ``config``: ``(num_warps, num_stages)`` instead of the pinned one (an autotune
-    candidate).
+    candidate); ``block``: ``(block_m, block_n)`` instead of the pinned tiles.
     """
     q, k, v, cu = _problem(head_dim, n, dtype, varlen)
     variants = dict(window_size=window_size, softcap=softcap,
@@ -138,6 +138,8 @@ def fwd_case(head_dim: int, alpha_class: str, causal: bool = True, dtype=torch.b
     extra = {"alpha_class": alpha_class} if "alpha_class" in fwd.entmax_attn_fwd.__code__.co_varnames else {}
     if need_out_u:
         extra["need_out_u"] = True
+    if block is not None:
+        extra.update(block_m=block[0], block_n=block[1])
     tuned = getattr(fwd, "_entmax_attn_fwd_autotuned", None)
     if tuned is not None:  # the autotuned kernel: record its launch, build it with the pinned config
         cap = _Capture(tuned)

@@ -499,26 +499,41 @@ def cmd_model(args):
                 print("  ".join(r))
 
 
+def _per_tile(cycles, block, ref=(64, 64)):
+    """Cycles of a loop over ``block`` (``"BMxBN"``) tiles, per ``ref`` tile's worth of scores."""
+    bm, bn = (int(x) for x in block.split("x"))
+    return cycles * ref[0] * ref[1] / (bm * bn)
+
+
 def cmd_after(args):
     """The built split forward (``lean_passes.py --split --json``) priced like ``model``: max pass (its plain path),
     bracket pass, refinement passes (the mean count of ``--strategy`` in the emulation, bf16) and the value pass,
-    against today's kernel (``sass_cost.py --json``) and its softmax loop, static and with the issue share."""
+    against today's kernel (``sass_cost.py --json``) and its softmax loop, static and with the issue share. Cycles are
+    per 64 x 64 tile's worth of scores (builds at other tiles scaled), so that configs compare; the value pass of the
+    general class is its fast-log2 loop (the shorter of its two)."""
     recs = [json.loads(line) for path in args.emulation for line in open(path)]
     with open(args.split) as f:
         split = {r["name"]: r for r in json.load(f)}
+    with open(args.today) as f:
+        blocks = {b["cls"]: b["info"]["block"] for b in json.load(f)["builds"]}
     today = _today(args.today, 4)
+    for cls, t in today.items():
+        for k in ("grid", "grid_dead", "cand", "value", "softmax"):
+            if k in t:
+                t[k] = _per_tile(t[k], blocks[cls])
     soft = today["softmax"]
     soft_u = issue_share(soft["regs"], soft["smem"], soft["warps"], args.cpi)[0]
-    print("| class | threshold kernel: max (plain) / 4 points / 2-point refinement, regs | value kernel, regs | "
-          "refinements | dense / 60% / 90% dead, static | today's | dense / 90% dead, issue share | today's |")
+    print("| class | threshold kernel: max (plain) / 4 points / 2-point refinement, regs / spill | value kernel, "
+          "regs / spill | refinements | dense / 60% / 90% dead, static | today's | dense / 90% dead, issue share | "
+          "today's |")
     print("|---|---|---|---|---|---|---|---|")
     for alpha, cls in CLASS_OF_ALPHA.items():
         thr, val = split.get(f"split threshold {cls}"), split.get(f"split value {cls}")
         if thr is None or val is None:
             continue
-        mx, pts, ref = (lp["live"]["cycles"] for lp in thr["loops"])
-        mx_plain = thr["loops"][0]["dead"]["cycles"]
-        vv = val["loops"][0]["live"]["cycles"]
+        mx, pts, ref = (_per_tile(lp["live"]["cycles"], thr["block"]) for lp in thr["loops"])
+        mx_plain = _per_tile(thr["loops"][0]["dead"]["cycles"], thr["block"])
+        vv = _per_tile(min(lp["live"]["cycles"] for lp in val["loops"]), val["block"])
         sel = [r for r in recs if r["alpha"] == alpha and r["strategy"] == args.strategy and r["dtype"] == "bf16"]
         n_ref = sum(sum(1 for name, _, _ in v if name == "refine") for r in sel for v in r["visits"]) / max(
             sum(len(r["visits"]) for r in sel), 1)
@@ -528,14 +543,17 @@ def cmd_after(args):
         dense_u = (mx_plain + pts + n_ref * ref) / u_t + vv / u_v
         t = today[cls]
         t_dense = t["grid"] + t["cand"] * (1.12 if alpha == 2.0 else 1.0) + t["value"]
+        t_u = issue_share(t["regs"], t["smem"], t["warps"], args.cpi)[0]
         s0 = soft["softmax"]
         stat = [dense / s0] + [((1 - d) * dense + d * mx_plain) / s0 for d in (0.6, 0.9)]
         t_stat = [t_dense / s0] + [((1 - d) * t_dense + d * t["grid_dead"]) / s0 for d in (0.6, 0.9)]
         occ = [dense_u / (s0 / soft_u), (0.1 * dense_u + 0.9 * mx_plain / u_t) / (s0 / soft_u)]
-        print(f"| {cls} | {mx} ({mx_plain}) / {pts} / {ref}, {thr['regs']} | {vv}, {val['regs']} | {n_ref:.2f} | "
+        t_occ = [t_dense / t_u / (s0 / soft_u), (0.1 * t_dense + 0.9 * t["grid_dead"]) / t_u / (s0 / soft_u)]
+        print(f"| {cls} | {mx:.0f} ({mx_plain:.0f}) / {pts:.0f} / {ref:.0f}, {thr['regs']} / {thr['spill']} | "
+              f"{vv:.0f}, {val['regs']} / {val['spill']} | {n_ref:.2f} | "
               + " / ".join(f"{x:.2f}x" for x in stat) + " | " + " / ".join(f"{x:.2f}x" for x in t_stat) + " | "
               + " / ".join(f"{x:.2f}x" for x in occ) + f" (W {u_t * args.cpi:g} / {u_v * args.cpi:g}) | "
-              + f"{t_stat[0]:.2f}x / {t_stat[2]:.2f}x |")
+              + " / ".join(f"{x:.2f}x" for x in t_occ) + " |")
 
 
 def cmd_table(args):

@@ -303,6 +303,20 @@ def solve(br, POW: tl.constexpr):
 
 
 @triton.jit
+def tighten(act, br, new, est, lo, hi, exact, POW: tl.constexpr):
+    """After a pass that merged new points into ``new`` (from ``br``): on the rows ``act`` the bracket ``new``, its
+    estimate and its certified bounds intersected with ``[lo, hi]`` (``solve``); the other rows unchanged. Returns
+    ``(br, est, lo, hi, exact)``."""
+    br = pick_bracket(act, new, br)
+    n_est, n_lo, n_hi, n_exact = solve(br, POW)
+    lo = tl.where(act, tl.maximum(lo, n_lo), lo)
+    hi = tl.where(act, tl.minimum(hi, n_hi), hi)
+    lo = tl.minimum(lo, hi)
+    est = tl.minimum(tl.maximum(tl.where(act, n_est, est), lo), hi)
+    return br, est, lo, hi, tl.where(act, n_exact, exact)
+
+
+@triton.jit
 def width_done(exact, lo, hi, usable, tol):
     """The fused forward's stopping rule: rows whose threshold needs no more passes, i.e. exact, unusable, or with a
     certified bracket narrower than ``tol + 4.8e-7 |lo|`` (``[BLOCK_M]``)."""
@@ -494,13 +508,16 @@ def cand_points(m, lo, hi, CAND_P: tl.constexpr):
 
 
 @triton.jit
-def cand_sums(z, pts, acc, POW: tl.constexpr, CAND_P: tl.constexpr, bm1, LANES: tl.constexpr = 0):
+def cand_sums(z, pts, acc, POW: tl.constexpr, CAND_P: tl.constexpr, bm1, LANES: tl.constexpr = 0,
+              COUNT: tl.constexpr = True):
     """Add the point sums of the score tile ``z`` of a candidate pass to the accumulators ``acc = (f1, g1, c1, FP, GP,
     CP)`` and return them. ``pts = (t_1, l_1, t_p, l_p, cand)``: with ``CAND_P == 1`` the point ``t_1`` (POW 0's
     reference log ``l_1``), its sums added to ``f1``, ``g1``, ``c1`` (``[BLOCK_M]``); else the candidate points ``t_p``
     (``l_p``; ``cand`` their column indices as float32, ``[CAND_P]``), their sums added to ``FP``, ``GP``, ``CP``
     (``[BLOCK_M, CAND_P]``). With ``LANES > 0`` per-lane partials (a trailing ``LANES`` axis, ``row_sums``). The unused
-    entries of both tuples pass through."""
+    entries of both tuples pass through. Without ``COUNT`` the counts of several points stay 0: at alpha 1.5 "not
+    counted" (a count is two more instructions per score and point, read only by the exact-root test); at alpha 2 the
+    count is ``g``, which ``cand_bracket`` reads in its place, so no accumulator is spent on it."""
     t_1, l_1, t_p, l_p, cand = pts
     f1, g1, c1, FP, GP, CP = acc
     if CAND_P == 1:
@@ -515,7 +532,7 @@ def cand_sums(z, pts, acc, POW: tl.constexpr, CAND_P: tl.constexpr, bm1, LANES: 
                                  tl.sum(tl.where(sel_c, l_p, 0.0), 1), LANES)
             FP += tl.where(_lane_axis(sel_c, LANES), _at_slot(f, LANES), 0.0)
             GP += tl.where(_lane_axis(sel_c, LANES), _at_slot(g, LANES), 0.0)
-            if POW != 0:
+            if POW != 0 and COUNT:
                 CP += tl.where(_lane_axis(sel_c, LANES), _at_slot(c, LANES), 0.0)
     return f1, g1, c1, FP, GP, CP
 
@@ -558,7 +575,10 @@ def cand_bracket(br, pts, acc, am1, POW: tl.constexpr, CAND_P: tl.constexpr, LAN
         new = br
         FP = lane_total(FP, LANES)
         GP = lane_total(GP, LANES)
-        CP = lane_total(CP, LANES)
+        if POW == 1:
+            CP = GP  # the count at alpha 2 (cand_sums)
+        else:
+            CP = lane_total(CP, LANES)
         for p in tl.static_range(CAND_P):
             sel_c = (cand == p)[None, :]
             f_p = tl.sum(tl.where(sel_c, FP, 0.0), 1)
