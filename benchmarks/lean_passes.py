@@ -417,6 +417,7 @@ def main(argv=None):
     ap.add_argument("--classes", nargs="+", default=["entmax15", "sparsemax", "general"])
     ap.add_argument("--only", nargs="*", default=None, help="prototype names starting with these")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--causal", action="store_true", help="--split: the causal builds")
     ap.add_argument("--split", action="store_true",
                     help="build the real split forward (kernels/attn/_fwd_split.py) instead of the prototypes")
     args = ap.parse_args(argv)
@@ -426,10 +427,11 @@ def main(argv=None):
                 if v is not None}
         if args.block:
             opts.update(block_m=args.block[0], block_n=args.block[1])
-        print(f"# lean_passes --split: triton {triton.__version__}, sm_90, bf16, d {args.d}, N {args.n}, not causal"
-              + (f", {opts}" if opts else ""), flush=True)
+        print(f"# lean_passes --split: triton {triton.__version__}, sm_90, bf16, d {args.d}, N {args.n}, "
+              f"{'causal' if args.causal else 'not causal'}" + (f", {opts}" if opts else ""), flush=True)
         for need_out_u in (False, True):
-            for name, compiled, bm, bn, warps in split_builds(args.d, args.n, args.classes, need_out_u, options=opts):
+            for name, compiled, bm, bn, warps in split_builds(args.d, args.n, args.classes, need_out_u, args.causal,
+                                                              options=opts):
                 info = sm90_build.analyse(compiled)
                 loops = tile_loops(compiled, bm, bn, args.d, warps)
                 rows.append(dict(name=name, triton=triton.__version__, regs=info["regs"], spill=info["spill"],

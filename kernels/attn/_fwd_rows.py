@@ -249,14 +249,15 @@ def softmax_rows(q, kv, rw, tiles, mods, scale, BIAS_KIND: tl.constexpr, MASK, S
         if tile_open:
             cols = _key_cols(kt, kv)
             s = _score_tile(q, kv, rw, cols, mods, scale * LOG2E, LOG2E, BIAS_KIND, MASK, SCORE, DOT_PRECISION)
-            ok = s > float("-inf")
-            m_new = tl.maximum(m, tl.max(s, 1))
+            s_max = tl.max(s, 1)
+            n_valid += tl.sum((s > float("-inf")).to(tl.int32), 1)
+            m_new = tl.maximum(m, s_max)
             m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
             corr = tl.exp2(m - m_safe)
             p = tl.exp2(s - m_safe[:, None])
             l_sum = l_sum * corr + tl.sum(p, 1)
-            n_valid += tl.sum(ok.to(tl.int32), 1)
-            word = word | (tl.max(ok.to(tl.int32)) << lane)
+            # the live bit from the row maxima: a CTA-wide max over BLOCK_M flags, not over every score
+            word = word | (tl.max((s_max > float("-inf")).to(tl.int32), 0) << lane)
             tl.store(live_base + kt // 32, word)
             p, _ = _apply_dropout(p, p, rw, cols, HAS_DROPOUT)
             v = _value_tile(q, kv, cols, rw.seqlen_k)
@@ -307,7 +308,8 @@ def _value_pass(q, kv, rw, tiles, mods, vp, POW: tl.constexpr, BIAS_KIND: tl.con
                 z = _score_tile(q, kv, rw, cols, mods, z_scale, am1, BIAS_KIND, MASK, SCORE, DOT_PRECISION)
                 p = weights(z, t_use, POW, beta, HALF_P)
                 if WITH_P:
-                    live = tl.max((z > lo_kill[:, None]).to(tl.int32))
+                    # one max per score (not a compare, a select and a max): the row maxima decide
+                    live = tl.max((tl.max(z, 1) > lo_kill).to(tl.int32), 0)
                     new_word = new_word | (live << (kt - wd * 32))
                     l_sum += tl.sum(p, 1)
                     nnz += tl.sum((p > 0.0).to(tl.int32), 1)
@@ -351,7 +353,7 @@ def points_pass(q, kv, rw, mods, pts, acc, st, POW: tl.constexpr, NPTS: tl.const
             z = _score_tile(q, kv, rw, _key_cols(kt, kv), mods, z_scale, am1, BIAS_KIND, MASK, SCORE, DOT_PRECISION)
             if FLAGS[1]:
                 z = z - anchor[:, None]
-            new_word = new_word | (tl.max((z > lo_kill[:, None]).to(tl.int32)) << (kt - wd * 32))
+            new_word = new_word | (tl.max((tl.max(z, 1) > lo_kill).to(tl.int32), 0) << (kt - wd * 32))
             acc = cand_sums(z, pts, acc, POW, NPTS, bm1, LANES, FLAGS[0])
             visits += 1
         tl.store(tiles.live_base + wd, new_word)
@@ -433,7 +435,7 @@ def entmax_rows(q, kv, rw, tiles, mods, sc, POW: tl.constexpr, GRID_K: tl.conste
         live = tl.zeros([], tl.int32)
         if tile_open:
             z = _score_tile(q, kv, rw, _key_cols(kt, kv), mods, z_scale, am1, BIAS_KIND, MASK, SCORE, DOT_PRECISION)
-            code, n_fast, _ = tile_screen(z, t_low)
+            code, n_fast, _z_max = tile_screen(z, t_low)
             bad, n_valid = valid_keys(z, code, n_fast, bad, n_valid)
             if code != 0:
                 m, j_top, F, G, L, live = grid_tile(z, m, j_top, F, G, L, slot, w_grid, shift, beta, bm1, POW, GRID_K,

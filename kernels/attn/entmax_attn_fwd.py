@@ -215,12 +215,14 @@ def _entmax_attn_fwd_kernel(
     tl.store(TILE_VISITS + tile_id, visits)
 
 
-# alpha classes the split forward runs by default (docs/kernels.md, "The split forward as default")
-SPLIT_CLASSES = frozenset()
+# alpha classes the split forward runs by default: those where it models cheaper than the fused kernel per key tile,
+# dense and at 60% / 90% dead tiles, under triton 3.6 and 3.9 (docs/kernels.md, "Which forward runs"); the general
+# class (any other alpha) keeps the fused kernel, whose grid pass needs no separate max pass
+SPLIT_CLASSES = frozenset({"entmax15", "sparsemax"})
 # register caps of the split forward's threshold kernel by (BLOCK_M, BLOCK_N, num_warps, BLOCK_D) and ALPHA_CLASS, so
 # that more programs share an SM (4 of 4 warps at 128 registers, 3 at 168): the sm_90 builds under triton 3.6 and 3.9
 # spill nothing inside a loop with them (docs/kernels.md; sparsemax would at 168 under 3.6); other configs uncapped
-SPLIT_MAXNREG = {}
+SPLIT_MAXNREG = {(64, 64, 4, 128): {2: 168, 3: 128}}
 
 # on a GPU the kernel is autotuned per head dim, tile, alpha class, mask kind, causal flag and precision;
 # the interpreter runs one pinned config (autotuning several fails there)
