@@ -13,7 +13,8 @@ TORCH_VERSION ?= 2.13.0
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 HAS_NVIDIA := $(shell command -v nvidia-smi 2>/dev/null)
 TORCH_INDEX_ARGS ?= $(if $(HAS_NVIDIA),,--index-url $(TORCH_CPU_INDEX))
-PYTEST_ARGS ?= -n 2
+# loadgroup: like xdist's default, but a module marked xdist_group runs on one worker (its module fixtures once).
+PYTEST_ARGS ?= -n 2 --dist loadgroup
 # The venv sees system site-packages (to reuse an installed torch), so pytest plugins
 # installed system-wide must not load: autoload is off and ours are named here.
 PYTEST := PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 $(PY) -m pytest -p xdist.plugin -p _hypothesis_pytestplugin
@@ -41,7 +42,10 @@ sparsify: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(PYTEST) $(PYTEST_ARGS)
 
-test-gpu: $(VENV)/.installed
+# The gpu-marked tests (bf16, large shapes, real compilation; skipped without CUDA). On a machine whose Python already
+# has torch with CUDA, triton, pytest, pytest-xdist and hypothesis, `make test-gpu PY=python3` installs nothing.
+# benchmarks/gpu_run.sh MODE=tests runs the same tests and writes a stamped log.
+test-gpu: $(if $(filter $(VENV)/bin/python,$(PY)),$(VENV)/.installed)
 	$(PYTEST) -m gpu $(PYTEST_ARGS)
 
 lint: $(VENV)/.installed

@@ -118,8 +118,8 @@ def run_case(c: dict, seed: int, device: str) -> dict:
         fwd = entmax_attn_fwd(q, k, v, alpha, d**-0.5, bias=full_bias, block_m=16, block_n=16, need_out_u=True,
                               **launch)
         bwd = entmax_attn_bwd(do, q, k, v, fwd.out, fwd.tau, fwd.lsum, alpha, d**-0.5, bias=bias, live=fwd.live,
-                              block_m=16, block_n=16, need_dalpha=True, need_dbias=bias is not None, out_u=fwd.out_u,
-                              **launch)
+                              tau_lo=fwd.tau_lo, block_m=16, block_n=16, need_dalpha=True, need_dbias=bias is not None,
+                              out_u=fwd.out_u, **launch)
         res.update({f"tiles16_{f}": digest(getattr(fwd, f)) for f in _FWD_FIELDS})
         res.update({f"tiles16_{f}": digest(t) for f, t in zip(["dq", "dk", "dv", "dalpha", "dbias"], bwd)})
     return res

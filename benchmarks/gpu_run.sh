@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The one script a GPU session runs, one device call per MODE:
+# The one script a GPU run needs, one call per MODE:
 #
 #   bash benchmarks/gpu_run.sh [OUT_DIR]                # MODE=headline (default): smoke tests + headline cases
+#   MODE=tests bash benchmarks/gpu_run.sh [OUT_DIR]     # the gpu-marked tests only (make test-gpu), logged
 #   MODE=bench bash benchmarks/gpu_run.sh [OUT_DIR]     # gpu-marked tests, then the full grid
 #   MODE=tune bash benchmarks/gpu_run.sh [OUT_DIR]      # launch-config sweep (benchmarks/tune_tiles.py)
 #   MODE=profile bash benchmarks/gpu_run.sh [OUT_DIR]   # one forward case under Nsight Compute (profile_ncu.sh)
@@ -13,19 +14,20 @@
 #            in 15 MB, triton-cache.tgz (the kernels built there, to start the next run warm); a cache built offline
 #            in .triton-sm90/ (benchmarks/precompile.py) is installed into TRITON_CACHE_DIR first, and headline.log
 #            says how many kernels the warm-up loaded from it and how many it compiled
+#   tests:   pytest_gpu.log (the GPU, versions and commit first, then pytest's output with --durations=25)
 #   bench:   pytest_gpu.log, bench.log, results.md, results.csv and three plot_*.png (7 files)
 #   tune:    tune.log, tune.md, tune.csv
 #   profile: profile.md, profile.log; with ncu also ncu.log, ncu_details.csv, ncu_raw.csv, profile.ncu-rep
 #   decode:  decode.md (GPU, driver, commit, command, then one table per dtype)
 # Environment knobs:
-#   MODE            headline, bench, tune, profile or decode (default headline)
+#   MODE            headline, tests, bench, tune, profile or decode (default headline)
 #   SMOKE_TIMEOUT_S cap on the gpu_smoke tests of MODE=headline (default 150), run while the kernels build
 #                   (SKIP_TESTS=1 skips them)
 #   HEADLINE_ARGS   extra arguments for benchmarks/headline.py (e.g. "--seqs 4096 --groups headline")
 #   PYTHON          interpreter holding a CUDA torch (default python3)
 #   TOTAL_S         wall-clock budget of the whole script in seconds (default 570, under a 600 s call)
 #   TEST_TIMEOUT_S  cap on the gpu-marked tests (default 200); SKIP_TESTS=1 skips them
-#   PYTEST_WORKERS  pytest-xdist workers for the tests (default 4)
+#   PYTEST_WORKERS  pytest-xdist workers for the tests (default 4; MODE=tests 8)
 #   PYTEST_SELECT   what pytest runs (default "-m gpu tests"; "tests" runs the whole suite on the GPU)
 #   BENCH_ARGS      extra arguments for benchmarks/bench_attention.py (e.g. "--groups flash")
 #   RESUME_FROM     results.csv (tune: tune.csv) of a run cut short by the budget: its rows are kept, the rest is run
@@ -125,6 +127,18 @@ case "$MODE" in
     } 2>&1 | tee "$OUT_DIR/tune.log"
     exit "${PIPESTATUS[0]}"
     ;;
+  tests)
+    left=$(( TOTAL_S - (SECONDS - START) ))
+    {
+      nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
+      "$PY" -c "import sys, torch, triton, numpy; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'numpy', numpy.__version__)"
+      echo "commit: ${BENCH_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
+      echo "command: pytest -q -n ${PYTEST_WORKERS:-8} -m gpu --durations=25 tests"
+      timeout $(( left - 10 )) "$PY" -m pytest -q -n "${PYTEST_WORKERS:-8}" -p no:cacheprovider -m gpu --durations=25 tests
+      echo "gpu_run: pytest exit status $? (124 = killed at the time limit) after $(( SECONDS - START )) s"
+    } 2>&1 | tee "$OUT_DIR/pytest_gpu.log"
+    exit "${PIPESTATUS[0]}"
+    ;;
   profile)
     left=$(( TOTAL_S - (SECONDS - START) ))
     BUDGET_S=$(( left - 10 )) timeout "$left" bash benchmarks/profile_ncu.sh "$OUT_DIR"
@@ -143,7 +157,7 @@ case "$MODE" in
     exit "${PIPESTATUS[0]}"
     ;;
   *)
-    echo "gpu_run: MODE must be headline, bench, tune, profile or decode, got '$MODE'" >&2
+    echo "gpu_run: MODE must be headline, tests, bench, tune, profile or decode, got '$MODE'" >&2
     exit 2
     ;;
 esac

@@ -1,4 +1,4 @@
-"""Fill a Triton cache for sm_90 (H100 / H200) on a machine without a GPU, with every kernel the first GPU call
+"""Fill a Triton cache for sm_90 (H100 / H200) on a machine without a GPU, with every kernel the GPU headline run
 builds, so that the GPU's minutes are not spent compiling.
 
 What is built: every launch of the fused kernels that ``headline.py`` makes with the same arguments (its defaults,

@@ -1,6 +1,6 @@
 """One case of the fused forward for profiling, and the summary of the profile (``profile.md``).
 
-The case (GitHub issue 15, item 4): alpha 1.5 (the ``entmax15`` class), N = 8192, head dim 128, bf16, 16k tokens and
+The case: alpha 1.5 (the ``entmax15`` class), N = 8192, head dim 128, bf16, 16k tokens and
 hidden 2048 (batch 2, 16 heads), not causal, the training forward (``need_out_u``, as the ``fwd`` rows of
 ``bench_attention.py``; ``--inference`` without it), at the pinned launch config forced past the autotuner (or
 ``--config``), so that every call launches ``_entmax_attn_fwd_kernel`` exactly once.

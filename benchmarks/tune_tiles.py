@@ -153,7 +153,7 @@ def timed_call(problem: Problem, alpha_class: str, causal: bool, config: Config,
             return res.out
         return bwd.entmax_attn_bwd(problem.dout, problem.q, problem.k, problem.v, res.out, res.tau, res.lsum,
                                    kwargs["alpha"], problem.scale, is_causal=causal, live=res.live,
-                                   block_m=res.block_m, block_n=res.block_n, out_u=res.out_u,
+                                   block_m=res.block_m, block_n=res.block_n, out_u=res.out_u, tau_lo=res.tau_lo,
                                    alpha_class=alpha_class)[0]
     return call
 

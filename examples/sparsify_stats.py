@@ -6,7 +6,8 @@ every window runs through the model with entmax attention under
 size and number of valid keys from the attention itself: the weights are never returned or
 stored (on CUDA the fused kernels never form them at all; on CPU the reference forms one layer's
 scores at a time). Writes ``head_density.csv`` (layer, module, head, alpha, density) and
-``head_density.png`` to ``--out`` and prints the table.
+``head_density.png`` to ``--out`` (default ``runs/sparsify_stats``, plus ``-<option>=<value>,...`` for every
+option that differs from its default) and prints the table.
 
 The alphas: a model saved by ``sparsify.py`` (``adapted_learnable/``) keeps its learned alpha per
 head; ``--alpha`` puts every head at one value instead (default for other models: 1.5).
@@ -31,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import sparsify_data as data  # noqa: E402
 import sparsify_model as sm  # noqa: E402
+from run_folders import add_device_option, run_folder  # noqa: E402
 from seq2seq_model import resolve_device  # noqa: E402
 from train_sparse_transformer import _positive_int  # noqa: E402
 
@@ -48,8 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="alpha of every head (None: the alphas saved with the model, else 1.5)")
     p.add_argument("--seq-len", type=_positive_int, default=128, help="tokens per window")
     p.add_argument("--batch-size", type=_positive_int, default=16, help="windows per forward pass")
-    p.add_argument("--out", type=Path, default=Path("runs/sparsify_stats"), help="output folder")
-    p.add_argument("--device", default="auto", help="'auto' (CUDA when available), 'cpu' or 'cuda[:i]'")
+    p.add_argument("--out", type=Path, default=None,
+                   help="output folder (default: runs/sparsify_stats, plus -<option>=<value>,... for every option "
+                        "that differs from its default)")
+    add_device_option(p)
     p.add_argument("--threads", type=_positive_int, default=1, help="CPU threads for torch")
     return p
 
@@ -87,9 +91,11 @@ def write_csv(path: Path, rec) -> Path:
 
 def main(argv=None) -> dict:
     """Command line entry point; returns ``{"density", "alpha", "tokens", "windows", "csv", "plot", "seconds"}``."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.alpha is not None and not 1.0 <= args.alpha <= 2.0:
         raise SystemExit(f"--alpha must be in [1, 2], got {args.alpha}")
+    args.out = args.out or run_folder("sparsify_stats", parser, args)
     start = time.perf_counter()
     device = resolve_device(args.device)
     with sm.cpu_threads(device, args.threads):

@@ -1,7 +1,7 @@
 """Train a small adaptively sparse Transformer on a synthetic sequence-to-sequence task.
 
-A small reproduction of the analysis in Correia et al. (2019), "Adaptively Sparse Transformers"
-(``correia2019-adaptively-sparse-transformers.txt``): an encoder-decoder Transformer whose
+A small reproduction of the analysis in Correia, Niculae & Martins (2019), "Adaptively Sparse Transformers":
+an encoder-decoder Transformer whose
 three attention blocks (encoder self-attention, decoder self-attention, context attention) are
 :class:`sparse_attn.modules.EntmaxMultiheadAttention`, trained in three variants
 
@@ -16,7 +16,9 @@ on a task that needs no download: reverse (default) or sort a random string of d
 need sharp, position- or content-specific context attention, so sparse heads have something
 to find.
 
-Every variant writes ``<out>/<variant>/checkpoint.pt``; the run writes its reports to ``<out>``:
+Every variant writes ``<out>/<variant>/checkpoint.pt``; the run writes its reports to ``<out>`` (default: a
+folder of this command's own, ``runs/train`` plus the options that differ from their defaults, e.g.
+``runs/train-variant=adaptive,task=sort,seed=1``; see ``run_folders.py``):
 ``metrics.json`` / ``metrics.csv`` (validation loss, token and sequence accuracy per variant),
 ``head_stats.csv`` (alpha, density per head), ``alpha_trajectories.csv`` and the figures
 ``fig2_alpha_trajectories.png`` ... ``fig6_head_diversity.png`` (the paper's Figs. 2-6),
@@ -28,7 +30,7 @@ two keys).
 
 Usage::
 
-    python examples/train_sparse_transformer.py --variant all --out runs/demo
+    python examples/train_sparse_transformer.py --variant all --out runs/mine
     python examples/train_sparse_transformer.py --variant adaptive --steps 2000 --d-model 128
 
 On a CUDA machine the attention runs the fused Triton kernels; on CPU the materialized
@@ -44,6 +46,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from run_folders import add_device_option, run_folder  # noqa: E402
 from seq2seq_figures import FIGURES, plot_figures  # noqa: E402
 from seq2seq_model import (  # noqa: E402
     BLOCKS,
@@ -98,10 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--val-size", type=_positive_int, default=d.val_size, help="validation examples")
     p.add_argument("--seed", type=int, default=d.seed, help="random seed (data, weights, initial alphas)")
     p.add_argument("--log-every", type=_positive_int, default=d.log_every, help="record alphas every N steps")
-    p.add_argument("--device", default="auto", help="'auto' (CUDA when available), 'cpu' or 'cuda[:i]'")
+    add_device_option(p)
     p.add_argument("--threads", type=_positive_int, default=1,
                    help="CPU threads for torch (this model's matrices are too small to gain from more)")
-    p.add_argument("--out", type=Path, default=Path("runs/demo"), help="output folder")
+    p.add_argument("--out", type=Path, default=None,
+                   help="output folder (default: runs/train, plus -<option>=<value>,... for every option that "
+                        "differs from its default)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--no-figures", action="store_true", help="reports without figures")
     return p
@@ -109,7 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> list[RunResult]:
     """Command line entry point; returns the :class:`RunResult` of every variant trained."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    args.out = args.out or run_folder("train", parser, args)
     if args.d_model % args.heads:
         raise SystemExit(f"--d-model ({args.d_model}) must be divisible by --heads ({args.heads})")
     if not 0.0 <= args.dropout < 1.0:

@@ -304,6 +304,15 @@ def dropout_keep(seed, bh, rows, cols, n_cols, dropout_p):
 
 
 @triton.jit
+def two_sum(a, b):
+    """``(s, e)`` with ``s = fl(a + b)`` and ``e = a + b - s`` exactly (Knuth's TwoSum, six float additions, no
+    ordering of ``|a|``, ``|b|`` needed): a sum as two floats. ``e`` is NaN where ``s`` is not finite."""
+    s = a + b
+    bb = s - a
+    return s, (a - (s - bb)) + (b - bb)
+
+
+@triton.jit
 def log2_1p(v):
     """``log2(1 + v)`` for ``v > -1``, accurate to float32 relative precision for small ``|v|``.
 

@@ -203,13 +203,14 @@ def program_mods(MODS, b, seq, h, q_start, k_start, SCORE):
 
 
 @triton.jit
-def score_mod(s, rows, cols, seqlen_q, seqlen_k, mods, bias_scale, MASK, SCORE, BIAS_KIND: tl.constexpr):
+def score_mod(s, rows, cols, seqlen_q, seqlen_k, mods, bias_scale, MASK, SCORE, BIAS_KIND: tl.constexpr, ref=None):
     """Final scores of one tile from the scaled products ``s`` (``bias_scale`` times ``scale * q.k``): soft-capped
     (:func:`soft_cap`, in the same scale), plus ``bias_scale * (bias - slope * |d|)``, ``-inf`` where the structural
-    mask or a boolean mask hides the key (:func:`mask_scores`). ``mods`` from :func:`program_mods`. The one place the
-    attention kernels modify scores. [BLOCK_M, BLOCK_N]"""
+    mask or a boolean mask hides the key (:func:`mask_scores`); relative to the rows' reference scores ``ref``
+    (``[BLOCK_M]``, subtracted last, after the scores are rounded as without it) when given. ``mods`` from
+    :func:`program_mods`. The one place the attention kernels modify scores. [BLOCK_M, BLOCK_N]"""
     s = soft_cap(s, SCORE[1] * bias_scale, SCORE)
-    return mask_scores(s, rows, cols, seqlen_q, seqlen_k, mods, bias_scale, MASK, BIAS_KIND, SCORE)
+    return mask_scores(s, rows, cols, seqlen_q, seqlen_k, mods, bias_scale, MASK, BIAS_KIND, SCORE, ref)
 
 
 @triton.jit
@@ -242,20 +243,33 @@ def sink_tile(sink, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 @triton.jit
 def soft_cap(s, cap, SCORE):
     """``cap * tanh(s / cap)`` of finite scores when ``SCORE`` soft-caps (``cap`` = its softcap times the
-    caller's score scale), ``s`` unchanged otherwise and at non-finite entries. ``tanh`` as
-    ``1 - 2 / (exp(2x) + 1)``: exact limits at large ``|x|``, absolute error of a few float32 ulps of
-    ``cap`` near 0."""
+    caller's score scale), ``s`` unchanged otherwise and at non-finite entries, with a relative error of a few
+    float32 ulps at any ``s / cap``: ``s * tanh(x) / x`` by its Taylor series to ``x^10`` for ``|x| < 0.375``
+    (``x = s / cap``), else ``cap * (1 - 2 / (exp(2x) + 1))`` (exact limits at large ``|x|``). The second form
+    alone loses the relative accuracy of small ``x`` (``1 - 2 / (e^{2x} + 1)`` cancels: an error of a few ulps of
+    ``cap``), which large caps make visible (docs/kernels.md)."""
     if SCORE[0]:
         # tensor-first arithmetic: ``cap`` may be a compile-time constant (a Python float times a constexpr)
-        t = 1.0 - 2.0 / (tl.exp2(s * (2.0 * 1.4426950408889634 / cap)) + 1.0)
-        s = tl.where(tl.abs(s) == float("inf"), s, t * cap)
+        x = s * (1.0 / cap)
+        x2 = x * x
+        r = x2 * -0.008863235529902197 + 0.021869488536155203
+        r = r * x2 - 0.05396825396825397
+        r = r * x2 + 0.13333333333333333
+        r = r * x2 - 0.3333333333333333
+        t_small = s + s * (r * x2)
+        t_large = (1.0 - 2.0 / (tl.exp2(x * (2.0 * 1.4426950408889634)) + 1.0)) * cap
+        s = tl.where(tl.abs(s) == float("inf"), s, tl.where(tl.abs(x) < 0.375, t_small, t_large))
     return s
 
 
 @triton.jit
-def mask_scores(s, rows, cols, seqlen_q, seqlen_k, mods, bias_scale, MASK, BIAS_KIND: tl.constexpr, SCORE):
-    """Scores ``s + bias_scale * (bias - slope * |d|)`` where :func:`visible` (and the block mask, when
-    ``SCORE[4]``), ``-inf`` elsewhere. ``[BLOCK_M, BLOCK_N]``
+def mask_scores(s, rows, cols, seqlen_q, seqlen_k, mods, bias_scale, MASK, BIAS_KIND: tl.constexpr, SCORE, ref=None):
+    """Scores ``s + bias_scale * (bias - slope * |d|)`` (minus the rows' references ``ref`` when given) where
+    :func:`visible` (and the block mask, when ``SCORE[4]``), ``-inf`` elsewhere. ``[BLOCK_M, BLOCK_N]``
+
+    ``ref`` is subtracted after the bias and ALiBi terms, so that a score is rounded once, as without it, before it
+    is made relative (exact near the reference, Sterbenz); without them the subtraction folds into the caller's
+    scaling (one FMA).
 
     ``BIAS_KIND``: 0 no mask, 1 an additive float mask, 2 a boolean keep mask read as uint8 (nonzero =
     may attend; never converted to a float tensor). ``mods`` from :func:`program_mods`: the mask's base (row 0, key 0
@@ -275,6 +289,8 @@ def mask_scores(s, rows, cols, seqlen_q, seqlen_k, mods, bias_scale, MASK, BIAS_
             ok = ok & (tl.load(bias_ptrs, mask=ok, other=0) != 0)
         else:
             s = s + tl.load(bias_ptrs, mask=ok, other=0.0).to(tl.float32) * bias_scale
+    if ref is not None:
+        s = s - ref[:, None]
     return tl.where(ok, s, float("-inf"))
 
 

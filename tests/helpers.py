@@ -1,4 +1,4 @@
-"""Shared test helpers: the tolerance table, the GUIDE section 4 rule, input builders, float64 oracles.
+"""Shared test helpers: the tolerance table, the tolerance rule, input builders, float64 oracles.
 
 Test modules import what they share from here and never from each other. Kernel and
 mapping outputs are checked against float64 computations on float64 copies of the same
@@ -21,7 +21,7 @@ BF16 = torch.bfloat16
 # dtype of the output under test. Where two tests used the same kind of bound, the stricter value
 # is kept. Numbers quoted as measured come from the runs that set them.
 TOL = {
-    # Slack eps of the GUIDE section 4 rule (assert_close_to_ref), by the baseline it is used with.
+    # Slack eps of the tolerance rule (assert_close_to_ref), by the baseline it is used with.
     # Mappings and their gradients (outputs computed in float32, baseline = float64 result rounded to
     # the output dtype; measured ratio 1.0 for fp16/bf16; tests/test_fuzz.py used at most half of it
     # over 3000 examples, fp32 entmax_bisect dX).
@@ -133,7 +133,7 @@ def scaled_err(got: torch.Tensor, ref: torch.Tensor) -> float:
 
 def assert_close_to_ref(out: torch.Tensor, ref64: torch.Tensor, low_precision_ref=None,
                         dtype: torch.dtype | None = None, *, eps: float, name: str = "output") -> None:
-    """The GUIDE section 4 rule: ``err(out) <= 2 * err(low_precision_ref) + eps``.
+    """The tolerance rule: ``err(out) <= 2 * err(low_precision_ref) + eps``.
 
     Both errors are ``max |. - ref64|``, with ``ref64`` the float64 result on float64 copies of
     the same (dtype-rounded) inputs. ``low_precision_ref`` is the reference computed in the
@@ -264,7 +264,7 @@ def reference_entmax(x: torch.Tensor, alpha, dim: int = -1) -> torch.Tensor:
 def entmax_vjp(p: torch.Tensor, grad: torch.Tensor, alpha, dim: int = -1) -> torch.Tensor:
     """float64 ``d/dx <grad, entmax(x)>`` from the output ``p``: ``U (grad - sum(U grad) / sum U)``.
 
-    ``U = p^(2 - alpha)`` on the support (``p`` at alpha = 1), 0 elsewhere (GUIDE section 2);
+    ``U = p^(2 - alpha)`` on the support (``p`` at alpha = 1), 0 elsewhere (docs/backward.md);
     ``alpha`` a float or a tensor broadcastable to ``p`` with size 1 at ``dim``. Rows without
     support give 0.
     """

@@ -13,7 +13,7 @@ import math
 
 import pytest
 import torch
-from helpers import BF16, F16, F32, F64, TOL, assert_close_to_ref, qkv
+from helpers import BF16, EXACT, F16, F32, F64, TOL, assert_close_to_ref, qkv
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -112,10 +112,10 @@ def test_mappings_losses_and_modules_run_softmax_where_alpha_rounds_to_one(dtype
     """Where the computation holds alpha as 1.0, a Python ``1 + eps`` gives exactly what ``alpha = 1`` gives."""
     x = torch.randn(3, 40, generator=torch.Generator().manual_seed(6), dtype=F64).mul(4).to(dtype)
     for eps in (1e-12, 1e-9, 2.0**-24):
-        torch.testing.assert_close(entmax(x, 1 + eps), entmax(x, 1.0), atol=0, rtol=0)
+        torch.testing.assert_close(entmax(x, 1 + eps), entmax(x, 1.0), **EXACT)
         y = torch.tensor([0, 5, 39])
         loss = entmax_bisect_loss(x, y, alpha=1 + eps)
-        torch.testing.assert_close(loss, entmax_bisect_loss(x, y, alpha=1.0), atol=0, rtol=0)
+        torch.testing.assert_close(loss, entmax_bisect_loss(x, y, alpha=1.0), **EXACT)
         assert torch.isfinite(loss).all()
     torch.manual_seed(7)
     mha = EntmaxMultiheadAttention(16, 2, alpha=1 + 1e-9, batch_first=True, dtype=dtype)
@@ -124,7 +124,7 @@ def test_mappings_losses_and_modules_run_softmax_where_alpha_rounds_to_one(dtype
     h = torch.randn(2, 9, 16, dtype=dtype)
     got = mha(h, h, h, need_weights=False)[0]
     assert torch.isfinite(got).all()
-    torch.testing.assert_close(got, soft(h, h, h, need_weights=False)[0], atol=0, rtol=0)
+    torch.testing.assert_close(got, soft(h, h, h, need_weights=False)[0], **EXACT)
 
 
 def _alpha_in_unit_interval():

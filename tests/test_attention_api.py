@@ -381,7 +381,8 @@ def test_triton_bool_masked_nan_key_is_excluded(alpha, kernel_device):
 @pytest.mark.parametrize("alpha", [1.0, 1.3, 1.5, 2.0])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_triton_large_scores_match_float64(alpha, dtype, kernel_device):
-    """Inputs of magnitude 1e4 (scores ~1e8, computed in float32) against float64, GUIDE section 4 rule."""
+    """Inputs of magnitude 1e4 (scores ~1e8, computed in float32) against float64 (the tolerance rule,
+    tests/helpers.py)."""
     q, k, v = qkv(b=1, hq=1, hk=1, nq=20, nk=36, d=24, dtype=torch.float32, seed=18)
     q, k, v = (q * 1e4).to(dtype), (k * 1e4).to(dtype), v.to(dtype)
     out = entmax_attention(*(t.to(kernel_device) for t in (q, k, v)), alpha, is_causal=True, backend="triton").cpu()
@@ -605,3 +606,39 @@ def test_custom_op_boundary_by_name():
     assert named["need_grad"] is True
     with pytest.raises(ValueError):
         autograd_mod.fwd_op_named(tuple(named.values())[:-1])
+
+
+META_ALPHAS = [1.0, 1.3, 1.5, 2.0, "per-head tensor", "per-head cpu tensor"]
+
+
+@pytest.mark.parametrize("alpha", META_ALPHAS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_meta_tensors_give_the_shapes_and_dtypes_of_a_real_call(alpha, dtype):
+    """Shape inference: on meta tensors every alpha (a general alpha too, whose solver reads values on a real
+    device), masks, GQA and ``Dv != D`` give the outputs, statistics and gradients of the CPU call's shapes and
+    dtypes, with no value read."""
+    def call(device):
+        q, k, v = qkv(b=2, hq=4, hk=2, nq=9, nk=11, d=16, dv=24, dtype=dtype, requires_grad=True)
+        a = torch.tensor([1.0, 1.3, 1.5, 2.0]) if isinstance(alpha, str) else alpha
+        a = a.to(device) if isinstance(a, torch.Tensor) and "cpu" not in alpha else a
+        q, k, v = (t.detach().to(device).requires_grad_() for t in (q, k, v))
+        mask = torch.ones(9, 11, dtype=torch.bool, device=device)
+        out, stats = entmax_attention(q, k, v, a, attn_mask=mask, is_causal=True, enable_gqa=True,
+                                      return_stats=True)
+        out.float().sum().backward()
+        return [out, *stats, q.grad, k.grad, v.grad]
+
+    for real, meta in zip(call("cpu"), call("meta"), strict=True):
+        assert meta.device.type == "meta"
+        assert (meta.shape, meta.dtype) == (real.shape, real.dtype)
+
+
+def test_meta_varlen_needs_the_longest_lengths():
+    """Packed sequences on meta tensors: ``max_seqlen_*`` give the shapes; without them the offsets would have to be
+    read, and the error names the argument."""
+    q = torch.empty(1, 2, 9, 16, device="meta")
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32, device="meta")
+    out = entmax_attention(q, q, q, 1.3, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=5, max_seqlen_k=5)
+    assert out.shape == q.shape and out.device.type == "meta"
+    with pytest.raises(ValueError, match="max_seqlen_q must be given with meta cu_seqlens"):
+        entmax_attention(q, q, q, 1.3, cu_seqlens_q=cu, cu_seqlens_k=cu)

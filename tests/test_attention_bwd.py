@@ -489,7 +489,7 @@ def test_many_tiles_and_backward_tiles_inside_forward_tiles(kernel_device):
 @pytest.mark.parametrize("data_seed,scale", [(0, 20.0), (1, 10.0)])
 def test_bf16_delta_from_float32_out_u(data_seed, scale, kernel_device):
     """Where the weights saturate, dS = U (dP - delta) cancels: delta from an out_u rounded to bf16 left dq, dk
-    errors up to 3.6x the bound of the GUIDE section 4 rule at these inputs (measured), the forward's float32
+    errors up to 3.6x the bound of the tolerance rule at these inputs (measured), the forward's float32
     out_u keeps them within half of it. Baselines: the reference run in bf16, and the float64 gradient rounded to
     bf16 as a kernel stores it."""
     if kernel_device != "cpu":

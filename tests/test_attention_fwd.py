@@ -1,7 +1,8 @@
 """The fused Triton forward (``kernels/attn/entmax_attn_fwd.py``) against the float64 reference.
 
 Every kernel output is allocated poisoned (NaN, or the int32 max) by the ``poison_uninitialized``
-fixture of ``conftest.py``, so a value the kernel fails to write shows up as a mismatch. Errors follow GUIDE §4:
+fixture of ``conftest.py``, so a value the kernel fails to write shows up as a mismatch. Errors follow the tolerance
+rule (tests/helpers.py):
 ``err(kernel) <= 2 * err(reference run in the kernel's dtype) + EPS[dtype]``, both measured
 against the reference on float64 copies of the same (dtype-rounded) inputs.
 """
@@ -56,7 +57,7 @@ def _max_err(a, b):
 
 
 def _check_close(name, got, want64, ref_lowp, dtype, eps=None):
-    """GUIDE §4 tolerance rule; ``want64``/``ref_lowp`` are the reference in float64 / in ``dtype``."""
+    """The tolerance rule; ``want64``/``ref_lowp`` are the reference in float64 / in ``dtype``."""
     err = _max_err(got, want64)
     err_ref = _max_err(ref_lowp, want64)
     bound = 2 * err_ref + (EPS[dtype] if eps is None else eps)

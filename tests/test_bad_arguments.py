@@ -407,6 +407,22 @@ def test_attention_bad_arguments(row, call):
         fn(*args, **kwargs)
 
 
+@pytest.mark.parametrize("call", ["auto", "reference", "reference function"])
+@pytest.mark.parametrize("mask,err", [(torch.ones(9, 11, dtype=torch.bool).tril(), TypeError),
+                                      (torch.zeros(1, 1, 9, 11), ValueError)])
+def test_a_mask_passed_as_the_fourth_argument_says_so(call, mask, err):
+    """SDPA's 4th positional argument is attn_mask, entmax_attention's alpha: a mask there gets an alpha error that
+    names the position and where the mask goes."""
+    q, k, v = qkv(b=2, hq=4, hk=4, d=16, dtype=torch.float32)
+    fn = entmax_attention_reference if call == "reference function" else sa.entmax_attention
+    kwargs = {} if call == "reference function" else {"backend": call}
+    want = "a float or a floating-point tensor, got a tensor of dtype torch.bool" if mask.dtype == torch.bool else \
+        "a float or a tensor of shape () or (4,) (one per head), got shape (1, 1, 9, 11)"
+    want += ". alpha is the 4th positional argument, where scaled_dot_product_attention takes attn_mask: pass a mask"
+    with pytest.raises(err, match=re.escape(f"alpha must be {want} as attn_mask=")):
+        fn(q, k, v, mask, **kwargs)
+
+
 E, H = 16, 4
 
 
@@ -434,7 +450,12 @@ MODULE_BAD = [
     ("mha", dict(alpha=torch.ones(3)), ValueError, "alpha must be a float or a tensor of shape"),
     ("mha", dict(alpha=torch.tensor([1.0, 1.5, 2.5, 1.0])), ValueError, "alpha must be finite and in"),
     ("mha", dict(alpha=torch.ones(H, dtype=torch.int64)), TypeError, "floating-point"),
-    ("mha", dict(alpha="1.5"), TypeError, "alpha must be a Python number"),
+    ("mha", dict(alpha="1.5"), TypeError, "alpha must be a float or a tensor, got str"),
+    ("mha", dict(alpha=[1.5, 1.2, 1.3, 2.0]), TypeError,
+     r"alpha must be a float or a tensor, got list; for one alpha per head pass a tensor of shape \(4,\)"),
+    ("mha", dict(alpha=(1.5, 1.2), learnable=True), TypeError, "alpha must be a float or a tensor, got tuple"),
+    pytest.param("mha", dict(device="cuda"), ValueError, "device='cuda', but CUDA is not available",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available")),
     ("mha", dict(learnable=True, alpha_init=1.0), ValueError, "strictly between"),
     ("mha", dict(learnable=True, alpha_init=torch.ones(2)), ValueError, "alpha_init must be a float or a tensor"),
     ("mha", dict(learnable=True, alpha_min=1.6, alpha_max=1.4), ValueError, "alpha_min must be < alpha_max"),
@@ -487,6 +508,8 @@ MODULE_BAD = [
     ("alpha", dict(learnable=True, alpha_init=2.0), ValueError, "strictly between"),
     ("alpha", dict(dtype=torch.int64), TypeError, "dtype must be"),
     ("alpha", dict(device="nodevice"), ValueError, "device"),
+    pytest.param("alpha", dict(device="cuda:0"), ValueError, "device='cuda:0', but CUDA is not available",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available")),
     ("swap", dict(model="model"), TypeError, "model must be an nn.Module"),
     ("swap", dict(model=nn.MultiheadAttention(E, H)), ValueError, "from_mha"),
     ("swap", dict(alpha=2.5), ValueError, "alpha must be finite and in"),

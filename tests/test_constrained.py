@@ -2,7 +2,7 @@
 
 Forward passes are checked against a float64 bisection on the threshold written here
 (independent of the sort-based algorithms), Jacobians against matrices built from
-Eq. 13-14 of ``malaviya2018-sparse-constrained-attention.txt`` (csparsemax) and from the
+Eq. 13-14 of Malaviya, Ferreira & Martins 2018 (csparsemax) and from the
 closed form of the constrained softmax, and decoding against the fertility invariant.
 """
 

@@ -3,7 +3,8 @@ reference.
 
 The reference is ``entmax_attention_reference`` on the cache gathered into a contiguous float64 ``(B, Hk, Nk, D)``
 tensor with a keep mask for ``cache_seqlens`` (and causality), built here independently of the decode module.
-Errors follow GUIDE §4: ``err(kernel) <= 2 * err(reference in the kernel's dtype, fp32 scores) + EPS[dtype]``.
+Errors follow the tolerance rule (tests/helpers.py):
+``err(kernel) <= 2 * err(reference in the kernel's dtype, fp32 scores) + EPS[dtype]``.
 Kernel outputs are allocated poisoned (``poison_uninitialized``), so a value the kernels fail to write shows up.
 """
 

@@ -22,6 +22,9 @@ from helpers import F32, TOL  # noqa: E402
 
 from sparse_attn.stats import record_head_stats  # noqa: E402
 
+# One worker runs this module under `make test` (-n 2 --dist loadgroup), so the module's demo training runs once.
+pytestmark = pytest.mark.xdist_group("test_demo")
+
 TINY = ["--length", "5", "--d-model", "32", "--heads", "2", "--layers", "1", "--d-ff", "32", "--steps", "40",
         "--batch-size", "32", "--lr", "1e-2", "--warmup", "5", "--val-size", "64", "--log-every", "5", "--no-progress"]
 
@@ -152,6 +155,37 @@ def test_inference_loads_checkpoint(run, capsys):
     assert info["table"] and str(info["table"]) in printed
     assert 0.0 <= info["seq_acc"] <= info["token_acc"] <= 1.0
     assert Path(info["attention_map"]).is_file()
+    # another inference command draws into its own file, next to the demo's map (never over it)
+    assert Path(info["attention_map"]).name == "attention_map_adaptive-n=16,module=encoder.0.self_attn.png"
+    assert (out / "attention_map_adaptive.png").is_file()
+
+
+def test_commands_get_run_folders_of_their_own():
+    """Without --out, each command writes to runs/<script>[-<options that differ from their defaults>]: the demo and
+    a training run, or two runs that differ in an option, never share a folder."""
+    from run_folders import run_folder
+
+    def train(*argv):
+        parser = T.build_parser()
+        return run_folder("train", parser, parser.parse_args(list(argv)))
+
+    assert demo.default_out(["--variant", "all", "--device", "auto"]) == Path("runs/demo")
+    assert demo.default_out(["--variant", "all", "--device", "auto", "--steps", "2000", "--d-model", "128"]) == \
+        Path("runs/demo-d-model=128,steps=2000")
+    assert train() == Path("runs/train")
+    assert train("--variant", "adaptive", "--task", "sort", "--seed", "1") == \
+        Path("runs/train-variant=adaptive,task=sort,seed=1")
+    assert train("--seed", str(T.Config().seed), "--no-progress") == Path("runs/train")  # same run, same folder
+    assert train("--lr", "1e-2") != train("--lr", "2e-2")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available")
+@pytest.mark.parametrize("build", [T.build_parser, inference.build_parser])
+def test_device_cuda_without_cuda_is_a_usage_error(build, capsys):
+    with pytest.raises(SystemExit) as exc:
+        build().parse_args(["--device", "cuda"])
+    assert exc.value.code == 2
+    assert "argument --device: 'cuda': CUDA is not available on this machine" in capsys.readouterr().err
 
 
 def test_tasks_targets():

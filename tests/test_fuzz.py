@@ -4,7 +4,7 @@ Hypothesis draws the structure of each problem (shapes down to size 1 and odd si
 alpha per row or per head, ``-inf`` entries and rows, masks at broadcast shapes with fully masked
 rows, causal, GQA, packed sequences, magnitudes up to 1e4, rows poisoned with NaN / ``+inf``)
 and a seed; the values come from torch generators. Every output and gradient is checked with
-the GUIDE section 4 rule (``helpers.assert_close_to_ref``) against float64 computations on
+the tolerance rule (``helpers.assert_close_to_ref``) against float64 computations on
 float64 copies of the same rounded inputs, and the non-finite policy (TEAM.md) is checked
 exactly: ``-inf`` entries get weight 0, rows with nothing to attend to give zeros, rows with a
 NaN / ``+inf`` score are NaN and leave the other rows as they are without them.

@@ -8,6 +8,7 @@ from helpers import F64, TOL, assert_close_to_ref, randn, reference_entmax
 
 import sparse_attn._triton_rows as triton_rows
 import sparse_attn.mappings as mappings
+import sparse_attn.rows._entmax_solver as entmax_solver
 from sparse_attn.mappings import (
     Entmax,
     Entmax15,
@@ -45,9 +46,10 @@ def test_bisect_matches_reference(alpha):
 
 @pytest.mark.parametrize("dtype", [F64, torch.float32], ids=str)
 def test_long_rows_take_the_candidate_solver(dtype, monkeypatch):
-    """Rows of at least 4 * _GROUPS entries are solved over their candidates only (mappings._solve_rows): narrow and
-    nearly flat rows in one batch, per-row alpha above 2 too, -inf entries, temperatures from 0.3 to 10. Against
-    the float64 bisection oracle, with exact zeros off the support and the candidate path checked to have run."""
+    """Rows of at least 4 * _GROUPS entries are solved over their candidates only (entmax_solver._solve_rows):
+    narrow and nearly flat rows in one batch, per-row alpha above 2 too, -inf entries, temperatures from 0.3 to 10.
+    Against the float64 bisection oracle, with exact zeros off the support and the candidate path checked to have
+    run."""
     n, alphas = 700, [1.02, 1.1, 1.3, 1.5, 1.6, 1.9, 2.0, 2.5, 3.5, 1.3, 1.7, 1.25]
     scales = torch.tensor([0.3, 1.0, 3.0, 10.0] * 3, dtype=F64).unsqueeze(1)
     x = randn(len(alphas), n, seed=11) * scales
@@ -55,13 +57,13 @@ def test_long_rows_take_the_candidate_solver(dtype, monkeypatch):
     x[5, 100:] = -math.inf
     alpha = torch.tensor(alphas, dtype=F64).unsqueeze(1)
     solved = []
-    real = mappings._newton_rows
+    real = entmax_solver._newton_rows
 
     def spy(rows, a, *args, **kwargs):
         solved.append((tuple(rows.shape), kwargs.get("t0") is not None))
         return real(rows, a, *args, **kwargs)
 
-    monkeypatch.setattr(mappings, "_newton_rows", spy)
+    monkeypatch.setattr(entmax_solver, "_newton_rows", spy)
     xd, ad = x.to(dtype), alpha.to(dtype)
     p = entmax_bisect(xd, ad)
     ref = reference_entmax(xd.to(F64), ad.to(F64))

@@ -690,3 +690,19 @@ def test_auto_backend_on_cpu_with_need_weights_does_not_warn():
         warnings.simplefilter("error")
         _, w = mod(x, x, x)
     assert w.shape == (2, 6, 6)
+
+
+@pytest.mark.parametrize("learnable", [False, True])
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_module_on_meta_tensors_infers_shapes(learnable, need_weights):
+    """A module built on the meta device (e.g. to size a model before loading weights) runs a forward that gives the
+    output and weight shapes of a real call, general and learnable alphas included."""
+    alpha = torch.tensor([1.2, 1.5, 1.7, 1.9])
+    for device in ("cpu", "meta"):
+        mha = EntmaxMultiheadAttention(16, 4, alpha=alpha, learnable=learnable, batch_first=True, device=device)
+        x = torch.randn(2, 7, 16, device=device)
+        out, weights = mha(x, x, x, need_weights=need_weights)
+        shapes = (out.shape, None if weights is None else weights.shape)
+        if device == "cpu":
+            want = shapes
+    assert out.device.type == "meta" and shapes == want

@@ -10,10 +10,12 @@ without CUDA. No other block is skipped or expected to fail.
 """
 
 import functools
+import json
 import os
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -105,19 +107,57 @@ def test_bash_command_is_runnable_as_typed(line, cmd):
         return
     script = ROOT / words[1]
     assert script.is_file(), f"README.md:{line}: {words[1]} does not exist"
-    helps = _help(script)
-    forwarded = re.search(r"other options go to (\w+\.py)", helps)
+    helps = _helps()
+    assert script in helps, f"README.md:{line}: {words[1]} --help was not run"
+    code, text, err = helps[script]
+    assert code in (0, None), f"{script.name} --help failed: {err}"
+    forwarded = re.search(r"other options go to (\w+\.py)", text)
     if forwarded:  # a wrapper (demo.py) passing the rest on to another script
-        helps += _help(script.parent / forwarded.group(1))
+        text += helps[script.parent / forwarded.group(1)][1]
     for opt in (w.split("=", 1)[0] for w in words[2:] if w.startswith("--")):
-        assert opt in helps, f"README.md:{line}: {words[1]} has no option {opt}"
+        assert opt in text, f"README.md:{line}: {words[1]} has no option {opt}"
+
+
+# Runs each script as ``python SCRIPT --help`` would (``runpy`` as ``__main__``, argv ``[SCRIPT, "--help"]``), all in
+# one interpreter: the imports (torch, transformers) are paid once instead of once per script. A script whose help
+# forwards options to a sibling ("other options go to X.py") queues the sibling. Writes {script: [exit code,
+# stdout, stderr tail]} as JSON to the path given first.
+_HELP_DRIVER = r"""
+import contextlib, io, json, re, runpy, sys
+from pathlib import Path
+out_path, todo, helps = sys.argv[1], [Path(p) for p in sys.argv[2:]], {}
+while todo:
+    script = todo.pop(0)
+    if str(script) in helps:
+        continue
+    out, err, saved = io.StringIO(), io.StringIO(), (sys.argv, list(sys.path))
+    sys.argv, code = [str(script), "--help"], None
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            runpy.run_path(str(script), run_name="__main__")
+    except SystemExit as exc:
+        code = exc.code
+    except Exception as exc:  # reported by the test that reads it
+        code, err = 1, io.StringIO(err.getvalue() + repr(exc))
+    finally:
+        sys.argv, sys.path[:] = saved
+    helps[str(script)] = [code, out.getvalue(), err.getvalue()[-800:]]
+    forwarded = re.search(r"other options go to (\w+\.py)", out.getvalue())
+    if forwarded:
+        todo.append(script.parent / forwarded.group(1))
+Path(out_path).write_text(json.dumps(helps))
+"""
 
 
 @functools.cache
-def _help(script: Path) -> str:
-    """``script --help`` (once per script and process: several README lines call the same script)."""
+def _helps() -> dict:
+    """``{script: (exit code, --help text, stderr tail)}`` of every script the README's shell lines call."""
+    scripts = sorted({str(ROOT / cmd.split()[1]) for _, cmd in COMMANDS if not cmd.startswith("make ")
+                      and (ROOT / cmd.split()[1]).is_file()})
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, str(script), "--help"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=300, env=env)
-    assert res.returncode == 0, f"{script.name} --help failed: {res.stderr[-800:]}"
-    return res.stdout
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "helps.json"
+        res = subprocess.run([sys.executable, "-c", _HELP_DRIVER, str(out), *scripts], cwd=ROOT, capture_output=True,
+                             text=True, timeout=600, env=env)
+        assert res.returncode == 0 and out.is_file(), f"the --help driver failed: {res.stderr[-2000:]}"
+        return {Path(k): tuple(v) for k, v in json.loads(out.read_text()).items()}

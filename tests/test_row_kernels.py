@@ -21,7 +21,7 @@ def _ref_row(x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
 
     tau by bisection to 1e-15 (no grad), then one Newton step, which leaves the value
     unchanged and makes the gradient the implicit-function one. At alpha = 1 (softmax)
-    the alpha-derivative is the limit of GUIDE section 2, added as ``(a - 1) * dp``.
+    the alpha-derivative is its alpha -> 1 limit (docs/backward.md), added as ``(a - 1) * dp``.
     """
     finite = x > float("-inf")
     if not bool(finite.any()):

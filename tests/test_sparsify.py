@@ -30,6 +30,9 @@ import sparsify_model  # noqa: E402
 import sparsify_stats  # noqa: E402
 from helpers import F32, TOL  # noqa: E402
 
+# One worker runs this module under `make test` (-n 2 --dist loadgroup), so its adaptation run happens once.
+pytestmark = pytest.mark.xdist_group("test_sparsify")
+
 SHORT = ["--n-eval", "24", "--seq-len", "16", "--steps", "6", "--batch-size", "4", "--log-every", "2",
          "--alphas", "1,1.5", "--no-progress", "--threads", "1"]
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -208,7 +211,7 @@ def test_bad_text_file_is_a_value_error(tmp_path):
 
 
 def _documented_snippet() -> str:
-    """The Python block of the "Sparsify a pretrained model" section (README.md once merged, else docs/sparsify.md)."""
+    """The Python block of the "Sparsify a pretrained model" section (README.md, else docs/sparsify.md)."""
     for path in (ROOT / "README.md", ROOT / "docs" / "sparsify.md"):
         text = path.read_text()
         start = text.find("## Sparsify a pretrained model")
@@ -226,3 +229,28 @@ def test_documented_snippet_runs(capsys):
     printed = capsys.readouterr().out
     values = [float(x) for x in re.findall(r"\d\.\d+", printed)]
     assert len(values) == 6 and all(0.0 < v < 1.0 for v in values), printed
+
+
+def test_commands_get_run_folders_of_their_own():
+    """Without --out each command writes to runs/<script>[-<options that differ from their defaults>]."""
+    from run_folders import run_folder
+
+    def folder(module, name, *argv):
+        parser = module.build_parser()
+        return run_folder(name, parser, parser.parse_args(list(argv)))
+
+    assert folder(sparsify, "sparsify") == Path("runs/sparsify")
+    assert folder(sparsify, "sparsify", "--alphas", "1,1.25,1.5,2") == Path("runs/sparsify")  # the default, typed
+    assert folder(sparsify, "sparsify", "--steps", "0", "--model", "some/where/minilm") == \
+        Path("runs/sparsify-model=minilm,steps=0")
+    assert folder(sparsify_stats, "sparsify_stats", "--model", "runs/sparsify/adapted_learnable", "--seq-len", "64") \
+        == Path("runs/sparsify_stats-model=adapted_learnable,seq-len=64")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available")
+@pytest.mark.parametrize("module", [sparsify, sparsify_stats])
+def test_device_cuda_without_cuda_is_a_usage_error(module, capsys):
+    with pytest.raises(SystemExit) as exc:
+        module.build_parser().parse_args(["--device", "cuda"])
+    assert exc.value.code == 2
+    assert "argument --device: 'cuda': CUDA is not available on this machine" in capsys.readouterr().err

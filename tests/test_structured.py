@@ -2,7 +2,7 @@
 
 Forward passes are checked against slow solvers written here (projected gradient on the
 dual in float64), Jacobians against matrices built explicitly from Prop. 1 and Prop. 3 of
-``niculae2017-regularized-sparse-structured-attention.txt``, and the Triton TV kernel
+Niculae & Blondel 2017, and the Triton TV kernel
 (under the interpreter on CPU) against the PyTorch path.
 """
 

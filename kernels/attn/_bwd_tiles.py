@@ -7,7 +7,17 @@ Derivations in docs/backward.md.
 import triton
 import triton.language as tl
 
-from .._common import LN2, LOG2E, alpha_class_id, dropout_keep, expm1mx_series, load_rows, log2_1p, slice_base
+from .._common import (
+    LN2,
+    LOG2E,
+    alpha_class_id,
+    dropout_keep,
+    expm1mx_series,
+    load_rows,
+    log2_1p,
+    slice_base,
+    two_sum,
+)
 from .._masking import bit_rank, score_mod, soft_cap, tile_indices
 
 
@@ -22,9 +32,21 @@ def _row_factors(alpha, lsum):
 
 
 @triton.jit
+def _row_tau(TAU, stat_offs, row_ok):
+    """The forward's threshold of the rows at ``stat_offs`` as two floats ``(tau, tau_lo)`` (``[BLOCK_M]`` each;
+    ``TAU = (TAU, TAU_LO)``): ``+inf`` and 0 outside ``row_ok``."""
+    return (tl.load(TAU[0] + stat_offs, mask=row_ok, other=float("inf")),
+            tl.load(TAU[1] + stat_offs, mask=row_ok, other=0.0))
+
+
+@triton.jit
 def _weights(s, tau, cu, cp, log_l, alpha, ALPHA_CLASS: tl.constexpr):
     """Weights ``p``, ``U = p^(2-alpha)`` and ``log p`` (0 where ``p == 0``) of a score tile ``s [BLOCK_M, BLOCK_N]``
     (masked = -inf), each ``[BLOCK_M, BLOCK_N]``.
+
+    ``tau = (tau, tau_lo)`` (``_row_tau``): the threshold is their exact sum, and every score is taken relative to
+    it as ``((alpha-1) s - tau) - tau_lo``: the first difference is exact near the threshold (one FMA), so that the
+    weights do not depend on the magnitude of the scores (a constant added to a row), as in the forward.
 
     For alpha > 1, ``r = [(alpha-1) s - tau]_+``, ``U = r^(beta-1) cu`` and ``p = U r cp``
     (``beta = 1/(alpha-1)``), which is ``r^beta / L`` when ``cu = L^(alpha-2)``, ``cp = L^(1-alpha)``.
@@ -33,24 +55,29 @@ def _weights(s, tau, cu, cp, log_l, alpha, ALPHA_CLASS: tl.constexpr):
     ``beta log r - log L`` (no second logarithm). ``log p`` is dead code unless d alpha is asked for.
     ``ALPHA_CLASS`` (``_common.ALPHA_CLASSES``) picks the path at compile time.
     """
+    tau, tau_lo = tau
     if ALPHA_CLASS == 0:
-        t = s - tau[:, None]
+        t = (s - tau[:, None]) - tau_lo[:, None]
         p = tl.exp2(t * LOG2E)
         u = p
         logp = tl.where(p > 0.0, t, 0.0)
     elif ALPHA_CLASS == 1:
-        r = tl.maximum(s - tau[:, None], 0.0)
+        r = tl.maximum((s - tau[:, None]) - tau_lo[:, None], 0.0)
         u = tl.where(r > 0.0, cu[:, None], 0.0)
         p = r * cp[:, None]
         logp = tl.where(p > 0.0, tl.log2(tl.where(p > 0.0, p, 1.0)) * LN2, 0.0)
     elif ALPHA_CLASS == 2:
-        r = tl.maximum(s * 0.5 - tau[:, None], 0.0)
+        r = tl.maximum((s * 0.5 - tau[:, None]) - tau_lo[:, None], 0.0)
         u = r * cu[:, None]
         p = u * r * cp[:, None]
         logp = tl.where(p > 0.0, tl.log2(tl.where(p > 0.0, p, 1.0)) * LN2, 0.0)
     else:
         beta = 1.0 / (alpha - 1.0)
-        w = s * (alpha - 1.0) - (tau[:, None] + 1.0)
+        # relative to theta = tau + 1 as two floats (the forward's threshold on this path): near alpha = 1 the
+        # scores and theta are small and w = z - theta is exact where z - tau would round at 1
+        # (a row without keys, tau = +inf, gets a NaN residual and w: outside the support below)
+        theta, theta_lo = two_sum(tau, 1.0)
+        w = (s * (alpha - 1.0) - theta[:, None]) - (theta_lo + tau_lo)[:, None]
         sup = w > -1.0
         w = tl.where(sup, w, 0.0)
         lr = log2_1p(w)
@@ -201,15 +228,16 @@ def _key_tile(kt, kv, k_start, seqlen_k, dims, UPCAST: tl.constexpr, BLOCK_N: tl
 @triton.jit
 def _query_rows(qdo, STATS, bh, total_q, rows, rows_global, row_ok, dims, alpha, UPCAST: tl.constexpr):
     """Rows ``rows`` of one (batch, q head) after the dQ kernel: ``qrow = (q, do, tau, cu, cp, log_l, delta)`` (the
-    ``qrow`` of ``_tile``): ``q [BLOCK_M, BLOCK_D]``, ``do [BLOCK_M, BLOCK_DV]``, the per-row ``tau``, weight factors
-    ``cu``, ``cp``, ``log lsum`` (``_row_factors``) and ``delta``. ``qdo = (q_base, do_base, stride_qm, stride_qd,
-    stride_dom, stride_dod)``: the sequence's Q / dO slices of the head; ``STATS = (TAU, LSUM, DELTA)``."""
+    ``qrow`` of ``_tile``): ``q [BLOCK_M, BLOCK_D]``, ``do [BLOCK_M, BLOCK_DV]``, the per-row ``tau`` (``_row_tau``),
+    weight factors ``cu``, ``cp``, ``log lsum`` (``_row_factors``) and ``delta``. ``qdo = (q_base, do_base,
+    stride_qm, stride_qd, stride_dom, stride_dod)``: the sequence's Q / dO slices of the head; ``STATS = (TAU, LSUM,
+    DELTA)`` with ``TAU = (TAU, TAU_LO)``."""
     q_base, do_base, stride_qm, stride_qd, stride_dom, stride_dod = qdo
     offs_d, d_ok, offs_dv, dv_ok = dims
     q = load_rows(q_base, rows, offs_d, stride_qm, stride_qd, row_ok, d_ok, UPCAST)
     do = load_rows(do_base, rows, offs_dv, stride_dom, stride_dod, row_ok, dv_ok, UPCAST)
     stat_offs = bh.to(tl.int64) * total_q + rows_global.to(tl.int64)
-    tau = tl.load(STATS[0] + stat_offs, mask=row_ok, other=float("inf"))
+    tau = _row_tau(STATS[0], stat_offs, row_ok)
     lsum = tl.load(STATS[1] + stat_offs, mask=row_ok, other=0.0)
     delta = tl.load(STATS[2] + stat_offs, mask=row_ok, other=0.0)
     cu, cp, log_l = _row_factors(alpha, lsum)

@@ -15,6 +15,7 @@ from .._common import LN2, LOG2E, alpha_class_id
 from .._masking import block_visible, program_mods
 from ._threshold import (
     Bracket,
+    anchor,
     cand_points,
     log_ref,
     merge_points,
@@ -27,10 +28,10 @@ from ._threshold import (
 )
 
 # per-row merged threshold state carried from launch to launch (columns of STATE)
-N_STATE = tl.constexpr(19)
-# per-split, per-row results: of the score pass (GRID_ROW: max, grid index, valid keys, NaN flag) and of the value
-# (or softmax) pass (PART_ROW: max in log2 scale for softmax, sum of weights, support size, valid keys)
-N_PART = tl.constexpr(4)
+N_STATE = tl.constexpr(20)
+# per-split, per-row results: of the score pass (GRID_ROW: max, grid index, valid keys, NaN flag, reference score)
+# and of the value (or softmax) pass (PART_ROW: max for softmax, sum of weights, support size, valid keys)
+N_PART = tl.constexpr(5)
 
 
 @triton.jit
@@ -155,25 +156,38 @@ def _grid_state(GRID_ROW, GRID_PTS, split_rows, n_splits, active, am1, beta, bm1
                 GRID_K: tl.constexpr, BLOCK_M: tl.constexpr):
     """Merge the splits' score-pass results into the global row state and solve the first bracket.
 
-    The grid is absolute, so split ``s`` holds the sums at the global points ``(J - GRID_K, J]`` that are not
-    above its own top index ``J_s``, and nothing at the others (each of its keys lies below its max).
-    Returns the state tuple of :func:`_store_state`.
+    Split ``s`` holds its sums at the points ``ref_s + i w`` (``i`` in ``(J_s - GRID_K, J_s]``) below its own max;
+    the global ring is relative to ``ref = anchor(max)``, and ``ref_s - ref`` is a multiple of ``GRID_K`` (both
+    ``_threshold.anchor``), a whole number of ring turns: the split's point ``i`` is the global point ``i + off_s``,
+    ``off_s = (ref_s - ref) (GRID_K - 1)``, held by the same slot. So split ``s`` holds the sums at the global points
+    ``(J - GRID_K, J]`` that are not above its own top index, and nothing at the others (each of its keys lies below
+    its max). Returns the state tuple of :func:`_store_state` (``m`` relative to ``ref``).
     """
     w_grid = 1.0 / (GRID_K - 1)
     slot = tl.arange(0, GRID_K).to(tl.float32)
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    j_top = tl.full([BLOCK_M], -1e30, tl.float32)
     n_valid = tl.zeros([BLOCK_M], tl.float32)
     bad = tl.zeros([BLOCK_M], tl.float32)
     for s in range(0, n_splits):
         row = GRID_ROW + (split_rows + s) * N_PART
         m = tl.maximum(m, tl.load(row, mask=active, other=float("-inf")))
-        j_top = tl.maximum(j_top, tl.load(row + 1, mask=active, other=-1e30))
         n_valid += tl.load(row + 2, mask=active, other=0.0)
         bad = tl.maximum(bad, tl.load(row + 3, mask=active, other=0.0))
     valid = n_valid > 0.0
     usable = valid & (bad == 0.0) & active
-    m = tl.where(usable, m, 0.0)
+    ref = tl.where(usable, anchor(m, GRID_K), 0.0)
+    # the global top index: the largest of the splits' in the global frame (the same arithmetic as each split's);
+    # fp32 indexes the grid only below 2**22 steps, on every split that has a key
+    j_top = tl.full([BLOCK_M], -1e30, tl.float32)
+    j_far = tl.zeros([BLOCK_M], tl.float32)
+    for s in range(0, n_splits):
+        row = GRID_ROW + (split_rows + s) * N_PART
+        has = tl.load(row, mask=usable, other=float("-inf")) > float("-inf")
+        j_s = tl.load(row + 1, mask=has, other=0.0)
+        j_top = tl.maximum(j_top, tl.where(has, j_s + (tl.load(row + 4, mask=has, other=0.0) - ref) * (GRID_K - 1),
+                                           -1e30))
+        j_far = tl.maximum(j_far, tl.abs(j_s))
+    m = tl.where(usable, m - ref, 0.0)
     j_top = tl.where(usable, j_top, 0.0)
     i_glob = ring_index(j_top[:, None], slot[None, :], GRID_K)
     t_glob = i_glob * w_grid + shift
@@ -184,14 +198,16 @@ def _grid_state(GRID_ROW, GRID_PTS, split_rows, n_splits, active, am1, beta, bm1
     for s in range(0, n_splits):
         row = GRID_ROW + (split_rows + s) * N_PART
         m_s = tl.load(row, mask=usable, other=float("-inf"))
-        j_s = tl.load(row + 1, mask=usable, other=-1e30)
+        off_s = (tl.load(row + 4, mask=usable, other=0.0) - ref) * (GRID_K - 1)
+        j_s = tl.load(row + 1, mask=usable, other=-1e30) + off_s
         pts = GRID_PTS + (split_rows + s)[:, None] * (3 * GRID_K) + tl.arange(0, GRID_K)[None, :]
-        same = (ring_index(j_s[:, None], slot[None, :], GRID_K) == i_glob) & usable[:, None]
+        same = ((ring_index(j_s[:, None], slot[None, :], GRID_K) == i_glob) & usable[:, None]
+                & (m_s > float("-inf"))[:, None])
         f_s = tl.load(pts, mask=same, other=0.0)
         g_s = tl.load(pts + GRID_K, mask=same, other=0.0)
         if POW == 0:
             # rescale from the split max's term to the global max's
-            d_l = log_ref(m_s[:, None], t_glob) - l_glob
+            d_l = log_ref((m_s - ref)[:, None], t_glob) - l_glob
             F += tl.where(same, f_s * tl.exp2(beta[:, None] * d_l), 0.0)
             G += tl.where(same, g_s * tl.exp2(bm1[:, None] * d_l), 0.0)
         else:
@@ -199,7 +215,7 @@ def _grid_state(GRID_ROW, GRID_PTS, split_rows, n_splits, active, am1, beta, bm1
             G += g_s
             C += tl.load(pts + 2 * GRID_K, mask=same, other=0.0)
     # beyond 2**22 grid steps fp32 cannot index the grid: those rows start from [m - 1, m], phi(m - 1) unknown
-    grid_ok = tl.abs(j_top) < 4194304.0
+    grid_ok = (tl.abs(j_top) < 4194304.0) & (j_far < 4194304.0)
     br = open_bracket(m, grid_ok, shift)
     ph, dph = phi(F, G, POW, am1[:, None], l_glob)
     # the lowest point is <= m - 1, where f >= 1 in exact arithmetic
@@ -208,13 +224,14 @@ def _grid_state(GRID_ROW, GRID_PTS, split_rows, n_splits, active, am1, beta, bm1
                       dph, tl.where(lowest, tl.maximum(F, 1.0), F), G, C, GRID_K)
     est, lo, hi, exact = solve(br, POW)
     return (m, Bracket(*br[:10], br.top.to(tl.float32)), est, lo, hi, exact.to(tl.float32), usable.to(tl.float32),
-            tl.where(active, bad, 0.0), tl.full([], 1.0, tl.float32))
+            tl.where(active, bad, 0.0), tl.full([], 1.0, tl.float32), ref)
 
 
 @triton.jit
-def _store_state(STATE, state_rows, active, m, br, est, lo, hi, exact, usable, bad, passes):
+def _store_state(STATE, state_rows, active, m, br, est, lo, hi, exact, usable, bad, passes, ref):
     """Store the row state: the row max ``m``, the bracket ``br`` (its ``top`` a 0/1 float), the estimate, the
-    certified bounds and the flags (``N_STATE`` columns of ``STATE``; flags as 0/1 floats, ``passes`` run so far)."""
+    certified bounds (all relative to the reference score ``ref``), the flags (``N_STATE`` columns of ``STATE``; flags
+    as 0/1 floats, ``passes`` run so far) and ``ref``."""
     base = STATE + state_rows * N_STATE
     tl.store(base, m, mask=active)
     for f in tl.static_range(11):
@@ -226,6 +243,7 @@ def _store_state(STATE, state_rows, active, m, br, est, lo, hi, exact, usable, b
     tl.store(base + 16, usable, mask=active)
     tl.store(base + 17, bad, mask=active)
     tl.store(base + 18, passes, mask=active)
+    tl.store(base + 19, ref, mask=active)
 
 
 @triton.jit
@@ -242,7 +260,7 @@ def _load_state(STATE, state_rows, active):
             tl.load(base + 12, mask=active, other=0.0), tl.load(base + 13, mask=active, other=0.0),
             tl.load(base + 14, mask=active, other=0.0), tl.load(base + 15, mask=active, other=1.0),
             tl.load(base + 16, mask=active, other=0.0), tl.load(base + 17, mask=active, other=0.0),
-            tl.max(tl.load(base + 18, mask=active, other=0.0), 0))
+            tl.max(tl.load(base + 18, mask=active, other=0.0), 0), tl.load(base + 19, mask=active, other=0.0))
 
 
 @triton.jit
@@ -278,7 +296,7 @@ def _merge_cands(CAND, split_rows, n_splits, active, m, br, est, lo, hi, exact, 
 @triton.jit
 def _store_partials(PART_ROW, PART_ACC, split_rows, active, m, l_sum, nnz, acc, HEAD_DIM_V: tl.constexpr,
                     BLOCK_DV: tl.constexpr):
-    """One split's value-pass results: max (log2 scale; 0 for entmax), sum of weights, support size, ``acc``."""
+    """One split's value-pass results: max (softmax; 0 for entmax), sum of weights, support size, ``acc``."""
     offs_d = tl.arange(0, BLOCK_DV)
     tl.store(PART_ROW + split_rows * N_PART, m, mask=active)
     tl.store(PART_ROW + split_rows * N_PART + 1, l_sum, mask=active)
@@ -295,7 +313,7 @@ def _entmax_decode_combine_kernel(
     HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     """One program per (kv head x row tile, batch entry): ``out = sum_s w_s acc_s / sum_s w_s l_s`` with
-    ``w_s = 2^(m_s - max m)`` (1 for entmax rows, whose split maxima are 0), and the row statistics. The sink of a
+    ``w_s = e^(m_s - max m)`` (1 for entmax rows, whose split maxima are 0), and the row statistics. The sink of a
     softmax row joins here (its max and denominator; entmax rows have it in their threshold and split 0's sum)."""
     h_kv = tl.program_id(0) // n_row_tiles
     rt = tl.program_id(0) % n_row_tiles
@@ -304,20 +322,20 @@ def _entmax_decode_combine_kernel(
     split_rows = (((b * n_kv_heads + h_kv) * (n_row_tiles * BLOCK_M) + r) * n_splits).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_DV)
     d_ok = offs_d < HEAD_DIM_V
-    sink = _row_mods(MODS, b, h, SCORE)[4] * LOG2E + tl.zeros([BLOCK_M], tl.float32)
+    sink = _row_mods(MODS, b, h, SCORE)[4] + tl.zeros([BLOCK_M], tl.float32)
     sink_bad = (alpha == 1.0) & ((sink != sink) | (sink == float("inf")))
     s_sink = tl.where((alpha == 1.0) & (sink_bad == 0), sink, float("-inf"))
     m = s_sink
     for s in range(0, n_splits):
         m = tl.maximum(m, tl.load(PART_ROW + (split_rows + s) * N_PART, mask=row_ok, other=float("-inf")))
     m_safe = tl.where(m > float("-inf"), m, 0.0)
-    l_sum = tl.exp2(s_sink - m_safe)
+    l_sum = tl.exp2((s_sink - m_safe) * LOG2E)
     nnz = tl.zeros([BLOCK_M], tl.float32)
     n_valid = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     for s in range(0, n_splits):
         row = PART_ROW + (split_rows + s) * N_PART
-        w = tl.exp2(tl.load(row, mask=row_ok, other=float("-inf")) - m_safe)
+        w = tl.exp2((tl.load(row, mask=row_ok, other=float("-inf")) - m_safe) * LOG2E)
         l_sum += w * tl.load(row + 1, mask=row_ok, other=0.0)
         nnz += tl.load(row + 2, mask=row_ok, other=0.0)
         n_valid += tl.load(row + 3, mask=row_ok, other=0.0)
@@ -334,5 +352,5 @@ def _entmax_decode_combine_kernel(
     stat_offs = (b.to(tl.int64) * n_heads + h) * seqlen_q + i
     tl.store(NNZ + stat_offs, tl.where(is_bad, 0.0, nnz).to(tl.int32), mask=row_ok)
     tl.store(N_VALID + stat_offs, n_valid.to(tl.int32), mask=row_ok)
-    tau_soft = tl.where(n_valid > 0.0, (m_safe + tl.log2(tl.where(ok, l_sum, 1.0))) * LN2, float("inf"))
+    tau_soft = tl.where(n_valid > 0.0, m_safe + tl.log2(tl.where(ok, l_sum, 1.0)) * LN2, float("inf"))
     tl.store(TAU + stat_offs, tl.where(is_bad, float("nan"), tau_soft), mask=row_ok & (alpha == 1.0))

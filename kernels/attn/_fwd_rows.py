@@ -15,7 +15,7 @@ from typing import NamedTuple
 import triton
 import triton.language as tl
 
-from .._common import LN2, LOG2E, dropout_keep, load_rows
+from .._common import LN2, LOG2E, dropout_keep, load_rows, two_sum
 from .._masking import block_tile_live, live_tile, mark_tile, score_mod, sink_tile, visit_tile, walk_words, word_bits
 from ._threshold import (
     FAST_BETA_MAX,
@@ -99,14 +99,15 @@ def _key_cols(kt, kv):
 
 @triton.jit
 def _score_tile(q, kv, rw, cols, mods, z_scale, bias_scale, BIAS_KIND: tl.constexpr, MASK, SCORE,
-                DOT_PRECISION: tl.constexpr):
+                DOT_PRECISION: tl.constexpr, ref=None):
     """Scores ``z_scale * q.k`` (soft-capped in the same scale) ``+ bias_scale * (bias - slope * |d|)`` of one
-    tile, ``-inf`` where masked (``_masking.score_mod``). [BLOCK_M, BLOCK_N]"""
+    tile, ``-inf`` where masked, minus the rows' reference scores ``ref`` when given (``_masking.score_mod``).
+    [BLOCK_M, BLOCK_N]"""
     offs_d = tl.arange(0, kv.d_ok.shape[0])
     k_ptrs = kv.k_base + cols.to(tl.int64)[None, :] * kv.stride_kn + offs_d.to(tl.int64)[:, None] * kv.stride_kd
     k = tl.load(k_ptrs, mask=(cols[None, :] < rw.seqlen_k) & kv.d_ok[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
     s = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * z_scale
-    return score_mod(s, rw.rows, cols, rw.seqlen_q, rw.seqlen_k, mods, bias_scale, MASK, SCORE, BIAS_KIND)
+    return score_mod(s, rw.rows, cols, rw.seqlen_q, rw.seqlen_k, mods, bias_scale, MASK, SCORE, BIAS_KIND, ref)
 
 
 @triton.jit
@@ -147,13 +148,13 @@ def _u_weights(z, t, p, POW: tl.constexpr):
 
 
 @triton.jit
-def tile_screen(z, t_low):
+def tile_screen(z, t_low, ref):
     """Screen a score tile ``z`` of a first pass (the fused grid pass, the split max pass) with two row reductions,
     before any per-score bookkeeping. Returns ``(code, n_fast, z_max)``: ``code`` (CTA-wide int32) is 0 when the tile
     is dead and plain (the grid pass skips it: ``grid_tile`` would change nothing), 1 when some row has a score above
-    its ``t_low``, 2 or more when some row holds a non-finite score and is not all ``-inf`` (then the tile gets the
-    exact per-score NaN/+inf flags and valid-key counts, ``valid_keys``); ``n_fast`` the rows' valid-key counts when
-    ``code < 2``; ``z_max`` the row maxima.
+    its ``ref + t_low``, 2 or more when some row holds a non-finite score and is not all ``-inf`` (then the tile gets
+    the exact per-score NaN/+inf flags and valid-key counts, ``valid_keys``); ``n_fast`` the rows' valid-key counts
+    when ``code < 2``; ``z_max`` the row maxima.
 
     Exact: a finite row sum means every score of the row is finite (``BLOCK_N`` valid keys, no NaN or +inf; an
     overflowing sum only sends the tile the exact way); a row sum and a row max both ``-inf`` mean every score is
@@ -164,7 +165,7 @@ def tile_screen(z, t_low):
     z_max = tl.max(z, 1)
     z_sum = tl.sum(z, 1)
     plain = (tl.abs(z_sum) < float("inf")) | ((z_sum == float("-inf")) & (z_max == float("-inf")))
-    code = tl.max(tl.where(plain, tl.where(z_max > t_low, 1, 0), 2), 0)
+    code = tl.max(tl.where(plain, tl.where(z_max - ref > t_low, 1, 0), 2), 0)
     return code, tl.where(z_max > float("-inf"), z.shape[1], 0), z_max
 
 
@@ -216,7 +217,12 @@ def _row_span(rw):
 @triton.jit
 def softmax_rows(q, kv, rw, tiles, mods, scale, BIAS_KIND: tl.constexpr, MASK, SCORE, HAS_DROPOUT: tl.constexpr,
                  DOT_PRECISION: tl.constexpr):
-    """alpha == 1: one online-softmax pass (base-2 exponentials). Returns ``(out, tau, lsum, nnz, n_valid, visits)``.
+    """alpha == 1: one online-softmax pass. Returns ``(out, tau, tau_lo, lsum, nnz, n_valid, visits)``.
+
+    The scores and the running max stay in the scores' own scale and each exponent is ``(s - m) log2(e)``: exact
+    near the max (Sterbenz) and unchanged by a constant added to a row, where scaling the scores to base 2 first
+    would round them at their own magnitude (and overflow beyond 2.4e38). ``tau = m + log(lsum)`` (the logsumexp)
+    is returned as two floats, ``tau`` and its rounding residual ``tau_lo``.
 
     With sinks (``SCORE[3]``) the sink logit (``mods``) starts the running max and the denominator (one more term,
     no value); a NaN or ``+inf`` sink makes every row NaN.
@@ -229,7 +235,7 @@ def softmax_rows(q, kv, rw, tiles, mods, scale, BIAS_KIND: tl.constexpr, MASK, S
     l_sum = tl.zeros([BLOCK_M], tl.float32)
     if SCORE[3]:
         sink_bad = (sink != sink) | (sink == float("inf"))
-        s_sink = tl.where(sink_bad, float("-inf"), sink * LOG2E)
+        s_sink = tl.where(sink_bad, float("-inf"), sink)
         m = tl.zeros([BLOCK_M], tl.float32) + s_sink
         l_sum = l_sum + tl.where(s_sink > float("-inf"), 1.0, 0.0)
     n_valid = tl.zeros([BLOCK_M], tl.int32)
@@ -248,13 +254,13 @@ def softmax_rows(q, kv, rw, tiles, mods, scale, BIAS_KIND: tl.constexpr, MASK, S
         word = tl.where(lane == 0, 0, word)
         if tile_open:
             cols = _key_cols(kt, kv)
-            s = _score_tile(q, kv, rw, cols, mods, scale * LOG2E, LOG2E, BIAS_KIND, MASK, SCORE, DOT_PRECISION)
+            s = _score_tile(q, kv, rw, cols, mods, scale, 1.0, BIAS_KIND, MASK, SCORE, DOT_PRECISION)
             s_max = tl.max(s, 1)
             n_valid += tl.sum((s > float("-inf")).to(tl.int32), 1)
             m_new = tl.maximum(m, s_max)
             m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
-            corr = tl.exp2(m - m_safe)
-            p = tl.exp2(s - m_safe[:, None])
+            corr = tl.exp2((m - m_safe) * LOG2E)
+            p = tl.exp2((s - m_safe[:, None]) * LOG2E)
             l_sum = l_sum * corr + tl.sum(p, 1)
             # the live bit from the row maxima: a CTA-wide max over BLOCK_M flags, not over every score
             word = word | (tl.max((s_max > float("-inf")).to(tl.int32), 0) << lane)
@@ -268,20 +274,23 @@ def softmax_rows(q, kv, rw, tiles, mods, scale, BIAS_KIND: tl.constexpr, MASK, S
     valid = n_valid > 0
     l_safe = tl.where(valid, l_sum, 1.0)
     out = acc / l_safe[:, None]
-    tau = tl.where(valid, (m + tl.log2(l_safe)) * LN2, float("inf"))
+    tau, tau_lo = two_sum(tl.where(valid, m, 0.0), tl.log2(l_safe) * LN2)
+    tau = tl.where(valid, tau, float("inf"))
+    tau_lo = tl.where(valid, tau_lo, 0.0)
     lsum = tl.where(valid, 1.0, 0.0)
     if SCORE[3]:
         out = tl.where(sink_bad, float("nan"), out)
         tau = tl.where(sink_bad, float("nan"), tau)
         lsum = tl.where(sink_bad, float("nan"), lsum)
-    return out, tau, lsum, n_valid, n_valid, kt_hi - kt_lo - shut
+    return out, tau, tau_lo, lsum, n_valid, n_valid, kt_hi - kt_lo - shut
 
 
 @triton.jit
 def _value_pass(q, kv, rw, tiles, mods, vp, POW: tl.constexpr, BIAS_KIND: tl.constexpr, MASK, SCORE,
                 HAS_DROPOUT: tl.constexpr, WITH_P: tl.constexpr, WITH_U: tl.constexpr, HALF_P: tl.constexpr,
                 DOT_PRECISION: tl.constexpr):
-    """One pass over the live tiles at the thresholds ``t_use`` (``vp = (t_use, lo_kill, beta, z_scale, am1, visits)``):
+    """One pass over the live tiles at the thresholds ``t_use`` (``vp = (t_use, lo_kill, beta, z_scale, am1, ref,
+    visits)``; thresholds and scores relative to the rows' reference scores ``ref``):
     with ``WITH_P`` ``acc = sum_j p_ij v_j``,
     ``l_sum = sum_j p_ij``, ``nnz`` and the bitmap's words rewritten (tiles with no score above ``lo_kill`` die);
     with ``WITH_U`` ``acc_u = sum_j U_ij v_j`` and ``u_sum = sum_j U_ij`` (``_u_weights``). Returns
@@ -290,7 +299,7 @@ def _value_pass(q, kv, rw, tiles, mods, vp, POW: tl.constexpr, BIAS_KIND: tl.con
     the fast log2."""
     BLOCK_M: tl.constexpr = rw.rows.shape[0]
     BLOCK_DV: tl.constexpr = kv.dv_ok.shape[0]
-    t_use, lo_kill, beta, z_scale, am1, visits = vp
+    t_use, lo_kill, beta, z_scale, am1, ref, visits = vp
     live_base = tiles.live_base
     l_sum = tl.zeros([BLOCK_M], tl.float32)
     nnz = tl.zeros([BLOCK_M], tl.int32)
@@ -305,7 +314,7 @@ def _value_pass(q, kv, rw, tiles, mods, vp, POW: tl.constexpr, BIAS_KIND: tl.con
             for i in range(0, n_set):
                 kt = live_tile(bits, rank, i, wd)
                 cols = _key_cols(kt, kv)
-                z = _score_tile(q, kv, rw, cols, mods, z_scale, am1, BIAS_KIND, MASK, SCORE, DOT_PRECISION)
+                z = _score_tile(q, kv, rw, cols, mods, z_scale, am1, BIAS_KIND, MASK, SCORE, DOT_PRECISION, ref)
                 p = weights(z, t_use, POW, beta, HALF_P)
                 if WITH_P:
                     # one max per score (not a compare, a select and a max): the row maxima decide
@@ -330,37 +339,33 @@ def _value_pass(q, kv, rw, tiles, mods, vp, POW: tl.constexpr, BIAS_KIND: tl.con
 
 
 @triton.jit
-def points_pass(q, kv, rw, mods, pts, acc, st, POW: tl.constexpr, NPTS: tl.constexpr, LANES: tl.constexpr, FLAGS,
-                BIAS_KIND: tl.constexpr, MASK, SCORE, DOT_PRECISION: tl.constexpr):
+def points_pass(q, kv, rw, mods, pts, acc, st, POW: tl.constexpr, NPTS: tl.constexpr, LANES: tl.constexpr,
+                COUNT: tl.constexpr, BIAS_KIND: tl.constexpr, MASK, SCORE, DOT_PRECISION: tl.constexpr):
     """One pass over the live tiles adding the point sums of every score tile at the points ``pts`` to ``acc``
     (``_threshold.cand_sums`` with ``NPTS`` points, per-lane partials with ``LANES``), then the sink's with
     ``SCORE[3]``; the bitmap's words are rewritten: a tile with no score above ``lo_kill`` dies. The candidate passes
     of the fused forward and the bracket and refinement passes of the split forward (``_fwd_split.py``).
 
-    ``st = (anchor, z_scale, am1, bm1, lo_kill, tiles, zs, visits)``; ``FLAGS = (COUNT, ANCHORED)`` (constexprs):
-    ``COUNT`` counts the keys above each point at alpha 1.5 (``cand_sums``; at alpha 2 the count is ``g``, which
-    ``cand_bracket`` reads); ``ANCHORED``: the sums are of ``z -
-    anchor`` (``[BLOCK_M]``, the row max of the split forward), and the points and ``lo_kill`` are relative to it.
-    ``zs`` is the sink's virtual score tile (``_sink_scores``). Returns ``(acc, visits)``, ``visits`` counting the key
-    tiles loaded."""
-    anchor, z_scale, am1, bm1, lo_kill, tiles, zs, visits = st
+    ``st = (ref, z_scale, am1, bm1, lo_kill, tiles, zs, visits)``: the sums are of ``z - ref`` (``[BLOCK_M]``, the
+    rows' reference scores, ``_masking.score_mod``), the points and ``lo_kill`` relative to it; ``zs`` the sink's
+    virtual score tile (``_sink_scores``, absolute). ``COUNT`` (constexpr) counts the keys above each point at alpha
+    1.5 (``cand_sums``; at alpha 2 the count is ``g``, which ``cand_bracket`` reads). Returns ``(acc, visits)``,
+    ``visits`` counting the key tiles loaded."""
+    ref, z_scale, am1, bm1, lo_kill, tiles, zs, visits = st
     for wd in range(0, tiles.n_words):
         # a word with no live tile has n_set 0
         bits, rank, n_set = word_bits(tl.load(tiles.live_base + wd))
         new_word = tl.zeros([], tl.int32)
         for i in range(0, n_set):
             kt = live_tile(bits, rank, i, wd)
-            z = _score_tile(q, kv, rw, _key_cols(kt, kv), mods, z_scale, am1, BIAS_KIND, MASK, SCORE, DOT_PRECISION)
-            if FLAGS[1]:
-                z = z - anchor[:, None]
+            z = _score_tile(q, kv, rw, _key_cols(kt, kv), mods, z_scale, am1, BIAS_KIND, MASK, SCORE, DOT_PRECISION,
+                            ref)
             new_word = new_word | (tl.max((tl.max(z, 1) > lo_kill).to(tl.int32), 0) << (kt - wd * 32))
-            acc = cand_sums(z, pts, acc, POW, NPTS, bm1, LANES, FLAGS[0])
+            acc = cand_sums(z, pts, acc, POW, NPTS, bm1, LANES, COUNT)
             visits += 1
         tl.store(tiles.live_base + wd, new_word)
     if SCORE[3]:
-        if FLAGS[1]:
-            zs = zs - anchor[:, None]
-        acc = cand_sums(zs, pts, acc, POW, NPTS, bm1, LANES, FLAGS[0])
+        acc = cand_sums(zs - ref[:, None], pts, acc, POW, NPTS, bm1, LANES, COUNT)
     tl.debug_barrier()
     return acc, visits
 
@@ -371,10 +376,12 @@ def entmax_rows(q, kv, rw, tiles, mods, sc, POW: tl.constexpr, GRID_K: tl.conste
                 DOT_PRECISION: tl.constexpr):
     """alpha in (1, 2]: grid pass, candidate passes, value pass (module docstring).
 
-    Returns ``(out, out_u, tau, lsum, nnz, n_valid, n_passes, visits)``. Thresholds are carried as
-    ``theta = tau + shift`` (shift 1 on the general path POW 0, see kernels/attn/_threshold.py). With ``NEED_OUT_U``
-    the value pass also accumulates ``sum_j U_ij v_j`` and ``sum_j U_ij`` (``U = p^(2 - alpha)`` up to a row
-    factor, dropout applied to the first): ``out_u`` is their ratio, from which the backward's ``delta`` is
+    Returns ``(out, out_u, tau, tau_lo, lsum, nnz, n_valid, n_passes, visits)``. Thresholds are carried as
+    ``theta = tau + shift`` (shift 1 on the general path POW 0, see kernels/attn/_threshold.py), and, with every
+    score and point, relative to the row's reference score ``ref`` (``_threshold.anchor``, set by the grid pass); the
+    threshold ``ref + tau_rel`` is returned as two floats, ``tau`` and its rounding residual ``tau_lo``. With
+    ``NEED_OUT_U`` the value pass also accumulates ``sum_j U_ij v_j`` and ``sum_j U_ij`` (``U = p^(2 - alpha)`` up
+    to a row factor, dropout applied to the first): ``out_u`` is their ratio, from which the backward's ``delta`` is
     ``dO . out_u`` (docs/backward.md); otherwise ``out_u`` is ``out``.
 
     With sinks (``SCORE[3]``) the sink is one more score per row, ``(alpha - 1) * sink`` in the z-scale, held by a
@@ -417,13 +424,14 @@ def entmax_rows(q, kv, rw, tiles, mods, sc, POW: tl.constexpr, GRID_K: tl.conste
         LANES: tl.constexpr = 0
         CAND_LANES: tl.constexpr = 0
 
-    # ---- pass 1: max, valid keys, NaN/+inf rows, and f, g, c at GRID_K absolute points below the running max
-    w_grid, slot, m, j_top, n_valid, bad, F, G, L = grid_start(BLOCK_M, GRID_K, LANES)
+    # ---- pass 1: max, valid keys, NaN/+inf rows, and f, g, c at GRID_K points below the running max (relative to ref)
+    w_grid, slot, m, j_top, ref, n_valid, bad, F, G, L = grid_start(BLOCK_M, GRID_K, LANES)
     z_sink = am1 * sink
     zs = _sink_scores(mods, am1, BLOCK_M, BLOCK_N)
     if SCORE[3]:
         bad = bad | ((z_sink != z_sink) | (z_sink == float("inf"))).to(tl.int32)
-        m, j_top, F, G, L, _ = grid_tile(zs, m, j_top, F, G, L, slot, w_grid, shift, beta, bm1, POW, GRID_K, LANES)
+        m, j_top, ref, F, G, L, _ = grid_tile(zs, m, j_top, ref, F, G, L, slot, w_grid, shift, beta, bm1, POW, GRID_K,
+                                              LANES)
     # max-first order (_masking.max_first_tile): the diagonal / window centre first, then outward; a tile that is
     # dead and plain when visited (tile_screen) costs its score product and two row reductions
     t_low = lowest_point(j_top, w_grid, GRID_K)
@@ -435,11 +443,11 @@ def entmax_rows(q, kv, rw, tiles, mods, sc, POW: tl.constexpr, GRID_K: tl.conste
         live = tl.zeros([], tl.int32)
         if tile_open:
             z = _score_tile(q, kv, rw, _key_cols(kt, kv), mods, z_scale, am1, BIAS_KIND, MASK, SCORE, DOT_PRECISION)
-            code, n_fast, _z_max = tile_screen(z, t_low)
+            code, n_fast, _z_max = tile_screen(z, t_low, ref)
             bad, n_valid = valid_keys(z, code, n_fast, bad, n_valid)
             if code != 0:
-                m, j_top, F, G, L, live = grid_tile(z, m, j_top, F, G, L, slot, w_grid, shift, beta, bm1, POW, GRID_K,
-                                                    LANES)
+                m, j_top, ref, F, G, L, live = grid_tile(z, m, j_top, ref, F, G, L, slot, w_grid, shift, beta, bm1, POW,
+                                                         GRID_K, LANES)
                 t_low = lowest_point(j_top, w_grid, GRID_K)
         walk = mark_live(tiles, kt, live, walk)
     tl.debug_barrier()
@@ -450,7 +458,9 @@ def entmax_rows(q, kv, rw, tiles, mods, sc, POW: tl.constexpr, GRID_K: tl.conste
     # ---- bracket from the grid: the lowest point has phi >= 0 in exact arithmetic; the row max closes it
     valid = n_valid > 0
     usable = valid & (bad == 0)
-    m = tl.where(usable, m, 0.0)
+    ref = tl.where(usable, ref, 0.0)
+    # from here on the row max, the points and the thresholds are relative to ref
+    m = tl.where(usable, m - ref, 0.0)
     j_top = tl.where(usable, j_top, 0.0)
     # beyond 2**22 grid steps fp32 cannot index the grid: those rows start from [m - 1, m] with phi(m - 1) >= 0
     # unknown (NaN: bisect)
@@ -488,8 +498,8 @@ def entmax_rows(q, kv, rw, tiles, mods, sc, POW: tl.constexpr, GRID_K: tl.conste
             CP = point_zeros(BLOCK_M, CAND_P, CAND_LANES)
         pts = (t_1, l_1, t_p, l_p, cand)
         acc, visits = points_pass(q, kv, rw, mods, pts, (f1, g1, c1, FP, GP, CP),
-                                  (zero, z_scale, am1, bm1, lo - shift, tiles, zs, visits), POW, CAND_P, CAND_LANES,
-                                  (POW == 2, False), BIAS_KIND, MASK, SCORE, DOT_PRECISION)
+                                  (ref, z_scale, am1, bm1, lo - shift, tiles, zs, visits), POW, CAND_P, CAND_LANES,
+                                  POW == 2, BIAS_KIND, MASK, SCORE, DOT_PRECISION)
         br, est, lo, hi, exact = tighten(done == 0, br, cand_bracket(br, pts, acc, am1, POW, CAND_P, CAND_LANES), est,
                                          lo, hi, exact, POW)
         n_passes += 1
@@ -501,10 +511,10 @@ def entmax_rows(q, kv, rw, tiles, mods, sc, POW: tl.constexpr, GRID_K: tl.conste
     tau_lim = m - tl.maximum(tl.abs(m) * 2.4e-7, 1e-15) + shift
     tau_saved = tl.where(usable, tl.minimum(est, tau_lim), 0.0) - shift
     lo_kill = tl.minimum(lo, tau_saved + shift) - shift
-    out, out_u, tau, l_out, nnz, n_passes, visits = value_rows(
-        q, kv, rw, tiles, mods, (tau_saved, lo_kill, alpha, z_scale, valid, bad, n_passes, visits), POW, BIAS_KIND,
-        MASK, SCORE, HAS_DROPOUT, NEED_OUT_U, DOT_PRECISION)
-    return out, out_u, tau, l_out, nnz, n_valid, n_passes, visits
+    out, out_u, tau, tau_lo, l_out, nnz, n_passes, visits = value_rows(
+        q, kv, rw, tiles, mods, (tau_saved, lo_kill, alpha, z_scale, ref, valid, bad, n_passes, visits), POW,
+        BIAS_KIND, MASK, SCORE, HAS_DROPOUT, NEED_OUT_U, DOT_PRECISION)
+    return out, out_u, tau, tau_lo, l_out, nnz, n_valid, n_passes, visits
 
 
 @triton.jit
@@ -513,14 +523,15 @@ def value_rows(q, kv, rw, tiles, mods, vr, POW: tl.constexpr, BIAS_KIND: tl.cons
     """alpha in (1, 2]: the value pass over the live tiles at a known threshold and the rows' results, for the fused
     forward (``entmax_rows``) and the split forward's value kernel (``_fwd_split.py``).
 
-    ``vr = (tau, lo_kill, alpha, z_scale, valid, bad, n_passes, visits)``: ``tau`` the threshold as saved for the
-    backward (the weights use ``tau + shift``, shift 1 on the general path POW 0, formed from it exactly as the
-    backward forms it), ``lo_kill`` the certified lower bound below which a tile dies (never above ``tau``), the
-    rows' valid-key flags and NaN / +inf flags, and the passes and tile visits so far. Returns ``(out, out_u, tau,
-    lsum, nnz, n_passes, visits)`` as ``entmax_rows`` returns them (``out_u`` is ``out`` without ``NEED_OUT_U``; the
-    sink, with ``SCORE[3]``, adds its weight to ``lsum`` and ``sum_j U_ij``).
+    ``vr = (tau, lo_kill, alpha, z_scale, ref, valid, bad, n_passes, visits)``: ``tau`` the threshold relative to the
+    rows' reference scores ``ref`` (the weights use ``tau + shift``, shift 1 on the general path POW 0, formed from it
+    exactly as the backward forms it), ``lo_kill`` the certified lower bound below which a tile dies (never above
+    ``tau``, relative to ``ref`` too), the rows' valid-key flags and NaN / +inf flags, and the passes and tile visits
+    so far. Returns ``(out, out_u, tau, tau_lo, lsum, nnz, n_passes, visits)`` as ``entmax_rows`` returns them
+    (``tau + tau_lo = ref + tau`` exactly; ``out_u`` is ``out`` without ``NEED_OUT_U``; the sink, with ``SCORE[3]``,
+    adds its weight to ``lsum`` and ``sum_j U_ij``).
     """
-    tau_saved, lo_kill, alpha, z_scale, valid, bad, n_passes, visits = vr
+    tau_saved, lo_kill, alpha, z_scale, ref, valid, bad, n_passes, visits = vr
     am1 = alpha - 1.0
     beta = 1.0 / am1
     if POW == 0:
@@ -534,7 +545,7 @@ def value_rows(q, kv, rw, tiles, mods, vr, POW: tl.constexpr, BIAS_KIND: tl.cons
     # with two head-dim-256 accumulators the training forward spills inside its loops (docs/kernels.md): there the
     # value pass runs twice, out first, then out_u over the tiles still live (the same sums: dead tiles add zeros)
     SPLIT_U: tl.constexpr = NEED_OUT_U and kv.dv_ok.shape[0] > 128
-    vp = (t_use, lo_kill, beta, z_scale, am1, visits)
+    vp = (t_use, lo_kill, beta, z_scale, am1, ref, visits)
     if HALF_P and POW == 0:
         # the fast log2 rounds 1 + w to float32 first: about 2.3e-7 * beta relative error per weight, kept under an
         # eighth of float16's rounding only up to FAST_BETA_MAX (near alpha = 1, beta reaches 2**23)
@@ -552,10 +563,10 @@ def value_rows(q, kv, rw, tiles, mods, vr, POW: tl.constexpr, BIAS_KIND: tl.cons
     if SPLIT_U:
         n_passes += 1
         _, _, _, acc_u, u_sum, visits = _value_pass(
-            q, kv, rw, tiles, mods, (t_use, lo_kill, beta, z_scale, am1, visits), POW, BIAS_KIND, MASK, SCORE,
+            q, kv, rw, tiles, mods, (t_use, lo_kill, beta, z_scale, am1, ref, visits), POW, BIAS_KIND, MASK, SCORE,
             HAS_DROPOUT, False, True, False, DOT_PRECISION)
     if SCORE[3]:
-        zs = _sink_scores(mods, am1, rw.rows.shape[0], kv.offs_n.shape[0])
+        zs = _sink_scores(mods, am1, rw.rows.shape[0], kv.offs_n.shape[0]) - ref[:, None]
         p_s = weights(zs, t_use, POW, beta)
         l_sum += tl.sum(p_s, 1)
         if NEED_OUT_U:
@@ -571,9 +582,11 @@ def value_rows(q, kv, rw, tiles, mods, vr, POW: tl.constexpr, BIAS_KIND: tl.cons
         u_ok = ok & (u_sum > 0.0)
         out_u = tl.where(u_ok[:, None], acc_u / tl.where(u_ok, u_sum, 1.0)[:, None], 0.0)
         out_u = tl.where(is_bad[:, None], float("nan"), out_u)
-    tau = tl.where(is_bad, float("nan"), tl.where(ok, tau_saved, float("inf")))
+    tau, tau_lo = two_sum(ref, tau_saved)
+    tau = tl.where(is_bad, float("nan"), tl.where(ok, tau, float("inf")))
+    tau_lo = tl.where(ok & (is_bad == 0), tau_lo, 0.0)
     l_out = tl.where(is_bad, float("nan"), tl.where(ok, l_sum, 0.0))
-    return out, out_u, tau, l_out, tl.where(ok, nnz, 0), n_passes, visits
+    return out, out_u, tau, tau_lo, l_out, tl.where(ok, nnz, 0), n_passes, visits
 
 
 @triton.jit

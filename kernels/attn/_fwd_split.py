@@ -13,16 +13,19 @@ The threshold kernel holds no output accumulator. Per query tile it runs
    the bracket or half the tolerance each side), so that the tangent and secant bounds from both ends close the
    bracket when the estimate is good.
 
-The threshold passes work with ``z - m`` and points relative to the row max (in ``[-1, 0]``, plus the general path's
-shift 1), so the search is the same whatever the scores' magnitude. The value kernel is the fused forward's value pass
-(``_fwd_rows.value_rows``) at the threshold ``tau = m + t`` as the fused forward saves it: it visits the live tiles
-once (no running max, no rescale), refines the bitmap against the certified lower bound and writes the outputs and
-statistics of ``entmax_attn_fwd`` (``EntmaxAttnFwdResult``). Both kernels are stages of the forward kernel
-(``entmax_attn_fwd._entmax_attn_fwd_kernel``, ``STAGE`` 1 and 2), so they share its arguments and program setup.
+The row max ``m`` is the rows' reference score (``_masking.score_mod``'s ``ref``, as the fused forward's anchor): the
+threshold passes work with ``z - m`` and points relative to it (in ``[-1, 0]``, plus the general path's shift 1), so
+the search is the same whatever the scores' magnitude. The value kernel is the fused forward's value pass
+(``_fwd_rows.value_rows``) at the threshold relative to ``m``, rounded as the fused forward rounds it: it visits the
+live tiles once (no running max, no rescale), refines the bitmap against the certified lower bound and writes the
+outputs and statistics of ``entmax_attn_fwd`` (``EntmaxAttnFwdResult``; ``tau + tau_lo = m + tau_rel`` exactly). Both
+kernels are stages of the forward kernel (``entmax_attn_fwd._entmax_attn_fwd_kernel``, ``STAGE`` 1 and 2), so they
+share its arguments and program setup.
 
-Between the two stages, per row: ``tau`` in ``TAU``, the certified lower bound in a float32 scratch ``(B, Hq, Nq)``,
-the NaN / +inf flag in ``NNZ``, the valid-key count in ``N_VALID``; per query tile the passes and visits so far in
-``N_PASSES`` / ``TILE_VISITS``. The softmax class (alpha = 1) keeps the fused kernel.
+Between the two stages, per row: ``m`` in ``TAU``, the relative threshold in ``TAU_LO``, the relative certified lower
+bound in a float32 scratch ``LO_KILL`` ``(B, Hq, Nq)``, the NaN / +inf flag in ``NNZ``, the valid-key count in
+``N_VALID``; per query tile the passes and visits so far in ``N_PASSES`` / ``TILE_VISITS``. The softmax class
+(alpha = 1) keeps the fused kernel.
 """
 
 from __future__ import annotations
@@ -67,7 +70,7 @@ def _max_pass(q, kv, rw, mods, tiles, z_scale, am1, zs, BIAS_KIND: tl.constexpr,
         if tile_open:
             z = _score_tile(q, kv, rw, kt * kv.offs_n.shape[0] + kv.offs_n, mods, z_scale, am1, BIAS_KIND, MASK, SCORE,
                             DOT_PRECISION)
-            code, n_fast, z_max = tile_screen(z, t_low)
+            code, n_fast, z_max = tile_screen(z, t_low, 0.0)
             bad, n_valid = valid_keys(z, code, n_fast, bad, n_valid)
             # above the running max - 1 before this tile <=> above the new running max - 1
             live = tl.max((z_max > t_low).to(tl.int32), 0)
@@ -98,11 +101,12 @@ def _relative_bracket(br, shift):
 @triton.jit
 def threshold_rows(q, kv, rw, mods, tiles, sc, POW: tl.constexpr, BIAS_KIND: tl.constexpr, MASK, SCORE,
                    DOT_PRECISION: tl.constexpr):
-    """Max pass, bracket pass, refinement passes (module docstring). Returns ``(tau, lo_kill, bad, n_valid, passes,
-    visits)``: ``tau`` the threshold as the fused forward saves it (the value pass uses ``tau + shift``), ``lo_kill``
-    the certified lower bound (``<= tau``) below which the value pass kills a tile, the rows' NaN / +inf flags and
-    valid-key counts, and the passes and tile visits so far. With ``max_passes`` 2 the bracket pass is skipped and the
-    estimate is ``m - 1`` (the value pass renormalizes)."""
+    """Max pass, bracket pass, refinement passes (module docstring). Returns ``(m, tau, lo_kill, bad, n_valid, passes,
+    visits)``: the row max ``m`` (0 on rows with no valid key or a NaN / +inf score), the rows' reference score;
+    relative to it ``tau``, the threshold as the fused forward saves it (the value pass uses ``tau + shift``), and
+    ``lo_kill``, the certified lower bound (``<= tau``) below which the value pass kills a tile; the rows' NaN / +inf
+    flags and valid-key counts, and the passes and tile visits so far. With ``max_passes`` 2 the bracket pass is
+    skipped and the estimate is ``m - 1`` (the value pass renormalizes)."""
     BLOCK_M: tl.constexpr = rw.rows.shape[0]
     BLOCK_N: tl.constexpr = kv.offs_n.shape[0]
     scale, alpha, tol, max_passes = sc
@@ -147,7 +151,7 @@ def threshold_rows(q, kv, rw, mods, tiles, sc, POW: tl.constexpr, BIAS_KIND: tl.
         # tiles die at m - 1, a few ulps of m lower (z - m rounds at that scale)
         lo_kill = zero - 1.0 - 4.8e-7 * (1.0 + tl.abs(m))
         acc, visits = points_pass(q, kv, rw, mods, pts, acc, (m, z_scale, am1, bm1, lo_kill, tiles, zs, visits), POW,
-                                  SPLIT_POINTS, LANES, (False, True), BIAS_KIND, MASK, SCORE, DOT_PRECISION)
+                                  SPLIT_POINTS, LANES, False, BIAS_KIND, MASK, SCORE, DOT_PRECISION)
         br = cand_bracket(br, pts, acc, am1, POW, SPLIT_POINTS, LANES)
         n_passes += 1
     br = _relative_bracket(br, shift)
@@ -164,7 +168,7 @@ def threshold_rows(q, kv, rw, mods, tiles, sc, POW: tl.constexpr, BIAS_KIND: tl.
         acc_2 = (zero, zero, zero, point_zeros(BLOCK_M, 2, LANES), point_zeros(BLOCK_M, 2, LANES),
                  point_zeros(BLOCK_M, 2, LANES))
         st = (m, z_scale, am1, bm1, lo - shift, tiles, zs, visits)
-        acc_2, visits = points_pass(q, kv, rw, mods, pts_2, acc_2, st, POW, 2, LANES, (POW == 2, True), BIAS_KIND, MASK,
+        acc_2, visits = points_pass(q, kv, rw, mods, pts_2, acc_2, st, POW, 2, LANES, POW == 2, BIAS_KIND, MASK,
                                     SCORE, DOT_PRECISION)
         br, est, lo, hi, exact = tighten(done == 0, br, cand_bracket(br, pts_2, acc_2, am1, POW, 2, LANES), est, lo,
                                          hi, exact, POW)
@@ -173,8 +177,6 @@ def threshold_rows(q, kv, rw, mods, tiles, sc, POW: tl.constexpr, BIAS_KIND: tl.
         go = more_passes(done, n_passes, max_passes)
 
     # a threshold at the max would leave no weight: keep it one rounding step of m below (one-hot on the max key);
-    # the value pass and the backward see the absolute threshold, as the fused forward saves it
-    t_rel = tl.minimum(est, shift - tl.maximum(tl.abs(m) * 2.4e-7, 1e-15)) - shift
-    tau = tl.where(usable, m + t_rel, -shift)
-    lo_kill = tl.minimum(m + (tl.minimum(lo - shift, t_rel)), tau)
-    return tau, lo_kill, bad, n_valid, n_passes, visits
+    # rounded as the fused forward rounds it, so that the value pass and the backward form the same threshold
+    tau = tl.where(usable, tl.minimum(est, shift - tl.maximum(tl.abs(m) * 2.4e-7, 1e-15)), 0.0) - shift
+    return m, tau, tl.minimum(lo, tau + shift) - shift, bad, n_valid, n_passes, visits

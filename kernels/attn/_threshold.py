@@ -1,6 +1,6 @@
 """The threshold algorithm of the fused entmax forward and the decode kernels, in one module: the threshold constants,
 the row arithmetic (evaluation points, the bracket state ``Bracket``, certified brackets, the estimate), the stopping
-rules, and, per key tile, the passes that feed them (the grid pass's ring of ``GRID_K`` absolute points below the
+rules, and, per key tile, the passes that feed them (the grid pass's ring of ``GRID_K`` points below the
 running max and its first bracket, the candidate passes' points, sums and merge; at the end of the module). The loops
 over key tiles stay with their kernels: ``kernels/attn/_fwd_rows.py`` and ``kernels/attn/entmax_decode.py``.
 
@@ -21,6 +21,12 @@ or 0 (any other alpha). On the general path thresholds are carried as ``theta = 
 sums at a point are scaled by the term of the row maximum, ``(m - tau)^beta``, so that neither the
 large powers near alpha = 1 overflow below the threshold nor the small ones underflow above it:
 the maximal key contributes exactly 1 and ``phi = (m - tau) * F^(1/beta) - 1``.
+
+Shift invariance: every score, point and threshold is relative to a per-row reference score ``ref`` (``anchor``;
+0 for rows whose maximum stays below 64 in magnitude), set where the grid pass restarts its whole ring, so adding a
+constant to a row changes nothing but the rounding of its scores: ``z - ref`` is exact near the maximum (Sterbenz)
+and the threshold arithmetic never sees the magnitude of the scores. The fused forward saves ``tau = ref + tau_rel``
+as two floats (``tau``, ``tau_lo``, the rounding residual), from which the backward forms the same relative scores.
 Derivation and measurements: docs/kernels.md.
 """
 
@@ -32,6 +38,9 @@ import triton.language as tl
 
 from .._common import fast_log2, log2_1p
 
+# rows whose running max stays below this in magnitude keep the reference score 0 (``anchor``): their scores are used
+# as they are, bitwise as in absolute arithmetic
+ANCHOR_FREE = tl.constexpr(64.0)
 # (grid points, candidate points per later pass) by threshold arithmetic (POW 1: alpha = 2, 2: alpha = 1.5, 0: other
 # alpha). The fused forward's: chosen in docs/kernels.md from the pass counts and the per-score cost model
 FWD_POINTS = {1: (8, 4), 2: (8, 1), 0: (4, 1)}
@@ -353,19 +362,31 @@ def ring_index(j, slot, GRID_K: tl.constexpr):
 @triton.jit
 def grid_start(BLOCK_M: tl.constexpr, GRID_K: tl.constexpr, LANES: tl.constexpr):
     """The grid pass before its first tile: the grid step ``w_grid``, the ring's slot numbers ``slot [GRID_K]``, and
-    the accumulators of ``grid_tile`` with no key yet: ``(w_grid, slot, m, j_top, n_valid, bad, F, G, L)``
+    the accumulators of ``grid_tile`` with no key yet: ``(w_grid, slot, m, j_top, ref, n_valid, bad, F, G, L)``
     (``[BLOCK_M]``; ``F``, ``G`` ``[BLOCK_M, GRID_K]``, or ``[BLOCK_M, GRID_K, LANES]`` per-lane partials with
     ``LANES > 0``, ``grid_sums``; ``L`` ``[BLOCK_M, GRID_K]``; ``n_valid``, ``bad`` int32 counts / flags)."""
     w_grid = 1.0 / (GRID_K - 1)
     slot = tl.arange(0, GRID_K).to(tl.float32)
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     j_top = tl.full([BLOCK_M], -1e30, tl.float32)  # grid index of the running max (-1e30: no key yet)
+    ref = tl.zeros([BLOCK_M], tl.float32)  # the reference score the grid points are relative to (anchor)
     n_valid = tl.zeros([BLOCK_M], tl.int32)
     bad = tl.zeros([BLOCK_M], tl.int32)
     F = point_zeros(BLOCK_M, GRID_K, LANES)
     G = point_zeros(BLOCK_M, GRID_K, LANES)
     L = tl.full([BLOCK_M, GRID_K], -99.65784284662087, tl.float32)  # POW 0: log2 of the max key's base (1e-30)
-    return w_grid, slot, m, j_top, n_valid, bad, F, G, L
+    return w_grid, slot, m, j_top, ref, n_valid, bad, F, G, L
+
+
+@triton.jit
+def anchor(m, GRID_K: tl.constexpr):
+    """The reference score of rows whose ring restarts at the running max ``m`` (``[BLOCK_M]``): 0 while ``|m| <
+    ANCHOR_FREE`` (and for a non-finite ``m``), else ``m`` rounded down to a multiple of ``GRID_K``, exactly: a grid
+    point (an integer) at most ``GRID_K`` below ``m``, so that ``z - ref`` is exact near the max, and a whole number
+    of ring turns (``GRID_K (GRID_K - 1)`` grid steps) away from any other row's or split's reference, so that rings
+    with different references merge slot by slot (the decode kernels' splits)."""
+    far = (tl.abs(m) >= ANCHOR_FREE) & (tl.abs(m) < float("inf"))
+    return tl.where(far, GRID_K * tl.floor(m * (1.0 / GRID_K)), 0.0)
 
 
 @triton.jit
@@ -377,48 +398,57 @@ def lowest_point(j, w_grid, GRID_K: tl.constexpr):
 
 
 @triton.jit
-def grid_tile(z, m, j_top, F, G, L, slot, w_grid, shift, beta, bm1, POW: tl.constexpr, GRID_K: tl.constexpr,
+def grid_tile(z, m, j_top, ref, F, G, L, slot, w_grid, shift, beta, bm1, POW: tl.constexpr, GRID_K: tl.constexpr,
               LANES: tl.constexpr):
-    """One score tile ``z [BLOCK_M, BLOCK_N]`` of the grid pass: the running max ``m`` and its grid index ``j_top``
-    (``[BLOCK_M]``), and the sums ``F``, ``G`` (and POW 0's reference logs ``L``) at the ``GRID_K`` ring points
-    ``[BLOCK_M, GRID_K]`` (``F``, ``G`` per lane: ``grid_start``; no count: ``grid_counts``). Returns them updated
-    and ``live``: some score of the tile is above the lowest point."""
-    m_new = tl.maximum(m, tl.max(z, 1))
-    j_new = tl.where(m_new > float("-inf"), tl.floor(m_new / w_grid), j_top)
+    """One score tile ``z [BLOCK_M, BLOCK_N]`` of the grid pass: the running max ``m``, its grid index ``j_top``
+    relative to the reference score ``ref`` (``[BLOCK_M]``), and the sums ``F``, ``G`` (and POW 0's reference logs
+    ``L``) at the ``GRID_K`` ring points ``ref + i w_grid`` ``[BLOCK_M, GRID_K]`` (``F``, ``G`` per lane:
+    ``grid_start``; no count: ``grid_counts``). Returns them updated and ``live``: some score of the tile is above
+    the lowest point.
+
+    A rise of the max by ``GRID_K`` grid steps or more (and the first key) restarts every slot: the reference moves
+    there (``anchor``), which is exact since no slot keeps a sum, and the scores are taken relative to it."""
+    z_max = tl.max(z, 1)
+    m_new = tl.maximum(m, z_max)
+    j_new = tl.where(m_new > float("-inf"), tl.floor((m_new - ref) / w_grid), j_top)
+    restart = (m_new > m) & ((m == float("-inf")) | (j_new - j_top >= GRID_K))
+    ref_new = tl.where(restart, anchor(m_new, GRID_K), ref)
+    j_new = tl.where(restart, tl.floor((m_new - ref_new) / w_grid), j_new)
     # the lowest point is <= m - 1 <= tau up to rounding: tiles below it are dead (a few ulps of margin; none
-    # where fp32 cannot index the grid: lowest_point)
+    # where fp32 cannot index the grid: lowest_point); a row's max decides it (rounding is monotone)
     t_low = lowest_point(j_new, w_grid, GRID_K)
-    live = tl.max((z > t_low[:, None]).to(tl.int32))
-    # a dead tile holds no row's new maximum (it would lie above t_low), so m, j and the ring stay as they are
+    live = tl.max(((z_max - ref_new) > t_low).to(tl.int32))
+    # a dead tile holds no row's new maximum (it would lie above t_low), so m, j, ref and the ring stay as they are
     if live != 0:
         # ring: slot s holds the point of index i = j - ((j - s) mod K); a slot whose index changes restarts at
         # zero, which is exact: its new point lies above the old maximum, so no earlier key reaches it
         i_old = ring_index(j_top[:, None], slot[None, :], GRID_K)
         i_new = ring_index(j_new[:, None], slot[None, :], GRID_K)
-        same = _lane_axis(i_old == i_new, LANES)
+        same = _lane_axis((i_old == i_new) & (restart == 0)[:, None], LANES)
+        zr = z - ref_new[:, None]
         if POW == 0:
             # rescale the kept sums to the new maximal key's base
-            l_new = log_ref(m_new[:, None], i_new * w_grid + shift)
+            l_new = log_ref((m_new - ref_new)[:, None], i_new * w_grid + shift)
             F = tl.where(same, F * _lane_axis(tl.exp2(beta * (L - l_new)), LANES), 0.0)
             G = tl.where(same, G * _lane_axis(tl.exp2(bm1 * (L - l_new)), LANES), 0.0)
             L = l_new
             # one point at a time: unrolled, the general class's log2 / exp2 temporaries of all points are live at
             # once and the training forward spills (216 bytes at head dim 128 under triton 3.6, docs/kernels.md)
             for s in range(GRID_K):
-                F, G = _grid_point(z, s, slot, j_new, L, F, G, w_grid, shift, bm1, POW, GRID_K, LANES)
+                F, G = _grid_point(zr, s, slot, j_new, L, F, G, w_grid, shift, bm1, POW, GRID_K, LANES)
         else:
             F = tl.where(same, F, 0.0)
             G = tl.where(same, G, 0.0)
             for s in tl.static_range(GRID_K):
-                F, G = _grid_point(z, s, slot, j_new, L, F, G, w_grid, shift, bm1, POW, GRID_K, LANES)
-    return m_new, j_new, F, G, L, live
+                F, G = _grid_point(zr, s, slot, j_new, L, F, G, w_grid, shift, bm1, POW, GRID_K, LANES)
+    return m_new, j_new, ref_new, F, G, L, live
 
 
 @triton.jit
 def _grid_point(z, s, slot, j_new, L, F, G, w_grid, shift, bm1, POW: tl.constexpr, GRID_K: tl.constexpr,
                 LANES: tl.constexpr):
-    """Add the per-lane point sums of the score tile ``z`` at ring slot ``s`` (its point from the row's grid index
-    ``j_new``, POW 0's reference log ``L``) to that slot of ``F``, ``G`` (``grid_start``); returns them."""
+    """Add the per-lane point sums of the (relative) score tile ``z`` at ring slot ``s`` (its point from the row's
+    grid index ``j_new``, POW 0's reference log ``L``) to that slot of ``F``, ``G`` (``grid_start``); returns them."""
     sel = (slot == s)[None, :]
     t_s = ring_index(j_new, s, GRID_K) * w_grid + shift
     if POW == 0:

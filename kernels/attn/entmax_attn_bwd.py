@@ -58,6 +58,7 @@ from ._bwd_tiles import (
     _live_base,
     _query_rows,
     _row_factors,
+    _row_tau,
     _row_tile_bits,
     _tile,
     _tile_rows,
@@ -109,7 +110,7 @@ def _entmax_attn_bwd_dq_kernel(
         (stride_dob, stride_doh, stride_dom, stride_dod), HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M, UPCAST)
     offs_d, d_ok, offs_dv, dv_ok = dims
     stat_offs = bh.to(tl.int64) * total_q + rows_global.to(tl.int64)
-    tau = tl.load(TAU + stat_offs, mask=row_ok, other=float("inf"))
+    tau = _row_tau(TAU, stat_offs, row_ok)
     lsum = tl.load(LSUM + stat_offs, mask=row_ok, other=0.0)
 
     # delta = dO . (sum_j U v_j / sum_j U): out_u from the forward's value pass (the output at alpha = 1)
@@ -376,7 +377,8 @@ def _launch(name: str, grid: tuple, args: dict, alpha_class: str) -> None:
             globals()[f"_entmax_attn_bwd_{name}_autotuned"][grid](**launch)
 
 
-def _check_args(do, q, k, v, out, out_u, tau, lsum, bias, cu_seqlens_q, cu_seqlens_k, live, block_m, block_n):
+def _check_args(do, q, k, v, out, out_u, tau, tau_lo, lsum, bias, cu_seqlens_q, cu_seqlens_k, live, block_m,
+                block_n):
     """Cheap consistency asserts; ``sparse_attn.entmax_attention`` validates user input before this."""
     assert q.ndim == 4 and q.dtype in (torch.float16, torch.bfloat16, torch.float32), f"q: got {q.dtype} {q.shape}"
     assert all(t.dtype == q.dtype and t.device == q.device for t in (k, v, do, out)), "k, v, do, out: q's dtype"
@@ -389,6 +391,7 @@ def _check_args(do, q, k, v, out, out_u, tau, lsum, bias, cu_seqlens_q, cu_seqle
     assert 16 <= v.shape[3] <= 256, f"v: head dim must be in [16, 256], got {v.shape[3]}"
     assert k.shape[1] > 0 and q.shape[1] % k.shape[1] == 0, f"k: kv heads must divide {q.shape[1]}, got {k.shape[1]}"
     assert all(t.shape == q.shape[:3] and t.dtype == torch.float32 for t in (tau, lsum)), "tau, lsum: (B, Hq, Nq) fp32"
+    assert tau_lo is None or (tau_lo.shape == tau.shape and tau_lo.dtype == torch.float32), "tau_lo: like tau"
     assert 16 <= q.shape[3] <= 256, f"q: head dim must be in [16, 256], got {q.shape[3]}"
     assert bias is None or bias.is_floating_point() or bias.dtype in (torch.bool, torch.uint8), "bias: float or bool"
     assert (cu_seqlens_q is None) == (cu_seqlens_k is None), "cu_seqlens_q, cu_seqlens_k: expected both or neither"
@@ -437,15 +440,17 @@ def _buffers(q, k, v, bias, is_varlen, need_dalpha, need_dbias) -> _Buffers:
     )
 
 
-def _common_args(q, k, v, do, tau, lsum, alpha, bias, cu_seqlens_q, cu_seqlens_k, live, scale, is_causal, dropout_p,
-                 seed, live_block_m: int, block_n: int, window_size=None, alibi_slopes=None, softcap=None,
+def _common_args(q, k, v, do, tau, tau_lo, lsum, alpha, bias, cu_seqlens_q, cu_seqlens_k, live, scale, is_causal,
+                 dropout_p, seed, live_block_m: int, block_n: int, window_size=None, alibi_slopes=None, softcap=None,
                  sinks=None, block_mask=None) -> dict:
-    """Keyword arguments the three backward kernels share."""
+    """Keyword arguments the three backward kernels share (``TAU`` is the pair ``(tau, tau_lo)``, zeros without
+    ``tau_lo``)."""
     args = _common.attention_args(q, k, v, alpha, bias, cu_seqlens_q, cu_seqlens_k, scale, is_causal, dropout_p, seed,
                                   window_size, alibi_slopes, softcap, sinks, block_mask,
                                   None if live is None else (live_block_m, block_n))
     return dict(
-        args, DO=do, TAU=tau.contiguous(), LSUM=lsum.contiguous(), **_common.stride_args("stride_do", do, "bhmd"),
+        args, DO=do, TAU=(tau.contiguous(), torch.zeros_like(tau) if tau_lo is None else tau_lo.contiguous()),
+        LSUM=lsum.contiguous(), **_common.stride_args("stride_do", do, "bhmd"),
         **_live_args(live, q), HAS_LIVE=live is not None, LIVE_BLOCK_M=live_block_m, BLOCK_N=block_n,
     )
 
@@ -454,7 +459,7 @@ def entmax_attn_bwd(
     do, q, k, v, out, tau, lsum, alpha, scale, bias=None, is_causal=False, cu_seqlens_q=None,
     cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, dropout_p=0.0, seed=0,
     live=None, block_m=None, block_n=None, need_dalpha=False, need_dbias=False, *, out_u=None, alpha_class=None,
-    window_size=None, alibi_slopes=None, softcap=None, sinks=None, block_mask=None,
+    window_size=None, alibi_slopes=None, softcap=None, sinks=None, block_mask=None, tau_lo=None,
 ):
     """Gradients of alpha-entmax attention from the forward's per-row statistics.
 
@@ -470,6 +475,9 @@ def entmax_attn_bwd(
             alpha > 1, ``p = [(alpha-1) s - tau]_+^(1/(alpha-1)) / lsum``; for alpha = 1,
             ``p = exp(s - tau)``. ``lsum == 0`` marks a row with no valid key (zero gradients).
             The forward's value pass sums its weights at exactly the saved ``tau``, so ``lsum`` normalizes them.
+        tau_lo: float32 ``(B, Hq, Nq)``, the forward's ``tau_lo`` (the rounding residual of ``tau``): the scores are
+            taken relative to ``tau + tau_lo`` (docs/kernels.md, "Shift invariance"). None: zeros (``tau`` exact),
+            which loses the weights of rows whose scores are large (a huge additive mask constant). Default None.
         alpha: float32 ``(Hq,)`` per-head alpha in ``[1, 2]`` (a Python float is broadcast).
         scale: float, scores are ``scale * q . k + bias``.
         bias: optional float tensor broadcastable (zero strides allowed) to ``(B, Hq, Nq, Nk)``;
@@ -509,7 +517,7 @@ def entmax_attn_bwd(
     Raises:
         ValueError: more than 65535 heads or batch entries (sequences) (``_masking.tile_plan``).
     """
-    _check_args(do, q, k, v, out, out_u, tau, lsum, bias, cu_seqlens_q, cu_seqlens_k, live, block_m, block_n)
+    _check_args(do, q, k, v, out, out_u, tau, tau_lo, lsum, bias, cu_seqlens_q, cu_seqlens_k, live, block_m, block_n)
     n_heads = q.shape[1]
     assert sinks is None or sinks.shape == (n_heads,), f"sinks: expected shape ({n_heads},)"
     if q.shape[0] * n_heads * q.shape[2] == 0 or k.shape[2] == 0:
@@ -537,8 +545,9 @@ def entmax_attn_bwd(
         # one class per dK/dV row (no GQA), or float32 already: the launches add into zeros exactly
         buf.dk.zero_()
         buf.dv.zero_()
-    common = _common_args(q, k, v, do, tau, lsum, alpha, bias, cu_seqlens_q, cu_seqlens_k, live, scale, is_causal,
-                          dropout_p, seed, live_m, block_n, window_size, alibi_slopes, softcap, sinks, block_mask)
+    common = _common_args(q, k, v, do, tau, tau_lo, lsum, alpha, bias, cu_seqlens_q, cu_seqlens_k, live, scale,
+                          is_causal, dropout_p, seed, live_m, block_n, window_size, alibi_slopes, softcap, sinks,
+                          block_mask)
     out_u = out if out_u is None else out_u
     # rows outside every packed sequence are never visited
     dsinks_rows = None if sinks is None else torch.zeros(q.shape[:3], dtype=torch.float32, device=q.device)

@@ -4,8 +4,9 @@ One program owns one query tile of one (batch or sequence, head). It computes, t
 without storing the scores ``z = (alpha - 1) * s``:
 
 1. a **grid pass** over the visible key tiles: the row maximum ``m``, the number of valid keys
-   and ``f``, ``g`` (and the key count) at ``GRID_K`` absolute points ``i / (GRID_K - 1)`` just below
-   the running maximum, kept in a ring so that they are exact over all keys when the pass ends;
+   and ``f``, ``g`` (and the key count) at ``GRID_K`` points ``ref + i / (GRID_K - 1)`` just below
+   the running maximum (``ref``: the row's reference score, every later quantity is relative to it; docs/kernels.md,
+   "Shift invariance"), kept in a ring so that they are exact over all keys when the pass ends;
    key tiles with every score below the lowest point are dead (the threshold is at least ``m - 1``);
    the tiles are visited max-first (the diagonal tile first when causal, else the diagonal or window centre, then
    outward: ``_masking.max_first_tile``), so that far tiles are already dead when seen and cost little more than
@@ -64,6 +65,10 @@ class EntmaxAttnFwdResult(NamedTuple):
                  saturate: from an fp16/bf16 ``out_u`` its rounding would dominate the q and k gradients.
     tau:         float32 ``(B, Hq, Nq)``, threshold in the z-scale (logsumexp of the scores at alpha == 1),
                  ``+inf`` for rows with no valid key, NaN for rows with a NaN or ``+inf`` score.
+    tau_lo:      float32 ``(B, Hq, Nq)``, the rounding residual of ``tau``: the threshold is ``tau + tau_lo``
+                 exactly (0 where ``tau`` is not finite). The kernels compute relative to a per-row reference score
+                 (docs/kernels.md, "Shift invariance"); the backward forms ``z - tau - tau_lo`` from the two, so
+                 that a huge constant added to a row (a padding mask of ``finfo.min``) is not lost in ``tau``.
     lsum:        float32 ``(B, Hq, Nq)``, ``sum_j [z_ij - tau_i]_+^beta`` (1 at alpha == 1, 0 for empty rows).
     nnz:         int32 ``(B, Hq, Nq)``, support size (number of valid keys at alpha == 1).
     n_valid:     int32 ``(B, Hq, Nq)``, number of keys the row may attend to (not masked).
@@ -78,6 +83,7 @@ class EntmaxAttnFwdResult(NamedTuple):
     out: torch.Tensor
     out_u: torch.Tensor | None
     tau: torch.Tensor
+    tau_lo: torch.Tensor
     lsum: torch.Tensor
     nnz: torch.Tensor
     n_valid: torch.Tensor
@@ -92,7 +98,7 @@ class EntmaxAttnFwdResult(NamedTuple):
 # serves every length; their sm_90 builds are the same with and without (docs/kernels.md)
 @triton.jit(do_not_specialize=["n_q_tiles", "n_words"])
 def _entmax_attn_fwd_kernel(
-    Q, K, V, OUT, OUT_U, ALPHA, TAU, LSUM, NNZ, N_VALID, LIVE, N_PASSES, TILE_VISITS, CU_SEQLENS_Q,
+    Q, K, V, OUT, OUT_U, ALPHA, TAU, TAU_LO, LSUM, NNZ, N_VALID, LIVE, N_PASSES, TILE_VISITS, CU_SEQLENS_Q,
     CU_SEQLENS_K, MODS, LO_KILL,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
@@ -166,35 +172,38 @@ def _entmax_attn_fwd_kernel(
         GRID_K: tl.constexpr = GRID_K0
         CAND_P: tl.constexpr = CAND_P0
     if STAGE == 1:
-        tau, lo_kill, bad, n_valid, passes, visits = threshold_rows(q, kv, rw, mods, tiles, sc, POW, BIAS_KIND, MASK,
-                                                                    SCORE, DOT_PRECISION)
+        # for stage 2: the rows' reference scores in TAU, the thresholds and lower bounds relative to them in TAU_LO and
+        # LO_KILL
+        ref, tau, lo_kill, bad, n_valid, passes, visits = threshold_rows(q, kv, rw, mods, tiles, sc, POW, BIAS_KIND,
+                                                                         MASK, SCORE, DOT_PRECISION)
         stat_offs = bh.to(tl.int64) * total_q + (q_start + rows).to(tl.int64)
-        tl.store(TAU + stat_offs, tau, mask=row_ok)
+        tl.store(TAU + stat_offs, ref, mask=row_ok)
+        tl.store(TAU_LO + stat_offs, tau, mask=row_ok)
         tl.store(LO_KILL + stat_offs, lo_kill, mask=row_ok)
         tl.store(NNZ + stat_offs, bad, mask=row_ok)
         tl.store(N_VALID + stat_offs, n_valid, mask=row_ok)
     else:
         if ALPHA_CLASS == 0:
-            out, tau, lsum, nnz, n_valid, visits = softmax_rows(
+            out, tau, tau_lo, lsum, nnz, n_valid, visits = softmax_rows(
                 q, kv, rw, Tiles(kt_lo, kt_hi, kt_lo, n_words, live_base), mods, scale, BIAS_KIND, MASK, SCORE,
                 HAS_DROPOUT, DOT_PRECISION)
             passes = tl.full([], 1, tl.int32)
             out_u = out  # U = p
         else:
             if STAGE == 0:
-                out, out_u, tau, lsum, nnz, n_valid, passes, visits = entmax_rows(
+                out, out_u, tau, tau_lo, lsum, nnz, n_valid, passes, visits = entmax_rows(
                     q, kv, rw, tiles, mods, sc, POW, GRID_K, CAND_P, BIAS_KIND, MASK, SCORE, HAS_DROPOUT, NEED_OUT_U,
                     DOT_PRECISION)
             else:
                 stat_offs = bh.to(tl.int64) * total_q + (q_start + rows).to(tl.int64)
                 n_valid = tl.load(N_VALID + stat_offs, mask=row_ok, other=0)
-                vr = (tl.load(TAU + stat_offs, mask=row_ok, other=0.0),
+                vr = (tl.load(TAU_LO + stat_offs, mask=row_ok, other=0.0),
                       tl.load(LO_KILL + stat_offs, mask=row_ok, other=0.0), sc.alpha, scale * (sc.alpha - 1.0),
-                      n_valid > 0, tl.load(NNZ + stat_offs, mask=row_ok, other=0), tl.load(N_PASSES + tile_id),
+                      tl.load(TAU + stat_offs, mask=row_ok, other=0.0), n_valid > 0,
+                      tl.load(NNZ + stat_offs, mask=row_ok, other=0), tl.load(N_PASSES + tile_id),
                       tl.load(TILE_VISITS + tile_id))
-                out, out_u, tau, lsum, nnz, passes, visits = value_rows(q, kv, rw, tiles, mods, vr, POW, BIAS_KIND,
-                                                                        MASK, SCORE, HAS_DROPOUT, NEED_OUT_U,
-                                                                        DOT_PRECISION)
+                out, out_u, tau, tau_lo, lsum, nnz, passes, visits = value_rows(
+                    q, kv, rw, tiles, mods, vr, POW, BIAS_KIND, MASK, SCORE, HAS_DROPOUT, NEED_OUT_U, DOT_PRECISION)
             out = tl.where(a_ok, out, float("nan"))
             tau = tl.where(a_ok, tau, float("nan"))
             lsum = tl.where(a_ok, lsum, float("nan"))
@@ -202,6 +211,7 @@ def _entmax_attn_fwd_kernel(
         # formed where they are stored, after the passes
         stat_offs = bh.to(tl.int64) * total_q + (q_start + rows).to(tl.int64)
         tl.store(TAU + stat_offs, tau, mask=row_ok)
+        tl.store(TAU_LO + stat_offs, tau_lo, mask=row_ok)
         tl.store(LSUM + stat_offs, lsum, mask=row_ok)
         tl.store(NNZ + stat_offs, nnz, mask=row_ok)
         tl.store(N_VALID + stat_offs, n_valid, mask=row_ok)
@@ -434,13 +444,14 @@ def _plan(q, k, v, alpha, scale, bias, is_causal, cu_seqlens_q, cu_seqlens_k, ma
     out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
     out_u = torch.empty(out_shape, dtype=torch.float32, device=q.device) if need_out_u else None
     tau = torch.empty(**stats, dtype=torch.float32)
+    tau_lo = torch.empty(**stats, dtype=torch.float32)
     lsum = torch.empty(**stats, dtype=torch.float32)
     nnz = torch.empty(**stats, dtype=torch.int32)
     n_valid = torch.empty(**stats, dtype=torch.int32)
     live = torch.empty((n_seq, n_heads, n_q_tiles, plan.n_words), dtype=torch.int32, device=q.device)
     n_passes = torch.empty((n_seq, n_heads, n_q_tiles), dtype=torch.int32, device=q.device)
     tile_visits = torch.empty_like(n_passes)
-    result = EntmaxAttnFwdResult(out, out_u, tau, lsum, nnz, n_valid, live, n_passes, tile_visits, plan.block_m,
+    result = EntmaxAttnFwdResult(out, out_u, tau, tau_lo, lsum, nnz, n_valid, live, n_passes, tile_visits, plan.block_m,
                                  plan.block_n)
     if cu_seqlens_q is not None and out.numel() > 0:
         # rows outside every sequence are never visited
@@ -448,6 +459,7 @@ def _plan(q, k, v, alpha, scale, bias, is_causal, cu_seqlens_q, cu_seqlens_k, ma
         if out_u is not None:
             out_u.zero_()
         tau.fill_(float("inf"))
+        tau_lo.zero_()
         lsum.zero_()
         nnz.zero_()
         n_valid.zero_()
@@ -460,8 +472,9 @@ def _plan(q, k, v, alpha, scale, bias, is_causal, cu_seqlens_q, cu_seqlens_k, ma
         **_common.attention_args(q, k, v, alpha, bias, cu_seqlens_q, cu_seqlens_k, scale, is_causal, dropout_p, seed,
                                  window_size, alibi_slopes, softcap, sinks, block_mask,
                                  (plan.block_m, plan.block_n)),
-        OUT=out, OUT_U=out if out_u is None else out_u, TAU=tau, LSUM=lsum, NNZ=nnz, N_VALID=n_valid, LIVE=live,
-        LO_KILL=tau, N_PASSES=n_passes, TILE_VISITS=tile_visits, **_common.stride_args("stride_o", out, "bhmd"),
+        OUT=out, OUT_U=out if out_u is None else out_u, TAU=tau, TAU_LO=tau_lo, LSUM=lsum, NNZ=nnz, N_VALID=n_valid,
+        LIVE=live, LO_KILL=tau, N_PASSES=n_passes, TILE_VISITS=tile_visits,
+        **_common.stride_args("stride_o", out, "bhmd"),
         **_common.stride_args("stride_ou", out if out_u is None else out_u, "bhmd"), NEED_OUT_U=out_u is not None,
         n_q_tiles=n_q_tiles, n_words=plan.n_words,
         tol=default_tolerance(q.dtype) if tol is None else float(tol),

@@ -8,11 +8,13 @@ its own key blocks and every later launch first combining what all splits of the
 1. **score pass** (``PHASE 0``): the scores ``z = (alpha - 1) s`` of the split's keys are computed once
    from the cache and stored (``Z``, float32, ``Nq x Hq / Hk`` rows per kv head: a fraction of the key
    cache's own size), together with the split's row max, valid-key count, NaN flag and ``f``, ``g``, ``c``
-   at ``GRID_K`` absolute grid points ``i / (GRID_K - 1)`` below the split's own running max (the forward's
-   ring, kernels/attn/entmax_attn_fwd.py). Blocks whose scores all lie below the lowest point are dead.
+   at ``GRID_K`` grid points ``ref + i / (GRID_K - 1)`` below the split's own running max (the forward's
+   ring, kernels/attn/entmax_attn_fwd.py; ``ref`` the split's reference score, ``_threshold.anchor``). Blocks whose
+   scores all lie below the lowest point are dead.
 2. **candidate passes** (``PHASE 1``, at most ``max_passes - 2`` launches): every program merges the
-   splits' grid sums into the global sums (exact: the grid is absolute, so a point above a split's own
-   max simply has nothing from that split), or the previous pass's candidate sums into the previous
+   splits' grid sums into the global sums (exact: the splits' references are a whole number of ring turns apart,
+   so their grids are one grid and each slot of a split is that slot of the global ring; a point above a split's
+   own max simply has nothing from that split), or the previous pass's candidate sums into the previous
    bracket, solves for a certified bracket and an estimate (kernels/attn/_threshold.py) and, while a row of
    its tile is not pinned down, evaluates ``CAND_P`` points of the bracket over its live blocks, reading
    the stored scores (not the cache) and dropping blocks below the certified lower bound.
@@ -21,9 +23,10 @@ its own key blocks and every later launch first combining what all splits of the
    ``sum_j p_j v_j``, ``sum_j p_j`` and support sizes per split.
 4. **combine** (second kernel): ``out = sum_s acc_s / sum_s l_s`` and the statistics.
 
-alpha == 1 is flash-decoding: one pass per split (online softmax) and the same combine, rescaled by the
-split maxima. A launch whose row tile has nothing left to refine returns after its merge, so the
-number of launches is fixed on the host (no synchronization) while the passes actually run adapt.
+alpha == 1 is flash-decoding: one pass per split (online softmax, exponents ``(s - m) log2(e)`` in the scores' own
+scale) and the same combine, rescaled by the split maxima. Every later pass takes the stored scores relative to the
+row's reference score (docs/kernels.md, "Shift invariance"). A launch whose row tile has nothing left to refine
+returns after its merge, so the number of launches is fixed on the host (no synchronization) while the passes adapt.
 Every program of a launch computes the same merge from the same inputs with the same code, so all
 splits use bitwise the same threshold. No atomics: each split writes only its own slots; split 0
 also writes the merged state the next launch starts from (two buffers, alternating).
@@ -152,7 +155,8 @@ def _grid_pass(q, keys, pages, rows, mods, out, ent, zs, MASK, SCORE, POW: tl.co
     through the ring update it shares with the forward (``_threshold.grid_tile``). ``ent``: ``(z_scale, am1, beta,
     bm1, shift)`` per row.
 
-    Returns ``(m, j_top, n_valid, bad, F, G, C, n_live, n_read)``: the split's row max, its grid index, valid keys,
+    Returns ``(m, j_top, ref, n_valid, bad, F, G, C, n_live, n_read)``: the split's row max, its grid index
+    relative to its reference score ``ref``, the reference, valid keys,
     NaN/+inf flag and the ``[BLOCK_M, GRID_K]`` sums at the ring's points (POW 0: scaled by the split max's
     term; counts from ``_threshold.grid_counts``), the number of live blocks written to ``list_base`` and of
     blocks read from the cache (those a block mask hides from every row are not: ``_decode_state._tile_live``).
@@ -160,12 +164,12 @@ def _grid_pass(q, keys, pages, rows, mods, out, ent, zs, MASK, SCORE, POW: tl.co
     Z, z_rows, list_base = out
     z_scale, am1, beta, bm1, shift = ent
     active = rows[1]
-    w_grid, slot, m, j_top, n_valid, bad, F, G, L = grid_start(q.shape[0], GRID_K, 0)
+    w_grid, slot, m, j_top, ref, n_valid, bad, F, G, L = grid_start(q.shape[0], GRID_K, 0)
     n_live = tl.zeros([], tl.int32)
     n_read = _read_count(rows, SCORE)
     if SCORE[3]:
-        m, j_top, F, G, L, _ = grid_tile(zs, m, j_top, F, G, L, slot, w_grid, shift, beta[:, None], bm1[:, None],
-                                         POW, GRID_K, 0)
+        m, j_top, ref, F, G, L, _ = grid_tile(zs, m, j_top, ref, F, G, L, slot, w_grid, shift, beta[:, None],
+                                              bm1[:, None], POW, GRID_K, 0)
     for kt in range(rows[4], rows[5]):
         # a key block the block mask hides from every row is never loaded nor listed (its scores are not stored)
         tile_open = True
@@ -178,18 +182,19 @@ def _grid_pass(q, keys, pages, rows, mods, out, ent, zs, MASK, SCORE, POW: tl.co
             tl.store(Z + z_rows[:, None] + cols[None, :], z, mask=active[:, None])
             bad = bad | tl.max(((z != z) | (z == float("inf"))).to(tl.int32), 1)
             n_valid += tl.sum((z != float("-inf")).to(tl.int32), 1)
-            m, j_top, F, G, L, live = grid_tile(z, m, j_top, F, G, L, slot, w_grid, shift, beta[:, None],
-                                                bm1[:, None], POW, GRID_K, 0)
+            m, j_top, ref, F, G, L, live = grid_tile(z, m, j_top, ref, F, G, L, slot, w_grid, shift, beta[:, None],
+                                                     bm1[:, None], POW, GRID_K, 0)
             tl.store(list_base + n_live, kt, mask=live != 0)
             n_live += live
     F, G = grid_sums(F, G, 0)
-    return m, j_top, n_valid, bad, F, G, grid_counts(G, POW), n_live, n_read
+    return m, j_top, ref, n_valid, bad, F, G, grid_counts(G, POW), n_live, n_read
 
 
 @triton.jit
 def _softmax_split(q, keys, values, pages, rows, mods, scale, MASK, SCORE, BLOCK_N: tl.constexpr,
                    BIAS_KIND: tl.constexpr, CACHE):
-    """alpha == 1 on the split's key blocks ``[kt_lo, kt_hi)`` of ``rows``: online softmax (base 2). Returns ``(m, l,
+    """alpha == 1 on the split's key blocks ``[kt_lo, kt_hi)`` of ``rows``: online softmax (exponents ``(s - m)
+    log2(e)``, the max in the scores' scale, as the fused forward's ``softmax_rows``). Returns ``(m, l,
     acc, n_valid, n_read)`` (the sink joins in the combine; ``n_read``: key blocks read, those a block mask hides
     from every row are not)."""
     BLOCK_M: tl.constexpr = q.shape[0]
@@ -197,7 +202,7 @@ def _softmax_split(q, keys, values, pages, rows, mods, scale, MASK, SCORE, BLOCK
     l_sum = tl.zeros([BLOCK_M], tl.float32)
     n_valid = tl.zeros([BLOCK_M], tl.int32)
     acc = tl.zeros([BLOCK_M, CACHE[4]], tl.float32)
-    log2e = tl.zeros([BLOCK_M], tl.float32) + LOG2E
+    ones = tl.zeros([BLOCK_M], tl.float32) + 1.0
     n_read = _read_count(rows, SCORE)
     for kt in range(rows[4], rows[5]):
         cols = kt * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -206,12 +211,12 @@ def _softmax_split(q, keys, values, pages, rows, mods, scale, MASK, SCORE, BLOCK
             tile_open = _tile_live(mods, rows, kt, BLOCK_N)
             n_read += tile_open.to(tl.int32)
         if tile_open:
-            s = _scores(q, keys, pages, rows, cols, log2e * scale, log2e, mods, MASK, SCORE, BIAS_KIND, CACHE)
+            s = _scores(q, keys, pages, rows, cols, ones * scale, ones, mods, MASK, SCORE, BIAS_KIND, CACHE)
             n_valid += tl.sum((s != float("-inf")).to(tl.int32), 1)
             m_new = tl.maximum(m, tl.max(s, 1))
             m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
-            corr = tl.exp2(m - m_safe)
-            p = tl.exp2(s - m_safe[:, None])
+            corr = tl.exp2((m - m_safe) * LOG2E)
+            p = tl.exp2((s - m_safe[:, None]) * LOG2E)
             v = _cache_tile(values, pages, cols, CACHE[0], CACHE[3], CACHE[4], False, CACHE[5])
             l_sum = l_sum * corr + tl.sum(p, 1)
             acc = acc * corr[:, None] + tl.dot(p.to(v.dtype), v, input_precision=CACHE[6])
@@ -306,7 +311,7 @@ def _entmax_decode_split_kernel(
     zs, sink_bad = _sink_scores(mods[4], am1, active & (split == 0), BLOCK_N)
 
     if PHASE == 0:
-        m, j_top, n_valid, bad, F, G, C, n_live, n_read = _grid_pass(
+        m, j_top, ref, n_valid, bad, F, G, C, n_live, n_read = _grid_pass(
             q, keys, pages, rows, mods, (Z, z_rows, list_base), (scale * am1, am1, beta, bm1, shift), zs, MASK, SCORE,
             POW, GRID_K, BLOCK_N, BIAS_KIND, CACHE)
         if not SCORE[4]:
@@ -316,6 +321,7 @@ def _entmax_decode_split_kernel(
         tl.store(row + 1, j_top, mask=active)
         tl.store(row + 2, n_valid.to(tl.float32), mask=active)
         tl.store(row + 3, tl.where(a_ok & (sink_bad == 0), bad, 1).to(tl.float32), mask=active)
+        tl.store(row + 4, ref, mask=active)
         tl.store(PART_ROW + (split_rows + split) * N_PART + 3, n_valid.to(tl.float32), mask=active)
         _store_points(GRID_PTS, split_rows + split, active, F, G, C, GRID_K)
         tl.store(live_n, n_live)
@@ -323,11 +329,12 @@ def _entmax_decode_split_kernel(
         return
 
     # the state after the previous pass: merged grid sums, or the previous state merged with its candidates
+    # (m, the thresholds and the points relative to the rows' reference score ref)
     if FROM_GRID:
-        m, br, est, lo, hi, exact, usable, bad, passes = _grid_state(
+        m, br, est, lo, hi, exact, usable, bad, passes, ref = _grid_state(
             GRID_ROW, GRID_PTS, split_rows, n_splits, active, am1, beta, bm1, shift, POW, GRID_K, BLOCK_M)
     else:
-        m, br, est, lo, hi, exact, usable, bad, passes = _load_state(STATE_IN, state_rows, active)
+        m, br, est, lo, hi, exact, usable, bad, passes, ref = _load_state(STATE_IN, state_rows, active)
         ran = tl.max((weight_done(exact, lo, hi, br.da, beta, usable, tol) == 0).to(tl.int32), 0)
         if ran != 0:
             br, est, lo, hi, exact = _merge_cands(CAND_IN, split_rows, n_splits, active, m, br, est, lo, hi, exact,
@@ -340,7 +347,7 @@ def _entmax_decode_split_kernel(
     if PHASE == 1:
         go = tl.max((weight_done(exact, lo, hi, br.da, beta, usable, tol) == 0).to(tl.int32), 0)
         if split == 0:
-            _store_state(STATE_OUT, state_rows, active, m, br, est, lo, hi, exact, usable, bad, passes)
+            _store_state(STATE_OUT, state_rows, active, m, br, est, lo, hi, exact, usable, bad, passes, ref)
         if go != 0:
             t_p, l_p = cand_points(m, lo, hi, CAND_P)
             cand = tl.arange(0, CAND_P).to(tl.float32)
@@ -353,15 +360,15 @@ def _entmax_decode_split_kernel(
             for idx in range(0, n_in):
                 kt = tl.load(list_base + idx)
                 z = tl.load(Z + z_rows[:, None] + (kt * BLOCK_N + col_blk)[None, :], mask=ok_row[:, None],
-                            other=float("-inf"))
+                            other=float("-inf")) - ref[:, None]
                 live = tl.max((z > lo_kill[:, None]).to(tl.int32))
                 tl.store(list_base + n_out, kt, mask=live != 0)
                 n_out += live
                 _, _, _, FP, GP, CP = cand_sums(z, (zero, zero, t_p, l_p, cand), (zero, zero, zero, FP, GP, CP),
                                                 POW, CAND_P, bm1[:, None])
             if SCORE[3]:
-                _, _, _, FP, GP, CP = cand_sums(zs, (zero, zero, t_p, l_p, cand), (zero, zero, zero, FP, GP, CP),
-                                                POW, CAND_P, bm1[:, None])
+                _, _, _, FP, GP, CP = cand_sums(zs - ref[:, None], (zero, zero, t_p, l_p, cand),
+                                                (zero, zero, zero, FP, GP, CP), POW, CAND_P, bm1[:, None])
             _store_points(CAND_OUT, split_rows + split, active, FP, GP, CP, CAND_P)
             tl.store(live_n, n_out)
             tl.store(reads + pass_slot, n_in)
@@ -374,7 +381,7 @@ def _entmax_decode_split_kernel(
     t_use = tau_row + shift
     l_sum = tl.zeros([BLOCK_M], tl.float32)
     if SCORE[3]:
-        l_sum = tl.sum(tl.where(ok_row[:, None], weights(zs, t_use, POW, beta[:, None]), 0.0), 1)
+        l_sum = tl.sum(tl.where(ok_row[:, None], weights(zs - ref[:, None], t_use, POW, beta[:, None]), 0.0), 1)
     nnz = tl.zeros([BLOCK_M], tl.int32)
     acc = tl.zeros([BLOCK_M, CACHE[4]], tl.float32)
     # weights of the live blocks; those holding a positive weight are listed again (in place: the list only
@@ -383,7 +390,7 @@ def _entmax_decode_split_kernel(
     for idx in range(0, n_in):
         kt = tl.load(list_base + idx)
         z = tl.load(Z + z_rows[:, None] + (kt * BLOCK_N + col_blk)[None, :], mask=ok_row[:, None],
-                    other=float("-inf"))
+                    other=float("-inf")) - ref[:, None]
         p = weights(z, t_use, POW, beta[:, None])
         l_sum += tl.sum(p, 1)
         nnz += tl.sum((p > 0.0).to(tl.int32), 1)
@@ -392,7 +399,7 @@ def _entmax_decode_split_kernel(
         v_reads += pos
     for idx in range(0, v_reads):
         cols = tl.load(list_base + idx) * BLOCK_N + col_blk
-        z = tl.load(Z + z_rows[:, None] + cols[None, :], mask=ok_row[:, None], other=float("-inf"))
+        z = tl.load(Z + z_rows[:, None] + cols[None, :], mask=ok_row[:, None], other=float("-inf")) - ref[:, None]
         p = weights(z, t_use, POW, beta[:, None])
         v = _cache_tile(values, pages, cols, CACHE[0], CACHE[3], CACHE[4], False, CACHE[5])
         acc += tl.dot(p.to(v.dtype), v, input_precision=CACHE[6])
@@ -402,7 +409,7 @@ def _entmax_decode_split_kernel(
     tl.store(reads + pass_slot, n_in)
     tl.store(reads + pass_slot + 1, v_reads)
     if split == 0:
-        tau = tl.where(is_bad, float("nan"), tl.where(ok_row, tau_row, float("inf")))
+        tau = tl.where(is_bad, float("nan"), tl.where(ok_row, ref + tau_row, float("inf")))
         tl.store(TAU + stat_offs, tau, mask=active)
         tl.store(N_PASSES + tile, passes.to(tl.int32) + 1)
 

@@ -7,7 +7,7 @@ row scale ``s > 0`` the mapping is written as::
     w_j = 1 + eps * (x_j - m) / s,     p_j = [w_j]_+ ** (1 / eps) / g,     g = sum_j [w_j]_+ ** (1 / eps)
 
 which is ``[(alpha - 1) x_j - tau]_+ ** (1 / (alpha - 1))`` with ``tau = eps * m - s``.
-``s`` is found by Newton's method on the Tsallis norm (GUIDE section 2) started from the
+``s`` is found by Newton's method on the Tsallis norm (docs/kernels.md, "The threshold") started from the
 left at ``s = 1`` (``tau = max z - 1``), monotone, so a chunk whose largest ``w`` is
 ``<= 0`` is dead for the rest of the solve and is skipped. The solve stops when
 ``|s ** (1 / eps) * g - 1| <= tol``, when the Newton step is below float32 resolution, or
@@ -17,14 +17,14 @@ uses no transcendental function; ``alpha = 1`` is a softmax. General ``alpha`` e
 ``w ** (1 / eps)`` as ``exp2(log2(w) / eps)`` with an accurate ``log2(1 + v)``, so it
 tends to softmax as ``alpha -> 1``.
 
-Backward, from the output ``p`` (``U = p ** (2 - alpha)`` on the support, GUIDE section 2)::
+Backward, from the output ``p`` (``U = p ** (2 - alpha)`` on the support, docs/backward.md)::
 
     dX = U * (dY - delta),                     delta = sum(U dY) / sum(U)
     dalpha = sum_j k_j (dY_j - delta),         k_j = -p_j log(p_j)**2 phi(-eps log p_j)
 
 with ``phi(y) = (exp(y) - 1 - y) / y**2`` (Taylor series for ``y < 0.5``): ``k_j`` is
-``p_j`` times the alpha-derivative of ``log p_j`` at a fixed threshold (Correia et al. 2019,
-``correia2019-adaptively-sparse-transformers.txt``, Prop. 1, rearranged so that nothing
+``p_j`` times the alpha-derivative of ``log p_j`` at a fixed threshold (Correia, Niculae & Martins 2019,
+"Adaptively Sparse Transformers", Prop. 1, rearranged so that nothing
 cancels as ``alpha -> 1``; at ``alpha = 1`` it is the exact limit).
 
 All arithmetic is float32; fp16/bf16 are converted right after loading (bf16 arithmetic is
@@ -141,7 +141,7 @@ def _entmax_row(x_row, y_row, cmax_row, n_cols, n_chunks, log2_n, m, eps, tol, m
     """Solve one row for ``s`` (Newton on the Tsallis norm) and store ``p``; ``eps = alpha - 1 > 0``."""
     offs = tl.arange(0, BLOCK)
     beta = 1.0 / eps
-    # The bracket s* >= n ** (1 - alpha) (GUIDE section 2) keeps every iterate positive.
+    # The bracket s* >= n ** (1 - alpha) (docs/kernels.md, "The threshold") keeps every iterate positive.
     s_lo = tl.exp2(-eps * log2_n)
     s = eps * 0.0 + 1.0
     g = eps * 0.0

@@ -1,7 +1,7 @@
 """Triton kernels for the sequential proximal operators of fusedmax and oscarmax (one program per row).
 
-* ``tv_prox_rows``: Condat's direct algorithm for 1-d total variation (Condat 2013, cited in
-  ``niculae2017-regularized-sparse-structured-attention.txt``), a scan with occasional
+* ``tv_prox_rows``: Condat's direct algorithm for 1-d total variation (Condat 2013, as used by Niculae & Blondel
+  2017, "A Regularized Framework for Sparse and Structured Neural Attention"), a scan with occasional
   backtracking to the start of the current segment.
 * ``isotonic_nonincreasing_rows``: pool adjacent violators for the least-squares
   non-increasing fit, the core of the OSCAR prox (sorted input). The block stack lives in a

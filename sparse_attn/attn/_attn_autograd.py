@@ -44,8 +44,8 @@ FWD_FIELDS = SPEC_FIELDS + ("seed",)
 """The forward op's arguments by name, in its positional order: the spec's fields, then the dropout seed."""
 _TENSOR_FIELDS = tuple(name for name in FWD_FIELDS if _OP_TYPES[name].startswith("Tensor"))
 _SPEC_SCHEMA = ", ".join(f"{_OP_TYPES[name]} {name}" for name in FWD_FIELDS)
-_FWD_OUTPUTS = ("out", "tau", "lsum", "nnz", "n_valid", "live", "n_passes", "tile_visits", "out_u")
-_BWD_EXTRA = ("do", "out", "out_u", "tau", "lsum", "live", "need_dalpha", "need_dmask")
+_FWD_OUTPUTS = ("out", "tau", "tau_lo", "lsum", "nnz", "n_valid", "live", "n_passes", "tile_visits", "out_u")
+_BWD_EXTRA = ("do", "out", "out_u", "tau", "tau_lo", "lsum", "live", "need_dalpha", "need_dmask")
 """The backward op's arguments before the spec's (the forward's results it reads, and which gradients)."""
 _BWD_OUTPUTS = ("q", "k", "v", "alpha", "mask", "sinks")
 """The fields the backward op returns gradients for (a subset of :data:`DIFFERENTIABLE`), in its output order."""
@@ -101,7 +101,8 @@ def _fwd_impl(*args) -> tuple[Tensor, ...]:
     res = entmax_attn_fwd(spec.q, spec.k, spec.v, spec.alpha, spec.scale, need_out_u=_needs_out_u(spec),
                           **_launch_kwargs(spec, seed))
     out_u = spec.q.new_empty(0, dtype=torch.float32) if res.out_u is None else res.out_u
-    return res.out, res.tau, res.lsum, res.nnz, res.n_valid, res.live, res.n_passes, res.tile_visits, out_u
+    return (res.out, res.tau, res.tau_lo, res.lsum, res.nnz, res.n_valid, res.live, res.n_passes, res.tile_visits,
+            out_u)
 
 
 _fwd_op = torch.library.custom_op("sparse_attn::entmax_attn_fwd", _fwd_impl, mutates_args=(),
@@ -117,6 +118,7 @@ def _fwd_fake(*args):
     live_shape, tile_shape = _live_shape(spec)
     return (
         torch.empty(out_shape, dtype=q.dtype, device=q.device),
+        q.new_empty(rows, dtype=torch.float32),
         q.new_empty(rows, dtype=torch.float32),
         q.new_empty(rows, dtype=torch.float32),
         q.new_empty(rows, dtype=torch.int32),
@@ -137,7 +139,7 @@ def _bwd_impl(*args) -> tuple[Tensor, ...]:
     block_m, block_n = fwd_block_sizes(spec.head_dim)
     dq, dk, dv, dalpha, dmask, *dsinks = entmax_attn_bwd(
         extra["do"], spec.q, spec.k, spec.v, out, extra["tau"], extra["lsum"], spec.alpha, spec.scale,
-        live=extra["live"], block_m=block_m, block_n=block_n, need_dalpha=extra["need_dalpha"],
+        tau_lo=extra["tau_lo"], live=extra["live"], block_m=block_m, block_n=block_n, need_dalpha=extra["need_dalpha"],
         need_dbias=extra["need_dmask"], out_u=out_u if out_u.shape == out.shape else None, **_launch_kwargs(spec, seed),
     )
     if dalpha is None:
@@ -149,8 +151,8 @@ def _bwd_impl(*args) -> tuple[Tensor, ...]:
 
 _bwd_op = torch.library.custom_op(
     "sparse_attn::entmax_attn_bwd", _bwd_impl, mutates_args=(),
-    schema=f"(Tensor do, Tensor out, Tensor out_u, Tensor tau, Tensor lsum, Tensor live, bool need_dalpha, "
-           f"bool need_dmask, {_SPEC_SCHEMA}) -> ({', '.join(['Tensor'] * len(_BWD_OUTPUTS))})")
+    schema=f"(Tensor do, Tensor out, Tensor out_u, Tensor tau, Tensor tau_lo, Tensor lsum, Tensor live, "
+           f"bool need_dalpha, bool need_dmask, {_SPEC_SCHEMA}) -> ({', '.join(['Tensor'] * len(_BWD_OUTPUTS))})")
 
 
 @_bwd_op.register_fake
@@ -169,8 +171,8 @@ def _bwd_fake(*args):
 def _setup_context(ctx, inputs, output):
     a = fwd_op_named(inputs)
     res = dict(zip(_FWD_OUTPUTS, output, strict=True))
-    ctx.save_for_backward(*(a[name] for name in _TENSOR_FIELDS), res["out"], res["out_u"], res["tau"], res["lsum"],
-                          res["live"])
+    ctx.save_for_backward(*(a[name] for name in _TENSOR_FIELDS), res["out"], res["out_u"], res["tau"], res["tau_lo"],
+                          res["lsum"], res["live"])
     ctx.args = {name: a[name] for name in FWD_FIELDS if name not in _TENSOR_FIELDS}
 
 
@@ -180,11 +182,11 @@ def _backward(ctx, d_out, *_unused):
             "entmax_attention's fused backward is not differentiable: double backward "
             "(create_graph=True) is not supported; use backend='reference' for higher-order gradients"
         )
-    *saved, out, out_u, tau, lsum, live = ctx.saved_tensors
+    *saved, out, out_u, tau, tau_lo, lsum, live = ctx.saved_tensors
     a = {**dict(zip(_TENSOR_FIELDS, saved, strict=True)), **ctx.args}
     spec, seed = spec_from_op_args(tuple(a[name] for name in FWD_FIELDS))
     need = {name: wants and a[name] is not None for name, wants in fwd_op_named(ctx.needs_input_grad).items()}
-    grads = dict(zip(_BWD_OUTPUTS, _bwd_op(d_out.contiguous(), out, out_u, tau, lsum, live, need["alpha"],
+    grads = dict(zip(_BWD_OUTPUTS, _bwd_op(d_out.contiguous(), out, out_u, tau, tau_lo, lsum, live, need["alpha"],
                                            need["mask"], *spec_to_op_args(spec, seed))))
     return tuple(grads.get(name) if name in DIFFERENTIABLE and need[name] else None for name in FWD_FIELDS)
 
@@ -220,6 +222,16 @@ def _sdpa(inputs: AttnSpec) -> Tensor:
         mask, causal = causal_lower_right(q.shape[2], k.shape[2]), False
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=inputs.dropout_p, is_causal=causal,
                                           scale=inputs.scale, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def meta_attention(inputs: AttnSpec, return_stats: bool):
+    """Shape inference on meta tensors: the forward op's fake implementation gives every output's shape and dtype
+    (nothing is computed or read back, whatever alpha is), and its registered autograd the gradients' shapes."""
+    res = dict(zip(_FWD_OUTPUTS, _fwd_op(*spec_to_op_args(inputs, 0))))
+    if return_stats:
+        tau = res["tau"].detach().to(torch.float64 if inputs.q.dtype == torch.float64 else torch.float32)
+        return res["out"], AttentionStats(nnz=res["nnz"], tau=tau, n_valid=res["n_valid"])
+    return res["out"]
 
 
 def fused_entmax_attention(inputs: AttnSpec, return_stats: bool | None = None):

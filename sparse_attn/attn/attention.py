@@ -13,7 +13,7 @@ import torch
 
 from sparse_attn._validation import check_bool, checks_enabled, set_checks
 from sparse_attn.attn._cpu_chunked import chunked_attention, chunked_fits
-from sparse_attn.attn.attn_inputs import AttentionStats, AttnSpec, prepare_attention
+from sparse_attn.attn.attn_inputs import AttentionStats, AttnSpec, check_alpha_not_mask, prepare_attention
 from sparse_attn.attn.reference import reference_forward
 from sparse_attn.attn.routes import refusal_message, refused
 
@@ -28,6 +28,10 @@ def run_attention(inputs: AttnSpec, return_stats: bool | None = None):
         why = refused("reference", inputs.used())
         if why:
             raise ValueError(refusal_message("reference", why, "no route of this version runs it"))
+        if inputs.q.device.type == "meta":
+            from sparse_attn.attn._attn_autograd import meta_attention
+
+            return meta_attention(inputs, return_stats)
         if chunked_fits(inputs) and not refused("chunked", inputs.used()):
             out, stats = chunked_attention(inputs, with_stats=return_stats)
             return (out, stats) if return_stats else out
@@ -50,6 +54,13 @@ def run_layer_attention(inputs: AttnSpec, dense: bool, sink=None):
         ``(out, weights)``: ``weights`` ``(B, Hq, Nq, Nk)`` as multiplied with ``v`` (after
         dropout) when ``dense``, else None.
     """
+    if dense and inputs.q.device.type == "meta":  # shapes only: the weights as an empty meta tensor
+        res = run_attention(inputs, return_stats=sink is not None)
+        out, stats = res if sink is not None else (res, None)
+        weights = inputs.q.new_empty(inputs.score_shape)
+        if sink is not None:
+            sink(stats.nnz, stats.n_valid, inputs.alpha, weights)
+        return out, weights
     if dense:
         res = reference_forward(inputs, with_weights=True, with_stats=sink is not None)
         if sink is not None:
@@ -159,6 +170,7 @@ def entmax_attention(
         Rows with no key to attend to give zeros (and zero gradients).
     """
     check_bool("return_stats", return_stats)
+    check_alpha_not_mask(alpha, q)
     spec = prepare_attention(
         q, k, v, alpha, attn_mask=attn_mask, is_causal=is_causal, scale=scale, dropout_p=dropout_p,
         enable_gqa=enable_gqa, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,

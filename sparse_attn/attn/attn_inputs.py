@@ -41,6 +41,7 @@ __all__ = [
     "resolve_backend",
     "unfused_variants",
     "check_head_alpha",
+    "check_alpha_not_mask",
     "check_variants",
     "MIN_HEAD_DIM",
     "MAX_HEAD_DIM",
@@ -182,7 +183,28 @@ def check_head_alpha(name: str, alpha, n_heads: int) -> None:
                 f"got shape {tuple(alpha.shape)}"
             )
     elif isinstance(alpha, bool) or not isinstance(alpha, Real):
-        raise TypeError(f"{name} must be a float or a tensor, got {type(alpha).__name__}")
+        hint = (f"; for one alpha per head pass a tensor of shape ({n_heads},), e.g. torch.tensor({list(alpha)!r})"
+                if isinstance(alpha, (list, tuple)) else "")
+        raise TypeError(f"{name} must be a float or a tensor, got {type(alpha).__name__}{hint}")
+
+
+def check_alpha_not_mask(alpha, q) -> None:
+    """The attention calls' 4th positional argument is ``alpha`` where ``scaled_dot_product_attention`` takes
+    ``attn_mask``: a boolean tensor, or a tensor of two or more dims with a last dim above 1, there is most likely a
+    mask passed by position. Raise the alpha error with that said (``TypeError`` for a boolean tensor, ``ValueError``
+    otherwise); anything else is left to :func:`check_head_alpha`."""
+    if not isinstance(alpha, Tensor):
+        return
+    if alpha.dtype == torch.bool:
+        err, what = TypeError, f"a float or a floating-point tensor, got a tensor of dtype {alpha.dtype}"
+    elif alpha.dim() >= 2 and alpha.shape[-1] > 1:
+        heads = f"({q.shape[1]},)" if isinstance(q, Tensor) and q.dim() == 4 else "(heads,)"
+        err, what = ValueError, f"a float or a tensor of shape () or {heads} (one per head), got shape " \
+                                f"{tuple(alpha.shape)}"
+    else:
+        return
+    raise err(f"alpha must be {what}. alpha is the 4th positional argument, where scaled_dot_product_attention "
+              f"takes attn_mask: pass a mask as attn_mask=...")
 
 
 def _normalize_alpha(alpha, q: Tensor, in_range: bool, compute_dtype: torch.dtype | None = None):
@@ -239,6 +261,8 @@ def _check_cu_seqlens(cu_q, cu_k, q: Tensor, k: Tensor, max_seqlen_q, max_seqlen
 
 def _max_seqlen(name: str, given, cu: Tensor, longest: int | None) -> int:
     """The given bound (checked against ``longest`` when known), else the longest sequence (one host read)."""
+    if given is None and longest is None and cu.device.type == "meta":
+        raise ValueError(f"{name} must be given with meta cu_seqlens (their values cannot be read), got None")
     if given is None:
         return longest if longest is not None else int((cu[1:] - cu[:-1]).max())
     if isinstance(given, bool) or not isinstance(given, Integral):

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from sparse_attn._validation import check_bool
-from sparse_attn.attn.attn_inputs import AttentionInputs, AttentionStats, prepare_attention
+from sparse_attn.attn.attn_inputs import AttentionInputs, AttentionStats, check_alpha_not_mask, prepare_attention
 from sparse_attn.attn.masks import alibi_bias, block_keep, causal_keep, check_mask, combine_masks, window_keep
 from sparse_attn.rows.mappings import entmax
 
@@ -295,6 +295,7 @@ def entmax_attention_reference(
         raise ValueError(f"compute_dtype must be None, torch.float32 or torch.float64, got {compute_dtype!r}")
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+    check_alpha_not_mask(alpha, q)
     inputs = prepare_attention(
         q, k, v, alpha, attn_mask=attn_mask, is_causal=is_causal, scale=scale, dropout_p=dropout_p,
         enable_gqa=True, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,

@@ -45,9 +45,12 @@ def _check_factory(device, dtype) -> None:
         raise TypeError(f"dtype must be None or a floating-point torch.dtype, got {dtype!r}")
     if device is not None:
         try:
-            torch.device(device)
+            kind = torch.device(device).type
         except (RuntimeError, TypeError):
             raise ValueError(f"device must be None or a torch device, got {device!r}") from None
+        if kind == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device={device!r}, but CUDA is not available here (torch.cuda.is_available() is "
+                             f"False: a CPU-only torch build or no GPU); use device='cpu' or leave it None")
 
 class _HeadAlphaMixin:
     """Per-head alpha shared by the modules: fixed (a float or a buffer) or learnable (``alpha_logit``).
@@ -64,6 +67,7 @@ class _HeadAlphaMixin:
         self._alpha_float = None
         self.alpha_min = check_number("alpha_min", alpha_min, 1.0, 2.0)
         self.alpha_max = check_number("alpha_max", alpha_max, 1.0, 2.0)
+        check_head_alpha("alpha", alpha, self.num_heads)
         if not learnable:
             self.register_parameter("alpha_logit", None)
             if isinstance(alpha, Tensor):

@@ -3,7 +3,7 @@
 :class:`EntmaxMultiheadAttention` has the constructor, parameters, state dict and forward of
 :class:`torch.nn.MultiheadAttention`; only the attention weights change, from softmax to
 alpha-entmax (``alpha = 1`` is softmax, ``alpha = 2`` sparsemax), with one alpha per head that
-may be learned as in ``correia2019-adaptively-sparse-transformers.txt``:
+may be learned as in Correia, Niculae & Martins 2019, "Adaptively Sparse Transformers":
 ``alpha = alpha_min + (alpha_max - alpha_min) * sigmoid(alpha_logit)``.
 :func:`swap_attention` replaces every ``nn.MultiheadAttention`` of a model in place.
 """

@@ -10,8 +10,8 @@ not materialized). The recorder accumulates, per layer and head:
 * density: mean over query rows with at least one valid key of ``nnz / n_valid``, the fraction
   of the keys a query may attend to that receive a nonzero weight (1 for softmax);
 * alpha: the head's alpha at the last recorded call;
-* with ``diversity=True``, the Jensen-Shannon head diversity of
-  ``correia2019-adaptively-sparse-transformers.txt`` (eq. 11),
+* with ``diversity=True``, the Jensen-Shannon head diversity of Correia, Niculae & Martins 2019,
+  "Adaptively Sparse Transformers" (eq. 11),
   ``JS = H(mean_h p_h) - mean_h H(p_h)``, Shannon entropies in base ``n`` (the number of valid
   keys of the row, so ``0 <= JS <= 1``), averaged over the query rows with ``n >= 2``. This
   needs the weights, so those calls take the dense (materialized) path.

@@ -1,6 +1,6 @@
 """Constrained softmax / sparsemax and fertility-constrained attention.
 
-Malaviya, Ferreira & Martins 2018 (``malaviya2018-sparse-constrained-attention.txt``)::
+Malaviya, Ferreira & Martins 2018, "Sparse and Constrained Attention for Neural Machine Translation"::
 
     csoftmax(z; u)   = argmin_{a in simplex, a <= u} KL(a || softmax(z))
                      = min(u, exp(z - tau))                      (one scalar tau per row)

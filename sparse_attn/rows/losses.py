@@ -8,9 +8,9 @@ the loss of logits ``x`` against a target distribution ``y`` is::
 
 with ``p = alpha-entmax(x)``. It is >= 0, zero iff ``p = y``, and its gradient w.r.t.
 ``x`` is ``p - y``. At ``alpha = 2`` it is the sparsemax loss of Martins & Astudillo
-(2016, ``martins2016-softmax-to-sparsemax.txt``), including its multi-label form with
+(2016, "From Softmax to Sparsemax"), including its multi-label form with
 label-proportion targets; ``alpha = 1.5`` and general alpha are the entmax losses of
-Peters et al. (2019, ``peters2019-sparse-seq2seq-entmax.txt``).
+Peters, Niculae & Martins (2019, "Sparse Sequence-to-Sequence Models").
 
 Targets are integer class labels of shape ``(N,)`` (entries equal to ``ignore_index``
 are skipped) or label proportions of shape ``(N, C)`` (finite, non-negative rows summing to

@@ -1,6 +1,6 @@
 """Regularized attention mappings: fusedmax, oscarmax, sq-pnorm-max and sparsemax with temperature.
 
-All follow Niculae & Blondel 2017 (``niculae2017-regularized-sparse-structured-attention.txt``)::
+All follow Niculae & Blondel 2017, "A Regularized Framework for Sparse and Structured Neural Attention"::
 
     Pi_Omega(x) = argmax_{y in simplex} y.x - gamma * Omega(y)
 
