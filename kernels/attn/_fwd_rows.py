@@ -17,8 +17,8 @@ import triton.language as tl
 
 from .._common import LN2, LOG2E, dropout_keep, load_rows, two_sum
 from .._masking import block_tile_live, live_tile, mark_tile, score_mod, sink_tile, visit_tile, walk_words, word_bits
-from ._threshold import (
-    FAST_BETA_MAX,
+from ._threshold import FAST_BETA_MAX, log_ref, more_passes, solve, tighten, weights, width_done
+from ._threshold_tiles import (
     cand_bracket,
     cand_points,
     cand_sums,
@@ -26,14 +26,8 @@ from ._threshold import (
     grid_start,
     grid_sums,
     grid_tile,
-    log_ref,
     lowest_point,
-    more_passes,
     point_zeros,
-    solve,
-    tighten,
-    weights,
-    width_done,
 )
 
 
@@ -342,7 +336,7 @@ def _value_pass(q, kv, rw, tiles, mods, vp, POW: tl.constexpr, BIAS_KIND: tl.con
 def points_pass(q, kv, rw, mods, pts, acc, st, POW: tl.constexpr, NPTS: tl.constexpr, LANES: tl.constexpr,
                 COUNT: tl.constexpr, BIAS_KIND: tl.constexpr, MASK, SCORE, DOT_PRECISION: tl.constexpr):
     """One pass over the live tiles adding the point sums of every score tile at the points ``pts`` to ``acc``
-    (``_threshold.cand_sums`` with ``NPTS`` points, per-lane partials with ``LANES``), then the sink's with
+    (``_threshold_tiles.cand_sums`` with ``NPTS`` points, per-lane partials with ``LANES``), then the sink's with
     ``SCORE[3]``; the bitmap's words are rewritten: a tile with no score above ``lo_kill`` dies. The candidate passes
     of the fused forward and the bracket and refinement passes of the split forward (``_fwd_split.py``).
 
@@ -378,8 +372,8 @@ def entmax_rows(q, kv, rw, tiles, mods, sc, POW: tl.constexpr, GRID_K: tl.conste
 
     Returns ``(out, out_u, tau, tau_lo, lsum, nnz, n_valid, n_passes, visits)``. Thresholds are carried as
     ``theta = tau + shift`` (shift 1 on the general path POW 0, see kernels/attn/_threshold.py), and, with every
-    score and point, relative to the row's reference score ``ref`` (``_threshold.anchor``, set by the grid pass); the
-    threshold ``ref + tau_rel`` is returned as two floats, ``tau`` and its rounding residual ``tau_lo``. With
+    score and point, relative to the row's reference score ``ref`` (``_threshold_tiles.anchor``, set by the grid
+    pass); the threshold ``ref + tau_rel`` is returned as two floats, ``tau`` and its rounding residual ``tau_lo``. With
     ``NEED_OUT_U`` the value pass also accumulates ``sum_j U_ij v_j`` and ``sum_j U_ij`` (``U = p^(2 - alpha)`` up
     to a row factor, dropout applied to the first): ``out_u`` is their ratio, from which the backward's ``delta`` is
     ``dO . out_u`` (docs/backward.md); otherwise ``out_u`` is ``out``.

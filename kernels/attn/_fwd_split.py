@@ -22,8 +22,8 @@ outputs and statistics of ``entmax_attn_fwd`` (``EntmaxAttnFwdResult``; ``tau + 
 kernels are stages of the forward kernel (``entmax_attn_fwd._entmax_attn_fwd_kernel``, ``STAGE`` 1 and 2), so they
 share its arguments and program setup.
 
-Between the two stages, per row: ``m`` in ``TAU``, the relative threshold in ``TAU_LO``, the relative certified lower
-bound in a float32 scratch ``LO_KILL`` ``(B, Hq, Nq)``, the NaN / +inf flag in ``NNZ``, the valid-key count in
+Between the two stages, in the statistics stage 2 overwrites, per row: ``m`` in ``TAU``, the relative threshold in
+``TAU_LO``, the relative certified lower bound in ``LSUM``, the NaN / +inf flag in ``NNZ``, the valid-key count in
 ``N_VALID``; per query tile the passes and visits so far in ``N_PASSES`` / ``TILE_VISITS``. The softmax class
 (alpha = 1) keeps the fused kernel.
 """
@@ -35,17 +35,8 @@ import triton.language as tl
 
 from .._masking import walk_words
 from ._fwd_rows import _row_span, _score_tile, _sink_scores, mark_live, open_tile, points_pass, tile_screen, valid_keys
-from ._threshold import (
-    Bracket,
-    cand_bracket,
-    log_ref,
-    more_passes,
-    open_bracket,
-    point_zeros,
-    solve,
-    tighten,
-    width_done,
-)
+from ._threshold import Bracket, log_ref, more_passes, open_bracket, solve, tighten, width_done
+from ._threshold_tiles import cand_bracket, point_zeros
 
 # points of the bracket pass (docs/kernels.md: 4 points and 2-point refinements model cheapest with one code shape)
 SPLIT_POINTS = tl.constexpr(4)

@@ -99,7 +99,7 @@ class EntmaxAttnFwdResult(NamedTuple):
 @triton.jit(do_not_specialize=["n_q_tiles", "n_words"])
 def _entmax_attn_fwd_kernel(
     Q, K, V, OUT, OUT_U, ALPHA, TAU, TAU_LO, LSUM, NNZ, N_VALID, LIVE, N_PASSES, TILE_VISITS, CU_SEQLENS_Q,
-    CU_SEQLENS_K, MODS, LO_KILL,
+    CU_SEQLENS_K, MODS,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -118,9 +118,9 @@ def _entmax_attn_fwd_kernel(
 
     Query tiles run longest first: program 0 takes the last tile, whose causal key range is the longest. ``STAGE``
     (alpha in (1, 2] only): 0 the fused forward, every pass in this launch; 1 the split forward's threshold kernel
-    (``_fwd_split.threshold_rows``: stores ``tau``, the certified lower bound in ``LO_KILL``, the NaN / +inf flags in
-    ``NNZ``, the valid-key counts, passes and visits, and the bitmap); 2 its value kernel (reads them, writes every
-    output).
+    (``_fwd_split.threshold_rows``: stores the rows' reference scores in ``TAU``, the thresholds and certified lower
+    bounds relative to them in ``TAU_LO`` and ``LSUM``, the NaN / +inf flags in ``NNZ``, the valid-key counts, passes,
+    visits and the bitmap); 2 its value kernel (reads them, writes every output).
     """
     pid_m = n_q_tiles - 1 - tl.program_id(0)
     h = tl.program_id(1)
@@ -172,49 +172,44 @@ def _entmax_attn_fwd_kernel(
         GRID_K: tl.constexpr = GRID_K0
         CAND_P: tl.constexpr = CAND_P0
     if STAGE == 1:
-        # for stage 2: the rows' reference scores in TAU, the thresholds and lower bounds relative to them in TAU_LO and
-        # LO_KILL
-        ref, tau, lo_kill, bad, n_valid, passes, visits = threshold_rows(q, kv, rw, mods, tiles, sc, POW, BIAS_KIND,
+        # for stage 2, in the statistics it will overwrite: the rows' reference scores (TAU), the thresholds and the
+        # certified lower bounds relative to them (TAU_LO, LSUM), the NaN / +inf flags (NNZ) and the valid-key counts
+        tau, tau_lo, lsum, nnz, n_valid, passes, visits = threshold_rows(q, kv, rw, mods, tiles, sc, POW, BIAS_KIND,
                                                                          MASK, SCORE, DOT_PRECISION)
-        stat_offs = bh.to(tl.int64) * total_q + (q_start + rows).to(tl.int64)
-        tl.store(TAU + stat_offs, ref, mask=row_ok)
-        tl.store(TAU_LO + stat_offs, tau, mask=row_ok)
-        tl.store(LO_KILL + stat_offs, lo_kill, mask=row_ok)
-        tl.store(NNZ + stat_offs, bad, mask=row_ok)
-        tl.store(N_VALID + stat_offs, n_valid, mask=row_ok)
+    elif ALPHA_CLASS == 0:
+        out, tau, tau_lo, lsum, nnz, n_valid, visits = softmax_rows(
+            q, kv, rw, Tiles(kt_lo, kt_hi, kt_lo, n_words, live_base), mods, scale, BIAS_KIND, MASK, SCORE,
+            HAS_DROPOUT, DOT_PRECISION)
+        passes = tl.full([], 1, tl.int32)
+        out_u = out  # U = p
     else:
-        if ALPHA_CLASS == 0:
-            out, tau, tau_lo, lsum, nnz, n_valid, visits = softmax_rows(
-                q, kv, rw, Tiles(kt_lo, kt_hi, kt_lo, n_words, live_base), mods, scale, BIAS_KIND, MASK, SCORE,
-                HAS_DROPOUT, DOT_PRECISION)
-            passes = tl.full([], 1, tl.int32)
-            out_u = out  # U = p
+        if STAGE == 0:
+            out, out_u, tau, tau_lo, lsum, nnz, n_valid, passes, visits = entmax_rows(
+                q, kv, rw, tiles, mods, sc, POW, GRID_K, CAND_P, BIAS_KIND, MASK, SCORE, HAS_DROPOUT, NEED_OUT_U,
+                DOT_PRECISION)
         else:
-            if STAGE == 0:
-                out, out_u, tau, tau_lo, lsum, nnz, n_valid, passes, visits = entmax_rows(
-                    q, kv, rw, tiles, mods, sc, POW, GRID_K, CAND_P, BIAS_KIND, MASK, SCORE, HAS_DROPOUT, NEED_OUT_U,
-                    DOT_PRECISION)
-            else:
-                stat_offs = bh.to(tl.int64) * total_q + (q_start + rows).to(tl.int64)
-                n_valid = tl.load(N_VALID + stat_offs, mask=row_ok, other=0)
-                vr = (tl.load(TAU_LO + stat_offs, mask=row_ok, other=0.0),
-                      tl.load(LO_KILL + stat_offs, mask=row_ok, other=0.0), sc.alpha, scale * (sc.alpha - 1.0),
-                      tl.load(TAU + stat_offs, mask=row_ok, other=0.0), n_valid > 0,
-                      tl.load(NNZ + stat_offs, mask=row_ok, other=0), tl.load(N_PASSES + tile_id),
-                      tl.load(TILE_VISITS + tile_id))
-                out, out_u, tau, tau_lo, lsum, nnz, passes, visits = value_rows(
-                    q, kv, rw, tiles, mods, vr, POW, BIAS_KIND, MASK, SCORE, HAS_DROPOUT, NEED_OUT_U, DOT_PRECISION)
-            out = tl.where(a_ok, out, float("nan"))
-            tau = tl.where(a_ok, tau, float("nan"))
-            lsum = tl.where(a_ok, lsum, float("nan"))
-            out_u = tl.where(a_ok, out_u, float("nan"))
-        # formed where they are stored, after the passes
-        stat_offs = bh.to(tl.int64) * total_q + (q_start + rows).to(tl.int64)
-        tl.store(TAU + stat_offs, tau, mask=row_ok)
-        tl.store(TAU_LO + stat_offs, tau_lo, mask=row_ok)
-        tl.store(LSUM + stat_offs, lsum, mask=row_ok)
-        tl.store(NNZ + stat_offs, nnz, mask=row_ok)
-        tl.store(N_VALID + stat_offs, n_valid, mask=row_ok)
+            stat_offs = bh.to(tl.int64) * total_q + (q_start + rows).to(tl.int64)
+            n_valid = tl.load(N_VALID + stat_offs, mask=row_ok, other=0)
+            ref = tl.load(TAU + stat_offs, mask=row_ok, other=0.0)
+            lo_kill = tl.load(LSUM + stat_offs, mask=row_ok, other=0.0)
+            tau_rel = tl.load(TAU_LO + stat_offs, mask=row_ok, other=0.0)
+            vr = (tau_rel, lo_kill, sc.alpha, scale * (sc.alpha - 1.0), ref, n_valid > 0,
+                  tl.load(NNZ + stat_offs, mask=row_ok, other=0), tl.load(N_PASSES + tile_id),
+                  tl.load(TILE_VISITS + tile_id))
+            out, out_u, tau, tau_lo, lsum, nnz, passes, visits = value_rows(
+                q, kv, rw, tiles, mods, vr, POW, BIAS_KIND, MASK, SCORE, HAS_DROPOUT, NEED_OUT_U, DOT_PRECISION)
+        out = tl.where(a_ok, out, float("nan"))
+        tau = tl.where(a_ok, tau, float("nan"))
+        lsum = tl.where(a_ok, lsum, float("nan"))
+        out_u = tl.where(a_ok, out_u, float("nan"))
+    # formed where they are stored, after the passes
+    stat_offs = bh.to(tl.int64) * total_q + (q_start + rows).to(tl.int64)
+    tl.store(TAU + stat_offs, tau, mask=row_ok)
+    tl.store(TAU_LO + stat_offs, tau_lo, mask=row_ok)
+    tl.store(LSUM + stat_offs, lsum, mask=row_ok)
+    tl.store(NNZ + stat_offs, nnz, mask=row_ok)
+    tl.store(N_VALID + stat_offs, n_valid, mask=row_ok)
+    if STAGE != 1:
         # the output first, then out_u: one float32 tile and its addresses live at a time
         store_rows(slice_base(OUT, b, h, q_start, stride_ob, stride_oh, stride_om), rows, offs_dv, stride_om,
                    stride_od, out, row_ok, offs_dv < HEAD_DIM_V)
@@ -364,16 +359,12 @@ def entmax_attn_fwd(
                  dropout_p, seed, tol, max_passes, alpha_class, need_out_u, block_m, block_n, window_size, alibi_slopes,
                  softcap, sinks, block_mask)
     split_classes = {ALPHA_CLASSES[c] for c in ("sparsemax", "entmax15", "general") if runs_split(c, split)}
-    lo_kill = None
     for args in plan.launches:
         if args["ALPHA_CLASS"] in split_classes:
             # the split forward: the threshold kernel, then the value kernel, with the pinned (or forced) config
-            if lo_kill is None:
-                lo_kill = torch.empty_like(plan.result.tau)
             options = plan.options if forced is None else forced
             for stage in (1, 2):
-                _entmax_attn_fwd_kernel[plan.grid](**dict(args, LO_KILL=lo_kill), STAGE=stage,
-                                                   **_split_options(stage, args, options))
+                _entmax_attn_fwd_kernel[plan.grid](**args, STAGE=stage, **_split_options(stage, args, options))
         elif forced is not None:
             _entmax_attn_fwd_kernel[plan.grid](**args, **forced)
         elif _common.pinned_launch():
@@ -473,8 +464,7 @@ def _plan(q, k, v, alpha, scale, bias, is_causal, cu_seqlens_q, cu_seqlens_k, ma
                                  window_size, alibi_slopes, softcap, sinks, block_mask,
                                  (plan.block_m, plan.block_n)),
         OUT=out, OUT_U=out if out_u is None else out_u, TAU=tau, TAU_LO=tau_lo, LSUM=lsum, NNZ=nnz, N_VALID=n_valid,
-        LIVE=live, LO_KILL=tau, N_PASSES=n_passes, TILE_VISITS=tile_visits,
-        **_common.stride_args("stride_o", out, "bhmd"),
+        LIVE=live, N_PASSES=n_passes, TILE_VISITS=tile_visits, **_common.stride_args("stride_o", out, "bhmd"),
         **_common.stride_args("stride_ou", out if out_u is None else out_u, "bhmd"), NEED_OUT_U=out_u is not None,
         n_q_tiles=n_q_tiles, n_words=plan.n_words,
         tol=default_tolerance(q.dtype) if tol is None else float(tol),
