@@ -379,6 +379,13 @@ def mma_shape(i: Ins):
     return m, n, k, len(ops) > 1 and re.match(r"^R\d+$", ops[1]) is not None
 
 
+def hmma_macs(i: Ins) -> int:
+    """Multiply-adds of one warp's ``mma.sync`` (``HMMA.16816.F32.BF16``: m16 n8 k16; ``HMMA.1688``: k8)."""
+    shape = i.opcode.split(".")[1]
+    m, n, k = {"16816": (16, 8, 16), "1688": (16, 8, 8), "884": (8, 8, 4)}[shape]
+    return m * n * k
+
+
 def _block_ins(blocks, body):
     return [n for b in sorted(body) for n in range(blocks[b].first, blocks[b].last + 1)]
 
@@ -469,6 +476,9 @@ def trip_count(blocks: list, lp: Loop, ins: list) -> int:
     ``IADD3 Rc, Rc, <imm>, RZ`` (or ``VIADD``); ``Rc`` set to a constant by ``MOV`` / ``IMAD.MOV.U32`` / ``CS2R``
     in the one block that enters the loop. The count is found by running the counter."""
     where = f"nested loop @{ins[blocks[lp.header].first].addr:#x}"
+    body = _block_ins(blocks, lp.body)
+    if all(ins[n].base in ("SYNCS", "BRA", "NOP") for n in body):
+        return 1  # a barrier wait (TMA: try-wait on the load's mbarrier until it completes): issued once when ready
     if len(lp.latches) != 1:
         raise LoopError(f"{where}: {len(lp.latches)} latches, not a counted loop")
     latch = blocks[lp.latches[0]]
@@ -476,7 +486,6 @@ def trip_count(blocks: list, lp: Loop, ins: list) -> int:
     if br.base != "BRA" or not br.conditional or br.pred.startswith("@U") or br.pred.startswith("@!U"):
         raise LoopError(f"{where}: its back edge is not a conditional branch on a predicate register")
     negated, preg = br.pred.startswith("@!"), br.pred.lstrip("@!")
-    body = _block_ins(blocks, lp.body)
     setp = [n for n in body if n < latch.last and ins[n].operands.split(",")[0] == preg]
     if not setp or ins[setp[-1]].base != "ISETP":
         raise LoopError(f"{where}: the exit predicate {preg} is not set by an integer compare")
@@ -527,10 +536,10 @@ def trip_count(blocks: list, lp: Loop, ins: list) -> int:
     raise LoopError(f"{where}: more than 4096 iterations")
 
 
-def iteration_paths(blocks: list, lp: Loop, ins: list) -> dict:
+def iteration_paths(blocks: list, lp: Loop, ins: list, avoid=frozenset()) -> dict:
     """The longest (``live``) and shortest (``dead``) paths of one iteration of ``lp`` from its header to a
     latch, by instructions, as lists of instruction indices; a nested loop on the path counts its own path times
-    its trip count (``trip_count``). Module docstring, step 3."""
+    its trip count (``trip_count``). Module docstring, step 3. Blocks in ``avoid`` are never entered."""
     owner = {}  # block -> the nested loop (direct child) holding it
     for child in lp.children:
         for b in child.body:
@@ -550,7 +559,7 @@ def iteration_paths(blocks: list, lp: Loop, ins: list) -> dict:
             outs = set(blocks[node].succ)
         out = []
         for s in outs:
-            if s not in lp.body or s == lp.header:
+            if s not in lp.body or s == lp.header or s in avoid:
                 continue
             t = node_of(s)
             if isinstance(t, Loop) and s != t.header:
@@ -625,8 +634,10 @@ def count_path(ins: list, path: list, warps: int) -> dict:
             groups = warps / SMSP  # every warp of a warpgroup issues the instruction; the work is the group's
             macs += groups * m * n_ * k
             smem += groups * 2 * (n_ * k + (0 if a_reg else m * k))  # bf16 operands from shared memory
+        elif i.base == "HMMA":
+            macs += warps * hmma_macs(i)  # each warp its own m16n8k16 (operands from registers, loaded by LDSM)
         elif i.cls == "tensor":
-            raise LoopError(f"{i.opcode} at {i.addr:#x}: only HGMMA is modelled")
+            raise LoopError(f"{i.opcode} at {i.addr:#x}: only HGMMA and HMMA are modelled")
     return dict(total=len(path), by_class=by_class, by_op=by_op, by_pipe=by_pipe, macs=macs, smem=smem)
 
 
@@ -656,24 +667,40 @@ def default_n() -> int:
     return inspect.signature(sm90_build.fwd_case).parameters["n"].default
 
 
-def build(head_dim: int, alpha_class: str, causal: bool, n: int | None = None, config: tuple | None = None):
-    """``(compiled, info)``: the forward of one class built as ``sm90_build.fwd_case`` builds it (bf16, no mask;
-    ``n`` keys, default ``default_n()``; ``config`` ``(block_m, block_n, num_warps)`` instead of the pinned one);
-    ``info`` is its analysis dict (regs, spills, block, warps, ...)."""
+def keep_build(folder: str, stem: str, compiled, an: dict) -> None:
+    """``--keep``: a build's cubin and loop tree as ``folder/stem.cubin`` and ``.loops.txt``."""
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, stem + ".cubin"), "wb") as f:
+        f.write(compiled.asm["cubin"])
+    with open(os.path.join(folder, stem + ".loops.txt"), "w") as f:
+        f.write(an["tree"] + "\n")
+
+
+def compiled_by(case, *args, **kwargs):
+    """``(result, [compiled])``: an ``sm90_build`` case function's result and every kernel it compiled."""
     kept = []
     orig = sm90_build.compile_like_launch
 
-    def keep(kernel, args, kwargs):
-        compiled = orig(kernel, args, kwargs)
+    def keep(kernel, launch_args, launch_kwargs):
+        compiled = orig(kernel, launch_args, launch_kwargs)
         kept.append(compiled)
         return compiled
 
     sm90_build.compile_like_launch = keep
     try:
-        cfg = {} if config is None else dict(block=config[:2], config=(config[2], 2))
-        info = sm90_build.fwd_case(head_dim, alpha_class, causal=causal, n=default_n() if n is None else n, **cfg)
+        result = case(*args, **kwargs)
     finally:
         sm90_build.compile_like_launch = orig
+    return result, kept
+
+
+def build(head_dim: int, alpha_class: str, causal: bool, n: int | None = None, config: tuple | None = None):
+    """``(compiled, info)``: the forward of one class built as ``sm90_build.fwd_case`` builds it (bf16, no mask;
+    ``n`` keys, default ``default_n()``; ``config`` ``(block_m, block_n, num_warps)`` instead of the pinned one);
+    ``info`` is its analysis dict (regs, spills, block, warps, ...)."""
+    cfg = {} if config is None else dict(block=config[:2], config=(config[2], 2))
+    info, kept = compiled_by(sm90_build.fwd_case, head_dim, alpha_class, causal=causal,
+                             n=default_n() if n is None else n, **cfg)
     if not kept:
         raise RuntimeError("sm90_build.fwd_case compiled nothing")
     return kept[-1], info
@@ -788,6 +815,173 @@ def set_points(points: tuple) -> None:
         sm90_build.fwd.FWD_POINTS[pow_] = tuple(points)
 
 
+# ------------------------------------------------------------------------------------------------------------------
+# the backward: one tile loop per kernel
+# ------------------------------------------------------------------------------------------------------------------
+# tensor-core products per visited tile of each backward kernel, and their multiply-adds in units of
+# BLOCK_M * BLOCK_N * (BLOCK_D, BLOCK_DV) (equal head dims in these builds): dQ kernel s, dP, dQ; dK/dV kernel s^T,
+# dP^T, dV, dK (and dQ with the atomic dQ)
+BWD_PRODUCTS = {"bwd_dq": 3, "bwd_dkdv": 4, "bwd_dkdv+dq": 5}
+
+
+def build_bwd(head_dim: int, alpha_class: str, causal: bool, n: int | None = None, deterministic: bool = True):
+    """``[(compiled, info)]``: the backward's dQ and dK/dV kernels of one class built as ``sm90_build.bwd_cases``
+    builds them (bf16, no mask, no d alpha; ``n`` keys), with their tile loops: the deterministic backward's dQ
+    kernel and dK/dV kernel, or (``deterministic=False``) the dK/dV kernel with the atomic dQ."""
+    infos, kept = compiled_by(sm90_build.bwd_cases, head_dim, need_dalpha=False, mask=None, causal=causal,
+                              n=default_n() if n is None else n, kernels=("dq", "dkdv"), alpha_class=alpha_class,
+                              deterministic=deterministic)
+    return [(c, i) for c, i in zip(kept, infos) if i["kernel"] in BWD_PRODUCTS]
+
+
+def analyse_bwd(compiled, info: dict, head_dim: int) -> dict:
+    """The one tile loop of a backward kernel (a loop holding tensor-core instructions, HGMMA or HMMA, with no such
+    loop nested in it), checked to do exactly one tile's products per iteration, and the cost of its longest path
+    (``boundary``: a tile that needs the per-score mask) and of the longest path that skips the mask
+    (``interior``: a tile inside the sequence and the structural mask, ``mask_region``)."""
+    warps = compiled.metadata.num_warps
+    block_m, block_n = (int(x) for x in info["block"].split("x"))
+    ins = disassemble(compiled.asm["cubin"])
+    blocks = blocks_of(ins)
+    loops = natural_loops(blocks)
+
+    def has_mma(lp):
+        return any(ins[n].cls == "tensor" for n in _block_ins(blocks, lp.body))
+
+    tile = [lp for lp in loops if has_mma(lp) and not any(has_mma(c) for c in lp.children)]
+    if len(tile) != 1:
+        raise LoopError(f"{info['kernel']}: expected one tile loop, found {len(tile)}\n"
+                        f"{loop_tree(loops, blocks, ins)}")
+    lp = tile[0]
+    lp.role = info["kernel"]
+    paths = iteration_paths(blocks, lp, ins)
+    paths["interior"] = iteration_paths(blocks, lp, ins, avoid=mask_region(blocks, lp, ins))["live"]
+    want = BWD_PRODUCTS[info["kernel"]] * block_m * block_n * _common_head_dim_block(head_dim)
+    out = {}
+    for name, key in (("live", "boundary"), ("interior", "interior")):
+        cnt = count_path(ins, paths[name], warps)
+        if cnt["macs"] != want:
+            raise LoopError(f"{info['kernel']} @{ins[blocks[lp.header].first].addr:#x}: {cnt['macs']:.0f} tensor "
+                            f"multiply-adds per iteration, not one {block_m} x {block_n} tile's {want} "
+                            f"({BWD_PRODUCTS[info['kernel']]} products)\n{loop_tree(loops, blocks, ins)}")
+        out[key] = dict(addr=ins[blocks[lp.header].first].addr, depth=lp.depth, count=cnt, cost=cycles(cnt, warps),
+                        nested=paths["nested"])
+    return dict(ins=len(ins), warps=warps, block_m=block_m, block_n=block_n, loops=out,
+                hmma=sum(1 for i in ins if i.base == "HMMA"), tree=loop_tree(loops, blocks, ins))
+
+
+_KEEPS_WORK = ("LDG", "STG", "RED", "REDG", "ATOM", "ATOMG", "LDGSTS", "UTMALDG", "HGMMA", "HMMA", "BAR", "SYNCS")
+
+
+def mask_region(blocks: list, lp: Loop, ins: list) -> set:
+    """The blocks an interior tile skips in a backward tile loop: those the first forward branch inside the loop
+    jumps over that hold only arithmetic (the per-score mask of ``_masking.score_mod`` behind ``if inside``); empty
+    when the compiler kept no such branch. Other skippable blocks (the guards of masked atomics or stores) run on
+    every interior tile and stay on its path."""
+    for b in sorted(lp.body):
+        last = ins[blocks[b].last]
+        if last.base != "BRA" or not last.conditional or last.target is None or last.target <= last.addr:
+            continue
+        region = {x for x in lp.body if last.addr < ins[blocks[x].first].addr < last.target}
+        if region and all(ins[n].base not in _KEEPS_WORK for x in region
+                          for n in range(blocks[x].first, blocks[x].last + 1)):
+            return region
+    return set()
+
+
+def _common_head_dim_block(head_dim: int) -> int:
+    return max(16, 1 << (head_dim - 1).bit_length())
+
+
+SCORES_UNIT = 64 * 64  # the backward's costs are per 64 x 64 scores: the kernels' tiles differ
+
+
+def bwd_main(args, triton) -> int:
+    """``--bwd``: the backward's tile loops per class, head dim and causality (module docstring, "The backward")."""
+    t0 = time.time()
+    print(f"# sass_cost --bwd: triton {triton.__version__}, sm_90, bf16, n {args.n}; {rates_text()}", flush=True)
+    classes = ["softmax"] + [c for c in args.classes if c != "softmax"]
+    modes = [True] + ([False] if args.nondet else [])
+    results = []
+    for d in args.d:
+        for causal in args.causal:
+            for cls in classes:
+                for det in modes:
+                    per = {}
+                    for compiled, info in build_bwd(d, cls, causal, args.n, det):
+                        an = analyse_bwd(compiled, info, d)
+                        per[info["kernel"]] = dict(info=info, an=an)
+                        if args.keep:
+                            keep_build(args.keep, f"{info['kernel']}_{cls}_d{d}_c{int(causal)}", compiled, an)
+                        lps = an["loops"]
+                        print(f"# built d{d} {'causal' if causal else 'non-causal'} {cls} {info['kernel']}: block "
+                              f"{info['block']}, {an['warps']} warps, regs {info['regs']}, spill {info['spill']} B "
+                              f"(in loops {info['loop_ldst']}), HMMA {an['hmma']}; tile loop: "
+                              f"{lps['boundary']['count']['total']} / {lps['interior']['count']['total']} "
+                              f"instructions per warp (boundary / interior)", flush=True)
+                    results.append(dict(d=d, causal=causal, cls=cls, det=det, kernels=per))
+
+    rows = []
+    for r in results:
+        for name, k in r["kernels"].items():
+            for key, lp in k["an"]["loops"].items():
+                b = lp["cost"]["bounds"]
+                rows.append([f"d{r['d']} {'causal' if r['causal'] else 'non-causal'} {r['cls']} {name} {key}",
+                             lp["count"]["total"]] + [f"{b[x]:.0f}" for x in ("issue", "fma", "alu", "xu", "shuffle",
+                                                                               "tensor", "smem")] +
+                            [f"{lp['cost']['cycles']:.0f}", lp["cost"]["bound"]])
+    print("\n## Backward tile loops: instructions per warp and SM cycles per iteration (one tile) by resource")
+    print(table(["build / kernel / path", "instr", "issue", "fma", "alu", "xu", "shfl", "tensor", "smem", "cycles",
+                 "bound"], rows, args.markdown))
+
+    def per_unit(k, key):
+        an = k["an"]
+        return k["an"]["loops"][key]["cost"]["cycles"] * SCORES_UNIT / (an["block_m"] * an["block_n"])
+
+    rows = []
+    for r in results:
+        ks = r["kernels"]
+        total = {key: sum(per_unit(k, key) for k in ks.values()) for key in ("interior", "boundary")}
+        r["model"] = total
+        products = sum(BWD_PRODUCTS[name] for name in ks)
+        floor = products * SCORES_UNIT * _common_head_dim_block(r["d"]) / TENSOR_FMA_PER_CLK
+        soft = next(x for x in results if (x["d"], x["causal"], x["cls"], x["det"]) == (r["d"], r["causal"],
+                                                                                          "softmax", True))
+        r["ratio"] = total["interior"] / soft["model"]["interior"]
+        r["floor"] = total["interior"] / floor
+        per = " + ".join(f"{per_unit(k, 'interior'):.0f} ({per_unit(k, 'boundary'):.0f})" for k in ks.values())
+        tiles = ", ".join(f"{k['info']['block']}/{k['an']['warps']}w" for k in ks.values())
+        regs = ", ".join(f"{k['info']['regs']}/{k['info']['spill']}/{k['info']['loop_ldst']}" for k in ks.values())
+        rows.append([r["d"], "yes" if r["causal"] else "no", LABEL[r["cls"]], "yes" if r["det"] else "no (atomic dQ)",
+                     per, f"{total['interior']:.0f}", f"{r['ratio']:.2f}x", f"{products}: {floor:.0f}",
+                     f"{r['floor']:.2f}x", tiles, regs])
+    print(f"\n## Backward cycles per {SCORES_UNIT} scores (a 64 x 64 block), bf16 (triton {triton.__version__}): per "
+          f"kernel interior tile (boundary tile), their sum over interior tiles, as a ratio to the deterministic "
+          f"softmax-class backward of the same head dim and causality and to the tensor-only floor (the products "
+          f"at the tensor cores' peak)")
+    print(table(["d", "causal", "class", "deterministic", "dQ + dK/dV kernels", "total", "x softmax",
+                 "products: floor", "x floor", "tiles / warps", "regs / spill B / loop ld-st"], rows, args.markdown))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(triton=triton.__version__, n=args.n, rates=RATES, tensor_fma_per_clk=TENSOR_FMA_PER_CLK,
+                           builds=[dict(d=r["d"], causal=r["causal"], cls=r["cls"], deterministic=r["det"],
+                                        total=r["model"], ratio=r["ratio"], floor_ratio=r["floor"],
+                                        kernels={name: dict(info=k["info"], warps=k["an"]["warps"],
+                                                            loops={key: dict(instructions=lp["count"]["total"],
+                                                                             by_pipe=dict(lp["count"]["by_pipe"]),
+                                                                             tensor_macs=lp["count"]["macs"],
+                                                                             **lp["cost"])
+                                                                   for key, lp in k["an"]["loops"].items()})
+                                                 for name, k in r["kernels"].items()})
+                                   for r in results]), f, indent=1)
+    print(f"\n# {len(results)} backward builds analysed in {time.time() - t0:.0f} s")
+    for r in results:
+        print(f"sass_cost --bwd: d{r['d']} {'causal' if r['causal'] else 'non-causal'} {r['cls']}"
+              f"{'' if r['det'] else ' atomic dQ'}: {r['ratio']:.2f}x the softmax-class backward, {r['floor']:.2f}x "
+              f"the tensor-only floor")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--d", type=int, nargs="+", default=[64, 128], help="head dims (default 64 128)")
@@ -810,6 +1004,9 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true", help="softmax and 1.5-entmax, head dim 64, not causal (CI)")
     ap.add_argument("--config", type=int, nargs=3, default=None, metavar=("BLOCK_M", "BLOCK_N", "WARPS"),
                     help="build every class with these tiles and warps (2 stages) instead of the pinned config")
+    ap.add_argument("--bwd", action="store_true", help="the backward's tile loops instead of the forward's")
+    ap.add_argument("--nondet", action="store_true",
+                    help="with --bwd: also the backward with the atomic dQ (deterministic=False)")
     ap.add_argument("--points", type=points_arg, default=None, metavar="K,P",
                     help="grid points K and candidate points P for every entmax class (default: the kernel's _POINTS)")
     args = ap.parse_args(argv)
@@ -820,6 +1017,9 @@ def main(argv=None) -> int:
     classes = ["softmax"] + [c for c in args.classes if c != "softmax"]  # the ratios need the softmax build
     args.n = default_n() if args.n is None else args.n
     import triton
+
+    if args.bwd:
+        return bwd_main(args, triton)
 
     t0 = time.time()
     print(f"# sass_cost: triton {triton.__version__}, sm_90, bf16, n {args.n}; {rates_text()}" +
@@ -833,12 +1033,7 @@ def main(argv=None) -> int:
                 an = analyse_build(compiled, info, cls, d)
                 r = dict(d=d, causal=causal, cls=cls, info=info, an=an)
                 if args.keep:
-                    os.makedirs(args.keep, exist_ok=True)
-                    stem = os.path.join(args.keep, f"fwd_{cls}_d{d}_c{int(causal)}")
-                    with open(stem + ".cubin", "wb") as f:
-                        f.write(compiled.asm["cubin"])
-                    with open(stem + ".loops.txt", "w") as f:
-                        f.write(an["tree"] + "\n")
+                    keep_build(args.keep, f"fwd_{cls}_d{d}_c{int(causal)}", compiled, an)
                 results.append(r)
                 loops = ", ".join(f"{k}@{v['addr']:#x} {v['count']['total']}" + "".join(
                     f" (nested loop @{a:#x} x{n})" for a, n in v["nested"]) for k, v in an["loops"].items())

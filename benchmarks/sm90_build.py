@@ -10,7 +10,8 @@ Usage: ``python benchmarks/sm90_build.py [--d 64 128 256] [--classes ...] [--mar
 Columns: regs per thread, spill bytes (stack + local memory per thread) and spill stores (STL), the spill loads
 and stores inside a loop (``loop_ldst``: paid per iteration; those outside every loop are paid once per program), shared
 memory (dynamic, bytes), SASS instructions in total, LDGSTS (cp.async) and UTMALDG (TMA) loads, LDG (plain
-global loads), HGMMA/HMMA (tensor-core matrix instructions), MUFU (special-function unit ops: exp2, log2,
+global loads), HGMMA (Hopper's warpgroup MMA, wgmma) and HMMA (the older per-warp ``mma.sync``) tensor-core
+instructions, MUFU (special-function unit ops: exp2, log2,
 rsqrt, rcp).
 """
 
@@ -89,7 +90,7 @@ def analyse(compiled) -> dict:
                 loop_ldst=_spills_in_loops(sass),
                 smem=compiled.metadata.shared, sass=len(ops),
                 ldgsts=count("LDGSTS"), tma=count("UTMALDG"), ldg=count("LDG") - count("LDGSTS") - count("LDGDEPBAR"),
-                mma=count("HGMMA") + count("HMMA"), mufu=count("MUFU"))
+                mma=count("HGMMA") + count("HMMA"), hgmma=count("HGMMA"), hmma=count("HMMA"), mufu=count("MUFU"))
 
 
 def _spills_in_loops(sass: str) -> int:
@@ -182,13 +183,17 @@ def fwd_case(head_dim: int, alpha_class: str, causal: bool = True, dtype=torch.b
 def bwd_cases(head_dim: int, need_dalpha: bool = True, mask: str | None = "blocks", causal: bool = True,
               dtype=torch.bfloat16, n: int = N_DEFAULT, dropout: bool = False, varlen: bool = False,
               kernels=("dq", "dkdv", "dbias"), window_size=None, softcap: float | None = None, alibi: bool = False,
-              sinks: bool = False, config: tuple | None = None):
+              sinks: bool = False, config: tuple | None = None, alpha_class: str = "general",
+              deterministic: bool = True, tma: bool = True):
     """Build the backward kernels (those of ``kernels`` among ``"dq"``, ``"dkdv"``, ``"dbias"``) one launch of
-    ``entmax_attn_bwd`` starts; one analysis dict per kernel.
+    ``entmax_attn_bwd`` starts for the heads of one alpha class (``ALPHA_OF_CLASS``); one analysis dict per kernel.
 
     ``mask``: None, ``"bool"``, or the float-mask gradient mode: ``"dense"`` ``(B, H, N, N)``, ``"rows"``
     ``(B, H, N, 1)``, ``"cols"`` ``(B, 1, 1, N)``, ``"blocks"`` ``(1, H, N, N)``. ``config``: ``(num_warps,
-    num_stages)`` for every kernel built instead of its pinned one (an autotune candidate).
+    num_stages)`` for every kernel built instead of its pinned one (an autotune candidate). ``deterministic=False``:
+    the backward that adds dQ with atomics in the dK/dV kernel. ``tma``: the launch an sm_90 GPU gets, whose loops
+    stream their tiles with TMA descriptors (the launcher's ``_tma_device``, which says no for CPU tensors); False:
+    the pointer loads of other devices.
     """
     from sparse_attn.kernels import entmax_attn_bwd as bwd
 
@@ -207,46 +212,68 @@ def bwd_cases(head_dim: int, need_dalpha: bool = True, mask: str | None = "block
     caps = {name: _Capture(kernel) for name, kernel in tuned.items()}
     for name, cap in caps.items():
         setattr(bwd, f"_entmax_attn_bwd_{name}_autotuned", cap)
+    tma_device = getattr(bwd, "_tma_device", None)
+    if tma_device is not None:
+        bwd._tma_device = lambda device: tma
     try:
         bwd.entmax_attn_bwd(torch.empty_like(q), q, k, v, torch.empty_like(q), stats, stats,
-                            torch.full((heads,), 1.25), head_dim ** -0.5, bias=bias, is_causal=causal,
-                            cu_seqlens_q=cu, cu_seqlens_k=cu, dropout_p=0.1 if dropout else 0.0, live=live,
-                            block_m=block_m, block_n=block_n, need_dalpha=need_dalpha,
+                            torch.full((heads,), ALPHA_OF_CLASS[alpha_class]), head_dim ** -0.5, bias=bias,
+                            is_causal=causal, cu_seqlens_q=cu, cu_seqlens_k=cu, dropout_p=0.1 if dropout else 0.0,
+                            live=live, block_m=block_m, block_n=block_n, need_dalpha=need_dalpha,
                             need_dbias=mask not in (None, "bool"), out_u=torch.empty_like(q), window_size=window_size,
                             softcap=softcap, alibi_slopes=torch.empty(heads, dtype=torch.float32) if alibi else None,
-                            **({"sinks": torch.zeros(heads, dtype=torch.float32)} if sinks else {}))
+                            **({"sinks": torch.zeros(heads, dtype=torch.float32)} if sinks else {}),
+                            **({} if deterministic else {"deterministic": False}))
     finally:
         for name, kernel in tuned.items():
             setattr(bwd, f"_entmax_attn_bwd_{name}_autotuned", kernel)
-    pinned = bwd._pick_config(head_dim, False)
+        if tma_device is not None:
+            bwd._tma_device = tma_device
     out = []
     for name, cap in caps.items():
         for _, args, kwargs in cap.launches if name in kernels else []:
-            _, warps, stages = pinned[name] if config is None else (None, *config)
+            warps, stages = _pinned_launch_config(bwd, name, kwargs) if config is None else config
             kwargs = {**kwargs, "num_warps": warps, "num_stages": stages}
             info = analyse(compile_like_launch(getattr(bwd, f"_entmax_attn_bwd_{name}_kernel"), args, kwargs))
-            info.update(kernel=f"bwd_{name}", d=head_dim,
-                        alpha=f"dalpha={int(need_dalpha)} mask={mask}",
+            # the dQ kernel's delta / d alpha launches (PHASE 1, 2) and the dK/dV kernel with the atomic dQ
+            suffix = f"_phase{kwargs['PHASE']}" if kwargs.get("PHASE") else "+dq" if kwargs.get("NEED_DQ") else ""
+            info.update(kernel=f"bwd_{name}{suffix}", d=head_dim,
+                        alpha=f"{alpha_class} dalpha={int(need_dalpha)} mask={mask}",
                         block=f"{kwargs['BLOCK_M']}x{kwargs['BLOCK_N']}", warps=kwargs.get("num_warps", 4),
                         stages=kwargs.get("num_stages", 3))
             out.append(info)
     return out
 
 
-# (need_dalpha, mask, kernels) of ``--bwd``: each distinct backward build once (the dK/dV and dbias kernels do not
-# depend on d alpha): without and with d alpha and with each way the mask gradient is accumulated (d bias tiles
-# written by the dQ kernel, column sums in the dK/dV kernel, the dbias kernel for batch/head-broadcast masks)
+def _pinned_launch_config(bwd, name: str, kwargs: dict) -> tuple:
+    """``(num_warps, num_stages)`` the backward launcher pins for a launch of kernel ``name`` with these arguments
+    (by the launch's arguments; a launcher before the per-variant pins took the head dim)."""
+    pinned = bwd._pinned(name)
+    try:
+        return pinned(kwargs)
+    except TypeError:
+        return pinned(kwargs["HEAD_DIM"])
+
+
+# (need_dalpha, mask, kernels, deterministic) of ``--bwd``: each distinct backward build once (the dK/dV and dbias
+# kernels do not depend on d alpha in the deterministic backward): without and with d alpha and with each way the mask
+# gradient is accumulated (d bias tiles written by the dQ kernel, column sums in the dK/dV kernel, the dbias kernel for
+# batch/head-broadcast masks); then the dK/dV kernel of the atomic dQ (``deterministic=False``), alone, with the d
+# alpha row sums, and with those and the dense dS tiles it then stores
 BWD_MATRIX = (
-    (False, None, ("dq", "dkdv")),
-    (True, None, ("dq",)),
-    (False, "dense", ("dq",)),
-    (True, "dense", ("dq",)),
-    (False, "cols", ("dkdv",)),
-    (False, "blocks", ("dbias",)),
+    (False, None, ("dq", "dkdv"), True),
+    (True, None, ("dq",), True),
+    (False, "dense", ("dq",), True),
+    (True, "dense", ("dq",), True),
+    (False, "cols", ("dkdv",), True),
+    (False, "blocks", ("dbias",), True),
+    (False, None, ("dkdv",), False),
+    (True, None, ("dkdv",), False),
+    (True, "dense", ("dkdv",), False),
 )
 
 COLUMNS = ("kernel", "d", "alpha", "block", "warps", "stages", "regs", "spill", "stl", "loop_ldst", "smem", "sass",
-           "ldgsts", "tma", "ldg", "mma", "mufu")
+           "ldgsts", "tma", "ldg", "hgmma", "hmma", "mufu")
 
 
 def candidates(head_dims, classes, n: int = N_DEFAULT):
@@ -267,8 +294,10 @@ def candidates(head_dims, classes, n: int = N_DEFAULT):
                 info = fwd_case(d, cls, causal=False, need_out_u=True, n=n, config=(cfg.num_warps, cfg.num_stages))
                 yield dict(info, pinned=(cfg.num_warps, cfg.num_stages) == (warps, stages))
         for name in ("dq", "dkdv"):
-            pinned = bwd._pick_config(d, False)[name][1:]
-            for cfg in tried(bwd._pinned(name), d):
+            pinned = bwd._pick_config(d, False, True)[name][-2:]
+            kept = _common.prune_to_pinned(bwd._pinned(name), by_args=True)(
+                _common.launch_configs(), {"HEAD_DIM": d, "NEED_DALPHA": True})
+            for cfg in kept:
                 for info in bwd_cases(d, need_dalpha=True, mask=None, causal=False, n=n, kernels=(name,),
                                       config=(cfg.num_warps, cfg.num_stages)):
                     yield dict(info, alpha="general", pinned=(cfg.num_warps, cfg.num_stages) == pinned)
@@ -296,7 +325,9 @@ def main(argv=None):
     ap.add_argument("--d", type=int, nargs="+", default=[64, 128, 256])
     ap.add_argument("--classes", nargs="+", default=list(ALPHA_OF_CLASS))
     ap.add_argument("--bwd", action="store_true",
-                    help="also the backward kernels (BWD_MATRIX: with and without d alpha and d bias)")
+                    help="also the backward kernels of every class (BWD_MATRIX: with and without d alpha and d bias)")
+    ap.add_argument("--no-fwd", action="store_true", help="skip the forward builds (with --bwd: the backward only)")
+    ap.add_argument("--no-tma", action="store_true", help="the backward's pointer loads instead of TMA descriptors")
     ap.add_argument("--out-u", action="store_true", help="also the training forward (need_out_u) of every class")
     ap.add_argument("--candidates", action="store_true",
                     help="every config the autotuners may try (training forward per class, general-alpha backward)")
@@ -326,13 +357,14 @@ def main(argv=None):
         print("| " + " | ".join(COLUMNS) + " |")
         print("|" + "---|" * len(COLUMNS))
     for d in args.d:
-        for cls in args.classes:
+        for cls in [] if args.no_fwd else args.classes:
             show(fwd_case(d, cls, n=args.n))
             if args.out_u:
                 show(fwd_case(d, cls, need_out_u=True, n=args.n))
-        if args.bwd:
-            for need_dalpha, mask, kernels in BWD_MATRIX:
-                for info in bwd_cases(d, need_dalpha=need_dalpha, mask=mask, kernels=kernels, n=args.n):
+        for cls in args.classes if args.bwd else []:
+            for need_dalpha, mask, kernels, deterministic in BWD_MATRIX:
+                for info in bwd_cases(d, need_dalpha=need_dalpha, mask=mask, kernels=kernels, n=args.n,
+                                      alpha_class=cls, deterministic=deterministic, tma=not args.no_tma):
                     show(info)
     return 0
 

@@ -9,6 +9,12 @@ computes the backward's ``out_u``, like the ``fwd`` rows of ``bench_attention.py
 are at most the forward's ``block_m`` (its own warps and stages stay autotuned). Each timed output (``out``, or
 ``dq``) is compared with the pinned config's: a relative difference above ``DIFF_TOL`` gives status ``mismatch``.
 
+``--modes bwd,bwd-atomic`` sweeps the backward's configs instead: ``entmax_attn_bwd`` timed alone (``bwd-atomic``:
+``deterministic=False``, the atomic dQ) after one forward at its pinned config; the pinned backward first, then
+candidates (``BWD_CANDIDATES`` or ``--bwd-configs dq:128x64w8s3,dkdv:32x128w8s2``) that each replace one kernel's
+pinned config (``entmax_attn_bwd(..., tiles=)``, launched with exactly its warps and stages). The outputs compared
+are dQ, dK, dV together. A winner becomes a change of ``entmax_attn_bwd._pick_config``.
+
 Writes into ``--out`` (default ``benchmarks/results/<gpu-name>/tune/``): ``tune.csv`` (one row per case, config
 and mode, stamped like ``results.csv``) and ``tune.md`` (the stamp, every config against the pinned one per head
 dim and dtype over all cases, the best config per case as "pinned ms -> best ms", then every row). Statuses:
@@ -41,7 +47,10 @@ from sparse_attn.kernels import entmax_attn_bwd as bwd  # noqa: E402
 from sparse_attn.kernels import entmax_attn_fwd as fwd  # noqa: E402
 
 CLASS_ALPHA = {"entmax15": 1.5, "softmax": 1.0, "sparsemax": 2.0, "general": 1.25, "mixed": None}
-MODES = ("fwd", "fwd+bwd")
+# fwd, fwd+bwd: the forward's configs; bwd, bwd-atomic: the backward's (deterministic, and with the atomic dQ), timed
+# alone after one forward at its pinned config
+MODES = ("fwd", "fwd+bwd", "bwd", "bwd-atomic")
+BWD_MODES = ("bwd", "bwd-atomic")
 OUT_OF_RESOURCES, COMPILE_ERROR, MISMATCH = "out of resources", "compile error", "mismatch"
 # largest relative difference (max |x - x_pinned| / max |x_pinned|) from the pinned config's output still "ok":
 # tiles change the summation order and the threshold search's schedule, not the result beyond rounding
@@ -55,7 +64,20 @@ CANDIDATES = {
     256: ((64, 32, 4, 2), (64, 32, 8, 3), (32, 32, 4, 2), (64, 64, 8, 2)),
 }
 SMOKE_CANDIDATES = ((64, 64, 4, 1),)
+# backward candidates by padded head dim: (kernel, block_m, block_n, num_warps, num_stages), each replacing one
+# kernel's pinned config (entmax_attn_bwd(..., tiles=)); query rows or keys a multiple of 64 per warpgroup keep every
+# product on Hopper's warpgroup MMA; the offline sm_90 builds of these spill at most outside the loops for some classes
+# (docs/backward.md): the timings decide
+BWD_CANDIDATES = {
+    64: (("dq", 128, 64, 8, 3), ("dq", 64, 64, 4, 2), ("dq", 128, 128, 8, 2), ("dkdv", 32, 128, 8, 3),
+         ("dkdv", 64, 128, 8, 2), ("dkdv", 64, 64, 4, 2)),
+    128: (("dq", 128, 64, 8, 3), ("dq", 64, 64, 4, 2), ("dq", 128, 32, 8, 2), ("dkdv", 32, 128, 8, 3),
+          ("dkdv", 16, 128, 8, 2), ("dkdv", 32, 64, 4, 2)),
+    256: (("dq", 64, 16, 4, 2), ("dq", 64, 32, 8, 2), ("dkdv", 16, 32, 4, 2), ("dkdv", 32, 32, 8, 2)),
+}
+SMOKE_BWD_CANDIDATES = (("dq", 32, 16, 4, 1), ("dkdv", 16, 32, 4, 1))
 AUTOTUNE = "autotune"
+PINNED_BWD = "pinned backward"
 
 TUNE_COLUMNS = (
     "head_dim", "dtype", "alpha_class", "causal", "batch", "heads", "seq", "mode", "config", "block_m", "block_n",
@@ -84,6 +106,44 @@ class Config(NamedTuple):
 
     def launch_kwargs(self) -> dict:
         return {} if self.block_m is None else self._asdict()
+
+
+class BwdConfig(NamedTuple):
+    """A launch config ``tiles`` of one backward kernel (``"dq"``, ``"dkdv"``, ``"dbias"``), replacing its pinned
+    one; ``kernel is None``: the pinned backward (its warps and stages autotuned on a GPU)."""
+
+    kernel: str | None
+    tiles: Config
+
+    block_m = property(lambda self: self.tiles.block_m)
+    block_n = property(lambda self: self.tiles.block_n)
+    num_warps = property(lambda self: self.tiles.num_warps)
+    num_stages = property(lambda self: self.tiles.num_stages)
+
+    @property
+    def label(self) -> str:
+        return PINNED_BWD if self.kernel is None else f"{self.kernel} {self.tiles.label}"
+
+    def launch_tiles(self) -> dict | None:
+        """``entmax_attn_bwd``'s ``tiles``."""
+        return None if self.kernel is None else {self.kernel: tuple(self.tiles)}
+
+
+def parse_bwd_config(text: str) -> BwdConfig:
+    """``"dkdv:32x128w8s2"`` -> ``BwdConfig("dkdv", 32, 128, 8, 2)``; ``ValueError`` naming the text otherwise."""
+    m = re.fullmatch(r"(dq|dkdv|dbias):(\d+)x(\d+)\s*w(\d+)\s*s(\d+)", text.strip())
+    if m is None:
+        raise ValueError(f"--bwd-configs: expected entries like dkdv:32x128w8s2 (kernel: block_m x block_n, warps, "
+                         f"stages), got {text!r}")
+    return BwdConfig(m.group(1), Config(*map(int, m.groups()[1:])))
+
+
+def bwd_candidate_configs(head_dim: int, extra: list[BwdConfig] | None, smoke: bool) -> list[BwdConfig]:
+    """The pinned backward first, then one kernel's config replaced at a time (``extra`` replaces the table)."""
+    if extra is None:
+        table = SMOKE_BWD_CANDIDATES if smoke else BWD_CANDIDATES[min(256, max(64, _common.head_dim_block(head_dim)))]
+        extra = [BwdConfig(c[0], Config(*c[1:])) for c in table]
+    return list(dict.fromkeys([BwdConfig(None, Config(None, None, None, None))] + list(extra)))
 
 
 def parse_config(text: str) -> Config:
@@ -143,8 +203,12 @@ def fwd_kwargs(problem: Problem, alpha_class: str, causal: bool, config: Config)
                 is_causal=causal, alpha_class=alpha_class, need_out_u=True, **config.launch_kwargs())
 
 
-def timed_call(problem: Problem, alpha_class: str, causal: bool, config: Config, mode: str):
-    """A zero-argument call of the fused forward (returns ``out``) or forward + backward (returns ``dq``)."""
+def timed_call(problem: Problem, alpha_class: str, causal: bool, config, mode: str):
+    """A zero-argument call of the fused forward (returns ``out``), forward + backward (returns ``dq``) or, for a
+    backward config, the backward alone after one untimed forward at the pinned config (returns ``dq, dk, dv``
+    flattened into one tensor)."""
+    if mode in BWD_MODES:
+        return timed_bwd_call(problem, alpha_class, causal, config, mode)
     kwargs = fwd_kwargs(problem, alpha_class, causal, config)
 
     def call():
@@ -155,6 +219,21 @@ def timed_call(problem: Problem, alpha_class: str, causal: bool, config: Config,
                                    kwargs["alpha"], problem.scale, is_causal=causal, live=res.live,
                                    block_m=res.block_m, block_n=res.block_n, out_u=res.out_u, tau_lo=res.tau_lo,
                                    alpha_class=alpha_class)[0]
+    return call
+
+
+def timed_bwd_call(problem: Problem, alpha_class: str, causal: bool, config: BwdConfig, mode: str):
+    """``timed_call`` of a backward config (``bwd``: deterministic; ``bwd-atomic``: ``deterministic=False``)."""
+    kwargs = fwd_kwargs(problem, alpha_class, causal, Config(None, None, None, None))
+    res = fwd.entmax_attn_fwd(**kwargs)
+
+    def call():
+        grads = bwd.entmax_attn_bwd(problem.dout, problem.q, problem.k, problem.v, res.out, res.tau, res.lsum,
+                                    kwargs["alpha"], problem.scale, is_causal=causal, live=res.live,
+                                    block_m=res.block_m, block_n=res.block_n, out_u=res.out_u,
+                                    alpha_class=alpha_class, deterministic=mode == "bwd",
+                                    tiles=config.launch_tiles())
+        return torch.cat([g.flatten() for g in grads[:3]])
     return call
 
 
@@ -228,10 +307,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--seqs", default=None, help="comma list of sequence lengths (default 8192)")
     p.add_argument("--tokens", type=int, default=None, help="batch * seq (default 16384)")
     p.add_argument("--hidden", type=int, default=None, help="heads * head_dim (default 2048)")
-    p.add_argument("--modes", default=None, help="comma list of fwd, fwd+bwd (default fwd; both with --smoke)")
+    p.add_argument("--modes", default=None,
+                   help="comma list of fwd, fwd+bwd (the forward's configs) or of bwd, bwd-atomic (the backward's "
+                        "configs, deterministic and with the atomic dQ); default fwd; fwd,fwd+bwd with --smoke")
     p.add_argument("--configs", default=None,
                    help="candidates replacing the built-in table, e.g. 128x64w8s2,64x64w4s3 (the pinned config is "
                         "always tried first)")
+    p.add_argument("--bwd-configs", default=None,
+                   help="backward candidates replacing the built-in table (bwd modes), e.g. dq:128x64w8s3,"
+                        "dkdv:32x128w8s2 (the pinned backward is always tried first)")
     p.add_argument("--warmup-ms", type=float, default=10.0, help="do_bench warm-up in ms (default 10)")
     p.add_argument("--rep-ms", type=float, default=50.0, help="do_bench measuring time in ms (default 50)")
     p.add_argument("--budget-s", type=float, default=None,
@@ -256,8 +340,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     bad = [d for d in args.head_dims if not 16 <= d <= 256]
     if bad:
         p.error(f"--head-dims takes head dims in [16, 256]; got {bad}")
+    if any(m in BWD_MODES for m in args.modes) and not all(m in BWD_MODES for m in args.modes):
+        p.error(f"--modes: {', '.join(BWD_MODES)} sweep the backward's configs, the others the forward's: one kind "
+                f"per run; got {args.modes}")
     try:
         args.configs = None if args.configs is None else [parse_config(c) for c in args.configs.split(",") if c]
+        args.bwd_configs = (None if args.bwd_configs is None
+                            else [parse_bwd_config(c) for c in args.bwd_configs.split(",") if c])
     except ValueError as exc:
         p.error(str(exc))
     return args
@@ -294,8 +383,16 @@ def run(argv: list[str] | None = None) -> Path:
             notes.append(f"incomplete: time budget of {args.budget_s:g} s reached; rows left are 'skipped'")
         return state["budget_hit"]
 
+    sweep_bwd = args.modes[0] in BWD_MODES
+    if sweep_bwd:
+        notes.append("bwd modes: entmax_attn_bwd alone (bwd-atomic: deterministic=False) after one forward at its "
+                     "pinned config; each config replaces one backward kernel's pinned config "
+                     "(entmax_attn_bwd(..., tiles=)), launched with exactly its warps and stages")
     for head_dim in args.head_dims:
-        configs = candidate_configs(head_dim, args.configs, args.smoke)
+        if sweep_bwd:
+            configs = bwd_candidate_configs(head_dim, args.bwd_configs, args.smoke)
+        else:
+            configs = candidate_configs(head_dim, args.configs, args.smoke)
         for dtype in args.dtypes:
             problems: dict[int, Problem] = {}
             for alpha_class in args.classes:
@@ -335,7 +432,8 @@ def sweep_case(args, device, timing, head_dim, dtype, alpha_class, causal, confi
             if seq not in problems:
                 problems[seq] = make_problem(case, device)
             problem = problems[seq]
-            resources = fwd_resources(fwd_kwargs(problem, alpha_class, causal, config))
+            bwd_config = isinstance(config, BwdConfig)
+            resources = {} if bwd_config else fwd_resources(fwd_kwargs(problem, alpha_class, causal, config))
             for row in todo:
                 mode = row["mode"]
                 call = timed_call(problem, alpha_class, causal, config, mode)
@@ -343,9 +441,9 @@ def sweep_case(args, device, timing, head_dim, dtype, alpha_class, causal, confi
                 if result["status"] == OK:
                     result.update(check_against_pinned(call, refs, (seq, mode), problem, alpha_class, causal, pinned,
                                                        mode, dtype))
-                    result["tflops"] = dense_flops(case.batch, case.heads, seq, seq, head_dim, causal, mode) / (
-                        result["ms"] * 1e-3) / 1e12
-                    if config.block_m is None:
+                    result["tflops"] = dense_flops(case.batch, case.heads, seq, seq, head_dim, causal,
+                                                   "bwd" if bwd_config else mode) / (result["ms"] * 1e-3) / 1e12
+                    if config.block_m is None and not bwd_config:
                         picked = getattr(fwd._entmax_attn_fwd_autotuned, "best_config", None)
                         if picked is not None:
                             result["note"] = f"autotune picked w{picked.num_warps} s{picked.num_stages}"
@@ -459,7 +557,7 @@ def winners(rows: list[dict]) -> list[dict]:
 
 def write_markdown(path: Path, stamp: dict, notes: list[str], rows: list[dict]):
     """``tune.md``: stamp, configs against the pinned one per head dim and dtype, winners per case, every row."""
-    lines = ["# Launch-config tuning of the fused forward (benchmarks/tune_tiles.py)", "", *stamp_lines(stamp, notes),
+    lines = ["# Launch-config tuning of the fused kernels (benchmarks/tune_tiles.py)", "", *stamp_lines(stamp, notes),
              "", "## Configs against the pinned one (speedup = pinned ms / ms; geomean and worst over the cases)", "",
              "A config to pin must be `ok` in every case (the pinned tiles are per head dim, for every alpha class).",
              ""]

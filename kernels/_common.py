@@ -225,12 +225,14 @@ def launch_configs():
     return [triton.Config({}, num_warps=w, num_stages=s) for w in (4, 8) for s in (1, 2, 3)]
 
 
-def prune_to_pinned(pinned):
-    """``early_config_prune`` for ``launch_configs()``: ``pinned(head_dim) -> (num_warps, num_stages)`` of a launch
-    first, then one more pipeline stage, then the other warp count (measured alternatives: docs/kernels.md)."""
+def prune_to_pinned(pinned, by_args: bool = False):
+    """``early_config_prune`` for ``launch_configs()``: ``pinned(head_dim) -> (num_warps, num_stages)`` (with
+    ``by_args``: ``pinned(args)``, the launch's arguments by name) of a launch first, then one more pipeline stage,
+    then the other warp count (measured alternatives: docs/kernels.md)."""
 
     def prune(configs, named_args, **kwargs):
-        warps, stages = pinned({**named_args, **kwargs}["HEAD_DIM"])
+        args = {**named_args, **kwargs}
+        warps, stages = pinned(args if by_args else args["HEAD_DIM"])
         keep = [(warps, stages), (warps, stages + 1), ({4: 8, 8: 4}[warps], stages)]
         return [c for w_s in keep for c in configs if (c.num_warps, c.num_stages) == w_s]
     return prune

@@ -295,6 +295,25 @@ def mask_scores(s, rows, cols, seqlen_q, seqlen_k, mods, bias_scale, MASK, BIAS_
 
 
 @triton.jit
+def tile_inside(row_lo, col_lo, seqlen_q, seqlen_k, MASK, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """True when :func:`visible` keeps every pair of the tile of rows ``row_lo ..`` (``BLOCK_M``) and keys
+    ``col_lo ..`` (``BLOCK_N``): all of them in the sequence and inside the structural mask. A kernel may then skip
+    the per-score check of :func:`mask_scores` when no other modification (a mask, ALiBi, a per-score block check)
+    needs one: the check is paid on boundary tiles only."""
+    row_hi = row_lo + BLOCK_M - 1
+    col_hi = col_lo + BLOCK_N - 1
+    shift = seqlen_k - seqlen_q
+    ok = (row_hi < seqlen_q) & (col_hi < seqlen_k)
+    if MASK[0]:
+        ok = ok & (col_hi - row_lo - shift <= 0)
+    if MASK[2]:
+        ok = ok & (col_hi - row_lo - shift <= MASK[4])
+    if MASK[1]:
+        ok = ok & (col_lo - row_hi - shift >= -MASK[3])
+    return ok
+
+
+@triton.jit
 def key_range(row_lo, row_hi, seqlen_q, seqlen_k, MASK):
     """``(k_lo, k_hi)``: rows ``row_lo .. row_hi`` (inclusive, in the sequence) may see keys ``[k_lo, k_hi)`` only
     (``k_hi`` may be ``<= k_lo``: no key). The split-K decode kernels take their key range from it directly."""

@@ -69,6 +69,9 @@ class AttnSpec:
                    is hidden from row ``i`` when block ``(i // bq, j // bk)`` is False (sequence-local with varlen).
     block_size:    ``(bq, bk)`` of ``block_mask`` (None without one).
     num_splits:    decode only: key-range splits per (batch entry, kv head), or None (the launcher's choice).
+    deterministic: True (default): every gradient bitwise reproducible. False lets the fused backward add dQ with
+                   atomics (fewer tensor-core products, results reproducible to float32 rounding only); the other
+                   routes are deterministic either way.
     """
 
     q: Tensor
@@ -98,6 +101,7 @@ class AttnSpec:
     num_splits: int | None = None
     block_mask: Tensor | None = None
     block_size: tuple[int, int] | None = None
+    deterministic: bool = True
 
     def used(self) -> frozenset:
         """The variants this call uses (names of :data:`sparse_attn.routes.VARIANTS`); the routers refuse what a

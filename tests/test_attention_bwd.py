@@ -507,13 +507,79 @@ def test_bf16_delta_from_float32_out_u(data_seed, scale, kernel_device):
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_gpu_pinned_tiles(head_dim, kernel_device):
-    """Forward and backward at the tiles the GPU pins for this head dim (``_pick_config(head_dim, False)``: the
-    forward's query and key tiles, which fix the bitmap and the backward's key tiles), with partial tiles at both ends,
-    causal, per-head alpha in three classes: the gradients match float64 as at the interpreter's 32 x 32 tiles."""
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_gpu_pinned_tiles(head_dim, deterministic, kernel_device, monkeypatch):
+    """Forward and backward at the tiles the GPU pins for this head dim (the forward's ``_pick_config(head_dim,
+    False)``, which fix the bitmap, and the backward kernels' own, ``entmax_attn_bwd._pick_config``: 64 to 128 query
+    rows or keys, the dK/dV products by keys or, above head dim 128, by rows), with partial tiles at both ends, causal,
+    per-head alpha in three classes, with the atomic dQ too: the gradients match float64 as at the interpreter's
+    tiles."""
+    from sparse_attn.kernels import entmax_attn_bwd as bwd
     from sparse_attn.kernels.entmax_attn_fwd import _pick_config
 
+    gpu_tiles = bwd._pick_config
+    monkeypatch.setattr(bwd, "_pick_config", lambda d, interpret, *flags: gpu_tiles(d, False, *flags))
     block_m, block_n, _, _ = _pick_config(head_dim, False)
     case = Case(device=kernel_device, B=1, Hq=3, Hk=1, Nq=block_m + 7, Nk=2 * block_n + 5, D=head_dim,
                 alpha=[1.5, 1.25, 2.0], causal=True)
-    case.check(case.run_after_forward(fwd_kw=dict(block_m=block_m, block_n=block_n)))
+    case.check(case.run_after_forward(fwd_kw=dict(block_m=block_m, block_n=block_n), deterministic=deterministic))
+
+
+@pytest.mark.parametrize("kw, mask_shape", [
+    # GQA with heads of every class in a group, causal, a dense float mask with its gradient (dS stored by dK/dV)
+    (dict(B=2, Hq=4, Hk=2, Nq=33, Nk=50, alpha=[1.0, 1.3, 1.5, 2.0], causal=True), (2, 4, 33, 50)),
+    # varlen, cross lengths, a mask broadcast over queries (column sums) and dropout
+    (dict(Hq=2, Hk=1, alpha=[1.5, 1.2], cu_q=[0, 5, 5, 27, 36, 40], cu_k=[0, 9, 12, 28, 37, 37], causal=True,
+          dropout_p=0.2, seed=5), (1, 1, 1, 37)),
+    # a mask broadcast over keys (row sums of dS, added with atomics) and over heads (the d bias kernel)
+    (dict(B=2, Hq=2, Hk=2, Nq=37, Nk=45, alpha=2.0), (2, 2, 37, 1)),
+    (dict(B=2, Hq=2, Hk=1, Nq=37, Nk=45, alpha=[1.01, 1.75]), (1, 1, 37, 45)),
+])
+def test_atomic_dq_matches_reference(kw, mask_shape, kernel_device):
+    """``deterministic=False``: the dK/dV kernel adds dQ and the d alpha row sums with atomics (five products per
+    tile). Every gradient matches float64 within the deterministic backward's tolerance; dK and dV are computed as in
+    the deterministic backward, dQ and d alpha agree with it to float32 rounding."""
+    mask = torch.randn(*mask_shape, generator=torch.Generator().manual_seed(8))
+    case = Case(device=kernel_device, mask=mask, mask_grad=True, **kw)
+    det = case.run(block_m=16, block_n=16, need_dbias=True)
+    res = case.run(block_m=16, block_n=16, need_dbias=True, deterministic=False)
+    names = ("dq", "dk", "dv", "dalpha") + (("dbias",) if mask_shape[-1] > 1 else ())
+    case.check(res, names=names)
+    assert res[4].shape == mask_shape
+    for name, a, b in zip(("dq", "dk", "dv", "dalpha", "dbias"), det, res):
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        if kernel_device == "cpu" and name in ("dk", "dv"):
+            assert torch.equal(a, b), name  # the interpreter runs the same products in the same order
+
+
+def test_atomic_dq_after_fused_forward_half_precision(kernel_device):
+    """The atomic dQ from the fused forward's bitmap (fp16, GQA, one alpha class per launch and mixed classes)."""
+    case = Case(device=kernel_device, alpha=[1.0, 1.5], dtype=torch.float16, causal=True, Nq=45, Nk=40, Hk=1)
+    res = case.run_after_forward(deterministic=False)
+    assert all(t.dtype == torch.float16 for t in res[:3])
+    case.check(res)
+    case.check(case.run_after_forward(deterministic=False, alpha_class="mixed"))
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_tma_descriptor_loads_match_pointer_loads(deterministic, kernel_device, monkeypatch):
+    """The loops' K / V and Q / dO tiles through TMA tensor descriptors (on a GPU from sm_90 when the layout allows;
+    forced here) give the gradients of the masked pointer loads: zeros past each packed sequence's end and past the
+    head dim (24 of a 32-wide block), GQA, causal, a head-broadcast mask (the d bias kernel's loop too). Every kernel
+    takes the descriptors here (``_TMA_KERNELS`` limits them to the dQ kernel on a GPU)."""
+    from sparse_attn.kernels import entmax_attn_bwd as bwd
+
+    monkeypatch.setattr(bwd, "_TMA_KERNELS", ("dq", "dkdv", "dbias"))
+
+    mask = torch.randn(1, 1, 40, 37, generator=torch.Generator().manual_seed(6))
+    case = Case(device=kernel_device, Hq=2, Hk=1, D=24, alpha=[1.5, 1.0], cu_q=[0, 5, 5, 27, 36, 40],
+                cu_k=[0, 9, 12, 28, 37, 37], causal=True, mask=mask, mask_grad=True)
+    monkeypatch.setattr(bwd, "_tma_device", lambda device: False)
+    plain = case.run(block_m=16, block_n=16, need_dbias=True, deterministic=deterministic)
+    monkeypatch.setattr(bwd, "_tma_device", lambda device: True)
+    assert all(bwd._tma_rows(t) for t in (case.q, case.k, case.v, case.do))
+    tma = case.run(block_m=16, block_n=16, need_dbias=True, deterministic=deterministic)
+    case.check(tma, names=("dq", "dk", "dv", "dalpha", "dbias"))
+    if kernel_device == "cpu":  # the same loads: bitwise the same gradients (a GPU build may schedule them apart)
+        for name, a, b in zip(("dq", "dk", "dv", "dalpha", "dbias"), plain, tma):
+            assert torch.equal(a, b), name

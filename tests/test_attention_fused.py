@@ -598,6 +598,41 @@ def test_fused_sinks_forward_and_backward(name, kernel_device):
         _close(g, g64, REL_TOL["dalpha" if gname == "dalpha" else "grad"], gname)
 
 
+ATOMIC_CASES = {
+    "mixed_gqa_causal_mask_sinks": dict(hk=2, nk=33, is_causal=True, mask=True, sinks=True, enable_gqa=True),
+    "entmax15_window_cross": dict(hk=4, nk=45, window_size=(6, 3)),
+}
+
+
+@pytest.mark.parametrize("name", list(ATOMIC_CASES))
+def test_fused_atomic_dq_matches_reference(name, kernel_device, monkeypatch):
+    """``deterministic=False`` through the public call and autograd: the dK/dV kernel adds dQ and the d alpha row sums
+    with atomics; every gradient (q, k, v, alpha, mask, sinks) matches the float64 reference as the deterministic
+    backward's do."""
+    import sparse_attn.attn._attn_autograd as autograd_mod
+
+    asked = []
+    real = autograd_mod.entmax_attn_bwd
+    monkeypatch.setattr(autograd_mod, "entmax_attn_bwd", lambda *a, **kw: asked.append(kw["deterministic"]) or
+                        real(*a, **kw))
+    c = dict(ATOMIC_CASES[name])
+    gen = torch.Generator().manual_seed(len(name) + 90)
+    nq, nk, hk = 33, c.pop("nk"), c.pop("hk")
+    q, k, v = _leaves([(2, 4, nq, 16), (2, hk, nk, 16), (2, hk, nk, 16)], gen, kernel_device)
+    with_sinks, with_mask = c.pop("sinks", False), c.pop("mask", False)
+    alpha = torch.tensor([1.0, 1.3, 1.5, 2.0] if with_sinks else [1.5] * 4, device=kernel_device, requires_grad=True)
+    sinks = torch.tensor([0.5, -1.0, 2.0, 1.0], device=kernel_device, requires_grad=True) if with_sinks else None
+    mask = (0.5 * torch.randn(1, 4, nq, nk, generator=gen)).to(kernel_device).requires_grad_() if with_mask else None
+    out, out64, grads, grads64 = _run_both(q, k, v, alpha, mask=mask, sinks=sinks, deterministic=False, **c)
+    assert asked == [False]
+    names = ["dq", "dk", "dv", "dalpha"] + (["dbias"] if mask is not None else []) + (["dsinks"] if sinks is not None
+                                                                                      else [])
+    _close(out, out64, REL_TOL["out"], "out")
+    for g, g64, gname in zip(grads, grads64, names, strict=True):
+        assert torch.isfinite(g).all(), gname
+        _close(g, g64, REL_TOL["dalpha" if gname == "dalpha" else "grad"], gname)
+
+
 def test_fused_sinks_minus_inf_is_off_and_nan_poisons_its_head(kernel_device):
     """A -inf sink equals no sink (output and gradients); a NaN / +inf sink makes its head's rows NaN only."""
     gen = torch.Generator().manual_seed(72)

@@ -231,7 +231,7 @@ def test_autotuners_try_the_pinned_config_first(head_dim):
     from sparse_attn.kernels import entmax_attn_fwd as fwd
 
     pinned = {"fwd": fwd._pick_config(head_dim, False)[2:],
-              **{name: bwd._pick_config(head_dim, False)[name][1:] for name in ("dq", "dkdv", "dbias")}}
+              **{name: bwd._pick_config(head_dim, False)[name][2:] for name in ("dq", "dkdv", "dbias")}}
     tuners = {"fwd": fwd._entmax_attn_fwd_autotuned, "dq": bwd._entmax_attn_bwd_dq_autotuned,
               "dkdv": bwd._entmax_attn_bwd_dkdv_autotuned, "dbias": bwd._entmax_attn_bwd_dbias_autotuned}
     for name, tuner in tuners.items():

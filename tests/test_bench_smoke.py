@@ -294,6 +294,27 @@ def test_tune_smoke(tune, tmp_path):
     assert "incomplete" in (cut / "tune.md").read_text()
 
 
+def test_tune_smoke_backward_configs(tune, tmp_path):
+    """The backward's sweep on CPU: the pinned backward, then one kernel's config replaced at a time, deterministic and
+    with the atomic dQ; every row ok, its gradients equal to the pinned backward's within the tolerance."""
+    out = tune.run(["--smoke", "--modes", "bwd,bwd-atomic", "--out", str(tmp_path / "tune")])
+    rows = tune.read_tune_csv(out / "tune.csv")
+    labels = {r["config"] for r in rows}
+    assert labels == {tune.PINNED_BWD, "dq 32x16 w4 s1", "dkdv 16x32 w4 s1"}, labels
+    assert {r["mode"] for r in rows} == {"bwd", "bwd-atomic"}
+    for r in rows:
+        assert r["status"] == "ok", r
+        assert (r["pinned"] == "True") == (r["config"] == tune.PINNED_BWD)
+        assert r["rel_diff_vs_pinned"] <= tune.DIFF_TOL["fp32"]
+        flops = 4.0 * r["batch"] * r["heads"] * r["seq"] ** 2 * r["head_dim"] * MODE_FACTOR["bwd"] / 2  # causal
+        assert r["tflops"] == pytest.approx(flops / (r["ms"] * 1e-3) / 1e12, rel=1e-4)
+    assert tune.parse_bwd_config("dkdv:32x128w8s2") == ("dkdv", (32, 128, 8, 2))
+    with pytest.raises(ValueError, match="--bwd-configs: expected"):
+        tune.parse_bwd_config("dv:32x128w8s2")
+    with pytest.raises(SystemExit):
+        tune.parse_args(["--modes", "fwd,bwd"])
+
+
 def test_tune_statuses_configs_and_winners(tune, bench):
     from triton.runtime.errors import OutOfResources
 

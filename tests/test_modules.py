@@ -513,11 +513,20 @@ def test_no_shared_state_between_copies():
     assert c._qkv_same_embed_dim is False
 
 
-def test_fused_backend_matches_reference(kernel_device):
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_fused_backend_matches_reference(deterministic, kernel_device, monkeypatch):
+    """Also with ``deterministic=False`` (the fused backward's atomic dQ), which the module hands to the kernels."""
+    import sparse_attn.attn._attn_autograd as autograd_mod
+
+    asked = []
+    real = autograd_mod.entmax_attn_bwd
+    monkeypatch.setattr(autograd_mod, "entmax_attn_bwd", lambda *a, **kw: asked.append(kw["deterministic"]) or
+                        real(*a, **kw))
     torch.manual_seed(9)
     ref = EntmaxMultiheadAttention(32, 2, learnable=True, alpha_init=torch.tensor([1.3, 1.9]), batch_first=True,
                                    backend="reference", device=kernel_device)
-    fused = EntmaxMultiheadAttention(32, 2, learnable=True, batch_first=True, backend="triton", device=kernel_device)
+    fused = EntmaxMultiheadAttention(32, 2, learnable=True, batch_first=True, backend="triton", device=kernel_device,
+                                     deterministic=deterministic)
     fused.load_state_dict(ref.state_dict())
     x = torch.randn(2, 18, 32, device=kernel_device)
     pad = torch.zeros(2, 18, dtype=torch.bool, device=kernel_device)
@@ -532,6 +541,7 @@ def test_fused_backend_matches_reference(kernel_device):
     torch.testing.assert_close(outs[1], outs[0], atol=out_tol, rtol=out_tol)
     for g_f, g_r in zip(grads[1], grads[0]):
         torch.testing.assert_close(g_f, g_r, atol=grad_tol, rtol=grad_tol)
+    assert asked == [deterministic]
 
 
 @pytest.mark.parametrize("add_bias_kv", [False, True])

@@ -18,7 +18,10 @@ import sys
 import pytest
 
 _SCRIPT = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "precompile.py")
-_ENV = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
+_ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
+# the script builds this checkout's kernels, whichever copy of the package is installed
+_ENV = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1",
+            PYTHONPATH=os.pathsep.join([_ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
 _SUBSET = ["--seqs", "64", "--head-dims", "32", "--tokens", "64", "--hidden", "64", "--groups", "headline", "--causal",
            "false", "--methods", "1"]
 

@@ -13,7 +13,10 @@ import textwrap
 import pytest
 
 _SCRIPT = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "sass_cost.py")
-_ENV = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
+_ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
+# the script builds this checkout's kernels, whichever copy of the package is installed
+_ENV = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1",
+            PYTHONPATH=os.pathsep.join([_ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
 
 
 def _run(args, timeout=300):
@@ -97,3 +100,30 @@ def test_loop_finder_on_synthetic_sass():
     hand-written instruction list; a nested loop with a run-time trip count fails loudly."""
     stdout = _run(["-c", _SYNTHETIC, os.path.dirname(_SCRIPT)], timeout=120)
     assert "refused:" in stdout and stdout.rstrip().endswith("ok"), stdout
+
+
+def test_backward_smoke_finds_the_tile_loops(tmp_path):
+    """``--bwd``: the dQ and dK/dV kernels' tile loops (and the dK/dV kernel with the atomic dQ) at head dim 64, for
+    the softmax and 1.5-entmax classes: one loop per kernel doing one tile's products per iteration, all on the
+    warpgroup MMA, the interior tile (no per-score mask) no longer than a boundary tile, the model's ratios."""
+    out = tmp_path / "bwd.json"
+    stdout = _run([_SCRIPT, "--bwd", "--smoke", "--nondet", "--json", str(out)])
+    assert "sass_cost --bwd: d64 non-causal entmax15: " in stdout
+    builds = json.loads(out.read_text())["builds"]
+    assert {(b["cls"], b["deterministic"]) for b in builds} == {(c, d) for c in ("softmax", "entmax15")
+                                                                for d in (True, False)}
+    for b in builds:
+        want = {"bwd_dq": 3, "bwd_dkdv": 4} if b["deterministic"] else {"bwd_dkdv+dq": 5}
+        assert {name: k["info"]["kernel"] for name, k in b["kernels"].items()} == {n: n for n in want}
+        for name, k in b["kernels"].items():
+            assert k["info"]["hmma"] == 0 and k["info"]["hgmma"] > 0 and k["info"]["loop_ldst"] == 0, name
+            block_m, block_n = (int(x) for x in k["info"]["block"].split("x"))
+            loops = k["loops"]
+            assert set(loops) == {"boundary", "interior"}
+            for path in loops.values():
+                assert path["tensor_macs"] == want[name] * block_m * block_n * 64, name
+                assert path["cycles"] == max(path["bounds"].values()) > 0, name
+            assert loops["interior"]["instructions"] <= loops["boundary"]["instructions"], name
+        assert b["floor_ratio"] >= 1.0
+        if b["cls"] == "softmax" and b["deterministic"]:
+            assert b["ratio"] == pytest.approx(1.0)

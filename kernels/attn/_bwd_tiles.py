@@ -1,7 +1,8 @@
 """The fused backward's tile-level work (``kernels/attn/entmax_attn_bwd.py`` launches the kernels): row factors, the
-weights ``p``, ``U = p^(2 - alpha)`` and ``log p`` of a recomputed score tile by alpha class, the alpha-gradient
-terms, one tile's ``dP`` and ``dS``, the loads of a key tile / query rows, and the liveness bits a loop walks.
-Derivations in docs/backward.md.
+weights ``p``, ``U = p^(2 - alpha)`` and ``log p`` of a recomputed score tile by alpha class (``_weights``, the one
+place they are recomputed from the saved threshold), the alpha-gradient terms and row formula, a tile's two
+recomputed products in either orientation, its ``dP`` and ``dS``, the loads of a key tile / query rows, and the
+liveness bits a loop walks. Derivations in docs/backward.md.
 """
 
 import triton
@@ -104,21 +105,60 @@ def _dalpha_terms(p, u, logp, alpha, inv_eps2):
 
 
 @triton.jit
-def _tile(qrow, k, v, idx, alpha, scale, mods, drop, MASK, SCORE, ALPHA_CLASS: tl.constexpr, BIAS_KIND: tl.constexpr,
-          HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Recompute one tile: weights ``p``, ``U``, ``log p``, ``dP``, the dropped weights ``pd``, ``dS = U (dP - delta)``
-    (the gradient of the final scores, that of the mask) and ``dS_qk``, that of ``scale * q.k`` (``dS`` times the
-    soft cap's derivative ``1 - tanh^2``), all ``[BLOCK_M, BLOCK_N]``.
+def _dalpha_rows(s_u, s_pd, s_pl, s_g, s_gd, s_pld, alpha):
+    """d alpha of each row ``[BLOCK_M]`` from its six row sums over keys (docs/backward.md, "Gradient w.r.t.
+    alpha"): ``S = sum U``, ``A = sum p dP``, ``sum p log p``, ``G = sum p g``, ``Pg = sum p g dP``,
+    ``Pl = sum p log p dP``; 0 for a row without weights. Written with the row sums: no 1/(alpha-1) blow-up."""
+    has_u = s_u > 0.0
+    s_u = tl.where(has_u, s_u, 1.0)
+    dalpha = (s_g * s_pd - s_gd) / s_u + (alpha - 1.0) * (s_pl * s_gd - s_g * s_pld) / s_u
+    return tl.where(has_u, dalpha, 0.0)
 
-    ``qrow``: the query rows ``(q, do, tau, cu, cp, log_l, delta)`` (``_query_rows``); ``k``, ``v``: the key tile;
-    ``idx``: ``(rows, cols, rows_global, cols_global, seqlen_q, seqlen_k)`` (sequence-local and packed indices,
-    sequence lengths); ``mods``: ``_masking.program_mods``; ``drop``: ``(seed, bh, total_k, dropout_p)``."""
-    q, do, tau, cu, cp, log_l, delta = qrow
-    rows, cols, rows_global, cols_global, seqlen_q, seqlen_k = idx
+
+@triton.jit
+def _products_by_rows(q, do, k, v, scale, DOT_PRECISION: tl.constexpr):
+    """The two recomputed products of a tile with the query rows as the MMA's M (the dQ and d bias kernels, which
+    own their rows): ``s = scale q k^T`` and ``dP = dO v^T``, each ``[BLOCK_M, BLOCK_N]``."""
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
-    s_m = score_mod(s, rows, cols, seqlen_q, seqlen_k, mods, 1.0, MASK, SCORE, BIAS_KIND)
-    p, u, logp = _weights(s_m, tau, cu, cp, log_l, alpha, ALPHA_CLASS)
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+    return s, dp
+
+
+@triton.jit
+def _products_by_keys(q, do, k, v, scale, DOT_PRECISION: tl.constexpr):
+    """The same two products with the keys as the MMA's M (the dK/dV kernel, which owns its keys: ``k v`` stay in
+    shared memory as the A operand, and a tile of 64 or 128 keys fills Hopper's warpgroup MMA whatever the query
+    step): ``s^T = k q^T``, ``dP^T = v dO^T`` computed, returned as their transposes ``[BLOCK_M, BLOCK_N]`` (register
+    views: the elementwise work is written once, by rows)."""
+    s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
+    dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+    return tl.trans(s_t) * scale, tl.trans(dp_t)
+
+
+@triton.jit
+def _tile(qrow, s, dp, idx, inside, alpha, mods, drop, MASK, SCORE, ALPHA_CLASS: tl.constexpr,
+          BIAS_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr):
+    """One recomputed tile from its products ``s = scale q.k`` and ``dp = dO.v`` (``_products_by_rows`` /
+    ``_products_by_keys``): weights ``p``, ``U``, ``log p``, ``dP`` (dropout replayed), the dropped weights ``pd``,
+    ``dS = U (dP - delta)`` (the gradient of the final scores, that of the mask) and ``dS_qk``, that of
+    ``scale * q.k`` (``dS`` times the soft cap's derivative ``1 - tanh^2``), all ``[BLOCK_M, BLOCK_N]``.
+
+    ``qrow``: the query rows ``(q, do, tau, cu, cp, log_l, delta)`` (``_query_rows``); ``idx``: ``(rows, cols,
+    rows_global, cols_global, seqlen_q, seqlen_k)`` (sequence-local and packed indices, sequence lengths);
+    ``inside``: ``_masking.tile_inside`` of the tile (every pair in the sequences and visible), which skips the
+    per-score mask when no other score modification needs one; ``mods``: ``_masking.program_mods``; ``drop``:
+    ``(seed, bh, total_k, dropout_p)``."""
+    _, _, tau, cu, cp, log_l, delta = qrow
+    rows, cols, rows_global, cols_global, seqlen_q, seqlen_k = idx
+    if (BIAS_KIND == 0) and (SCORE[2] == 0) and (SCORE[4] != 2):
+        # only the structural mask: interior tiles need no per-score check
+        if inside:
+            s_m = soft_cap(s, SCORE[1], SCORE)
+        else:
+            s_m = score_mod(s, rows, cols, seqlen_q, seqlen_k, mods, 1.0, MASK, SCORE, BIAS_KIND)
+    else:
+        s_m = score_mod(s, rows, cols, seqlen_q, seqlen_k, mods, 1.0, MASK, SCORE, BIAS_KIND)
+    p, u, logp = _weights(s_m, tau, cu, cp, log_l, alpha, ALPHA_CLASS)
     if HAS_DROPOUT:
         seed, bh, total_k, dropout_p = drop
         keep = dropout_keep(seed, bh, rows_global, cols_global, total_k, dropout_p)
@@ -154,29 +194,29 @@ def _live_base(LIVE, seq, h, stride_live_b, stride_live_h):
 
 
 @triton.jit
-def _row_tile_bits(live_row, wd, kt_lo, kt_hi, HAS_LIVE: tl.constexpr):
-    """Bits ``[32]``, their prefix counts and number set, of the key tiles ``32 wd + lane`` in ``[kt_lo, kt_hi)``
-    that the liveness words at ``live_row`` mark live (all of them without a bitmap)."""
-    kt = wd * 32 + tl.arange(0, 32)
-    bits = ((kt >= kt_lo) & (kt < kt_hi)).to(tl.int32)
-    if HAS_LIVE:
-        bits = bits & (tl.load(live_row + wd) >> tl.arange(0, 32))
-    rank, n_set = bit_rank(bits)
-    return bits, rank, n_set
+def _live_bits(live_base, qt, kt, ok, seqlen_q, stride_live_m, HAS_LIVE: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr, LIVE_BLOCK_M: tl.constexpr, LIVE_BLOCK_N: tl.constexpr):
+    """Bits ``[32]`` (int32 0 / 1), their exclusive prefix counts and the number set, of 32 tile pairs of a loop:
+    query tile ``qt`` (``BLOCK_M`` rows) and key tile ``kt`` (``BLOCK_N`` keys), one of them a ``[32]`` vector,
+    the other a scalar; a pair is set where ``ok`` and, with a bitmap, where it meets a forward tile
+    (``LIVE_BLOCK_M x LIVE_BLOCK_N``) marked live at ``live_base`` (``_live_base``).
 
-
-@triton.jit
-def _column_tile_bits(live_col, c, kt, qt_lo, qt_hi, stride_live_m, HAS_LIVE: tl.constexpr, BLOCK_M: tl.constexpr,
-                      LIVE_BLOCK_M: tl.constexpr):
-    """Bits ``[32]``, prefix counts and number set of the query tiles ``32 c + lane`` (of ``BLOCK_M`` rows) in
-    ``[qt_lo, qt_hi)`` for which key tile ``kt`` is live; ``live_col`` points at word ``kt // 32`` of query tile 0.
-    The bitmap's rows are the forward's ``LIVE_BLOCK_M``-row tiles, which the backward's tiles divide."""
-    qt = c * 32 + tl.arange(0, 32)
-    ok = (qt >= qt_lo) & (qt < qt_hi)
+    The tile sizes are powers of two, so a backward tile lies in one forward tile or is a union of whole ones: the
+    bits of every forward tile it meets are OR-ed (``BLOCK_N > LIVE_BLOCK_N``: adjacent bits of one word;
+    ``BLOCK_M > LIVE_BLOCK_M``: the words of adjacent bitmap rows, those that start in the sequence)."""
     bits = ok.to(tl.int32)
     if HAS_LIVE:
-        words = tl.load(live_col + (qt * BLOCK_M // LIVE_BLOCK_M).to(tl.int64) * stride_live_m, mask=ok, other=0)
-        bits = bits & (words >> (kt % 32))
+        SUB_M: tl.constexpr = (BLOCK_M + LIVE_BLOCK_M - 1) // LIVE_BLOCK_M
+        SUB_N: tl.constexpr = (BLOCK_N + LIVE_BLOCK_N - 1) // LIVE_BLOCK_N
+        tl.static_assert(SUB_N < 32, "a backward key tile spans at most 31 forward key tiles")
+        row = qt * BLOCK_M // LIVE_BLOCK_M
+        col = kt * BLOCK_N // LIVE_BLOCK_N
+        found = bits * 0
+        for r in tl.static_range(SUB_M):
+            row_in = (row + r) * LIVE_BLOCK_M + col * 0 < seqlen_q  # [32] (the interpreter masks with vectors only)
+            word = tl.load(live_base + (row + r).to(tl.int64) * stride_live_m + col // 32, mask=ok & row_in, other=0)
+            found = found | ((word >> (col % 32)) & ((1 << SUB_N) - 1))
+        bits = bits & (found != 0).to(tl.int32)
     rank, n_set = bit_rank(bits)
     return bits, rank, n_set
 
@@ -212,33 +252,65 @@ def _tile_rows(X, Y, b, h, start, seqlen, tile, strides_x, strides_y, HEAD_DIM: 
 
 
 @triton.jit
-def _key_tile(kt, kv, k_start, seqlen_k, dims, UPCAST: tl.constexpr, BLOCK_N: tl.constexpr):
+def _rows_source(X, b, h, start, seqlen, stride_b, stride_h, stride_n, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
+                 BLOCK_D: tl.constexpr, USE_TMA: tl.constexpr):
+    """Where a loop streams ``[BLOCK, BLOCK_D]`` tiles of one (batch ``b``, head ``h``) slice from: the slice's row
+    ``start`` (``_common.slice_base``), or with ``USE_TMA`` a TMA tensor descriptor of its ``seqlen x HEAD_DIM`` rows
+    (last dim contiguous, 16-byte aligned rows: the launcher checks), which loads zeros outside them."""
+    base = slice_base(X, b, h, start, stride_b, stride_h, stride_n)
+    if USE_TMA:
+        src = tl.make_tensor_descriptor(base, shape=[seqlen, HEAD_DIM], strides=[stride_n, 1],
+                                        block_shape=[BLOCK, BLOCK_D])
+    else:
+        src = base
+    return src
+
+
+@triton.jit
+def _load_tile(src, row0, idx, offs, stride_n, stride_d, ok, d_ok, UPCAST: tl.constexpr, USE_TMA: tl.constexpr):
+    """Rows ``idx`` (``row0 ..``) of a ``_rows_source`` as ``[BLOCK, BLOCK_D]``, 0 outside ``ok``, ``d_ok``
+    (``_common.load_rows``; with ``USE_TMA`` one asynchronous TMA copy, no address or mask per element)."""
+    if USE_TMA:
+        x = src.load([row0, 0])
+        if UPCAST:
+            x = x.to(tl.float32)
+    else:
+        x = load_rows(src, idx, offs, stride_n, stride_d, ok, d_ok, UPCAST)
+    return x
+
+
+@triton.jit
+def _key_tile(kt, kv, k_start, seqlen_k, dims, UPCAST: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr):
     """Key tile ``kt`` of a query tile: ``cols, cols_global, col_ok`` (``[BLOCK_N]``, ``_masking.tile_indices``) and
     its rows ``k [BLOCK_N, BLOCK_D]``, ``v [BLOCK_N, BLOCK_DV]`` (0 outside; float32 with ``UPCAST``).
-    ``kv = (k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd)``: the sequence's K / V slices of the kv head;
-    ``dims``: ``_head_dims``."""
-    k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd = kv
+    ``kv = (k_src, v_src, stride_kn, stride_kd, stride_vn, stride_vd)``: the sequence's K / V slices of the kv head
+    (``_rows_source``); ``dims``: ``_head_dims``."""
+    k_src, v_src, stride_kn, stride_kd, stride_vn, stride_vd = kv
     offs_d, d_ok, offs_dv, dv_ok = dims
     cols, cols_global, col_ok = tile_indices(kt, k_start, seqlen_k, BLOCK_N)
-    k = load_rows(k_base, cols, offs_d, stride_kn, stride_kd, col_ok, d_ok, UPCAST)
-    v = load_rows(v_base, cols, offs_dv, stride_vn, stride_vd, col_ok, dv_ok, UPCAST)
+    k = _load_tile(k_src, kt * BLOCK_N, cols, offs_d, stride_kn, stride_kd, col_ok, d_ok, UPCAST, USE_TMA)
+    v = _load_tile(v_src, kt * BLOCK_N, cols, offs_dv, stride_vn, stride_vd, col_ok, dv_ok, UPCAST, USE_TMA)
     return cols, cols_global, col_ok, k, v
 
 
 @triton.jit
-def _query_rows(qdo, STATS, bh, total_q, rows, rows_global, row_ok, dims, alpha, UPCAST: tl.constexpr):
-    """Rows ``rows`` of one (batch, q head) after the dQ kernel: ``qrow = (q, do, tau, cu, cp, log_l, delta)`` (the
-    ``qrow`` of ``_tile``): ``q [BLOCK_M, BLOCK_D]``, ``do [BLOCK_M, BLOCK_DV]``, the per-row ``tau`` (``_row_tau``),
-    weight factors ``cu``, ``cp``, ``log lsum`` (``_row_factors``) and ``delta``. ``qdo = (q_base, do_base,
-    stride_qm, stride_qd, stride_dom, stride_dod)``: the sequence's Q / dO slices of the head; ``STATS = (TAU, LSUM,
-    DELTA)`` with ``TAU = (TAU, TAU_LO)``."""
-    q_base, do_base, stride_qm, stride_qd, stride_dom, stride_dod = qdo
+def _query_rows(qdo, STATS, bh, total_q, row0, rows, rows_global, row_ok, dims, UPCAST: tl.constexpr,
+                USE_TMA: tl.constexpr):
+    """Rows ``rows`` (``row0 ..``) of one (batch, q head) after the dQ kernel: ``qrow = (q, do, tau, cu, cp, log_l,
+    delta)`` (the ``qrow`` of ``_tile``): ``q [BLOCK_M, BLOCK_D]``, ``do [BLOCK_M, BLOCK_DV]``, the per-row ``tau``
+    (``_row_tau``), weight factors ``cu``, ``cp``, ``log lsum`` (``_row_factors``, stored by the dQ kernel: a row's
+    three floats at ``ROW_FACTORS + 3 row``) and ``delta``. ``qdo = (q_src, do_src, stride_qm, stride_qd, stride_dom,
+    stride_dod)``: the sequence's Q / dO slices of the head (``_rows_source``); ``STATS = (TAU, ROW_FACTORS, DELTA)``
+    with ``TAU = (TAU, TAU_LO)``."""
+    q_src, do_src, stride_qm, stride_qd, stride_dom, stride_dod = qdo
     offs_d, d_ok, offs_dv, dv_ok = dims
-    q = load_rows(q_base, rows, offs_d, stride_qm, stride_qd, row_ok, d_ok, UPCAST)
-    do = load_rows(do_base, rows, offs_dv, stride_dom, stride_dod, row_ok, dv_ok, UPCAST)
+    q = _load_tile(q_src, row0, rows, offs_d, stride_qm, stride_qd, row_ok, d_ok, UPCAST, USE_TMA)
+    do = _load_tile(do_src, row0, rows, offs_dv, stride_dom, stride_dod, row_ok, dv_ok, UPCAST, USE_TMA)
     stat_offs = bh.to(tl.int64) * total_q + rows_global.to(tl.int64)
     tau = _row_tau(STATS[0], stat_offs, row_ok)
-    lsum = tl.load(STATS[1] + stat_offs, mask=row_ok, other=0.0)
+    factors = STATS[1] + stat_offs * 3
+    cu = tl.load(factors, mask=row_ok, other=0.0)
+    cp = tl.load(factors + 1, mask=row_ok, other=0.0)
+    log_l = tl.load(factors + 2, mask=row_ok, other=0.0)
     delta = tl.load(STATS[2] + stat_offs, mask=row_ok, other=0.0)
-    cu, cp, log_l = _row_factors(alpha, lsum)
     return q, do, tau, cu, cp, log_l, delta

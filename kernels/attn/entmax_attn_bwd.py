@@ -7,372 +7,151 @@ conventions and ``docs/backward.md`` for the derivation. With ``U = p^(2-alpha)`
     dP = dO V^T (times the replayed dropout factor)   delta_i = sum_j U_ij dP_ij / sum_j U_ij = dO_i . out_u_i
     dS = U (dP - delta)    dQ = scale dS K    dK = scale dS^T Q    dV = P^T dO    d bias = dS
 
-``out_u = sum_j U_ij v_j / sum_j U_ij`` (float32) comes from the forward's value pass (``need_out_u``; the
-unrounded output at alpha = 1), so ``delta`` is an O(N D) product per row and no kernel sweeps K only for it.
-Three kernels, no atomics, so every gradient is bitwise reproducible:
+``out_u = sum_j U_ij v_j / sum_j U_ij`` (float32) comes from the forward's value pass (``need_out_u``; the unrounded
+output at alpha = 1), so ``delta`` is an O(N D) product per row and no kernel sweeps K only for it.
+Three kernels; by default no atomics, so every gradient is bitwise reproducible:
 
 * ``_entmax_attn_bwd_dq_kernel``, one program per (query tile, q head, batch): ``delta``, then one sweep over
   the live key tiles accumulating dQ and the d alpha row sums and writing dS (or its row sums) when asked.
 * ``_entmax_attn_bwd_dkdv_kernel``, one program per (key tile, kv head, batch): loops over the q
-  heads of its group and their live query tiles, so dK/dV of GQA are summed in a fixed order.
+  heads of its group and their live query tiles, so dK/dV of GQA are summed in a fixed order. Its products take the
+  keys as the MMA's M (``s^T = K Q^T``, ``dP^T = V dO^T``, then ``dV += P^T dO``, ``dK += dS^T Q``).
+  With ``deterministic=False`` it also adds ``dQ`` (and the d alpha row sums) with atomics, and the dQ kernel only
+  computes ``delta`` before it and d alpha after it: five products per tile instead of seven.
 * ``_entmax_attn_bwd_dbias_kernel`` (only for a mask broadcast over batch/heads but not over
   queries or keys): one program per mask block sums dS over the broadcast (batch, head) pairs.
 
-Every loop walks a compacted list of its live tiles built from the liveness bits in registers
-(``_masking.bit_rank``, ``live_tile``), with no branch per tile, so its loads are pipelined. The alpha
-class is a compile-time constant as in the forward (``_common.ALPHA_CLASSES``; device alpha: one filtered
-launch per class): alpha = 1 uses ``exp2``, alpha = 1.5 and alpha = 2 use no transcendental function per
-score, other values one ``log2``, one ``exp2`` and one division.
+Each kernel has its own tiles (``_pick_config``: 64 or 128 query rows / keys per program, so that every product runs
+on Hopper's warpgroup MMA), unions of the forward's tiles or parts of them; the liveness bitmap of the forward's
+tiles is read for both (``_bwd_tiles._live_bits``). Every loop walks a compacted list of its live tiles built from
+the liveness bits in registers (``_masking.bit_rank``, ``live_tile``), with no branch per tile, so its loads are
+pipelined (the dQ kernel's with TMA descriptors on sm_90); the per-score mask is computed on boundary tiles only
+(``_masking.tile_inside``). The alpha class is a compile-time constant as in the forward (``_common.ALPHA_CLASSES``;
+device alpha: one filtered launch per class): alpha = 1 uses ``exp2``, alpha = 1.5 and alpha = 2 use no
+transcendental function per score, other values one ``log2``, one ``exp2`` and one division.
 """
 
 from __future__ import annotations
 
 from collections import namedtuple
+from typing import NamedTuple
 
 import torch
 import triton
-import triton.language as tl
 
 from .. import _common, _masking
-from .._common import (
-    alpha_class_id,
-    load_rows,
-    slice_base,
-    store_rows,
-)
-from .._masking import (
-    key_tile_range,
-    live_tile,
-    program_mods,
-    query_tile_range,
-    seq_bounds,
-    sink_tile,
-    tile_indices,
-)
-from ._bwd_tiles import (
-    _column_tile_bits,
-    _dalpha_terms,
-    _head_dims,
-    _in_launch,
-    _key_tile,
-    _live_base,
-    _query_rows,
-    _row_factors,
-    _row_tau,
-    _row_tile_bits,
-    _tile,
-    _tile_rows,
-    _weights,
-)
+from ._bwd_kernels import _entmax_attn_bwd_dbias_kernel, _entmax_attn_bwd_dkdv_kernel, _entmax_attn_bwd_dq_kernel
 
 _DEFAULT_BLOCK = 64
-# the liveness map's strides change with the sequence length: not specialized, one build serves every length
-_LIVE_STRIDES = ["stride_live_b", "stride_live_h", "stride_live_m"]
 
 
-@triton.jit(do_not_specialize=_LIVE_STRIDES)
-def _entmax_attn_bwd_dq_kernel(
-    Q, K, V, DO, OUT_U, TAU, LSUM, ALPHA, LIVE, CU_SEQLENS_Q, CU_SEQLENS_K, MODS,
-    DQ, DELTA, DALPHA, DBIAS, DBIAS_ROWS, DSINKS,
-    stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd, stride_dob, stride_doh, stride_dom, stride_dod,
-    stride_oub, stride_ouh, stride_oum, stride_oud, stride_dqb, stride_dqh, stride_dqm, stride_dqd,
-    stride_live_b, stride_live_h, stride_live_m,
-    n_heads, kv_group, total_q, total_k, scale, dropout_p, seed, MASK, SCORE,
-    ALPHA_CLASS: tl.constexpr, HEAD_FILTER: tl.constexpr,
-    IS_VARLEN: tl.constexpr, BIAS_KIND: tl.constexpr, HAS_LIVE: tl.constexpr, LIVE_BLOCK_M: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr,
-    NEED_DALPHA: tl.constexpr, NEED_DBIAS: tl.constexpr, NEED_DBIAS_ROWS: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
-    """One program per (query tile ``pid_m``, q head ``h``, batch entry or sequence ``seq``): delta, dQ, d alpha and,
-    with sinks (``SCORE[3]``), each row's sink gradient ``-U_sink delta`` into ``DSINKS`` (float32 ``(B, Hq, Nq)``).
-    The sink is a virtual key with ``dP = 0`` (``_masking.sink_tile``): its weights join the d alpha row sums.
+class BwdTiles(NamedTuple):
+    """The pinned launch config of one backward kernel: its query tiles (``block_m`` rows), key tiles (``block_n``
+    keys), warps and pipeline stages."""
 
-    With ``HEAD_FILTER`` (one launch per alpha class) a program whose head is of another class returns at once.
-    """
-    pid_m = tl.program_id(0)
-    h = tl.program_id(1)
-    seq = tl.program_id(2)
-    alpha = tl.load(ALPHA + h)
-    if HEAD_FILTER:
-        if alpha_class_id(alpha) != ALPHA_CLASS:
-            return
-    h_kv = h // kv_group
-    b, q_start, seqlen_q, k_start, seqlen_k = seq_bounds(CU_SEQLENS_Q, CU_SEQLENS_K, seq, total_q, total_k, IS_VARLEN)
-    if pid_m * BLOCK_M >= seqlen_q:
-        return
-    bh = b * n_heads + h
-    rows, rows_global, row_ok, dims, q, do = _tile_rows(
-        Q, DO, b, h, q_start, seqlen_q, pid_m, (stride_qb, stride_qh, stride_qm, stride_qd),
-        (stride_dob, stride_doh, stride_dom, stride_dod), HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M, UPCAST)
-    offs_d, d_ok, offs_dv, dv_ok = dims
-    stat_offs = bh.to(tl.int64) * total_q + rows_global.to(tl.int64)
-    tau = _row_tau(TAU, stat_offs, row_ok)
-    lsum = tl.load(LSUM + stat_offs, mask=row_ok, other=0.0)
-
-    # delta = dO . (sum_j U v_j / sum_j U): out_u from the forward's value pass (the output at alpha = 1)
-    o_u = load_rows(slice_base(OUT_U, b, h, q_start, stride_oub, stride_ouh, stride_oum), rows, offs_dv, stride_oum,
-                    stride_oud, row_ok, dv_ok, False)
-    delta = tl.sum(do.to(tl.float32) * o_u.to(tl.float32), 1)
-    tl.store(DELTA + stat_offs, delta, mask=row_ok)
-    cu, cp, log_l = _row_factors(alpha, lsum)
-    inv_eps2 = 1.0 / tl.maximum((alpha - 1.0) * (alpha - 1.0), 1e-30)
-
-    qrow = (q, do, tau, cu, cp, log_l, delta)
-    kv = (slice_base(K, b, h_kv, k_start, stride_kb, stride_kh, stride_kn), slice_base(V, b, h_kv, k_start, stride_vb,
-          stride_vh, stride_vn), stride_kn, stride_kd, stride_vn, stride_vd)
-    mods = program_mods(MODS, b, seq, h, q_start, k_start, SCORE)
-    drop = (seed, bh, total_k, dropout_p)
-    live_row = (_live_base(LIVE, seq, h, stride_live_b, stride_live_h)
-                + (pid_m * BLOCK_M // LIVE_BLOCK_M).to(tl.int64) * stride_live_m)
-    kt_lo, kt_hi = key_tile_range(pid_m, seqlen_q, seqlen_k, MASK, BLOCK_M, BLOCK_N)
-
-    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    s_u = tl.zeros([BLOCK_M], dtype=tl.float32)
-    s_pd = tl.zeros([BLOCK_M], dtype=tl.float32)
-    s_pl = tl.zeros([BLOCK_M], dtype=tl.float32)
-    s_g = tl.zeros([BLOCK_M], dtype=tl.float32)
-    s_gd = tl.zeros([BLOCK_M], dtype=tl.float32)
-    s_pld = tl.zeros([BLOCK_M], dtype=tl.float32)
-    s_ds = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if SCORE[3]:
-        p_s, u_s, logp_s = _weights(sink_tile(mods[4], BLOCK_M, BLOCK_N), tau, cu, cp, log_l, alpha, ALPHA_CLASS)
-        tl.store(DSINKS + stat_offs, -tl.sum(u_s, 1) * delta, mask=row_ok)
-        if NEED_DALPHA:
-            plogp_s, pg_s = _dalpha_terms(p_s, u_s, logp_s, alpha, inv_eps2)
-            s_u += tl.sum(u_s, 1)
-            s_pl += tl.sum(plogp_s, 1)
-            s_g += tl.sum(pg_s, 1)
-    dbias_base = DBIAS + bh.to(tl.int64) * total_q * total_k
-    for wd in range(kt_lo // 32, tl.cdiv(kt_hi, 32)):
-        bits, rank, n_set = _row_tile_bits(live_row, wd, kt_lo, kt_hi, HAS_LIVE)
-        for i in range(0, n_set):
-            cols, cols_global, col_ok, k, v = _key_tile(live_tile(bits, rank, i, wd), kv, k_start, seqlen_k, dims,
-                                                        UPCAST, BLOCK_N)
-            p, u, logp, dp, _, ds, ds_qk = _tile(
-                qrow, k, v, (rows, cols, rows_global, cols_global, seqlen_q, seqlen_k), alpha, scale, mods, drop,
-                MASK, SCORE, ALPHA_CLASS, BIAS_KIND, HAS_DROPOUT, DOT_PRECISION)
-            dq += tl.dot(ds_qk.to(k.dtype), k, input_precision=DOT_PRECISION)
-            if NEED_DBIAS:
-                tl.store(dbias_base + rows_global.to(tl.int64)[:, None] * total_k + cols_global.to(tl.int64)[None, :],
-                         ds, mask=row_ok[:, None] & col_ok[None, :])
-            if NEED_DBIAS_ROWS:
-                s_ds += tl.sum(ds, 1)
-            if NEED_DALPHA:
-                plogp, pg = _dalpha_terms(p, u, logp, alpha, inv_eps2)
-                s_u += tl.sum(u, 1)
-                s_pd += tl.sum(p * dp, 1)
-                s_pl += tl.sum(plogp, 1)
-                s_g += tl.sum(pg, 1)
-                s_gd += tl.sum(pg * dp, 1)
-                s_pld += tl.sum(plogp * dp, 1)
-    store_rows(slice_base(DQ, b, h, q_start, stride_dqb, stride_dqh, stride_dqm), rows, offs_d, stride_dqm, stride_dqd,
-               dq * scale, row_ok, d_ok)
-    if NEED_DBIAS_ROWS:
-        tl.store(DBIAS_ROWS + stat_offs, s_ds, mask=row_ok)
-    if NEED_DALPHA:
-        # sum_j dP_j dp_j/dalpha written with the row sums (docs/backward.md): no 1/(alpha-1) blow-up
-        has_u = s_u > 0.0
-        s_u = tl.where(has_u, s_u, 1.0)
-        dalpha = (s_g * s_pd - s_gd) / s_u + (alpha - 1.0) * (s_pl * s_gd - s_g * s_pld) / s_u
-        tl.store(DALPHA + stat_offs, tl.where(has_u, dalpha, 0.0), mask=row_ok)
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
 
 
-@triton.jit(do_not_specialize=_LIVE_STRIDES)
-def _entmax_attn_bwd_dkdv_kernel(
-    Q, K, V, DO, TAU, LSUM, DELTA, ALPHA, LIVE, CU_SEQLENS_Q, CU_SEQLENS_K, MODS,
-    DK, DV, DBIAS_COLS,
-    stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd, stride_dob, stride_doh, stride_dom, stride_dod,
-    stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-    stride_live_b, stride_live_h, stride_live_m,
-    n_heads, kv_group, total_q, total_k, scale, dropout_p, seed, MASK, SCORE,
-    ALPHA_CLASS: tl.constexpr, HEAD_FILTER: tl.constexpr,
-    IS_VARLEN: tl.constexpr, BIAS_KIND: tl.constexpr, HAS_LIVE: tl.constexpr, LIVE_BLOCK_M: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr,
-    NEED_DBIAS_COLS: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
-    """One program per (key tile ``pid_n``, kv head ``h_kv``, batch entry or sequence ``seq``): dK, dV, d bias cols.
+def _pick_config(head_dim: int, interpret: bool, need_dalpha: bool = False, dense_dbias: bool = False,
+                 deterministic: bool = True, alpha_class: str = "mixed") -> dict:
+    """``{kernel: BwdTiles}`` for ``"dq"``, ``"dkdv"``, ``"dbias"``: each backward kernel's own tiles and pinned
+    launch config for this head dim and call. The tiles are powers of two, independent of the forward's (the
+    bitmap's): a backward tile lies in one forward tile or is a union of whole ones (``_bwd_tiles._live_bits``).
 
-    With ``HEAD_FILTER`` (one launch per alpha class) only the group's heads of this class are summed, and added to
-    what the launches before wrote (the launcher zeroes ``DK``, ``DV``, float32 partials for GQA in fp16/bf16); a
-    program with none of them writes nothing.
-    """
-    pid_n = tl.program_id(0)
-    h_kv = tl.program_id(1)
-    seq = tl.program_id(2)
-    b, q_start, seqlen_q, k_start, seqlen_k = seq_bounds(CU_SEQLENS_Q, CU_SEQLENS_K, seq, total_q, total_k, IS_VARLEN)
-    if pid_n * BLOCK_N >= seqlen_k:
-        return
-    cols, cols_global, col_ok, dims, k, v = _tile_rows(
-        K, V, b, h_kv, k_start, seqlen_k, pid_n, (stride_kb, stride_kh, stride_kn, stride_kd),
-        (stride_vb, stride_vh, stride_vn, stride_vd), HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, UPCAST)
-    offs_d, d_ok, offs_dv, dv_ok = dims
-    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
-    qt_lo, qt_hi = query_tile_range(pid_n, seqlen_q, seqlen_k, MASK, BLOCK_M, BLOCK_N)
-    n_done = tl.zeros([], dtype=tl.int32)
-    for g in range(0, kv_group):
-        h = h_kv * kv_group + g
-        alpha = tl.load(ALPHA + h)
-        if _in_launch(alpha, ALPHA_CLASS, HEAD_FILTER):
-            bh = b * n_heads + h
-            qdo = (slice_base(Q, b, h, q_start, stride_qb, stride_qh, stride_qm), slice_base(DO, b, h, q_start,
-                   stride_dob, stride_doh, stride_dom), stride_qm, stride_qd, stride_dom, stride_dod)
-            mods = program_mods(MODS, b, seq, h, q_start, k_start, SCORE)
-            drop = (seed, bh, total_k, dropout_p)
-            live_col = _live_base(LIVE, seq, h, stride_live_b, stride_live_h) + pid_n // 32
-            col_ds = tl.zeros([BLOCK_N], dtype=tl.float32)
-            for c in range(qt_lo // 32, tl.cdiv(qt_hi, 32)):
-                bits, rank, n_set = _column_tile_bits(live_col, c, pid_n, qt_lo, qt_hi, stride_live_m, HAS_LIVE,
-                                                      BLOCK_M, LIVE_BLOCK_M)
-                for i in range(0, n_set):
-                    qt = live_tile(bits, rank, i, c)
-                    rows, rows_global, row_ok = tile_indices(qt, q_start, seqlen_q, BLOCK_M)
-                    qrow = _query_rows(qdo, (TAU, LSUM, DELTA), bh, total_q, rows, rows_global, row_ok, dims, alpha,
-                                       UPCAST)
-                    p, u, logp, dp, pd, ds, ds_qk = _tile(
-                        qrow, k, v, (rows, cols, rows_global, cols_global, seqlen_q, seqlen_k), alpha, scale, mods,
-                        drop, MASK, SCORE, ALPHA_CLASS, BIAS_KIND, HAS_DROPOUT, DOT_PRECISION)
-                    q, do = qrow[0], qrow[1]
-                    dv += tl.dot(tl.trans(pd).to(do.dtype), do, input_precision=DOT_PRECISION)
-                    dk += tl.dot(tl.trans(ds_qk).to(q.dtype), q, input_precision=DOT_PRECISION)
-                    if NEED_DBIAS_COLS:
-                        col_ds += tl.sum(ds, 0)
-            if NEED_DBIAS_COLS:
-                tl.store(DBIAS_COLS + bh.to(tl.int64) * total_k + cols_global.to(tl.int64), col_ds, mask=col_ok)
-            n_done += 1
-    dk = dk * scale
-    dk_base = slice_base(DK, b, h_kv, k_start, stride_dkb, stride_dkh, stride_dkn)
-    dv_base = slice_base(DV, b, h_kv, k_start, stride_dvb, stride_dvh, stride_dvn)
-    write = col_ok
-    if HEAD_FILTER:
-        write = col_ok & (tl.zeros([BLOCK_N], tl.int32) + n_done > 0)  # a [BLOCK_N] mask: the interpreter needs one
-        dk += load_rows(dk_base, cols, offs_d, stride_dkn, stride_dkd, write, d_ok, False).to(tl.float32)
-        dv += load_rows(dv_base, cols, offs_dv, stride_dvn, stride_dvd, write, dv_ok, False).to(tl.float32)
-    store_rows(dk_base, cols, offs_d, stride_dkn, stride_dkd, dk, write, d_ok)
-    store_rows(dv_base, cols, offs_dv, stride_dvn, stride_dvd, dv, write, dv_ok)
-
-
-@triton.jit(do_not_specialize=_LIVE_STRIDES)
-def _entmax_attn_bwd_dbias_kernel(
-    Q, K, V, DO, TAU, LSUM, DELTA, ALPHA, LIVE, CU_SEQLENS_Q, CU_SEQLENS_K, MODS, DBIAS,
-    stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd, stride_dob, stride_doh, stride_dom, stride_dod,
-    stride_live_b, stride_live_h, stride_live_m,
-    stride_dbias_b, stride_dbias_h,
-    n_heads, kv_group, total_q, total_k, scale, dropout_p, seed, MASK, SCORE, n_b_loop, n_h_loop,
-    ALPHA_CLASS: tl.constexpr, HEAD_FILTER: tl.constexpr,
-    IS_VARLEN: tl.constexpr, BIAS_KIND: tl.constexpr, HAS_LIVE: tl.constexpr, LIVE_BLOCK_M: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
-    """d bias for a mask broadcast over batch and/or heads but not over queries or keys.
-
-    One program per (query tile, mask head, mask batch entry or sequence) owns its ``(Nq, Nk)``
-    block of ``DBIAS`` (zero-initialized) and adds ``dS`` of every (batch, head) the mask is
-    broadcast over, in a fixed order: no atomics. With ``n_b_loop`` / ``n_h_loop`` > 1 the grid
-    axis 2 / 1 has one program and ``b`` / ``h`` run over ``range(n_b_loop)`` / ``range(n_h_loop)``. With
-    ``HEAD_FILTER`` (one launch per alpha class) the heads of other classes are skipped.
-    """
-    pid_m = tl.program_id(0)
-    pid_h = tl.program_id(1)
-    pid_b = tl.program_id(2)
-    dims = _head_dims(HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV)
-    dbias_base = DBIAS + pid_b.to(tl.int64) * stride_dbias_b + pid_h.to(tl.int64) * stride_dbias_h
-    for bi in range(0, n_b_loop):
-        seq = pid_b + bi
-        b, q_start, seqlen_q, k_start, seqlen_k = seq_bounds(CU_SEQLENS_Q, CU_SEQLENS_K, seq, total_q, total_k,
-                                                             IS_VARLEN)
-        rows, rows_global, row_ok = tile_indices(pid_m, q_start, seqlen_q, BLOCK_M)
-        kt_lo, kt_hi = key_tile_range(pid_m, seqlen_q, seqlen_k, MASK, BLOCK_M, BLOCK_N)
-        for hj in range(0, n_h_loop):
-            h = pid_h + hj
-            h_kv = h // kv_group
-            bh = b * n_heads + h
-            alpha = tl.load(ALPHA + h)
-            qdo = (slice_base(Q, b, h, q_start, stride_qb, stride_qh, stride_qm), slice_base(DO, b, h, q_start,
-                   stride_dob, stride_doh, stride_dom), stride_qm, stride_qd, stride_dom, stride_dod)
-            qrow = _query_rows(qdo, (TAU, LSUM, DELTA), bh, total_q, rows, rows_global, row_ok, dims, alpha, UPCAST)
-            kv = (slice_base(K, b, h_kv, k_start, stride_kb, stride_kh, stride_kn), slice_base(V, b, h_kv, k_start,
-                  stride_vb, stride_vh, stride_vn), stride_kn, stride_kd, stride_vn, stride_vd)
-            mods = program_mods(MODS, b, seq, h, q_start, k_start, SCORE)
-            drop = (seed, bh, total_k, dropout_p)
-            live_row = (_live_base(LIVE, seq, h, stride_live_b, stride_live_h)
-                        + (pid_m * BLOCK_M // LIVE_BLOCK_M).to(tl.int64) * stride_live_m)
-            kt_end = tl.where(_in_launch(alpha, ALPHA_CLASS, HEAD_FILTER), kt_hi, kt_lo)  # no tiles: another launch's
-            for wd in range(kt_lo // 32, tl.cdiv(kt_end, 32)):
-                bits, rank, n_set = _row_tile_bits(live_row, wd, kt_lo, kt_end, HAS_LIVE)
-                for i in range(0, n_set):
-                    cols, cols_global, col_ok, k, v = _key_tile(live_tile(bits, rank, i, wd), kv, k_start, seqlen_k,
-                                                                dims, UPCAST, BLOCK_N)
-                    _, _, _, _, _, ds, _ = _tile(
-                        qrow, k, v, (rows, cols, rows_global, cols_global, seqlen_q, seqlen_k), alpha, scale, mods,
-                        drop, MASK, SCORE, ALPHA_CLASS, BIAS_KIND, HAS_DROPOUT, DOT_PRECISION)
-                    ptrs = dbias_base + rows_global.to(tl.int64)[:, None] * total_k + cols_global.to(tl.int64)[None, :]
-                    ok = row_ok[:, None] & col_ok[None, :]
-                    tl.store(ptrs, tl.load(ptrs, mask=ok, other=0.0) + ds, mask=ok)
-
-
-def _pick_config(head_dim: int, interpret: bool) -> dict:
-    """``{kernel: (block_m, num_warps, num_stages)}`` for ``"dq"``, ``"dkdv"``, ``"dbias"``: the query-tile rows (at
-    most; they must divide the forward's) and the pinned launch config of each backward kernel for this head dim. On a
-    GPU these are the configs of the offline sm_90 builds (docs/backward.md), free of spills, and the first
-    ``triton.autotune`` tries; the interpreter runs them as is."""
+    On a GPU these are the configs of the offline sm_90 builds (docs/backward.md), the first ``triton.autotune`` tries:
+    every product on Hopper's warpgroup MMA up to head dim 128 (64 rows per warpgroup: the dQ and d bias kernels own
+    64 or 128 query rows, the dK/dV kernel 128 keys, the M of all its products, ``_keys_as_m``), and no spill inside
+    a loop for any alpha class. The row sums of d alpha (``need_dalpha``) and the stored dS tiles of a dense mask
+    gradient (``dense_dbias``) need registers in the kernel that sweeps them: the dQ kernel, or without determinism
+    the dK/dV kernel, which then also adds dQ; that kernel takes narrower tiles, as does the atomic dQ's dK/dV kernel
+    at head dim 128 for the general alpha class (``alpha_class``: the launch's, ``"mixed"`` for a filtered launch of
+    every class). The interpreter runs its own small tiles, chosen to exercise both relations to the forward's 32 x 32
+    tiles."""
     if interpret:
-        return dict.fromkeys(("dq", "dkdv", "dbias"), (_DEFAULT_BLOCK, 4, 1))
+        return dict(dq=BwdTiles(64, 16, 4, 1), dkdv=BwdTiles(16, 64, 4, 1), dbias=BwdTiles(16, 64, 4, 1))
     head_dim_block = _common.head_dim_block(head_dim)
-    # (block_m, num_warps): the largest query tiles whose builds do not spill with every flag on (d alpha and the
-    # dense d bias tiles in the dQ kernel, column sums in the dK/dV kernel); the key tiles are the forward's
+    dq_dalpha, dq_dense = (need_dalpha, dense_dbias) if deterministic else (False, False)
     if head_dim_block <= 64:
-        tiles = dict(dq=(32, 8), dkdv=(64, 4), dbias=(64, 4))
-    elif head_dim_block <= 128:
-        tiles = dict(dq=(32, 4), dkdv=(32, 8), dbias=(64, 8))
-    else:
-        tiles = dict(dq=(16, 4), dkdv=(16, 8), dbias=(64, 8))
-    return {name: (block_m, warps, 2) for name, (block_m, warps) in tiles.items()}
+        dq = BwdTiles(128, 32 if dq_dalpha or dq_dense else 64, 8, 2)
+        dkdv = BwdTiles(16 if not deterministic and need_dalpha and dense_dbias else 32, 128, 8, 2)
+        return dict(dq=dq, dkdv=dkdv, dbias=BwdTiles(64, 32, 4, 2))
+    if head_dim_block <= 128:
+        if dq_dalpha and dq_dense:
+            dq = BwdTiles(64, 16, 4, 2)
+        else:
+            dq = BwdTiles(128, 32 if dq_dalpha or dq_dense else 64, 8, 2)
+        # the atomic dQ's extra product and its d alpha sums (or the general class's weights) leave no registers for
+        # 32 query rows a step
+        narrow = not deterministic and (need_dalpha or alpha_class in ("general", "mixed"))
+        dkdv = BwdTiles(16 if narrow else 32, 128, 8, 2)
+        return dict(dq=dq, dkdv=dkdv, dbias=BwdTiles(64, 32, 4, 2))
+    dq = BwdTiles(64, 16 if dq_dalpha or dq_dense else 32, 4, 2)
+    return dict(dq=dq, dkdv=BwdTiles(16, 32, 8, 2), dbias=BwdTiles(64, 32, 8, 2))
+
+
+def _keys_as_m(head_dim: int, head_dim_v: int) -> bool:
+    """Whether the dK/dV kernel takes its products with the keys as the MMA's M (``KEYS_M``): up to head dim 128. Above,
+    a warpgroup's 64 keys would hold 2 x 64 x 256 float32 accumulators (256 registers a thread), and eight warps on 64
+    keys repeat the score products on both warpgroups (sm_90 builds, docs/backward.md): the query rows are the M."""
+    return _common.head_dim_block(max(head_dim, head_dim_v)) <= 128
+
+
+_CLASS_NAMES = {cls: name for name, cls in _common.ALPHA_CLASSES.items()}
+
+
+def _call_flags(args: dict) -> tuple:
+    """``(need_dalpha, dense_dbias, deterministic, alpha_class)`` of ``_pick_config`` from one kernel launch's
+    arguments: as far as they choose that kernel's tiles (the dQ kernel's sweep, or without determinism the dK/dV
+    kernel, accumulates the d alpha sums and stores the dense dS tiles; a filtered launch is ``"mixed"``)."""
+    deterministic = args.get("PHASE", 0) == 0 and not args.get("NEED_DQ", False)
+    alpha_class = "mixed" if args.get("HEAD_FILTER", True) else _CLASS_NAMES[args["ALPHA_CLASS"]]
+    return bool(args.get("NEED_DALPHA", False)), bool(args.get("NEED_DBIAS", False)), deterministic, alpha_class
 
 
 def _pinned(kernel: str):
-    """``head_dim -> (num_warps, num_stages)`` of ``kernel``'s pinned GPU config (``_common.prune_to_pinned``)."""
-    return lambda head_dim: _pick_config(head_dim, False)[kernel][1:]
+    """``args -> (num_warps, num_stages)`` of ``kernel``'s pinned GPU config for a launch's arguments
+    (``_common.prune_to_pinned``)."""
+    def pinned(args):
+        tiles = _pick_config(args["HEAD_DIM"], False, *_call_flags(args))[kernel]
+        return tiles.num_warps, tiles.num_stages
+    return pinned
 
 
 _TUNE_KEY = ["HEAD_DIM", "HEAD_DIM_V", "BLOCK_M", "BLOCK_N", "ALPHA_CLASS", "HEAD_FILTER", "BIAS_KIND", "MASK",
-             "IS_VARLEN", "HAS_LIVE", "HAS_DROPOUT", "DOT_PRECISION"]
+             "IS_VARLEN", "HAS_LIVE", "LIVE_BLOCK_M", "LIVE_BLOCK_N", "HAS_DROPOUT", "DOT_PRECISION", "USE_TMA"]
 # on a GPU each kernel is autotuned per head dim, tile, alpha class, feature flags and precision; the interpreter
 # runs the pinned config (autotuning several fails there)
 _entmax_attn_bwd_dq_autotuned = triton.autotune(
-    configs=_common.launch_configs(), key=_TUNE_KEY + ["NEED_DALPHA", "NEED_DBIAS", "NEED_DBIAS_ROWS"],
-    prune_configs_by={"early_config_prune": _common.prune_to_pinned(_pinned("dq"))},
+    configs=_common.launch_configs(), key=_TUNE_KEY + ["PHASE", "NEED_DALPHA", "NEED_DBIAS", "NEED_DBIAS_ROWS"],
+    prune_configs_by={"early_config_prune": _common.prune_to_pinned(_pinned("dq"), by_args=True)},
 )(_entmax_attn_bwd_dq_kernel)
-# the dK/dV kernel adds into DK, DV with HEAD_FILTER, the dbias kernel into DBIAS: every autotuning run restores them
+# the dK/dV kernel adds into DK, DV with HEAD_FILTER (and into DQ, ROW_SUMS, DBIAS_ROWS without determinism), the
+# dbias kernel into DBIAS: every autotuning run restores them
 _entmax_attn_bwd_dkdv_autotuned = triton.autotune(
-    configs=_common.launch_configs(), key=_TUNE_KEY + ["NEED_DBIAS_COLS"], restore_value=["DK", "DV"],
-    prune_configs_by={"early_config_prune": _common.prune_to_pinned(_pinned("dkdv"))},
+    configs=_common.launch_configs(),
+    key=_TUNE_KEY + ["NEED_DBIAS_COLS", "NEED_DQ", "NEED_DALPHA", "NEED_DBIAS", "NEED_DBIAS_ROWS", "KEYS_M"],
+    restore_value=["DK", "DV", "DQ", "ROW_SUMS", "DBIAS_ROWS"],
+    prune_configs_by={"early_config_prune": _common.prune_to_pinned(_pinned("dkdv"), by_args=True)},
 )(_entmax_attn_bwd_dkdv_kernel)
 _entmax_attn_bwd_dbias_autotuned = triton.autotune(
     configs=_common.launch_configs(), key=_TUNE_KEY, restore_value=["DBIAS"],
-    prune_configs_by={"early_config_prune": _common.prune_to_pinned(_pinned("dbias"))},
+    prune_configs_by={"early_config_prune": _common.prune_to_pinned(_pinned("dbias"), by_args=True)},
 )(_entmax_attn_bwd_dbias_kernel)
 
 
-def _launch(name: str, grid: tuple, args: dict, alpha_class: str) -> None:
+def _launch(name: str, grid: tuple, args: dict, alpha_class: str, forced: BwdTiles | None = None) -> None:
     """Launch kernel ``name`` (``"dq"``, ``"dkdv"``, ``"dbias"``) once per alpha class (``_common.class_launches``):
-    autotuned on a GPU, pinned under the interpreter or with ``SPARSE_ATTN_PINNED=1``."""
+    autotuned on a GPU, pinned under the interpreter or with ``SPARSE_ATTN_PINNED=1``, or with the warps and stages
+    of a ``forced`` config (its tiles are in ``args``)."""
     for cls, head_filter in _common.class_launches(alpha_class):
         launch = dict(args, ALPHA_CLASS=cls, HEAD_FILTER=head_filter)
-        if _common.pinned_launch():
-            _, warps, stages = _pick_config(args["HEAD_DIM"], _common.interpreting())[name]
-            globals()[f"_entmax_attn_bwd_{name}_kernel"][grid](**launch, num_warps=warps, num_stages=stages)
+        if forced is not None or _common.pinned_launch():
+            tiles = forced or _pick_config(args["HEAD_DIM"], _common.interpreting(), *_call_flags(launch))[name]
+            globals()[f"_entmax_attn_bwd_{name}_kernel"][grid](**launch, num_warps=tiles.num_warps,
+                                                               num_stages=tiles.num_stages)
         else:
             globals()[f"_entmax_attn_bwd_{name}_autotuned"][grid](**launch)
 
@@ -400,6 +179,35 @@ def _check_args(do, q, k, v, out, out_u, tau, tau_lo, lsum, bias, cu_seqlens_q, 
     assert live is None or (block_m is not None and block_n is not None), "block_m, block_n: required with live"
 
 
+# the kernels whose loops load their tiles with TMA descriptors on sm_90 (``USE_TMA``): the dQ kernel (its K / V
+# tiles). The dK/dV and d bias kernels can (the same code, tested under the interpreter), but their sm_90 builds
+# spill inside the loop with TMA (the descriptors and barriers cost registers) and not without (docs/backward.md)
+_TMA_KERNELS = ("dq",)
+
+
+def _tma_device(device) -> bool:
+    """Whether the kernels stream their tiles with TMA tensor descriptors on ``device``: CUDA with compute capability
+    9.0 or newer (Hopper's tensor memory accelerator)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _tma_rows(t: torch.Tensor) -> bool:
+    """Whether TMA can stream row tiles of ``t`` ``(B, H, N, D)``: a contiguous last dim, a 16-byte aligned base and
+    16-byte multiples as the other strides and the row length (the descriptor's rules)."""
+    size = t.element_size()
+    return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and t.shape[-1] * size % 16 == 0
+            and all(st * size % 16 == 0 for st in t.stride()[:-1]))
+
+
+def _set_tma_allocator(device) -> None:
+    """Descriptors made in a kernel (``tl.make_tensor_descriptor``) live in a global scratch buffer Triton asks an
+    allocator for at launch: torch's caching allocator on ``device``, unless the caller set one of their own."""
+    from triton.runtime import _allocation
+
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=device))
+
+
 def _live_args(live, like) -> dict:
     """``LIVE`` and its ``stride_live_b/h/m`` kernel arguments (``like`` and 0 without a bitmap)."""
     live = like if live is None else live.contiguous()
@@ -416,13 +224,17 @@ def _zero_grads(q, k, v, bias, need_dalpha, need_dbias):
     return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), dalpha, dbias
 
 
-# what the kernels write: gradients, per-row delta / d alpha partials, and the d bias accumulation
-# mode (``_masking.dbias_mode``, None when not needed) with its buffers
-_Buffers = namedtuple("_Buffers", "dq dk dv delta dalpha_rows mode dbias dbias_rows dbias_cols")
+# what the kernels write: gradients, per-row delta, weight factors (``_bwd_tiles._row_factors``) and d alpha
+# partials, and the d bias accumulation
+# mode (``_masking.dbias_mode``, None when not needed) with its buffers; without determinism the float32 dQ the
+# dK/dV kernel adds into and its six d alpha row sums per row
+_Buffers = namedtuple("_Buffers", "dq dk dv delta row_factors dalpha_rows mode dbias dbias_rows dbias_cols dq32 "
+                                   "row_sums")
 
 
-def _buffers(q, k, v, bias, is_varlen, need_dalpha, need_dbias) -> _Buffers:
-    """Allocate what the kernels write; d bias buffers are zeroed float32 (``delta`` stands in where unused)."""
+def _buffers(q, k, v, bias, is_varlen, need_dalpha, need_dbias, deterministic) -> _Buffers:
+    """Allocate what the kernels write; d bias buffers, and the buffers atomics add into, are zeroed float32
+    (``delta`` stands in where unused)."""
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if is_varlen:
         # rows and keys outside every sequence are never visited
@@ -433,25 +245,33 @@ def _buffers(q, k, v, bias, is_varlen, need_dalpha, need_dbias) -> _Buffers:
     mode = _masking.dbias_mode(bias, full) if need_dbias else None
     zeros32 = dict(dtype=torch.float32, device=q.device)
     return _Buffers(
-        dq, dk, dv, delta, torch.zeros_like(delta) if need_dalpha else delta, mode,
+        dq, dk, dv, delta, torch.empty((*full[:3], 3), dtype=torch.float32, device=q.device),
+        torch.zeros_like(delta) if need_dalpha else delta, mode,
         torch.zeros(full, **zeros32) if mode == "dense" else delta,
         torch.zeros(full[:3], **zeros32) if mode == "rows" else delta,
         torch.zeros((*full[:2], full[3]), **zeros32) if mode == "cols" else delta,
+        dq if deterministic else torch.zeros(q.shape, **zeros32),
+        torch.zeros((*full[:3], 6), **zeros32) if need_dalpha and not deterministic else delta,
     )
 
 
-def _common_args(q, k, v, do, tau, tau_lo, lsum, alpha, bias, cu_seqlens_q, cu_seqlens_k, live, scale, is_causal,
-                 dropout_p, seed, live_block_m: int, block_n: int, window_size=None, alibi_slopes=None, softcap=None,
-                 sinks=None, block_mask=None) -> dict:
-    """Keyword arguments the three backward kernels share (``TAU`` is the pair ``(tau, tau_lo)``, zeros without
-    ``tau_lo``)."""
+def _common_args(q, k, v, do, tau, tau_lo, delta, row_factors, alpha, bias, cu_seqlens_q, cu_seqlens_k, live, scale,
+                 is_causal, dropout_p, seed, live_tiles: tuple, tiles: BwdTiles, use_tma: bool, window_size=None,
+                 alibi_slopes=None, softcap=None, sinks=None, block_mask=None) -> dict:
+    """Keyword arguments of one backward kernel with its ``tiles`` (``TAU`` is the pair ``(tau, tau_lo)``, zeros
+    without ``tau_lo``); ``live_tiles``: the bitmap's (the forward's)
+    ``(block_m, block_n)``; ``use_tma``: stream the loops' tiles with TMA descriptors (``USE_TMA``). A block mask is
+    decided by the tile loops alone (``SCORE[4]`` 1) only when its blocks are unions of both the forward's tiles (the
+    bitmap) and the kernel's."""
+    whole = None if live is None else (max(live_tiles[0], tiles.block_m), max(live_tiles[1], tiles.block_n))
     args = _common.attention_args(q, k, v, alpha, bias, cu_seqlens_q, cu_seqlens_k, scale, is_causal, dropout_p, seed,
-                                  window_size, alibi_slopes, softcap, sinks, block_mask,
-                                  None if live is None else (live_block_m, block_n))
+                                  window_size, alibi_slopes, softcap, sinks, block_mask, whole)
     return dict(
         args, DO=do, TAU=(tau.contiguous(), torch.zeros_like(tau) if tau_lo is None else tau_lo.contiguous()),
-        LSUM=lsum.contiguous(), **_common.stride_args("stride_do", do, "bhmd"),
-        **_live_args(live, q), HAS_LIVE=live is not None, LIVE_BLOCK_M=live_block_m, BLOCK_N=block_n,
+        DELTA=delta, ROW_FACTORS=row_factors,
+        **_common.stride_args("stride_do", do, "bhmd"), **_live_args(live, q), HAS_LIVE=live is not None,
+        LIVE_BLOCK_M=live_tiles[0], LIVE_BLOCK_N=live_tiles[1], BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+        USE_TMA=use_tma,
     )
 
 
@@ -459,7 +279,8 @@ def entmax_attn_bwd(
     do, q, k, v, out, tau, lsum, alpha, scale, bias=None, is_causal=False, cu_seqlens_q=None,
     cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, dropout_p=0.0, seed=0,
     live=None, block_m=None, block_n=None, need_dalpha=False, need_dbias=False, *, out_u=None, alpha_class=None,
-    window_size=None, alibi_slopes=None, softcap=None, sinks=None, block_mask=None, tau_lo=None,
+    window_size=None, alibi_slopes=None, softcap=None, sinks=None, block_mask=None, deterministic=True, tiles=None,
+    tau_lo=None,
 ):
     """Gradients of alpha-entmax attention from the forward's per-row statistics.
 
@@ -475,9 +296,6 @@ def entmax_attn_bwd(
             alpha > 1, ``p = [(alpha-1) s - tau]_+^(1/(alpha-1)) / lsum``; for alpha = 1,
             ``p = exp(s - tau)``. ``lsum == 0`` marks a row with no valid key (zero gradients).
             The forward's value pass sums its weights at exactly the saved ``tau``, so ``lsum`` normalizes them.
-        tau_lo: float32 ``(B, Hq, Nq)``, the forward's ``tau_lo`` (the rounding residual of ``tau``): the scores are
-            taken relative to ``tau + tau_lo`` (docs/kernels.md, "Shift invariance"). None: zeros (``tau`` exact),
-            which loses the weights of rows whose scores are large (a huge additive mask constant). Default None.
         alpha: float32 ``(Hq,)`` per-head alpha in ``[1, 2]`` (a Python float is broadcast).
         scale: float, scores are ``scale * q . k + bias``.
         bias: optional float tensor broadcastable (zero strides allowed) to ``(B, Hq, Nq, Nk)``;
@@ -489,8 +307,8 @@ def entmax_attn_bwd(
         dropout_p, seed: dropout of the forward, replayed with ``kernels._common.dropout_keep``.
         live: optional int32 ``(B or nseq, Hq, cdiv(max_seqlen_q, block_m), words)`` tile
             liveness bits of the forward; dead tiles are skipped. Requires ``block_m``/``block_n``.
-        block_m, block_n: the forward's tile sizes (powers of two >= 16; default 64), which index ``live``;
-            the backward's query tiles have ``min(block_m, 64)`` rows and its key tiles ``block_n`` keys.
+        block_m, block_n: the forward's tile sizes (powers of two >= 16; default 64), which index ``live``; the
+            backward's kernels have tiles of their own (``_pick_config``), inside the forward's or unions of them.
         need_dalpha: also return the alpha gradient. Default False.
         need_dbias: also return the bias gradient. Default False.
         out_u: ``(B, Hq, Nq, D)`` float32 (or ``q.dtype``), the forward's ``sum_j U_ij v_j / sum_j U_ij``
@@ -503,6 +321,16 @@ def entmax_attn_bwd(
             (``entmax_attn_fwd``), or None.
         sinks: the forward's ``(Hq,)`` per-head sink logits (``entmax_attn_fwd``), or None. Default None.
         block_mask: the forward's ``(mask, (bq, bk))`` block mask, or None (key tiles it hides are dead in ``live``).
+        deterministic: True (default): no atomics, every gradient bitwise reproducible (the dQ kernel sweeps the
+            keys: seven products per live tile). False: the dK/dV kernel adds dQ (float32) with atomics, five
+            products per live tile, results reproducible to float32 rounding only (docs/backward.md).
+        tiles: ``{kernel: (block_m, block_n, num_warps, num_stages)}`` replacing the pinned config of ``"dq"``,
+            ``"dkdv"`` or ``"dbias"`` (launch-config tuning, ``benchmarks/tune_tiles.py``): tiles powers of two
+            >= 16, 4 or 8 warps; such a kernel is launched with exactly these warps and stages, not autotuned. Default
+            None.
+        tau_lo: float32 ``(B, Hq, Nq)``, the forward's ``tau_lo`` (the rounding residual of ``tau``): the scores are
+            taken relative to ``tau + tau_lo`` (docs/kernels.md, "Shift invariance"). None: zeros (``tau`` exact),
+            which loses the weights of rows whose scores are large (a huge additive mask constant). Default None.
 
     Returns:
         ``(dq, dk, dv, dalpha, dbias)``: ``dq`` like ``q``, ``dk``/``dv`` like ``k``/``v``
@@ -523,20 +351,24 @@ def entmax_attn_bwd(
     if q.shape[0] * n_heads * q.shape[2] == 0 or k.shape[2] == 0:
         grads = _zero_grads(q, k, v, bias, need_dalpha, need_dbias)
         return grads if sinks is None else (*grads, torch.zeros_like(sinks))
-    config = _pick_config(q.shape[3], _common.interpreting())
-    # the bitmap's tiles are the forward's (block_m x block_n); the backward's query tiles divide them
-    live_m = _DEFAULT_BLOCK if block_m is None else int(block_m)
-    block_n = _DEFAULT_BLOCK if block_n is None else int(block_n)
-    live_plan = _masking.tile_plan(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, live_m, block_n)
+    dense = need_dbias and _masking.dbias_mode(bias, (*q.shape[:3], k.shape[2])) == "dense"
+    alpha_class = _common.resolve_alpha_class(alpha, alpha_class)
+    config = _pick_config(q.shape[3], _common.interpreting(), bool(need_dalpha), dense, deterministic, alpha_class)
+    forced = {name: BwdTiles(*t) for name, t in (tiles or {}).items()}
+    assert set(forced) <= set(config), f"tiles: expected kernels among {sorted(config)}, got {sorted(forced)}"
+    assert all(b >= 16 and b & (b - 1) == 0 for t in forced.values() for b in t[:2]) and all(
+        t.num_warps in (4, 8) and t.num_stages >= 1 for t in forced.values()), f"tiles: got {tiles}"
+    config.update(forced)
+    # the bitmap's tiles are the forward's (block_m x block_n); each kernel's tiles lie in them or are unions of them
+    live_tiles = tuple(_DEFAULT_BLOCK if b is None else int(b) for b in (block_m, block_n))
+    live_plan = _masking.tile_plan(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *live_tiles)
     live_shape = (live_plan.n_seq, n_heads, live_plan.n_q_tiles, live_plan.n_words)
     assert live is None or (live.shape == live_shape and live.dtype == torch.int32), f"live: expected {live_shape}"
-    alpha_class = _common.resolve_alpha_class(alpha, alpha_class)
     assert out_u is not None or alpha_class == "softmax", (
         "out_u: required unless every head has alpha = 1 (entmax_attn_fwd(..., need_out_u=True).out_u)")
-    # query tiles of each kernel: at most its configured rows, dividing the forward's
-    plans = {name: _masking.tile_plan(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                      min(live_m, block_m), block_n) for name, (block_m, *_) in config.items()}
-    buf = _buffers(q, k, v, bias, cu_seqlens_q is not None, need_dalpha, need_dbias)
+    plans = {name: _masking.tile_plan(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, t.block_m,
+                                      t.block_n) for name, t in config.items()}
+    buf = _buffers(q, k, v, bias, cu_seqlens_q is not None, need_dalpha, need_dbias, deterministic)
     if alpha_class == "mixed" and n_heads > k.shape[1] and k.dtype != torch.float32:
         # each class launch of the dK/dV kernel adds the group's heads of its class: partial sums in float32
         buf = buf._replace(dk=torch.zeros(k.shape, dtype=torch.float32, device=k.device),
@@ -545,51 +377,69 @@ def entmax_attn_bwd(
         # one class per dK/dV row (no GQA), or float32 already: the launches add into zeros exactly
         buf.dk.zero_()
         buf.dv.zero_()
-    common = _common_args(q, k, v, do, tau, tau_lo, lsum, alpha, bias, cu_seqlens_q, cu_seqlens_k, live, scale,
-                          is_causal, dropout_p, seed, live_m, block_n, window_size, alibi_slopes, softcap, sinks,
-                          block_mask)
+
+    # the dQ kernel's K / V tiles by TMA where the device and layout allow (_TMA_KERNELS)
+    use_tma = _tma_device(q.device) and all(_tma_rows(t) for t in (q, k, v, do))
+    if use_tma and not _common.interpreting():
+        _set_tma_allocator(q.device)
+
+    def kernel_args(name):
+        return _common_args(q, k, v, do, tau, tau_lo, buf.delta, buf.row_factors, alpha, bias, cu_seqlens_q,
+                            cu_seqlens_k, live, scale, is_causal, dropout_p, seed, live_tiles, config[name],
+                            use_tma and name in _TMA_KERNELS, window_size, alibi_slopes, softcap, sinks, block_mask)
+
     out_u = out if out_u is None else out_u
     # rows outside every packed sequence are never visited
     dsinks_rows = None if sinks is None else torch.zeros(q.shape[:3], dtype=torch.float32, device=q.device)
-    plan = plans["dq"]
-    _launch("dq", (plan.n_q_tiles, n_heads, plan.n_seq), dict(
-        common, OUT_U=out_u, DQ=buf.dq, DELTA=buf.delta, DALPHA=buf.dalpha_rows, DBIAS=buf.dbias,
-        DSINKS=buf.delta if dsinks_rows is None else dsinks_rows,
-        DBIAS_ROWS=buf.dbias_rows, **_common.stride_args("stride_ou", out_u, "bhmd"),
-        **_common.stride_args("stride_dq", buf.dq, "bhmd"),
-        NEED_DALPHA=bool(need_dalpha), NEED_DBIAS=buf.mode == "dense", NEED_DBIAS_ROWS=buf.mode == "rows",
-        BLOCK_M=plan.block_m,
-    ), alpha_class)
-    common.update(DELTA=buf.delta)
+    # deterministic: the dQ kernel sweeps the keys (PHASE 0); otherwise the dK/dV kernel computes dQ and the row sums,
+    # between the dQ kernel's delta (PHASE 1) and its d alpha from those sums (PHASE 2)
+    dq_args = dict(
+        kernel_args("dq"), LSUM=lsum.contiguous(), OUT_U=out_u, DQ=buf.dq, DALPHA=buf.dalpha_rows, DBIAS=buf.dbias,
+        DSINKS=buf.delta if dsinks_rows is None else dsinks_rows, DBIAS_ROWS=buf.dbias_rows, ROW_SUMS=buf.row_sums,
+        **_common.stride_args("stride_ou", out_u, "bhmd"), **_common.stride_args("stride_dq", buf.dq, "bhmd"),
+        NEED_DALPHA=bool(need_dalpha), NEED_DBIAS=deterministic and buf.mode == "dense",
+        NEED_DBIAS_ROWS=deterministic and buf.mode == "rows",
+    )
+    dq_grid = (plans["dq"].n_q_tiles, n_heads, plans["dq"].n_seq)
+    _launch("dq", dq_grid, dict(dq_args, PHASE=0 if deterministic else 1), alpha_class, forced.get("dq"))
     plan = plans["dkdv"]
     _launch("dkdv", (plan.n_k_tiles, k.shape[1], plan.n_seq), dict(
-        common, DK=buf.dk, DV=buf.dv, DBIAS_COLS=buf.dbias_cols, **_common.stride_args("stride_dk", buf.dk, "bhnd"),
-        **_common.stride_args("stride_dv", buf.dv, "bhnd"), NEED_DBIAS_COLS=buf.mode == "cols", BLOCK_M=plan.block_m,
-    ), alpha_class)
+        kernel_args("dkdv"), DK=buf.dk, DV=buf.dv, DBIAS_COLS=buf.dbias_cols, DQ=buf.dq32, ROW_SUMS=buf.row_sums,
+        DBIAS=buf.dbias, DBIAS_ROWS=buf.dbias_rows, **_common.stride_args("stride_dk", buf.dk, "bhnd"),
+        **_common.stride_args("stride_dv", buf.dv, "bhnd"), **_common.stride_args("stride_dq", buf.dq32, "bhmd"),
+        NEED_DBIAS_COLS=buf.mode == "cols", NEED_DQ=not deterministic,
+        NEED_DALPHA=bool(need_dalpha) and not deterministic, NEED_DBIAS=not deterministic and buf.mode == "dense",
+        NEED_DBIAS_ROWS=not deterministic and buf.mode == "rows", KEYS_M=_keys_as_m(q.shape[3], v.shape[3]),
+    ), alpha_class, forced.get("dkdv"))
+    if not deterministic:
+        if need_dalpha:
+            _launch("dq", dq_grid, dict(dq_args, PHASE=2), alpha_class, forced.get("dq"))
+        buf = buf._replace(dq=buf.dq32.to(q.dtype))
     dalpha = buf.dalpha_rows.double().sum(dim=(0, 2)).float() if need_dalpha else None
     buf = buf._replace(dk=buf.dk.to(k.dtype), dv=buf.dv.to(v.dtype))  # no copy unless float32 partials
-    dbias = None if buf.mode is None else _dbias(buf, bias, cu_seqlens_q, plans, n_heads, common, alpha_class)
+    dbias = None if buf.mode is None else _dbias(buf, bias, cu_seqlens_q, plans, n_heads, kernel_args("dbias"),
+                                                 alpha_class, forced.get("dbias"))
     if sinks is None:
         return buf.dq, buf.dk, buf.dv, dalpha, dbias
     return buf.dq, buf.dk, buf.dv, dalpha, dbias, dsinks_rows.double().sum(dim=(0, 2)).to(sinks.dtype)
 
 
-def _dbias(buf, bias, cu_seqlens_q, plans, n_heads, common, alpha_class):
+def _dbias(buf, bias, cu_seqlens_q, plans, n_heads, common, alpha_class, forced=None):
     """d bias in the shape of ``bias`` from the kernels' buffers (and the dbias kernel for batch/head broadcasts)."""
     if buf.mode == "blocks":
-        dbias = _dbias_blocks(_masking.mask_shape4(bias), cu_seqlens_q is not None, plans["dbias"], n_heads,
-                              dict(common, BLOCK_M=plans["dbias"].block_m), alpha_class)
+        dbias = _dbias_blocks(_masking.mask_shape4(bias), cu_seqlens_q is not None, plans["dbias"], n_heads, common,
+                              alpha_class, forced)
     else:
         dbias = {"rows": buf.dbias_rows[..., None], "cols": buf.dbias_cols[:, :, None]}.get(buf.mode, buf.dbias)
     return _masking.sum_to_mask(dbias, bias)
 
 
-def _dbias_blocks(bias_shape, is_varlen, plan, n_heads, common, alpha_class):
+def _dbias_blocks(bias_shape, is_varlen, plan, n_heads, common, alpha_class, forced=None):
     """d bias of a mask broadcast over batch and/or heads only, in the mask's 4-d shape (dbias kernel)."""
     dbias = torch.zeros(bias_shape, dtype=torch.float32, device=common["Q"].device)
     full_b, full_h = bias_shape[0] != 1 or is_varlen, bias_shape[1] != 1
     _launch("dbias", (plan.n_q_tiles, n_heads if full_h else 1, plan.n_seq if full_b else 1), dict(
         common, DBIAS=dbias, stride_dbias_b=0 if is_varlen else dbias.stride(0), stride_dbias_h=dbias.stride(1),
         n_b_loop=1 if full_b else plan.n_seq, n_h_loop=1 if full_h else n_heads,
-    ), alpha_class)
+    ), alpha_class, forced)
     return dbias

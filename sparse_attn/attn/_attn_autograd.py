@@ -36,7 +36,7 @@ _OP_TYPES = {
     "cu_seqlens_k": "Tensor?", "max_seqlen_q": "int", "max_seqlen_k": "int", "backend": "str",
     "window_size": "int[]?", "alibi_slopes": "Tensor?", "sinks": "Tensor?", "softcap": "float?", "alpha_class": "str",
     "need_stats": "bool", "need_grad": "bool", "cache_seqlens": "Tensor?", "block_table": "Tensor?",
-    "num_splits": "int?", "block_mask": "Tensor?", "block_size": "int[]?", "seed": "int",
+    "num_splits": "int?", "block_mask": "Tensor?", "block_size": "int[]?", "deterministic": "bool", "seed": "int",
 }
 """The ``torch.library`` schema type of each spec field (and the dropout seed): a spec field missing here fails at
 import, so a new field cannot be forgotten at the op boundary."""
@@ -140,7 +140,8 @@ def _bwd_impl(*args) -> tuple[Tensor, ...]:
     dq, dk, dv, dalpha, dmask, *dsinks = entmax_attn_bwd(
         extra["do"], spec.q, spec.k, spec.v, out, extra["tau"], extra["lsum"], spec.alpha, spec.scale,
         tau_lo=extra["tau_lo"], live=extra["live"], block_m=block_m, block_n=block_n, need_dalpha=extra["need_dalpha"],
-        need_dbias=extra["need_dmask"], out_u=out_u if out_u.shape == out.shape else None, **_launch_kwargs(spec, seed),
+        need_dbias=extra["need_dmask"], out_u=out_u if out_u.shape == out.shape else None,
+        deterministic=spec.deterministic, **_launch_kwargs(spec, seed),
     )
     if dalpha is None:
         dalpha = spec.alpha.new_zeros(0)

@@ -95,6 +95,7 @@ def entmax_attention(
     sinks: torch.Tensor | None = None,
     softcap: float | None = None,
     block_mask=None,
+    deterministic: bool = True,
 ):
     """Attention whose weights are alpha-entmax of the scores, computed tile by tile.
 
@@ -164,6 +165,10 @@ def entmax_attention(
             ``mask_mod`` raises ``ValueError``: give the element mask as ``attn_mask`` / ``is_causal`` /
             ``window_size``). Key ``j`` is visible to query ``i`` iff block ``(i // bq, j // bk)`` is True and every
             other mask allows it. Default None.
+        deterministic: True (default): gradients are bitwise reproducible from run to run. False allows the fused
+            backward to accumulate dQ with atomics inside its dK/dV kernel (five tensor-core products per visited
+            tile instead of seven); its gradients then match float64 within the same tolerance but may differ
+            between runs in the last float32 bits. Other routes are deterministic either way.
 
     Returns:
         ``out`` of shape ``(B, Hq, Nq, Dv)`` in the input dtype, or ``(out, stats)``.
@@ -176,5 +181,6 @@ def entmax_attention(
         enable_gqa=enable_gqa, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, backend=backend, window_size=window_size,
         alibi_slopes=alibi_slopes, sinks=sinks, softcap=softcap, need_stats=return_stats, block_mask=block_mask,
+        deterministic=deterministic,
     )
     return run_attention(spec)

@@ -336,7 +336,7 @@ def prepare_attention(
     window_size: tuple[int, int] | None = None, alibi_slopes: Tensor | None = None, sinks: Tensor | None = None,
     softcap: float | None = None, alpha_in_range: bool = False, need_stats: bool = False, kv_cache: bool = False,
     cache_seqlens: Tensor | int | None = None, block_table: Tensor | None = None, num_splits: int | None = None,
-    block_mask=None, compute_dtype: torch.dtype | None = None,
+    block_mask=None, compute_dtype: torch.dtype | None = None, deterministic: bool = True,
 ) -> AttnSpec:
     """Validate the arguments of :func:`sparse_attn.entmax_attention` and normalize them into the one spec of the call
     (see :class:`~sparse_attn.kernels._spec.AttnSpec`, also named :data:`AttentionInputs`).
@@ -359,6 +359,7 @@ def prepare_attention(
     check_bool("is_causal", is_causal)
     check_bool("enable_gqa", enable_gqa)
     check_bool("need_stats", need_stats)
+    check_bool("deterministic", deterministic)
     if kv_cache:
         cache_seqlens, max_seqlen_k = check_kv_cache(q, k, v, cache_seqlens, block_table, max_seqlen_k, num_splits)
         varlen, kv_names = False, ("k_cache", "v_cache")
@@ -415,5 +416,5 @@ def prepare_attention(
         alpha_class=resolve_spec_alpha_class(alpha_t, alpha_value, alpha_checked), need_stats=need_stats,
         need_grad=need_grad, cache_seqlens=cache_seqlens, block_table=block_table, num_splits=num_splits,
         block_mask=None if block_mask is None else block_mask.mask,
-        block_size=None if block_mask is None else block_mask.block_size,
+        block_size=None if block_mask is None else block_mask.block_size, deterministic=deterministic,
     )

@@ -136,6 +136,9 @@ class EntmaxMultiheadAttention(_HeadAlphaMixin, nn.MultiheadAttention):
             and so does the constructor for a head dim outside [16, 256]. ``"auto"`` runs such calls on
             the reference; on CUDA, where it would otherwise use the kernels, it says so with a
             ``UserWarning``, once per module.
+        deterministic: True (default): bitwise reproducible gradients. False lets the fused backward accumulate the
+            query gradient with atomics (faster, reproducible to float32 rounding only), as
+            :func:`sparse_attn.entmax_attention`'s ``deterministic``.
 
     Forward: ``(query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
     average_attn_weights=True, is_causal=False) -> (out, weights or None)`` with the shapes of
@@ -175,10 +178,11 @@ class EntmaxMultiheadAttention(_HeadAlphaMixin, nn.MultiheadAttention):
         alpha_init: float | Tensor | None = None,
         backend: str = "auto",
         learnable_alpha: bool | None = None,
+        deterministic: bool = True,
     ) -> None:
         nn.Module.__init__(self)
         for name, flag in (("bias", bias), ("add_bias_kv", add_bias_kv), ("add_zero_attn", add_zero_attn),
-                           ("batch_first", batch_first)):
+                           ("batch_first", batch_first), ("deterministic", deterministic)):
             check_bool(name, flag)
         _check_factory(device, dtype)
         for name, val in (("embed_dim", embed_dim), ("num_heads", num_heads), ("kdim", kdim), ("vdim", vdim)):
@@ -208,6 +212,7 @@ class EntmaxMultiheadAttention(_HeadAlphaMixin, nn.MultiheadAttention):
         self.head_dim = embed_dim // num_heads
         self.add_zero_attn = add_zero_attn
         self.backend = backend
+        self.deterministic = deterministic
         if self._packed_in_proj:
             self.in_proj_weight = nn.Parameter(torch.empty(3 * embed_dim, embed_dim, **factory))
             for name in ("q_proj_weight", "k_proj_weight", "v_proj_weight"):
@@ -403,6 +408,7 @@ class EntmaxMultiheadAttention(_HeadAlphaMixin, nn.MultiheadAttention):
         inputs = prepare_attention(
             q, k, v, self._alpha_arg(), attn_mask=mask, is_causal=causal,
             dropout_p=self.dropout if self.training else 0.0, backend=backend, alpha_in_range=True,
+            deterministic=self.deterministic,
         )
 
         out, weights = run_layer_attention(inputs, dense, sink)
