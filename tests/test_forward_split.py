@@ -91,3 +91,25 @@ def test_split_finite_padding_masks_and_huge_scores(kernel_device, alpha):
     out64 = entmax_attention_reference(q.double(), k.double(), v.double(), alpha, scale=32 ** -0.5)
     # scores near 1e4 carry float32's 1e-3 absolute rounding, which bounds the agreement
     assert (shifted.out.double() - out64).abs().max().item() <= 2e-2
+
+
+@pytest.mark.parametrize("alpha", [1.5, 1.3])
+def test_split_variants_match_the_fused_kernel(kernel_device, alpha):
+    """The split forward on every variant at once (a sliding window, soft-capping, a block mask, dropout; causal), the
+    general class included (fused by default): its outputs, statistics and bitmap as the fused kernel's."""
+    q, k, v = _inputs(kernel_device, nq=64, nk=96, seed=11)
+    g = torch.Generator().manual_seed(2)
+    blocks = (torch.rand(1, 2, 4, 6, generator=g) > 0.3).to(kernel_device)
+    kw = dict(is_causal=True, window_size=(40, 0), softcap=5.0, block_mask=(blocks, (16, 16)), dropout_p=0.2, seed=3,
+              need_out_u=True)
+    a = torch.full((2,), alpha, device=kernel_device)
+    got = entmax_attn_fwd(q, k, v, a, 32 ** -0.5, split=True, **kw)
+    want = entmax_attn_fwd(q, k, v, a, 32 ** -0.5, split=False, **kw)
+    for name in ("out", "out_u", "lsum"):
+        assert (getattr(got, name) - getattr(want, name)).abs().max().item() <= 2e-5, name
+    fin = torch.isfinite(want.tau)
+    assert torch.equal(fin, torch.isfinite(got.tau))
+    assert (got.tau[fin] + got.tau_lo[fin] - want.tau[fin] - want.tau_lo[fin]).abs().max().item() <= TOL["tau"][
+        torch.float32]
+    assert torch.equal(got.nnz, want.nnz) and torch.equal(got.n_valid, want.n_valid)
+    assert torch.equal(got.live, want.live)

@@ -167,7 +167,8 @@ def threshold_rows(q, kv, rw, mods, tiles, sc, POW: tl.constexpr, BIAS_KIND: tl.
         done = width_done(exact, lo, hi, usable, tol)
         go = more_passes(done, n_passes, max_passes)
 
-    # a threshold at the max would leave no weight: keep it one rounding step of m below (one-hot on the max key);
-    # rounded as the fused forward rounds it, so that the value pass and the backward form the same threshold
-    tau = tl.where(usable, tl.minimum(est, shift - tl.maximum(tl.abs(m) * 2.4e-7, 1e-15)), 0.0) - shift
+    # a threshold at the max would leave no weight: keep it a rounding step below the row max, which is 0 relative to
+    # itself exactly (one-hot on the max key); rounded as the fused forward rounds it, so that the value pass and the
+    # backward form the same threshold
+    tau = tl.where(usable, tl.minimum(est, shift - tl.maximum(shift * 2.4e-7, 1e-15)), 0.0) - shift
     return m, tau, tl.minimum(lo, tau + shift) - shift, bad, n_valid, n_passes, visits
