@@ -20,7 +20,8 @@ the query close to the last key), one decode step (``Nq = 1``, GQA group 4) prin
 
 GPU (``--gpu``): median time of one decode step (``triton.testing.do_bench``) against
 ``torch.nn.functional.scaled_dot_product_attention`` on the same (contiguous) cache, for a few batch sizes and
-contexts, with the pass and block counters of the run.
+contexts, with the pass and block counters of the run; then the same steps replayed from CUDA graphs (``graph``
+columns: no host work) and the host-bound rate of eager calls issued back to back (``host us``).
 
 Offline builds (``--sm90``; no GPU needed): every kernel of a decode step compiled for sm_90 with the launch
 specialization (``benchmarks/sm90_build.py``), registers, spills, shared memory, async copies, instruction mix.
@@ -112,33 +113,66 @@ def measure(dist, n, alpha, dtype, n_kv_heads=1, group=4, d=64, seed=0, block=64
                 skip_box=skip_box, skip_ball=skip_ball, err=err, ratio=err / max(err_ref, 1e-30), secs=secs)
 
 
+def _graphed(fn):
+    """``fn`` captured in a CUDA graph (after two eager warm-up calls on a side stream), as its replay."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def _host_us(fn, calls: int = 200) -> float:
+    """Microseconds per call of ``fn`` issued back to back with one synchronization at the end: the host's rate when
+    it, not the GPU, is the bottleneck (for small steps)."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
 def gpu_timings(dtype, contexts=(1024, 8192, 32768), batches=(1, 8, 32), heads=32, kv_heads=8, d=128, window=4096):
     """Median milliseconds of one decode step: entmax (alpha 1.5, 1; alpha 1.5 with a ``window``-key sliding window)
-    vs SDPA, contiguous cache, Nq = 1."""
+    vs SDPA, contiguous cache, Nq = 1; the same steps replayed from CUDA graphs; the microseconds per eager call
+    issued back to back (host-bound rate) at alpha = 1.5 and for SDPA."""
     import triton.testing
 
     from sparse_attn.decode import entmax_decode
 
     print(f"# {torch.cuda.get_device_name()} torch {torch.__version__} dtype {dtype} Hq {heads} Hk {kv_heads} D {d}")
     print(f"| B | context | SDPA ms | alpha=1 ms | alpha=1.5 ms | alpha=1.5, window {window} ms | passes (1.5) "
-          "| V blocks read (1.5) |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| V blocks read (1.5) | SDPA graph ms | alpha=1 graph ms | alpha=1.5 graph ms | SDPA host us | "
+          "alpha=1.5 host us |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for n in contexts:
         for b in batches:
             q = torch.randn(b, heads, 1, d, device="cuda", dtype=dtype)
             k = torch.randn(b, kv_heads, n, d, device="cuda", dtype=dtype)
             v = torch.randn_like(k)
             seqlens = torch.full((b,), n, dtype=torch.int32, device="cuda")
-            sdpa = triton.testing.do_bench(functools.partial(torch.nn.functional.scaled_dot_product_attention,
-                                                             q, k, v, enable_gqa=True))
-            soft = triton.testing.do_bench(functools.partial(entmax_decode, q, k, v, seqlens, 1.0))
-            ent = triton.testing.do_bench(functools.partial(entmax_decode, q, k, v, seqlens, 1.5))
-            win = triton.testing.do_bench(functools.partial(entmax_decode, q, k, v, seqlens, 1.5,
-                                                            window_size=(window - 1, 0)))
+            steps = {
+                "sdpa": functools.partial(torch.nn.functional.scaled_dot_product_attention, q, k, v, enable_gqa=True),
+                "soft": functools.partial(entmax_decode, q, k, v, seqlens, 1.0),
+                "ent": functools.partial(entmax_decode, q, k, v, seqlens, 1.5),
+                "win": functools.partial(entmax_decode, q, k, v, seqlens, 1.5, window_size=(window - 1, 0)),
+            }
+            ms = {name: triton.testing.do_bench(fn) for name, fn in steps.items()}
+            graph_ms = {name: triton.testing.do_bench(_graphed(steps[name])) for name in ("sdpa", "soft", "ent")}
+            host = {name: _host_us(steps[name]) for name in ("sdpa", "ent")}
             res = dec.entmax_decode_fwd(q, k, v, seqlens, 1.5, d ** -0.5)
             reads = res.blocks_read.sum(dim=(0, 1, 2, 3, 4)).double()
-            print(f"| {b} | {n} | {sdpa:.3f} | {soft:.3f} | {ent:.3f} | {win:.3f} | "
-                  f"{res.n_passes.double().mean().item():.2f} | {reads[-1].item() / reads[0].item():.2f} |", flush=True)
+            print(f"| {b} | {n} | {ms['sdpa']:.3f} | {ms['soft']:.3f} | {ms['ent']:.3f} | {ms['win']:.3f} | "
+                  f"{res.n_passes.double().mean().item():.2f} | {reads[-1].item() / reads[0].item():.2f} | "
+                  f"{graph_ms['sdpa']:.3f} | {graph_ms['soft']:.3f} | {graph_ms['ent']:.3f} | {host['sdpa']:.0f} | "
+                  f"{host['ent']:.0f} |", flush=True)
 
 
 SM90_CLASSES = {"softmax": 1.0, "sparsemax": 2.0, "entmax15": 1.5, "general": 1.25, "mixed": None}
@@ -147,8 +181,9 @@ SM90_CLASSES = {"softmax": 1.0, "sparsemax": 2.0, "entmax15": 1.5, "general": 1.
 def sm90_builds(head_dim: int, alpha_class: str, paged: bool = True, mask: str | None = None, causal: bool = False,
                 dtype=torch.bfloat16, batch: int = 4, n: int = 4096, heads: int = 32, kv_heads: int = 8,
                 variants: bool = False):
-    """Build every kernel one decode step launches (each split-kernel phase of each alpha class, the combine) for
-    sm_90 as the launcher launches it (``benchmarks/sm90_build.py``); one analysis dict per distinct kernel.
+    """Build every kernel one decode step launches (the score and the value pass of each alpha class, each with its
+    last-program part: the candidate passes, the combine) for sm_90 as the launcher launches it
+    (``benchmarks/sm90_build.py``); one analysis dict per distinct kernel.
 
     ``mask``: None, ``"float"`` (an additive ``(B, 1, 1, Nk)`` bias) or ``"bool"`` (a keep mask). ``variants``:
     every attention variant at once (a ``(1024, 0)`` window, ALiBi, a soft cap, sinks, ``Dv = head_dim / 2``).
@@ -167,25 +202,18 @@ def sm90_builds(head_dim: int, alpha_class: str, paged: bool = True, mask: str |
                  sinks=torch.zeros(heads)) if variants else {}
     value = SM90_CLASSES[alpha_class]
     alpha = torch.tensor([1.0, 1.5, 2.0, 1.25] * (heads // 4)) if value is None else value
-    combine = []
-
-    def launch():
-        kernel, launches = captured_launches(
-            dec, "_entmax_decode_combine_kernel", dec.entmax_decode_fwd, q, k, v,
-            torch.full((batch,), n, dtype=torch.int32), alpha, head_dim ** -0.5, block_table=table, bias=bias,
-            is_causal=causal, num_splits=8, alpha_class=alpha_class, **extra)
-        combine.extend((kernel, g, a, kw) for g, a, kw in launches)
-
-    split_kernel, launches = captured_launches(dec, "_entmax_decode_split_kernel", launch)
+    split_kernel, launches = captured_launches(
+        dec, "_entmax_decode_split_kernel", dec.entmax_decode_fwd, q, k, v, torch.full((batch,), n, dtype=torch.int32),
+        alpha, head_dim ** -0.5, block_table=table, bias=bias, is_causal=causal, num_splits=8, alpha_class=alpha_class,
+        **extra)
     seen, out = set(), []
-    for kernel, _, args, kwargs in [(split_kernel, *x) for x in launches] + combine:
-        name = "combine" if kernel is not split_kernel else \
-            f"phase{kwargs['PHASE']}{'g' if kwargs['FROM_GRID'] else ''}"
+    for _, args, kwargs in launches:
+        name = f"phase{kwargs['PHASE']}"
         key = (name, kwargs.get("ALPHA_CLASS"))
         if key in seen:
             continue
         seen.add(key)
-        info = analyse(compile_like_launch(kernel, args, kwargs))
+        info = analyse(compile_like_launch(split_kernel, args, kwargs))
         cls = {v: c for c, v in dec.ALPHA_CLASSES.items()}.get(kwargs.get("ALPHA_CLASS"), "all")
         info.update(kernel=name, d=head_dim, alpha=cls + (" (filtered)" if kwargs.get("FILTER") else ""),
                     block=f"{kwargs['BLOCK_M']}x{kwargs.get('BLOCK_N', '-')}", warps=kwargs.get("num_warps", 4),

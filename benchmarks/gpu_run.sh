@@ -6,7 +6,7 @@
 #   MODE=bench bash benchmarks/gpu_run.sh [OUT_DIR]     # gpu-marked tests, then the full grid
 #   MODE=tune bash benchmarks/gpu_run.sh [OUT_DIR]      # launch-config sweep (benchmarks/tune_tiles.py)
 #   MODE=profile bash benchmarks/gpu_run.sh [OUT_DIR]   # one forward case under Nsight Compute (profile_ncu.sh)
-#   MODE=decode bash benchmarks/gpu_run.sh [OUT_DIR]    # decode steps vs SDPA (benchmarks/decode.py --gpu)
+#   MODE=decode bash benchmarks/gpu_run.sh [OUT_DIR]    # decode steps vs SDPA (benchmarks/decode.py --gpu), host time by stage (decode_host.py --device cuda)
 #
 # OUT_DIR defaults to $OUT (the device tool's return folder), else benchmarks/results/<gpu-name>/ (bench),
 # .../<gpu-name>/<mode>/ (headline, tune, profile, decode). It receives:
@@ -153,6 +153,9 @@ case "$MODE" in
       # shellcheck disable=SC2086
       timeout $(( left - 10 )) "$PY" benchmarks/decode.py --gpu ${DECODE_ARGS:---dtype bf16}
       echo "gpu_run: decode exit status $?"
+      echo "command: python benchmarks/decode_host.py --device cuda --steps 200"
+      timeout $(( TOTAL_S - (SECONDS - START) - 5 )) "$PY" benchmarks/decode_host.py --device cuda --steps 200
+      echo "gpu_run: decode_host exit status $?"
     } 2>&1 | tee "$OUT_DIR/decode.md"
     exit "${PIPESTATUS[0]}"
     ;;

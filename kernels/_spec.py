@@ -111,6 +111,15 @@ class AttnSpec:
                              alibi_slopes=self.alibi_slopes, sinks=self.sinks, softcap=self.softcap,
                              n_kv_heads=self.n_kv_heads, need_grad=self.need_grad, block_mask=self.block_mask)
 
+    def swapped(self, **fields) -> AttnSpec:
+        """A copy with ``fields`` replaced, without running ``__init__`` again: only for tensors that stand where
+        tensors of the same type, shape, dtype, device and ``requires_grad`` stood (what the checks read), as the
+        cached gate of :func:`sparse_attn.entmax_decode` swaps in each step's tensors."""
+        spec = object.__new__(AttnSpec)
+        spec.__dict__.update(self.__dict__)
+        spec.__dict__.update(fields)
+        return spec
+
     @property
     def is_varlen(self) -> bool:
         """Packed sequences (``cu_seqlens``)."""

@@ -476,7 +476,11 @@ def _bad_call(**overrides):
     "overrides,exc,match",
     [
         (dict(q=torch.randn(2, 3, 1, 16)), ValueError, "multiple of the number of kv heads"),
-        (dict(q=torch.randn(2, 4, 17, 16), backend="triton"), ValueError, "at most 16 queries"),
+        (dict(q=torch.randn(2, 4, 17, 16), attn_mask=torch.zeros(1, 1, 17, 10), window_size=(3, 0), backend="triton"),
+         ValueError, "window_size or alibi_slopes without is_causal"),
+        (dict(block_mask=torch.ones(2, 1, 1, 3, dtype=torch.bool)), TypeError, "block_mask"),
+        (dict(block_mask=sa.BlockSparseMask(torch.ones(2, 1, 1, 2, dtype=torch.bool), (1, 4))), ValueError,
+         "block_mask"),
         (dict(k_cache=torch.randn(3, 2, 10, 16), v_cache=torch.randn(3, 2, 10, 16)), ValueError, "batch size"),
         (dict(v_cache=torch.randn(2, 2, 9, 16)), ValueError, "k_cache and v_cache"),
         (dict(k_cache=torch.randn(2, 2, 10, 16).half()), TypeError, "one dtype"),
@@ -741,9 +745,10 @@ _DECODE_BENCH = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks",
 
 
 def test_compiles_for_sm90():
-    """Every launch of a decode step (score, candidate and value passes of each alpha class, the combine) compiles
-    for sm_90 with the specialization a real launch gets, paged, with a float mask, and again with a boolean mask
-    and every attention variant at once (benchmarks/decode.py --sm90-check)."""
+    """Every launch of a decode step (score and value pass of each alpha class, with the candidate passes and the
+    combine of their last programs) compiles for sm_90 with the specialization a real launch gets, paged, with a
+    float mask, and again with a boolean mask and every attention variant at once (benchmarks/decode.py
+    --sm90-check)."""
     env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
     proc = subprocess.run([sys.executable, _DECODE_BENCH, "--sm90-check"], env=env, capture_output=True, text=True,
                           timeout=900)

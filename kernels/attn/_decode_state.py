@@ -14,7 +14,7 @@ from .. import _common
 from .._common import LN2, LOG2E, alpha_class_id
 from .._masking import block_visible, program_mods
 from ._threshold import Bracket, log_ref, merge_points, open_bracket, phi, pick_bracket, solve, weight_done
-from ._threshold_tiles import anchor, cand_points, ring_index
+from ._threshold_tiles import anchor, cand_points, cand_sums, ring_index
 
 # per-row merged threshold state carried from launch to launch (columns of STATE)
 N_STATE = tl.constexpr(20)
@@ -160,9 +160,9 @@ def _grid_state(GRID_ROW, GRID_PTS, split_rows, n_splits, active, am1, beta, bm1
     bad = tl.zeros([BLOCK_M], tl.float32)
     for s in range(0, n_splits):
         row = GRID_ROW + (split_rows + s) * N_PART
-        m = tl.maximum(m, tl.load(row, mask=active, other=float("-inf")))
-        n_valid += tl.load(row + 2, mask=active, other=0.0)
-        bad = tl.maximum(bad, tl.load(row + 3, mask=active, other=0.0))
+        m = tl.maximum(m, tl.load(row, mask=active, other=float("-inf"), cache_modifier=".cg"))
+        n_valid += tl.load(row + 2, mask=active, other=0.0, cache_modifier=".cg")
+        bad = tl.maximum(bad, tl.load(row + 3, mask=active, other=0.0, cache_modifier=".cg"))
     valid = n_valid > 0.0
     usable = valid & (bad == 0.0) & active
     ref = tl.where(usable, anchor(m, GRID_K), 0.0)
@@ -172,10 +172,10 @@ def _grid_state(GRID_ROW, GRID_PTS, split_rows, n_splits, active, am1, beta, bm1
     j_far = tl.zeros([BLOCK_M], tl.float32)
     for s in range(0, n_splits):
         row = GRID_ROW + (split_rows + s) * N_PART
-        has = tl.load(row, mask=usable, other=float("-inf")) > float("-inf")
-        j_s = tl.load(row + 1, mask=has, other=0.0)
-        j_top = tl.maximum(j_top, tl.where(has, j_s + (tl.load(row + 4, mask=has, other=0.0) - ref) * (GRID_K - 1),
-                                           -1e30))
+        has = tl.load(row, mask=usable, other=float("-inf"), cache_modifier=".cg") > float("-inf")
+        j_s = tl.load(row + 1, mask=has, other=0.0, cache_modifier=".cg")
+        ref_s = tl.load(row + 4, mask=has, other=0.0, cache_modifier=".cg")
+        j_top = tl.maximum(j_top, tl.where(has, j_s + (ref_s - ref) * (GRID_K - 1), -1e30))
         j_far = tl.maximum(j_far, tl.abs(j_s))
     m = tl.where(usable, m - ref, 0.0)
     j_top = tl.where(usable, j_top, 0.0)
@@ -187,14 +187,14 @@ def _grid_state(GRID_ROW, GRID_PTS, split_rows, n_splits, active, am1, beta, bm1
     C = tl.zeros([BLOCK_M, GRID_K], tl.float32)
     for s in range(0, n_splits):
         row = GRID_ROW + (split_rows + s) * N_PART
-        m_s = tl.load(row, mask=usable, other=float("-inf"))
-        off_s = (tl.load(row + 4, mask=usable, other=0.0) - ref) * (GRID_K - 1)
-        j_s = tl.load(row + 1, mask=usable, other=-1e30) + off_s
+        m_s = tl.load(row, mask=usable, other=float("-inf"), cache_modifier=".cg")
+        off_s = (tl.load(row + 4, mask=usable, other=0.0, cache_modifier=".cg") - ref) * (GRID_K - 1)
+        j_s = tl.load(row + 1, mask=usable, other=-1e30, cache_modifier=".cg") + off_s
         pts = GRID_PTS + (split_rows + s)[:, None] * (3 * GRID_K) + tl.arange(0, GRID_K)[None, :]
         same = ((ring_index(j_s[:, None], slot[None, :], GRID_K) == i_glob) & usable[:, None]
                 & (m_s > float("-inf"))[:, None])
-        f_s = tl.load(pts, mask=same, other=0.0)
-        g_s = tl.load(pts + GRID_K, mask=same, other=0.0)
+        f_s = tl.load(pts, mask=same, other=0.0, cache_modifier=".cg")
+        g_s = tl.load(pts + GRID_K, mask=same, other=0.0, cache_modifier=".cg")
         if POW == 0:
             # rescale from the split max's term to the global max's
             d_l = log_ref((m_s - ref)[:, None], t_glob) - l_glob
@@ -203,7 +203,7 @@ def _grid_state(GRID_ROW, GRID_PTS, split_rows, n_splits, active, am1, beta, bm1
         else:
             F += f_s
             G += g_s
-            C += tl.load(pts + 2 * GRID_K, mask=same, other=0.0)
+            C += tl.load(pts + 2 * GRID_K, mask=same, other=0.0, cache_modifier=".cg")
     # beyond 2**22 grid steps fp32 cannot index the grid: those rows start from [m - 1, m], phi(m - 1) unknown
     grid_ok = (tl.abs(j_top) < 4194304.0) & (j_far < 4194304.0)
     br = open_bracket(m, grid_ok, shift)
@@ -254,21 +254,14 @@ def _load_state(STATE, state_rows, active):
 
 
 @triton.jit
-def _merge_cands(CAND, split_rows, n_splits, active, m, br, est, lo, hi, exact, usable, am1, tol, POW: tl.constexpr,
-                 CAND_P: tl.constexpr):
-    """Merge the candidate sums of all splits at the points of the state into its bracket ``br`` and solve again
-    (rows already done are left as they are). Returns the updated bracket, estimate and certified bounds."""
-    t_p, l_p = cand_points(m, lo, hi, CAND_P)
-    cand = tl.arange(0, CAND_P)
-    FP = tl.zeros([m.shape[0], CAND_P], tl.float32)
-    GP = tl.zeros([m.shape[0], CAND_P], tl.float32)
-    CP = tl.zeros([m.shape[0], CAND_P], tl.float32)
-    for s in range(0, n_splits):
-        pts = CAND + (split_rows + s)[:, None] * (3 * CAND_P) + cand[None, :]
-        FP += tl.load(pts, mask=active[:, None], other=0.0)
-        GP += tl.load(pts + CAND_P, mask=active[:, None], other=0.0)
-        CP += tl.load(pts + 2 * CAND_P, mask=active[:, None], other=0.0)
-    act = (weight_done(exact, lo, hi, br.da, 1.0 / am1, usable, tol) == 0) & active
+def _merge_cands(sums, pts, state, am1, tol, POW: tl.constexpr, CAND_P: tl.constexpr):
+    """Merge a candidate pass's sums ``(FP, GP, CP)`` at its points ``(t_p, l_p)`` into the bracket of ``state``
+    (``(br, est, lo, hi, exact, usable)``) and solve again (rows already done are left as they are). Returns the
+    updated ``(br, est, lo, hi, exact)``."""
+    FP, GP, CP = sums
+    t_p, l_p = pts
+    br, est, lo, hi, exact, usable = state
+    act = weight_done(exact, lo, hi, br.da, 1.0 / am1, usable, tol) == 0
     ph, dph = phi(FP, GP, POW, am1[:, None], l_p)
     # rows that are done take no point (NaN compares false), so their bracket stays well formed
     new = merge_points(Bracket(*br[:10], br.top != 0.0), tl.where(act[:, None], t_p, float("nan")), ph, dph, FP, GP,
@@ -284,6 +277,86 @@ def _merge_cands(CAND, split_rows, n_splits, active, m, br, est, lo, hi, exact, 
 
 
 @triton.jit
+def _tile_list(LIST, LIVE_N, n_splits, blocks_per_split):
+    """Gather the live lists of a row tile's splits (split ``s``'s ``LIVE_N[s]`` entries at ``LIST + s *
+    blocks_per_split``) into one list at ``LIST``, in place (a write never overtakes a read), its length in
+    ``LIVE_N[0]``; returns the length."""
+    n_all = tl.zeros([], tl.int32)
+    for s in range(0, n_splits):
+        n_s = tl.load(LIVE_N + s, cache_modifier=".cg")
+        for idx in range(0, n_s):
+            tl.store(LIST + n_all + idx, tl.load(LIST + s * blocks_per_split + idx, cache_modifier=".cg"))
+        n_all += n_s
+    tl.store(LIVE_N, n_all)
+    return n_all
+
+
+@triton.jit
+def _cand_passes(store, n_in, n_slots, state, ent, zs, tol, SCORE, POW: tl.constexpr, CAND_P: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
+    """The candidate passes of one row tile, run by the last program of its score pass over the tile's ``n_in`` live
+    blocks (their stored scores; the list of :func:`_tile_list`): while a row is not pinned down and the budget
+    lasts (``n_slots - 3`` passes), ``f``, ``g``, ``c`` at ``CAND_P`` points of the bracket, the list rewritten in
+    place without the blocks below the certified lower bound, and the sums merged into the bracket
+    (:func:`_merge_cands`).
+
+    ``store``: ``(Z, z_rows, LIST, LIVE_N, READS)``, the tile's stored scores (rows ``z_rows``), its list, its length
+    (in ``LIVE_N[0]``) and block counters (candidate pass ``p`` in ``READS[1 + p]``); ``state``: ``(m, br, est, lo,
+    hi, exact, usable, passes, ref)`` as :func:`_grid_state` gives it; ``ent``: ``(am1, beta, bm1, shift)``; ``zs``
+    the sink tile. Returns ``state`` after the passes."""
+    Z, z_rows, LIST, LIVE_N, READS = store
+    m, br, est, lo, hi, exact, usable, passes, ref = state
+    am1, beta, bm1, shift = ent
+    ok_row = usable != 0.0
+    col_blk = tl.arange(0, BLOCK_N)
+    cand = tl.arange(0, CAND_P).to(tl.float32)
+    zero = tl.zeros([m.shape[0]], tl.float32)
+    n_pass = 0
+    go = tl.max((weight_done(exact, lo, hi, br.da, beta, usable, tol) == 0).to(tl.int32), 0)
+    while (go != 0) & (n_pass < n_slots - 3):
+        t_p, l_p = cand_points(m, lo, hi, CAND_P)
+        FP = tl.zeros([m.shape[0], CAND_P], tl.float32)
+        GP = tl.zeros([m.shape[0], CAND_P], tl.float32)
+        CP = tl.zeros([m.shape[0], CAND_P], tl.float32)
+        lo_kill = lo - shift
+        n_out = tl.zeros([], tl.int32)
+        for idx in range(0, n_in):
+            kt = tl.load(LIST + idx)
+            z = tl.load(Z + z_rows[:, None] + (kt * BLOCK_N + col_blk)[None, :], mask=ok_row[:, None],
+                        other=float("-inf"), cache_modifier=".cg") - ref[:, None]
+            live = tl.max((z > lo_kill[:, None]).to(tl.int32))
+            tl.store(LIST + n_out, kt, mask=live != 0)
+            n_out += live
+            _, _, _, FP, GP, CP = cand_sums(z, (zero, zero, t_p, l_p, cand), (zero, zero, zero, FP, GP, CP),
+                                            POW, CAND_P, bm1[:, None])
+        if SCORE[3]:
+            _, _, _, FP, GP, CP = cand_sums(zs - ref[:, None], (zero, zero, t_p, l_p, cand),
+                                            (zero, zero, zero, FP, GP, CP), POW, CAND_P, bm1[:, None])
+        br, est, lo, hi, exact = _merge_cands((FP, GP, CP), (t_p, l_p), (br, est, lo, hi, exact, usable), am1, tol,
+                                              POW, CAND_P)
+        tl.store(READS + 1 + n_pass, n_in)
+        n_in = n_out
+        passes += 1.0
+        n_pass += 1
+        go = tl.max((weight_done(exact, lo, hi, br.da, beta, usable, tol) == 0).to(tl.int32), 0)
+    tl.store(LIVE_N, n_in)
+    return m, br, est, lo, hi, exact, usable, passes, ref
+
+
+@triton.jit
+def _last_arrival(COUNT, n_splits):
+    """Whether this program is the last of its row tile's ``n_splits`` programs to finish the launch (a ticket taken
+    with an atomic add on the tile's counter, ``COUNT``), so that it may read what all of them stored: the barrier
+    orders every thread's stores before the ticket (released at GPU scope), the ticket's acquire orders the reads
+    after it. The last program sets the counter back to 0 for the next launch (counters are zero at rest)."""
+    tl.debug_barrier()
+    ticket = tl.atomic_add(COUNT, 1, sem="acq_rel", scope="gpu")
+    last = ticket == n_splits - 1
+    tl.store(COUNT, 0, mask=last)
+    return last
+
+
+@triton.jit
 def _store_partials(PART_ROW, PART_ACC, split_rows, active, m, l_sum, nnz, acc, HEAD_DIM_V: tl.constexpr,
                     BLOCK_DV: tl.constexpr):
     """One split's value-pass results: max (softmax; 0 for entmax), sum of weights, support size, ``acc``."""
@@ -296,51 +369,43 @@ def _store_partials(PART_ROW, PART_ACC, split_rows, active, m, l_sum, nnz, acc, 
 
 
 @triton.jit
-def _entmax_decode_combine_kernel(
-    OUT, TAU, NNZ, N_VALID, ALPHA, PART_ROW, PART_ACC,
-    stride_ob, stride_oh, stride_om, stride_od,
-    n_heads, n_kv_heads, kv_group, seqlen_q, n_rows, n_row_tiles, n_splits, SCORE, MODS,
-    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
-):
-    """One program per (kv head x row tile, batch entry): ``out = sum_s w_s acc_s / sum_s w_s l_s`` with
-    ``w_s = e^(m_s - max m)`` (1 for entmax rows, whose split maxima are 0), and the row statistics. The sink of a
-    softmax row joins here (its max and denominator; entmax rows have it in their threshold and split 0's sum)."""
-    h_kv = tl.program_id(0) // n_row_tiles
-    rt = tl.program_id(0) % n_row_tiles
-    b = tl.program_id(1)
-    r, i, h, row_ok, alpha = _packed_rows(ALPHA, rt, h_kv, kv_group, seqlen_q, n_rows, 0, False, BLOCK_M)
-    split_rows = (((b * n_kv_heads + h_kv) * (n_row_tiles * BLOCK_M) + r) * n_splits).to(tl.int64)
+def _combine_rows(OUTS, PART_ROW, PART_ACC, split_rows, n_splits, stat_offs, active, alpha, sink,
+                  HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """The combine of a row tile's ``active`` rows, run by the last program of their value (or softmax) pass:
+    ``out = sum_s w_s acc_s / sum_s w_s l_s`` with ``w_s = e^(m_s - max m)`` (1 for entmax rows, whose split maxima are
+    0), and the row statistics. ``OUTS``: ``(OUT, TAU, NNZ, N_VALID)``, ``OUT`` contiguous ``(B, Hq, Nq, Dv)``, the
+    statistics at ``stat_offs``; the sink logit ``sink`` of a softmax row joins here (its max and denominator; entmax
+    rows have it in their threshold and split 0's sum; their ``tau`` is stored by the value pass)."""
+    OUT, TAU, NNZ, N_VALID = OUTS
     offs_d = tl.arange(0, BLOCK_DV)
     d_ok = offs_d < HEAD_DIM_V
-    sink = _row_mods(MODS, b, h, SCORE)[4] + tl.zeros([BLOCK_M], tl.float32)
     sink_bad = (alpha == 1.0) & ((sink != sink) | (sink == float("inf")))
     s_sink = tl.where((alpha == 1.0) & (sink_bad == 0), sink, float("-inf"))
     m = s_sink
     for s in range(0, n_splits):
-        m = tl.maximum(m, tl.load(PART_ROW + (split_rows + s) * N_PART, mask=row_ok, other=float("-inf")))
+        m = tl.maximum(m, tl.load(PART_ROW + (split_rows + s) * N_PART, mask=active, other=float("-inf"),
+                                  cache_modifier=".cg"))
     m_safe = tl.where(m > float("-inf"), m, 0.0)
     l_sum = tl.exp2((s_sink - m_safe) * LOG2E)
-    nnz = tl.zeros([BLOCK_M], tl.float32)
-    n_valid = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    nnz = tl.zeros([m.shape[0]], tl.float32)
+    n_valid = tl.zeros([m.shape[0]], tl.float32)
+    acc = tl.zeros([m.shape[0], BLOCK_DV], tl.float32)
     for s in range(0, n_splits):
         row = PART_ROW + (split_rows + s) * N_PART
-        w = tl.exp2((tl.load(row, mask=row_ok, other=float("-inf")) - m_safe) * LOG2E)
-        l_sum += w * tl.load(row + 1, mask=row_ok, other=0.0)
-        nnz += tl.load(row + 2, mask=row_ok, other=0.0)
-        n_valid += tl.load(row + 3, mask=row_ok, other=0.0)
+        w = tl.exp2((tl.load(row, mask=active, other=float("-inf"), cache_modifier=".cg") - m_safe) * LOG2E)
+        l_sum += w * tl.load(row + 1, mask=active, other=0.0, cache_modifier=".cg")
+        nnz += tl.load(row + 2, mask=active, other=0.0, cache_modifier=".cg")
+        n_valid += tl.load(row + 3, mask=active, other=0.0, cache_modifier=".cg")
         part = tl.load(PART_ACC + (split_rows + s)[:, None] * HEAD_DIM_V + offs_d[None, :],
-                       mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+                       mask=active[:, None] & d_ok[None, :], other=0.0, cache_modifier=".cg")
         acc += w[:, None] * part
     is_bad = (l_sum != l_sum) | sink_bad
     ok = l_sum > 0.0
     out = tl.where(ok[:, None], acc / tl.where(ok, l_sum, 1.0)[:, None], 0.0)
     out = tl.where(is_bad[:, None], float("nan"), out)
-    o_rows = b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + i.to(tl.int64) * stride_om
-    tl.store(OUT + o_rows[:, None] + offs_d[None, :] * stride_od, out.to(OUT.dtype.element_ty),
-             mask=row_ok[:, None] & d_ok[None, :])
-    stat_offs = (b.to(tl.int64) * n_heads + h) * seqlen_q + i
-    tl.store(NNZ + stat_offs, tl.where(is_bad, 0.0, nnz).to(tl.int32), mask=row_ok)
-    tl.store(N_VALID + stat_offs, n_valid.to(tl.int32), mask=row_ok)
+    tl.store(OUT + stat_offs[:, None] * HEAD_DIM_V + offs_d[None, :], out.to(OUT.dtype.element_ty),
+             mask=active[:, None] & d_ok[None, :])
+    tl.store(NNZ + stat_offs, tl.where(is_bad, 0.0, nnz).to(tl.int32), mask=active)
+    tl.store(N_VALID + stat_offs, n_valid.to(tl.int32), mask=active)
     tau_soft = tl.where(n_valid > 0.0, m_safe + tl.log2(tl.where(ok, l_sum, 1.0)) * LN2, float("inf"))
-    tl.store(TAU + stat_offs, tl.where(is_bad, float("nan"), tau_soft), mask=row_ok & (alpha == 1.0))
+    tl.store(TAU + stat_offs, tl.where(is_bad, float("nan"), tau_soft), mask=active & (alpha == 1.0))

@@ -53,8 +53,8 @@ DECODE_POINTS = {1: (8, 8), 2: (8, 8), 0: (8, 4)}
 FAST_BETA_MAX = tl.constexpr(256.0)
 # passes over the key range per query tile at most (grid and value pass included) in the fused forward
 FWD_MAX_PASSES = 32
-# launches of the decode split kernel per step (score pass and value pass included) by input dtype; a candidate
-# launch whose row tile has converged returns after its merge
+# passes of a decode step at most (score pass and value pass included) by input dtype; the candidate passes between
+# them stop once the row tile has converged
 DECODE_MAX_PASSES = {torch.float16: 3, torch.bfloat16: 3, torch.float32: 5}
 # Stop refining a row's threshold once its certified bracket is this narrow (forward: relative to 1 + |tau|; decode:
 # the change of the row's total weight across it): the value pass renormalizes, and half-precision outputs round far

@@ -2,34 +2,34 @@
 
 One program owns one key range (a *split*) of one (batch entry, kv head, row tile); its rows are the
 ``Nq x (Hq / Hk)`` queries that read that kv head (GQA packing: every q head of a group shares one read of
-the cache). For alpha > 1 a decode step is a short chain of launches of one kernel, every split working on
-its own key blocks and every later launch first combining what all splits of the previous one wrote:
+the cache). For alpha > 1 a decode step is two launches of one kernel, every split working on its own key blocks,
+and in each launch the last program of a row tile to finish (a ticket per tile, ``_decode_state._last_arrival``)
+doing what needs every split's results:
 
 1. **score pass** (``PHASE 0``): the scores ``z = (alpha - 1) s`` of the split's keys are computed once
    from the cache and stored (``Z``, float32, ``Nq x Hq / Hk`` rows per kv head: a fraction of the key
    cache's own size), together with the split's row max, valid-key count, NaN flag and ``f``, ``g``, ``c``
    at ``GRID_K`` grid points ``ref + i / (GRID_K - 1)`` below the split's own running max (the forward's
    ring, kernels/attn/entmax_attn_fwd.py; ``ref`` the split's reference score, ``_threshold_tiles.anchor``).
-   Blocks whose scores all lie below the lowest point are dead.
-2. **candidate passes** (``PHASE 1``, at most ``max_passes - 2`` launches): every program merges the
-   splits' grid sums into the global sums (exact: the splits' references are a whole number of ring turns apart,
-   so their grids are one grid and each slot of a split is that slot of the global ring; a point above a split's
-   own max simply has nothing from that split), or the previous pass's candidate sums into the previous
-   bracket, solves for a certified bracket and an estimate (kernels/attn/_threshold.py) and, while a row of
-   its tile is not pinned down, evaluates ``CAND_P`` points of the bracket over its live blocks, reading
-   the stored scores (not the cache) and dropping blocks below the certified lower bound.
-3. **value pass** (``PHASE 2``): the final threshold (same merge and solve), then for every live block
-   the weights; the block's value rows are read only when some weight is positive. Partial
-   ``sum_j p_j v_j``, ``sum_j p_j`` and support sizes per split.
-4. **combine** (second kernel): ``out = sum_s acc_s / sum_s l_s`` and the statistics.
+   Blocks whose scores all lie below the lowest point are dead. The last program merges the splits' grid sums into
+   the global sums (exact: the splits' references are a whole number of ring turns apart, so their grids are one
+   grid and each slot of a split is that slot of the global ring; a point above a split's own max simply has
+   nothing from that split), solves for a certified bracket and an estimate (kernels/attn/_threshold.py) and,
+   while a row of the tile is not pinned down (at most ``max_passes - 2`` times), runs a **candidate pass** over
+   every split's live blocks: ``CAND_P`` points of the bracket, from the stored scores (not the cache), dropping
+   blocks below the certified lower bound (``_decode_state._cand_passes``). It stores the final threshold state of
+   the tile.
+2. **value pass** (``PHASE 2``): with that threshold, for every live block of the split the weights; the block's
+   value rows are read only when some weight is positive. Partial ``sum_j p_j v_j``, ``sum_j p_j`` and support
+   sizes per split; the last program combines them: ``out = sum_s acc_s / sum_s l_s`` and the statistics
+   (``_decode_state._combine_rows``).
 
-alpha == 1 is flash-decoding: one pass per split (online softmax, exponents ``(s - m) log2(e)`` in the scores' own
-scale) and the same combine, rescaled by the split maxima. Every later pass takes the stored scores relative to the
-row's reference score (docs/kernels.md, "Shift invariance"). A launch whose row tile has nothing left to refine
-returns after its merge, so the number of launches is fixed on the host (no synchronization) while the passes adapt.
-Every program of a launch computes the same merge from the same inputs with the same code, so all
-splits use bitwise the same threshold. No atomics: each split writes only its own slots; split 0
-also writes the merged state the next launch starts from (two buffers, alternating).
+alpha == 1 is flash-decoding: one launch, one pass per split (online softmax, exponents ``(s - m) log2(e)`` in the
+scores' own scale), the last program combining the splits rescaled by their maxima. Every pass after the score pass
+takes the stored scores relative to the row's reference score (docs/kernels.md, "Shift invariance"). The number of
+launches is fixed on the host (no synchronization) while the candidate passes adapt. Each split writes only its
+own slots; the last program of a launch reads them all (the ticket orders its reads after every split's stores) and
+sets the ticket back to zero.
 
 The attention variants are the forward's, from ``kernels/_masking.py``: the scores are soft-capped, get ALiBi's
 term and the window (``MASK``, ``SCORE``) with the decode alignment (query ``i`` at key position
@@ -53,30 +53,28 @@ import triton.language as tl
 
 from .. import _common
 from .._common import ALPHA_CLASSES, LOG2E, alpha_class_of, class_launches, resolve_alpha_class
-from .._masking import key_block_range, key_blocks_spanned, mask_spec, score_mod, score_spec, sink_tile
+from .._masking import key_block_range, score_mod, sink_tile
+from . import _decode_launch as _launch
 from ._decode_state import (
     N_PART,
-    N_STATE,
-    _cache_spec,
     _cache_strides,
     _cache_tile,
-    _entmax_decode_combine_kernel,
+    _cand_passes,
+    _combine_rows,
     _grid_state,
+    _last_arrival,
     _load_state,
-    _merge_cands,
     _packed_rows,
     _read_count,
     _row_mods,
     _store_partials,
     _store_points,
     _store_state,
+    _tile_list,
     _tile_live,
 )
-from ._threshold import DECODE_MAX_PASSES, DECODE_POINTS, default_tolerance, weight_done, weights
-from ._threshold_tiles import cand_points, cand_sums, grid_counts, grid_start, grid_sums, grid_tile
-
-# Nq * Hq / Hk rows per program at most; more rows take more row tiles (each reads the cache again)
-MAX_BLOCK_M = 32
+from ._threshold import weights
+from ._threshold_tiles import grid_counts, grid_start, grid_sums, grid_tile
 
 
 class EntmaxDecodeResult(NamedTuple):
@@ -87,13 +85,15 @@ class EntmaxDecodeResult(NamedTuple):
                  ``+inf`` for rows with no valid key, NaN for rows with a NaN or ``+inf`` score.
     nnz:         int32 ``(B, Hq, Nq)``: support size (valid keys at alpha == 1; 0 for NaN rows).
     n_valid:     int32 ``(B, Hq, Nq)``: keys the row may attend to.
-    n_passes:    int32 ``(n_launches, B, Hk, n_row_tiles)``: passes that ran per row tile (score and value pass
-                 included; 1 for softmax), one entry per alpha-class launch (0 where a launch had no row of
-                 its class in the tile).
-    blocks_read: int32 ``(n_launches, B, Hk, n_row_tiles, n_splits, max_passes + 1)``: key blocks read per split
+    n_passes:    int32 ``(n_chains, B, Hk, n_row_tiles)``: passes that ran per row tile (score and value pass
+                 included; 1 for softmax), one entry per alpha class launched (0 where it had no row of its class
+                 in the tile).
+    blocks_read: int32 ``(n_chains, B, Hk, n_row_tiles, n_splits, max_passes + 1)``: key blocks read per split
                  and pass. Column 0: cache key blocks of the score pass (softmax: its only pass); 1 .. max_passes
-                 - 2: score blocks of each candidate pass (from the stored scores); max_passes - 1: score blocks
-                 of the value pass; max_passes: cache value blocks (those with a positive weight).
+                 - 2: score blocks of each candidate pass (from the stored scores; the tile's last program reads
+                 every split's, counted in split 0's row); max_passes - 1: score blocks of the value pass (each
+                 split's share of the tile's live blocks); max_passes: cache value blocks (those with a positive
+                 weight).
     n_splits, block_n: the key-range splits and the key block size used.
     """
 
@@ -215,22 +215,23 @@ def _softmax_split(q, keys, values, pages, rows, mods, scale, MASK, SCORE, BLOCK
 
 @triton.jit
 def _entmax_decode_split_kernel(
-    Q, K, V, ALPHA, BLOCK_TABLE, CACHE_SEQLENS, Z, LIST, LIVE_N, GRID_ROW, GRID_PTS, CAND_IN,
-    CAND_OUT, STATE_IN, STATE_OUT, PART_ROW, PART_ACC, TAU, BLOCKS_READ, N_PASSES,
+    Q, K, V, ALPHA, BLOCK_TABLE, CACHE_SEQLENS, Z, LIST, LIVE_N, GRID_ROW, GRID_PTS, STATE, PART_ROW, PART_ACC,
+    OUT, TAU, NNZ, N_VALID, COUNT, BLOCKS_READ, N_PASSES,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_tb, stride_tn, page_size,
     n_heads, n_kv_heads, kv_group, seqlen_q, n_rows, n_row_tiles, n_splits, blocks_per_split, n_span,
-    max_seqlen_k, scale, tol, pass_slot, n_slots, MASK, SCORE, MODS, CACHE,
-    ALPHA_CLASS: tl.constexpr, FILTER: tl.constexpr, PHASE: tl.constexpr, FROM_GRID: tl.constexpr,
-    GRID_K: tl.constexpr, CAND_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BIAS_KIND: tl.constexpr,
+    max_seqlen_k, scale, tol, n_slots, MASK, SCORE, MODS, CACHE,
+    ALPHA_CLASS: tl.constexpr, FILTER: tl.constexpr, PHASE: tl.constexpr, GRID_K: tl.constexpr,
+    CAND_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BIAS_KIND: tl.constexpr,
 ):
-    """One program per (split, kv head x row tile, batch entry); ``PHASE`` 0 score pass, 1 candidate pass,
-    2 value pass (module docstring). ``ALPHA_CLASS`` 0 (softmax) runs its single pass whatever ``PHASE``.
-    ``CACHE``: ``(IS_PAGED, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, UPCAST, DOT_PRECISION)`` (:func:`_cache_spec`),
-    passed on unread to the helpers that read the cache; ``MODS`` the score modifications (``_common.mods_args``).
+    """One program per (split, kv head x row tile, batch entry); ``PHASE`` 0 the score pass (and, in the tile's last
+    program, the merge and the candidate passes), 2 the value pass (and the combine), as the module docstring says.
+    ``ALPHA_CLASS`` 0 (softmax) runs its single pass (and the combine) whatever ``PHASE``. ``CACHE``: ``(IS_PAGED,
+    HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, UPCAST, DOT_PRECISION)`` (:func:`_cache_spec`), passed on unread to the
+    helpers that read the cache; ``MODS`` the score modifications (``_common.mods_args``); ``OUT`` contiguous;
+    ``COUNT`` one ticket counter per row tile, zero at rest.
 
     The splits share the key blocks the tile's rows may see (``_masking.key_block_range``: a sliding window's blocks
     only, at most ``n_span``); the scores are stored relative to the first of them.
@@ -252,7 +253,8 @@ def _entmax_decode_split_kernel(
     split_rows = (((b * n_kv_heads + h_kv) * rows_pad + r) * n_splits).to(tl.int64)  # [BLOCK_M]
     state_rows = ((b * n_kv_heads + h_kv) * rows_pad + r).to(tl.int64)
     z_rows = ((b * n_kv_heads + h_kv) * n_rows + r).to(tl.int64) * (n_span * BLOCK_N) - kt_start * BLOCK_N
-    list_base = LIST + tile.to(tl.int64) * n_span + split * blocks_per_split
+    list_tile = LIST + tile.to(tl.int64) * n_span
+    list_base = list_tile + split * blocks_per_split
     live_n = LIVE_N + tile.to(tl.int64) * n_splits + split
     reads = BLOCKS_READ + (tile.to(tl.int64) * n_splits + split) * n_slots
     offs_d = tl.arange(0, CACHE[2])
@@ -268,6 +270,7 @@ def _entmax_decode_split_kernel(
     pages = (BLOCK_TABLE, stride_tb, stride_tn, page_size, b, h_kv, seqlen_k)
     keys = (K, stride_kb, stride_kh, stride_kn, stride_kd)
     values = (V, stride_vb, stride_vh, stride_vn, stride_vd)
+    outs = (OUT, TAU, NNZ, N_VALID)
 
     if ALPHA_CLASS == 0:
         m, l_sum, acc, n_valid, n_read = _softmax_split(q, keys, values, pages, rows, mods, scale, MASK, SCORE,
@@ -280,6 +283,9 @@ def _entmax_decode_split_kernel(
         tl.store(reads + n_slots - 1, n_read)
         if split == 0:
             tl.store(N_PASSES + tile, 1)
+        if _last_arrival(COUNT + tile, n_splits):
+            _combine_rows(outs, PART_ROW, PART_ACC, split_rows, n_splits, stat_offs, active, alpha,
+                          mods[4] + tl.zeros([BLOCK_M], tl.float32), CACHE[3], CACHE[4])
         return
 
     if ALPHA_CLASS == 1:
@@ -315,54 +321,28 @@ def _entmax_decode_split_kernel(
         _store_points(GRID_PTS, split_rows + split, active, F, G, C, GRID_K)
         tl.store(live_n, n_live)
         tl.store(reads, n_read)
+        if _last_arrival(COUNT + tile, n_splits):
+            # the merged state (m, the thresholds and the points relative to the rows' reference score ref), then
+            # the candidate passes over every split's live blocks; the sink counted once
+            g_m, g_br, g_est, g_lo, g_hi, g_exact, g_usable, g_bad, g_passes, g_ref = _grid_state(
+                GRID_ROW, GRID_PTS, split_rows, n_splits, active, am1, beta, bm1, shift, POW, GRID_K, BLOCK_M)
+            live_tile = LIVE_N + tile.to(tl.int64) * n_splits
+            c_m, c_br, c_est, c_lo, c_hi, c_exact, c_usable, c_passes, c_ref = _cand_passes(
+                (Z, z_rows, list_tile, live_tile, BLOCKS_READ + tile.to(tl.int64) * n_splits * n_slots),
+                _tile_list(list_tile, live_tile, n_splits, blocks_per_split), n_slots,
+                (g_m, g_br, g_est, g_lo, g_hi, g_exact, g_usable, g_passes, g_ref), (am1, beta, bm1, shift),
+                _sink_scores(mods[4], am1, active, BLOCK_N)[0], tol, SCORE, POW, CAND_P, BLOCK_N)
+            _store_state(STATE, state_rows, active, c_m, c_br, c_est, c_lo, c_hi, c_exact, c_usable, g_bad, c_passes,
+                         c_ref)
         return
 
-    # the state after the previous pass: merged grid sums, or the previous state merged with its candidates
-    # (m, the thresholds and the points relative to the rows' reference score ref)
-    if FROM_GRID:
-        m, br, est, lo, hi, exact, usable, bad, passes, ref = _grid_state(
-            GRID_ROW, GRID_PTS, split_rows, n_splits, active, am1, beta, bm1, shift, POW, GRID_K, BLOCK_M)
-    else:
-        m, br, est, lo, hi, exact, usable, bad, passes, ref = _load_state(STATE_IN, state_rows, active)
-        ran = tl.max((weight_done(exact, lo, hi, br.da, beta, usable, tol) == 0).to(tl.int32), 0)
-        if ran != 0:
-            br, est, lo, hi, exact = _merge_cands(CAND_IN, split_rows, n_splits, active, m, br, est, lo, hi, exact,
-                                                  usable, am1, tol, POW, CAND_P)
-            passes += 1.0
-    n_in = tl.load(live_n)
+    m, br, est, lo, hi, exact, usable, bad, passes, ref = _load_state(STATE, state_rows, active)
+    # this split's share of the tile's live blocks (the list the score pass's last program left)
+    n_all = tl.load(LIVE_N + tile.to(tl.int64) * n_splits)
+    share = list_tile + split * n_all // n_splits
+    n_in = (split + 1) * n_all // n_splits - split * n_all // n_splits
     col_blk = tl.arange(0, BLOCK_N)
     ok_row = usable != 0.0
-
-    if PHASE == 1:
-        go = tl.max((weight_done(exact, lo, hi, br.da, beta, usable, tol) == 0).to(tl.int32), 0)
-        if split == 0:
-            _store_state(STATE_OUT, state_rows, active, m, br, est, lo, hi, exact, usable, bad, passes, ref)
-        if go != 0:
-            t_p, l_p = cand_points(m, lo, hi, CAND_P)
-            cand = tl.arange(0, CAND_P).to(tl.float32)
-            zero = tl.zeros([BLOCK_M], tl.float32)
-            FP = tl.zeros([BLOCK_M, CAND_P], tl.float32)
-            GP = tl.zeros([BLOCK_M, CAND_P], tl.float32)
-            CP = tl.zeros([BLOCK_M, CAND_P], tl.float32)
-            lo_kill = lo - shift
-            n_out = tl.zeros([], tl.int32)
-            for idx in range(0, n_in):
-                kt = tl.load(list_base + idx)
-                z = tl.load(Z + z_rows[:, None] + (kt * BLOCK_N + col_blk)[None, :], mask=ok_row[:, None],
-                            other=float("-inf")) - ref[:, None]
-                live = tl.max((z > lo_kill[:, None]).to(tl.int32))
-                tl.store(list_base + n_out, kt, mask=live != 0)
-                n_out += live
-                _, _, _, FP, GP, CP = cand_sums(z, (zero, zero, t_p, l_p, cand), (zero, zero, zero, FP, GP, CP),
-                                                POW, CAND_P, bm1[:, None])
-            if SCORE[3]:
-                _, _, _, FP, GP, CP = cand_sums(zs - ref[:, None], (zero, zero, t_p, l_p, cand),
-                                                (zero, zero, zero, FP, GP, CP), POW, CAND_P, bm1[:, None])
-            _store_points(CAND_OUT, split_rows + split, active, FP, GP, CP, CAND_P)
-            tl.store(live_n, n_out)
-            tl.store(reads + pass_slot, n_in)
-        return
-
     # value pass at the estimate; a threshold at the max would leave no weight: keep it one rounding step below
     tau_lim = m - tl.maximum(tl.abs(m) * 2.4e-7, 1e-15) + shift
     t_use = tl.where(ok_row, tl.minimum(est, tau_lim), 0.0)
@@ -377,17 +357,19 @@ def _entmax_decode_split_kernel(
     # shrinks) and only their value rows are read, by a second loop without branches (its loads pipeline)
     v_reads = tl.zeros([], tl.int32)
     for idx in range(0, n_in):
-        kt = tl.load(list_base + idx)
+        kt = tl.load(share + idx)
         z = tl.load(Z + z_rows[:, None] + (kt * BLOCK_N + col_blk)[None, :], mask=ok_row[:, None],
                     other=float("-inf")) - ref[:, None]
         p = weights(z, t_use, POW, beta[:, None])
         l_sum += tl.sum(p, 1)
         nnz += tl.sum((p > 0.0).to(tl.int32), 1)
         pos = (tl.max(p) > 0.0).to(tl.int32)
-        tl.store(list_base + v_reads, kt, mask=pos != 0)
+        tl.store(share + v_reads, kt, mask=pos != 0)
         v_reads += pos
+    # one thread stores each list entry, every thread reads them: the last store before the next loop's first loads
+    tl.debug_barrier()
     for idx in range(0, v_reads):
-        cols = tl.load(list_base + idx) * BLOCK_N + col_blk
+        cols = tl.load(share + idx) * BLOCK_N + col_blk
         z = tl.load(Z + z_rows[:, None] + cols[None, :], mask=ok_row[:, None], other=float("-inf")) - ref[:, None]
         p = weights(z, t_use, POW, beta[:, None])
         v = _cache_tile(values, pages, cols, CACHE[0], CACHE[3], CACHE[4], False, CACHE[5])
@@ -395,35 +377,15 @@ def _entmax_decode_split_kernel(
     is_bad = bad != 0.0
     _store_partials(PART_ROW, PART_ACC, split_rows + split, active, tl.zeros([BLOCK_M], tl.float32),
                     tl.where(is_bad, float("nan"), l_sum), tl.where(is_bad, 0, nnz), acc, CACHE[3], CACHE[4])
-    tl.store(reads + pass_slot, n_in)
-    tl.store(reads + pass_slot + 1, v_reads)
+    tl.store(reads + n_slots - 2, n_in)
+    tl.store(reads + n_slots - 1, v_reads)
     if split == 0:
         tau = tl.where(is_bad, float("nan"), tl.where(ok_row, ref + tau_row, float("inf")))
         tl.store(TAU + stat_offs, tau, mask=active)
         tl.store(N_PASSES + tile, passes.to(tl.int32) + 1)
-
-
-def _pick_config(head_dim: int, n_rows: int, interpret: bool):
-    """``(block_m, block_n, num_warps, num_stages)``: packed rows padded to a power of two >= 16 (``tl.dot``),
-    at most ``MAX_BLOCK_M``; 64-key blocks up to head dim 128, 32 above (16 under the interpreter)."""
-    block_m = min(MAX_BLOCK_M, max(16, triton.next_power_of_2(max(n_rows, 1))))
-    if interpret:
-        return block_m, 16, 4, 1
-    return block_m, 64 if _common.head_dim_block(head_dim) <= 128 else 32, 4, 2
-
-
-def default_num_splits(batch: int, n_kv_heads: int, n_row_tiles: int, n_kblocks: int, device) -> int:
-    """Key-range splits: enough programs to fill the GPU twice over, at least 4 key blocks per split, at most 32
-    splits (each later launch merges every split's results); 4 at most under the interpreter."""
-    if n_kblocks == 0:
-        return 1
-    if device.type == "cuda":
-        want = 2 * torch.cuda.get_device_properties(device).multi_processor_count
-        cap = 32
-    else:
-        want, cap = 4, 4
-    splits = triton.cdiv(want, max(batch * n_kv_heads * n_row_tiles, 1))
-    return max(1, min(splits, cap, triton.cdiv(n_kblocks, 4)))
+    if _last_arrival(COUNT + tile, n_splits):
+        _combine_rows(outs, PART_ROW, PART_ACC, split_rows, n_splits, stat_offs, active, alpha,
+                      mods[4] + tl.zeros([BLOCK_M], tl.float32), CACHE[3], CACHE[4])
 
 
 def entmax_decode_fwd(
@@ -448,6 +410,9 @@ def entmax_decode_fwd(
     alpha_class: str | None = None,
     block_n: int | None = None,
     block_mask: tuple | None = None,
+    counters: bool = True,
+    stats: bool = True,
+    reuse_scratch: bool = True,
 ) -> EntmaxDecodeResult:
     """Split-K entmax attention of a few queries per sequence over a KV cache (a chain of kernel launches, no
     host synchronization).
@@ -476,7 +441,7 @@ def entmax_decode_fwd(
         alibi_slopes, softcap, sinks: as ``entmax_attn_fwd`` (ALiBi distance ``|i + L - Nq - j|``; slopes ``(Hq,)``
             or ``(B, Hq)``). Default None.
         max_seqlen_k: bound on ``cache_seqlens`` (default the capacity); the splits cover this many keys.
-        num_splits: key-range splits per (batch entry, kv head); default :func:`default_num_splits`.
+        num_splits: key-range splits per (batch entry, kv head); default ``_decode_launch.default_num_splits``.
         tol: change of a row's total weight across its certified bracket at which its threshold counts as found
             (default by dtype).
         max_passes: passes per step, score and value pass included (``>= 2``; default by dtype).
@@ -487,6 +452,14 @@ def entmax_decode_fwd(
             >= ceil(max_seqlen_k / block_k))``; query ``i`` (its index among the ``Nq``, as the fused forward's rows)
             sees key ``j`` only if block ``(i // block_q, j // block_k)`` is True. Key blocks it hides from every
             row of a program are not read. Default None.
+
+        counters: return ``n_passes`` and ``blocks_read`` (False: None, and the kernels write them to scratch).
+        stats: return ``tau``, ``nnz`` and ``n_valid`` (False: None, likewise).
+        reuse_scratch: take the scratch memory from the per-stream buffers that steps reuse (False: allocate it, as
+            the custom op does: under ``torch.compile``'s CUDA graphs an allocation belongs to the graph's pool).
+
+    Everything but the tensors is planned once per configuration and the scratch memory is reused from step to step
+    (``kernels/attn/_decode_launch.py``); the returned tensors are allocated afresh on every call.
 
     Returns:
         :class:`EntmaxDecodeResult`.
@@ -499,91 +472,70 @@ def entmax_decode_fwd(
     assert 16 <= head_dim <= 256 and 16 <= head_dim_v <= 256 and n_heads % max(n_kv_heads, 1) == 0
     kv_group = n_heads // max(n_kv_heads, 1)
     n_rows = kv_group * seqlen_q
-    block_m, default_n, num_warps, num_stages = _pick_config(head_dim, n_rows, _common.interpreting())
-    block_n = default_n if block_n is None else block_n
-    assert block_n >= 16 and block_n & (block_n - 1) == 0, f"block_n: got {block_n}"
-    max_seqlen_k = capacity if max_seqlen_k is None else min(int(max_seqlen_k), capacity)
-    n_row_tiles = triton.cdiv(n_rows, block_m)
-    mask = mask_spec(is_causal, window_size)
-    n_span = key_blocks_spanned(mask, seqlen_q, max_seqlen_k, block_n)
-    if num_splits is None:
-        num_splits = default_num_splits(batch, n_kv_heads, n_row_tiles, n_span, q.device)
-    blocks_per_split = max(triton.cdiv(n_span, max(int(num_splits), 1)), 1)
-    n_splits = max(triton.cdiv(n_span, blocks_per_split), 1)
-    if max_passes is None:
-        max_passes = DECODE_MAX_PASSES[q.dtype]
-    assert max_passes >= 2, f"max_passes: got {max_passes}"
+    alpha_class = resolve_alpha_class(alpha, alpha_class)
+    if alpha_class == "mixed" and isinstance(alpha, torch.Tensor) and alpha.device.type == "cpu":
+        classes = tuple(sorted({ALPHA_CLASSES[alpha_class_of([a])] if 1 <= a <= 2 else 3 for a in alpha.tolist()}))
+    else:
+        classes = tuple(c for c, _ in class_launches(alpha_class))
+    plan = _launch.static_plan(q.dtype, paged, head_dim, head_dim_v, n_rows, bool(is_causal),
+                               None if window_size is None else tuple(window_size), softcap, alibi_slopes is not None,
+                               sinks is not None, block_mask is not None, classes, tol, max_passes, block_n)
+    dev = q.device
+    sz = _launch.sizes(plan, batch, n_kv_heads, n_rows, seqlen_q, capacity, max_seqlen_k, num_splits, dev)
     if block_mask is not None:
         grid_blocks, (block_q, block_k) = block_mask
         assert grid_blocks.dim() == 4 and grid_blocks.shape[0] in (1, batch) and grid_blocks.shape[1] in (1, n_heads)
-        assert grid_blocks.shape[2] >= triton.cdiv(seqlen_q, block_q), f"block_mask: got {tuple(grid_blocks.shape)}"
-        assert grid_blocks.shape[3] >= triton.cdiv(max_seqlen_k, block_k), f"block_mask: got {tuple(grid_blocks.shape)}"
-    alpha_class = resolve_alpha_class(alpha, alpha_class)
-    if alpha_class == "mixed" and isinstance(alpha, torch.Tensor) and alpha.device.type == "cpu":
-        classes = sorted({ALPHA_CLASSES[alpha_class_of([a])] if 1 <= a <= 2 else 3 for a in alpha.tolist()})
-    else:
-        classes = [c for c, _ in class_launches(alpha_class)]
+        assert grid_blocks.shape[2] >= -(-seqlen_q // block_q), f"block_mask: got {tuple(grid_blocks.shape)}"
+        assert grid_blocks.shape[3] >= -(-sz.max_seqlen_k // block_k), f"block_mask: got {tuple(grid_blocks.shape)}"
 
-    dev = q.device
-    stats = dict(size=(batch, n_heads, seqlen_q), device=dev)
-    out = torch.empty((batch, n_heads, seqlen_q, head_dim_v), dtype=q.dtype, device=dev)
-    tau = torch.empty(**stats, dtype=torch.float32)
-    nnz = torch.empty(**stats, dtype=torch.int32)
-    n_valid = torch.empty(**stats, dtype=torch.int32)
-    n_slots = max_passes + 1
-    tiles = (batch, n_kv_heads, n_row_tiles)
-    n_passes = torch.zeros((len(classes), *tiles), dtype=torch.int32, device=dev)
-    blocks_read = torch.zeros((len(classes), *tiles, n_splits, n_slots), dtype=torch.int32, device=dev)
-    result = EntmaxDecodeResult(out, tau, nnz, n_valid, n_passes, blocks_read, n_splits, block_n)
+    rows = (batch, n_heads, seqlen_q)
+    out = torch.empty((*rows, head_dim_v), dtype=q.dtype, device=dev)
+    tiles = (batch, n_kv_heads, sz.n_row_tiles)
+    ws = _launch.workspace(_launch.scratch_layout(plan, sz, rows, n_kv_heads, head_dim_v, counters, stats), dev,
+                           reuse_scratch)
+    if stats:
+        tau = torch.empty(rows, dtype=torch.float32, device=dev)
+        nnz = torch.empty(rows, dtype=torch.int32, device=dev)
+        n_valid = torch.empty(rows, dtype=torch.int32, device=dev)
+    else:
+        tau, nnz, n_valid = ws["TAU"], ws["NNZ"], ws["N_VALID"]
+    if counters:
+        n_passes = torch.zeros((len(classes), *tiles), dtype=torch.int32, device=dev)
+        blocks_read = torch.zeros((len(classes), *tiles, sz.n_splits, plan.max_passes + 1), dtype=torch.int32,
+                                  device=dev)
+    else:
+        n_passes, blocks_read = ws["N_PASSES"], ws["BLOCKS_READ"]
+    result = EntmaxDecodeResult(out, tau if stats else None, nnz if stats else None, n_valid if stats else None,
+                                n_passes if counters else None, blocks_read if counters else None, sz.n_splits,
+                                plan.block_n)
     if out.numel() == 0:
         return result
 
-    rows_pad = n_row_tiles * block_m
-    ws = dict(dtype=torch.float32, device=dev)
-    per_split = (batch, n_kv_heads, rows_pad, n_splits)
-    common = dict(
-        Q=q, K=k_cache, V=v_cache, ALPHA=_common.alpha_arg(alpha, n_heads, dev),
-        BLOCK_TABLE=block_table if paged else cache_seqlens, CACHE_SEQLENS=cache_seqlens,
-        **_common.mods_args(bias, (batch, n_heads, seqlen_q, capacity), alibi_slopes, sinks, q, block_mask),
-        Z=torch.empty((batch, n_kv_heads, n_rows, n_span * block_n), **ws),
-        LIST=torch.empty((*tiles, n_span), dtype=torch.int32, device=dev),
-        LIVE_N=torch.empty((*tiles, n_splits), dtype=torch.int32, device=dev),
-        PART_ROW=torch.empty((*per_split, N_PART.value), **ws), PART_ACC=torch.empty((*per_split, head_dim_v), **ws),
-        TAU=tau,
-        **_common.stride_args("stride_q", q, "bhmd"),
-        **_cache_strides("stride_k", k_cache, paged), **_cache_strides("stride_v", v_cache, paged),
+    alpha_t = _common.alpha_arg(alpha, n_heads, dev)
+    mods = _common.mods_args(bias, (batch, n_heads, seqlen_q, capacity), alibi_slopes, sinks, q, block_mask)
+    args = dict(
+        plan.consts, Q=q, K=k_cache, V=v_cache, ALPHA=alpha_t, BLOCK_TABLE=block_table if paged else cache_seqlens,
+        CACHE_SEQLENS=cache_seqlens, **mods, Z=ws["Z"], LIST=ws["LIST"], LIVE_N=ws["LIVE_N"],
+        GRID_ROW=ws["GRID_ROW"], STATE=ws["STATE"], PART_ROW=ws["PART_ROW"], PART_ACC=ws["PART_ACC"], OUT=out,
+        TAU=tau, NNZ=nnz, N_VALID=n_valid,
+        COUNT=_launch.tickets(batch * n_kv_heads * sz.n_row_tiles, dev, reuse_scratch),
+        **_common.stride_args("stride_q", q, "bhmd"), **_cache_strides("stride_k", k_cache, paged),
+        **_cache_strides("stride_v", v_cache, paged),
         stride_tb=block_table.stride(0) if paged else 0, stride_tn=block_table.stride(1) if paged else 0,
-        page_size=k_cache.shape[1] if paged else 1,
-        n_heads=n_heads, n_kv_heads=n_kv_heads, kv_group=kv_group, seqlen_q=seqlen_q, n_rows=n_rows,
-        n_row_tiles=n_row_tiles, n_splits=n_splits, blocks_per_split=blocks_per_split, n_span=n_span,
-        max_seqlen_k=max_seqlen_k, scale=float(scale), tol=default_tolerance(q.dtype) if tol is None else float(tol),
-        n_slots=n_slots, MASK=mask,
-        SCORE=score_spec(softcap, alibi_slopes is not None, sinks is not None, 0 if block_mask is None else 2),
-        FILTER=len(classes) > 1, BLOCK_M=block_m, BLOCK_N=block_n,
-        CACHE=_cache_spec(paged, head_dim, head_dim_v, q.dtype),
-    )
-    options = {} if _common.interpreting() else dict(num_warps=num_warps, num_stages=num_stages)
-    grid = (n_splits, n_kv_heads * n_row_tiles, batch)
-    pow_of = {1: 1, 2: 2, 3: 0}
-    for launch, cls in enumerate(classes):
-        grid_k, cand_p = DECODE_POINTS[pow_of.get(cls, 1)]
-        state = [torch.empty((batch, n_kv_heads, rows_pad, N_STATE.value), **ws) for _ in range(2)]
-        cand = [torch.empty((*per_split, 3, cand_p), **ws) for _ in range(2)]
-        args = dict(common, GRID_ROW=torch.empty((*per_split, N_PART.value), **ws),
-                    GRID_PTS=torch.empty((*per_split, 3, grid_k), **ws), BLOCKS_READ=blocks_read[launch],
-                    N_PASSES=n_passes[launch], ALPHA_CLASS=cls, GRID_K=grid_k, CAND_P=cand_p)
-        phases = [(0, False)] if cls == 0 else [(0, False)] + [(1, p == 1) for p in range(1, max_passes - 1)]
-        if cls != 0:
-            phases.append((2, max_passes == 2))
-        for p, (phase, from_grid) in enumerate(phases):
-            _entmax_decode_split_kernel[grid](
-                **args, CAND_IN=cand[(p + 1) % 2], CAND_OUT=cand[p % 2], STATE_IN=state[(p + 1) % 2],
-                STATE_OUT=state[p % 2], pass_slot=p, PHASE=phase, FROM_GRID=from_grid, **options)
-    _entmax_decode_combine_kernel[(n_kv_heads * n_row_tiles, batch)](
-        OUT=out, TAU=tau, NNZ=nnz, N_VALID=n_valid, ALPHA=common["ALPHA"],
-        PART_ROW=common["PART_ROW"], PART_ACC=common["PART_ACC"], **_common.stride_args("stride_o", out, "bhmd"),
-        n_heads=n_heads, n_kv_heads=n_kv_heads, kv_group=kv_group, seqlen_q=seqlen_q, n_rows=n_rows,
-        n_row_tiles=n_row_tiles, n_splits=n_splits, SCORE=common["SCORE"], MODS=common["MODS"],
-        HEAD_DIM_V=head_dim_v, BLOCK_DV=_common.head_dim_block(head_dim_v), BLOCK_M=block_m, **options)
+        page_size=k_cache.shape[1] if paged else 1, n_heads=n_heads, n_kv_heads=n_kv_heads, kv_group=kv_group,
+        seqlen_q=seqlen_q, n_rows=n_rows, n_row_tiles=sz.n_row_tiles, n_splits=sz.n_splits,
+        blocks_per_split=sz.blocks_per_split, n_span=sz.n_span, max_seqlen_k=sz.max_seqlen_k, scale=float(scale))
+    grid = (sz.n_splits, n_kv_heads * sz.n_row_tiles, batch)
+    per_split = ws["PART_ROW"].shape[:4]
+    try:
+        for launch, (cls, grid_k, cand_p, phases) in enumerate(plan.chains):
+            # the grid sums of this class's chain, contiguous at its own point count
+            grid_pts = _launch.carve(ws["GRID_PTS"], (*per_split, 3, grid_k))
+            for phase in phases:
+                _entmax_decode_split_kernel[grid](
+                    **args, GRID_PTS=grid_pts, BLOCKS_READ=blocks_read[launch], N_PASSES=n_passes[launch],
+                    ALPHA_CLASS=cls, GRID_K=grid_k, CAND_P=cand_p, PHASE=phase, **plan.options)
+    except BaseException:
+        _launch.reset_tickets(dev)  # a launch that did not finish leaves tickets taken
+        raise
     return result
-

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.bias import causal_lower_right
 
+from sparse_attn.attn._decode_op import decode_attention, decode_fits
 from sparse_attn.attn.attn_inputs import AttentionStats, AttnSpec
-from sparse_attn.attn.decode import decode_attention, decode_fits
 from sparse_attn.attn.routes import refusal_message, refused
 from sparse_attn.kernels._spec import DIFFERENTIABLE
 from sparse_attn.kernels._spec import FIELDS as SPEC_FIELDS

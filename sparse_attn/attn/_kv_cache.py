@@ -17,7 +17,8 @@ from sparse_attn._validation import values_checkable
 __all__ = ["MAX_DECODE_QUERIES", "check_kv_cache"]
 
 MAX_DECODE_QUERIES = 16
-"""Queries per sequence the decode kernels take (longer query chunks: :func:`sparse_attn.entmax_attention`)."""
+"""Queries per sequence the decode kernels take at once (more: :func:`sparse_attn.entmax_decode` runs them on the fused
+kernels, or on the decode kernels this many at a time)."""
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -126,7 +127,9 @@ def _seqlens(cache_seqlens, q: Tensor, capacity: int, block_table, num_pages: in
 def _max_seqlen(max_seqlen_k, seqlens: Tensor, capacity: int) -> int | None:
     """The checked bound on ``cache_seqlens`` (None: the capacity)."""
     if max_seqlen_k is None:
-        return int(seqlens.max()) if seqlens.device.type == "cpu" and seqlens.numel() else None
+        # from the values only where they are read anyway (the bound must not depend on values otherwise: a decoding
+        # step's checks are cached by metadata, sparse_attn.decode._gate)
+        return int(seqlens.max()) if values_checkable(seqlens) and seqlens.numel() else None
     if isinstance(max_seqlen_k, bool) or not isinstance(max_seqlen_k, Integral):
         raise TypeError(f"max_seqlen_k must be None or an int, got {type(max_seqlen_k).__name__}")
     longest = int(seqlens.max()) if values_checkable(seqlens) and seqlens.numel() else 0

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from sparse_attn._validation import check_bool, check_number, values_checkable
-from sparse_attn.attn._kv_cache import MAX_DECODE_QUERIES, check_kv_cache
+from sparse_attn.attn._kv_cache import check_kv_cache
 from sparse_attn.attn.masks import check_block_mask, check_mask
 from sparse_attn.attn.routes import refused, used_variants
 from sparse_attn.kernels._common import computed_alpha, interpreting
@@ -207,6 +207,19 @@ def check_alpha_not_mask(alpha, q) -> None:
               f"takes attn_mask: pass a mask as attn_mask=...")
 
 
+def alpha_tensor(alpha: Tensor, q: Tensor) -> Tensor:
+    """A checked tensor alpha as the spec holds it: ``(Hq,)`` on ``q``'s device, float32 (float64 for float64 ``q``),
+    a differentiable view or cast of the caller's tensor."""
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return alpha.to(device=q.device, dtype=dtype).reshape(-1).expand(q.shape[1])
+
+
+def head_cast(t: Tensor | None, q: Tensor) -> Tensor | None:
+    """A checked per-head tensor (``alibi_slopes``, ``sinks``) as the spec holds it: float32, float64 for float64
+    ``q`` (a differentiable cast)."""
+    return None if t is None else t.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
+
+
 def _normalize_alpha(alpha, q: Tensor, in_range: bool, compute_dtype: torch.dtype | None = None):
     """alpha as ``(tensor (Hq,), python value or None, values known in range)``; a Python alpha as the computation
     holds it (``compute_dtype``: default float64 for float64 ``q``, float32 otherwise)."""
@@ -222,7 +235,7 @@ def _normalize_alpha(alpha, q: Tensor, in_range: bool, compute_dtype: torch.dtyp
             if not bool(((vals >= 1) & (vals <= 2)).all()):  # NaN fails both comparisons
                 raise ValueError(f"alpha must be finite and in [1, 2], got {vals.flatten().tolist()}")
             checked = True
-        return alpha.to(device=q.device, dtype=dtype).reshape(-1).expand(n_heads), None, checked
+        return alpha_tensor(alpha, q), None, checked
     if not torch.compiler.is_compiling():
         alpha = check_number("alpha", alpha, 1.0, 2.0)
     # the value the computation holds (1 + 1e-9 is 1.0 in float32: the softmax class, as a tensor alpha would be)
@@ -300,7 +313,7 @@ def _head_vector(name: str, t, q: Tensor, shapes: tuple, expected: str) -> Tenso
         raise ValueError(f"{name} must have shape {expected}, got {tuple(t.shape)}")
     if t.device != q.device:
         raise ValueError(f"{name} must be on the device of q ({q.device}), got {t.device}")
-    return t.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
+    return head_cast(t, q)
 
 
 def _check_softcap(softcap) -> float | None:
@@ -351,7 +364,7 @@ def prepare_attention(
     ``kv_cache=True`` is a decoding step (:func:`sparse_attn.entmax_decode`): ``k`` / ``v`` are its KV cache
     (contiguous, or a page pool with ``block_table``), ``cache_seqlens``, ``max_seqlen_k`` and ``num_splits`` as that
     function documents them (checked by :func:`sparse_attn._kv_cache.check_kv_cache`); grouped-query heads need no
-    flag, and the triton backend takes at most ``MAX_DECODE_QUERIES`` queries per sequence.
+    flag.
 
     Returns:
         :class:`~sparse_attn.kernels._spec.AttnSpec`. Raises ``TypeError`` / ``ValueError`` naming the argument.
@@ -378,9 +391,6 @@ def prepare_attention(
                                                                "nseq" if varlen else "batch")
     backend = resolve_backend(backend, q, v, unfused_variants(q, v, window_size, alibi_slopes, sinks, softcap,
                                                               kv_names[1]))
-    if kv_cache and backend == "triton" and q.shape[2] > MAX_DECODE_QUERIES:
-        raise ValueError(f"q: the decode kernels take at most {MAX_DECODE_QUERIES} queries per sequence, got "
-                         f"{q.shape[2]}; use sparse_attn.entmax_attention for longer query chunks")
     if not kv_cache and (0 in q.shape[:3] or k.shape[2] == 0):
         backend = "reference"
     alpha_t, alpha_value, alpha_checked = _normalize_alpha(alpha, q, alpha_in_range, compute_dtype)

@@ -10,43 +10,20 @@ Design and measurements: docs/decode.md.
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 from torch import Tensor
 
-from sparse_attn._validation import check_bool
+from sparse_attn._validation import check_bool, values_checkable
+from sparse_attn.attn._decode_op import _run_decode_op, decode_attention, decode_fits, decode_unsupported
 from sparse_attn.attn._kv_cache import MAX_DECODE_QUERIES
-from sparse_attn.attn.attn_inputs import AttentionStats, AttnSpec, prepare_attention
+from sparse_attn.attn.attn_inputs import AttentionStats, AttnSpec, alpha_tensor, head_cast, prepare_attention
+from sparse_attn.attn.masks import BlockSparseMask
 from sparse_attn.attn.reference import entmax_attention_reference
 from sparse_attn.attn.routes import refusal_message, refused
 
 __all__ = ["entmax_decode", "MAX_DECODE_QUERIES", "decode_attention", "decode_fits", "decode_unsupported"]
-
-@torch.library.custom_op("sparse_attn::entmax_decode", mutates_args=())
-def _decode_op(
-    q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor, alpha: Tensor, alpha_value: float | None,
-    scale: float, block_table: Tensor | None, bias: Tensor | None, is_causal: bool, max_seqlen_k: int | None,
-    num_splits: int | None, window_size: list[int] | None, alibi_slopes: Tensor | None, softcap: float | None,
-    sinks: Tensor | None, block_mask: Tensor | None = None, block_size: list[int] | None = None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """The decode kernels as a custom op (forward only): ``(out, tau, nnz, n_valid)``; ``alpha`` float32 ``(Hq,)``,
-    ``alpha_value`` the Python number it holds when it was given as one (one compile-time alpha class);
-    ``block_mask``, ``block_size``: the spec's block grid and its ``(bq, bk)`` (both None without one)."""
-    from sparse_attn.kernels.attn import entmax_decode as kernels
-
-    res = kernels.entmax_decode_fwd(
-        q, k_cache, v_cache, cache_seqlens, alpha if alpha_value is None else alpha_value, scale,
-        block_table=block_table, bias=bias, is_causal=is_causal, window_size=window_size, alibi_slopes=alibi_slopes,
-        softcap=softcap, sinks=sinks, max_seqlen_k=max_seqlen_k, num_splits=num_splits,
-        block_mask=None if block_mask is None else (block_mask, tuple(block_size)))
-    return res.out, res.tau, res.nnz, res.n_valid
-
-
-@_decode_op.register_fake
-def _decode_fake(q, k_cache, v_cache, cache_seqlens, alpha, alpha_value, scale, block_table, bias, is_causal,
-                 max_seqlen_k, num_splits, window_size, alibi_slopes, softcap, sinks, block_mask=None, block_size=None):
-    rows = q.shape[:3]
-    return (q.new_empty((*rows, v_cache.shape[-1])), q.new_empty(rows, dtype=torch.float32),
-            q.new_empty(rows, dtype=torch.int32), q.new_empty(rows, dtype=torch.int32))
 
 
 def _gathered(cache: Tensor, block_table: Tensor | None) -> Tensor:
@@ -72,11 +49,16 @@ def _reference_decode(spec: AttnSpec):
     for b, length in enumerate(spec.cache_seqlens.tolist()):
         slopes = spec.alibi_slopes
         slopes = slopes if slopes is None or slopes.dim() == 1 else slopes[b:b + 1]
+        blocks = None
+        if spec.block_mask is not None:  # this sequence's grid, cut to its own keys
+            grid, (bq, bk) = spec.block_mask, spec.block_size
+            blocks = BlockSparseMask(grid[b:b + 1] if grid.shape[0] > 1 else grid, (bq, bk))
+            blocks = BlockSparseMask(blocks.mask[..., :-(-length // bk)], (bq, bk))
         out, st = entmax_attention_reference(
             q[b:b + 1], k[b:b + 1, :, :length], v[b:b + 1, :, :length], alpha, scale=spec.scale,
             is_causal=spec.is_causal, attn_mask=None if mask is None else mask[b:b + 1, ..., :length],
             enable_gqa=True, return_stats=True, window_size=spec.window_size, alibi_slopes=slopes, sinks=spec.sinks,
-            softcap=spec.softcap)
+            softcap=spec.softcap, block_mask=blocks)
         outs.append(out)
         stats.append(st)
     out = torch.cat(outs)
@@ -104,8 +86,9 @@ def entmax_decode(
     alibi_slopes: Tensor | None = None,
     sinks: Tensor | None = None,
     softcap: float | None = None,
+    block_mask=None,
 ):
-    """Entmax attention of ``Nq <= 16`` new queries per sequence over a KV cache (one decoding step).
+    """Entmax attention of ``Nq`` new queries per sequence over a KV cache (a decoding step, or a chunk of a prompt).
 
     ``out_i = sum_j p_ij v_j`` with ``p_i = alpha-entmax(s_i)``, ``s_ij = scale * q_i . k_j (+ mask)`` over the
     first ``cache_seqlens[b]`` keys of sequence ``b`` (the keys of the current queries included: append them to
@@ -139,8 +122,9 @@ def entmax_decode(
         is_causal: the queries are the last ``Nq`` keys of their sequence: query ``i`` sees key ``j`` iff
             ``j <= i + cache_seqlens[b] - Nq``. Default False (every query sees the whole cache).
         scale: score scale, default ``1 / sqrt(D)``.
-        max_seqlen_k: an upper bound on ``cache_seqlens`` (default: the capacity, or the longest entry of a CPU
-            tensor); the key range the splits cover, so a tight bound saves idle programs.
+        max_seqlen_k: an upper bound on ``cache_seqlens`` (default: the capacity, or the longest entry where the
+            values are read for checks: a CPU tensor); the key range the splits cover, so a tight bound saves idle
+            programs.
         num_splits: key-range splits per (batch entry, kv head); default: enough programs to fill the GPU.
         return_stats: also return :class:`sparse_attn.AttentionStats` (per-row support size ``nnz``, threshold
             ``tau`` and valid keys ``n_valid``, each ``(B, Hq, Nq)``), as ``entmax_attention`` does.
@@ -155,6 +139,18 @@ def entmax_decode(
             masked) and zero value, in the normalization (``tau`` includes it; ``nnz`` and ``n_valid`` count real
             keys). A NaN or ``+inf`` sink makes its head's rows NaN, ``-inf`` is no sink. Default None.
         softcap: scores ``s`` become ``softcap * tanh(s / softcap)`` before masks and ALiBi. Default None (off).
+        block_mask: a :class:`sparse_attn.BlockSparseMask` ``(mask, (bq, bk))``, ``mask`` boolean ``(B or 1, Hq or 1,
+            ceil(Nq / bq), ceil(max_seqlen_k / bk))`` (``max_seqlen_k``: as given, else the capacity), or torch's
+            ``flex_attention.BlockMask`` (as :func:`sparse_attn.entmax_attention` takes it): query ``i`` sees key
+            ``j`` only if block ``(i // bq, j // bk)`` is True; key blocks hidden from every query of a program are
+            not read. Default None.
+
+    More than 16 queries per sequence (a chunk of a prompt over the cache: causal within the chunk, bottom-right
+    against the cache) take the fused kernels on the triton backend: the sequences' keys are gathered from the cache
+    into packed variable-length keys and values (no host synchronization on CUDA: space for the full capacity of
+    every sequence is taken) and run like ``entmax_attention(..., cu_seqlens_q=..., cu_seqlens_k=...)``. A mask that
+    varies by query instead runs through the decode kernels 16 queries at a time, which needs ``is_causal`` or, when
+    not causal, neither ``window_size`` nor ``alibi_slopes``, and no ``block_mask`` (refused by name otherwise).
 
     Returns:
         ``out`` ``(B, Hq, Nq, Dv)`` in the input dtype, or ``(out, stats)``. Rows with no key give zeros; a row
@@ -162,65 +158,172 @@ def entmax_decode(
     """
     check_bool("is_causal", is_causal)
     check_bool("return_stats", return_stats)
-    spec = prepare_attention(
-        q, k_cache, v_cache, alpha, attn_mask=attn_mask, is_causal=is_causal, scale=scale, max_seqlen_k=max_seqlen_k,
-        backend=backend, window_size=window_size, alibi_slopes=alibi_slopes, sinks=sinks, softcap=softcap,
-        need_stats=return_stats, kv_cache=True, cache_seqlens=cache_seqlens, block_table=block_table,
-        num_splits=num_splits)
+    spec, why = _gate(q, k_cache, v_cache, cache_seqlens, alpha, dict(
+        attn_mask=attn_mask, is_causal=is_causal, scale=scale, max_seqlen_k=max_seqlen_k, backend=backend,
+        window_size=window_size, alibi_slopes=alibi_slopes, sinks=sinks, softcap=softcap, need_stats=return_stats,
+        block_table=block_table, num_splits=num_splits, block_mask=block_mask))
     if spec.backend == "reference":
         return _reference_decode(spec)
-    why = refused("decode", spec.used())
     if why:
         raise ValueError(refusal_message("decode", why, "use sparse_attn.entmax_attention to train, or call "
                                          "entmax_decode under torch.no_grad()"))
+    if spec.q.shape[2] > MAX_DECODE_QUERIES:
+        return _prefill(spec)
     return _run_decode_op(spec, spec.cache_seqlens, spec.need_stats)
 
 
-def _window_arg(window_size) -> list[int] | None:
-    """``window_size`` as the custom op takes it (a list of ints, or None)."""
-    return None if window_size is None else [int(w) for w in window_size]
+# the argument gate of entmax_decode, cached by what its checks read (_gate)
+_GATE: OrderedDict = OrderedDict()
+_GATE_SIZE = 64
+# the spec fields that hold the call's own tensors: swapped in on every call, never kept by the cache
+_CALL_TENSORS = ("q", "k", "v", "mask", "block_table", "alibi_slopes", "sinks")
 
 
-def decode_unsupported(inputs: AttnSpec) -> list[str]:
-    """What keeps a fused-path call off the decode kernels, as phrases (empty: they can run it).
-
-    The variants the ``"decode"`` route does not list in :data:`sparse_attn.routes.SUPPORTED`: the decode kernels
-    implement masks (boolean or float), bottom-right causal masking, GQA/MQA, per-head alpha and every attention
-    variant the fused path takes (sliding window, ALiBi, sinks, soft cap, ``Dv != D``, a block mask), forward only.
-    What the fused path refuses (:func:`sparse_attn.attn_inputs.unfused_variants`: slopes that require grad, value
-    head dims outside [16, 256]) never reaches here.
-    """
-    return refused("decode", inputs.used())
+def _capturing(q) -> bool:
+    """Whether a CUDA graph is being captured on the current stream of ``q``'s device."""
+    return isinstance(q, Tensor) and q.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
-def decode_fits(inputs: AttnSpec) -> bool:
-    """Whether the fused path runs ``inputs`` on the split-K decode kernels instead of the general forward.
-
-    A decoding step: ``1 <= Nq <= MAX_DECODE_QUERIES`` queries per sequence against more keys than queries (a KV
-    cache; ``Nk > Nq``), on the triton backend, with nothing from :func:`decode_unsupported`.
-    """
-    n_q, n_k = inputs.q.shape[2], inputs.k.shape[2]
-    return (inputs.backend == "triton" and 1 <= n_q <= MAX_DECODE_QUERIES and n_k > n_q
-            and not decode_unsupported(inputs))
+def _meta(x):
+    """What the checks read of one argument: a tensor's type, shape, dtype, device and ``requires_grad``; any other
+    value itself, with its type (``True`` and ``1`` differ)."""
+    if isinstance(x, Tensor):
+        return (type(x), x.shape, x.dtype, x.device, x.requires_grad)
+    return (type(x), x)
 
 
-def decode_attention(inputs: AttnSpec, return_stats: bool | None = None):
-    """Run prepared inputs for which :func:`decode_fits` holds on the decode kernels: ``k``, ``v`` are a contiguous
-    cache of ``Nk`` keys for every sequence. Returns ``out`` ``(B, Hq, Nq, Dv)`` or ``(out, AttentionStats)``
-    (``return_stats`` None: the spec's ``need_stats``)."""
-    q, k = inputs.q, inputs.k
-    seqlens = torch.full((q.shape[0],), k.shape[2], dtype=torch.int32, device=q.device)
-    return _run_decode_op(inputs, seqlens, inputs.need_stats if return_stats is None else return_stats)
+def _gate(q, k_cache, v_cache, cache_seqlens, alpha, kw: dict):
+    """``prepare_attention`` of a decoding step, and what keeps it off the decode kernels (phrases; None on the
+    reference backend).
+
+    A second call whose arguments have the same metadata (:func:`_meta`: types, shapes, dtypes, devices,
+    ``requires_grad``, the other arguments' values, grad mode) skips the checks, which read nothing else: the spec of
+    the first call is kept without its tensors and this call's tensors are swapped in (converted as
+    ``prepare_attention`` converts them). Never with a block mask (it is converted), while the values of a tensor are
+    read for checks (CPU tensors, :func:`sparse_attn.set_checks`; those checks run on every call), while
+    ``torch.compile`` traces, or while a CUDA graph is being captured: an integer ``cache_seqlens`` or a Python
+    ``alpha`` become device tensors the kept spec holds, which a capture would leave unwritten, and a graph must not
+    read a kept tensor the cache may drop."""
+    cacheable = not (torch.compiler.is_compiling() or _capturing(q) or kw["block_mask"] is not None
+                     or values_checkable(q, cache_seqlens, kw["block_table"], alpha))
+    if cacheable:
+        try:
+            key = (torch.is_grad_enabled(), _meta(q), _meta(k_cache), _meta(v_cache), _meta(cache_seqlens),
+                   _meta(alpha), *(_meta(x) for x in kw.values()))
+            hit = _GATE.get(key)
+        except TypeError:  # an unhashable argument (the checks will name it, or it is a list): not cached
+            cacheable, hit = False, None
+        if hit is not None:
+            template, why = hit
+            fields = dict(q=q, k=k_cache, v=v_cache, mask=kw["attn_mask"], block_table=kw["block_table"],
+                          alibi_slopes=head_cast(kw["alibi_slopes"], q), sinks=head_cast(kw["sinks"], q))
+            if isinstance(alpha, Tensor):
+                fields["alpha"] = alpha_tensor(alpha, q)
+            if isinstance(cache_seqlens, Tensor):
+                fields["cache_seqlens"] = cache_seqlens.to(torch.int32)
+            return template.swapped(**fields), why
+    spec = prepare_attention(q, k_cache, v_cache, alpha, kv_cache=True, cache_seqlens=cache_seqlens, **kw)
+    why = refused("decode", spec.used()) if spec.backend == "triton" else None
+    if cacheable:
+        dropped = dict.fromkeys(_CALL_TENSORS)
+        if isinstance(alpha, Tensor):
+            dropped["alpha"] = None
+        if isinstance(cache_seqlens, Tensor):
+            dropped["cache_seqlens"] = None
+        _GATE[key] = (spec.swapped(**dropped), why)
+        if len(_GATE) > _GATE_SIZE:
+            _GATE.popitem(last=False)
+    return spec, why
 
 
-def _run_decode_op(spec: AttnSpec, seqlens: Tensor, return_stats: bool):
-    """The decode op on a spec whose ``k`` / ``v`` are a KV cache holding ``seqlens`` keys per sequence: ``out`` or
-    ``(out, AttentionStats)``."""
-    out, tau, nnz, n_valid = _decode_op(
-        q=spec.q, k_cache=spec.k, v_cache=spec.v, cache_seqlens=seqlens,
-        alpha=spec.alpha.detach().float().contiguous(), alpha_value=spec.alpha_value, scale=spec.scale,
-        block_table=spec.block_table, bias=spec.mask, is_causal=spec.is_causal, max_seqlen_k=spec.max_seqlen_k,
-        num_splits=spec.num_splits, window_size=_window_arg(spec.window_size), alibi_slopes=spec.alibi_slopes,
-        softcap=spec.softcap, sinks=spec.sinks, block_mask=spec.block_mask,
-        block_size=None if spec.block_size is None else [int(n) for n in spec.block_size])
-    return (out, AttentionStats(nnz, tau, n_valid)) if return_stats else out
+def _prefill(spec: AttnSpec):
+    """More than ``MAX_DECODE_QUERIES`` queries per sequence on the triton backend: packed through the fused
+    kernels, or 16 queries at a time through the decode kernels with a mask that varies by query (docstring of
+    :func:`entmax_decode`)."""
+    if spec.mask is not None and spec.mask.dim() >= 2 and spec.mask.shape[-2] > 1:
+        return _prefill_chunks(spec)
+    return _prefill_packed(spec)
+
+
+def _prefill_chunks(spec: AttnSpec):
+    """The decode kernels on 16 queries at a time. Causal: chunk ``[c0, c1)`` is a decoding step of its own over the
+    first ``cache_seqlens - (Nq - c1)`` keys (the chunk's queries are their last ones: the alignment, the window and
+    ALiBi come out exact, and causality hides the later keys anyway); not causal, the alignment matters to nothing
+    left, and every chunk sees every key."""
+    why = []
+    if not spec.is_causal and (spec.window_size is not None or spec.alibi_slopes is not None):
+        why.append("window_size or alibi_slopes without is_causal")
+    if spec.block_mask is not None:
+        why.append("a block_mask")
+    if why:
+        raise ValueError(f"attn_mask: a mask that varies by query with more than {MAX_DECODE_QUERIES} queries takes "
+                         f"the decode kernels {MAX_DECODE_QUERIES} queries at a time, which cannot align "
+                         f"{' and '.join(why)}; pass a mask per key (shape (B, Hq or 1, 1, capacity)), or at most "
+                         f"{MAX_DECODE_QUERIES} queries per call")
+    n_q = spec.q.shape[2]
+    outs, stats = [], []
+    for c0 in range(0, n_q, MAX_DECODE_QUERIES):
+        c1 = min(c0 + MAX_DECODE_QUERIES, n_q)
+        lengths = (spec.cache_seqlens - (n_q - c1)).clamp_min(0) if spec.is_causal else spec.cache_seqlens
+        res = _run_decode_op(spec.swapped(q=spec.q[:, :, c0:c1], mask=spec.mask[..., c0:c1, :]), lengths, True)
+        outs.append(res[0])
+        stats.append(res[1])
+    out = torch.cat(outs, dim=2)
+    if not spec.need_stats:
+        return out
+    return out, AttentionStats(*(torch.cat([getattr(st, f) for st in stats], dim=2) for f in AttentionStats._fields))
+
+
+def _prefill_packed(spec: AttnSpec):
+    """The fused kernels on packed variable-length sequences: sequence ``b``'s ``cache_seqlens[b]`` keys and values
+    gathered from the cache (through the block table) one after another, its ``Nq`` queries likewise; each sequence's
+    causal mask, window and ALiBi are bottom-right aligned, as a decoding step's. A mask (per key) is gathered with
+    the keys. Where values are read for checks the packed length is exact; otherwise (CUDA) space is taken for
+    ``B * max_seqlen_k`` keys, so that nothing is read back."""
+    q, lengths = spec.q, spec.cache_seqlens.clamp(0, spec.max_seqlen_k)
+    batch, n_heads, n_q, _ = q.shape
+    dev = q.device
+    cu_k = torch.cat([torch.zeros(1, dtype=torch.int32, device=dev), torch.cumsum(lengths, 0, dtype=torch.int32)])
+    total = int(cu_k[-1]) if values_checkable(lengths) else batch * spec.max_seqlen_k
+    slot = torch.arange(total, device=dev)
+    seq = torch.searchsorted(cu_k[1:], slot, right=True).clamp_max(max(batch - 1, 0))
+    pos = (slot - cu_k[seq]).clamp(0, max(spec.seqlen_k - 1, 0))  # key position in its sequence (past the end: unread)
+    k, v = (_rows(t, spec.block_table, seq, pos).transpose(0, 1)[None] for t in (spec.k, spec.v))
+    mask = spec.mask
+    if mask is not None:
+        mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+        mask = mask.expand(*mask.shape[:3], spec.seqlen_k)[seq if mask.shape[0] > 1 else 0 * seq, :, 0, pos]
+        mask = mask.transpose(0, 1)[None, :, None, :]  # (1, Hq or 1, 1, total)
+    packed = prepare_attention(
+        q.transpose(0, 1).reshape(n_heads, batch * n_q, q.shape[3])[None], k, v,
+        spec.alpha if spec.alpha_value is None else spec.alpha_value, attn_mask=mask, is_causal=spec.is_causal,
+        scale=spec.scale, enable_gqa=True,
+        cu_seqlens_q=torch.arange(0, (batch + 1) * n_q, n_q, dtype=torch.int32, device=dev), cu_seqlens_k=cu_k,
+        max_seqlen_q=n_q, max_seqlen_k=spec.max_seqlen_k, backend="triton", window_size=spec.window_size,
+        alibi_slopes=spec.alibi_slopes, sinks=spec.sinks, softcap=spec.softcap, alpha_in_range=spec.alpha_checked,
+        need_stats=spec.need_stats,
+        block_mask=None if spec.block_mask is None else BlockSparseMask(spec.block_mask, spec.block_size))
+    from sparse_attn.attn._attn_autograd import fused_entmax_attention
+
+    res = fused_entmax_attention(packed, spec.need_stats) if packed.backend == "triton" else entmax_attention_reference(
+        packed.q, packed.k, packed.v, packed.alpha, scale=spec.scale, enable_gqa=True, cu_seqlens_q=packed.cu_seqlens_q,
+        cu_seqlens_k=cu_k, max_seqlen_q=n_q, max_seqlen_k=spec.max_seqlen_k, return_stats=spec.need_stats)
+
+    def unpack(t):  # (1, Hq, B * Nq, ...) -> (B, Hq, Nq, ...)
+        return t[0].unflatten(1, (batch, n_q)).transpose(0, 1)
+
+    if not spec.need_stats:
+        return unpack(res)
+    return unpack(res[0]), AttentionStats(*(unpack(t) for t in res[1]))
+
+
+def _rows(cache: Tensor, block_table: Tensor | None, seq: Tensor, pos: Tensor) -> Tensor:
+    """Key (or value) rows ``(n, Hk, D)`` of sequences ``seq`` at positions ``pos`` (each ``(n,)``) of a contiguous
+    ``(B, Hk, Nk, D)`` cache or a page pool with its block table."""
+    if block_table is None:
+        return cache[seq, :, pos]
+    page_size = cache.shape[1]
+    page = block_table[seq, pos // page_size].long().clamp(0, cache.shape[0] - 1)
+    return cache[page, pos % page_size]
+
+
