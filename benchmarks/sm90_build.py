@@ -138,14 +138,17 @@ def block_mask_arg(kind: str | None, n_seq: int, heads: int, n: int):
 def fwd_case(head_dim: int, alpha_class: str, causal: bool = True, dtype=torch.bfloat16, n: int = N_DEFAULT,
              mask: str | None = None, dropout: bool = False, varlen: bool = False, need_out_u: bool = False,
              window_size=None, softcap: float | None = None, alibi: bool = False, sinks: bool = False,
-             config: tuple | None = None, block_mask: str | None = None):
+             config: tuple | None = None, block_mask: str | None = None, block: tuple | None = None,
+             split: bool = False):
     """Build the forward for one configuration as the launcher launches it; returns the analysis dict.
 
     ``mask``: None, ``"float"`` (an additive ``(B, 1, Nq, Nk)`` bias) or ``"bool"`` (a keep mask);
     ``need_out_u``: the training forward, which also accumulates the backward's ``out_u``;
     ``window_size``: a sliding window ``(left, right)`` or None; ``softcap``, ``alibi``, ``sinks``: soft-capping,
     ALiBi slopes, per-head sinks; ``config``: ``(num_warps, num_stages)`` instead of the pinned one (an autotune
-    candidate); ``block_mask``: a kind of :data:`BLOCK_MASKS` or None.
+    candidate); ``block_mask``: a kind of :data:`BLOCK_MASKS` or None; ``block``: ``(block_m, block_n)`` instead of
+    the pinned tiles; ``split``: the split forward's two stages (``kernels/attn/_fwd_split.py``, both built; the dict
+    is the value kernel's), else the fused kernel, whatever the launcher's default for the class.
     """
     q, k, v, cu = _problem(head_dim, n, dtype, varlen)
     variants = dict(window_size=window_size, softcap=softcap,
@@ -159,8 +162,21 @@ def fwd_case(head_dim: int, alpha_class: str, causal: bool = True, dtype=torch.b
     extra = {"alpha_class": alpha_class} if "alpha_class" in fwd.entmax_attn_fwd.__code__.co_varnames else {}
     if need_out_u:
         extra["need_out_u"] = True
+    if block is not None:
+        extra.update(block_m=block[0], block_n=block[1])
+    if "split" in fwd.entmax_attn_fwd.__code__.co_varnames:
+        extra["split"] = split
     tuned = getattr(fwd, "_entmax_attn_fwd_autotuned", None)
-    if tuned is not None:  # the autotuned kernel: record its launch, build it with the pinned config
+    if split:  # the split's stages launch the kernel itself, with the pinned config (or the forced one)
+        if config is not None:
+            extra.update(num_warps=config[0], num_stages=config[1])
+        kernel, launches = captured_launches(fwd, "_entmax_attn_fwd_kernel", fwd.entmax_attn_fwd, q, k, v, alpha,
+                                             head_dim ** -0.5, bias=bias, is_causal=causal, cu_seqlens_q=cu,
+                                             cu_seqlens_k=cu, dropout_p=0.1 if dropout else 0.0,
+                                             **variants, **extra)
+        for _, args, kwargs in launches[:-1]:
+            compile_like_launch(kernel, args, kwargs)
+    elif tuned is not None:  # the autotuned kernel: record its launch, build it with the pinned config
         cap = _Capture(tuned)
         fwd._entmax_attn_fwd_autotuned = cap
         try:
@@ -178,7 +194,8 @@ def fwd_case(head_dim: int, alpha_class: str, causal: bool = True, dtype=torch.b
                                              **variants, **extra)
     grid, args, kwargs = launches[-1]
     info = analyse(compile_like_launch(kernel, args, kwargs))
-    info.update(kernel=("fwd+out_u" if need_out_u else "fwd") + (f"[{block_mask}]" if block_mask else ""), d=head_dim,
+    info.update(kernel=("fwd split" if split else "fwd") + ("+out_u" if need_out_u else "")
+                + (f"[{block_mask}]" if block_mask else ""), d=head_dim,
                 alpha=alpha_class if "alpha_class" in extra else "all (run time)",
                 block=f"{kwargs['BLOCK_M']}x{kwargs['BLOCK_N']}", warps=kwargs.get("num_warps", 4),
                 stages=kwargs.get("num_stages", 3))
@@ -312,10 +329,14 @@ def candidates(head_dims, classes, n: int = N_DEFAULT):
 def check() -> int:
     """CI: the GPU builds the interpreter never exercises compile for sm_90: the forward's general-alpha class
     (the largest path) with a float mask, dropout, varlen, ALiBi, sinks and the backward's ``out_u``, its 1.5-entmax
-    class with a boolean mask, a sliding window and soft-capping; the three backward kernels with d alpha, a window,
-    ALiBi, soft-capping, sinks and a mask gradient reduced by the d bias kernel."""
+    class with a boolean mask, a sliding window and soft-capping, the split forward's stages with the same features
+    (sparsemax, 1.5-entmax at the head-dim-128 pin with its register cap); the three backward kernels with d alpha, a
+    window, ALiBi, soft-capping, sinks and a mask gradient reduced by the d bias kernel."""
     fwd_case(80, "general", mask="float", dropout=True, varlen=True, need_out_u=True, alibi=True, sinks=True)
     fwd_case(64, "entmax15", mask="bool", causal=False, window_size=(255, 16), softcap=30.0)
+    fwd_case(80, "sparsemax", mask="float", dropout=True, varlen=True, need_out_u=True, alibi=True, sinks=True,
+             split=True)
+    fwd_case(128, "entmax15", mask="bool", window_size=(255, 16), softcap=30.0, split=True)
     bwd_cases(80, need_dalpha=True, mask="blocks", dropout=True, window_size=(255, -1), softcap=30.0, alibi=True,
               sinks=True)
     print("built")

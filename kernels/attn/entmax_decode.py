@@ -10,14 +10,15 @@ doing what needs every split's results:
    from the cache and stored (``Z``, float32, ``Nq x Hq / Hk`` rows per kv head: a fraction of the key
    cache's own size), together with the split's row max, valid-key count, NaN flag and ``f``, ``g``, ``c``
    at ``GRID_K`` grid points ``ref + i / (GRID_K - 1)`` below the split's own running max (the forward's
-   ring, kernels/attn/entmax_attn_fwd.py; ``ref`` the split's reference score, ``_threshold.anchor``). Blocks whose
-   scores all lie below the lowest point are dead. The last program merges the splits' grid sums into the global
-   sums (exact: the splits' references are a whole number of ring turns apart, so their grids are one grid and each
-   slot of a split is that slot of the global ring; a point above a split's own max simply has nothing from that
-   split), solves for a certified bracket and an estimate (kernels/attn/_threshold.py) and, while a row of the tile
-   is not pinned down (at most ``max_passes - 2`` times), runs a **candidate pass** over every split's live blocks:
-   ``CAND_P`` points of the bracket, from the stored scores (not the cache), dropping blocks below the certified
-   lower bound (``_decode_state._cand_passes``). It stores the final threshold state of the tile.
+   ring, kernels/attn/entmax_attn_fwd.py; ``ref`` the split's reference score, ``_threshold_tiles.anchor``).
+   Blocks whose scores all lie below the lowest point are dead. The last program merges the splits' grid sums into
+   the global sums (exact: the splits' references are a whole number of ring turns apart, so their grids are one
+   grid and each slot of a split is that slot of the global ring; a point above a split's own max simply has
+   nothing from that split), solves for a certified bracket and an estimate (kernels/attn/_threshold.py) and,
+   while a row of the tile is not pinned down (at most ``max_passes - 2`` times), runs a **candidate pass** over
+   every split's live blocks: ``CAND_P`` points of the bracket, from the stored scores (not the cache), dropping
+   blocks below the certified lower bound (``_decode_state._cand_passes``). It stores the final threshold state of
+   the tile.
 2. **value pass** (``PHASE 2``): with that threshold, for every live block of the split the weights; the block's
    value rows are read only when some weight is positive. Partial ``sum_j p_j v_j``, ``sum_j p_j`` and support
    sizes per split; the last program combines them: ``out = sum_s acc_s / sum_s l_s`` and the statistics
@@ -72,13 +73,8 @@ from ._decode_state import (
     _tile_list,
     _tile_live,
 )
-from ._threshold import (
-    grid_counts,
-    grid_start,
-    grid_sums,
-    grid_tile,
-    weights,
-)
+from ._threshold import weights
+from ._threshold_tiles import grid_counts, grid_start, grid_sums, grid_tile
 
 
 class EntmaxDecodeResult(NamedTuple):
@@ -145,13 +141,13 @@ def _grid_pass(q, keys, pages, rows, mods, out, ent, zs, MASK, SCORE, POW: tl.co
                BLOCK_N: tl.constexpr, BIAS_KIND: tl.constexpr, CACHE):
     """The score pass over the split's key blocks ``[kt_lo, kt_hi)`` of ``rows`` (after the sink tile ``zs`` with
     sinks): stores the scores and lists the live blocks (``out``: ``(Z, z_rows, list_base)``); each block goes
-    through the ring update it shares with the forward (``_threshold.grid_tile``). ``ent``: ``(z_scale, am1, beta,
+    through the ring update it shares with the forward (``_threshold_tiles.grid_tile``). ``ent``: ``(z_scale, am1, beta,
     bm1, shift)`` per row.
 
     Returns ``(m, j_top, ref, n_valid, bad, F, G, C, n_live, n_read)``: the split's row max, its grid index
     relative to its reference score ``ref``, the reference, valid keys,
     NaN/+inf flag and the ``[BLOCK_M, GRID_K]`` sums at the ring's points (POW 0: scaled by the split max's
-    term; counts from ``_threshold.grid_counts``), the number of live blocks written to ``list_base`` and of
+    term; counts from ``_threshold_tiles.grid_counts``), the number of live blocks written to ``list_base`` and of
     blocks read from the cache (those a block mask hides from every row are not: ``_decode_state._tile_live``).
     """
     Z, z_rows, list_base = out
