@@ -12,6 +12,7 @@ import dataclasses
 import pytest
 import torch
 from helpers import F64, TOL
+from variants import ROWS, Problem, build
 
 from sparse_attn._attn_autograd import _sdpa, fused_entmax_attention, sdpa_refuses
 from sparse_attn.attention import run_attention
@@ -19,7 +20,6 @@ from sparse_attn.attn_inputs import AttentionInputs, prepare_attention
 from sparse_attn.decode import decode_fits, decode_unsupported
 from sparse_attn.distributed import context_parallel_attention, ulysses_attention
 from sparse_attn.routes import PROBLEM_FIELDS, SUPPORTED, VARIANTS, refused
-from variants import ROWS, Problem, build
 
 B, H, N, D = 2, 4, 12, 16
 

@@ -13,12 +13,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import TOL
+from variants import ROWS, Problem, build, cast, eager_attention, grad_leaves, loop_alibi, loop_keep, together
 
 import sparse_attn.attn_inputs as attn_inputs
 from sparse_attn.attention import entmax_attention
 from sparse_attn.mappings import entmax
 from sparse_attn.reference import entmax_attention_reference
-from variants import ROWS, Problem, build, cast, eager_attention, grad_leaves, loop_alibi, loop_keep, on_route
 
 ALPHAS = [1.0, 1.3, 1.5, 2.0]
 INF = float("inf")
@@ -221,10 +221,8 @@ def test_value_head_dim_differs_from_query_key_head_dim(causal):
             _close(g, r)
 
 
-# every variant of the reference route in one call, except those a call takes one at a time (packed sequences,
-# dropout, one mask: the boolean one) and those about gradients (the test decides)
-TOGETHER = [n for n in on_route("reference")
-            if n not in ("varlen", "dropout", "float_mask", "mask_grad", "alibi_grad", "grad")]
+# every variant of the reference route in one call (the test table's, with a boolean mask)
+TOGETHER = together("reference")
 
 
 def _all_variants(seed=0, dtype=torch.float64, grad=False):

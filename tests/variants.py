@@ -35,13 +35,14 @@ INF = math.inf
 
 @dataclasses.dataclass(frozen=True)
 class Problem:
-    """The shapes of one attention call (``q (b, hq, nq, d)``, ``k (b, hk, nk, d)``, ``v (b, hk, nk, dv)``), its
-    dtype and device, the seed of its draws and whether ``q, k, v`` require grad; ``block`` the block size of a
-    block mask; ``lengths_q`` / ``lengths_k``: the packed sequences of the ``varlen`` variant."""
+    """The shapes of one attention call (``q (b, hq, nq, d)``, ``k (b, hk, nk, d)``, ``v (b, hk, nk, dv)``; ``hk``
+    None: ``hq``), its dtype and device, the seed of its draws and whether ``q, k, v`` require grad; ``block``: the
+    block size of a block mask; ``lengths_q`` / ``lengths_k``: the packed sequences of the ``varlen`` variant (its
+    row sets ``packed``; empty: two sequences splitting ``nq`` / ``nk``)."""
 
     b: int = 2
     hq: int = 4
-    hk: int = 4
+    hk: int | None = None  # None: hq
     nq: int = 12
     nk: int = 12
     d: int = 16
@@ -53,6 +54,7 @@ class Problem:
     block: tuple[int, int] = (4, 4)
     lengths_q: tuple[int, ...] = ()
     lengths_k: tuple[int, ...] = ()
+    packed: bool = False
 
     @property
     def param_dtype(self) -> torch.dtype:
@@ -62,7 +64,7 @@ class Problem:
     @property
     def n_rows(self) -> int:
         """The leading dim of per-sequence tensors: ``b``, or the number of packed sequences."""
-        return len(self.lengths_q) if self.lengths_q else self.b
+        return len(self.lengths_q) if self.packed else self.b
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,14 +188,14 @@ def _float_mask(p, g, grad=False):
 
 
 def _slopes(p, g, grad=False):
-    lead = (p.n_rows, p.hq) if p.lengths_q else (p.hq,)  # one row of slopes per packed sequence
+    lead = (p.n_rows, p.hq) if p.packed else (p.hq,)  # one row of slopes per packed sequence
     return dict(alibi_slopes=(torch.rand(*lead, generator=g, dtype=F64) / 4).to(p.param_dtype).to(p.device)
                 .requires_grad_(grad))
 
 
 def _block_grid(p, g):
     bq, bk = p.block
-    nq, nk = (max(p.lengths_q), max(p.lengths_k)) if p.lengths_q else (p.nq, p.nk)
+    nq, nk = (max(p.lengths_q), max(p.lengths_k)) if p.packed else (p.nq, p.nk)
     grid = torch.rand(p.n_rows, 1, math.ceil(nq / bq), math.ceil(nk / bk), generator=g) < 0.7
     grid[..., 0] = True  # key block 0 kept: under causal masking (nq <= nk) every row keeps a key
     return dict(block_mask=BlockSparseMask(grid.to(p.device), (bq, bk)))
@@ -203,7 +205,7 @@ def _packed_shape(p):
     """One batch entry of two packed sequences (of the problem's lengths unless it names its own)."""
     lq = p.lengths_q or (p.nq // 2 - 1, p.nq - p.nq // 2 + 1)
     lk = p.lengths_k or (p.nk // 2 - 1, p.nk - p.nk // 2 + 1)
-    return dict(b=1, nq=sum(lq), nk=sum(lk), lengths_q=lq, lengths_k=lk)
+    return dict(b=1, nq=sum(lq), nk=sum(lk), lengths_q=lq, lengths_k=lk, packed=True)
 
 
 def _packed(p, g):
@@ -244,6 +246,20 @@ def on_route(route: str, names=None) -> list[str]:
     return [n for n in (ROWS if names is None else names) if route in ROWS[n].routes]
 
 
+APART = ("varlen", "dropout", "mask_grad", "alibi_grad", "grad")
+"""Variants the "all at once" tests leave to their own tests: packed sequences (one batch entry), dropout (random:
+no twin), and the gradient rows (whether a tensor requires grad is each test's choice)."""
+
+
+def together(route: str, mask: str | None = "bool", without=()) -> list[str]:
+    """The variants of ``route`` one call uses at once in the "every variant" tests: all but :data:`APART`,
+    ``without``, and of the two masks the one ``mask`` names (``"bool"``, ``"float"`` or None: neither). A new
+    variant joins these calls by its row alone."""
+    masks = {"bool": "float_mask", "float": "bool_mask", None: None}
+    drop = set(APART) | set(without) | ({"bool_mask", "float_mask"} if mask is None else {masks[mask]})
+    return [n for n in on_route(route) if n not in drop]
+
+
 def build(names, p: Problem = Problem(), **shape):
     """``q, k, v, kwargs`` of one call using the variants ``names`` at once (with what they imply) on the problem
     ``p`` (fields replaced by ``shape``). ``bool_mask`` and ``float_mask`` / ``mask_grad`` both set ``attn_mask``:
@@ -256,7 +272,7 @@ def build(names, p: Problem = Problem(), **shape):
     ordered = [n for n in ROWS if n in names]
     for n in ordered:
         p = dataclasses.replace(p, **ROWS[n].shape(p))
-    q, k, v = qkv(b=p.b, hq=p.hq, hk=p.hk, nq=p.nq, nk=p.nk, d=p.d, dv=p.dv, dtype=p.dtype, seed=p.seed,
+    q, k, v = qkv(b=p.b, hq=p.hq, hk=p.hk or p.hq, nq=p.nq, nk=p.nk, d=p.d, dv=p.dv, dtype=p.dtype, seed=p.seed,
                   device=p.device, requires_grad=p.grad)
     g = gen(p.seed + 1)
     kw = {}
@@ -287,9 +303,10 @@ def eager_attention(q, k, v, alpha, scale=None, **kw) -> torch.Tensor:
     Differentiable in every float64 tensor. Dropout has no twin (it raises)."""
     if kw.get("dropout_p", 0.0):
         raise ValueError("dropout has no eager twin")
+    kw = {n: _on_cpu(t) for n, t in kw.items()}
     if kw.get("cu_seqlens_q") is not None:
         return _eager_packed(q, k, v, alpha, scale, kw)
-    c = Scores(q.double(), k.double(), v.double(), kw)
+    c = Scores(q.double().cpu(), k.double().cpu(), v.double().cpu(), kw)
     active = [n for n in ROWS if KEYWORD.get(n) in kw and kw[KEYWORD[n]] is not None and ROWS[n].twin is not None]
     active = list(dict.fromkeys(ROWS[n].twin for n in active))  # one step per twin (a mask row and its grad row)
     early = [t for t in active if t in (_gqa,)]
@@ -317,12 +334,18 @@ def eager_attention(q, k, v, alpha, scale=None, **kw) -> torch.Tensor:
     return p @ c.v
 
 
+def _on_cpu(t):
+    if isinstance(t, BlockSparseMask):
+        return BlockSparseMask(t.mask.cpu(), t.block_size)
+    return t.cpu() if isinstance(t, torch.Tensor) else t
+
+
 def _normalize(s, alpha):
     from sparse_attn.mappings import entmax
 
     if not isinstance(alpha, torch.Tensor):
         return torch.softmax(s, -1) if alpha == 1 else entmax(s, alpha, dim=-1)
-    return entmax(s, alpha.double().reshape(1, -1, 1, 1), dim=-1)
+    return entmax(s, alpha.double().cpu().reshape(1, -1, 1, 1), dim=-1)
 
 
 def _eager_packed(q, k, v, alpha, scale, kw):
