@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from helpers import TOL
 from variants import ROWS, Problem, build, cast, eager_attention, grad_leaves, loop_alibi, loop_keep, together
 
+import sparse_attn._cpu_chunked as chunked_mod
 import sparse_attn.attn_inputs as attn_inputs
 from sparse_attn.attention import entmax_attention
 from sparse_attn.mappings import entmax
@@ -278,14 +279,19 @@ def test_varlen_with_variants_equals_separate_calls(alpha):
         _close(out[:, :, cu_q[s]:cu_q[s + 1]], ref)
 
 
-@pytest.mark.parametrize("name", [n for n in ROWS if ROWS[n].twin is not None])
-def test_each_variant_equals_its_eager_twin(name):
-    """Each variant of the test table (with causal masking and mixed alpha per head) against its eager twin
-    (``tests/variants.py``: the same attention in plain torch ops): forward and the gradients of q, k, v and of
-    every keyword tensor that requires one. A variant with a spec field must change the output (no vacuous row)."""
+@pytest.mark.parametrize("name,route", [(n, r) for n in ROWS for r in ("reference", "chunked")
+                                        if ROWS[n].twin is not None and r in ROWS[n].routes])
+def test_each_variant_equals_its_eager_twin(name, route, monkeypatch):
+    """Each variant of the test table (with causal masking and mixed alpha per head) on each CPU route of the
+    reference backend that lists it (the materialized reference; the row blocks of the chunked path, forced here
+    for a small call) against its eager twin (``tests/variants.py``: the same attention in plain torch ops): forward
+    and the gradients of q, k, v and of every keyword tensor that requires one. A variant with a spec field must
+    change the output (no vacuous row)."""
     alpha = torch.tensor([1.0, 1.3, 1.5, 2.0], dtype=torch.float64, requires_grad=True)
     q, k, v, kw = build({name, "causal"}, Problem(grad=True))
+    calls = _force_chunked(monkeypatch, q, k) if route == "chunked" else []
     out = entmax_attention(q, k, v, alpha, backend="reference", **kw)
+    assert len(calls) == (route == "chunked")
     ref = eager_attention(q, k, v, alpha, **kw)
     _close(out, ref)
     leaves = (q, k, v, alpha, *(kw[n] for n in grad_leaves(kw)))
@@ -294,6 +300,17 @@ def test_each_variant_equals_its_eager_twin(name):
     if ROWS[name].field is not None:
         plain = {n: t for n, t in kw.items() if n not in KEYWORDS_OF[name]}
         assert not torch.allclose(out, eager_attention(q, k, v, alpha, **plain), atol=TOL["changed"]), name
+
+
+def _force_chunked(monkeypatch, q, k) -> list:
+    """Make the reference backend take the chunked route for ``q, k`` (blocks of about 4 query rows); returns the
+    list its calls are recorded in."""
+    calls, real = [], chunked_mod.chunked_attention
+    monkeypatch.setattr("sparse_attn.attention.chunked_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setattr(chunked_mod, "MIN_SCORES", 0)
+    rows = 4 * q.shape[0] * q.shape[1] * k.shape[2] * q.element_size() * chunked_mod._BLOCK_TEMPS
+    monkeypatch.setattr(chunked_mod, "BLOCK_BYTES", rows)
+    return calls
 
 
 # the keywords a row sets (what a call without the variant leaves out)
