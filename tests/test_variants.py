@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import TOL
-from variants import ROWS, Problem, build, cast, eager_attention, grad_leaves, loop_alibi, loop_keep, together
+from variants import KEYWORDS, ROWS, Problem, build, cast, eager_attention, grad_leaves, loop_alibi, loop_keep, together
 
 import sparse_attn._cpu_chunked as chunked_mod
 import sparse_attn.attn_inputs as attn_inputs
@@ -298,7 +298,7 @@ def test_each_variant_equals_its_eager_twin(name, route, monkeypatch):
     for g, r in zip(_grads(out, leaves), _grads(ref, leaves), strict=True):
         _close(g, r)
     if ROWS[name].field is not None:
-        plain = {n: t for n, t in kw.items() if n not in KEYWORDS_OF[name]}
+        plain = {n: t for n, t in kw.items() if n not in KEYWORDS[name]}
         assert not torch.allclose(out, eager_attention(q, k, v, alpha, **plain), atol=TOL["changed"]), name
 
 
@@ -311,10 +311,6 @@ def _force_chunked(monkeypatch, q, k) -> list:
     rows = 4 * q.shape[0] * q.shape[1] * k.shape[2] * q.element_size() * chunked_mod._BLOCK_TEMPS
     monkeypatch.setattr(chunked_mod, "BLOCK_BYTES", rows)
     return calls
-
-
-# the keywords a row sets (what a call without the variant leaves out)
-KEYWORDS_OF = {n: set(ROWS[n].kwargs(Problem(), torch.Generator())) for n in ROWS}
 
 
 def test_stats_count_real_keys_and_the_threshold_includes_the_sink():

@@ -69,6 +69,8 @@ class Problem:
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
+    """One row of :data:`ROWS` (the fields are described at the top of this module)."""
+
     name: str
     field: str | None
     kwargs: Callable[[Problem, torch.Generator], dict]
@@ -234,11 +236,10 @@ ROWS: dict[str, Variant] = {v.name: v for v in [
 ]}
 """One row per variant of the library's route table, in its order."""
 
-# the keyword each twin reads (a variant's twin runs when its keyword is in the call)
-KEYWORD = {"varlen": "cu_seqlens_q", "bool_mask": "attn_mask", "float_mask": "attn_mask", "mask_grad": "attn_mask",
-           "causal": "is_causal", "window": "window_size", "alibi": "alibi_slopes", "alibi_grad": "alibi_slopes",
-           "sinks": "sinks", "softcap": "softcap", "dropout": "dropout_p", "gqa": "enable_gqa",
-           "block_mask": "block_mask"}
+KEYWORDS: dict[str, frozenset] = {
+    name: frozenset(row.kwargs(dataclasses.replace(Problem(), **row.shape(Problem())), gen(0)))
+    for name, row in ROWS.items()}
+"""The keywords each row sets (its twin runs in :func:`eager_attention` when one of them is given)."""
 
 
 def on_route(route: str, names=None) -> list[str]:
@@ -307,11 +308,11 @@ def eager_attention(q, k, v, alpha, scale=None, **kw) -> torch.Tensor:
     if kw.get("cu_seqlens_q") is not None:
         return _eager_packed(q, k, v, alpha, scale, kw)
     c = Scores(q.double().cpu(), k.double().cpu(), v.double().cpu(), kw)
-    active = [n for n in ROWS if KEYWORD.get(n) in kw and kw[KEYWORD[n]] is not None and ROWS[n].twin is not None]
-    active = list(dict.fromkeys(ROWS[n].twin for n in active))  # one step per twin (a mask row and its grad row)
-    early = [t for t in active if t in (_gqa,)]
-    for twin in early:
-        twin(c)
+    given = {n for n, t in kw.items() if t is not None and t is not False}
+    active = [ROWS[n].twin for n in ROWS if KEYWORDS[n] & given and ROWS[n].twin is not None]
+    active = list(dict.fromkeys(active))  # one step per twin (a mask row and its gradient row share one)
+    if _gqa in active:  # the k/v heads first, then the scores, the soft cap, masks and biases, the sink column
+        _gqa(c)
     scale = c.q.shape[-1] ** -0.5 if scale is None else scale
     c.s = scale * c.q @ c.k.transpose(-1, -2)
     if _softcap in active:
