@@ -1,9 +1,9 @@
 """The route table (``sparse_attn/attn/routes.py``): every variant named, every route refusing what it does not list.
 
 A new field of ``AttentionInputs`` or a new variant without a row in the test table (``tests/variants.py``: its
-keywords, its eager twin, its routes) fails the coverage tests; a variant a
-route does not list is refused there (the dummy-variant test), and what the SDPA route claims to run is checked
-against the reference on the CPU (the route itself only runs on CUDA).
+keywords, its eager twin, its routes) fails the coverage tests; a variant a route does not list is refused there
+(the dummy-variant test), and what the SDPA route claims to run is checked against the reference on the CPU (the
+route itself only runs on CUDA).
 """
 
 import contextlib
