@@ -252,12 +252,12 @@ APART = ("varlen", "dropout", "mask_grad", "alibi_grad", "grad")
 no twin), and the gradient rows (whether a tensor requires grad is each test's choice)."""
 
 
-def together(route: str, mask: str | None = "bool", without=()) -> list[str]:
-    """The variants of ``route`` one call uses at once in the "every variant" tests: all but :data:`APART`,
-    ``without``, and of the two masks the one ``mask`` names (``"bool"``, ``"float"`` or None: neither). A new
-    variant joins these calls by its row alone."""
-    masks = {"bool": "float_mask", "float": "bool_mask", None: None}
-    drop = set(APART) | set(without) | ({"bool_mask", "float_mask"} if mask is None else {masks[mask]})
+def together(route: str, mask: str | None = "bool") -> list[str]:
+    """The variants of ``route`` one call uses at once in the "every variant" tests: all but :data:`APART`, and of
+    the two masks the one ``mask`` names (``"bool"``, ``"float"`` or None: neither). A new variant joins these
+    calls by its row alone."""
+    other = {"bool": {"float_mask"}, "float": {"bool_mask"}, None: {"bool_mask", "float_mask"}}
+    drop = set(APART) | other[mask]
     return [n for n in on_route(route) if n not in drop]
 
 
