@@ -160,8 +160,10 @@ def _gqa(c):
 
 
 def _block_mask(c):
-    grid, block = c.kw["block_mask"]
-    c.keep = c.keep & expand_blocks(grid, block, c.nq, c.nk)
+    bm = c.kw["block_mask"]
+    if getattr(bm, "bits", None) is not None:
+        raise ValueError("the eager twin of block_mask takes boolean block grids (no partial blocks)")
+    c.keep = c.keep & expand_blocks(bm.mask, bm.block_size, c.nq, c.nk)
 
 
 def _nothing(c):
@@ -361,8 +363,8 @@ def _eager_packed(q, k, v, alpha, scale, kw):
         if one.get("alibi_slopes") is not None and one["alibi_slopes"].dim() == 2:
             one["alibi_slopes"] = one["alibi_slopes"][s]
         if one.get("block_mask") is not None:
-            grid, block = one["block_mask"]
-            one["block_mask"] = (grid[s if grid.shape[0] > 1 else 0][None], block)
+            grid = one["block_mask"].mask
+            one["block_mask"] = BlockSparseMask(grid[s if grid.shape[0] > 1 else 0][None], one["block_mask"].block_size)
         sl_q, sl_k = slice(cu_q[s], cu_q[s + 1]), slice(cu_k[s], cu_k[s + 1])
         outs.append(eager_attention(q[:, :, sl_q], k[:, :, sl_k], v[:, :, sl_k], alpha, scale, **one))
     return torch.cat(outs, dim=2)
