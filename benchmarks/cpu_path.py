@@ -15,8 +15,9 @@ Peak memory is the growth of the process's peak resident set (``VmHWM``, reset t
 once the inputs exist; ``ru_maxrss`` where that is not possible) while the method runs: the inputs are not counted,
 the output and every temporary are. ``max |out - ours|`` checks that the entmax methods compute the same function.
 Timings on a shared machine depend on its load: with two threads, every parallel operation waits for the second
-core, so a busy neighbour slows the methods with many operations most; ``--threads 1`` is steadier, and the
-table's header gives the load average before and after the run.
+core, so a busy neighbour slows the methods with many operations most; ``--threads 1`` is steadier, the "CPU ms"
+column (the median of the process's CPU time per run, ``time.process_time``, every thread counted) moves least, and
+the table's header gives the load average before and after the run.
 
 Usage::
 
@@ -149,20 +150,22 @@ def worker(args) -> dict:
     gc.collect()
     exact_peak = _reset_peak()
     base_kib = _status_kib("VmRSS") if exact_peak else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    times = []
+    times, cpu_times = [], []
     out = step()  # warm-up
     total = 0.0
     for i in range(args.repeats):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         out = step()
         dt = time.perf_counter() - t0
         times.append(dt)
+        cpu_times.append(time.process_time() - c0)
         total += dt
         if i >= 2 and total > args.max_seconds:
             break
     peak_kib = _status_kib("VmHWM") if exact_peak else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     torch.save(out, args.out)
     return {"method": args.method, "mode": args.mode, "status": "ok", "ms": 1e3 * statistics.median(times),
+            "cpu_ms": 1e3 * statistics.median(cpu_times),
             "runs": len(times), "peak_mib": max(0, peak_kib - base_kib) / 1024, "threads": torch.get_num_threads(),
             "peak_source": "VmHWM" if exact_peak else "ru_maxrss"}
 
@@ -263,15 +266,16 @@ def _print_table(rows: list[dict], args, load_before: str) -> None:
           f"{threads} threads, {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; "
           f"load average {load_before} before, {_load()} after\n")
     sdpa = {r["mode"]: r["ms"] for r in rows if r["method"] == "sdpa" and r["status"] == "ok"}
-    print("| method | mode | median ms | x SDPA | peak extra MiB | max abs diff vs ours | runs |")
-    print("|---|---|---|---|---|---|---|")
+    print("| method | mode | median ms | CPU ms | x SDPA | peak extra MiB | max abs diff vs ours | runs |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         if r["status"] != "ok":
-            print(f"| {r['method']} | {r['mode']} | {r['status']} | | | | |")
+            print(f"| {r['method']} | {r['mode']} | {r['status']} | | | | | |")
             continue
         ratio = f"{r['ms'] / sdpa[r['mode']]:.1f}" if r["mode"] in sdpa else ""
         diff = f"{r['max_abs_diff']:.1e}" if "max_abs_diff" in r else ""
-        print(f"| {r['method']} | {r['mode']} | {r['ms']:.0f} | {ratio} | {r['peak_mib']:.0f} | {diff} | {r['runs']} |")
+        print(f"| {r['method']} | {r['mode']} | {r['ms']:.0f} | {r['cpu_ms']:.0f} | {ratio} | {r['peak_mib']:.0f} "
+              f"| {diff} | {r['runs']} |")
 
 
 if __name__ == "__main__":

@@ -16,9 +16,9 @@ forward (``TRITON_INTERPRET=1``, 64 x 64 tiles) and prints per configuration:
   the value product, gets from this threshold).
 
 With ``--grid-counters`` it also counts, on the interpreter, the grid pass's work per key tile (by wrapping
-``grid_tile`` (``kernels/attn/_threshold.py``) where ``kernels._fwd_rows`` calls it, which runs the ring update and,
-for a tile live when visited, the per-point block): ``ring``: the fraction of the visible key tiles that reached it
-(the others were screened out as dead and plain by ``_tile_screen``; every tile reaches it in kernels without the
+``grid_tile`` (``kernels/attn/_threshold_tiles.py``) where ``kernels._fwd_rows`` calls it, which runs the ring update
+and, for a tile live when visited, the per-point block): ``ring``: the fraction of the visible key tiles that reached it
+(the others were screened out as dead and plain by ``tile_screen``; every tile reaches it in kernels without the
 screen), ``cheap``: the fraction of the tiles dead at the end of the forward whose per-point block the grid pass
 skipped (they were already below the ring's lowest point when visited), and ``cheap all``: the fraction of them that
 skipped ``grid_tile`` altogether. The counters work on any version of the kernels with ``grid_tile`` or the older

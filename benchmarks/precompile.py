@@ -1,19 +1,21 @@
 """Fill a Triton cache for sm_90 (H100 / H200) on a machine without a GPU, with every kernel the GPU headline run
 builds, so that the GPU's minutes are not spent compiling.
 
-What is built: every launch of the fused kernels that ``headline.py`` makes with the same arguments (its defaults,
-or the ones given here: ``--seqs``, ``--head-dims``, ``--groups``, ...): per (case, method) of ``sparse_attn`` the
-training forward, forward + backward and the statistics' forward (``headline.run_case_once``), with the pinned launch
-configs (``SPARSE_ATTN_PINNED=1``, as ``gpu_run.sh`` MODE=headline runs); ``--methods`` and ``--forward-only`` take
-a subset (the CPU test's). The launchers run on the headline's own inputs, on the CPU (no kernel reads them), against
-a stand-in driver that names the target ``GPUTarget("cuda", 90, 32)``; each ``kernel[grid](...)`` goes through the
-JIT's own path (binder, specialization of stride-1 / 16-divisible arguments, options, cache lookup) as a ``warmup``,
-which compiles into ``TRITON_CACHE_DIR`` and launches nothing. So the cache keys are the ones the JIT computes at
-launch on the GPU, provided the GPU's Triton computes the same ``triton_key()``: the same version, and the same
-``_C/libtriton.so``, which differs between the wheels of two Python versions. The GPU machine runs Python 3.12 with
-triton 3.6.0; build with triton 3.6.0 importable and pass its cp312 wheel with ``--device-wheel``: the key then uses
-that wheel's ``libtriton.so`` hash (from its RECORD, after checking that every other file the key hashes is identical
-here). The GPU's own key is compared with the manifest's at the start of ``headline.py``.
+What is built: every launch of the fused kernels that ``headline.py`` makes with the same arguments (its defaults, or
+the ones given here: ``--seqs``, ``--head-dims``, ``--groups``, ...): per (case, method) of ``sparse_attn`` the
+training forward, forward + backward and the statistics' forward (``headline.run_case_once``; at alpha 1.5 and 2 the
+forward is the split forward's two launches, the kernel's ``STAGE`` 1 and 2, as the launcher's default), with the
+pinned launch configs (``SPARSE_ATTN_PINNED=1``, as ``gpu_run.sh`` MODE=headline runs); ``--methods`` and
+``--forward-only`` take a subset (the CPU tests'). The launchers run on the headline's own inputs, on the CPU (no
+kernel reads them), against a stand-in driver that names the target ``GPUTarget("cuda", 90, 32)``; each
+``kernel[grid](...)`` goes through the JIT's own path (binder, specialization of stride-1 / 16-divisible arguments,
+options, cache lookup) as a ``warmup``, which compiles into ``TRITON_CACHE_DIR`` and launches nothing. So the cache
+keys are the ones the JIT computes at launch on the GPU, provided the GPU's Triton computes the same ``triton_key()``:
+the same version, and the same ``_C/libtriton.so``, which differs between the wheels of two Python versions. The GPU
+machine runs Python 3.12 with triton 3.6.0; build with triton 3.6.0 importable and pass its cp312 wheel with
+``--device-wheel``: the key then uses that wheel's ``libtriton.so`` hash (from its RECORD, after checking that every
+other file the key hashes is identical here). The GPU's own key is compared with the manifest's at the start of
+``headline.py``.
 
 A venv with the device's Triton (torch from the project's venv serves)::
 

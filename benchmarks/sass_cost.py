@@ -20,6 +20,8 @@ launcher runs on CPU tensors, the JIT binder gives the launch specialization), t
      passes, which holds neither other tile loop) and ``value`` (the only one with ``P V``, not nested in the
      while loop). With ``n_words == 1`` specialized by the JIT (one bitmap word: ``--n`` at most 32 key tiles)
      the loop over bitmap words disappears and the nesting depths drop by one; the roles do not depend on them.
+     The general class's inference build has a second value loop (the accurate log2 that runs only at
+     ``alpha - 1 < 1 / FAST_BETA_MAX``): of the two, the shorter (the fast log2) is priced as ``value``.
 
    Anything else (a missing or extra tile loop, work other than one tile per iteration, a nested loop whose trip
    count is not a compile-time constant, see step 3) raises ``LoopError`` with the loop tree: the script never
@@ -54,7 +56,7 @@ The counts are exact for the SASS that was built; the cycles are a model. Usage 
 
     python benchmarks/sass_cost.py [--d 64 128] [--classes softmax entmax15 sparsemax general]
         [--causal | --no-causal] [--cand-passes 1] [--dead 0.6 0.9] [--n N] [--markdown] [--json FILE]
-        [--mix] [--keep DIR] [--smoke] [--points K,P]
+        [--mix] [--keep DIR] [--smoke] [--points K,P] [--config BLOCK_M BLOCK_N WARPS]
 
 ``--causal`` / ``--no-causal`` restrict to one setting (default both). ``--points K,P`` builds every entmax class
 with ``GRID_K = K`` grid points and ``CAND_P = P`` candidate points per candidate pass instead of the kernel's
@@ -432,6 +434,11 @@ def find_pass_loops(ins: list, kind: str, block_m: int, block_n: int, head_dim: 
             fail(f"softmax class: expected one tile loop with both products, found {len(tile)}")
         roles["softmax"] = tile[0]
     else:
+        if len(tile) == 4 and tile[2].pv and tile[3].pv:
+            # the general class's inference build holds two value loops: the fast log2 (alpha - 1 >= 1 / 256) and
+            # the accurate one (nearer to 1); the shorter, the fast one, is the one priced
+            n_ins = [len(_block_ins(blocks, lp.body)) for lp in tile[2:]]
+            tile = tile[:2] + [tile[2 + n_ins.index(min(n_ins))]]
         if len(tile) != 3:
             fail(f"entmax class: expected 3 tile loops (grid, candidate, value), found {len(tile)}")
         grid, cand, value = tile
@@ -687,11 +694,13 @@ def compiled_by(case, *args, **kwargs):
     return result, kept
 
 
-def build(head_dim: int, alpha_class: str, causal: bool, n: int | None = None):
+def build(head_dim: int, alpha_class: str, causal: bool, n: int | None = None, config: tuple | None = None):
     """``(compiled, info)``: the forward of one class built as ``sm90_build.fwd_case`` builds it (bf16, no mask;
-    ``n`` keys, default ``default_n()``); ``info`` is its analysis dict (regs, spills, block, warps, ...)."""
+    ``n`` keys, default ``default_n()``; ``config`` ``(block_m, block_n, num_warps)`` instead of the pinned one);
+    ``info`` is its analysis dict (regs, spills, block, warps, ...)."""
+    cfg = {} if config is None else dict(block=config[:2], config=(config[2], 2))
     info, kept = compiled_by(sm90_build.fwd_case, head_dim, alpha_class, causal=causal,
-                             n=default_n() if n is None else n)
+                             n=default_n() if n is None else n, **cfg)
     if not kept:
         raise RuntimeError("sm90_build.fwd_case compiled nothing")
     return kept[-1], info
@@ -993,6 +1002,8 @@ def main(argv=None) -> int:
     ap.add_argument("--mix", action="store_true", help="also the instruction mix of each loop path")
     ap.add_argument("--keep", help="write each build's cubin and loop tree here")
     ap.add_argument("--smoke", action="store_true", help="softmax and 1.5-entmax, head dim 64, not causal (CI)")
+    ap.add_argument("--config", type=int, nargs=3, default=None, metavar=("BLOCK_M", "BLOCK_N", "WARPS"),
+                    help="build every class with these tiles and warps (2 stages) instead of the pinned config")
     ap.add_argument("--bwd", action="store_true", help="the backward's tile loops instead of the forward's")
     ap.add_argument("--nondet", action="store_true",
                     help="with --bwd: also the backward with the atomic dQ (deterministic=False)")
@@ -1018,7 +1029,7 @@ def main(argv=None) -> int:
         for causal in args.causal:
             for cls in classes:
                 t = time.time()
-                compiled, info = build(d, cls, causal, args.n)
+                compiled, info = build(d, cls, causal, args.n, args.config)
                 an = analyse_build(compiled, info, cls, d)
                 r = dict(d=d, causal=causal, cls=cls, info=info, an=an)
                 if args.keep:

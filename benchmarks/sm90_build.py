@@ -117,21 +117,44 @@ def _problem(head_dim, n, dtype, varlen, heads=4):
     return q, k, v, cu
 
 
+# block masks of the builds (``--block-mask``): block sizes aligned with every launch's tiles or not, a boolean grid
+# (every kept block full) or block states with the bits of partial blocks
+BLOCK_MASKS = {"aligned": ((128, 128), False), "unaligned": ((96, 80), False), "partial": ((128, 128), True),
+               "partial-unaligned": ((96, 80), True)}
+
+
+def block_mask_arg(kind: str | None, n_seq: int, heads: int, n: int):
+    """The launchers' ``block_mask`` argument of a :data:`BLOCK_MASKS` kind for ``n_seq`` sequences of ``n`` rows and
+    keys and ``heads`` heads (its values do not matter to a build), or None."""
+    if kind is None:
+        return None
+    (bq, bk), partial = BLOCK_MASKS[kind]
+    shape = (n_seq, heads, -(-n // bq), -(-n // bk))
+    if not partial:
+        return torch.ones(shape, dtype=torch.bool), (bq, bk)
+    return torch.ones(shape, dtype=torch.int32), (bq, bk), torch.zeros(16, bq, -(-bk // 32), dtype=torch.int32)
+
+
 def fwd_case(head_dim: int, alpha_class: str, causal: bool = True, dtype=torch.bfloat16, n: int = N_DEFAULT,
              mask: str | None = None, dropout: bool = False, varlen: bool = False, need_out_u: bool = False,
              window_size=None, softcap: float | None = None, alibi: bool = False, sinks: bool = False,
-             config: tuple | None = None):
+             config: tuple | None = None, block_mask: str | None = None, block: tuple | None = None,
+             split: bool = False):
     """Build the forward for one configuration as the launcher launches it; returns the analysis dict.
 
     ``mask``: None, ``"float"`` (an additive ``(B, 1, Nq, Nk)`` bias) or ``"bool"`` (a keep mask);
     ``need_out_u``: the training forward, which also accumulates the backward's ``out_u``;
     ``window_size``: a sliding window ``(left, right)`` or None; ``softcap``, ``alibi``, ``sinks``: soft-capping,
     ALiBi slopes, per-head sinks; ``config``: ``(num_warps, num_stages)`` instead of the pinned one (an autotune
-    candidate).
+    candidate); ``block_mask``: a kind of :data:`BLOCK_MASKS` or None; ``block``: ``(block_m, block_n)`` instead of
+    the pinned tiles; ``split``: the split forward's two stages (``kernels/attn/_fwd_split.py``, both built; the dict
+    is the value kernel's), else the fused kernel, whatever the launcher's default for the class.
     """
     q, k, v, cu = _problem(head_dim, n, dtype, varlen)
     variants = dict(window_size=window_size, softcap=softcap,
                     alibi_slopes=torch.empty(q.shape[1], dtype=torch.float32) if alibi else None)
+    if block_mask is not None:
+        variants["block_mask"] = block_mask_arg(block_mask, 2 if varlen else q.shape[0], q.shape[1], n)
     if sinks:
         variants["sinks"] = torch.zeros(q.shape[1], dtype=torch.float32)
     alpha = torch.full((q.shape[1],), ALPHA_OF_CLASS[alpha_class])
@@ -139,8 +162,21 @@ def fwd_case(head_dim: int, alpha_class: str, causal: bool = True, dtype=torch.b
     extra = {"alpha_class": alpha_class} if "alpha_class" in fwd.entmax_attn_fwd.__code__.co_varnames else {}
     if need_out_u:
         extra["need_out_u"] = True
+    if block is not None:
+        extra.update(block_m=block[0], block_n=block[1])
+    if "split" in fwd.entmax_attn_fwd.__code__.co_varnames:
+        extra["split"] = split
     tuned = getattr(fwd, "_entmax_attn_fwd_autotuned", None)
-    if tuned is not None:  # the autotuned kernel: record its launch, build it with the pinned config
+    if split:  # the split's stages launch the kernel itself, with the pinned config (or the forced one)
+        if config is not None:
+            extra.update(num_warps=config[0], num_stages=config[1])
+        kernel, launches = captured_launches(fwd, "_entmax_attn_fwd_kernel", fwd.entmax_attn_fwd, q, k, v, alpha,
+                                             head_dim ** -0.5, bias=bias, is_causal=causal, cu_seqlens_q=cu,
+                                             cu_seqlens_k=cu, dropout_p=0.1 if dropout else 0.0,
+                                             **variants, **extra)
+        for _, args, kwargs in launches[:-1]:
+            compile_like_launch(kernel, args, kwargs)
+    elif tuned is not None:  # the autotuned kernel: record its launch, build it with the pinned config
         cap = _Capture(tuned)
         fwd._entmax_attn_fwd_autotuned = cap
         try:
@@ -158,7 +194,8 @@ def fwd_case(head_dim: int, alpha_class: str, causal: bool = True, dtype=torch.b
                                              **variants, **extra)
     grid, args, kwargs = launches[-1]
     info = analyse(compile_like_launch(kernel, args, kwargs))
-    info.update(kernel="fwd+out_u" if need_out_u else "fwd", d=head_dim,
+    info.update(kernel=("fwd split" if split else "fwd") + ("+out_u" if need_out_u else "")
+                + (f"[{block_mask}]" if block_mask else ""), d=head_dim,
                 alpha=alpha_class if "alpha_class" in extra else "all (run time)",
                 block=f"{kwargs['BLOCK_M']}x{kwargs['BLOCK_N']}", warps=kwargs.get("num_warps", 4),
                 stages=kwargs.get("num_stages", 3))
@@ -169,7 +206,7 @@ def bwd_cases(head_dim: int, need_dalpha: bool = True, mask: str | None = "block
               dtype=torch.bfloat16, n: int = N_DEFAULT, dropout: bool = False, varlen: bool = False,
               kernels=("dq", "dkdv", "dbias"), window_size=None, softcap: float | None = None, alibi: bool = False,
               sinks: bool = False, config: tuple | None = None, alpha_class: str = "general",
-              deterministic: bool = True, tma: bool = True):
+              deterministic: bool = True, tma: bool = True, block_mask: str | None = None):
     """Build the backward kernels (those of ``kernels`` among ``"dq"``, ``"dkdv"``, ``"dbias"``) one launch of
     ``entmax_attn_bwd`` starts for the heads of one alpha class (``ALPHA_OF_CLASS``); one analysis dict per kernel.
 
@@ -178,7 +215,7 @@ def bwd_cases(head_dim: int, need_dalpha: bool = True, mask: str | None = "block
     num_stages)`` for every kernel built instead of its pinned one (an autotune candidate). ``deterministic=False``:
     the backward that adds dQ with atomics in the dK/dV kernel. ``tma``: the launch an sm_90 GPU gets, whose loops
     stream their tiles with TMA descriptors (the launcher's ``_tma_device``, which says no for CPU tensors); False:
-    the pointer loads of other devices.
+    the pointer loads of other devices. ``block_mask``: a kind of :data:`BLOCK_MASKS` or None.
     """
     from sparse_attn.kernels import entmax_attn_bwd as bwd
 
@@ -208,6 +245,7 @@ def bwd_cases(head_dim: int, need_dalpha: bool = True, mask: str | None = "block
                             need_dbias=mask not in (None, "bool"), out_u=torch.empty_like(q), window_size=window_size,
                             softcap=softcap, alibi_slopes=torch.empty(heads, dtype=torch.float32) if alibi else None,
                             **({"sinks": torch.zeros(heads, dtype=torch.float32)} if sinks else {}),
+                            **({"block_mask": block_mask_arg(block_mask, plan.n_seq, heads, n)} if block_mask else {}),
                             **({} if deterministic else {"deterministic": False}))
     finally:
         for name, kernel in tuned.items():
@@ -222,7 +260,7 @@ def bwd_cases(head_dim: int, need_dalpha: bool = True, mask: str | None = "block
             info = analyse(compile_like_launch(getattr(bwd, f"_entmax_attn_bwd_{name}_kernel"), args, kwargs))
             # the dQ kernel's delta / d alpha launches (PHASE 1, 2) and the dK/dV kernel with the atomic dQ
             suffix = f"_phase{kwargs['PHASE']}" if kwargs.get("PHASE") else "+dq" if kwargs.get("NEED_DQ") else ""
-            info.update(kernel=f"bwd_{name}{suffix}", d=head_dim,
+            info.update(kernel=f"bwd_{name}{suffix}" + (f"[{block_mask}]" if block_mask else ""), d=head_dim,
                         alpha=f"{alpha_class} dalpha={int(need_dalpha)} mask={mask}",
                         block=f"{kwargs['BLOCK_M']}x{kwargs['BLOCK_N']}", warps=kwargs.get("num_warps", 4),
                         stages=kwargs.get("num_stages", 3))
@@ -291,10 +329,14 @@ def candidates(head_dims, classes, n: int = N_DEFAULT):
 def check() -> int:
     """CI: the GPU builds the interpreter never exercises compile for sm_90: the forward's general-alpha class
     (the largest path) with a float mask, dropout, varlen, ALiBi, sinks and the backward's ``out_u``, its 1.5-entmax
-    class with a boolean mask, a sliding window and soft-capping; the three backward kernels with d alpha, a window,
-    ALiBi, soft-capping, sinks and a mask gradient reduced by the d bias kernel."""
+    class with a boolean mask, a sliding window and soft-capping, the split forward's stages with the same features
+    (sparsemax, 1.5-entmax at the head-dim-128 pin with its register cap); the three backward kernels with d alpha, a
+    window, ALiBi, soft-capping, sinks and a mask gradient reduced by the d bias kernel."""
     fwd_case(80, "general", mask="float", dropout=True, varlen=True, need_out_u=True, alibi=True, sinks=True)
     fwd_case(64, "entmax15", mask="bool", causal=False, window_size=(255, 16), softcap=30.0)
+    fwd_case(80, "sparsemax", mask="float", dropout=True, varlen=True, need_out_u=True, alibi=True, sinks=True,
+             split=True)
+    fwd_case(128, "entmax15", mask="bool", window_size=(255, 16), softcap=30.0, split=True)
     bwd_cases(80, need_dalpha=True, mask="blocks", dropout=True, window_size=(255, -1), softcap=30.0, alibi=True,
               sinks=True)
     print("built")
@@ -315,6 +357,8 @@ def main(argv=None):
     ap.add_argument("--n", type=int, default=N_DEFAULT, help=f"sequence length of the builds (default {N_DEFAULT})")
     ap.add_argument("--markdown", action="store_true")
     ap.add_argument("--check", action="store_true", help="build one set of feature-complete kernels and exit")
+    ap.add_argument("--block-mask", choices=list(BLOCK_MASKS), default=None,
+                    help="every build with a block mask of this kind (BLOCK_MASKS)")
     args = ap.parse_args(argv)
     if args.check:
         return check()
@@ -325,7 +369,8 @@ def main(argv=None):
         else:
             print("  ".join(f"{c}={info[c]}" for c in COLUMNS), flush=True)
 
-    print(f"# triton {triton.__version__}, sm_90, bf16, N {args.n}")
+    print(f"# triton {triton.__version__}, sm_90, bf16, N {args.n}"
+          + (f", block mask {args.block_mask} {BLOCK_MASKS[args.block_mask]}" if args.block_mask else ""))
     if args.candidates:
         cols = ("kernel", "d", "alpha", "block", "warps", "stages", "pinned", "regs", "spill", "stl", "loop_ldst")
         if args.markdown:
@@ -339,13 +384,14 @@ def main(argv=None):
         print("|" + "---|" * len(COLUMNS))
     for d in args.d:
         for cls in [] if args.no_fwd else args.classes:
-            show(fwd_case(d, cls, n=args.n))
+            show(fwd_case(d, cls, n=args.n, block_mask=args.block_mask))
             if args.out_u:
-                show(fwd_case(d, cls, need_out_u=True, n=args.n))
+                show(fwd_case(d, cls, need_out_u=True, n=args.n, block_mask=args.block_mask))
         for cls in args.classes if args.bwd else []:
             for need_dalpha, mask, kernels, deterministic in BWD_MATRIX:
                 for info in bwd_cases(d, need_dalpha=need_dalpha, mask=mask, kernels=kernels, n=args.n,
-                                      alpha_class=cls, deterministic=deterministic, tma=not args.no_tma):
+                                      alpha_class=cls, deterministic=deterministic, tma=not args.no_tma,
+                                      block_mask=args.block_mask):
                     show(info)
     return 0
 

@@ -120,8 +120,9 @@ def attention_args(q, k, v, alpha, bias, cu_seqlens_q, cu_seqlens_k, scale, is_c
     ``alibi_slopes`` (float32 ``(Hq,)`` or ``(B or nseq, Hq)``) the score modifications ``SCORE`` and ``ALIBI``
     (``_masking.score_spec``); ``sinks`` (``(Hq,)``, read as float32) the per-head sink logits ``SINKS``;
     ``block_mask`` a ``(mask, (block_q, block_k))`` pair, ``mask`` boolean ``(B or nseq or 1, Hq or 1, q blocks,
-    k blocks)`` (:func:`mods_args`); ``tiles``: the ``(block_m, block_n)`` of a launch whose tile loops decide the block
-    mask per tile (:func:`blocks_mode`)."""
+    k blocks)``, or a ``(states, (block_q, block_k), bits)`` triple with partial blocks (:func:`block_args`);
+    ``tiles``: the ``(block_m, block_n)`` of a launch whose tile loops decide the block mask per tile
+    (:func:`blocks_mode`)."""
     is_varlen = cu_seqlens_q is not None
     head_dim = q.shape[3]
     return dict(
@@ -141,23 +142,34 @@ def attention_args(q, k, v, alpha, bias, cu_seqlens_q, cu_seqlens_k, scale, is_c
 
 
 def blocks_mode(block_mask, tiles: tuple | None) -> int:
-    """``SCORE[4]`` (``_masking.score_spec``) for a block mask ``(grid, (bq, bk))`` and the launch's ``tiles``
-    ``(block_m, block_n)``: 0 without a block mask; 1 when every tile lies in one block (``bq``, ``bk`` multiples of
-    the tiles: the tile loops' skip decides alone, the per-score check would only cost, and at head dim 128 spill);
-    2 otherwise, or when ``tiles`` is None (a kernel that visits tiles the forward's skip did not decide)."""
+    """``SCORE[4]`` (``_masking.score_spec``) for a block mask (:func:`block_parts`) and the launch's ``tiles``
+    ``(block_m, block_n)``: 0 without a block mask. Every tile lies in one block when ``bq``, ``bk`` are multiples of
+    the tiles: then 1 without partial blocks (the tile loops' skip decides alone, the per-score check would only cost,
+    and at head dim 128 spill), 3 with them (one state read per tile, bits only in partial tiles). Otherwise, or when
+    ``tiles`` is None (a kernel that visits tiles the forward's skip did not decide), 2 without partial blocks and 4
+    with them (per-score states)."""
     if block_mask is None:
         return 0
-    _, (block_q, block_k) = block_mask
+    _, (block_q, block_k), bits = block_parts(block_mask)
     aligned = tiles is not None and block_q % tiles[0] == 0 and block_k % tiles[1] == 0
-    return 1 if aligned else 2
+    return (1 if aligned else 2) + (0 if bits is None else 2)
+
+
+def block_parts(block_mask) -> tuple:
+    """``(grid, (block_q, block_k), bits)`` of a launcher's ``block_mask``: a ``(grid, (block_q, block_k))`` pair (a
+    boolean grid, ``bits`` None) or a ``(states, (block_q, block_k), bits)`` triple (``bits`` None or the int32 words
+    of the partial blocks, :func:`block_args`)."""
+    grid, size, *rest = block_mask
+    return grid, size, rest[0] if rest else None
 
 
 def mods_args(bias, shape: tuple, alibi_slopes, sinks, like, block_mask=None) -> dict:
     """``BIAS_KIND`` and ``MODS``, the tensors of the score modifications as one kernel argument (a tuple, read by
     ``_masking.program_mods`` only): ``(BIAS, stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n, ALIBI,
     stride_alibi_b, stride_alibi_h, SINKS, BLOCKS, stride_block_b, stride_block_h, stride_block_m, stride_block_n,
-    block_q, block_k)`` from :func:`bias_args`, :func:`alibi_args`, :func:`sinks_arg` and :func:`block_args`. A new
-    per-program score input is a new entry here and in ``program_mods``; the kernels pass ``MODS`` on unread."""
+    block_q, block_k[, BITS, n_words])`` from :func:`bias_args`, :func:`alibi_args`, :func:`sinks_arg` and
+    :func:`block_args`. A new per-program score input is a new entry here and in ``program_mods``; the kernels pass
+    ``MODS`` on unread."""
     b = bias_args(bias, shape, like)
     a = alibi_args(alibi_slopes, like)
     mods = (b["BIAS"], b["stride_bias_b"], b["stride_bias_h"], b["stride_bias_m"], b["stride_bias_n"], a["ALIBI"],
@@ -166,15 +178,23 @@ def mods_args(bias, shape: tuple, alibi_slopes, sinks, like, block_mask=None) ->
 
 
 def block_args(block_mask, like) -> tuple:
-    """``(BLOCKS, stride_block_b, stride_block_h, stride_block_m, stride_block_n, block_q, block_k)``: a block mask
-    ``(mask, (block_q, block_k))`` (boolean ``(B or nseq or 1, Hq or 1, q blocks, k blocks)``, indexed by sequence
-    and q head) read as uint8, stride 0 along its broadcast dims; ``like`` and zeros (block sizes 1) for none."""
+    """``(BLOCKS, stride_block_b, stride_block_h, stride_block_m, stride_block_n, block_q, block_k)``, and ``(BITS,
+    n_words)`` after them with partial blocks: a block mask (:func:`block_parts`) indexed by sequence and q head,
+    stride 0 along its broadcast dims. A boolean grid ``(B or nseq or 1, Hq or 1, q blocks, k blocks)`` is read as
+    uint8; with partial blocks the grid holds int32 states (0 hidden, 1 full, ``2 + i`` partial block ``i``) and
+    ``BITS`` the int32 words ``(n_partial, block_q, n_words)`` of their element masks (``n_words = ceil(block_k /
+    32)``; bit ``c % 32`` of word ``c // 32`` of row ``r`` keeps the block's row ``r``, key ``c``). ``like`` and zeros
+    (block sizes 1) for none."""
     if block_mask is None:
         return (like, 0, 0, 0, 0, 1, 1)
-    mask, (block_q, block_k) = block_mask
-    mask = mask.to(device=like.device, dtype=torch.bool).view(torch.uint8)
+    mask, (block_q, block_k), bits = block_parts(block_mask)
+    if bits is None:
+        mask, partial = mask.to(device=like.device, dtype=torch.bool).view(torch.uint8), ()
+    else:
+        mask = mask.to(device=like.device, dtype=torch.int32)
+        partial = (bits.to(device=like.device, dtype=torch.int32).contiguous(), bits.shape[2])
     strides = [0 if n == 1 else st for n, st in zip(mask.shape, mask.stride(), strict=True)]
-    return (mask, *strides, int(block_q), int(block_k))
+    return (mask, *strides, int(block_q), int(block_k), *partial)
 
 
 def bias_args(bias, shape: tuple, like) -> dict:

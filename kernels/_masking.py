@@ -13,8 +13,9 @@ aligned (as flash-attn): with ``d = j - (i + seqlen_k - seqlen_q)``, causal keep
 window ``-left <= d <= right`` (a side of ``-1`` is unbounded).
 Before masks, scores can be soft-capped (:func:`soft_cap`) and get ALiBi's ``-slope * |d|``
 (:func:`mask_scores`), as described by the ``SCORE`` argument of :func:`score_spec`.
-The additive mask (``BIAS``) and a block-sparse mask (``SCORE[4]``, :func:`block_visible`; :func:`block_tile_live`
-tells the tile loops which key tiles it hides) are applied by :func:`mask_scores` on top of this; on the host,
+The additive mask (``BIAS``) and a block-sparse mask (``SCORE[4]``, :func:`block_visible`, :func:`partial_tile`,
+:func:`partial_scores`; :func:`block_tile_live` tells the tile loops which key tiles it hides) are applied by
+:func:`mask_scores` on top of this; on the host,
 :func:`dbias_mode` and :func:`sum_to_mask` say how its gradient is reduced to its broadcast shape,
 and :func:`tile_plan` gives the launch geometry (grids, tile counts, liveness words). Loops over the live tiles
 of a liveness word (or of any 32 tiles) walk a compacted list built in registers by :func:`word_bits` /
@@ -53,9 +54,13 @@ def score_spec(softcap: float | None, has_alibi: bool, has_sinks: bool = False, 
     :func:`alibi_slope`; whether each row has a per-head sink logit (:func:`sink_logit`), a virtual key with
     zero value that joins the row's normalization; and whether a block-sparse mask hides whole blocks of keys
     (:func:`block_visible`).
-    ``has_blocks`` (``SCORE[4]``): 0 no block mask; 1 a block mask whose blocks are unions of the launch's tiles (the
-    tile loops skip hidden tiles and every tile they visit is whole in one kept block: no per-score check); 2 any
-    other block mask (the tile skip and the per-score check, :func:`block_visible`)."""
+    ``has_blocks`` (``SCORE[4]``, ``_common.blocks_mode``): 0 no block mask. A block mask whose blocks are all full
+    or hidden (a boolean grid): 1 when its blocks are unions of the launch's tiles (the tile loops skip hidden tiles
+    and every tile they visit is whole in one kept block: no per-score check); 2 otherwise (the tile skip and the
+    per-score check, :func:`block_visible`). A block mask with partial blocks (an int32 grid of block states and
+    their element masks as bits, :func:`block_state`): 3 when aligned as in mode 1 (one state read per tile; only a
+    tile in a partial block tests its scores' bits, :func:`partial_tile`); 4 otherwise (the per-score states, and the
+    bits of the scores in partial blocks when the tile meets one, :func:`partial_scores`)."""
     return (tl.constexpr(softcap is not None), float(softcap) if softcap is not None else 1.0,
             tl.constexpr(bool(has_alibi)), tl.constexpr(bool(has_sinks)), tl.constexpr(int(has_blocks)))
 
@@ -190,14 +195,20 @@ def program_mods(MODS, b, seq, h, q_start, k_start, SCORE):
     at ``q_start``, ``k_start`` of the packed tensors) as one tuple, the ``mods`` of :func:`score_mod`:
     ``(bias_base, stride_bias_m, stride_bias_n, slope, sink, blocks)``: the additive / boolean mask of its row 0, key 0,
     the mask's row and key strides, the ALiBi slope (:func:`alibi_slope`), the sink logit (:func:`sink_logit`) and the
-    block mask ``blocks = (block_base, stride_block_m, stride_block_n, block_q, block_k)`` of this sequence and head
-    (read only with ``SCORE[4]``: :func:`block_visible`, :func:`block_tile_live`).
+    block mask ``blocks = (block_base, stride_block_m, stride_block_n, block_q, block_k, BITS, n_words)`` of this
+    sequence and head: its grid, block sizes, and the element masks of its partial blocks (``n_words`` int32 words per
+    block row, :func:`block_state`; with ``SCORE[4]`` 3 or 4 only); read only with ``SCORE[4]``
+    (:func:`block_visible`, :func:`block_tile_live`).
     ``MODS`` is the kernel argument of ``_common.mods_args``; helpers take ``mods`` and never index ``MODS``; a new
     per-program score input is one more entry here, read by :func:`mask_scores`."""
     bias_base = (MODS[0] + b.to(tl.int64) * MODS[1] + h.to(tl.int64) * MODS[2] + q_start.to(tl.int64) * MODS[3]
                  + k_start.to(tl.int64) * MODS[4])
+    if SCORE[4] >= 3:
+        bits = MODS[16], MODS[17]
+    else:  # no partial blocks: MODS ends at the block sizes (the kernel takes no more arguments than without them)
+        bits = MODS[9], 0
     blocks = (MODS[9] + seq.to(tl.int64) * MODS[10] + h.to(tl.int64) * MODS[11], MODS[12], MODS[13], MODS[14],
-              MODS[15])
+              MODS[15], bits[0], bits[1])
     return (bias_base, MODS[3], MODS[4], alibi_slope(MODS[5], seq, h, MODS[6], MODS[7], SCORE),
             sink_logit(MODS[8], h, SCORE), blocks)
 
@@ -280,6 +291,8 @@ def mask_scores(s, rows, cols, seqlen_q, seqlen_k, mods, bias_scale, MASK, BIAS_
     ok = visible(rows, cols, seqlen_q, seqlen_k, MASK)
     if SCORE[4] == 2:
         ok = ok & block_visible(rows, cols, blocks, ok)
+    if SCORE[4] == 3:
+        ok = partial_tile(ok, rows, cols, seqlen_q, seqlen_k, blocks)
     if SCORE[2]:
         d = (cols[None, :] - rows[:, None] - (seqlen_k - seqlen_q)).to(tl.float32)
         s = s - (bias_scale * slope) * tl.abs(d)
@@ -291,7 +304,11 @@ def mask_scores(s, rows, cols, seqlen_q, seqlen_k, mods, bias_scale, MASK, BIAS_
             s = s + tl.load(bias_ptrs, mask=ok, other=0.0).to(tl.float32) * bias_scale
     if ref is not None:
         s = s - ref[:, None]
-    return tl.where(ok, s, float("-inf"))
+    s = tl.where(ok, s, float("-inf"))
+    # mode 4 last, on the final scores: its per-score states and words are not live across the bias terms
+    if SCORE[4] == 4:
+        s = partial_scores(s, rows, cols, seqlen_q, seqlen_k, blocks)
+    return s
 
 
 @triton.jit
@@ -473,10 +490,69 @@ def key_blocks_spanned(mask: tuple, seqlen_q: int, seqlen_k: int, block_n: int) 
 @triton.jit
 def block_visible(rows, cols, blocks, ok):
     """``[BLOCK_M, BLOCK_N]`` True where the block mask keeps block ``(rows[i] // block_q, cols[j] // block_k)``
-    (``blocks``: the last entry of :func:`program_mods`' tuple); read (uint8) only where ``ok``."""
-    block_ptrs = (blocks[0] + (rows // blocks[3]).to(tl.int64)[:, None] * blocks[1]
-                  + (cols // blocks[4]).to(tl.int64)[None, :] * blocks[2])
-    return tl.load(block_ptrs, mask=ok, other=0) != 0
+    (``blocks``: the last entry of :func:`program_mods`' tuple); read only where ``ok``."""
+    return tl.load(_block_ptrs(rows, cols, blocks), mask=ok, other=0) != 0
+
+
+@triton.jit
+def _block_ptrs(rows, cols, blocks):
+    """``[BLOCK_M, BLOCK_N]`` addresses in the block grid of the blocks of rows ``rows``, keys ``cols``."""
+    return (blocks[0] + (rows // blocks[3]).to(tl.int64)[:, None] * blocks[1]
+            + (cols // blocks[4]).to(tl.int64)[None, :] * blocks[2])
+
+
+@triton.jit
+def block_state(rows, cols, blocks, ok):
+    """``[BLOCK_M, BLOCK_N]`` int32 state of the block of each score (0 elsewhere than ``ok``): 0 hidden, 1 full,
+    ``2 + i`` partial block ``i``, whose element mask is the bit ``c % 32`` of word ``BITS[i, r, c // 32]`` (``r``,
+    ``c`` the row and key inside the block; ``n_words = ceil(block_k / 32)`` words a row)."""
+    return tl.load(_block_ptrs(rows, cols, blocks), mask=ok, other=0).to(tl.int32)
+
+
+@triton.jit
+def partial_tile(ok, rows, cols, seqlen_q, seqlen_k, blocks):
+    """``ok`` of a tile lying in one block of a block mask with partial blocks (``SCORE[4]`` 3), and the block's bits
+    of the tile's scores when the block is partial. Decided per tile: one state read (the tile loops skip hidden
+    blocks' tiles, so none reaches here); a full block's tile does nothing more, a partial block's tile (a run-time
+    branch) loads its rows' words (``ceil(BLOCK_N / 32)`` loads of ``[BLOCK_M]``) and tests the bits. Applied to the
+    mask before the bias and ALiBi terms: of the forms measured in the sm_90 builds (docs/design.md) this one keeps
+    the tile loops free of spills under triton 3.6 and 3.9. ``[BLOCK_M, BLOCK_N]``"""
+    BLOCK_N: tl.constexpr = cols.shape[0]
+    N_WORDS: tl.constexpr = (BLOCK_N + 31) // 32
+    row0 = tl.min(rows, 0)
+    col0 = tl.min(cols, 0)
+    state = tl.load(blocks[0] + (row0 // blocks[3]).to(tl.int64) * blocks[1]
+                    + (col0 // blocks[4]).to(tl.int64) * blocks[2],
+                    mask=(row0 < seqlen_q) & (col0 < seqlen_k), other=0).to(tl.int32)
+    if state >= 2:
+        block_k = blocks[4]
+        n_words = blocks[6]
+        word0 = (col0 % block_k) // 32
+        word_ptrs = (blocks[5] + (state - 2).to(tl.int64) * (blocks[3] * n_words)
+                     + (rows % blocks[3]).to(tl.int64) * n_words + word0)  # [BLOCK_M]
+        in_block = cols % block_k  # [BLOCK_N]
+        word = tl.load(word_ptrs)[:, None]
+        for j in tl.static_range(1, N_WORDS):
+            word = tl.where((in_block // 32 - word0 == j)[None, :], tl.load(word_ptrs + j)[:, None], word)
+        ok = ok & (((word >> (in_block % 32)[None, :]) & 1) != 0)
+    return ok
+
+
+@triton.jit
+def partial_scores(s, rows, cols, seqlen_q, seqlen_k, blocks):
+    """Scores ``s`` with ``-inf`` where a score's block is hidden, or partial with the score's bit clear (``SCORE[4]``
+    4: tiles that may meet several blocks): the block state per score (:func:`block_state`), and the bits only in a
+    tile that meets a partial block. ``[BLOCK_M, BLOCK_N]``"""
+    state = block_state(rows, cols, blocks, (rows < seqlen_q)[:, None] & (cols < seqlen_k)[None, :])
+    s = tl.where(state != 0, s, float("-inf"))
+    if tl.max(tl.max(state, 1), 0) >= 2:
+        partial = state >= 2
+        in_block = cols % blocks[4]
+        word_ptrs = (blocks[5] + (state - 2).to(tl.int64) * (blocks[3] * blocks[6])
+                     + (rows % blocks[3]).to(tl.int64)[:, None] * blocks[6] + (in_block // 32).to(tl.int64)[None, :])
+        word = tl.load(word_ptrs, mask=partial, other=0)
+        s = tl.where(partial & (((word >> (in_block % 32)[None, :]) & 1) == 0), float("-inf"), s)
+    return s
 
 
 @triton.jit
@@ -487,7 +563,7 @@ def block_tile_live(mods, row_lo, row_hi, kt, seqlen_k, SCORE, BLOCK_N: tl.const
     ``mods`` from :func:`program_mods`. One ``[BLOCK_N]`` load per query block the rows meet."""
     live = kt >= 0
     if SCORE[4]:
-        block_base, stride_m, stride_n, block_q, block_k = mods[5]
+        block_base, stride_m, stride_n, block_q, block_k, _, _ = mods[5]
         k_lo = kt * BLOCK_N
         k_hi = tl.minimum(k_lo + BLOCK_N, seqlen_k) - 1
         kb = k_lo // block_k + tl.arange(0, BLOCK_N)

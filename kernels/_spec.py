@@ -68,6 +68,10 @@ class AttnSpec:
                    (validated; torch's ``BlockMask`` converted, :func:`sparse_attn.masks.check_block_mask`): key ``j``
                    is hidden from row ``i`` when block ``(i // bq, j // bk)`` is False (sequence-local with varlen).
     block_size:    ``(bq, bk)`` of ``block_mask`` (None without one).
+    block_bits:    None, or with partial blocks int32 ``(n_partial, bq, ceil(bk / 32))``: ``block_mask`` is then an
+                   int32 grid of block states (0 hidden, 1 full, ``2 + i`` partial block ``i``) and bit ``c % 32`` of
+                   ``block_bits[i, r, c // 32]`` keeps row ``r``, key ``c`` of partial block ``i``
+                   (:class:`sparse_attn.masks.BlockSparseMask`; a torch ``BlockMask``'s ``mask_mod``, evaluated once).
     num_splits:    decode only: key-range splits per (batch entry, kv head), or None (the launcher's choice).
     deterministic: True (default): every gradient bitwise reproducible. False lets the fused backward add dQ with
                    atomics (fewer tensor-core products, results reproducible to float32 rounding only); the other
@@ -101,6 +105,7 @@ class AttnSpec:
     num_splits: int | None = None
     block_mask: Tensor | None = None
     block_size: tuple[int, int] | None = None
+    block_bits: Tensor | None = None
     deterministic: bool = True
 
     def used(self) -> frozenset:

@@ -1,8 +1,8 @@
 """Shared test helpers: the tolerance table, the tolerance rule, input builders, float64 oracles.
 
-Test modules import what they share from here and never from each other. Kernel and
-mapping outputs are checked against float64 computations on float64 copies of the same
-(dtype-rounded) inputs; the rule is :func:`assert_close_to_ref`.
+Test modules import what they share from here (and the table of attention variants from ``tests/variants.py``)
+and never from each other. Kernel and mapping outputs are checked against float64 computations on float64 copies
+of the same (dtype-rounded) inputs; the rule is :func:`assert_close_to_ref`.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ import dataclasses
 import pytest
 import torch
 from helpers import F32, TOL, assert_close_to_ref
+from variants import ROWS, Problem, build, cast, eager_attention, grad_leaves, on_route, together
 
 from sparse_attn import entmax_attention
 from sparse_attn._attn_autograd import _fwd_op, spec_to_op_args
@@ -289,28 +290,57 @@ def test_fused_fp16_within_twice_the_reference_error(kernel_device):
     assert err <= 2 * err_ref + 1e-3
 
 
+# every variant the fused route runs, at once, in two calls (the test table, tests/variants.py): one with a float
+# mask and its gradient, one of packed sequences (whose eager twin takes no attn_mask)
+TWIN_CALLS = {"float_mask": together("fused", mask="float") + ["mask_grad"],
+              "varlen": together("fused", mask=None) + ["varlen"]}
+
+
+def test_the_twin_calls_cover_every_variant_of_the_route():
+    covered = {n for names in TWIN_CALLS.values() for n in names} | {"grad"}  # grad: q, k, v require it
+    assert covered | {"bool_mask"} == {n for n in on_route("fused") if ROWS[n].twin is not None}
+    assert "bool_mask" in together("fused")  # the boolean mask: the half-precision test below
+
+
+@pytest.mark.parametrize("call", list(TWIN_CALLS))
+def test_fused_every_variant_against_the_eager_twins(call, kernel_device):
+    """float32 kernels against the eager twins of every variant (plain torch in float64), alpha per head: the
+    output and the gradients of q, k, v, alpha and of every keyword tensor that requires one."""
+    problem = Problem(b=1, hq=2, nq=20, nk=24, dtype=F32, device=kernel_device, grad=True, seed=len(call))
+    q, k, v, kw = build(TWIN_CALLS[call], problem)
+    alpha = torch.tensor([1.5, 1.5], device=kernel_device, requires_grad=True)
+    names = grad_leaves(kw)
+    leaves = [q, k, v, alpha] + [kw[n] for n in names]
+    out = entmax_attention(q, k, v, alpha, backend="triton", **kw)
+    do = torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).to(kernel_device)
+    grads = torch.autograd.grad((out * do).sum(), leaves)
+    leaves64 = [t.detach().double().requires_grad_() for t in leaves]
+    kw64 = dict(cast(kw, torch.float64), **dict(zip(names, leaves64[4:], strict=True)))
+    out64 = eager_attention(*leaves64[:4], **kw64)
+    grads64 = torch.autograd.grad((out64 * do.double().cpu()).sum(), leaves64)
+    _close_all(out, out64, grads, grads64, ["dq", "dk", "dv", "dalpha"] + [f"d{n}" for n in names])
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_fused_variants_half_precision_within_twice_the_reference_error(dtype, kernel_device):
-    """Every variant at once (window, ALiBi, soft cap, sinks, Dv != D, GQA, causal, mixed alpha) in fp16 / bf16:
-    outputs and gradients within twice the error of the reference run on the same rounded inputs in float32
-    (rounded to the dtype), against float64 (the tolerance rule, tests/helpers.py)."""
+    """Every variant the fused route runs at once (the test table's: window, ALiBi, soft cap, sinks, Dv != D, GQA,
+    causal, a block mask and a boolean mask, with mixed alpha) in fp16 / bf16: outputs and gradients within twice the
+    error of the reference run on the same rounded inputs in float32 (rounded to the dtype), against float64 (the
+    tolerance rule, tests/helpers.py)."""
+    q, k, v, kw = build(together("fused"), Problem(b=1, nq=45, nk=50, dtype=dtype, device=kernel_device, seed=12),
+                        block=(16, 16))
     gen = torch.Generator().manual_seed(12)
-    q, k, v = (t.detach().to(dtype).requires_grad_() for t in
-               _leaves([(1, 4, 45, 16), (1, 2, 50, 16), (1, 2, 50, 32)], gen, kernel_device))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
     alpha = torch.tensor([1.0, 1.3, 1.5, 2.0], device=kernel_device)
-    kw = dict(is_causal=True, enable_gqa=True, window_size=(20, 0), softcap=3.0, scale=0.5,
-              alibi_slopes=(torch.rand(4, generator=gen) / 4).to(kernel_device),
-              sinks=torch.randn(4, generator=gen).to(kernel_device))
+    kw = dict(kw, scale=0.5)
     out = entmax_attention(q, k, v, alpha, backend="triton", **kw)
     do = torch.randn(out.shape, generator=gen).to(kernel_device).to(dtype)
     grads = torch.autograd.grad((out.float() * do.float()).sum(), (q, k, v))
     leaves64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    kw64 = {n: t.double() if isinstance(t, torch.Tensor) else t for n, t in kw.items()}
-    out64 = entmax_attention(*leaves64, alpha.double(), backend="reference", **kw64)
+    out64 = entmax_attention(*leaves64, alpha.double(), backend="reference", **cast(kw, torch.float64))
     grads64 = torch.autograd.grad((out64 * do.double()).sum(), leaves64)
     leaves32 = [t.detach().float().requires_grad_() for t in (q, k, v)]
-    kw32 = {n: t.float() if isinstance(t, torch.Tensor) else t for n, t in kw.items()}
-    out32 = entmax_attention(*leaves32, alpha, backend="reference", **kw32)
+    out32 = entmax_attention(*leaves32, alpha, backend="reference", **cast(kw, torch.float32))
     grads32 = torch.autograd.grad((out32 * do.float()).sum(), leaves32)
     assert out.dtype == dtype
     assert_close_to_ref(out, out64, out32.to(dtype), eps=TOL["eps_attention_kernel"][dtype], name="out")

@@ -386,7 +386,10 @@ def test_compiles_for_sm90():
     """The GPU builds of the forward (mixed, 1.5-entmax and general alpha classes) and of every backward kernel
     (d alpha and every mask-gradient mode), which the interpreter never exercises, compile for sm_90 with the
     specialization a real launch gets (benchmarks/sm90_build.py --check)."""
-    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
+    # the script builds this checkout's kernels, whichever copy of the package is installed
+    root = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1",
+               PYTHONPATH=os.pathsep.join([root] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     proc = subprocess.run([sys.executable, _SM90_BUILD, "--check"], env=env, capture_output=True, text=True,
                           timeout=900)
     if "ptxas" in proc.stderr and "not found" in proc.stderr:

@@ -1,7 +1,8 @@
 """Block-sparse masks (``block_mask=``): a boolean block grid with its block sizes, or torch's flex_attention
-``BlockMask`` (noop_mask), intersected with every other mask; the fused kernels (interpreter) and the reference
-against the float64 reference, the torch conversion, bad inputs, rows left without keys, the Hugging Face function,
-and the kernels' tile-liveness helper ``_masking.block_tile_live``."""
+``BlockMask`` (noop_mask here; with other mask_mods: tests/test_block_mask_mod.py), intersected with every other
+mask; the fused kernels (interpreter) and the reference against the float64 reference, the torch conversion, bad
+inputs, rows left without keys, the Hugging Face function, and the kernels' tile-liveness helper
+``_masking.block_tile_live``."""
 
 import math
 
@@ -11,6 +12,7 @@ import triton
 import triton.language as tl
 from helpers import BF16, EXACT, F16, F32, F64, TOL, assert_close_to_ref, cu_seqlens, gen, qkv, scaled_err
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, noop_mask
+from variants import Problem, build, eager_attention, expand_blocks, together
 
 import sparse_attn as sa
 from sparse_attn.kernels import _common, _masking
@@ -45,12 +47,39 @@ def test_reference_equals_the_expanded_element_mask():
     keep = block_keep(bm, 21, 37)
     rows, cols = torch.arange(21)[:, None], torch.arange(37)[None, :]
     assert torch.equal(keep, bm.mask[:, :, rows // 5, cols // 7])
+    assert torch.equal(keep, expand_blocks(bm.mask, bm.block_size, 21, 37))  # the test table's twin
     attn = _blocks((2, 1, 21, 37), seed=3, p_keep=0.8)
     kw = dict(is_causal=True, window_size=(20, 3))
     got = entmax_attention_reference(q, k, v, 1.5, block_mask=bm, attn_mask=attn, **kw)
     want = entmax_attention_reference(q, k, v, 1.5, attn_mask=attn & keep, **kw)
     torch.testing.assert_close(got, want, **EXACT)
     assert not torch.allclose(got, entmax_attention_reference(q, k, v, 1.5, attn_mask=attn, **kw), atol=TOL["changed"])
+
+
+# the block mask with every other variant its routes run (the test table, tests/variants.py): with each kind of
+# attn_mask, and with packed sequences (no attn_mask)
+WITH_EVERY_VARIANT = {"bool": together("reference", mask="bool"), "float": together("reference", mask="float"),
+                      "varlen": together("reference", mask=None) + ["varlen"]}
+
+
+@pytest.mark.parametrize("case", list(WITH_EVERY_VARIANT))
+def test_reference_with_every_variant_equals_the_eager_twins(case):
+    """The reference backend with a block mask and every other variant of its route at once, forward and
+    gradients (q, k, v, alpha), against the eager twins (plain torch in float64)."""
+    names = WITH_EVERY_VARIANT[case]
+    assert "block_mask" in names
+    q, k, v, kw = build(names, Problem(nq=13, nk=17, grad=True, seed=4), block=(4, 3))
+    alpha = torch.tensor([1.5, 1.0, 2.0, 1.25], dtype=F64, requires_grad=True)
+    out = sa.entmax_attention(q, k, v, alpha, backend="reference", **kw)
+    want = eager_attention(q, k, v, alpha, **kw)
+    torch.testing.assert_close(out, want, atol=TOL["oracle_f64"], rtol=0)
+    do = torch.randn(out.shape, generator=gen(6), dtype=F64)
+    leaves = (q, k, v, alpha)
+    got = torch.autograd.grad((out * do).sum(), leaves)
+    for g, w in zip(got, torch.autograd.grad((want * do).sum(), leaves), strict=True):
+        torch.testing.assert_close(g, w, atol=TOL["oracle_f64"], rtol=0)
+    without = sa.entmax_attention(q, k, v, alpha, backend="reference", **dict(kw, block_mask=None))
+    assert not torch.allclose(out, without, atol=TOL["changed"])
 
 
 # block sizes aligned and not with the interpreter's 32 x 32 tiles (small problems: the interpreter is slow)
@@ -169,12 +198,16 @@ def test_torch_block_masks_equal_the_boolean_block_mask():
         torch.testing.assert_close(entmax_attention_reference(q, k, v, 1.5, block_mask=torch_mask), ours, **EXACT)
 
 
-def test_a_torch_block_mask_with_a_mask_mod_is_refused_with_the_remedy():
-    q, k, v = qkv(b=1, hq=2, hk=2, nq=40, nk=40, d=16, dtype=F32)
-    causal = create_block_mask(lambda b, h, i, j: j <= i, None, None, 40, 40, device="cpu", BLOCK_SIZE=16)
-    for backend in ("reference", "triton"):
-        with pytest.raises(ValueError, match="block_mask: a torch BlockMask must be built with mask_mod=noop_mask"):
-            sa.entmax_attention(q, k, v, 1.5, block_mask=causal, backend=backend)
+def test_a_torch_block_mask_with_a_mask_mod_is_its_element_mask(kernel_device):
+    """create_block_mask(causal mask_mod) (partial diagonal blocks: tests/test_block_mask_mod.py for the others) gives
+    what is_causal gives, on the reference exactly and on the kernels within float32 rounding."""
+    q, k, v = (t.to(kernel_device) for t in qkv(b=1, hq=2, hk=2, nq=40, nk=40, d=16, dtype=F32))
+    causal = create_block_mask(lambda b, h, i, j: j <= i, None, None, 40, 40, device=kernel_device, BLOCK_SIZE=16)
+    want = entmax_attention_reference(q.double(), k.double(), v.double(), 1.5, is_causal=True)
+    got = entmax_attention_reference(q.double(), k.double(), v.double(), 1.5, block_mask=causal)
+    torch.testing.assert_close(got, want, **EXACT)
+    out = sa.entmax_attention(q, k, v, 1.5, block_mask=causal, backend="triton")
+    assert scaled_err(out, want) <= TOL["fused_rel_f32"]["out"]
 
 
 @pytest.mark.parametrize("block_mask,err,match", [

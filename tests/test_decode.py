@@ -17,6 +17,7 @@ import sys
 import pytest
 import torch
 from helpers import TOL, assert_close_to_ref
+from variants import ROWS, Problem, build, cast, eager_attention, together
 
 import sparse_attn as sa
 import sparse_attn.kernels.entmax_decode as decode_kernels
@@ -707,8 +708,9 @@ def test_entmax_attention_runs_decoding_steps_on_the_decode_kernels(monkeypatch,
 
 def test_decode_path_rules():
     """Which fused-path calls run on the decode kernels: 1..16 queries against more keys, nothing needing a
-    gradient (sinks included), no dropout, no packed sequences; every attention variant the fused path takes runs
-    there; what it refuses (slopes requiring grad, value head dims outside [16, 256]) raises before any kernel."""
+    gradient (sinks included), no dropout, no packed sequences; every attention variant of the route table's decode
+    route runs there (tests/variants.py), the others do not; what it refuses (slopes requiring grad, value head
+    dims outside [16, 256]) raises before any kernel."""
     gen = torch.Generator().manual_seed(13)
     q, k, v = (torch.randn(2, 4, n, 16, generator=gen) for n in (1, 20, 20))
 
@@ -727,9 +729,14 @@ def test_decode_path_rules():
                   cu_seqlens_q=torch.tensor([0, 1, 2], dtype=torch.int32),
                   cu_seqlens_k=torch.tensor([0, 3, 6], dtype=torch.int32))
     assert not fits(**packed)
-    for variant in (dict(window_size=(4, 0)), dict(softcap=5.0), dict(sinks=torch.zeros(4)),
-                    dict(alibi_slopes=torch.ones(4)), dict(v=torch.randn(2, 4, 20, 32, generator=gen))):
-        assert fits(**variant)
+    step = Problem(b=2, hq=4, nq=1, nk=20, dtype=torch.float32, lengths_q=(1, 1), lengths_k=(9, 11))
+    for name, row in ROWS.items():  # each variant alone: on the decode kernels exactly when the route lists it
+        q1, k1, v1, kw = build([name], step)
+        if "fused" not in row.routes:
+            with pytest.raises(ValueError, match="not supported"):
+                fits(q=q1, k=k1, v=v1, **kw)
+        else:
+            assert fits(q=q1, k=k1, v=v1, **kw) == ("decode" in row.routes), name
     sinks = torch.zeros(4, requires_grad=True)
     assert decode_unsupported(prepare_attention(q, k, v, 1.5, backend="triton", sinks=sinks)) == [
         "gradients"]
@@ -737,6 +744,22 @@ def test_decode_path_rules():
         entmax_attention(q, k, v[..., :8], 1.5, backend="triton")
     with pytest.raises(ValueError, match="alibi_slopes that require grad"):
         entmax_attention(q, k, v, 1.5, backend="triton", alibi_slopes=torch.ones(4, requires_grad=True))
+
+
+@pytest.mark.parametrize("mask", ["bool", "float"])
+def test_decode_every_variant_against_the_eager_twins(monkeypatch, mask):
+    """Every variant the decode route runs, at once (the test table, tests/variants.py; one mask kind per case), on
+    the decode kernels through ``entmax_attention`` (three queries, mixed alpha per head) against the eager twins in
+    float64."""
+    calls = _spy_decode(monkeypatch)
+    names = together("decode", mask=mask)
+    q, k, v, kw = build(names, Problem(b=2, hq=4, nq=3, nk=40, dtype=torch.float32, seed=21))
+    alpha = torch.tensor(MIXED)
+    out = entmax_attention(q, k, v, alpha, backend="triton", **kw)
+    assert calls == [3]
+    want = eager_attention(q.double(), k.double(), v.double(), alpha.double(), **cast(kw, torch.float64))
+    base = entmax_attention_reference(q, k, v, alpha, **kw)
+    _check("out", out, want, base, torch.float32)
 
 
 def test_training_calls_take_the_general_forward(monkeypatch):

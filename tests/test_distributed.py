@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from helpers import TOL as ALL_TOL
 from torch import nn
+from variants import Problem, build, on_route, together
 
 from sparse_attn import EntmaxMultiheadAttention, entmax_attention, record_head_stats
 from sparse_attn.distributed import (
@@ -92,8 +93,25 @@ def _close(name, got, want, tol):
     assert err <= tol * (1 + scale), f"{name}: max error {err}"
 
 
+ROUTE_OF = {"allgather": "context_parallel", "ulysses": "ulysses"}
+
+
+def _table_variants(scheme, cfg):
+    """``cfg`` with ``shape`` and the variant keywords of every variant the scheme's route runs at once, from the test
+    table (tests/variants.py; masks are key padding masks here: ``lengths`` and ``float_mask`` choose them)."""
+    b, h, h_kv, n, d, dv = cfg.get("shape", (2, 4, 4, 16, 8, 8))
+    problem = Problem(b=b, hq=h, hk=h_kv, nq=n, nk=cfg.get("n_k", n), d=d, dv=dv, seed=5)
+    q, k, v, kw = build(together(ROUTE_OF[scheme], mask=None), problem)
+    cfg = dict(cfg, shape=(b, h, k.shape[1], n, d, v.shape[-1]), causal=kw.pop("is_causal", False),
+               table_kw={n: t.detach() if isinstance(t, torch.Tensor) else t for n, t in kw.items()})
+    cfg["table_kw"].pop("enable_gqa", None)  # from the shapes
+    return cfg
+
+
 def _case_attention(rank, world, scheme, cfg):
     """Forward and backward (q, k, v, alpha) of one scheme against ``entmax_attention`` on the whole sequence."""
+    if cfg.get("table"):
+        cfg = _table_variants(scheme, cfg)
     b, h, h_kv, n, d, dv = cfg.get("shape", (2, 4, 4, 16, 8, 8))
     dtype, causal, lb = cfg.get("dtype", torch.float64), cfg.get("causal", True), cfg.get("load_balance", True)
     n_k = cfg.get("n_k", n)  # cross-attention: keys sharded like the queries, another length
@@ -108,7 +126,8 @@ def _case_attention(rank, world, scheme, cfg):
     variants = {name: val for name, val in cfg.items() if name in ("window_size", "softcap")}
     if cfg.get("alibi"):  # per batch entry and head
         variants["alibi_slopes"] = torch.rand(b, h, generator=torch.Generator().manual_seed(4), dtype=dtype)
-    sinks = torch.linspace(-1.0, 1.5, h, dtype=dtype) if cfg.get("sinks") else None
+    variants.update({name: val for name, val in cfg.get("table_kw", {}).items() if name != "sinks"})
+    sinks = torch.linspace(-1.0, 1.5, h, dtype=dtype) if cfg.get("sinks") else cfg.get("table_kw", {}).get("sinks")
     sinks_leaf = None if sinks is None else sinks.clone().requires_grad_()
     leaves = [t.clone().requires_grad_() for t in (q, k, v, alpha)]
     if "alpha" in cfg:  # one Python float for every head
@@ -171,6 +190,9 @@ CASES = [
     ("allgather", dict(causal=False, window_size=(-1, 2), load_balance=False, softcap=1.5)),
     ("allgather", dict(causal=False, window_size=(5, 0), alibi=True)),
     ("ulysses", dict(causal=False, window_size=(3, 1), alibi=True, sinks=True, softcap=2.0, lengths=[16, 12])),
+    # every variant of the scheme's route at once, read from the test table: a new variant joins by its row
+    ("allgather", dict(table=True, lengths=[16, 11])),
+    ("ulysses", dict(table=True, float_mask=True, lengths=[14, 16])),
 ]
 FOUR_RANK_CASES = [
     ("allgather", dict()),
@@ -188,6 +210,29 @@ FOUR_RANK_CASES = [
     ("allgather", dict(causal=False, load_balance=False, window_size=(6, 2), shape=(1, 4, 4, 32, 8, 8))),
     ("ulysses", dict(window_size=(4, 0), sinks=True, alibi=True, shape=(2, 8, 2, 16, 8, 8))),
 ]
+
+
+def _case_variants(scheme, cfg) -> set:
+    """The variant names (the route table's) a case uses."""
+    if cfg.get("table"):
+        cfg = _table_variants(scheme, cfg)
+    b, h, h_kv, n, d, dv = cfg.get("shape", (2, 4, 4, 16, 8, 8))
+    keywords = set(cfg) | set(cfg.get("table_kw", {}))
+    flags = {"grad": True, "gqa": h_kv != h, "dv": dv != d, "causal": cfg.get("causal", True),
+             "bool_mask": "lengths" in cfg, "float_mask": cfg.get("float_mask"), "mask_grad": cfg.get("float_mask")}
+    names = {"window_size": "window", "alibi": "alibi", "alibi_slopes": "alibi", "sinks": "sinks", "softcap": "softcap"}
+    return {name for name, on in flags.items() if on} | {names[key] for key in keywords if key in names}
+
+
+# variants the distributed routes run that no case here compares with one process (each with its reason)
+NOT_COMPARED = {"dropout": "each rank draws its own keep mask: no single-process result to compare with"}
+
+
+@pytest.mark.parametrize("scheme", list(SCHEMES))
+def test_cases_cover_every_variant_of_the_route(scheme):
+    """Every variant the scheme's route runs (the test table's routes) is used by some case, or named above."""
+    covered = set().union(*(_case_variants(s, cfg) for s, cfg in CASES + FOUR_RANK_CASES if s == scheme))
+    assert set(on_route(ROUTE_OF[scheme])) - set(NOT_COMPARED) == covered
 
 
 def _case_id(case):

@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from sparse_attn.kernels._masking import mark_tile, visit_tile, walk_words
-from sparse_attn.kernels.entmax_attn_fwd import alpha_class_of, entmax_attn_fwd
+from sparse_attn.kernels.entmax_attn_fwd import alpha_class_of, entmax_attn_fwd, runs_split
 from sparse_attn.mappings import entmax
 from sparse_attn.reference import entmax_attention_reference
 
@@ -73,13 +73,17 @@ def test_counters_match_the_bitmap(kernel_device, alpha):
 
 
 def test_dense_rows_take_at_most_two_passes_before_the_value_pass(kernel_device):
-    """bf16 / fp16 inputs at alpha 1.5 and 2 (random scores, all tiles live): grid pass + one candidate pass."""
+    """bf16 / fp16 inputs at alpha 1.5 and 2 (random scores, all tiles live): the fused forward takes the grid pass
+    and one candidate pass; the split forward the max pass, the bracket pass and one refinement pass at alpha 1.5,
+    two at alpha 2 (docs/kernels.md, "Design study")."""
     for dtype in (torch.bfloat16, torch.float16):
         q, k, v = _inputs(kernel_device, nq=128, nk=256, dtype=dtype, seed=3)
         for alpha in (1.5, 2.0):
             res = entmax_attn_fwd(q, k, v, torch.full((2,), alpha, device=kernel_device), 32 ** -0.5,
                                   block_m=64, block_n=64)
-            assert res.n_passes.max().item() <= 3, (dtype, alpha, res.n_passes)
+            cls = alpha_class_of([alpha])
+            limit = {"entmax15": 4, "sparsemax": 5}[cls] if runs_split(cls) else 3
+            assert res.n_passes.max().item() <= limit, (dtype, alpha, res.n_passes)
 
 
 @pytest.mark.parametrize("alpha", [1.25, 1.5, 2.0, 1.75])

@@ -2,10 +2,11 @@
 
 Hypothesis draws the structure of each problem (shapes down to size 1 and odd sizes, dtype,
 alpha per row or per head, ``-inf`` entries and rows, masks at broadcast shapes with fully masked
-rows, causal, GQA, packed sequences, magnitudes up to 1e4, rows poisoned with NaN / ``+inf``)
+rows, causal, GQA, packed sequences, the score variants of the test table (windows, ALiBi, sinks, soft cap, block
+masks), magnitudes up to 1e4, rows poisoned with NaN / ``+inf``)
 and a seed; the values come from torch generators. Every output and gradient is checked with
 the tolerance rule (``helpers.assert_close_to_ref``) against float64 computations on
-float64 copies of the same rounded inputs, and the non-finite policy (TEAM.md) is checked
+float64 copies of the same rounded inputs, and the non-finite policy (README, "Non-finite values") is checked
 exactly: ``-inf`` entries get weight 0, rows with nothing to attend to give zeros, rows with a
 NaN / ``+inf`` score are NaN and leave the other rows as they are without them.
 
@@ -34,6 +35,7 @@ from helpers import (
 )
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from variants import ROWS, Problem, cast, together
 
 import sparse_attn as sa
 from sparse_attn._triton_rows import entmax_rows_triton
@@ -265,6 +267,11 @@ MASK_SHAPES = {
 }
 
 
+# The score variants a problem may add (any subset), read from the test table (tests/variants.py): every variant of the
+# fused route but the masks (drawn above), packed sequences, causal masking and GQA (drawn above), Dv != D and dropout.
+FUZZED_VARIANTS = [n for n in together("fused", mask=None) if n not in ("causal", "gqa", "dv")]
+
+
 @st.composite
 def attention_problems(draw, poisons=("none", "q", "k", "mask"), mults=(1.0, 10.0, 1e4)):
     """One entmax_attention problem; ``poisons``: where a NaN / +inf may be put (``"mask"``: float masks only);
@@ -288,7 +295,8 @@ def attention_problems(draw, poisons=("none", "q", "k", "mask"), mults=(1.0, 10.
                 p_keep=draw(st.sampled_from([0.3, 0.8, 1.0])), empty_rows=draw(st.integers(0, 2)),
                 scale=draw(st.none() | st.floats(0.05, 2.0)), mult=draw(st.sampled_from(mults)),
                 poison=draw(st.sampled_from([p for p in poisons if p != "mask" or mask == "float"])),
-                poison_value=draw(st.sampled_from([math.nan, math.inf])), seed=draw(st.integers(0, 2**31 - 1)))
+                poison_value=draw(st.sampled_from([math.nan, math.inf])), seed=draw(st.integers(0, 2**31 - 1)),
+                variants=sorted(draw(st.sets(st.sampled_from(FUZZED_VARIANTS)))))
 
 
 def _attention_inputs(pb):
@@ -311,7 +319,12 @@ def _attention_inputs(pb):
     kw = dict(attn_mask=mask, is_causal=pb["causal"], scale=pb["scale"], enable_gqa=hq > hk)
     if pb["lens_q"] is not None:
         kw.update(cu_seqlens_q=cu_seqlens(pb["lens_q"]), cu_seqlens_k=cu_seqlens(pb["lens_k"]))
-    kw64 = dict(kw, attn_mask=mask if mask is None or mask.dtype == torch.bool else mask.double())
+    packed = pb["lens_q"] is not None
+    table = Problem(b=b, hq=hq, hk=hk, nq=nq, nk=nk, d=d, dv=d, dtype=dtype, seed=seed,
+                    lengths_q=tuple(pb["lens_q"] or ()), lengths_k=tuple(pb["lens_k"] or ()), packed=packed)
+    for name in pb["variants"]:  # each row's keywords, drawn from one generator in name order
+        kw.update(ROWS[name].kwargs(table, g))
+    kw64 = cast(kw, F64)
     alpha64 = alpha.double() if isinstance(alpha, torch.Tensor) else alpha
     return (q, k, v, alpha, kw), (q.double(), k.double(), v.double(), alpha64, kw64)
 
@@ -326,12 +339,15 @@ def _float32_scores_baseline(q, k, v64, alpha64, kw64, rounded=True):
     s = (q.float() @ k.float().repeat_interleave(group, 1).transpose(-1, -2)) * scale
     finite = s.detach()[torch.isfinite(s.detach())]
     magnitude = 1 + (finite.abs().max().item() if finite.numel() else 0.0) * v64.detach().abs().max().item()
+    cap = kw64.get("softcap")
+    if cap is not None:  # on the finite float32 scores, before the masks
+        s = torch.where(torch.isfinite(s), cap * torch.tanh(s / cap), s)
     mask = kw64["attn_mask"]
     if mask is not None and mask.dtype != torch.bool:
         s = s + mask.float()
     elif mask is not None:
         s = s.masked_fill(~mask, -math.inf)
-    kw = dict(kw64, attn_mask=s.double(), scale=1.0)
+    kw = dict(kw64, attn_mask=s.double(), scale=1.0, softcap=None)
     zq, zk = torch.zeros(q.shape, dtype=F64), torch.zeros(k.shape, dtype=F64)
     out = entmax_attention_reference(zq, zk, v64, alpha64, **kw)
     return (_kernel_rounded(out, q.dtype) if rounded else out), magnitude

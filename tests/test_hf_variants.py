@@ -51,8 +51,11 @@ from transformers.masking_utils import (  # noqa: E402
     sdpa_mask,
     sliding_window_causal_mask_function,
 )
+from variants import ROWS, Problem, build  # noqa: E402
 
 import sparse_attn.integrations.hf as entmax_hf  # noqa: E402
+from sparse_attn.attention import run_attention  # noqa: E402
+from sparse_attn.attn_inputs import prepare_attention  # noqa: E402
 from sparse_attn.reference import reference_forward  # noqa: E402
 from sparse_attn.sdpa import swap_sdpa_attention  # noqa: E402
 
@@ -275,6 +278,56 @@ def test_alibi_slopes_and_window_kwargs_at_the_attention_function():
     full = torch.ones(1, 1, 6, 6, dtype=torch.bool)
     out, _ = entmax_hf.entmax_attention_forward(attn, q, k, v, full, sliding_window=3)
     torch.testing.assert_close(out, entmax_hf.entmax_attention_forward(attn, q, k, v, full)[0])
+
+
+# How the Hugging Face attention function spells each variant of the test table (tests/variants.py), from the
+# table's keywords: ``(function keywords, the entmax_attention keywords they stand for)``; the function applies the
+# layer's causal masking without a 4-d mask only, and a sliding window W is (W - 1, 0) on a causal layer.
+HF_SPELLING = {
+    "bool_mask": lambda kw: (dict(attention_mask=kw["attn_mask"]), dict(attn_mask=kw["attn_mask"], is_causal=False)),
+    "float_mask": lambda kw: (dict(position_bias=kw["attn_mask"]), dict(attn_mask=kw["attn_mask"], is_causal=True)),
+    "causal": lambda kw: (dict(is_causal=True), dict(is_causal=True)),
+    "window": lambda kw: (dict(sliding_window=kw["window_size"][0] + 1, is_causal=True),
+                          dict(window_size=(kw["window_size"][0], 0), is_causal=True)),
+    "alibi": lambda kw: (dict(alibi_slopes=kw["alibi_slopes"]), dict(alibi_slopes=kw["alibi_slopes"])),
+    "sinks": lambda kw: (dict(s_aux=kw["sinks"]), dict(sinks=kw["sinks"])),
+    "softcap": lambda kw: (dict(softcap=kw["softcap"]), dict(softcap=kw["softcap"])),
+    "gqa": lambda kw: ({}, dict(enable_gqa=True)),
+    "dv": lambda kw: ({}, {}),
+    "block_mask": lambda kw: (dict(block_mask=kw["block_mask"]), dict(block_mask=kw["block_mask"])),
+}
+# variants the attention function is not compared on here, each with its reason
+HF_NOT_SPELLED = {
+    "varlen": "the function takes no cu_seqlens: transformers' packed sequences reach it as a materialized 4-d mask",
+    "dropout": "random weights: no result to compare with (the function passes dropout on as dropout_p)",
+    "mask_grad": "a gradient row: the same call under autograd", "alibi_grad": "a gradient row",
+    "grad": "a gradient row",
+}
+
+
+def test_every_variant_is_spelled_or_named():
+    assert set(HF_SPELLING) | set(HF_NOT_SPELLED) == set(ROWS) and not set(HF_SPELLING) & set(HF_NOT_SPELLED)
+
+
+@pytest.mark.parametrize("name", list(HF_SPELLING))
+def test_each_variant_through_the_attention_function(name, recorded):
+    """Each variant of the test table, in the attention function's own spelling (on a Llama layer: 4 query heads,
+    2 kv heads, causal), reaches ``entmax_attention`` as that variant and gives its result."""
+    attn = _llama_attention()
+    q, k, v, kw = build({name, "gqa"}, Problem(b=2, hq=4, nq=6, nk=6, d=16, dtype=torch.float32, seed=3))
+    hf_kw, lib_kw = {}, {}
+    for n in {name, "gqa"}:
+        h, lib = HF_SPELLING[n](kw)
+        hf_kw.update(h)
+        lib_kw.update(lib)
+    mask = hf_kw.pop("attention_mask", None)
+    lib_kw.setdefault("is_causal", True)
+    with torch.no_grad():
+        out = entmax_hf.entmax_attention_forward(attn, q, k, v, mask, **hf_kw)[0]
+    spec = recorded[-1]
+    want = prepare_attention(q, k, v, spec.alpha, scale=spec.scale, **lib_kw)
+    assert name in spec.used() and spec.used() == want.used()
+    torch.testing.assert_close(out.transpose(1, 2), run_attention(want), **EXACT)
 
 
 # (kwargs of entmax_attention_forward, error, message)

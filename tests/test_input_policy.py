@@ -1,8 +1,8 @@
 """The project's input policy: non-finite scores and empty inputs on every row-wise path (the bad-argument
 tables are in tests/test_bad_arguments.py).
 
-Non-finite policy (TEAM.md): ``-inf`` entries get weight 0, a row with no finite entry gives
-zeros and zero gradients, a row with a NaN or ``+inf`` gives an all-NaN row and NaN
+Non-finite policy (README, "Non-finite values"; docs/design.md): ``-inf`` entries get weight 0, a row
+with no finite entry gives zeros and zero gradients, a row with a NaN or ``+inf`` gives an all-NaN row and NaN
 gradients, and the other rows of the batch are exactly what they are without the bad rows.
 Each path is run on one batch holding every kind of row and compared with the same path on
 the good rows alone. The Triton row kernels run under the interpreter on CPU.

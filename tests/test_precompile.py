@@ -22,6 +22,7 @@ _ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
 # the script builds this checkout's kernels, whichever copy of the package is installed
 _ENV = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1",
             PYTHONPATH=os.pathsep.join([_ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+_ENV.pop("SPARSE_ATTN_FWD_SPLIT", None)  # the launcher's default forward per alpha class, as a GPU run has it
 _SUBSET = ["--seqs", "64", "--head-dims", "32", "--tokens", "64", "--hidden", "64", "--groups", "headline", "--causal",
            "false", "--methods", "1"]
 
@@ -71,3 +72,23 @@ def test_the_jit_loads_the_offline_build_and_compiles_nothing(tmp_path):
     # MASK differs: another kernel
     assert (causal["kernels"], causal["compiled"], causal["shipped_used"]) == (1, 1, 0), causal
     assert missed["compiled"] == 1, missed
+
+
+def test_the_split_forward_stages_are_built_and_found(tmp_path):
+    """The split forward's two launches (alpha 1.5 by default: a threshold kernel, then a value kernel, the forward
+    kernel's ``STAGE`` 1 and 2) are what the cache holds for the alpha = 1.5 training forward, and replaying the
+    launches against it compiles nothing."""
+    from sparse_attn.kernels._common import ALPHA_CLASSES
+    from sparse_attn.kernels.attn.entmax_attn_fwd import SPLIT_CLASSES
+
+    assert "entmax15" in SPLIT_CLASSES and _SUBSET[-2:] == ["--methods", "1"]
+    built = tmp_path / "built"
+    subset = _SUBSET[:-2] + ["--methods", "1.5", "--forward-only"]
+    out = _run("--out", str(built), "--jobs", "1", *subset)
+    assert "(the check compiled 0)" in out, out
+    manifest = json.loads((built / "manifest.json").read_text())
+    stages = sorted((k["kernel"], k["constexprs"]["STAGE"], k["constexprs"]["ALPHA_CLASS"])
+                    for k in manifest["kernels"])
+    assert stages == [("_entmax_attn_fwd_kernel", s, ALPHA_CLASSES["entmax15"]) for s in (1, 2)], stages
+    hit = json.loads(_run("--out", str(built), "--check", *subset).strip().splitlines()[-1])
+    assert (hit["kernels"], hit["compiled"], hit["loaded"]) == (2, 0, 2), hit

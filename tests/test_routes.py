@@ -1,8 +1,9 @@
 """The route table (``sparse_attn/attn/routes.py``): every variant named, every route refusing what it does not list.
 
-A new field of ``AttentionInputs`` or a new variant without an example here fails the coverage tests; a variant a
-route does not list is refused there (the dummy-variant test), and what the SDPA route claims to run is checked
-against the reference on the CPU (the route itself only runs on CUDA).
+A new field of ``AttentionInputs`` or a new variant without a row in the test table (``tests/variants.py``: its
+keywords, its eager twin, its routes) fails the coverage tests; a variant a route does not list is refused there
+(the dummy-variant test), and what the SDPA route claims to run is checked against the reference on the CPU (the
+route itself only runs on CUDA).
 """
 
 import contextlib
@@ -11,13 +12,13 @@ import dataclasses
 import pytest
 import torch
 from helpers import F64, TOL
+from variants import ROWS, Problem, build
 
 from sparse_attn._attn_autograd import _sdpa, fused_entmax_attention, sdpa_refuses
 from sparse_attn.attention import run_attention
 from sparse_attn.attn_inputs import AttentionInputs, prepare_attention
 from sparse_attn.decode import decode_fits, decode_unsupported
 from sparse_attn.distributed import context_parallel_attention, ulysses_attention
-from sparse_attn.masks import BlockSparseMask
 from sparse_attn.routes import PROBLEM_FIELDS, SUPPORTED, VARIANTS, refused
 
 B, H, N, D = 2, 4, 12, 16
@@ -31,53 +32,39 @@ def _qkv(n_q=N, n_k=N, h_k=H, d_v=D, dtype=torch.float64, grad=False):
     return [t.requires_grad_(grad) for t in (q, k, v)]
 
 
-def _packed():
-    q, k, v = (t[:1] for t in _qkv())
-    cu = torch.tensor([0, 5, N], dtype=torch.int32)
-    return dict(q=q, k=k, v=v, cu_seqlens_q=cu, cu_seqlens_k=cu)
-
-
-# one call per variant: the prepare_attention arguments that turn it on (on top of q, k, v from _qkv())
-VARIANT_EXAMPLES = {
-    "varlen": lambda: _packed(),
-    "bool_mask": lambda: dict(attn_mask=torch.rand(N, N, generator=torch.Generator().manual_seed(1)) > 0.3),
-    "float_mask": lambda: dict(attn_mask=torch.randn(N, N, dtype=torch.float64)),
-    "mask_grad": lambda: dict(attn_mask=torch.randn(N, N, dtype=torch.float64, requires_grad=True)),
-    "causal": lambda: dict(is_causal=True),
-    "window": lambda: dict(window_size=(3, 2)),
-    "alibi": lambda: dict(alibi_slopes=torch.rand(H, dtype=torch.float64)),
-    "alibi_grad": lambda: dict(alibi_slopes=torch.rand(H, dtype=torch.float64, requires_grad=True)),
-    "sinks": lambda: dict(sinks=torch.zeros(H, dtype=torch.float64)),
-    "softcap": lambda: dict(softcap=5.0),
-    "dropout": lambda: dict(dropout_p=0.1),
-    "gqa": lambda: dict(zip("qkv", _qkv(h_k=2)), enable_gqa=True),
-    "dv": lambda: dict(zip("qkv", _qkv(d_v=32))),
-    "grad": lambda: dict(zip("qkv", _qkv(grad=True))),
-    "block_mask": lambda: dict(block_mask=BlockSparseMask(
-        torch.rand(1, H, 3, 2, generator=torch.Generator().manual_seed(2)) > 0.3, (4, 8))),
-}
-# the AttentionInputs field each variant lives in (those from the shapes or the autograd state: None)
-FIELD_OF = {"varlen": "cu_seqlens_q", "bool_mask": "mask", "float_mask": "mask", "mask_grad": "mask",
-            "causal": "is_causal", "window": "window_size", "alibi": "alibi_slopes", "alibi_grad": "alibi_slopes",
-            "sinks": "sinks", "softcap": "softcap", "dropout": "dropout_p", "gqa": None, "dv": None, "grad": None,
-            "block_mask": "block_mask"}
+PROBLEM = Problem(b=B, hq=H, hk=H, nq=N, nk=N, d=D, dv=D)
 
 
 def _inputs(variant=None, alpha=1.0, backend="reference"):
-    kw = dict(zip("qkv", _qkv()))
-    if variant is not None:
-        kw.update(VARIANT_EXAMPLES[variant]())
-    q, k, v = kw.pop("q"), kw.pop("k"), kw.pop("v")
+    """The spec of one call using ``variant`` alone (its row of tests/variants.py), or none."""
+    q, k, v, kw = build([] if variant is None else [variant], PROBLEM)
     return prepare_attention(q, k, v, alpha, backend=backend, **kw)
 
 
 def test_every_variant_and_field_is_covered():
-    """Each variant has an example and a field; every field of AttentionInputs is a problem field or a variant's."""
-    assert set(VARIANT_EXAMPLES) == set(VARIANTS) == set(FIELD_OF)
+    """The test table has one row per library variant (in the library's order) and each row's field is the spec's;
+    every field of AttentionInputs is a problem field or a variant's; a row's routes are the library's."""
+    assert list(ROWS) == list(VARIANTS)
     fields = {f.name for f in dataclasses.fields(AttentionInputs)}
-    assert fields - PROBLEM_FIELDS == {f for f in FIELD_OF.values() if f is not None}
+    assert fields - PROBLEM_FIELDS == {row.field for row in ROWS.values() if row.field is not None}
     assert set(SUPPORTED) == {"sdpa", "decode", "fused", "chunked", "reference", "context_parallel", "ulysses"}
     assert all(route_set <= set(VARIANTS) for route_set in SUPPORTED.values())
+    assert all(ROWS[name].routes == {r for r, names in SUPPORTED.items() if name in names} for name in ROWS)
+    assert ROWS["grad"].routes >= {"reference", "fused"} and "decode" not in ROWS["grad"].routes
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_each_row_sets_its_field(variant):
+    """A row's keywords land in its spec field (the shape- and autograd-made variants: no field)."""
+    row, plain = ROWS[variant], _inputs()
+    if row.field is not None:
+        assert _differs(getattr(_inputs(variant), row.field), getattr(plain, row.field)), row.field
+
+
+def _differs(a, b):
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (a is None) != (b is None) or not torch.equal(a, b)
+    return a != b
 
 
 def test_plain_call_uses_nothing():
@@ -91,8 +78,7 @@ def test_each_example_turns_its_variant_on(variant):
     assert variant in used
     # the examples are minimal: nothing else but the gradient their tensors ask for (and the variant a gradient of
     # a mask or of slopes needs)
-    implied = {"mask_grad": {"float_mask"}, "alibi_grad": {"alibi"}}.get(variant, set())
-    assert used - {variant, "grad"} == implied, used
+    assert used - {variant, "grad"} == ROWS[variant].implies, used
 
 
 @pytest.mark.parametrize("route", sorted(SUPPORTED))

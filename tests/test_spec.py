@@ -7,8 +7,8 @@ import dataclasses
 
 import pytest
 import torch
+from variants import ROWS, Problem, build
 
-import sparse_attn as sa
 import sparse_attn.decode as decode_mod
 import sparse_attn.distributed as distributed_mod
 from sparse_attn import routes
@@ -19,21 +19,12 @@ from sparse_attn.kernels._spec import DIFFERENTIABLE, AttnSpec
 B, H, HK, N, D, DV = 1, 4, 2, 10, 16, 32
 
 
-def _every_variant(grad=True):
-    """A spec whose call uses every variant of the route table at once (a float mask: not ``bool_mask``), on the
-    reference backend."""
-    gen = torch.Generator().manual_seed(0)
-    q = torch.randn(B, H, N, D, generator=gen, dtype=torch.float64, requires_grad=grad)
-    k = torch.randn(B, HK, N, D, generator=gen, dtype=torch.float64)
-    v = torch.randn(B, HK, N, DV, generator=gen, dtype=torch.float64)
-    cu = torch.tensor([0, 4, N], dtype=torch.int32)
-    return prepare_attention(
-        q, k, v, torch.tensor([1.2, 1.5, 2.0, 1.0], dtype=torch.float64), enable_gqa=True,
-        attn_mask=torch.randn(N, N, dtype=torch.float64, requires_grad=grad), is_causal=True, dropout_p=0.1,
-        cu_seqlens_q=cu, cu_seqlens_k=cu, window_size=(3, 1), softcap=5.0,
-        alibi_slopes=torch.rand(2, H, dtype=torch.float64, requires_grad=grad),
-        sinks=torch.zeros(H, dtype=torch.float64), backend="reference", need_stats=True,
-        block_mask=sa.BlockSparseMask(torch.rand(2, 1, 2, 3, generator=gen) > 0.3, (4, 2)))
+def _every_variant():
+    """A spec whose call uses every variant of the route table at once (the test table's rows; a float mask: not
+    ``bool_mask``), on the reference backend."""
+    q, k, v, kw = build(set(ROWS) - {"bool_mask"}, Problem(b=B, hq=H, nq=N, nk=N, d=D))
+    return prepare_attention(q, k, v, torch.tensor([1.2, 1.5, 2.0, 1.0], dtype=torch.float64), backend="reference",
+                             need_stats=True, **kw)
 
 
 def _paged_decode_spec():

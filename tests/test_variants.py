@@ -12,7 +12,10 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import TOL
+from variants import KEYWORDS, ROWS, Problem, build, cast, eager_attention, grad_leaves, loop_alibi, loop_keep, together
 
+import sparse_attn._cpu_chunked as chunked_mod
 import sparse_attn.attn_inputs as attn_inputs
 from sparse_attn.attention import entmax_attention
 from sparse_attn.mappings import entmax
@@ -28,27 +31,6 @@ def _qkv(b=2, hq=4, hk=2, nq=7, nk=9, d=8, dv=None, dtype=torch.float64, seed=0,
     k = torch.randn(b, hk, nk, d, generator=g, dtype=dtype)
     v = torch.randn(b, hk, nk, dv or d, generator=g, dtype=dtype)
     return tuple(t.requires_grad_(grad) for t in (q, k, v))
-
-
-def _loop_keep(nq, nk, left=-1, right=-1, causal=False):
-    """flash-attn's window (and causal) rule, one pair at a time."""
-    keep = torch.zeros(nq, nk, dtype=torch.bool)
-    for i in range(nq):
-        for j in range(nk):
-            diag = i + nk - nq
-            ok = (left < 0 or j >= diag - left) and (right < 0 or j <= diag + right)
-            keep[i, j] = ok and (not causal or j <= diag)
-    return keep
-
-
-def _loop_alibi(slopes, nq, nk):
-    """``-slope * |i + nk - nq - j|``, one pair at a time; slopes (H,) or (B, H) -> (1|B, H, nq, nk)."""
-    per = slopes if slopes.dim() == 2 else slopes[None]
-    bias = torch.zeros(per.shape[0], per.shape[1], nq, nk, dtype=slopes.dtype)
-    for i in range(nq):
-        for j in range(nk):
-            bias[:, :, i, j] = -per * abs(i + nk - nq - j)
-    return bias
 
 
 def _grads(out, tensors, seed=3):
@@ -70,7 +52,7 @@ def test_window_equals_its_materialized_mask(nq, nk, window, causal):
     """Bottom-right aligned window, intersected with causal masking and a user mask, for every alpha (GQA)."""
     q, k, v = _qkv(nq=nq, nk=nk, grad=True)
     user = torch.rand(2, 1, nq, nk, generator=torch.Generator().manual_seed(5)) > 0.2
-    keep = user & _loop_keep(nq, nk, *window, causal=causal)
+    keep = user & loop_keep(nq, nk, *window, causal=causal)
     for alpha in ALPHAS:
         out = entmax_attention(q, k, v, alpha, attn_mask=user, is_causal=causal, window_size=window, enable_gqa=True)
         ref = entmax_attention(q, k, v, alpha, attn_mask=keep, enable_gqa=True)
@@ -101,14 +83,14 @@ def test_alibi_equals_its_materialized_bias(per_batch, causal):
     slopes = torch.rand((2, 4) if per_batch else (4,), generator=g, dtype=torch.float64).requires_grad_(True)
     user = torch.randn(1, 4, 6, 9, generator=g, dtype=torch.float64)
     for alpha in ALPHAS:
-        bias = user + _loop_alibi(slopes, 6, 9)
+        bias = user + loop_alibi(slopes, 6, 9)
         out = entmax_attention(q, k, v, alpha, attn_mask=user, is_causal=causal, alibi_slopes=slopes,
                                enable_gqa=True)
         ref = entmax_attention(q, k, v, alpha, attn_mask=bias, is_causal=causal, enable_gqa=True)
         _close(out, ref)
         for gr, r in zip(_grads(out, (q, k, v, slopes)), _grads(ref, (q, k, v, slopes))):
             _close(gr, r)
-    keep = _loop_keep(6, 9, causal=causal)
+    keep = loop_keep(6, 9, causal=causal)
     sdpa = F.scaled_dot_product_attention(q, k, v, attn_mask=bias.masked_fill(~keep, -INF), enable_gqa=True)
     _close(entmax_attention(q, k, v, 1.0, attn_mask=user, is_causal=causal, alibi_slopes=slopes, enable_gqa=True),
            sdpa)
@@ -133,7 +115,7 @@ def test_sinks_equal_an_extra_zero_key_whose_score_is_the_sink(alpha, causal):
     sinks = torch.tensor([0.5, -1.0, 2.0, 0.0], dtype=torch.float64, requires_grad=True)
     user = torch.rand(2, 1, 7, 9, generator=torch.Generator().manual_seed(4)) > 0.3
     user[0, 0, 2] = False  # a row with no key: the sink takes all the weight, the output is 0
-    keep = user & _loop_keep(7, 9, causal=causal)
+    keep = user & loop_keep(7, 9, causal=causal)
     out = entmax_attention(q, k, v, alpha, attn_mask=user, is_causal=causal, sinks=sinks, enable_gqa=True)
     q2, k_ext, v_ext, bias = _sink_as_extra_key(q, k, v, sinks, keep)
     ref = entmax_attention(q2, k_ext, v_ext, alpha, attn_mask=bias, enable_gqa=True)
@@ -147,7 +129,7 @@ def test_sinks_at_alpha_one_are_softmax_with_an_appended_column():
     """gpt-oss's eager attention: softmax over [scores, sink], the sink column dropped."""
     q, k, v = _qkv(hq=4, hk=4, nq=5, nk=5)
     sinks = torch.randn(4, dtype=torch.float64)
-    s = q @ k.transpose(-1, -2) / math.sqrt(8) + torch.zeros(5, 5).masked_fill(~_loop_keep(5, 5, causal=True), -INF)
+    s = q @ k.transpose(-1, -2) / math.sqrt(8) + torch.zeros(5, 5).masked_fill(~loop_keep(5, 5, causal=True), -INF)
     logits = torch.cat([s, sinks.reshape(1, 4, 1, 1).expand(2, 4, 5, 1)], dim=-1)
     expected = torch.softmax(logits, dim=-1)[..., :-1] @ v
     _close(entmax_attention(q, k, v, 1.0, is_causal=True, sinks=sinks), expected)
@@ -199,7 +181,7 @@ def test_softcap_equals_capped_scores_through_the_row_mapping(alpha, causal):
     bias = torch.randn(1, 1, 6, 8, generator=torch.Generator().manual_seed(8), dtype=torch.float64)
     out = entmax_attention(q_big, k, v, alpha, attn_mask=bias, is_causal=causal, softcap=2.5)
     s = 2.5 * torch.tanh(q_big @ k.transpose(-1, -2) / math.sqrt(8) / 2.5) + bias
-    s = s.masked_fill(~_loop_keep(6, 8, causal=causal), -INF)
+    s = s.masked_fill(~loop_keep(6, 8, causal=causal), -INF)
     p = torch.softmax(s, -1) if alpha == 1 else entmax(s, alpha, dim=-1)
     ref = p @ v
     _close(out, ref)
@@ -228,7 +210,7 @@ def test_value_head_dim_differs_from_query_key_head_dim(causal):
     """DeepSeek-V3-style Dv != D: SDPA at alpha = 1; for alpha > 1 the output equals the first Dv columns
     of the output with v zero-padded to D (the weights do not depend on v)."""
     q, k, v = _qkv(nq=6, nk=8, d=16, dv=8, grad=True)
-    sdpa = F.scaled_dot_product_attention(q, k, v, attn_mask=_loop_keep(6, 8, causal=causal), enable_gqa=True)
+    sdpa = F.scaled_dot_product_attention(q, k, v, attn_mask=loop_keep(6, 8, causal=causal), enable_gqa=True)
     _close(entmax_attention(q, k, v, 1.0, is_causal=causal, enable_gqa=True), sdpa)
     v_pad = torch.cat([v, torch.zeros(2, 2, 8, 8, dtype=v.dtype)], dim=-1)
     for alpha in ALPHAS[1:]:
@@ -240,14 +222,14 @@ def test_value_head_dim_differs_from_query_key_head_dim(causal):
             _close(g, r)
 
 
+# every variant of the reference route in one call (the test table's, with a boolean mask)
+TOGETHER = together("reference")
+
+
 def _all_variants(seed=0, dtype=torch.float64, grad=False):
-    q, k, v = _qkv(nq=7, nk=9, d=16, dv=8, dtype=dtype, seed=seed, grad=grad)
-    g = torch.Generator().manual_seed(seed + 1)
-    kwargs = dict(
-        window_size=(3, 1), alibi_slopes=torch.rand(4, generator=g, dtype=torch.float64) / 2,
-        sinks=torch.randn(4, generator=g, dtype=torch.float64).requires_grad_(grad), softcap=3.0,
-        attn_mask=torch.rand(2, 1, 7, 9, generator=g) > 0.2, enable_gqa=True,
-    )
+    """q, k, v and the keywords of every variant of ``TOGETHER`` (the test table's rows) at once."""
+    q, k, v, kwargs = build(TOGETHER, Problem(nq=7, nk=9, d=16, dtype=dtype, seed=seed, grad=grad))
+    kwargs.pop("is_causal")  # the tests choose
     return q, k, v, kwargs
 
 
@@ -259,7 +241,7 @@ def test_low_precision_inputs_match_float64(alpha, causal, dtype):
     q, k, v, kwargs = _all_variants(dtype=dtype)
     out = entmax_attention(q, k, v, alpha, is_causal=causal, **kwargs)
     assert out.dtype == dtype
-    ref = entmax_attention(q.double(), k.double(), v.double(), alpha, is_causal=causal, **kwargs)
+    ref = entmax_attention(q.double(), k.double(), v.double(), alpha, is_causal=causal, **cast(kwargs, torch.float64))
     tol = 1e-5 if dtype == torch.float32 else 2e-3
     torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
 
@@ -297,13 +279,47 @@ def test_varlen_with_variants_equals_separate_calls(alpha):
         _close(out[:, :, cu_q[s]:cu_q[s + 1]], ref)
 
 
+@pytest.mark.parametrize("name,route", [(n, r) for n in ROWS for r in ("reference", "chunked")
+                                        if ROWS[n].twin is not None and r in ROWS[n].routes])
+def test_each_variant_equals_its_eager_twin(name, route, monkeypatch):
+    """Each variant of the test table (with causal masking and mixed alpha per head) on each CPU route of the
+    reference backend that lists it (the materialized reference; the row blocks of the chunked path, forced here
+    for a small call) against its eager twin (``tests/variants.py``: the same attention in plain torch ops): forward
+    and the gradients of q, k, v and of every keyword tensor that requires one. A variant with a spec field must
+    change the output (no vacuous row)."""
+    alpha = torch.tensor([1.0, 1.3, 1.5, 2.0], dtype=torch.float64, requires_grad=True)
+    q, k, v, kw = build({name, "causal"}, Problem(grad=True))
+    calls = _force_chunked(monkeypatch, q, k) if route == "chunked" else []
+    out = entmax_attention(q, k, v, alpha, backend="reference", **kw)
+    assert len(calls) == (route == "chunked")
+    ref = eager_attention(q, k, v, alpha, **kw)
+    _close(out, ref)
+    leaves = (q, k, v, alpha, *(kw[n] for n in grad_leaves(kw)))
+    for g, r in zip(_grads(out, leaves), _grads(ref, leaves), strict=True):
+        _close(g, r)
+    if ROWS[name].field is not None:
+        plain = {n: t for n, t in kw.items() if n not in KEYWORDS[name]}
+        assert not torch.allclose(out, eager_attention(q, k, v, alpha, **plain), atol=TOL["changed"]), name
+
+
+def _force_chunked(monkeypatch, q, k) -> list:
+    """Make the reference backend take the chunked route for ``q, k`` (blocks of about 4 query rows); returns the
+    list its calls are recorded in."""
+    calls, real = [], chunked_mod.chunked_attention
+    monkeypatch.setattr("sparse_attn.attention.chunked_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setattr(chunked_mod, "MIN_SCORES", 0)
+    rows = 4 * q.shape[0] * q.shape[1] * k.shape[2] * q.element_size() * chunked_mod._BLOCK_TEMPS
+    monkeypatch.setattr(chunked_mod, "BLOCK_BYTES", rows)
+    return calls
+
+
 def test_stats_count_real_keys_and_the_threshold_includes_the_sink():
     q, k, v = _qkv(hq=4, hk=4, nq=6, nk=8)
     sinks = torch.randn(4, dtype=torch.float64)
     _, stats = entmax_attention(q, k, v, 1.0, window_size=(2, 1), sinks=sinks, return_stats=True)
-    expected_valid = _loop_keep(6, 8, 2, 1).sum(-1).to(torch.int32)
+    expected_valid = loop_keep(6, 8, 2, 1).sum(-1).to(torch.int32)
     assert (stats.n_valid == expected_valid).all() and (stats.nnz == stats.n_valid).all()
-    s = (q @ k.transpose(-1, -2) / math.sqrt(8)).masked_fill(~_loop_keep(6, 8, 2, 1), -INF)
+    s = (q @ k.transpose(-1, -2) / math.sqrt(8)).masked_fill(~loop_keep(6, 8, 2, 1), -INF)
     lse = torch.logsumexp(torch.cat([s, sinks.reshape(1, 4, 1, 1).expand(2, 4, 6, 1)], -1), dim=-1)
     _close(stats.tau, lse)
     _, w, stats = entmax_attention_reference(q, k, v, 1.5, sinks=sinks, return_weights=True, return_stats=True)

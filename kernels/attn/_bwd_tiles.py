@@ -150,7 +150,7 @@ def _tile(qrow, s, dp, idx, inside, alpha, mods, drop, MASK, SCORE, ALPHA_CLASS:
     ``(seed, bh, total_k, dropout_p)``."""
     _, _, tau, cu, cp, log_l, delta = qrow
     rows, cols, rows_global, cols_global, seqlen_q, seqlen_k = idx
-    if (BIAS_KIND == 0) and (SCORE[2] == 0) and (SCORE[4] != 2):
+    if (BIAS_KIND == 0) and (SCORE[2] == 0) and (SCORE[4] <= 1):
         # only the structural mask: interior tiles need no per-score check
         if inside:
             s_m = soft_cap(s, SCORE[1], SCORE)

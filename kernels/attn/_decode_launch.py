@@ -91,11 +91,12 @@ def _pick_config(head_dim: int, n_rows: int, interpret: bool) -> tuple[int, int,
 
 
 def static_plan(dtype: torch.dtype, paged: bool, head_dim: int, head_dim_v: int, n_rows: int, is_causal: bool,
-                window_size, softcap, has_alibi: bool, has_sinks: bool, has_blocks: bool, classes: tuple,
+                window_size, softcap, has_alibi: bool, has_sinks: bool, has_blocks: int, classes: tuple,
                 tol, max_passes, block_n, has_hint: bool = False) -> StaticPlan:
     """The launches' configuration (cached): ``classes`` the ``ALPHA_CLASS`` values launched (``FILTER`` when more
-    than one), ``tol`` / ``max_passes`` / ``block_n`` None for the defaults, ``has_hint`` a threshold hint given.
-    Arguments as :func:`sparse_attn.kernels.entmax_decode.entmax_decode_fwd`."""
+    than one), ``tol`` / ``max_passes`` / ``block_n`` None for the defaults, ``has_blocks`` the block mask's
+    ``SCORE[4]`` (``_common.blocks_mode``: 0, or 2 / 4 without / with partial blocks), ``has_hint`` a threshold
+    hint given. Arguments as :func:`sparse_attn.kernels.entmax_decode.entmax_decode_fwd`."""
     key = (dtype, paged, head_dim, head_dim_v, n_rows, is_causal, window_size, softcap, has_alibi, has_sinks,
            has_blocks, classes, tol, max_passes, block_n, has_hint)
     plan = _PLANS.get(key)
@@ -110,7 +111,7 @@ def static_plan(dtype: torch.dtype, paged: bool, head_dim: int, head_dim_v: int,
     assert max_passes >= 2, f"max_passes: got {max_passes}"
     # per alpha class: the score pass (softmax: its only pass), then the value pass
     chains = tuple((cls, *DECODE_POINTS[POW_OF.get(cls, 1)], (0,) if cls == 0 else (0, 2)) for cls in classes)
-    score = score_spec(softcap, has_alibi, has_sinks, 2 if has_blocks else 0)
+    score = score_spec(softcap, has_alibi, has_sinks, has_blocks)
     consts = dict(tol=default_tolerance(dtype) if tol is None else float(tol), n_slots=max_passes + 1,
                   MASK=mask_spec(is_causal, window_size), SCORE=score, FILTER=len(classes) > 1, BLOCK_M=block_m,
                   BLOCK_N=block_n, CACHE=_cache_spec(paged, head_dim, head_dim_v, dtype), HAS_HINT=has_hint,

@@ -13,20 +13,8 @@ import triton.language as tl
 from .. import _common
 from .._common import LN2, LOG2E, alpha_class_id
 from .._masking import block_visible, program_mods
-from ._threshold import (
-    Bracket,
-    anchor,
-    cand_points,
-    cand_sums,
-    log_ref,
-    merge_points,
-    open_bracket,
-    phi,
-    pick_bracket,
-    ring_index,
-    solve,
-    weight_done,
-)
+from ._threshold import Bracket, log_ref, merge_points, open_bracket, phi, pick_bracket, solve, weight_done
+from ._threshold_tiles import anchor, cand_points, cand_sums, ring_index
 
 # per-row merged threshold state carried from launch to launch (columns of STATE)
 N_STATE = tl.constexpr(20)
@@ -65,7 +53,7 @@ def _row_mods(MODS, b, h, SCORE):
     ``_masking.block_visible``). ``MODS`` is the kernel argument of ``_common.mods_args``."""
     bias_base, stride_m, stride_n, slope, sink, blocks = program_mods(MODS, b, b, h, b * 0, b * 0, SCORE)
     return (bias_base[:, None], stride_m, stride_n, (slope + tl.zeros([h.shape[0]], tl.float32))[:, None], sink,
-            (blocks[0][:, None], blocks[1], blocks[2], blocks[3], blocks[4]))
+            (blocks[0][:, None], blocks[1], blocks[2], blocks[3], blocks[4], blocks[5], blocks[6]))
 
 
 @triton.jit
@@ -159,7 +147,8 @@ def _grid_state(GRID_ROW, GRID_PTS, split_rows, n_splits, active, am1, beta, bm1
 
     Split ``s`` holds its sums at the points ``ref_s + i w`` (``i`` in ``(J_s - GRID_K, J_s]``) below its own max;
     the global ring is relative to ``ref = anchor(max)``, and ``ref_s - ref`` is a multiple of ``GRID_K`` (both
-    ``_threshold.anchor``), a whole number of ring turns: the split's point ``i`` is the global point ``i + off_s``,
+    ``_threshold_tiles.anchor``), a whole number of ring turns: the split's point ``i`` is the global point
+    ``i + off_s``,
     ``off_s = (ref_s - ref) (GRID_K - 1)``, held by the same slot. So split ``s`` holds the sums at the global points
     ``(J - GRID_K, J]`` that are not above its own top index, and nothing at the others (each of its keys lies below
     its max). Returns the state tuple of :func:`_store_state` (``m`` relative to ``ref``).

@@ -17,8 +17,8 @@ import triton.language as tl
 
 from .._common import LN2, LOG2E, dropout_keep, load_rows, two_sum
 from .._masking import block_tile_live, live_tile, mark_tile, score_mod, sink_tile, visit_tile, walk_words, word_bits
-from ._threshold import (
-    FAST_BETA_MAX,
+from ._threshold import FAST_BETA_MAX, log_ref, more_passes, solve, tighten, weights, width_done
+from ._threshold_tiles import (
     cand_bracket,
     cand_points,
     cand_sums,
@@ -26,14 +26,8 @@ from ._threshold import (
     grid_start,
     grid_sums,
     grid_tile,
-    log_ref,
     lowest_point,
-    more_passes,
-    pick_bracket,
     point_zeros,
-    solve,
-    weights,
-    width_done,
 )
 
 
@@ -148,12 +142,13 @@ def _u_weights(z, t, p, POW: tl.constexpr):
 
 
 @triton.jit
-def _tile_screen(z, t_low, ref):
-    """Screen a score tile ``z`` of the grid pass with two row reductions, before any per-score bookkeeping.
-    Returns ``(code, n_fast)``: ``code`` (CTA-wide int32) is 0 when the tile is dead and plain (the grid pass
-    skips it: ``grid_tile`` would change nothing), 1 when some row has a score above its ``ref + t_low``, 2 or more when
-    some row holds a non-finite score and is not all ``-inf`` (then the tile gets the exact per-score NaN/+inf flags
-    and valid-key counts); ``n_fast`` the rows' valid-key counts when ``code < 2``.
+def tile_screen(z, t_low, ref):
+    """Screen a score tile ``z`` of a first pass (the fused grid pass, the split max pass) with two row reductions,
+    before any per-score bookkeeping. Returns ``(code, n_fast, z_max)``: ``code`` (CTA-wide int32) is 0 when the tile
+    is dead and plain (the grid pass skips it: ``grid_tile`` would change nothing), 1 when some row has a score above
+    its ``ref + t_low``, 2 or more when some row holds a non-finite score and is not all ``-inf`` (then the tile gets
+    the exact per-score NaN/+inf flags and valid-key counts, ``valid_keys``); ``n_fast`` the rows' valid-key counts
+    when ``code < 2``; ``z_max`` the row maxima.
 
     Exact: a finite row sum means every score of the row is finite (``BLOCK_N`` valid keys, no NaN or +inf; an
     overflowing sum only sends the tile the exact way); a row sum and a row max both ``-inf`` mean every score is
@@ -165,7 +160,45 @@ def _tile_screen(z, t_low, ref):
     z_sum = tl.sum(z, 1)
     plain = (tl.abs(z_sum) < float("inf")) | ((z_sum == float("-inf")) & (z_max == float("-inf")))
     code = tl.max(tl.where(plain, tl.where(z_max - ref > t_low, 1, 0), 2), 0)
-    return code, tl.where(z_max > float("-inf"), z.shape[1], 0)
+    return code, tl.where(z_max > float("-inf"), z.shape[1], 0), z_max
+
+
+@triton.jit
+def valid_keys(z, code, n_fast, bad, n_valid):
+    """The rows' NaN / +inf flags ``bad`` and valid-key counts ``n_valid`` (``[BLOCK_M]`` int32) after the score tile
+    ``z`` screened by ``tile_screen`` (``code``, ``n_fast``): exact per-score flags and counts only when
+    ``code > 1``."""
+    if code > 1:
+        bad = bad | tl.max(((z != z) | (z == float("inf"))).to(tl.int32), 1)
+        n_valid += tl.sum((z > float("-inf")).to(tl.int32), 1)
+    else:
+        n_valid += n_fast
+    return bad, n_valid
+
+
+@triton.jit
+def open_tile(i, tiles, kv, rw, mods, span, shut, SCORE):
+    """The key tile ``kt`` a first pass visits ``i``-th, max-first from ``tiles.kt_first`` (``_masking.visit_tile``),
+    and whether to load it: a key tile the block mask (``SCORE[4]``) hides from every row of the program's rows
+    ``span`` (``_row_span``) is never loaded (dead from the start; ``shut`` counts them). Returns ``(kt, tile_open,
+    shut)``."""
+    kt = visit_tile(i, tiles.kt_lo, tiles.kt_hi, tiles.kt_first)
+    tile_open = True
+    if SCORE[4]:
+        tile_open = block_tile_live(mods, span[0], span[1], kt, rw.seqlen_k, SCORE, kv.offs_n.shape[0])
+        shut += tl.where(tile_open, 0, 1)
+    return kt, tile_open, shut
+
+
+@triton.jit
+def mark_live(tiles, kt, live, walk):
+    """Set the live bit ``live`` of key tile ``kt`` in the words a first pass builds in its visiting order
+    (``_masking.mark_tile``; ``walk`` the state of ``_masking.walk_words``) and store the word; returns ``walk``."""
+    word_c, word_lo, w_lo, word_hi, w_hi = walk
+    w, word, word_c, word_lo, w_lo, word_hi, w_hi = mark_tile(kt, live, tiles.kt_first, word_c, word_lo, w_lo, word_hi,
+                                                              w_hi)
+    tl.store(tiles.live_base + w, word)
+    return word_c, word_lo, w_lo, word_hi, w_hi
 
 
 @triton.jit
@@ -216,14 +249,15 @@ def softmax_rows(q, kv, rw, tiles, mods, scale, BIAS_KIND: tl.constexpr, MASK, S
         if tile_open:
             cols = _key_cols(kt, kv)
             s = _score_tile(q, kv, rw, cols, mods, scale, 1.0, BIAS_KIND, MASK, SCORE, DOT_PRECISION)
-            ok = s > float("-inf")
-            m_new = tl.maximum(m, tl.max(s, 1))
+            s_max = tl.max(s, 1)
+            n_valid += tl.sum((s > float("-inf")).to(tl.int32), 1)
+            m_new = tl.maximum(m, s_max)
             m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
             corr = tl.exp2((m - m_safe) * LOG2E)
             p = tl.exp2((s - m_safe[:, None]) * LOG2E)
             l_sum = l_sum * corr + tl.sum(p, 1)
-            n_valid += tl.sum(ok.to(tl.int32), 1)
-            word = word | (tl.max(ok.to(tl.int32)) << lane)
+            # the live bit from the row maxima: a CTA-wide max over BLOCK_M flags, not over every score
+            word = word | (tl.max((s_max > float("-inf")).to(tl.int32), 0) << lane)
             tl.store(live_base + kt // 32, word)
             p, _ = _apply_dropout(p, p, rw, cols, HAS_DROPOUT)
             v = _value_tile(q, kv, cols, rw.seqlen_k)
@@ -277,7 +311,8 @@ def _value_pass(q, kv, rw, tiles, mods, vp, POW: tl.constexpr, BIAS_KIND: tl.con
                 z = _score_tile(q, kv, rw, cols, mods, z_scale, am1, BIAS_KIND, MASK, SCORE, DOT_PRECISION, ref)
                 p = weights(z, t_use, POW, beta, HALF_P)
                 if WITH_P:
-                    live = tl.max((z > lo_kill[:, None]).to(tl.int32))
+                    # one max per score (not a compare, a select and a max): the row maxima decide
+                    live = tl.max((tl.max(z, 1) > lo_kill).to(tl.int32), 0)
                     new_word = new_word | (live << (kt - wd * 32))
                     l_sum += tl.sum(p, 1)
                     nnz += tl.sum((p > 0.0).to(tl.int32), 1)
@@ -298,6 +333,38 @@ def _value_pass(q, kv, rw, tiles, mods, vp, POW: tl.constexpr, BIAS_KIND: tl.con
 
 
 @triton.jit
+def points_pass(q, kv, rw, mods, pts, acc, st, POW: tl.constexpr, NPTS: tl.constexpr, LANES: tl.constexpr,
+                COUNT: tl.constexpr, BIAS_KIND: tl.constexpr, MASK, SCORE, DOT_PRECISION: tl.constexpr):
+    """One pass over the live tiles adding the point sums of every score tile at the points ``pts`` to ``acc``
+    (``_threshold_tiles.cand_sums`` with ``NPTS`` points, per-lane partials with ``LANES``), then the sink's with
+    ``SCORE[3]``; the bitmap's words are rewritten: a tile with no score above ``lo_kill`` dies. The candidate passes
+    of the fused forward and the bracket and refinement passes of the split forward (``_fwd_split.py``).
+
+    ``st = (ref, z_scale, am1, bm1, lo_kill, tiles, zs, visits)``: the sums are of ``z - ref`` (``[BLOCK_M]``, the
+    rows' reference scores, ``_masking.score_mod``), the points and ``lo_kill`` relative to it; ``zs`` the sink's
+    virtual score tile (``_sink_scores``, absolute). ``COUNT`` (constexpr) counts the keys above each point at alpha
+    1.5 (``cand_sums``; at alpha 2 the count is ``g``, which ``cand_bracket`` reads). Returns ``(acc, visits)``,
+    ``visits`` counting the key tiles loaded."""
+    ref, z_scale, am1, bm1, lo_kill, tiles, zs, visits = st
+    for wd in range(0, tiles.n_words):
+        # a word with no live tile has n_set 0
+        bits, rank, n_set = word_bits(tl.load(tiles.live_base + wd))
+        new_word = tl.zeros([], tl.int32)
+        for i in range(0, n_set):
+            kt = live_tile(bits, rank, i, wd)
+            z = _score_tile(q, kv, rw, _key_cols(kt, kv), mods, z_scale, am1, BIAS_KIND, MASK, SCORE, DOT_PRECISION,
+                            ref)
+            new_word = new_word | (tl.max((tl.max(z, 1) > lo_kill).to(tl.int32), 0) << (kt - wd * 32))
+            acc = cand_sums(z, pts, acc, POW, NPTS, bm1, LANES, COUNT)
+            visits += 1
+        tl.store(tiles.live_base + wd, new_word)
+    if SCORE[3]:
+        acc = cand_sums(zs - ref[:, None], pts, acc, POW, NPTS, bm1, LANES, COUNT)
+    tl.debug_barrier()
+    return acc, visits
+
+
+@triton.jit
 def entmax_rows(q, kv, rw, tiles, mods, sc, POW: tl.constexpr, GRID_K: tl.constexpr, CAND_P: tl.constexpr,
                 BIAS_KIND: tl.constexpr, MASK, SCORE, HAS_DROPOUT: tl.constexpr, NEED_OUT_U: tl.constexpr,
                 DOT_PRECISION: tl.constexpr):
@@ -305,8 +372,8 @@ def entmax_rows(q, kv, rw, tiles, mods, sc, POW: tl.constexpr, GRID_K: tl.conste
 
     Returns ``(out, out_u, tau, tau_lo, lsum, nnz, n_valid, n_passes, visits)``. Thresholds are carried as
     ``theta = tau + shift`` (shift 1 on the general path POW 0, see kernels/attn/_threshold.py), and, with every
-    score and point, relative to the row's reference score ``ref`` (``_threshold.anchor``, set by the grid pass); the
-    threshold ``ref + tau_rel`` is returned as two floats, ``tau`` and its rounding residual ``tau_lo``. With
+    score and point, relative to the row's reference score ``ref`` (``_threshold_tiles.anchor``, set by the grid
+    pass); the threshold ``ref + tau_rel`` is returned as two floats, ``tau`` and its rounding residual ``tau_lo``. With
     ``NEED_OUT_U`` the value pass also accumulates ``sum_j U_ij v_j`` and ``sum_j U_ij`` (``U = p^(2 - alpha)`` up
     to a row factor, dropout applied to the first): ``out_u`` is their ratio, from which the backward's ``delta`` is
     ``dO . out_u`` (docs/backward.md); otherwise ``out_u`` is ``out``.
@@ -323,7 +390,7 @@ def entmax_rows(q, kv, rw, tiles, mods, sc, POW: tl.constexpr, GRID_K: tl.conste
     grid pass; the valid-key counts, the NaN/+inf rows and (on finite scores) the final live set are those of the
     ascending order, but the grid sums are added in another order: outputs and thresholds are not bitwise those of
     the ascending order (they stay within the certified brackets and the usual tolerances). A tile
-    that is dead and plain when visited (``_tile_screen``: two row reductions and one CTA-wide compare) skips the
+    that is dead and plain when visited (``tile_screen``: two row reductions and one CTA-wide compare) skips the
     per-score NaN/+inf flags, the valid-key counts and ``grid_tile``; its valid-key counts come from the row max.
     """
     BLOCK_M: tl.constexpr = rw.rows.shape[0]
@@ -354,43 +421,29 @@ def entmax_rows(q, kv, rw, tiles, mods, sc, POW: tl.constexpr, GRID_K: tl.conste
     # ---- pass 1: max, valid keys, NaN/+inf rows, and f, g, c at GRID_K points below the running max (relative to ref)
     w_grid, slot, m, j_top, ref, n_valid, bad, F, G, L = grid_start(BLOCK_M, GRID_K, LANES)
     z_sink = am1 * sink
-    sink_bad = (z_sink != z_sink) | (z_sink == float("inf"))
-    zs = sink_tile(tl.where(sink_bad, float("-inf"), z_sink), BLOCK_M, BLOCK_N)
+    zs = _sink_scores(mods, am1, BLOCK_M, BLOCK_N)
     if SCORE[3]:
-        bad = bad | sink_bad.to(tl.int32)
+        bad = bad | ((z_sink != z_sink) | (z_sink == float("inf"))).to(tl.int32)
         m, j_top, ref, F, G, L, _ = grid_tile(zs, m, j_top, ref, F, G, L, slot, w_grid, shift, beta, bm1, POW, GRID_K,
                                               LANES)
     # max-first order (_masking.max_first_tile): the diagonal / window centre first, then outward; a tile that is
-    # dead and plain when visited (_tile_screen) costs its score product and two row reductions
+    # dead and plain when visited (tile_screen) costs its score product and two row reductions
     t_low = lowest_point(j_top, w_grid, GRID_K)
-    word_c, word_lo, w_lo, word_hi, w_hi = walk_words()
+    walk = walk_words()
     shut = tl.zeros([], tl.int32)
-    if SCORE[4]:
-        row_lo, row_hi = _row_span(rw)
+    span = _row_span(rw)
     for i in range(0, kt_hi - kt_lo):
-        kt = visit_tile(i, kt_lo, kt_hi, kt_first)
+        kt, tile_open, shut = open_tile(i, tiles, kv, rw, mods, span, shut, SCORE)
         live = tl.zeros([], tl.int32)
-        # a key tile the block mask hides from every row is never loaded (dead from the start)
-        tile_open = True
-        if SCORE[4]:
-            tile_open = block_tile_live(mods, row_lo, row_hi, kt, rw.seqlen_k, SCORE, BLOCK_N)
-            shut += tl.where(tile_open, 0, 1)
         if tile_open:
-            cols = _key_cols(kt, kv)
-            z = _score_tile(q, kv, rw, cols, mods, z_scale, am1, BIAS_KIND, MASK, SCORE, DOT_PRECISION)
-            code, n_fast = _tile_screen(z, t_low, ref)
-            if code > 1:
-                bad = bad | tl.max(((z != z) | (z == float("inf"))).to(tl.int32), 1)
-                n_valid += tl.sum((z > float("-inf")).to(tl.int32), 1)
-            else:
-                n_valid += n_fast
+            z = _score_tile(q, kv, rw, _key_cols(kt, kv), mods, z_scale, am1, BIAS_KIND, MASK, SCORE, DOT_PRECISION)
+            code, n_fast, _z_max = tile_screen(z, t_low, ref)
+            bad, n_valid = valid_keys(z, code, n_fast, bad, n_valid)
             if code != 0:
                 m, j_top, ref, F, G, L, live = grid_tile(z, m, j_top, ref, F, G, L, slot, w_grid, shift, beta, bm1, POW,
                                                          GRID_K, LANES)
                 t_low = lowest_point(j_top, w_grid, GRID_K)
-        w, word, word_c, word_lo, w_lo, word_hi, w_hi = mark_tile(kt, live, kt_first, word_c, word_lo, w_lo, word_hi,
-                                                                  w_hi)
-        tl.store(live_base + w, word)
+        walk = mark_live(tiles, kt, live, walk)
     tl.debug_barrier()
     F, G = grid_sums(F, G, LANES)
     n_passes = tl.full([], 1, tl.int32)
@@ -414,7 +467,6 @@ def entmax_rows(q, kv, rw, tiles, mods, sc, POW: tl.constexpr, GRID_K: tl.conste
     # ---- candidate passes over the live tiles while a row of the tile is not pinned down
     go = more_passes(done, n_passes, max_passes)
     while go:
-        lo_kill = lo - shift
         if CAND_P == 1:
             t_1 = est
             l_1 = log_ref(m, t_1)
@@ -439,32 +491,11 @@ def entmax_rows(q, kv, rw, tiles, mods, sc, POW: tl.constexpr, GRID_K: tl.conste
             GP = point_zeros(BLOCK_M, CAND_P, CAND_LANES)
             CP = point_zeros(BLOCK_M, CAND_P, CAND_LANES)
         pts = (t_1, l_1, t_p, l_p, cand)
-        acc = (f1, g1, c1, FP, GP, CP)
-        for wd in range(0, n_words):
-            word = tl.load(live_base + wd)
-            new_word = tl.zeros([], tl.int32)
-            if word != 0:
-                bits, rank, n_set = word_bits(word)
-                for i in range(0, n_set):
-                    kt = live_tile(bits, rank, i, wd)
-                    cols = _key_cols(kt, kv)
-                    z = _score_tile(q, kv, rw, cols, mods, z_scale, am1, BIAS_KIND, MASK, SCORE, DOT_PRECISION, ref)
-                    live = tl.max((z > lo_kill[:, None]).to(tl.int32))
-                    new_word = new_word | (live << (kt - wd * 32))
-                    acc = cand_sums(z, pts, acc, POW, CAND_P, bm1, CAND_LANES)
-                    visits += 1
-            tl.store(live_base + wd, new_word)
-        if SCORE[3]:
-            acc = cand_sums(zs - ref[:, None], pts, acc, POW, CAND_P, bm1, CAND_LANES)
-        tl.debug_barrier()
-        act = done == 0
-        br = pick_bracket(act, cand_bracket(br, pts, acc, am1, POW, CAND_P, CAND_LANES), br)
-        n_est, n_lo, n_hi, n_exact = solve(br, POW)
-        lo = tl.where(act, tl.maximum(lo, n_lo), lo)
-        hi = tl.where(act, tl.minimum(hi, n_hi), hi)
-        lo = tl.minimum(lo, hi)
-        est = tl.minimum(tl.maximum(tl.where(act, n_est, est), lo), hi)
-        exact = tl.where(act, n_exact, exact)
+        acc, visits = points_pass(q, kv, rw, mods, pts, (f1, g1, c1, FP, GP, CP),
+                                  (ref, z_scale, am1, bm1, lo - shift, tiles, zs, visits), POW, CAND_P, CAND_LANES,
+                                  POW == 2, BIAS_KIND, MASK, SCORE, DOT_PRECISION)
+        br, est, lo, hi, exact = tighten(done == 0, br, cand_bracket(br, pts, acc, am1, POW, CAND_P, CAND_LANES), est,
+                                         lo, hi, exact, POW)
         n_passes += 1
         done = width_done(exact, lo, hi, usable, tol)
         go = more_passes(done, n_passes, max_passes)
@@ -472,10 +503,36 @@ def entmax_rows(q, kv, rw, tiles, mods, sc, POW: tl.constexpr, GRID_K: tl.conste
     # ---- value pass at the estimate; tiles die only below the certified lower bound
     # a threshold at the max would leave no weight: keep it one rounding step below (one-hot on the max key)
     tau_lim = m - tl.maximum(tl.abs(m) * 2.4e-7, 1e-15) + shift
-    t_use = tl.where(usable, tl.minimum(est, tau_lim), 0.0)
-    tau_saved = t_use - shift
+    tau_saved = tl.where(usable, tl.minimum(est, tau_lim), 0.0) - shift
+    lo_kill = tl.minimum(lo, tau_saved + shift) - shift
+    out, out_u, tau, tau_lo, l_out, nnz, n_passes, visits = value_rows(
+        q, kv, rw, tiles, mods, (tau_saved, lo_kill, alpha, z_scale, ref, valid, bad, n_passes, visits), POW,
+        BIAS_KIND, MASK, SCORE, HAS_DROPOUT, NEED_OUT_U, DOT_PRECISION)
+    return out, out_u, tau, tau_lo, l_out, nnz, n_valid, n_passes, visits
+
+
+@triton.jit
+def value_rows(q, kv, rw, tiles, mods, vr, POW: tl.constexpr, BIAS_KIND: tl.constexpr, MASK, SCORE,
+               HAS_DROPOUT: tl.constexpr, NEED_OUT_U: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """alpha in (1, 2]: the value pass over the live tiles at a known threshold and the rows' results, for the fused
+    forward (``entmax_rows``) and the split forward's value kernel (``_fwd_split.py``).
+
+    ``vr = (tau, lo_kill, alpha, z_scale, ref, valid, bad, n_passes, visits)``: ``tau`` the threshold relative to the
+    rows' reference scores ``ref`` (the weights use ``tau + shift``, shift 1 on the general path POW 0, formed from it
+    exactly as the backward forms it), ``lo_kill`` the certified lower bound below which a tile dies (never above
+    ``tau``, relative to ``ref`` too), the rows' valid-key flags and NaN / +inf flags, and the passes and tile visits
+    so far. Returns ``(out, out_u, tau, tau_lo, lsum, nnz, n_passes, visits)`` as ``entmax_rows`` returns them
+    (``tau + tau_lo = ref + tau`` exactly; ``out_u`` is ``out`` without ``NEED_OUT_U``; the sink, with ``SCORE[3]``,
+    adds its weight to ``lsum`` and ``sum_j U_ij``).
+    """
+    tau_saved, lo_kill, alpha, z_scale, ref, valid, bad, n_passes, visits = vr
+    am1 = alpha - 1.0
+    beta = 1.0 / am1
+    if POW == 0:
+        shift = 1.0
+    else:
+        shift = 0.0
     t_use = tau_saved + shift  # the backward forms the same threshold from the saved tau
-    lo_kill = tl.minimum(lo, t_use) - shift
     # weights rounded to 16 bits for the value product take the fast log2 (_threshold.weights); not in the training
     # forward, where it makes the general class spill (48-176 bytes under triton 3.6)
     HALF_P: tl.constexpr = (kv.v_base.dtype.element_ty != tl.float32) and not NEED_OUT_U
@@ -503,10 +560,11 @@ def entmax_rows(q, kv, rw, tiles, mods, sc, POW: tl.constexpr, GRID_K: tl.conste
             q, kv, rw, tiles, mods, (t_use, lo_kill, beta, z_scale, am1, ref, visits), POW, BIAS_KIND, MASK, SCORE,
             HAS_DROPOUT, False, True, False, DOT_PRECISION)
     if SCORE[3]:
-        p_s = weights(zs - ref[:, None], t_use, POW, beta)
+        zs = _sink_scores(mods, am1, rw.rows.shape[0], kv.offs_n.shape[0]) - ref[:, None]
+        p_s = weights(zs, t_use, POW, beta)
         l_sum += tl.sum(p_s, 1)
         if NEED_OUT_U:
-            u_sum += tl.sum(_u_weights(zs - ref[:, None], t_use, p_s, POW), 1)
+            u_sum += tl.sum(_u_weights(zs, t_use, p_s, POW), 1)
     n_passes += 1
     ok = valid & (l_sum > 0.0)
     l_safe = tl.where(ok, l_sum, 1.0)
@@ -522,4 +580,12 @@ def entmax_rows(q, kv, rw, tiles, mods, sc, POW: tl.constexpr, GRID_K: tl.conste
     tau = tl.where(is_bad, float("nan"), tl.where(ok, tau, float("inf")))
     tau_lo = tl.where(ok & (is_bad == 0), tau_lo, 0.0)
     l_out = tl.where(is_bad, float("nan"), tl.where(ok, l_sum, 0.0))
-    return out, out_u, tau, tau_lo, l_out, tl.where(ok, nnz, 0), n_valid, n_passes, visits
+    return out, out_u, tau, tau_lo, l_out, tl.where(ok, nnz, 0), n_passes, visits
+
+
+@triton.jit
+def _sink_scores(mods, am1, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The sink's virtual score tile in the z-scale (``_masking.sink_tile``), ``-inf`` for a NaN or ``+inf`` sink
+    (those rows are flagged bad). [BLOCK_M, BLOCK_N]"""
+    z_sink = am1 * mods[4]
+    return sink_tile(tl.where((z_sink != z_sink) | (z_sink == float("inf")), float("-inf"), z_sink), BLOCK_M, BLOCK_N)

@@ -10,7 +10,7 @@ without storing the scores ``z = (alpha - 1) * s``:
    key tiles with every score below the lowest point are dead (the threshold is at least ``m - 1``);
    the tiles are visited max-first (the diagonal tile first when causal, else the diagonal or window centre, then
    outward: ``_masking.max_first_tile``), so that far tiles are already dead when seen and cost little more than
-   their score product (``_fwd_rows._tile_screen``);
+   their score product (``_fwd_rows.tile_screen``);
 2. **candidate passes** over the live tiles, only while some row of the tile has not pinned its
    threshold down to the dtype's tolerance: ``f``, ``g`` at ``CAND_P`` points of the certified bracket
    (kernels/attn/_threshold.py), tiles with no score above the certified lower bound marked dead;
@@ -28,6 +28,7 @@ dropout) in ``docs/design.md``.
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -36,6 +37,7 @@ import triton.language as tl
 
 from .. import _common, _masking
 from .._common import (
+    ALPHA_CLASSES,
     alpha_class_id,
     class_launches,
     load_rows,
@@ -45,7 +47,8 @@ from .._common import (
 )
 from .._common import alpha_class_of as alpha_class_of  # re-exported: the public place of the class rule
 from .._masking import key_tile_range, max_first_tile, program_mods, seq_bounds
-from ._fwd_rows import KeyTiles, Rows, Scalars, Tiles, entmax_rows, softmax_rows
+from ._fwd_rows import KeyTiles, Rows, Scalars, Tiles, entmax_rows, softmax_rows, value_rows
+from ._fwd_split import threshold_rows
 from ._threshold import FWD_MAX_PASSES as DEFAULT_MAX_PASSES  # re-exported: the public place of the default
 from ._threshold import FWD_POINTS
 from ._threshold import default_tolerance as default_tolerance  # re-exported
@@ -109,11 +112,15 @@ def _entmax_attn_fwd_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BIAS_KIND: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_DROPOUT: tl.constexpr, NEED_OUT_U: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, STAGE: tl.constexpr = 0,
 ):
     """One program per (query tile, q head ``h``, batch entry or sequence ``seq``); see the module doc.
 
-    Query tiles run longest first: program 0 takes the last tile, whose causal key range is the longest.
+    Query tiles run longest first: program 0 takes the last tile, whose causal key range is the longest. ``STAGE``
+    (alpha in (1, 2] only): 0 the fused forward, every pass in this launch; 1 the split forward's threshold kernel
+    (``_fwd_split.threshold_rows``: stores the rows' reference scores in ``TAU``, the thresholds and certified lower
+    bounds relative to them in ``TAU_LO`` and ``LSUM``, the NaN / +inf flags in ``NNZ``, the valid-key counts, passes,
+    visits and the bitmap); 2 its value kernel (reads them, writes every output).
     """
     pid_m = n_q_tiles - 1 - tl.program_id(0)
     h = tl.program_id(1)
@@ -141,37 +148,56 @@ def _entmax_attn_fwd_kernel(
     tile_id = (seq.to(tl.int64) * n_heads + h) * n_q_tiles + pid_m
     live_base = LIVE + tile_id * n_words
     kt_lo, kt_hi = key_tile_range(pid_m, seqlen_q, seqlen_k, MASK, BLOCK_M, BLOCK_N)
-    for wd in range(0, n_words):
-        tl.store(live_base + wd, 0)
-    tl.debug_barrier()
+    if STAGE != 2:
+        for wd in range(0, n_words):
+            tl.store(live_base + wd, 0)
+        tl.debug_barrier()
 
     alpha = tl.load(ALPHA + h)
-    if ALPHA_CLASS == 0:
+    # unchecked device alpha outside [1, 2] (or NaN) reaches the general class: that head's outputs are NaN
+    a_ok = (alpha >= 1.0) & (alpha <= 2.0)
+    sc = Scalars(scale, tl.where(a_ok, alpha, 1.5), tol, max_passes)
+    kt_first = max_first_tile(pid_m, seqlen_q, seqlen_k, kt_lo, kt_hi, MASK, BLOCK_M, BLOCK_N)
+    tiles = Tiles(kt_lo, kt_hi, kt_first, n_words, live_base)
+    if ALPHA_CLASS == 1:
+        POW: tl.constexpr = 1
+        GRID_K: tl.constexpr = GRID_K1
+        CAND_P: tl.constexpr = CAND_P1
+    elif ALPHA_CLASS == 2:
+        POW: tl.constexpr = 2
+        GRID_K: tl.constexpr = GRID_K2
+        CAND_P: tl.constexpr = CAND_P2
+    else:
+        POW: tl.constexpr = 0
+        GRID_K: tl.constexpr = GRID_K0
+        CAND_P: tl.constexpr = CAND_P0
+    if STAGE == 1:
+        # for stage 2, in the statistics it will overwrite: the rows' reference scores (TAU), the thresholds and the
+        # certified lower bounds relative to them (TAU_LO, LSUM), the NaN / +inf flags (NNZ) and the valid-key counts
+        tau, tau_lo, lsum, nnz, n_valid, passes, visits = threshold_rows(q, kv, rw, mods, tiles, sc, POW, BIAS_KIND,
+                                                                         MASK, SCORE, DOT_PRECISION)
+    elif ALPHA_CLASS == 0:
         out, tau, tau_lo, lsum, nnz, n_valid, visits = softmax_rows(
             q, kv, rw, Tiles(kt_lo, kt_hi, kt_lo, n_words, live_base), mods, scale, BIAS_KIND, MASK, SCORE,
             HAS_DROPOUT, DOT_PRECISION)
         passes = tl.full([], 1, tl.int32)
         out_u = out  # U = p
     else:
-        if ALPHA_CLASS == 1:
-            POW: tl.constexpr = 1
-            GRID_K: tl.constexpr = GRID_K1
-            CAND_P: tl.constexpr = CAND_P1
-        elif ALPHA_CLASS == 2:
-            POW: tl.constexpr = 2
-            GRID_K: tl.constexpr = GRID_K2
-            CAND_P: tl.constexpr = CAND_P2
+        if STAGE == 0:
+            out, out_u, tau, tau_lo, lsum, nnz, n_valid, passes, visits = entmax_rows(
+                q, kv, rw, tiles, mods, sc, POW, GRID_K, CAND_P, BIAS_KIND, MASK, SCORE, HAS_DROPOUT, NEED_OUT_U,
+                DOT_PRECISION)
         else:
-            POW: tl.constexpr = 0
-            GRID_K: tl.constexpr = GRID_K0
-            CAND_P: tl.constexpr = CAND_P0
-        # unchecked device alpha outside [1, 2] (or NaN) reaches the general class: that head's outputs are NaN
-        a_ok = (alpha >= 1.0) & (alpha <= 2.0)
-        tiles = Tiles(kt_lo, kt_hi, max_first_tile(pid_m, seqlen_q, seqlen_k, kt_lo, kt_hi, MASK, BLOCK_M, BLOCK_N),
-                      n_words, live_base)
-        out, out_u, tau, tau_lo, lsum, nnz, n_valid, passes, visits = entmax_rows(
-            q, kv, rw, tiles, mods, Scalars(scale, tl.where(a_ok, alpha, 1.5), tol, max_passes), POW, GRID_K, CAND_P,
-            BIAS_KIND, MASK, SCORE, HAS_DROPOUT, NEED_OUT_U, DOT_PRECISION)
+            stat_offs = bh.to(tl.int64) * total_q + (q_start + rows).to(tl.int64)
+            n_valid = tl.load(N_VALID + stat_offs, mask=row_ok, other=0)
+            ref = tl.load(TAU + stat_offs, mask=row_ok, other=0.0)
+            lo_kill = tl.load(LSUM + stat_offs, mask=row_ok, other=0.0)
+            tau_rel = tl.load(TAU_LO + stat_offs, mask=row_ok, other=0.0)
+            vr = (tau_rel, lo_kill, sc.alpha, scale * (sc.alpha - 1.0), ref, n_valid > 0,
+                  tl.load(NNZ + stat_offs, mask=row_ok, other=0), tl.load(N_PASSES + tile_id),
+                  tl.load(TILE_VISITS + tile_id))
+            out, out_u, tau, tau_lo, lsum, nnz, passes, visits = value_rows(
+                q, kv, rw, tiles, mods, vr, POW, BIAS_KIND, MASK, SCORE, HAS_DROPOUT, NEED_OUT_U, DOT_PRECISION)
         out = tl.where(a_ok, out, float("nan"))
         tau = tl.where(a_ok, tau, float("nan"))
         lsum = tl.where(a_ok, lsum, float("nan"))
@@ -183,15 +209,26 @@ def _entmax_attn_fwd_kernel(
     tl.store(LSUM + stat_offs, lsum, mask=row_ok)
     tl.store(NNZ + stat_offs, nnz, mask=row_ok)
     tl.store(N_VALID + stat_offs, n_valid, mask=row_ok)
-    # the output first, then out_u: one float32 tile and its addresses live at a time
-    store_rows(slice_base(OUT, b, h, q_start, stride_ob, stride_oh, stride_om), rows, offs_dv, stride_om, stride_od,
-               out, row_ok, offs_dv < HEAD_DIM_V)
-    if NEED_OUT_U:
-        store_rows(slice_base(OUT_U, b, h, q_start, stride_oub, stride_ouh, stride_oum), rows, offs_dv, stride_oum,
-                   stride_oud, out_u, row_ok, offs_dv < HEAD_DIM_V)
+    if STAGE != 1:
+        # the output first, then out_u: one float32 tile and its addresses live at a time
+        store_rows(slice_base(OUT, b, h, q_start, stride_ob, stride_oh, stride_om), rows, offs_dv, stride_om,
+                   stride_od, out, row_ok, offs_dv < HEAD_DIM_V)
+        if NEED_OUT_U:
+            store_rows(slice_base(OUT_U, b, h, q_start, stride_oub, stride_ouh, stride_oum), rows, offs_dv, stride_oum,
+                       stride_oud, out_u, row_ok, offs_dv < HEAD_DIM_V)
     tl.store(N_PASSES + tile_id, passes)
     tl.store(TILE_VISITS + tile_id, visits)
 
+
+# alpha classes the split forward runs by default: those where it models cheaper than the fused kernel per key tile,
+# dense and at 60% / 90% dead tiles, under triton 3.6 and 3.9 (docs/kernels.md, "Which forward runs"); the general
+# class (any other alpha) keeps the fused kernel, whose grid pass needs no separate max pass
+SPLIT_CLASSES = frozenset({"entmax15", "sparsemax"})
+# register caps of the split forward's threshold kernel by (BLOCK_M, BLOCK_N, num_warps, BLOCK_D) and ALPHA_CLASS, so
+# that more programs share an SM (3 of 4 warps at 168 registers): the sm_90 builds under triton 3.6 and 3.9, causal or
+# not, spill nothing inside a loop with them (docs/kernels.md; sparsemax would at 168 under 3.6, general alpha at 128
+# when causal under 3.9); other configs uncapped
+SPLIT_MAXNREG = {(64, 64, 4, 128): {2: 168, 3: 168}}
 
 # on a GPU the kernel is autotuned per head dim, tile, alpha class, mask kind, causal flag and precision;
 # the interpreter runs one pinned config (autotuning several fails there)
@@ -256,6 +293,7 @@ def entmax_attn_fwd(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     block_mask: tuple | None = None,
+    split: bool | None = None,
 ) -> EntmaxAttnFwdResult:
     """Fused entmax attention forward (one kernel launch).
 
@@ -306,6 +344,9 @@ def entmax_attn_fwd(
             one not given is the pinned one of this head dim) instead of the GPU's ``triton.autotune`` over
             ``_common.launch_configs``; for tuning (``benchmarks/tune_tiles.py``). Default None (autotuned on a GPU,
             pinned under the interpreter or with ``SPARSE_ATTN_PINNED=1``).
+        split: True: run the heads of alpha in (1, 2] by the split forward (a threshold kernel, then a value kernel
+            that knows tau: ``kernels/attn/_fwd_split.py``) with the pinned launch config; False: by the fused kernel;
+            None: per alpha class as :func:`runs_split` says. Default None.
 
     Returns:
         :class:`EntmaxAttnFwdResult`.
@@ -318,14 +359,41 @@ def entmax_attn_fwd(
     plan = _plan(q, k, v, alpha, scale, bias, is_causal, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                  dropout_p, seed, tol, max_passes, alpha_class, need_out_u, block_m, block_n, window_size, alibi_slopes,
                  softcap, sinks, block_mask)
+    split_classes = {ALPHA_CLASSES[c] for c in ("sparsemax", "entmax15", "general") if runs_split(c, split)}
     for args in plan.launches:
-        if forced is not None:
+        if args["ALPHA_CLASS"] in split_classes:
+            # the split forward: the threshold kernel, then the value kernel, with the pinned (or forced) config
+            options = plan.options if forced is None else forced
+            for stage in (1, 2):
+                _entmax_attn_fwd_kernel[plan.grid](**args, STAGE=stage, **_split_options(stage, args, options))
+        elif forced is not None:
             _entmax_attn_fwd_kernel[plan.grid](**args, **forced)
         elif _common.pinned_launch():
             _entmax_attn_fwd_kernel[plan.grid](**args, **plan.options)
         else:
             _entmax_attn_fwd_autotuned[plan.grid](**args)
     return plan.result
+
+
+def runs_split(alpha_class: str, split: bool | None = None) -> bool:
+    """Whether :func:`entmax_attn_fwd` runs the heads of ``alpha_class`` (``"sparsemax"``, ``"entmax15"`` or
+    ``"general"``; ``"softmax"`` never) by the split forward: ``split`` when given, else ``SPARSE_ATTN_FWD_SPLIT``
+    (``1``: every class, ``0``: none) when the environment sets it, else the class's default (``SPLIT_CLASSES``)."""
+    if alpha_class == "softmax":
+        return False
+    if split is None:
+        env = os.environ.get("SPARSE_ATTN_FWD_SPLIT")
+        return alpha_class in SPLIT_CLASSES if env is None else env == "1"
+    return bool(split)
+
+
+def _split_options(stage: int, args: dict, options: dict) -> dict:
+    """Launch options of a split forward stage: ``options``, plus the threshold kernel's register cap
+    (``SPLIT_MAXNREG``) at the configs it was measured at."""
+    cap = SPLIT_MAXNREG.get((args["BLOCK_M"], args["BLOCK_N"], options["num_warps"], args["BLOCK_D"]), {})
+    if stage == 1 and args["ALPHA_CLASS"] in cap and not _common.interpreting():
+        return dict(options, maxnreg=cap[args["ALPHA_CLASS"]])
+    return options
 
 
 def _forced_options(num_warps, num_stages, head_dim: int) -> dict | None:
@@ -397,8 +465,7 @@ def _plan(q, k, v, alpha, scale, bias, is_causal, cu_seqlens_q, cu_seqlens_k, ma
                                  window_size, alibi_slopes, softcap, sinks, block_mask,
                                  (plan.block_m, plan.block_n)),
         OUT=out, OUT_U=out if out_u is None else out_u, TAU=tau, TAU_LO=tau_lo, LSUM=lsum, NNZ=nnz, N_VALID=n_valid,
-        LIVE=live,
-        N_PASSES=n_passes, TILE_VISITS=tile_visits, **_common.stride_args("stride_o", out, "bhmd"),
+        LIVE=live, N_PASSES=n_passes, TILE_VISITS=tile_visits, **_common.stride_args("stride_o", out, "bhmd"),
         **_common.stride_args("stride_ou", out if out_u is None else out_u, "bhmd"), NEED_OUT_U=out_u is not None,
         n_q_tiles=n_q_tiles, n_words=plan.n_words,
         tol=default_tolerance(q.dtype) if tol is None else float(tol),
@@ -408,3 +475,8 @@ def _plan(q, k, v, alpha, scale, bias, is_causal, cu_seqlens_q, cu_seqlens_k, ma
     )
     launches = [dict(args, ALPHA_CLASS=c, HEAD_FILTER=f) for c, f in class_launches(alpha_class)]
     return _Launch((n_q_tiles, n_heads, n_seq), launches, dict(num_warps=num_warps, num_stages=num_stages), result)
+
+
+def entmax_attn_fwd_split(*args, **kwargs) -> EntmaxAttnFwdResult:
+    """:func:`entmax_attn_fwd` with ``split=True``: the same arguments and result."""
+    return entmax_attn_fwd(*args, split=True, **kwargs)

@@ -10,14 +10,15 @@ doing what needs every split's results:
    from the cache and stored (``Z``, float32, ``Nq x Hq / Hk`` rows per kv head: a fraction of the key
    cache's own size), together with the split's row max, valid-key count, NaN flag and ``f``, ``g``, ``c``
    at ``GRID_K`` grid points ``ref + i / (GRID_K - 1)`` below the split's own running max (the forward's
-   ring, kernels/attn/entmax_attn_fwd.py; ``ref`` the split's reference score, ``_threshold.anchor``). Blocks whose
-   scores all lie below the lowest point are dead. The last program merges the splits' grid sums into the global
-   sums (exact: the splits' references are a whole number of ring turns apart, so their grids are one grid and each
-   slot of a split is that slot of the global ring; a point above a split's own max simply has nothing from that
-   split), solves for a certified bracket and an estimate (kernels/attn/_threshold.py) and, while a row of the tile
-   is not pinned down (at most ``max_passes - 2`` times), runs a **candidate pass** over every split's live blocks:
-   ``CAND_P`` points of the bracket, from the stored scores (not the cache), dropping blocks below the certified
-   lower bound (``_decode_state._cand_passes``). It stores the final threshold state of the tile.
+   ring, kernels/attn/entmax_attn_fwd.py; ``ref`` the split's reference score, ``_threshold_tiles.anchor``).
+   Blocks whose scores all lie below the lowest point are dead. The last program merges the splits' grid sums into
+   the global sums (exact: the splits' references are a whole number of ring turns apart, so their grids are one
+   grid and each slot of a split is that slot of the global ring; a point above a split's own max simply has
+   nothing from that split), solves for a certified bracket and an estimate (kernels/attn/_threshold.py) and,
+   while a row of the tile is not pinned down (at most ``max_passes - 2`` times), runs a **candidate pass** over
+   every split's live blocks: ``CAND_P`` points of the bracket, from the stored scores (not the cache), dropping
+   blocks below the certified lower bound (``_decode_state._cand_passes``). It stores the final threshold state of
+   the tile.
 2. **value pass** (``PHASE 2``): with that threshold, for every live block of the split the weights; the block's
    value rows are read only when some weight is positive. Partial ``sum_j p_j v_j``, ``sum_j p_j`` and support
    sizes per split; the last program combines them: ``out = sum_s acc_s / sum_s l_s`` and the statistics
@@ -73,13 +74,8 @@ from ._decode_state import (
     _tile_list,
     _tile_live,
 )
-from ._threshold import (
-    grid_counts,
-    grid_start,
-    grid_sums,
-    grid_tile,
-    weights,
-)
+from ._threshold import weights
+from ._threshold_tiles import grid_counts, grid_start, grid_sums, grid_tile
 
 
 class EntmaxDecodeResult(NamedTuple):
@@ -146,7 +142,7 @@ def _grid_pass(q, keys, pages, rows, mods, out, ent, zs, MASK, SCORE, POW: tl.co
                BLOCK_N: tl.constexpr, BIAS_KIND: tl.constexpr, CACHE):
     """The score pass over the split's key blocks ``[kt_lo, kt_hi)`` of ``rows`` (after the sink tile ``zs`` with
     sinks): stores the scores and lists the live blocks (``out``: ``(Z, z_rows, list_base)``); each block goes
-    through the ring update it shares with the forward (``_threshold.grid_tile``). ``ent``: ``(z_scale, am1, beta,
+    through the ring update it shares with the forward (``_threshold_tiles.grid_tile``). ``ent``: ``(z_scale, am1, beta,
     bm1, shift, T)`` per row, ``T`` the hint points ``[BLOCK_M, HINT_P]`` (``[BLOCK_M, 1]``: no hint); with a hint
     every block (dead ones too: a hint may lie below the grid) also adds its point sums there
     (``_decode_state._hint_sums``).
@@ -154,9 +150,9 @@ def _grid_pass(q, keys, pages, rows, mods, out, ent, zs, MASK, SCORE, POW: tl.co
     Returns ``(m, j_top, ref, n_valid, bad, F, G, C, n_live, n_read, (FH, GH, CH))``: the split's row max, its grid
     index relative to its reference score ``ref``, the reference, valid keys, NaN/+inf flag and the ``[BLOCK_M,
     GRID_K]`` sums at the ring's points (POW 0: scaled by the split max's term; counts from
-    ``_threshold.grid_counts``), the number of live blocks written to ``list_base`` and of blocks read from the cache
-    (those a block mask hides from every row are not: ``_decode_state._tile_live``), and the sums at the hint points
-    (scaled by the split max's term at POW 0).
+    ``_threshold_tiles.grid_counts``), the number of live blocks written to ``list_base`` and of blocks read from the
+    cache (those a block mask hides from every row are not: ``_decode_state._tile_live``), and the sums at the hint
+    points (scaled by the split max's term at POW 0).
     """
     Z, z_rows, list_base = out
     z_scale, am1, beta, bm1, shift, T = ent
@@ -494,10 +490,10 @@ def entmax_decode_fwd(
         alpha_class: as :func:`sparse_attn.kernels.entmax_attn_fwd.entmax_attn_fwd` (default from the values for a
             Python float or a CPU tensor, else ``"mixed"``).
         block_n: keys per block (a power of two >= 16); default by head dim.
-        block_mask: ``(mask, (block_q, block_k))``: ``mask`` boolean ``(B or 1, Hq or 1, >= ceil(Nq / block_q),
-            >= ceil(max_seqlen_k / block_k))``; query ``i`` (its index among the ``Nq``, as the fused forward's rows)
-            sees key ``j`` only if block ``(i // block_q, j // block_k)`` is True. Key blocks it hides from every
-            row of a program are not read. Default None.
+        block_mask: ``(mask, (block_q, block_k)[, bits])`` (``_common.block_args``): ``mask`` ``(B or 1, Hq or 1,
+            >= ceil(Nq / block_q), >= ceil(max_seqlen_k / block_k))``; query ``i`` (its index among the ``Nq``, as
+            the fused forward's rows) sees key ``j`` only if block ``(i // block_q, j // block_k)`` keeps it. Key
+            blocks it hides from every row of a program are not read. Default None.
         tau_hint: float32, broadcastable to ``(B, Hq, Nq)`` (any strides): a threshold per row, absolute, in the
             z-scale of ``tau`` (a previous step's ``tau``). The score pass evaluates the row's total weight at
             ``HINT_POINTS`` points ``hint_step`` apart around it, which tighten the certified bracket where they
@@ -531,12 +527,12 @@ def entmax_decode_fwd(
         classes = tuple(c for c, _ in class_launches(alpha_class))
     plan = _launch.static_plan(q.dtype, paged, head_dim, head_dim_v, n_rows, bool(is_causal),
                                None if window_size is None else tuple(window_size), softcap, alibi_slopes is not None,
-                               sinks is not None, block_mask is not None, classes, tol, max_passes, block_n,
-                               tau_hint is not None)
+                               sinks is not None, _common.blocks_mode(block_mask, None), classes, tol, max_passes,
+                               block_n, tau_hint is not None)
     dev = q.device
     sz = _launch.sizes(plan, batch, n_kv_heads, n_rows, seqlen_q, capacity, max_seqlen_k, num_splits, dev)
     if block_mask is not None:
-        grid_blocks, (block_q, block_k) = block_mask
+        grid_blocks, (block_q, block_k), _ = _common.block_parts(block_mask)
         assert grid_blocks.dim() == 4 and grid_blocks.shape[0] in (1, batch) and grid_blocks.shape[1] in (1, n_heads)
         assert grid_blocks.shape[2] >= -(-seqlen_q // block_q), f"block_mask: got {tuple(grid_blocks.shape)}"
         assert grid_blocks.shape[3] >= -(-sz.max_seqlen_k // block_k), f"block_mask: got {tuple(grid_blocks.shape)}"

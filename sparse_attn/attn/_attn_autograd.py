@@ -36,7 +36,8 @@ _OP_TYPES = {
     "cu_seqlens_k": "Tensor?", "max_seqlen_q": "int", "max_seqlen_k": "int", "backend": "str",
     "window_size": "int[]?", "alibi_slopes": "Tensor?", "sinks": "Tensor?", "softcap": "float?", "alpha_class": "str",
     "need_stats": "bool", "need_grad": "bool", "cache_seqlens": "Tensor?", "block_table": "Tensor?",
-    "num_splits": "int?", "block_mask": "Tensor?", "block_size": "int[]?", "deterministic": "bool", "seed": "int",
+    "num_splits": "int?", "block_mask": "Tensor?", "block_size": "int[]?", "block_bits": "Tensor?",
+    "deterministic": "bool", "seed": "int",
 }
 """The ``torch.library`` schema type of each spec field (and the dropout seed): a spec field missing here fails at
 import, so a new field cannot be forgotten at the op boundary."""
@@ -85,7 +86,7 @@ def _launch_kwargs(spec: AttnSpec, seed: int) -> dict:
         alibi_slopes=spec.alibi_slopes, softcap=spec.softcap, sinks=spec.sinks, cu_seqlens_q=spec.cu_seqlens_q,
         cu_seqlens_k=spec.cu_seqlens_k, max_seqlen_q=spec.max_seqlen_q, max_seqlen_k=spec.max_seqlen_k,
         dropout_p=spec.dropout_p, seed=seed, alpha_class=spec.alpha_class,
-        block_mask=None if spec.block_mask is None else (spec.block_mask, spec.block_size),
+        block_mask=None if spec.block_mask is None else (spec.block_mask, spec.block_size, spec.block_bits),
     )
 
 

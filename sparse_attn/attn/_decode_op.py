@@ -27,21 +27,21 @@ def _decode_op(
     scale: float, block_table: Tensor | None, bias: Tensor | None, is_causal: bool, max_seqlen_k: int | None,
     num_splits: int | None, window_size: list[int] | None, alibi_slopes: Tensor | None, softcap: float | None,
     sinks: Tensor | None, block_mask: Tensor | None = None, block_size: list[int] | None = None,
-    tau_hint: Tensor | None = None,
+    block_bits: Tensor | None = None, tau_hint: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The decode kernels as a custom op (forward only): ``(out, tau, nnz, n_valid)``; ``alpha`` float32 ``(Hq,)``,
     ``alpha_value`` the Python number it holds when it was given as one (one compile-time alpha class);
-    ``block_mask``, ``block_size``: the spec's block grid and its ``(bq, bk)`` (both None without one); ``tau_hint``
-    float32 broadcastable to ``(B, Hq, Nq)`` or None (``entmax_decode``'s)."""
+    ``block_mask``, ``block_size``, ``block_bits``: the spec's block grid, its ``(bq, bk)`` and its partial blocks'
+    bits (None without them); ``tau_hint`` float32 broadcastable to ``(B, Hq, Nq)`` or None (``entmax_decode``'s)."""
     res = _launch(q, k_cache, v_cache, cache_seqlens, alpha, alpha_value, scale, block_table, bias, is_causal,
-                  max_seqlen_k, num_splits, window_size, alibi_slopes, softcap, sinks, block_mask, block_size, True,
-                  False, tau_hint)
+                  max_seqlen_k, num_splits, window_size, alibi_slopes, softcap, sinks, block_mask, block_size,
+                  block_bits, True, False, tau_hint)
     return res.out, res.tau, res.nnz, res.n_valid
 
 
 def _launch(q, k_cache, v_cache, cache_seqlens, alpha, alpha_value, scale, block_table, bias, is_causal,
-            max_seqlen_k, num_splits, window_size, alibi_slopes, softcap, sinks, block_mask, block_size, stats, reuse,
-            tau_hint=None):
+            max_seqlen_k, num_splits, window_size, alibi_slopes, softcap, sinks, block_mask, block_size, block_bits,
+            stats, reuse, tau_hint=None):
     """The launcher on the op's arguments, for the op (``stats`` and not ``reuse``: every output fresh, the scratch
     allocated, which under ``torch.compile``'s CUDA graphs belongs to the graph's pool) or for an eager call that
     needs no op (:func:`_run_decode_op`: the scratch reused, the statistics computed into it unless ``stats``)."""
@@ -50,7 +50,8 @@ def _launch(q, k_cache, v_cache, cache_seqlens, alpha, alpha_value, scale, block
     return kernels.entmax_decode_fwd(
         q, k_cache, v_cache, cache_seqlens, alpha, scale, block_table=block_table, bias=bias, is_causal=is_causal,
         window_size=window_size, alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks, max_seqlen_k=max_seqlen_k,
-        num_splits=num_splits, block_mask=None if block_mask is None else (block_mask, tuple(block_size)),
+        num_splits=num_splits,
+        block_mask=None if block_mask is None else (block_mask, tuple(block_size), block_bits),
         alpha_class=None if alpha_value is None else alpha_class_of([alpha_value]), counters=False,
         stats=stats, reuse_scratch=reuse, tau_hint=tau_hint)
 
@@ -58,7 +59,7 @@ def _launch(q, k_cache, v_cache, cache_seqlens, alpha, alpha_value, scale, block
 @_decode_op.register_fake
 def _decode_fake(q, k_cache, v_cache, cache_seqlens, alpha, alpha_value, scale, block_table, bias, is_causal,
                  max_seqlen_k, num_splits, window_size, alibi_slopes, softcap, sinks, block_mask=None, block_size=None,
-                 tau_hint=None):
+                 block_bits=None, tau_hint=None):
     rows = q.shape[:3]
     return (q.new_empty((*rows, v_cache.shape[-1])), q.new_empty(rows, dtype=torch.float32),
             q.new_empty(rows, dtype=torch.int32), q.new_empty(rows, dtype=torch.int32))
@@ -133,9 +134,9 @@ def _run_decode_op(spec: AttnSpec, seqlens: Tensor, return_stats: bool, tau_hint
     args = (spec.q, spec.k, spec.v, seqlens, spec.alpha.detach().float().contiguous(), spec.alpha_value, spec.scale,
             spec.block_table, spec.mask, spec.is_causal, spec.max_seqlen_k, spec.num_splits,
             _window_arg(spec.window_size), spec.alibi_slopes, spec.softcap, spec.sinks, spec.block_mask,
-            None if spec.block_size is None else [int(n) for n in spec.block_size], tau_hint)
+            None if spec.block_size is None else [int(n) for n in spec.block_size], spec.block_bits, tau_hint)
     if _direct(spec.q, spec.k, spec.v, seqlens, spec.mask, spec.block_table, spec.alibi_slopes, spec.sinks,
-               spec.block_mask, tau_hint):
+               spec.block_mask, spec.block_bits, tau_hint):
         res = _launch(*args[:-1], return_stats, True, tau_hint)
         out, tau, nnz, n_valid = res.out, res.tau, res.nnz, res.n_valid
     else:

@@ -160,11 +160,14 @@ def entmax_attention(
             (default); otherwise a finite positive Python number.
         block_mask: block-sparse mask: a :class:`sparse_attn.BlockSparseMask` ``(mask, (bq, bk))`` with ``mask``
             boolean ``(B or 1, Hq or 1, ceil(Nq / bq), ceil(Nk / bk))`` (varlen: ``(nseq or 1, Hq or 1,
-            ceil(max_seqlen_q / bq), ceil(max_seqlen_k / bk))``, per sequence), or torch's
-            ``flex_attention.BlockMask`` built with ``noop_mask`` (its partial and full blocks are kept; another
-            ``mask_mod`` raises ``ValueError``: give the element mask as ``attn_mask`` / ``is_causal`` /
-            ``window_size``). Key ``j`` is visible to query ``i`` iff block ``(i // bq, j // bk)`` is True and every
-            other mask allows it. Default None.
+            ceil(max_seqlen_q / bq), ceil(max_seqlen_k / bk))``, per sequence): key ``j`` is visible to query ``i``
+            iff block ``(i // bq, j // bk)`` is True and every other mask allows it. Or torch's
+            ``flex_attention.BlockMask`` (``create_block_mask(mask_mod, ...)``), with FlexAttention's semantics: a
+            pair of a full block is kept, a pair of a partial block where ``mask_mod(b, h, q_idx, kv_idx)`` is True
+            (``b`` the batch entry or packed sequence, ``h`` the query head, positions sequence-local). The
+            ``mask_mod`` is evaluated once per mask object over the partial blocks' pairs (``torch.vmap``, as
+            ``create_block_mask`` does; one bit per pair, cached with the mask); one that cannot be evaluated so
+            raises ``ValueError`` naming it. Default None.
         deterministic: True (default): gradients are bitwise reproducible from run to run. False allows the fused
             backward to accumulate dQ with atomics inside its dK/dV kernel (five tensor-core products per visited
             tile instead of seven); its gradients then match float64 within the same tolerance but may differ

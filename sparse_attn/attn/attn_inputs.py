@@ -426,5 +426,6 @@ def prepare_attention(
         alpha_class=resolve_spec_alpha_class(alpha_t, alpha_value, alpha_checked), need_stats=need_stats,
         need_grad=need_grad, cache_seqlens=cache_seqlens, block_table=block_table, num_splits=num_splits,
         block_mask=None if block_mask is None else block_mask.mask,
-        block_size=None if block_mask is None else block_mask.block_size, deterministic=deterministic,
+        block_size=None if block_mask is None else block_mask.block_size,
+        block_bits=None if block_mask is None else block_mask.bits, deterministic=deterministic,
     )

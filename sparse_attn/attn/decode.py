@@ -52,8 +52,8 @@ def _reference_decode(spec: AttnSpec):
         blocks = None
         if spec.block_mask is not None:  # this sequence's grid, cut to its own keys
             grid, (bq, bk) = spec.block_mask, spec.block_size
-            blocks = BlockSparseMask(grid[b:b + 1] if grid.shape[0] > 1 else grid, (bq, bk))
-            blocks = BlockSparseMask(blocks.mask[..., :-(-length // bk)], (bq, bk))
+            grid = grid[b:b + 1] if grid.shape[0] > 1 else grid
+            blocks = BlockSparseMask(grid[..., :-(-length // bk)], (bq, bk), spec.block_bits)
         out, st = entmax_attention_reference(
             q[b:b + 1], k[b:b + 1, :, :length], v[b:b + 1, :, :length], alpha, scale=spec.scale,
             is_causal=spec.is_causal, attn_mask=None if mask is None else mask[b:b + 1, ..., :length],
@@ -143,8 +143,8 @@ def entmax_decode(
         block_mask: a :class:`sparse_attn.BlockSparseMask` ``(mask, (bq, bk))``, ``mask`` boolean ``(B or 1, Hq or 1,
             ceil(Nq / bq), ceil(max_seqlen_k / bk))`` (``max_seqlen_k``: as given, else the capacity), or torch's
             ``flex_attention.BlockMask`` (as :func:`sparse_attn.entmax_attention` takes it): query ``i`` sees key
-            ``j`` only if block ``(i // bq, j // bk)`` is True; key blocks hidden from every query of a program are
-            not read. Default None.
+            ``j`` only if block ``(i // bq, j // bk)`` keeps it (a ``BlockMask``'s partial blocks: where its
+            ``mask_mod`` is True); key blocks hidden from every query of a program are not read. Default None.
         tau_hint: the previous decoding step's thresholds, ``stats.tau`` of a call with ``return_stats=True`` on the
             same layer (float32, broadcastable to ``(B, Hq, Nq)``, on ``q``'s device; in the same coordinates as
             that ``tau``: the z-scale ``(alpha - 1) * score``, soft cap, ALiBi and sinks included). The kernels
@@ -333,7 +333,8 @@ def _prefill_packed(spec: AttnSpec):
         max_seqlen_q=n_q, max_seqlen_k=spec.max_seqlen_k, backend="triton", window_size=spec.window_size,
         alibi_slopes=spec.alibi_slopes, sinks=spec.sinks, softcap=spec.softcap, alpha_in_range=spec.alpha_checked,
         need_stats=spec.need_stats,
-        block_mask=None if spec.block_mask is None else BlockSparseMask(spec.block_mask, spec.block_size))
+        block_mask=None if spec.block_mask is None else BlockSparseMask(spec.block_mask, spec.block_size,
+                                                                        spec.block_bits))
     from sparse_attn.attn._attn_autograd import fused_entmax_attention
 
     res = fused_entmax_attention(packed, spec.need_stats) if packed.backend == "triton" else entmax_attention_reference(

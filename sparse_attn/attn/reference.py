@@ -152,7 +152,8 @@ def _block_masks(inputs: AttentionInputs, bias, keep, n_q: int, n_k: int, device
     if inputs.window_size is not None:
         keep = combine_masks(keep, window_keep(n_q, n_k, inputs.window_size, device))
     if inputs.block_mask is not None:
-        keep = combine_masks(keep, block_keep((inputs.block_mask, inputs.block_size), n_q, n_k, seq))
+        blocks = (inputs.block_mask, inputs.block_size, inputs.block_bits)
+        keep = combine_masks(keep, block_keep(blocks, n_q, n_k, seq))
     slopes = inputs.alibi_slopes
     if slopes is not None:
         if seq is not None and slopes.dim() == 2:

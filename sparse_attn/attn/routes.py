@@ -64,12 +64,13 @@ SUPPORTED: dict[str, frozenset] = {
 
 PROBLEM_FIELDS = frozenset({"q", "k", "v", "alpha", "alpha_value", "alpha_checked", "scale", "max_seqlen_q",
                             "max_seqlen_k", "backend", "cu_seqlens_k", "alpha_class", "need_stats", "need_grad",
-                            "cache_seqlens", "block_table", "num_splits", "block_size", "deterministic"})
+                            "cache_seqlens", "block_table", "num_splits", "block_size", "block_bits",
+                            "deterministic"})
 """Fields of the spec (``AttnSpec`` = ``AttentionInputs``) that state the problem itself, not a variant
 (``cu_seqlens_k`` travels with ``cu_seqlens_q``, the ``varlen`` variant; ``need_grad`` is read by the ``grad``
-variant; the KV cache fields are the decode route's own layout; ``block_size`` travels with ``block_mask``;
-``deterministic`` permits the fused backward's atomics and asks nothing of a route that is deterministic anyway); every
-other field must map to a variant in :func:`used_variants`."""
+variant; the KV cache fields are the decode route's own layout; ``block_size`` and ``block_bits`` travel with
+``block_mask``; ``deterministic`` permits the fused backward's atomics and asks nothing of a route that is
+deterministic anyway); every other field must map to a variant in :func:`used_variants`."""
 
 
 def refused(route: str, used) -> list[str]:

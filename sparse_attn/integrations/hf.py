@@ -148,7 +148,7 @@ def entmax_attention_forward(
             ``sliding_window`` (int ``W``): the window ``(W - 1, 0)`` (``(W - 1, W - 1)`` for a
             bidirectional layer) without a 4-d mask; ``softcap`` (Gemma-2's logit soft-capping);
             ``s_aux`` (gpt-oss's per-head sinks, ``(Hq,)``); ``alibi_slopes`` (``(Hq,)`` or ``(B, Hq)``);
-            ``block_mask`` (a :class:`sparse_attn.BlockSparseMask` or torch's ``BlockMask`` built with ``noop_mask``,
+            ``block_mask`` (a :class:`sparse_attn.BlockSparseMask` or torch's ``BlockMask`` with its ``mask_mod``,
             intersected with the layer's masks; a ``BlockMask`` given as ``attention_mask`` is taken as this).
             See :func:`sparse_attn.entmax_attention` for their semantics.
 
