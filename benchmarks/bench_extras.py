@@ -42,7 +42,7 @@ def tile_stats(res, seq_q: int, seq_k: int, causal: bool, batch_heads: int, bloc
     """Fraction of visitable tiles a fused forward result marks dead, its passes over K and key tiles loaded
     per query tile.
 
-    ``res`` is what :func:`sparse_attn.kernels.entmax_attn_fwd.entmax_attn_fwd` returns (``live``,
+    ``res`` is what :func:`sparse_attn.kernels.attn.entmax_attn_fwd.entmax_attn_fwd` returns (``live``,
     ``n_passes``, ``tile_visits``); ``blocks`` its ``(block_m, block_n)``.
     """
     block_m, block_n = blocks

@@ -16,8 +16,8 @@ from sparse_attn import mappings
 from sparse_attn.attention import entmax_attention
 from sparse_attn.reference import causal_keep
 
-FUSED_MODULES = ("sparse_attn.kernels.entmax_attn_fwd", "sparse_attn.kernels.entmax_attn_bwd",
-                 "sparse_attn._attn_autograd")
+FUSED_MODULES = ("sparse_attn.kernels.attn.entmax_attn_fwd", "sparse_attn.kernels.attn.entmax_attn_bwd",
+                 "sparse_attn.attn._attn_autograd")
 _NO_SDPA_KERNEL = ("No viable backend", "No available kernel")
 
 

@@ -3,7 +3,7 @@
 Methods (each measured in its own subprocess, so that its peak resident memory is its own):
 
 * ``ours``: ``sparse_attn.entmax_attention`` on CPU tensors (``backend="auto"``: the query-chunked reference,
-  ``sparse_attn._cpu_chunked``).
+  ``sparse_attn.attn._cpu_chunked``).
 * ``old``: ``sparse_attn.reference.entmax_attention_reference``, the materialized reference that the CPU path
   ran before it was chunked (the whole ``(B, H, N, N)`` score matrix).
 * ``entmax``: the materialized recipe with the ``entmax`` pip package: scores, ``-inf`` above the causal

@@ -49,7 +49,7 @@ elif not torch.cuda.is_available():
 
 from passes import make_inputs, pipeline_out  # noqa: E402
 
-from sparse_attn.kernels import entmax_decode as dec  # noqa: E402
+from sparse_attn.kernels.attn import entmax_decode as dec  # noqa: E402
 
 DISTS = ("std1", "std3", "flat", "local")
 ALPHAS = (1.0, 1.25, 1.5, 2.0)

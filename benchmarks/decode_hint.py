@@ -24,7 +24,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
 
-from sparse_attn.kernels.entmax_decode import entmax_decode_fwd  # noqa: E402
+from sparse_attn.kernels.attn.entmax_decode import entmax_decode_fwd  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

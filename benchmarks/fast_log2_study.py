@@ -27,8 +27,8 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from passes import make_inputs  # noqa: E402 (benchmarks/passes.py, next to this script)
 
-from sparse_attn.kernels import _threshold  # noqa: E402
-from sparse_attn.kernels.entmax_attn_fwd import default_tolerance, entmax_attn_fwd  # noqa: E402
+from sparse_attn.kernels.attn import _threshold  # noqa: E402
+from sparse_attn.kernels.attn.entmax_attn_fwd import default_tolerance, entmax_attn_fwd  # noqa: E402
 from sparse_attn.reference import entmax_attention_reference  # noqa: E402
 
 ALPHAS = [1.01, 1.05, 1.25, 1.75]

@@ -27,8 +27,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from sparse_attn import entmax_attention  # noqa: E402
-from sparse_attn.kernels.entmax_attn_bwd import entmax_attn_bwd  # noqa: E402
-from sparse_attn.kernels.entmax_attn_fwd import entmax_attn_fwd  # noqa: E402
+from sparse_attn.kernels.attn.entmax_attn_bwd import entmax_attn_bwd  # noqa: E402
+from sparse_attn.kernels.attn.entmax_attn_fwd import entmax_attn_fwd  # noqa: E402
 
 ALPHA4 = [1.0, 1.5, 2.0, 1.25]
 

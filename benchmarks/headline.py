@@ -420,7 +420,7 @@ def run(argv: list[str] | None = None) -> Path | None:
     built_before_timing = n_built()
     cubins_before = cubins()
 
-    from sparse_attn.kernels.entmax_attn_fwd import fwd_block_sizes
+    from sparse_attn.kernels.attn.entmax_attn_fwd import fwd_block_sizes
 
     timing = HeadlineTiming(device, warmup_ms=10.0, rep_ms=50.0, cpu_warmup=0, cpu_reps=1, slow_ms=float("inf"))
     timing.min_runs = args.min_runs

@@ -48,8 +48,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
 
-from sparse_attn.kernels import _fwd_rows  # noqa: E402
-from sparse_attn.kernels.entmax_attn_fwd import default_tolerance, entmax_attn_fwd  # noqa: E402
+from sparse_attn.kernels.attn import _fwd_rows  # noqa: E402
+from sparse_attn.kernels.attn.entmax_attn_fwd import default_tolerance, entmax_attn_fwd  # noqa: E402
 from sparse_attn.mappings import entmax  # noqa: E402
 
 DISTS = ("std1", "std3", "flat", "local")

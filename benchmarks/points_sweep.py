@@ -124,7 +124,7 @@ def cmd_passes(args) -> None:
     import passes
     import torch
 
-    from sparse_attn.kernels import entmax_attn_fwd as fwd
+    from sparse_attn.kernels.attn import entmax_attn_fwd as fwd
 
     saved = dict(fwd.FWD_POINTS)
     with open(args.out, "a") as fo:

@@ -320,8 +320,8 @@ def offline_sm90(args) -> str:
     from triton.runtime.driver import driver
     from triton.runtime.jit import JITFunction
 
-    import sparse_attn.attn_inputs as attn_inputs
-    from sparse_attn.kernels import entmax_attn_bwd
+    import sparse_attn.attn.attn_inputs as attn_inputs
+    from sparse_attn.kernels.attn import entmax_attn_bwd
 
     built_for = f"cp{sys.version_info.major}{sys.version_info.minor} (this interpreter)"
     if args.device_wheel is not None:

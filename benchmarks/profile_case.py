@@ -36,7 +36,7 @@ from bench_report import stamp_lines  # noqa: E402
 from bench_timing import start_run  # noqa: E402
 from tune_tiles import fwd_kwargs, fwd_resources, make_problem, parse_config, pinned_config  # noqa: E402
 
-from sparse_attn.kernels import entmax_attn_fwd as fwd  # noqa: E402
+from sparse_attn.kernels.attn import entmax_attn_fwd as fwd  # noqa: E402
 
 KERNEL = "_entmax_attn_fwd_kernel"
 NVTX_RANGE = "profiled"

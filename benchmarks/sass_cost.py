@@ -771,7 +771,7 @@ def _tag(r: dict, key: str = "") -> str:
 
 def grid_point_work(r: dict) -> str:
     """The grid pass's live-only instructions (live path minus dead path) per score and grid point, by opcode."""
-    from sparse_attn.kernels._threshold import FWD_POINTS
+    from sparse_attn.kernels.attn._threshold import FWD_POINTS
 
     loops = r["an"]["loops"]
     extra = loops["grid"]["count"]["by_op"] - loops["grid_dead"]["count"]["by_op"]

@@ -32,7 +32,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, make_backend  # noqa: E402
 from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
-import sparse_attn.kernels.entmax_attn_fwd as fwd  # noqa: E402
+import sparse_attn.kernels.attn.entmax_attn_fwd as fwd  # noqa: E402
 from sparse_attn.kernels._masking import tile_plan  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -217,7 +217,7 @@ def bwd_cases(head_dim: int, need_dalpha: bool = True, mask: str | None = "block
     stream their tiles with TMA descriptors (the launcher's ``_tma_device``, which says no for CPU tensors); False:
     the pointer loads of other devices. ``block_mask``: a kind of :data:`BLOCK_MASKS` or None.
     """
-    from sparse_attn.kernels import entmax_attn_bwd as bwd
+    from sparse_attn.kernels.attn import entmax_attn_bwd as bwd
 
     q, k, v, cu = _problem(head_dim, n, dtype, varlen)
     bsz, heads = q.shape[:2]
@@ -305,7 +305,7 @@ def candidates(head_dims, classes, n: int = N_DEFAULT):
     d alpha) and dK/dV kernels over their pruned config lists. Yields one analysis dict per build, with ``pinned``
     True for the config used without autotuning."""
     from sparse_attn.kernels import _common
-    from sparse_attn.kernels import entmax_attn_bwd as bwd
+    from sparse_attn.kernels.attn import entmax_attn_bwd as bwd
 
     def tried(pinned, d):  # the configs the autotuner of a launch at head dim d keeps
         return _common.prune_to_pinned(pinned)(_common.launch_configs(), {"HEAD_DIM": d})

@@ -43,8 +43,8 @@ from bench_report import read_csv, stamp_lines, write_csv  # noqa: E402
 from bench_timing import Timing, measure, start_run  # noqa: E402
 
 from sparse_attn.kernels import _common  # noqa: E402
-from sparse_attn.kernels import entmax_attn_bwd as bwd  # noqa: E402
-from sparse_attn.kernels import entmax_attn_fwd as fwd  # noqa: E402
+from sparse_attn.kernels.attn import entmax_attn_bwd as bwd  # noqa: E402
+from sparse_attn.kernels.attn import entmax_attn_fwd as fwd  # noqa: E402
 
 CLASS_ALPHA = {"entmax15": 1.5, "softmax": 1.0, "sparsemax": 2.0, "general": 1.25, "mixed": None}
 # fwd, fwd+bwd: the forward's configs; bwd, bwd-atomic: the backward's (deterministic, and with the atomic dQ), timed

@@ -1,9 +1,9 @@
 """The attention problem as one frozen value: :class:`AttnSpec`.
 
-:func:`sparse_attn.attn_inputs.prepare_attention` (the one argument gate: :func:`sparse_attn.entmax_attention`, the
+:func:`sparse_attn.attn.attn_inputs.prepare_attention` (the one argument gate: :func:`sparse_attn.entmax_attention`, the
 reference, the modules, the Hugging Face function, :func:`sparse_attn.entmax_decode` and context parallelism) builds
 it once; the routers read :meth:`AttnSpec.used`, the reference and the decode route read its fields, and the fused
-custom op carries it across the ``torch.library`` boundary field by field (``sparse_attn._attn_autograd``:
+custom op carries it across the ``torch.library`` boundary field by field (``sparse_attn.attn._attn_autograd``:
 ``spec_to_op_args`` / ``spec_from_op_args``). Change it with :func:`dataclasses.replace`, never in place.
 
 This module imports torch and the kernels package only (the import direction is ``sparse_attn`` -> ``kernels``).
@@ -27,7 +27,8 @@ DIFFERENTIABLE = ("q", "k", "v", "alpha", "mask", "alibi_slopes", "sinks")
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class AttnSpec:
-    """One attention call after :func:`~sparse_attn.attn_inputs.prepare_attention`. Layout ``(batch, heads, seq, dim)``.
+    """One attention call after :func:`~sparse_attn.attn.attn_inputs.prepare_attention`.
+    Layout ``(batch, heads, seq, dim)``.
 
     q:             ``(B, Hq, Nq, D)`` (varlen: ``(1, Hq, total_q, D)``), float16/bfloat16/float32/float64.
     k, v:          ``(B, Hk, Nk, D)`` and ``(B, Hk, Nk, Dv)``, ``Hq % Hk == 0``, dtype and device of ``q``; with a
@@ -59,19 +60,21 @@ class AttnSpec:
                    before masks and biases are added (non-finite scores are left as they are).
     alpha_class:   the kernels' compile-time alpha class (``softmax``, ``sparsemax``, ``entmax15``, ``general`` or
                    ``mixed``), resolved without a device sync (:func:`resolve_spec_alpha_class`).
-    need_stats:    the caller asked for :class:`~sparse_attn.attn_inputs.AttentionStats` (``return_stats``).
+    need_stats:    the caller asked for :class:`~sparse_attn.attn.attn_inputs.AttentionStats` (``return_stats``).
     need_grad:     grad mode was on and a :data:`DIFFERENTIABLE` field requires grad when the spec was built.
     cache_seqlens: decode only (:func:`sparse_attn.entmax_decode`): int32 ``(B,)`` valid keys per sequence of the
                    KV cache ``k`` / ``v``; None otherwise.
     block_table:   decode only: int32 ``(B, max_pages)`` pages of a paged cache, or None (contiguous cache).
     block_mask:    None or a boolean block grid ``(B or nseq or 1, Hq or 1, ceil(Nq / bq), ceil(Nk / bk))``
-                   (validated; torch's ``BlockMask`` converted, :func:`sparse_attn.masks.check_block_mask`): key ``j``
-                   is hidden from row ``i`` when block ``(i // bq, j // bk)`` is False (sequence-local with varlen).
+                   (validated; torch's ``BlockMask`` converted, :func:`sparse_attn.attn.masks.check_block_mask`):
+                   key ``j`` is hidden from row ``i`` when block ``(i // bq, j // bk)`` is False (sequence-local
+                   with varlen).
     block_size:    ``(bq, bk)`` of ``block_mask`` (None without one).
     block_bits:    None, or with partial blocks int32 ``(n_partial, bq, ceil(bk / 32))``: ``block_mask`` is then an
                    int32 grid of block states (0 hidden, 1 full, ``2 + i`` partial block ``i``) and bit ``c % 32`` of
                    ``block_bits[i, r, c // 32]`` keeps row ``r``, key ``c`` of partial block ``i``
-                   (:class:`sparse_attn.masks.BlockSparseMask`; a torch ``BlockMask``'s ``mask_mod``, evaluated once).
+                   (:class:`sparse_attn.attn.masks.BlockSparseMask`; a torch ``BlockMask``'s ``mask_mod``,
+                   evaluated once).
     num_splits:    decode only: key-range splits per (batch entry, kv head), or None (the launcher's choice).
     deterministic: True (default): every gradient bitwise reproducible. False lets the fused backward add dQ with
                    atomics (fewer tensor-core products, results reproducible to float32 rounding only); the other
@@ -109,8 +112,8 @@ class AttnSpec:
     deterministic: bool = True
 
     def used(self) -> frozenset:
-        """The variants this call uses (names of :data:`sparse_attn.routes.VARIANTS`); the routers refuse what a
-        route does not list in :data:`sparse_attn.routes.SUPPORTED`."""
+        """The variants this call uses (names of :data:`sparse_attn.attn.routes.VARIANTS`); the routers refuse what a
+        route does not list in :data:`sparse_attn.attn.routes.SUPPORTED`."""
         return used_variants(self.q, self.k, self.v, alpha=self.alpha, mask=self.mask, is_causal=self.is_causal,
                              dropout_p=self.dropout_p, cu_seqlens_q=self.cu_seqlens_q, window_size=self.window_size,
                              alibi_slopes=self.alibi_slopes, sinks=self.sinks, softcap=self.softcap,
@@ -211,10 +214,10 @@ def used_variants(q: Tensor, k: Tensor | None, v: Tensor, *, alpha=None, mask=No
                   dropout_p: float = 0.0, cu_seqlens_q=None, window_size=None, alibi_slopes=None, sinks=None,
                   softcap=None, n_kv_heads: int | None = None, need_grad: bool | None = None,
                   block_mask=None) -> frozenset:
-    """The names (keys of :data:`sparse_attn.routes.VARIANTS`) of the variants a call uses, from normalized arguments
-    (None when unused, as :func:`sparse_attn.attn_inputs.prepare_attention` leaves them; ``k`` None: not known yet,
-    no ``gqa``; ``n_kv_heads``: ``Hk`` when ``k`` is not ``(B, Hk, Nk, D)``; ``need_grad``: the spec's decision,
-    None: from grad mode and the tensors now)."""
+    """The names (keys of :data:`sparse_attn.attn.routes.VARIANTS`) of the variants a call uses, from normalized
+    arguments (None when unused, as :func:`sparse_attn.attn.attn_inputs.prepare_attention` leaves them; ``k`` None:
+    not known yet, no ``gqa``; ``n_kv_heads``: ``Hk`` when ``k`` is not ``(B, Hk, Nk, D)``; ``need_grad``: the spec's
+    decision, None: from grad mode and the tensors now)."""
     used = set()
     if cu_seqlens_q is not None:
         used.add("varlen")

@@ -89,8 +89,9 @@ from sparse_attn.integrations import register_hf_when_imported as _register_hf_w
 
 _register_hf_when_imported()
 
-# The module paths of the flat layout (sparse_attn.mappings, sparse_attn.kernels.entmax_attn_fwd, ...) keep importing
-# the same module objects (sparse_attn/_old_paths.py).
+# The module paths of the flat layout keep importing the same module objects: the public short names
+# (sparse_attn.mappings, sparse_attn.decode, ...) as they are, the private ones with a DeprecationWarning
+# (sparse_attn/_old_paths.py).
 from sparse_attn._old_paths import install as _install_old_paths  # noqa: E402
 
 _install_old_paths()

@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from helpers import EXACT, F64, TOL, assert_close_to_ref, cu_seqlens, host_reads_outside, qkv, reference_entmax
 
-import sparse_attn._attn_autograd as autograd_mod
 import sparse_attn._validation as validation
+import sparse_attn.attn._attn_autograd as autograd_mod
 import sparse_attn.reference as reference_mod
 from sparse_attn import checks_enabled, set_checks
 from sparse_attn.attention import entmax_attention
@@ -118,7 +118,7 @@ def test_transposed_layout_is_accepted():
 
 
 def test_backend_auto_on_cpu_uses_reference(monkeypatch):
-    import sparse_attn._attn_autograd as fused
+    import sparse_attn.attn._attn_autograd as fused
 
     def fail(*args, **kwargs):
         raise AssertionError("backend='auto' on CPU tensors must not take the fused path")
@@ -588,7 +588,7 @@ def test_custom_op_boundary_by_name():
     """The forward custom op's arguments are the spec's fields (and the seed), named once: its schema lists them,
     flattening a prepared spec and naming the arguments again round-trips every field, and the differentiable ones
     are op arguments."""
-    from sparse_attn.attn_inputs import AttnSpec, prepare_attention
+    from sparse_attn.attn.attn_inputs import AttnSpec, prepare_attention
 
     fields = autograd_mod.FWD_FIELDS
     assert fields == tuple(f.name for f in dataclasses.fields(AttnSpec)) + ("seed",)

@@ -11,7 +11,7 @@ from helpers import TOL, assert_close_to_ref, bf16_toward_zero
 
 from sparse_attn.attention import entmax_attention
 from sparse_attn.kernels._common import dropout_keep_mask
-from sparse_attn.kernels.entmax_attn_bwd import entmax_attn_bwd
+from sparse_attn.kernels.attn.entmax_attn_bwd import entmax_attn_bwd
 from sparse_attn.reference import entmax_attention_reference
 
 pytestmark = pytest.mark.usefixtures("poison_uninitialized")
@@ -115,7 +115,7 @@ class Case:
 
     def forward(self, **kw):
         """The fused forward on this problem (``kw``: launcher options)."""
-        from sparse_attn.kernels.entmax_attn_fwd import entmax_attn_fwd
+        from sparse_attn.kernels.attn.entmax_attn_fwd import entmax_attn_fwd
 
         bias = None if self.bias is None else self.bias.expand(*self.q.shape[:3], self.k.shape[2])
         return entmax_attn_fwd(self.q, self.k, self.v, self.alpha32, self.scale, bias=bias, is_causal=self.causal,
@@ -290,7 +290,7 @@ def test_gpu_varlen_gqa_dropout_dbias():
 
 
 def test_dalpha_matches_finite_differences_of_fused_forward(kernel_device):
-    from sparse_attn.kernels.entmax_attn_fwd import entmax_attn_fwd
+    from sparse_attn.kernels.attn.entmax_attn_fwd import entmax_attn_fwd
 
     case = Case(device=kernel_device, B=1, Hq=4, Hk=2, Nq=24, Nk=40, alpha=[1.05, 1.3, 1.5, 1.9], causal=True)
     step = 1e-3
@@ -416,7 +416,7 @@ def test_training_forward_equals_inference_forward(kw, kernel_device):
 def test_out_u_only_when_gradients_are_needed(kernel_device, monkeypatch):
     """The autograd op asks the forward for out_u only in grad mode with an input requiring grad: inference
     (torch.no_grad, or no input requiring grad) does not pay for it, and the outputs are the same."""
-    import sparse_attn._attn_autograd as autograd_mod
+    import sparse_attn.attn._attn_autograd as autograd_mod
 
     asked = []
     real = autograd_mod.entmax_attn_fwd
@@ -514,8 +514,8 @@ def test_gpu_pinned_tiles(head_dim, deterministic, kernel_device, monkeypatch):
     rows or keys, the dK/dV products by keys or, above head dim 128, by rows), with partial tiles at both ends, causal,
     per-head alpha in three classes, with the atomic dQ too: the gradients match float64 as at the interpreter's
     tiles."""
-    from sparse_attn.kernels import entmax_attn_bwd as bwd
-    from sparse_attn.kernels.entmax_attn_fwd import _pick_config
+    from sparse_attn.kernels.attn import entmax_attn_bwd as bwd
+    from sparse_attn.kernels.attn.entmax_attn_fwd import _pick_config
 
     gpu_tiles = bwd._pick_config
     monkeypatch.setattr(bwd, "_pick_config", lambda d, interpret, *flags: gpu_tiles(d, False, *flags))
@@ -567,7 +567,7 @@ def test_tma_descriptor_loads_match_pointer_loads(deterministic, kernel_device, 
     forced here) give the gradients of the masked pointer loads: zeros past each packed sequence's end and past the
     head dim (24 of a 32-wide block), GQA, causal, a head-broadcast mask (the d bias kernel's loop too). Every kernel
     takes the descriptors here (``_TMA_KERNELS`` limits them to the dQ kernel on a GPU)."""
-    from sparse_attn.kernels import entmax_attn_bwd as bwd
+    from sparse_attn.kernels.attn import entmax_attn_bwd as bwd
 
     monkeypatch.setattr(bwd, "_TMA_KERNELS", ("dq", "dkdv", "dbias"))
 

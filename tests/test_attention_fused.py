@@ -13,8 +13,8 @@ from helpers import F32, TOL, assert_close_to_ref
 from variants import ROWS, Problem, build, cast, eager_attention, grad_leaves, on_route, together
 
 from sparse_attn import entmax_attention
-from sparse_attn._attn_autograd import _fwd_op, spec_to_op_args
-from sparse_attn.attn_inputs import prepare_attention
+from sparse_attn.attn._attn_autograd import _fwd_op, spec_to_op_args
+from sparse_attn.attn.attn_inputs import prepare_attention
 from sparse_attn.kernels._common import dropout_keep_mask
 from sparse_attn.reference import entmax_attention_reference
 
@@ -262,7 +262,7 @@ def test_fused_value_head_dim_differs_varlen(kernel_device):
 def test_fused_sliding_window_skips_key_tiles_outside_it(kernel_device):
     """The forward loads only the key tiles a query tile's window reaches: with a causal window of 8 keys
     over 128 (interpreter tiles 32 x 32), each of the 4 query tiles loads at most 2 key tiles per pass."""
-    from sparse_attn.kernels.entmax_attn_fwd import entmax_attn_fwd
+    from sparse_attn.kernels.attn.entmax_attn_fwd import entmax_attn_fwd
 
     gen = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(1, 1, 128, 16, generator=gen).to(kernel_device) for _ in range(3))
@@ -498,7 +498,7 @@ MASK_SHAPES = {"key_bias": (2, 1, 1, 26), "shared_2d": (1, 1, 21, 26), "full": (
 def test_fused_mask_gradient_for_broadcast_masks(name, kernel_device, monkeypatch):
     """d mask for masks broadcast along batch, heads, queries or keys matches float64 autograd, and the
     backward never allocates a (B, H, Nq, Nk) buffer for a mask smaller than that."""
-    import sparse_attn.kernels.entmax_attn_bwd as bwd_mod
+    import sparse_attn.kernels.attn.entmax_attn_bwd as bwd_mod
 
     shape = MASK_SHAPES[name]
     gen = torch.Generator().manual_seed(20)

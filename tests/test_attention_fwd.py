@@ -18,7 +18,7 @@ import triton.language as tl
 from helpers import TOL
 
 from sparse_attn.kernels._common import dropout_keep, dropout_keep_mask
-from sparse_attn.kernels.entmax_attn_fwd import DEFAULT_MAX_PASSES, entmax_attn_fwd
+from sparse_attn.kernels.attn.entmax_attn_fwd import DEFAULT_MAX_PASSES, entmax_attn_fwd
 from sparse_attn.reference import entmax_attention_reference
 
 # Absolute slack added to twice the reference's own error in the kernel dtype. Measured on CPU
@@ -227,8 +227,8 @@ def test_forced_launch_config(kernel_device):
 def test_autotuners_try_the_pinned_config_first(head_dim):
     """On a GPU each attention autotuner keeps three of ``launch_configs()`` per launch: the pinned warps / stages of
     the launch's head dim first (what ``SPARSE_ATTN_PINNED=1`` runs), one more stage, the other warp count."""
-    from sparse_attn.kernels import entmax_attn_bwd as bwd
-    from sparse_attn.kernels import entmax_attn_fwd as fwd
+    from sparse_attn.kernels.attn import entmax_attn_bwd as bwd
+    from sparse_attn.kernels.attn import entmax_attn_fwd as fwd
 
     pinned = {"fwd": fwd._pick_config(head_dim, False)[2:],
               **{name: bwd._pick_config(head_dim, False)[name][2:] for name in ("dq", "dkdv", "dbias")}}

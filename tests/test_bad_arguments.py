@@ -14,10 +14,10 @@ from helpers import qkv
 from torch import nn
 
 import sparse_attn as sa
-from sparse_attn._triton_rows import entmax_rows_triton
-from sparse_attn.kernels.row_entmax import entmax_rows_bwd, entmax_rows_fwd
-from sparse_attn.kernels.structured import isotonic_nonincreasing_rows, tv_prox_rows
+from sparse_attn.kernels.rows.row_entmax import entmax_rows_bwd, entmax_rows_fwd
+from sparse_attn.kernels.rows.structured import isotonic_nonincreasing_rows, tv_prox_rows
 from sparse_attn.reference import entmax_attention_reference
+from sparse_attn.rows._triton_rows import entmax_rows_triton
 
 _X = torch.randn(3, 4)
 _X64 = torch.randn(3, 4, dtype=torch.float64)

@@ -15,8 +15,8 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, noop
 from variants import Problem, build, eager_attention, expand_blocks, together
 
 import sparse_attn as sa
+from sparse_attn.attn.masks import block_keep, block_mask_from_torch
 from sparse_attn.kernels import _common, _masking
-from sparse_attn.masks import block_keep, block_mask_from_torch
 from sparse_attn.reference import entmax_attention_reference
 
 
@@ -289,7 +289,7 @@ def test_key_tiles_the_block_mask_hides_are_never_loaded(alpha, kernel_device):
     """The forward's tile-visit counter: with a block-diagonal mask of the kernels' own tile size, each query tile's
     grid (or softmax) pass loads its one kept key tile only, and the later passes no more than that tile, where
     without the block mask the grid pass alone loads every key tile; the outputs match the reference."""
-    from sparse_attn.kernels.entmax_attn_fwd import entmax_attn_fwd, fwd_block_sizes
+    from sparse_attn.kernels.attn.entmax_attn_fwd import entmax_attn_fwd, fwd_block_sizes
 
     block_m, block_n = fwd_block_sizes(32)
     n_tiles = 4

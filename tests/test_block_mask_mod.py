@@ -13,9 +13,9 @@ from torch.nn.attention.flex_attention import create_block_mask, create_mask
 import sparse_attn as sa
 from sparse_attn.attn import decode as decode_mod
 from sparse_attn.attn.attn_inputs import prepare_attention
+from sparse_attn.attn.masks import block_keep, block_mask_from_torch
 from sparse_attn.kernels import _common
 from sparse_attn.kernels.attn import entmax_decode as decode_kernels
-from sparse_attn.masks import block_keep, block_mask_from_torch
 from sparse_attn.reference import entmax_attention_reference
 
 

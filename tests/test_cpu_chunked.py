@@ -1,4 +1,4 @@
-"""The query-chunked CPU path of entmax_attention (sparse_attn._cpu_chunked) against the unchunked reference.
+"""The query-chunked CPU path of entmax_attention (sparse_attn.attn._cpu_chunked) against the unchunked reference.
 
 The chunked path must compute the reference's function (the float64 reference is the oracle; in float32 both
 compute the same arithmetic, in another order where a row sum or the value product runs over the block's key
@@ -20,9 +20,9 @@ import torch
 from helpers import TOL, cu_seqlens, gen, max_abs_err, random_mask, scaled_err
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import sparse_attn._cpu_chunked as chunked_mod
+import sparse_attn.attn._cpu_chunked as chunked_mod
 from sparse_attn.attention import entmax_attention, run_layer_attention
-from sparse_attn.attn_inputs import prepare_attention
+from sparse_attn.attn.attn_inputs import prepare_attention
 from sparse_attn.mappings import _threshold_from_sorted
 from sparse_attn.reference import entmax_attention_reference, reference_forward
 

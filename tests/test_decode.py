@@ -20,12 +20,12 @@ from helpers import TOL, assert_close_to_ref
 from variants import ROWS, Problem, build, cast, eager_attention, together
 
 import sparse_attn as sa
-import sparse_attn.kernels.entmax_decode as decode_kernels
+import sparse_attn.kernels.attn.entmax_decode as decode_kernels
 from sparse_attn import AttentionStats, entmax_attention, record_head_stats
-from sparse_attn.attn_inputs import prepare_attention
+from sparse_attn.attn.attn_inputs import prepare_attention
+from sparse_attn.attn.masks import block_keep
 from sparse_attn.decode import decode_fits, decode_unsupported, entmax_decode
-from sparse_attn.kernels.entmax_decode import entmax_decode_fwd
-from sparse_attn.masks import block_keep
+from sparse_attn.kernels.attn.entmax_decode import entmax_decode_fwd
 from sparse_attn.reference import entmax_attention_reference
 
 # Absolute slack added to twice the reference's own error in the kernel dtype (the fused kernels' slack).

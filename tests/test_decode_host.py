@@ -16,7 +16,7 @@ from helpers import EXACT, TOL, OpLog
 
 import sparse_attn._validation as validation
 import sparse_attn.attn.decode as decode_mod
-import sparse_attn.kernels.entmax_decode as dec
+import sparse_attn.kernels.attn.entmax_decode as dec
 from sparse_attn.decode import entmax_decode
 from sparse_attn.kernels.attn import _decode_launch
 

@@ -514,7 +514,7 @@ def _case_mismatched_ranks(rank, world):
 
 def test_argument_descriptions_of_the_rank_check():
     """What the rank check writes for each kind of argument, and its message, from encoded rows (no processes)."""
-    from sparse_attn._cp_layout import _ROW, _describe, _encode, _mismatch
+    from sparse_attn.models._cp_layout import _ROW, _describe, _encode, _mismatch
 
     def described(x):
         return _describe(_encode(x))

@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from sparse_attn.kernels._masking import mark_tile, visit_tile, walk_words
-from sparse_attn.kernels.entmax_attn_fwd import alpha_class_of, entmax_attn_fwd, runs_split
+from sparse_attn.kernels.attn.entmax_attn_fwd import alpha_class_of, entmax_attn_fwd, runs_split
 from sparse_attn.mappings import entmax
 from sparse_attn.reference import entmax_attention_reference
 

@@ -5,8 +5,7 @@ import pytest
 import torch
 from helpers import TOL
 
-from sparse_attn.kernels.attn.entmax_attn_fwd import entmax_attn_fwd_split
-from sparse_attn.kernels.entmax_attn_fwd import entmax_attn_fwd
+from sparse_attn.kernels.attn.entmax_attn_fwd import entmax_attn_fwd, entmax_attn_fwd_split
 from sparse_attn.reference import entmax_attention_reference
 
 

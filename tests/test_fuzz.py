@@ -38,8 +38,8 @@ from hypothesis import strategies as st
 from variants import ROWS, Problem, cast, together
 
 import sparse_attn as sa
-from sparse_attn._triton_rows import entmax_rows_triton
 from sparse_attn.reference import entmax_attention_reference
+from sparse_attn.rows._triton_rows import entmax_rows_triton
 
 # The Triton kernels run under the interpreter (CPU tensors), whose bf16 stores round toward zero.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1" and not torch.cuda.is_available()

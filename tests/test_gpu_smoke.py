@@ -19,10 +19,10 @@ import pytest
 import torch
 from helpers import BF16, F16, F32, F64, TOL, assert_close_to_ref, cu_seqlens, gen, max_abs_err, scaled_err
 
-import sparse_attn._structured_rows as structured_rows
-import sparse_attn._triton_rows as triton_rows
-import sparse_attn.kernels.structured as structured_kernels
+import sparse_attn.kernels.rows.structured as structured_kernels
 import sparse_attn.mappings as mappings
+import sparse_attn.rows._structured_rows as structured_rows
+import sparse_attn.rows._triton_rows as triton_rows
 from sparse_attn import entmax15, entmax_attention, fusedmax, oscarmax, sparsemax
 from sparse_attn.decode import entmax_decode
 

@@ -55,7 +55,7 @@ from variants import ROWS, Problem, build  # noqa: E402
 
 import sparse_attn.integrations.hf as entmax_hf  # noqa: E402
 from sparse_attn.attention import run_attention  # noqa: E402
-from sparse_attn.attn_inputs import prepare_attention  # noqa: E402
+from sparse_attn.attn.attn_inputs import prepare_attention  # noqa: E402
 from sparse_attn.reference import reference_forward  # noqa: E402
 from sparse_attn.sdpa import swap_sdpa_attention  # noqa: E402
 

@@ -15,7 +15,7 @@ import torch
 from helpers import EXACT, F64, TOL
 
 import sparse_attn as sa
-from sparse_attn._triton_rows import entmax_rows_triton
+from sparse_attn.rows._triton_rows import entmax_rows_triton
 
 NAN_ROW, POS_INF_ROW, EMPTY_ROW = 1, 2, 3
 GOOD_ROWS = [0, 4, 5]  # row 4 has -inf entries

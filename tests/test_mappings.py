@@ -6,9 +6,9 @@ import pytest
 import torch
 from helpers import F64, TOL, assert_close_to_ref, randn, reference_entmax
 
-import sparse_attn._triton_rows as triton_rows
 import sparse_attn.mappings as mappings
 import sparse_attn.rows._entmax_solver as entmax_solver
+import sparse_attn.rows._triton_rows as triton_rows
 from sparse_attn.mappings import (
     Entmax,
     Entmax15,

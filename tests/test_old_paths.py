@@ -91,7 +91,8 @@ def test_unknown_names_still_fail():
 def _texts():
     texts = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *(ROOT / "docs").glob("*.md")]
     for folder in ("examples", "benchmarks", "tests", "sparse_attn", "kernels"):
-        texts += sorted(p for p in (ROOT / folder).rglob("*.py") if p.name not in ("_old_paths.py", "test_old_paths.py"))
+        texts += sorted(p for p in (ROOT / folder).rglob("*.py")
+                        if p.name not in ("_old_paths.py", "test_old_paths.py"))
     texts += sorted((ROOT / "benchmarks").rglob("*.sh")) + sorted((ROOT / "benchmarks").glob("*.md"))
     return texts
 

@@ -15,8 +15,8 @@ from helpers import TOL, assert_close_to_ref
 
 import sparse_attn._validation as validation
 from sparse_attn import BlockSparseMask
+from sparse_attn.attn.masks import block_keep
 from sparse_attn.decode import entmax_decode
-from sparse_attn.masks import block_keep
 from sparse_attn.reference import entmax_attention_reference
 
 EPS = TOL["eps_attention_kernel"]

@@ -14,12 +14,12 @@ import torch
 from helpers import F64, TOL
 from variants import ROWS, Problem, build
 
-from sparse_attn._attn_autograd import _sdpa, fused_entmax_attention, sdpa_refuses
 from sparse_attn.attention import run_attention
-from sparse_attn.attn_inputs import AttentionInputs, prepare_attention
+from sparse_attn.attn._attn_autograd import _sdpa, fused_entmax_attention, sdpa_refuses
+from sparse_attn.attn.attn_inputs import AttentionInputs, prepare_attention
+from sparse_attn.attn.routes import PROBLEM_FIELDS, SUPPORTED, VARIANTS, refused
 from sparse_attn.decode import decode_fits, decode_unsupported
 from sparse_attn.distributed import context_parallel_attention, ulysses_attention
-from sparse_attn.routes import PROBLEM_FIELDS, SUPPORTED, VARIANTS, refused
 
 B, H, N, D = 2, 4, 12, 16
 

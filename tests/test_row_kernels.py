@@ -10,9 +10,9 @@ import pytest
 import torch
 from helpers import TOL, max_abs_err, scaled_err
 
-from sparse_attn._triton_rows import entmax_rows_triton
-from sparse_attn.kernels.row_entmax import MODE_GENERAL, entmax_rows_bwd, entmax_rows_fwd, row_mode
+from sparse_attn.kernels.rows.row_entmax import MODE_GENERAL, entmax_rows_bwd, entmax_rows_fwd, row_mode
 from sparse_attn.mappings import entmax
+from sparse_attn.rows._triton_rows import entmax_rows_triton
 
 ALPHAS = [1.0, 1.25, 1.5, 2.0]
 
@@ -287,7 +287,7 @@ def test_vocab_rows_gpu(n_cols, dtype):
 
 def test_custom_ops_opcheck(kernel_device):
     """Schema, fake (meta) implementation, autograd registration and AOT dispatch of the row ops."""
-    from sparse_attn._triton_rows import _rows_bwd_op, _rows_fwd_op
+    from sparse_attn.rows._triton_rows import _rows_bwd_op, _rows_fwd_op
 
     x, dy = _inputs(3, 40, torch.float32, kernel_device, seed=12)
     alpha = torch.tensor([1.0, 1.4, 2.0], device=kernel_device)

@@ -17,7 +17,7 @@ from torch import nn
 from torch.nn.functional import scaled_dot_product_attention as imported_sdpa
 
 from sparse_attn import entmax_attention, record_head_stats, swap_attention
-from sparse_attn.masks import causal_keep
+from sparse_attn.attn.masks import causal_keep
 from sparse_attn.sdpa import (
     attach_entmax_sdpa,
     detach_entmax_sdpa,

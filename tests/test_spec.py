@@ -11,9 +11,9 @@ from variants import ROWS, Problem, build
 
 import sparse_attn.decode as decode_mod
 import sparse_attn.distributed as distributed_mod
-from sparse_attn import routes
-from sparse_attn._attn_autograd import FWD_FIELDS, spec_from_op_args, spec_to_op_args
-from sparse_attn.attn_inputs import AttentionInputs, prepare_attention
+from sparse_attn.attn import routes
+from sparse_attn.attn._attn_autograd import FWD_FIELDS, spec_from_op_args, spec_to_op_args
+from sparse_attn.attn.attn_inputs import AttentionInputs, prepare_attention
 from sparse_attn.kernels._spec import DIFFERENTIABLE, AttnSpec
 
 B, H, HK, N, D, DV = 1, 4, 2, 10, 16, 32

@@ -14,15 +14,15 @@ from helpers import EXACT, F32, F64, TOL, gen
 from torch.autograd import gradcheck
 from torch.autograd.functional import jacobian, jvp
 
-from sparse_attn._structured_rows import (
+from sparse_attn.kernels.rows.structured import isotonic_nonincreasing_rows, tv_prox_rows
+from sparse_attn.mappings import sparsemax
+from sparse_attn.rows._structured_rows import (
     _isotonic_nonincreasing,
     _oscar_prox_op,
     _tv_prox_op,
     _tv_prox_torch,
     oscar_prox_rows,
 )
-from sparse_attn.kernels.structured import isotonic_nonincreasing_rows, tv_prox_rows
-from sparse_attn.mappings import sparsemax
 from sparse_attn.structured import (
     Fusedmax,
     Oscarmax,

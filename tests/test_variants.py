@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from helpers import TOL
 from variants import KEYWORDS, ROWS, Problem, build, cast, eager_attention, grad_leaves, loop_alibi, loop_keep, together
 
-import sparse_attn._cpu_chunked as chunked_mod
-import sparse_attn.attn_inputs as attn_inputs
+import sparse_attn.attn._cpu_chunked as chunked_mod
+import sparse_attn.attn.attn_inputs as attn_inputs
 from sparse_attn.attention import entmax_attention
 from sparse_attn.mappings import entmax
 from sparse_attn.reference import entmax_attention_reference

@@ -2,8 +2,8 @@
 the routes it must run on (as flash-attention's ``tests/cute/score_mod_definitions.py`` pairs each kernel score mod
 with an eager one).
 
-A row of :data:`ROWS` per name of the library's ``sparse_attn.routes.VARIANTS`` (``tests/test_routes.py`` checks the
-two sets are equal, so a new library variant without a row fails there):
+A row of :data:`ROWS` per name of the library's ``sparse_attn.attn.routes.VARIANTS`` (``tests/test_routes.py`` checks
+the two sets are equal, so a new library variant without a row fails there):
 
 * ``field``: the ``AttnSpec`` field the variant lives in (None: it comes from the shapes or the autograd state);
 * ``kwargs(p, g)``: the ``entmax_attention`` / ``prepare_attention`` keywords that turn it on for the problem ``p``
@@ -27,8 +27,8 @@ from collections.abc import Callable
 import torch
 from helpers import F32, F64, cu_seqlens, gen, qkv
 
-from sparse_attn.masks import BlockSparseMask
-from sparse_attn.routes import SUPPORTED
+from sparse_attn.attn.masks import BlockSparseMask
+from sparse_attn.attn.routes import SUPPORTED
 
 INF = math.inf
 
@@ -80,7 +80,7 @@ class Variant:
 
     @property
     def routes(self) -> frozenset:
-        """The routes that run this variant (the library's ``sparse_attn.routes.SUPPORTED``)."""
+        """The routes that run this variant (the library's ``sparse_attn.attn.routes.SUPPORTED``)."""
         return frozenset(route for route, names in SUPPORTED.items() if self.name in names)
 
 

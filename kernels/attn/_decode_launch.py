@@ -96,7 +96,7 @@ def static_plan(dtype: torch.dtype, paged: bool, head_dim: int, head_dim_v: int,
     """The launches' configuration (cached): ``classes`` the ``ALPHA_CLASS`` values launched (``FILTER`` when more
     than one), ``tol`` / ``max_passes`` / ``block_n`` None for the defaults, ``has_blocks`` the block mask's
     ``SCORE[4]`` (``_common.blocks_mode``: 0, or 2 / 4 without / with partial blocks), ``has_hint`` a threshold
-    hint given. Arguments as :func:`sparse_attn.kernels.entmax_decode.entmax_decode_fwd`."""
+    hint given. Arguments as :func:`sparse_attn.kernels.attn.entmax_decode.entmax_decode_fwd`."""
     key = (dtype, paged, head_dim, head_dim_v, n_rows, is_causal, window_size, softcap, has_alibi, has_sinks,
            has_blocks, classes, tol, max_passes, block_n, has_hint)
     plan = _PLANS.get(key)

@@ -478,8 +478,8 @@ def entmax_decode_fwd(
         is_causal: query ``i`` of a sequence with ``L`` keys sees key ``j`` iff ``j <= i + L - Nq`` (the
             queries are the last ``Nq`` keys). Default False.
         window_size: ``(left, right)``: query ``i`` sees key ``j`` iff ``-left <= j - (i + L - Nq) <= right``
-            (``-1``: unbounded side), as :func:`sparse_attn.kernels.entmax_attn_fwd.entmax_attn_fwd` with the decode
-            alignment; the splits cover the window's key blocks only. Default None.
+            (``-1``: unbounded side), as :func:`sparse_attn.kernels.attn.entmax_attn_fwd.entmax_attn_fwd` with the
+            decode alignment; the splits cover the window's key blocks only. Default None.
         alibi_slopes, softcap, sinks: as ``entmax_attn_fwd`` (ALiBi distance ``|i + L - Nq - j|``; slopes ``(Hq,)``
             or ``(B, Hq)``). Default None.
         max_seqlen_k: bound on ``cache_seqlens`` (default the capacity); the splits cover this many keys.
@@ -487,7 +487,7 @@ def entmax_decode_fwd(
         tol: change of a row's total weight across its certified bracket at which its threshold counts as found
             (default by dtype).
         max_passes: passes per step, score and value pass included (``>= 2``; default by dtype).
-        alpha_class: as :func:`sparse_attn.kernels.entmax_attn_fwd.entmax_attn_fwd` (default from the values for a
+        alpha_class: as :func:`sparse_attn.kernels.attn.entmax_attn_fwd.entmax_attn_fwd` (default from the values for a
             Python float or a CPU tensor, else ``"mixed"``).
         block_n: keys per block (a power of two >= 16); default by head dim.
         block_mask: ``(mask, (block_q, block_k)[, bits])`` (``_common.block_args``): ``mask`` ``(B or 1, Hq or 1,

@@ -8,7 +8,7 @@
   per-row scratch in global memory; the top block is kept in registers.
 
 Inputs must be finite inside the valid prefix of each row (the public mappings replace rows
-holding NaN or ``+inf`` before calling; see ``sparse_attn._structured_rows``); the kernels
+holding NaN or ``+inf`` before calling; see ``sparse_attn.rows._structured_rows``); the kernels
 terminate on any input but their output is then meaningless. Each program runs one row with
 scalar state; rows are independent, so the grid is the
 number of rows. The PyTorch paths in ``sparse_attn.structured`` (vectorized over rows) are

@@ -198,7 +198,7 @@ _fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 def sdpa_refuses(inputs: AttnSpec, return_stats: bool | None = None) -> list[str]:
     """Why PyTorch's ``scaled_dot_product_attention`` cannot compute ``inputs`` with our semantics (empty: it can),
-    whatever the device: the variants the ``"sdpa"`` route does not list (:data:`sparse_attn.routes.SUPPORTED`), a
+    whatever the device: the variants the ``"sdpa"`` route does not list (:data:`sparse_attn.attn.routes.SUPPORTED`), a
     head not at alpha = 1 (a Python number), statistics, causal rows left without keys (``Nq > Nk``; bottom-right
     alignment goes through ``causal_lower_right``). ``return_stats`` None: the spec's ``need_stats``."""
     why = refused("sdpa", inputs.used())

@@ -207,7 +207,7 @@ def _structural_fill(s: Tensor, inputs: AttentionInputs, blk: _Block) -> Tensor:
 
 
 def _alibi(slopes: Tensor, blk: _Block) -> Tensor:
-    """The ALiBi bias ``-slope * |i + n_k - n_q - j|`` of the block (as :func:`sparse_attn.masks.alibi_bias`)."""
+    """The ALiBi bias ``-slope * |i + n_k - n_q - j|`` of the block (as :func:`sparse_attn.attn.masks.alibi_bias`)."""
     c = blk.rows.stop - blk.rows.start
     width = blk.keys.stop - blk.keys.start
     if slopes.dim() == 2 and blk.seq is not None:
@@ -517,7 +517,7 @@ def chunked_attention(inputs: AttentionInputs, with_stats: bool = False, block_b
     """The reference's attention on prepared CPU inputs, block by block; returns ``(out, stats or None)``.
 
     Args:
-        inputs: from :func:`sparse_attn.attn_inputs.prepare_attention` (see :func:`chunked_fits`).
+        inputs: from :func:`sparse_attn.attn.attn_inputs.prepare_attention` (see :func:`chunked_fits`).
         with_stats: also compute :class:`AttentionStats` (as the reference's).
         block_bytes: the budget of one block (default :data:`BLOCK_BYTES`).
     """

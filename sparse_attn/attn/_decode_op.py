@@ -73,10 +73,10 @@ def _window_arg(window_size) -> list[int] | None:
 def decode_unsupported(inputs: AttnSpec) -> list[str]:
     """What keeps a fused-path call off the decode kernels, as phrases (empty: they can run it).
 
-    The variants the ``"decode"`` route does not list in :data:`sparse_attn.routes.SUPPORTED`: the decode kernels
+    The variants the ``"decode"`` route does not list in :data:`sparse_attn.attn.routes.SUPPORTED`: the decode kernels
     implement masks (boolean or float), bottom-right causal masking, GQA/MQA, per-head alpha and every attention
     variant the fused path takes (sliding window, ALiBi, sinks, soft cap, ``Dv != D``, a block mask), forward only.
-    What the fused path refuses (:func:`sparse_attn.attn_inputs.unfused_variants`: slopes that require grad, value
+    What the fused path refuses (:func:`sparse_attn.attn.attn_inputs.unfused_variants`: slopes that require grad, value
     head dims outside [16, 256]) never reaches here.
     """
     return refused("decode", inputs.used())

@@ -1,4 +1,4 @@
-"""The KV cache of a decoding step, checked for :func:`sparse_attn.attn_inputs.prepare_attention`.
+"""The KV cache of a decoding step, checked for :func:`sparse_attn.attn.attn_inputs.prepare_attention`.
 
 :func:`sparse_attn.entmax_decode` takes its keys and values as a cache (contiguous ``(B, Hk, N, D)`` or a paged pool
 ``(num_pages, page_size, Hk, D)`` with a ``block_table``) with per-sequence lengths; :func:`check_kv_cache` checks

@@ -4,7 +4,7 @@ Shaped like :func:`torch.nn.functional.scaled_dot_product_attention`, with the a
 weights given by alpha-entmax of the scores instead of softmax (``alpha = 1`` is softmax,
 ``alpha = 2`` sparsemax). CUDA tensors run the fused Triton kernels (``backend="triton"``),
 other tensors the materialized reference (``backend="reference"``). The arguments are
-validated once by :func:`sparse_attn.attn_inputs.prepare_attention`.
+validated once by :func:`sparse_attn.attn.attn_inputs.prepare_attention`.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def run_layer_attention(inputs: AttnSpec, dense: bool, sink=None):
     """The attention of a layer (module or integration) on prepared inputs.
 
     Args:
-        inputs: from :func:`sparse_attn.attn_inputs.prepare_attention`.
+        inputs: from :func:`sparse_attn.attn.attn_inputs.prepare_attention`.
         dense: materialize the weights (the reference, whatever ``inputs.backend``).
         sink: None or a :class:`sparse_attn.stats.HeadStatsSink` the call reports to.
 

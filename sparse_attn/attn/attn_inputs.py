@@ -4,7 +4,7 @@
 the reference, the modules and the Hugging Face integration, which all go through it) and
 normalizes them into one frozen spec, :class:`~sparse_attn.kernels._spec.AttnSpec` (also named
 :data:`AttentionInputs`); the fused path
-(:mod:`sparse_attn._attn_autograd`) and the reference (:mod:`sparse_attn.reference`) consume it.
+(:mod:`sparse_attn.attn._attn_autograd`) and the reference (:mod:`sparse_attn.reference`) consume it.
 
 The attention variants real models use (a sliding ``window_size``, ``alibi_slopes``, per-head
 ``sinks``, ``softcap``, a value head dim ``Dv`` different from the query/key head dim) are carried
@@ -115,7 +115,7 @@ def unfused_variants(q: Tensor, v: Tensor, window_size=None, alibi_slopes=None, 
                      softcap=None, v_name: str = "v") -> list[str]:
     """The arguments of a call that the fused Triton kernels do not implement yet, as error-message phrases.
 
-    What :data:`sparse_attn.routes.SUPPORTED` refuses on the ``"fused"`` route, checked before the rest of the
+    What :data:`sparse_attn.attn.routes.SUPPORTED` refuses on the ``"fused"`` route, checked before the rest of the
     arguments (the full set is checked again at dispatch, :meth:`AttnSpec.used`), and the kernels' value
     head dims. Arguments as
     :func:`prepare_attention` (``window_size`` etc. already normalized: None when unused); ``v_name`` names ``v``
@@ -363,7 +363,7 @@ def prepare_attention(
 
     ``kv_cache=True`` is a decoding step (:func:`sparse_attn.entmax_decode`): ``k`` / ``v`` are its KV cache
     (contiguous, or a page pool with ``block_table``), ``cache_seqlens``, ``max_seqlen_k`` and ``num_splits`` as that
-    function documents them (checked by :func:`sparse_attn._kv_cache.check_kv_cache`); grouped-query heads need no
+    function documents them (checked by :func:`sparse_attn.attn._kv_cache.check_kv_cache`); grouped-query heads need no
     flag.
 
     Returns:

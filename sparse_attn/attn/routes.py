@@ -1,7 +1,7 @@
 """Which attention variants each execution route runs: one table, and routers that refuse what it does not list.
 
 A call's variants are named by :func:`used_variants` (from the normalized arguments of
-:func:`sparse_attn.attn_inputs.prepare_attention`, or :meth:`AttnSpec.used`). Each route declares the set it
+:func:`sparse_attn.attn.attn_inputs.prepare_attention`, or :meth:`AttnSpec.used`). Each route declares the set it
 implements in :data:`SUPPORTED`; ``refused(route, used)`` is what is left over, as phrases for an error message. A
 variant missing from a route's set is refused there, so a new variant is off every route until a route lists it
 (fail closed), and ``tests/test_routes.py`` checks that every field of the spec (``AttnSpec``) is named here.
@@ -9,10 +9,10 @@ variant missing from a route's set is refused there, so a new variant is off eve
 Routes:
 
 * ``"sdpa"``: PyTorch's ``scaled_dot_product_attention`` for softmax heads (alpha = 1 for every head, CUDA, no
-  statistics; :func:`sparse_attn._attn_autograd.sdpa_refuses` adds those conditions);
+  statistics; :func:`sparse_attn.attn._attn_autograd.sdpa_refuses` adds those conditions);
 * ``"decode"``: the split-K decode kernels (a few queries against a KV cache; :func:`sparse_attn.decode.decode_fits`);
 * ``"fused"``: the general fused Triton forward and backward;
-* ``"chunked"``: the reference backend's CPU path in row blocks (:func:`sparse_attn._cpu_chunked.chunked_fits`);
+* ``"chunked"``: the reference backend's CPU path in row blocks (:func:`sparse_attn.attn._cpu_chunked.chunked_fits`);
 * ``"reference"``: the materialized float64-capable reference (everything the library defines);
 * ``"context_parallel"`` and ``"ulysses"``: :func:`sparse_attn.distributed.context_parallel_attention` (K/V
   all-gathered) and :func:`sparse_attn.distributed.ulysses_attention` (heads exchanged); their masks are key padding

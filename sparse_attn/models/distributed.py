@@ -91,7 +91,7 @@ _ULYSSES_OPTIONS = ("scale", "dropout_p", "backend", "window_size", "softcap", "
 
 def _refuse(route: str, inputs) -> None:
     """``ValueError`` naming the variants of ``inputs`` (this rank's shards) that ``route`` does not list in
-    :data:`sparse_attn.routes.SUPPORTED`."""
+    :data:`sparse_attn.attn.routes.SUPPORTED`."""
     why = refused(route, inputs.used())
     if why:
         raise ValueError(refusal_message(route, why, "pass them to sparse_attn.entmax_attention on one process"))

@@ -48,7 +48,7 @@ def _kernel_device(t: Tensor) -> bool:
 
 def module_backend(backend: str, owner: str, *, need_weights: bool, recorder_weights: bool, on_cuda: bool,
                    device, dtype: torch.dtype, head_dim: int) -> tuple[str, str | None]:
-    """The backend an attention module passes to :func:`~sparse_attn.attn_inputs.prepare_attention` for one call.
+    """The backend an attention module passes to :func:`~sparse_attn.attn.attn_inputs.prepare_attention` for one call.
 
     The weights (``need_weights=True``, or a :func:`sparse_attn.record_head_stats` recorder with
     ``diversity=True``) exist only on the materialized reference. ``backend="triton"`` never falls

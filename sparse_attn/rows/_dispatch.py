@@ -3,9 +3,9 @@
 Autograd wiring. Every Triton kernel is reached through a ``torch.library.custom_op``
 (namespace ``sparse_attn``) with a ``register_fake`` implementation (output shapes only, so
 ``torch.compile(fullgraph=True)`` traces through it) and, when it is differentiable, a
-``register_autograd`` backward: the fused attention (``sparse_attn._attn_autograd``), the
-alpha-entmax row kernels (``sparse_attn._triton_rows``), the 1-d TV prox and the OSCAR prox
-with its isotonic-regression kernel (``sparse_attn._structured_rows``). Such an op may also
+``register_autograd`` backward: the fused attention (``sparse_attn.attn._attn_autograd``), the
+alpha-entmax row kernels (``sparse_attn.rows._triton_rows``), the 1-d TV prox and the OSCAR prox
+with its isotonic-regression kernel (``sparse_attn.rows._structured_rows``). Such an op may also
 hold the PyTorch implementation of the same operation, chosen by a flag, so that one
 autograd formula serves both (the proxes do). A backward that launches kernels is
 first-order only and raises ``RuntimeError`` when asked for a graph
@@ -25,7 +25,7 @@ Dispatch. The public mappings take no backend argument; they always dispatch as 
 * If Triton cannot be imported, ``auto`` runs the PyTorch path and warns once
   (``RuntimeWarning``). Both paths compute the same function to rounding.
 
-A *forced* kernel path never falls back: ``sparse_attn._triton_rows.entmax_rows_triton``,
+A *forced* kernel path never falls back: ``sparse_attn.rows._triton_rows.entmax_rows_triton``,
 the launchers in ``sparse_attn.kernels`` and ``entmax_attention(..., backend="triton")``
 raise ``ValueError``/``TypeError`` when the kernel cannot run the input (wrong device, dtype
 or alpha range); they never silently switch to PyTorch.

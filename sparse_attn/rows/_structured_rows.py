@@ -13,9 +13,9 @@ The proxes are ``torch.library`` custom ops (``sparse_attn::tv_prox_rows``,
 ``sparse_attn::oscar_prox_rows``) with fake implementations and registered backwards (the
 group Jacobians of Prop. 3 of Niculae & Blondel 2017, "A Regularized Framework for Sparse and Structured Neural
 Attention").
-Each op holds the Triton kernel (``sparse_attn.kernels.structured``) and the vectorized
+Each op holds the Triton kernel (``sparse_attn.kernels.rows.structured``) and the vectorized
 PyTorch implementation of the same operation, chosen by its ``use_triton`` flag, so one
-autograd formula serves both (``sparse_attn._dispatch`` states the rule;
+autograd formula serves both (``sparse_attn.rows._dispatch`` states the rule;
 :func:`use_kernels` is the ``auto`` choice: CUDA tensors use the kernels).
 """
 

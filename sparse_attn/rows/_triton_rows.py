@@ -3,7 +3,7 @@
 The launchers of ``kernels/rows/row_entmax.py`` are wrapped as the ``torch.library`` custom ops
 ``sparse_attn::entmax_rows_fwd`` and ``sparse_attn::entmax_rows_bwd`` with fake
 implementations (shapes only) and a registered autograd formula, following the rule of
-``sparse_attn._dispatch``. ``sparse_attn.mappings`` calls :func:`entmax_rows_triton` for CUDA
+``sparse_attn.rows._dispatch``. ``sparse_attn.mappings`` calls :func:`entmax_rows_triton` for CUDA
 tensors with long rows (the ``auto`` dispatch); called directly it is the forced kernel path
 and raises instead of falling back. It also runs on CPU tensors under ``TRITON_INTERPRET=1``
 (tests). The math and the solver are described in ``kernels/rows/row_entmax.py``.

@@ -27,9 +27,9 @@ entirely ``-inf`` (or has length 0) gives zeros and a zero gradient; a row with 
 its alpha), like ``torch.softmax``. Other rows are unaffected. This is done with elementwise
 selects, without reading values back to the host.
 
-Dispatch (``sparse_attn._dispatch`` states the rule for every mapping): CUDA
+Dispatch (``sparse_attn.rows._dispatch`` states the rule for every mapping): CUDA
 fp16/bf16/fp32 tensors with rows of at least ``TRITON_MIN_ROW`` entries and alpha in
-[1, 2] go to the Triton row kernels of ``sparse_attn._triton_rows`` (a
+[1, 2] go to the Triton row kernels of ``sparse_attn.rows._triton_rows`` (a
 ``torch.library`` custom op); everything else runs the PyTorch path below.
 """
 
@@ -294,7 +294,8 @@ class _EntmaxRowsFunction(torch.autograd.Function):
 
 
 def _use_triton_rows(X: torch.Tensor, n: int, alpha_min: float, alpha_max: float) -> bool:
-    """The ``auto`` rule of ``sparse_attn._dispatch`` for the row kernels (NaN alpha bounds, i.e. compiling: no)."""
+    """The ``auto`` rule of ``sparse_attn.rows._dispatch`` for the row kernels (NaN alpha bounds, i.e. compiling:
+    no)."""
     return (X.is_cuda and n >= TRITON_MIN_ROW and X.dtype in _TRITON_DTYPES and 1.0 <= alpha_min
             and alpha_max <= 2.0 and not torch.compiler.is_compiling())
 

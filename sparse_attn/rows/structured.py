@@ -8,7 +8,7 @@ All follow Niculae & Blondel 2017, "A Regularized Framework for Sparse and Struc
 * ``fusedmax``: ``Omega = |y|^2 / 2 + lam * sum_i |y_{i+1} - y_i|`` (1-d total variation);
   by Prop. 2, ``Pi(x) = P_simplex(P_TV(x / gamma))``. ``P_TV`` is computed exactly by
   Condat's direct algorithm (vectorized over rows here, one Triton program per row on
-  CUDA, ``sparse_attn.kernels.structured``).
+  CUDA, ``sparse_attn.kernels.rows.structured``).
 * ``oscarmax``: ``Omega = |y|^2 / 2 + lam * sum_{i<j} max(|y_i|, |y_j|)``; ``P_OSC`` is the prox
   of an ordered weighted l1 norm (weights ``lam * (n - k)`` on the k-th largest magnitude):
   sort magnitudes, subtract the weights, non-increasing isotonic regression (pool adjacent
@@ -37,8 +37,8 @@ its valid entries gives an all-NaN output row and NaN gradients (other rows are 
 masked entries are not looked at). fp16/bf16 are computed in float32. Empty inputs give
 empty outputs.
 
-The row helpers and the prox custom ops live in ``sparse_attn._structured_rows``; the
-Triton kernels run for CUDA tensors (the ``auto`` rule of ``sparse_attn._dispatch``).
+The row helpers and the prox custom ops live in ``sparse_attn.rows._structured_rows``; the
+Triton kernels run for CUDA tensors (the ``auto`` rule of ``sparse_attn.rows._dispatch``).
 """
 
 from __future__ import annotations
