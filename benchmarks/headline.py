@@ -46,8 +46,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import precompile  # noqa: E402
 import torch  # noqa: E402
+import triton_cache  # noqa: E402
 from bench_cases import Case, Inputs, dense_flops, make_inputs  # noqa: E402
 from bench_common import LEARNABLE, OK, OOM_ERRORS, fmt, free_memory  # noqa: E402
 from bench_extras import fused_stats  # noqa: E402
@@ -284,7 +284,7 @@ def run_case_once(case: Case, method: Method, inputs: Inputs, fwd) -> None:
 
 def warm_up(args, cases: list[Case], device: str, argv: list[str]) -> list[str]:
     """Build every kernel of the run in ``args.jobs`` processes sharing the Triton cache; returns log lines: the
-    warm-up's, then the kernels its processes loaded from the cache and compiled (``precompile.summary_line``)."""
+    warm-up's, then the kernels its processes loaded from the cache and compiled (``triton_cache.summary_line``)."""
     pairs = [(ci, mi) for ci, case in enumerate(cases) for mi in range(len(methods_of(case)))
              if methods_of(case)[mi].method == "sparse_attn"]
     if args.jobs <= 0 or not pairs:
@@ -293,7 +293,7 @@ def warm_up(args, cases: list[Case], device: str, argv: list[str]) -> list[str]:
     script = str(Path(__file__).resolve())
     base = [a for a in argv if not a.startswith("--warm-one") and a != "--warm-only"]
     log = tempfile.TemporaryDirectory(prefix="headline-compiles-")
-    env = dict(os.environ, **{precompile.LOG_ENV: log.name})
+    env = dict(os.environ, **{triton_cache.LOG_ENV: log.name})
 
     def build(pair):
         res = subprocess.run([sys.executable, script, *base, f"--warm-one={pair[0]}:{pair[1]}"],
@@ -308,16 +308,16 @@ def warm_up(args, cases: list[Case], device: str, argv: list[str]) -> list[str]:
             f"in {took:.1f} s ({n_built()} in the cache {cache_dir()})")
     if failed:
         line += f"; {len(failed)} warm-up processes failed: " + " | ".join(failed)[:600]
-    summary = precompile.summarize(precompile.read_events(Path(log.name)), precompile.read_manifest(cache_dir()))
+    summary = triton_cache.summarize(triton_cache.read_events(Path(log.name)), triton_cache.read_manifest(cache_dir()))
     log.cleanup()
-    return [line, precompile.summary_line(summary)]
+    return [line, triton_cache.summary_line(summary)]
 
 
 def warm_one(args, cases: list[Case], device: str, spec: str) -> int:
     ci, mi = (int(x) for x in spec.split(":"))
     case, method = cases[ci], methods_of(cases[ci])[mi]
-    if os.environ.get(precompile.LOG_ENV):
-        precompile.log_compiles_to(os.environ[precompile.LOG_ENV])
+    if os.environ.get(triton_cache.LOG_ENV):
+        triton_cache.log_compiles_to(os.environ[triton_cache.LOG_ENV])
     fwd, _ = fused_forward_launcher()
     run_case_once(case, method, inputs_of(case, device), fwd)
     if device == "cuda":
@@ -410,7 +410,7 @@ def run(argv: list[str] | None = None) -> Path | None:
         raise SystemExit(f"headline: {missing}")
     notes = [f"pinned launch configs: SPARSE_ATTN_PINNED={os.environ.get('SPARSE_ATTN_PINNED', '0')}",
              "learnable = torch.linspace(1, 2, heads) requiring grad (d alpha computed in fwd+bwd)"]
-    print(precompile.shipped_cache_line(cache_dir()), flush=True)
+    print(triton_cache.shipped_cache_line(cache_dir()), flush=True)
     print(f"headline: {len(cases)} cases, Triton cache {cache_dir()} holds {n_built()} kernels", flush=True)
     lines = warm_up(args, cases, device, argv)
     print("\n".join(lines), flush=True)
