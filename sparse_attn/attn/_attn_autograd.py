@@ -82,7 +82,7 @@ def _launch_kwargs(spec: AttnSpec, seed: int) -> dict:
     """The keyword arguments the forward and backward launchers take from the spec (the variants, varlen, dropout,
     the alpha class): the one place the fused path reads them, so that a new variant is one entry here."""
     return dict(
-        bias=spec.mask, is_causal=spec.is_causal, window_size=list(spec.window_size or (-1, -1)),
+        bias=spec.mask, is_causal=spec.is_causal, window_size=spec.window_size,
         alibi_slopes=spec.alibi_slopes, softcap=spec.softcap, sinks=spec.sinks, cu_seqlens_q=spec.cu_seqlens_q,
         cu_seqlens_k=spec.cu_seqlens_k, max_seqlen_q=spec.max_seqlen_q, max_seqlen_k=spec.max_seqlen_k,
         dropout_p=spec.dropout_p, seed=seed, alpha_class=spec.alpha_class,
