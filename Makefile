@@ -44,7 +44,7 @@ test: $(VENV)/.installed
 
 # The gpu-marked tests (bf16, large shapes, real compilation; skipped without CUDA). On a machine whose Python already
 # has torch with CUDA, triton, pytest, pytest-xdist and hypothesis, `make test-gpu PY=python3` installs nothing.
-# benchmarks/gpu_run.sh MODE=tests runs the same tests and writes a stamped log.
+# benchmarks/gpu/gpu_run.sh MODE=tests runs the same tests and writes a stamped log.
 test-gpu: $(if $(filter $(VENV)/bin/python,$(PY)),$(VENV)/.installed)
 	$(PYTEST) -m gpu $(PYTEST_ARGS)
 
@@ -55,7 +55,7 @@ clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
 
 bench-smoke: $(VENV)/.installed
-	$(PY) benchmarks/bench_attention.py --smoke --out benchmarks/results/cpu-smoke
+	$(PY) benchmarks/harness/bench_attention.py --smoke --out benchmarks/results/cpu-smoke
 
 bench: $(VENV)/.installed
-	$(PY) benchmarks/bench_attention.py
+	$(PY) benchmarks/harness/bench_attention.py

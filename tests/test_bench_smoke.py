@@ -1,10 +1,10 @@
-"""The benchmark harness (benchmarks/bench_attention.py) in its CPU smoke mode, so it never rots.
+"""The benchmark harness (benchmarks/harness/bench_attention.py) in its CPU smoke mode, so it never rots.
 
 One smoke run (tiny float32 shapes, Triton interpreter) writes the tables, CSV and plots into a
 temporary folder; the tests check the files, the stamp, the columns, that every benchmarked
 call computes the right thing (max error against the float64 reference), that the derived
 numbers follow from the raw ones, and the helpers that count tiles. The launch-config sweep
-(benchmarks/tune_tiles.py) and the profiling scripts (benchmarks/profile_case.py, profile_ncu.sh, with a
+(benchmarks/gpu/tune_tiles.py) and the profiling scripts (benchmarks/gpu/profile_case.py, profile_ncu.sh, with a
 stand-in ncu) run the same way.
 """
 
@@ -21,7 +21,9 @@ import torch
 from sparse_attn.mappings import entmax15 as sparse_entmax15
 from sparse_attn.reference import causal_keep
 
-HARNESS = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_attention.py"
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+HARNESS = BENCHMARKS / "harness" / "bench_attention.py"
+GPU = BENCHMARKS / "gpu"
 FP32_OUTPUT_TOL = 1e-3
 MODE_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}
 OUTPUT_FILES = ("results.md", "results.csv", "plot_grid.png", "plot_sparsity.png", "plot_mixed.png")
@@ -225,8 +227,8 @@ def test_median_and_quantiles_match_numpy(bench):
         assert (med, q20, q80) == pytest.approx((np.median(times), *np.quantile(times, [0.2, 0.8])), rel=1e-12)
 
 
-TUNER = HARNESS.parent / "tune_tiles.py"
-PROFILER = HARNESS.parent / "profile_case.py"
+TUNER = GPU / "tune_tiles.py"
+PROFILER = GPU / "profile_case.py"
 NCU_HEADER = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size",'
               '"Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"')
 # what `ncu --import <rep> --csv --page details` prints (a hand-written sample in ncu's layout): the section tables and
@@ -372,7 +374,7 @@ def test_profile_parses_ncu_details_and_raw_csv(profile):
 
 @pytest.mark.parametrize("fake", ["ok", "perm"])
 def test_profile_script_ncu_and_fallback_paths(tmp_path, fake):
-    """benchmarks/profile_ncu.sh with a stand-in ncu: a report imported and summarized, or the permission error
+    """benchmarks/gpu/profile_ncu.sh with a stand-in ncu: a report imported and summarized, or the permission error
     (ERR_NVGPUCTRPERM) sending it to the fallback path, which says why; both write profile.md."""
     (tmp_path / "details.csv").write_text(_ncu_details_csv())
     profiled = ('while [ $# -gt 0 ]; do [ "$1" = --export ] && echo rep > "$2.ncu-rep"; shift; done\n'
@@ -384,9 +386,9 @@ def test_profile_script_ncu_and_fallback_paths(tmp_path, fake):
                    '  *" --import "*) ;;\n'
                    f'  *) {profiled}  ;;\nesac\n')
     ncu.chmod(0o755)
-    script = HARNESS.parent / "profile_ncu.sh"
+    script = GPU / "profile_ncu.sh"
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
-    assert subprocess.run(["bash", "-n", str(HARNESS.parent / "gpu_run.sh")]).returncode == 0
+    assert subprocess.run(["bash", "-n", str(GPU / "gpu_run.sh")]).returncode == 0
     env = dict(os.environ, NCU=str(ncu), PYTHON=sys.executable, CASE_ARGS="--smoke --reps 1")
     done = subprocess.run(["bash", str(script), str(tmp_path / "out")], env=env, capture_output=True, text=True,
                           timeout=300)
@@ -410,8 +412,8 @@ def test_headline_dry_run_of_the_first_gpu_call(tmp_path):
     out = tmp_path / "out"
     env = dict(os.environ, PYTHON=sys.executable, SKIP_TESTS="1", TOTAL_S="600", WARM_JOBS="2", BENCH_COMMIT="dry-run",
                HEADLINE_ARGS="--smoke --seqs 32 --head-dims 16 --tokens 32 --hidden 32 --causal true --groups headline")
-    root = HARNESS.parents[1]
-    res = subprocess.run(["bash", str(root / "benchmarks" / "gpu_run.sh"), str(out)], cwd=root, env=env,
+    root = BENCHMARKS.parent
+    res = subprocess.run(["bash", str(GPU / "gpu_run.sh"), str(out)], cwd=root, env=env,
                          capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     for name in ("env.txt", "headline.log", "headline.md", "headline.csv", "headline.png"):
@@ -434,8 +436,8 @@ def test_headline_dry_run_of_the_first_gpu_call(tmp_path):
 
 def test_decode_gpu_timings_run_the_compiled_kernels():
     """``decode.py --gpu`` must not inherit passes.py's interpreter default (it did on the first GPU run)."""
-    root = HARNESS.parents[1]
-    code = ("import os, sys; sys.argv = ['decode.py', '--gpu']; sys.path.insert(0, 'benchmarks'); "
+    root = BENCHMARKS.parent
+    code = ("import os, sys; sys.argv = ['decode.py', '--gpu']; sys.path.insert(0, 'benchmarks/offline'); "
             "os.environ.pop('TRITON_INTERPRET', None); import decode; print(os.environ['TRITON_INTERPRET'])")
     res = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
@@ -446,7 +448,7 @@ def test_headline_local_scores_reach_the_dead_tile_target():
     """The local cases' calibration: the strength it returns gives about the asked fraction of dead key tiles on the
     sampled query tiles, and more strength gives more dead tiles."""
     sys.path.insert(0, str(HARNESS.parent))
-    headline = _load(HARNESS.parent / "headline.py", "headline")
+    headline = _load(GPU / "headline.py", "headline")
     from bench_cases import Case
 
     case = Case("local", 1, 1, 256, 256, 16, False, "fp32", target_density=0.5, alpha="1.5")

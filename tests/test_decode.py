@@ -856,13 +856,13 @@ def test_hf_generate_takes_the_decode_path_and_records_stats(monkeypatch, arch):
     assert torch.equal(res.sequences[:, ids.shape[1]:], torch.stack([s.argmax(-1) for s in res.logits], 1))
 
 
-_DECODE_BENCH = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "decode.py")
+_DECODE_BENCH = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "offline", "decode.py")
 
 
 def test_compiles_for_sm90():
     """Every launch of a decode step (score and value pass of each alpha class, with the candidate passes and the
     combine of their last programs) compiles for sm_90 with the specialization a real launch gets, paged, with a
-    float mask, and again with a boolean mask and every attention variant at once (benchmarks/decode.py
+    float mask, and again with a boolean mask and every attention variant at once (benchmarks/offline/decode.py
     --sm90-check)."""
     env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
     proc = subprocess.run([sys.executable, _DECODE_BENCH, "--sm90-check"], env=env, capture_output=True, text=True,

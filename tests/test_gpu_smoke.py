@@ -1,6 +1,6 @@
 """GPU smoke subset: every kernel family once, against float64, in well under 90 s on one H100/H200.
 
-Run by ``benchmarks/gpu_run.sh`` as ``pytest -m gpu_smoke -n 12 tests/test_gpu_smoke.py``, before the full
+Run by ``benchmarks/gpu/gpu_run.sh`` as ``pytest -m gpu_smoke -n 12 tests/test_gpu_smoke.py``, before the full
 ``gpu``-marked tests and the benchmarks: one shape per test, few distinct kernel builds (each costs seconds of
 Triton compilation), launch configs pinned (``SPARSE_ATTN_PINNED=1`` unless set: no autotuning runs). On CUDA the
 inputs are bf16 (one test fp16) at GPU-sized shapes; on a CPU-only machine the same tests run the same kernels on

@@ -1,6 +1,6 @@
 """House rules of the source tree: the package's modules import each other one way (no cycle, lazy imports inside
-functions included), and so do the benchmark scripts, no source file passes 600 lines, and test tolerances come from the one table
-(``tests/helpers.py``: ``TOL`` and ``EXACT``)."""
+functions included), and so do the benchmark scripts (and their folders), no source file passes 600 lines, and test
+tolerances come from the one table (``tests/helpers.py``: ``TOL`` and ``EXACT``)."""
 
 import ast
 import pathlib
@@ -73,10 +73,43 @@ def test_no_import_cycles():
     assert cycles == [], "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
 
 
+# benchmarks/ by concern: each folder and the folders its scripts may import from (by file name: a script puts its
+# own folder and those it needs on ``sys.path`` itself)
+BENCHMARK_FOLDERS = {
+    "harness": {"harness"},  # the timing harness and the scripts that time on any device
+    "offline": {"offline"},  # static analyses, offline sm_90 builds, interpreter counters and studies
+    "gpu": {"gpu", "harness", "offline"},  # the GPU run: its script, the headline, tuning, profiling, the shipped cache
+}
+
+
+def _benchmark_scripts() -> dict:
+    scripts = {}
+    for folder in BENCHMARK_FOLDERS:
+        for path in sorted((ROOT / "benchmarks" / folder).glob("*.py")):
+            assert path.stem not in scripts, f"{path.stem}.py in two benchmark folders: imports by file name clash"
+            scripts[path.stem] = path
+    return scripts
+
+
+def test_benchmark_folders_are_listed():
+    folders = {p.name for p in (ROOT / "benchmarks").iterdir()
+               if p.is_dir() and p.name not in ("results", "__pycache__")}
+    assert folders == set(BENCHMARK_FOLDERS), "a benchmark folder needs a line in BENCHMARK_FOLDERS"
+    assert not list((ROOT / "benchmarks").glob("*.py")), "benchmark scripts live in a folder of BENCHMARK_FOLDERS"
+
+
 def test_no_import_cycles_among_the_benchmark_scripts():
-    """The scripts import each other by file name (their folder is ``sys.path[0]``)."""
-    cycles = _cycles({p.stem: p for p in sorted((ROOT / "benchmarks").glob("*.py"))})
+    """The scripts import each other by file name, across the folders of ``benchmarks/``."""
+    cycles = _cycles(_benchmark_scripts())
     assert cycles == [], "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_benchmark_folders_import_one_way():
+    scripts = _benchmark_scripts()
+    wrong = [f"{path.relative_to(ROOT)} imports {target}.py ({scripts[target].parent.name}/)"
+             for name, path in scripts.items() for target in sorted(_imports(path, name, set(scripts)))
+             if scripts[target].parent.name not in BENCHMARK_FOLDERS[path.parent.name]]
+    assert wrong == []
 
 
 @pytest.mark.parametrize("path", _sources(), ids=lambda p: str(p.relative_to(ROOT)))

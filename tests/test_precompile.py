@@ -1,4 +1,4 @@
-"""``benchmarks/precompile.py``: the sm_90 cache it fills offline is the one the JIT looks up at launch.
+"""``benchmarks/gpu/precompile.py``: the sm_90 cache it fills offline is the one the JIT looks up at launch.
 
 One headline case (bf16, N 64, head dim 32, not causal), the softmax class's forward and backward (three kernels:
 the forward with ``out_u``, which the statistics' forward shares, dQ, dK/dV), built by two processes into a folder
@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-_SCRIPT = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "precompile.py")
+_SCRIPT = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "gpu", "precompile.py")
 _ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
 # the script builds this checkout's kernels, whichever copy of the package is installed
 _ENV = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1",

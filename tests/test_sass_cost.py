@@ -1,4 +1,4 @@
-"""CI smoke of ``benchmarks/sass_cost.py``, the static cost model of the forward's pass loops on sm_90.
+"""CI smoke of ``benchmarks/offline/sass_cost.py``, the static cost model of the forward's pass loops on sm_90.
 
 The script builds real sm_90 kernels (``TRITON_INTERPRET=0``), so it runs in a subprocess: the test session
 itself runs the kernels under the interpreter (tests/conftest.py).
@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-_SCRIPT = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "sass_cost.py")
+_SCRIPT = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "offline", "sass_cost.py")
 _ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
 # the script builds this checkout's kernels, whichever copy of the package is installed
 _ENV = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1",

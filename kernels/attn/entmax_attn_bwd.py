@@ -325,7 +325,7 @@ def entmax_attn_bwd(
             keys: seven products per live tile). False: the dK/dV kernel adds dQ (float32) with atomics, five
             products per live tile, results reproducible to float32 rounding only (docs/backward.md).
         tiles: ``{kernel: (block_m, block_n, num_warps, num_stages)}`` replacing the pinned config of ``"dq"``,
-            ``"dkdv"`` or ``"dbias"`` (launch-config tuning, ``benchmarks/tune_tiles.py``): tiles powers of two
+            ``"dkdv"`` or ``"dbias"`` (launch-config tuning, ``benchmarks/gpu/tune_tiles.py``): tiles powers of two
             >= 16, 4 or 8 warps; such a kernel is launched with exactly these warps and stages, not autotuned. Default
             None.
         tau_lo: float32 ``(B, Hq, Nq)``, the forward's ``tau_lo`` (the rounding residual of ``tau``): the scores are

@@ -224,7 +224,7 @@ def run(argv: list[str] | None = None) -> Path:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     start = time.monotonic()
-    device, stamp, default_out = start_run("benchmarks/bench_attention.py", argv, args.smoke, "the full grid")
+    device, stamp, default_out = start_run("benchmarks/harness/bench_attention.py", argv, args.smoke, "the full grid")
     out = args.out or default_out
     out.mkdir(parents=True, exist_ok=True)
 

@@ -149,7 +149,7 @@ def _run_info(cmd: list[str]) -> str:
         return ""
 
 
-def environment_stamp(device: str, argv: list[str], script: str = "benchmarks/bench_attention.py") -> dict:
+def environment_stamp(device: str, argv: list[str], script: str = "benchmarks/harness/bench_attention.py") -> dict:
     """GPU name, driver, torch / triton / CUDA / Python versions, git commit, UTC date and command line (``script``
     run with ``argv``)."""
     import triton

@@ -3,16 +3,16 @@
 The interpreter cannot run inline PTX, so ``_threshold.fast_log2`` is replaced by an emulation at the PTX error
 bound taken at its worst: ``log2 x + s * 2**-22 * max(1, |log2 x|)`` with ``s = +1``, ``-1`` or a hash of the bits
 of ``x`` (modes ``+``, ``-``, ``hash``; ``exact`` = ``tl.log2``). Per head (alpha 1.01 / 1.05 / 1.25 / 1.75, general
-class), score distribution (``benchmarks/passes.py``'s ``flat`` / ``std1`` / ``std3`` / ``local``) and causality it
-prints the max output error against the float64 reference, its ratio to the ``exact`` run's, the largest tau
-change, the mean passes and the largest float64 weight in a key tile the kernel marked dead (the certificate: at
+class), score distribution (``benchmarks/offline/passes.py``'s ``flat`` / ``std1`` / ``std3`` / ``local``) and
+causality it prints the max output error against the float64 reference, its ratio to the ``exact`` run's, the largest
+tau change, the mean passes and the largest float64 weight in a key tile the kernel marked dead (the certificate: at
 most 1e-6).
 
 * ``--part sums``: the threshold's point sums (grid and candidate passes), float32 inputs and bf16-rounded inputs
-  run in float32 with the dtype's tolerance (as ``benchmarks/passes.py``).
+  run in float32 with the dtype's tolerance (as ``benchmarks/offline/passes.py``).
 * ``--part weights``: the value pass's 16-bit weights (``_threshold.weights(FAST)``), real bf16 / fp16 tensors.
 
-Usage: ``python benchmarks/fast_log2_study.py [--part sums weights]`` (about 15 min per part on 2 cores).
+Usage: ``python benchmarks/offline/fast_log2_study.py [--part sums weights]`` (about 15 min per part on 2 cores).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
-from passes import make_inputs  # noqa: E402 (benchmarks/passes.py, next to this script)
+from passes import make_inputs  # noqa: E402 (benchmarks/offline/passes.py, next to this script)
 
 from sparse_attn.kernels.attn import _threshold  # noqa: E402
 from sparse_attn.kernels.attn.entmax_attn_fwd import default_tolerance, entmax_attn_fwd  # noqa: E402

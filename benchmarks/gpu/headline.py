@@ -44,7 +44,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+HERE = Path(__file__).resolve().parent
+# this folder and the timing harness (benchmarks/harness/: cases, methods, timing, reports)
+sys.path[:0] = [str(HERE), str(HERE.parent / "harness")]
 
 import torch  # noqa: E402
 import triton_cache  # noqa: E402
@@ -402,7 +404,8 @@ def run(argv: list[str] | None = None) -> Path | None:
         warm_one(args, cases, device, args.warm_one)
         return None
     start = time.monotonic()
-    device, stamp, default_out = start_run("benchmarks/headline.py", argv, args.smoke, "the headline run", "headline")
+    device, stamp, default_out = start_run("benchmarks/gpu/headline.py", argv, args.smoke, "the headline run",
+                                           "headline")
     out = args.out or default_out
     out.mkdir(parents=True, exist_ok=True)
     fwd, missing = fused_forward_launcher()

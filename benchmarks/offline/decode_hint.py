@@ -12,7 +12,7 @@ row tile (score and value pass included), the candidate passes' stored-score blo
 largest difference of the outputs and thresholds from the run without a hint; ``median step of tau``: the median
 ``|tau_t - tau_{t-1}|`` over rows and steps (the run without a hint).
 
-    python benchmarks/decode_hint.py --n 4096 --steps 6 --markdown
+    python benchmarks/offline/decode_hint.py --n 4096 --steps 6 --markdown
 """
 
 from __future__ import annotations

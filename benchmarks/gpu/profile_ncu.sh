@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# Profile one case of the fused forward (alpha 1.5, N = 8192, head dim 128, bf16, 16k tokens; benchmarks/profile_case.py)
+# Profile one case of the fused forward (alpha 1.5, N = 8192, head dim 128, bf16, 16k tokens; benchmarks/gpu/profile_case.py)
 # with Nsight Compute; where ncu is missing or refused (ERR_NVGPUCTRPERM in containers), fall back to torch.profiler
 # and the compiled kernel's registers / spills / shared memory. profile.md says which path ran and why.
 #
-#   bash benchmarks/profile_ncu.sh [OUT_DIR]
+#   bash benchmarks/gpu/profile_ncu.sh [OUT_DIR]
 #
 # OUT_DIR defaults to $OUT (the device tool's return folder), else benchmarks/results/<gpu-name>/profile/. It receives
 # profile.md (the summary for docs/kernels.md) and profile.log; with ncu also ncu.log, ncu_details.csv
 # (--csv --page details), ncu_raw.csv (--csv --page raw) and profile.ncu-rep (open it in Nsight Compute).
-# The package must be importable (benchmarks/gpu_run.sh MODE=profile sets that up, then runs this script).
+# The package must be importable (benchmarks/gpu/gpu_run.sh MODE=profile sets that up, then runs this script).
 # Environment knobs:
 #   PYTHON         interpreter holding a CUDA torch (default python3)
 #   NCU            path of ncu (default: PATH, then /usr/local/cuda*/bin, /opt/nvidia/nsight-compute/*)
@@ -17,7 +17,7 @@
 #   BUDGET_S       wall-clock budget of the whole script (default 540): no ncu attempt starts without 120 s left
 #                  for it and the report
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 WARMUP=3
@@ -87,7 +87,7 @@ else
     echo "profile_ncu: attempt '$attempt'" | tee -a "$LOG"
     timeout "$cap" "$ncu_bin" --target-processes all --clock-control none --kernel-name regex:entmax_attn_fwd "${select[@]}" \
       "${sections[@]}" ${extra[@]+"${extra[@]}"} --export "$OUT_DIR/profile" --force-overwrite \
-      "$PY" benchmarks/profile_case.py launch --warmup "$WARMUP" ${CASE[@]+"${CASE[@]}"} > "$OUT_DIR/ncu.log" 2>&1
+      "$PY" benchmarks/gpu/profile_case.py launch --warmup "$WARMUP" ${CASE[@]+"${CASE[@]}"} > "$OUT_DIR/ncu.log" 2>&1
     status=$?
     tail -n 30 "$OUT_DIR/ncu.log" | tee -a "$LOG"
     if grep -q "ERR_NVGPUCTRPERM" "$OUT_DIR/ncu.log"; then
@@ -112,5 +112,5 @@ if [ -n "$why" ]; then
   echo "profile_ncu: fallback path: $why" | tee -a "$LOG"
   report_args=(--why "$why")
 fi
-"$PY" benchmarks/profile_case.py report --out "$OUT_DIR" "${report_args[@]}" ${CASE[@]+"${CASE[@]}"} 2>&1 | tee -a "$LOG"
+"$PY" benchmarks/gpu/profile_case.py report --out "$OUT_DIR" "${report_args[@]}" ${CASE[@]+"${CASE[@]}"} 2>&1 | tee -a "$LOG"
 exit "${PIPESTATUS[0]}"

@@ -31,7 +31,7 @@ anyway (its bf16 ``tl.dot`` is wrong) and its float32 -> bfloat16 cast truncates
 to nearest as a GPU does. The weights are therefore not rounded before the value product, which a GPU
 does (the pipeline does too).
 
-Usage: ``python benchmarks/passes.py [--n 512 1024 2048] [--dtype bf16 fp32] [--quick] [--markdown] [--causal]
+Usage: ``python benchmarks/offline/passes.py [--n 512 1024 2048] [--dtype bf16 fp32] [--quick] [--markdown] [--causal]
 [--block 64] [--heads 2] [--grid-counters]``.
 """
 

@@ -21,10 +21,10 @@ point sums of ``kernels/attn/_threshold.py``), so that its SASS is what such a p
 
 Usage (from the project root; ``PYTHONPATH=.`` with triton 3.6's venv)::
 
-    python benchmarks/lean_passes.py [--d 128] [--block 64 64] [--warps 4] [--json FILE] [--maxnreg 128]
+    python benchmarks/offline/lean_passes.py [--d 128] [--block 64 64] [--warps 4] [--json FILE] [--maxnreg 128]
 
 Prints per prototype: registers / spill bytes of the build and, per tile loop, instructions per warp per key tile,
-the binding resource and the cycles of ``benchmarks/sass_cost.py``'s H100 SM model, and instructions per score.
+the binding resource and the cycles of ``benchmarks/offline/sass_cost.py``'s H100 SM model, and instructions per score.
 """
 
 from __future__ import annotations

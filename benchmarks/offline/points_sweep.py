@@ -3,10 +3,10 @@
 For every setting ``(K, P)``, K in {2, 4, 8}, P in {1, 2, 4} (powers of two: ``tl.arange``), it gathers
 
 * ``cycles``: the static cycles per key tile of each pass (grid, grid on a dead tile, candidate, value) and of the
-  softmax loop of the same build config, from offline sm_90 builds (``benchmarks/sass_cost.py``'s model; the
+  softmax loop of the same build config, from offline sm_90 builds (``benchmarks/offline/sass_cost.py``'s model; the
   kernel's ``FWD_POINTS`` is overridden for the build, ``--config`` overrides the pinned tile config);
-* ``passes``: the pass counts of the real kernel on the Triton interpreter (``benchmarks/passes.py``'s ``measure``,
-  bf16 emulated as there) with ``FWD_POINTS`` overridden, per distribution, alpha, N and causality;
+* ``passes``: the pass counts of the real kernel on the Triton interpreter (``benchmarks/offline/passes.py``'s
+  ``measure``, bf16 emulated as there) with ``FWD_POINTS`` overridden, per distribution, alpha, N and causality;
 * ``emulate``: the same pass counts from a float32 emulation of the threshold passes (a study script kept outside
   this repository, ``grid_cost_spike.py``, given by ``--spike PATH``), with its tile shape set by ``--block``
   (fast, torch);
@@ -16,10 +16,10 @@ For every setting ``(K, P)``, K in {2, 4, 8}, P in {1, 2, 4} (powers of two: ``t
 
 Each subcommand appends JSON lines to ``--out``. Usage (from the project root, ``PYTHONPATH=.``)::
 
-    python benchmarks/points_sweep.py cycles --out C.jsonl [--d 128] [--config 64,64,4,2] [--points 8,1 4,1 ...]
-    python benchmarks/points_sweep.py passes --out P.jsonl [--n 512] [--block 64]
-    python benchmarks/points_sweep.py emulate --out E.jsonl [--n 1024 4096] [--block 64 64]
-    python benchmarks/points_sweep.py report C.jsonl P.jsonl E.jsonl [--markdown]
+    python benchmarks/offline/points_sweep.py cycles --out C.jsonl [--d 128] [--config 64,64,4,2] [--points 8,1 4,1 ...]
+    python benchmarks/offline/points_sweep.py passes --out P.jsonl [--n 512] [--block 64]
+    python benchmarks/offline/points_sweep.py emulate --out E.jsonl [--n 1024 4096] [--block 64 64]
+    python benchmarks/offline/points_sweep.py report C.jsonl P.jsonl E.jsonl [--markdown]
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Static cost of the fused forward's pass loops on an H100 SM (sm_90), from the SASS of the offline builds.
 
-For each alpha class the forward is built for sm_90 exactly as ``benchmarks/sm90_build.py`` builds it (the
+For each alpha class the forward is built for sm_90 exactly as ``benchmarks/offline/sm90_build.py`` builds it (the
 launcher runs on CPU tensors, the JIT binder gives the launch specialization), the cubin is disassembled with the
 ``nvdisasm`` bundled with that Triton (``-json``: one record per instruction), and then:
 
@@ -48,13 +48,13 @@ launcher runs on CPU tensors, the JIT binder gives the launch specialization), t
 5. **Per class** (per key tile visible to a query tile, as a ratio to the softmax class's loop of the same head
    dim and causality): ``dense = grid + c * cand + value`` with ``c = --cand-passes`` candidate passes
    (default 1: bf16 takes 3 passes, grid + 1 candidate + value, on the distributions of docs/kernels.md's pass
-   table, ``benchmarks/passes.py``); a fraction ``d`` of dead key tiles costs the grid pass's dead path only
+   table, ``benchmarks/offline/passes.py``); a fraction ``d`` of dead key tiles costs the grid pass's dead path only
    (the later passes skip them through the bitmap): ``(1 - d) * dense + d * grid_dead``, ``d`` from ``--dead``.
    That assumes a tile is already dead when the grid pass visits it (the running max final before it).
 
 The counts are exact for the SASS that was built; the cycles are a model. Usage (from the project root)::
 
-    python benchmarks/sass_cost.py [--d 64 128] [--classes softmax entmax15 sparsemax general]
+    python benchmarks/offline/sass_cost.py [--d 64 128] [--classes softmax entmax15 sparsemax general]
         [--causal | --no-causal] [--cand-passes 1] [--dead 0.6 0.9] [--n N] [--markdown] [--json FILE]
         [--mix] [--keep DIR] [--smoke] [--points K,P] [--config BLOCK_M BLOCK_N WARPS]
 

@@ -13,7 +13,7 @@ import os
 import shutil
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_OUT = ROOT / ".triton-sm90"
 MANIFEST = "manifest.json"
 # a folder: each process with this set in its environment appends its compile events to <folder>/<pid>.jsonl

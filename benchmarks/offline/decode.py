@@ -24,9 +24,9 @@ contexts, with the pass and block counters of the run; then the same steps repla
 columns: no host work) and the host-bound rate of eager calls issued back to back (``host us``).
 
 Offline builds (``--sm90``; no GPU needed): every kernel of a decode step compiled for sm_90 with the launch
-specialization (``benchmarks/sm90_build.py``), registers, spills, shared memory, async copies, instruction mix.
+specialization (``benchmarks/offline/sm90_build.py``), registers, spills, shared memory, async copies, instruction mix.
 
-Usage: ``python benchmarks/decode.py [--n 2048] [--dtype bf16 fp32] [--alpha ...] [--dist ...] [--quick]
+Usage: ``python benchmarks/offline/decode.py [--n 2048] [--dtype bf16 fp32] [--alpha ...] [--dist ...] [--quick]
 [--markdown] [--gpu] [--sm90 [--d 64 128 256]] [--sm90-check]``.
 """
 
@@ -183,7 +183,7 @@ def sm90_builds(head_dim: int, alpha_class: str, paged: bool = True, mask: str |
                 variants: bool = False, hint: bool = False):
     """Build every kernel one decode step launches (the score and the value pass of each alpha class, each with its
     last-program part: the candidate passes, the combine) for sm_90 as the launcher launches it
-    (``benchmarks/sm90_build.py``); one analysis dict per distinct kernel.
+    (``benchmarks/offline/sm90_build.py``); one analysis dict per distinct kernel.
 
     ``mask``: None, ``"float"`` (an additive ``(B, 1, 1, Nk)`` bias) or ``"bool"`` (a keep mask). ``variants``:
     every attention variant at once (a ``(1024, 0)`` window, ALiBi, a soft cap, sinks, ``Dv = head_dim / 2``).

@@ -6,7 +6,7 @@ launcher's own planning function from real (CPU) tensors, and Triton's JIT binde
 stride-1 constants and the 16-divisibility hints from them, as it would at launch. The cubin is then
 read with the ptxas/cuobjdump bundled with Triton.
 
-Usage: ``python benchmarks/sm90_build.py [--d 64 128 256] [--classes ...] [--markdown]``.
+Usage: ``python benchmarks/offline/sm90_build.py [--d 64 128 256] [--classes ...] [--markdown]``.
 Columns: regs per thread, spill bytes (stack + local memory per thread) and spill stores (STL), the spill loads
 and stores inside a loop (``loop_ldst``: paid per iteration; those outside every loop are paid once per program), shared
 memory (dynamic, bytes), SASS instructions in total, LDGSTS (cp.async) and UTMALDG (TMA) loads, LDG (plain

@@ -34,7 +34,10 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+HERE = Path(__file__).resolve().parent
+# this folder, the timing harness (benchmarks/harness/: cases, methods, timing, reports) and benchmarks/offline/
+# (sm90_build, which reads a build's registers)
+sys.path[:0] = [str(HERE), str(HERE.parent / "harness"), str(HERE.parent / "offline")]
 
 import torch  # noqa: E402
 from bench_cases import Case, dense_flops, make_inputs  # noqa: E402
@@ -357,7 +360,7 @@ def run(argv: list[str] | None = None) -> Path:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     start = time.monotonic()
-    device, stamp, default_out = start_run("benchmarks/tune_tiles.py", argv, args.smoke, "tuning", "tune")
+    device, stamp, default_out = start_run("benchmarks/gpu/tune_tiles.py", argv, args.smoke, "tuning", "tune")
     out = args.out or default_out
     out.mkdir(parents=True, exist_ok=True)
     notes = ["fwd = training forward (need_out_u); fwd+bwd adds entmax_attn_bwd (its warps/stages autotuned); "
@@ -557,7 +560,8 @@ def winners(rows: list[dict]) -> list[dict]:
 
 def write_markdown(path: Path, stamp: dict, notes: list[str], rows: list[dict]):
     """``tune.md``: stamp, configs against the pinned one per head dim and dtype, winners per case, every row."""
-    lines = ["# Launch-config tuning of the fused kernels (benchmarks/tune_tiles.py)", "", *stamp_lines(stamp, notes),
+    lines = ["# Launch-config tuning of the fused kernels (benchmarks/gpu/tune_tiles.py)", "",
+             *stamp_lines(stamp, notes),
              "", "## Configs against the pinned one (speedup = pinned ms / ms; geomean and worst over the cases)", "",
              "A config to pin must be `ok` in every case (the pinned tiles are per head dim, for every alpha class).",
              ""]

@@ -18,7 +18,7 @@ Also counted per call: kernel launches, buffers allocated (``torch.empty`` / ``t
 ``torch.full``: on a GPU every ``zeros`` and ``full`` is one more launch, a fill kernel) and the arguments of each
 launch.
 
-Usage: ``python benchmarks/decode_host.py [--batch 1 8 32] [--keys 1024 32768] [--alpha 1.0 1.5] [--steps 200]
+Usage: ``python benchmarks/harness/decode_host.py [--batch 1 8 32] [--keys 1024 32768] [--alpha 1.0 1.5] [--steps 200]
 [--route decode attention] [--read-values] [--bind] [--device cuda]``. ``--route attention``: the step through
 ``entmax_attention`` as a Hugging Face model calls it, a contiguous cache. ``--bind``: also the host time Triton's
 launch path spends on the step's launches before the driver calls, binding and specializing the arguments and

@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
 # The one script a GPU run needs, one call per MODE:
 #
-#   bash benchmarks/gpu_run.sh [OUT_DIR]                # MODE=headline (default): smoke tests + headline cases
-#   MODE=tests bash benchmarks/gpu_run.sh [OUT_DIR]     # the gpu-marked tests only (make test-gpu), logged
-#   MODE=bench bash benchmarks/gpu_run.sh [OUT_DIR]     # gpu-marked tests, then the full grid
-#   MODE=tune bash benchmarks/gpu_run.sh [OUT_DIR]      # launch-config sweep (benchmarks/tune_tiles.py)
-#   MODE=profile bash benchmarks/gpu_run.sh [OUT_DIR]   # one forward case under Nsight Compute (profile_ncu.sh)
-#   MODE=decode bash benchmarks/gpu_run.sh [OUT_DIR]    # decode steps vs SDPA (benchmarks/decode.py --gpu), host time by stage (decode_host.py --device cuda)
+#   bash benchmarks/gpu/gpu_run.sh [OUT_DIR]                # MODE=headline (default): smoke tests + headline cases
+#   MODE=tests bash benchmarks/gpu/gpu_run.sh [OUT_DIR]     # the gpu-marked tests only (make test-gpu), logged
+#   MODE=bench bash benchmarks/gpu/gpu_run.sh [OUT_DIR]     # gpu-marked tests, then the full grid
+#   MODE=tune bash benchmarks/gpu/gpu_run.sh [OUT_DIR]      # launch-config sweep (benchmarks/gpu/tune_tiles.py)
+#   MODE=profile bash benchmarks/gpu/gpu_run.sh [OUT_DIR]   # one forward case under Nsight Compute (profile_ncu.sh)
+#   MODE=decode bash benchmarks/gpu/gpu_run.sh [OUT_DIR]    # decode steps vs SDPA (benchmarks/offline/decode.py --gpu), host time by stage (decode_host.py --device cuda)
 #
 # OUT_DIR defaults to $OUT (the device tool's return folder), else benchmarks/results/<gpu-name>/ (bench),
 # .../<gpu-name>/<mode>/ (headline, tune, profile, decode). It receives:
 #   headline: env.txt, pytest_smoke.log, headline.log, headline.md, headline.csv, headline.png and, when it fits
 #            in 15 MB, triton-cache.tgz (the kernels built there, to start the next run warm); a cache built offline
-#            in .triton-sm90/ (benchmarks/precompile.py) is installed into TRITON_CACHE_DIR first, and headline.log
+#            in .triton-sm90/ (benchmarks/gpu/precompile.py) is installed into TRITON_CACHE_DIR first, and headline.log
 #            says how many kernels the warm-up loaded from it and how many it compiled
 #   tests:   pytest_gpu.log (the GPU, versions and commit first, then pytest's output with --durations=25)
 #   bench:   pytest_gpu.log, bench.log, results.md, results.csv and three plot_*.png (7 files)
@@ -23,21 +23,21 @@
 #   MODE            headline, tests, bench, tune, profile or decode (default headline)
 #   SMOKE_TIMEOUT_S cap on the gpu_smoke tests of MODE=headline (default 150), run while the kernels build
 #                   (SKIP_TESTS=1 skips them)
-#   HEADLINE_ARGS   extra arguments for benchmarks/headline.py (e.g. "--seqs 4096 --groups headline")
+#   HEADLINE_ARGS   extra arguments for benchmarks/gpu/headline.py (e.g. "--seqs 4096 --groups headline")
 #   PYTHON          interpreter holding a CUDA torch (default python3)
 #   TOTAL_S         wall-clock budget of the whole script in seconds (default 570, under a 600 s call)
 #   TEST_TIMEOUT_S  cap on the gpu-marked tests (default 200); SKIP_TESTS=1 skips them
 #   PYTEST_WORKERS  pytest-xdist workers for the tests (default 4; MODE=tests 8)
 #   PYTEST_SELECT   what pytest runs (default "-m gpu tests"; "tests" runs the whole suite on the GPU)
-#   BENCH_ARGS      extra arguments for benchmarks/bench_attention.py (e.g. "--groups flash")
+#   BENCH_ARGS      extra arguments for benchmarks/harness/bench_attention.py (e.g. "--groups flash")
 #   RESUME_FROM     results.csv (tune: tune.csv) of a run cut short by the budget: its rows are kept, the rest is run
-#   TUNE_ARGS       extra arguments for benchmarks/tune_tiles.py (e.g. "--head-dims 64 --modes fwd")
-#   CASE_ARGS       extra arguments for benchmarks/profile_case.py (e.g. "--config 128x64w8s2"; profile_ncu.sh)
-#   DECODE_ARGS     arguments for benchmarks/decode.py --gpu (default "--dtype bf16")
+#   TUNE_ARGS       extra arguments for benchmarks/gpu/tune_tiles.py (e.g. "--head-dims 64 --modes fwd")
+#   CASE_ARGS       extra arguments for benchmarks/gpu/profile_case.py (e.g. "--config 128x64w8s2"; profile_ncu.sh)
+#   DECODE_ARGS     arguments for benchmarks/offline/decode.py --gpu (default "--dtype bf16")
 #   BENCH_COMMIT    commit to stamp when the copy has no .git (e.g. the output of git rev-parse HEAD)
 # Wheels found in .whl/ (entmax, adasplash; see benchmarks/README.md) are installed to /tmp first.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 START=$SECONDS
 PY=${PYTHON:-python3}
 TOTAL_S=${TOTAL_S:-570}
@@ -78,9 +78,9 @@ case "$MODE" in
     export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
     mkdir -p "$TRITON_CACHE_DIR"
     {
-      # the kernels built offline (benchmarks/precompile.py), copied with their paths rewritten: Triton's cache
+      # the kernels built offline (benchmarks/gpu/precompile.py), copied with their paths rewritten: Triton's cache
       # names its files by absolute path, so a folder used where it was not built misses
-      if [ -d .triton-sm90 ]; then "$PY" benchmarks/precompile.py --out .triton-sm90 --install "$TRITON_CACHE_DIR"; fi
+      if [ -d .triton-sm90 ]; then "$PY" benchmarks/gpu/precompile.py --out .triton-sm90 --install "$TRITON_CACHE_DIR"; fi
       nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
       "$PY" -c "import sys, torch, triton, numpy; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'numpy', numpy.__version__)"
       echo "commit: ${BENCH_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
@@ -90,7 +90,7 @@ case "$MODE" in
     # the kernels of the timed cases build in parallel processes while the smoke tests run; no timing starts
     # before both are done (the smoke tests use the GPU too)
     # shellcheck disable=SC2086
-    "$PY" benchmarks/headline.py --out "$OUT_DIR" --warm-only --jobs "${WARM_JOBS:-10}" ${HEADLINE_ARGS:-} \
+    "$PY" benchmarks/gpu/headline.py --out "$OUT_DIR" --warm-only --jobs "${WARM_JOBS:-10}" ${HEADLINE_ARGS:-} \
       > "$OUT_DIR/headline.log" 2>&1 &
     warm_pid=$!
     if [ "${SKIP_TESTS:-0}" != "1" ]; then
@@ -105,7 +105,7 @@ case "$MODE" in
     left=$(( TOTAL_S - (SECONDS - START) ))
     {
       # shellcheck disable=SC2086
-      timeout $(( left - 20 )) "$PY" benchmarks/headline.py --out "$OUT_DIR" ${HEADLINE_ARGS:-} --jobs 0 \
+      timeout $(( left - 20 )) "$PY" benchmarks/gpu/headline.py --out "$OUT_DIR" ${HEADLINE_ARGS:-} --jobs 0 \
         --budget-s $(( left > 90 ? left - 45 : left / 2 ))
       echo "gpu_run: headline exit status $? after $(( SECONDS - START )) s"
     } 2>&1 | tee -a "$OUT_DIR/headline.log"
@@ -121,7 +121,7 @@ case "$MODE" in
     {
       nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
       # shellcheck disable=SC2086
-      timeout $(( left - 10 )) "$PY" benchmarks/tune_tiles.py --out "$OUT_DIR" --budget-s $(( left - 60 )) \
+      timeout $(( left - 10 )) "$PY" benchmarks/gpu/tune_tiles.py --out "$OUT_DIR" --budget-s $(( left - 60 )) \
         ${resume[@]+"${resume[@]}"} ${TUNE_ARGS:-}
       echo "gpu_run: tune exit status $? (124 = killed at the time limit; tune.csv holds every finished row)"
     } 2>&1 | tee "$OUT_DIR/tune.log"
@@ -141,7 +141,7 @@ case "$MODE" in
     ;;
   profile)
     left=$(( TOTAL_S - (SECONDS - START) ))
-    BUDGET_S=$(( left - 10 )) timeout "$left" bash benchmarks/profile_ncu.sh "$OUT_DIR"
+    BUDGET_S=$(( left - 10 )) timeout "$left" bash benchmarks/gpu/profile_ncu.sh "$OUT_DIR"
     exit $?
     ;;
   decode)
@@ -149,12 +149,12 @@ case "$MODE" in
     {
       nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
       echo "commit: ${BENCH_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
-      echo "command: python benchmarks/decode.py --gpu ${DECODE_ARGS:---dtype bf16}"
+      echo "command: python benchmarks/offline/decode.py --gpu ${DECODE_ARGS:---dtype bf16}"
       # shellcheck disable=SC2086
-      timeout $(( left - 10 )) "$PY" benchmarks/decode.py --gpu ${DECODE_ARGS:---dtype bf16}
+      timeout $(( left - 10 )) "$PY" benchmarks/offline/decode.py --gpu ${DECODE_ARGS:---dtype bf16}
       echo "gpu_run: decode exit status $?"
-      echo "command: python benchmarks/decode_host.py --device cuda --steps 200"
-      timeout $(( TOTAL_S - (SECONDS - START) - 5 )) "$PY" benchmarks/decode_host.py --device cuda --steps 200
+      echo "command: python benchmarks/harness/decode_host.py --device cuda --steps 200"
+      timeout $(( TOTAL_S - (SECONDS - START) - 5 )) "$PY" benchmarks/harness/decode_host.py --device cuda --steps 200
       echo "gpu_run: decode_host exit status $?"
     } 2>&1 | tee "$OUT_DIR/decode.md"
     exit "${PIPESTATUS[0]}"
@@ -181,6 +181,6 @@ fi
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
   # shellcheck disable=SC2086
-  timeout $(( left - 10 )) "$PY" benchmarks/bench_attention.py --out "$OUT_DIR" --budget-s "$budget" ${resume[@]+"${resume[@]}"} ${BENCH_ARGS:-}
+  timeout $(( left - 10 )) "$PY" benchmarks/harness/bench_attention.py --out "$OUT_DIR" --budget-s "$budget" ${resume[@]+"${resume[@]}"} ${BENCH_ARGS:-}
   echo "gpu_run: benchmark exit status $?"
 } 2>&1 | tee "$OUT_DIR/bench.log"

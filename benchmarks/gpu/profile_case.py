@@ -5,7 +5,7 @@ hidden 2048 (batch 2, 16 heads), not causal, the training forward (``need_out_u`
 ``bench_attention.py``; ``--inference`` without it), at the pinned launch config forced past the autotuner (or
 ``--config``), so that every call launches ``_entmax_attn_fwd_kernel`` exactly once.
 
-* ``launch``: what Nsight Compute runs (``benchmarks/profile_ncu.sh``): ``--warmup`` calls (the first compiles),
+* ``launch``: what Nsight Compute runs (``benchmarks/gpu/profile_ncu.sh``): ``--warmup`` calls (the first compiles),
   then one call inside the NVTX range ``profiled`` (profile it with ``--nvtx --nvtx-include profiled/``, or with
   ``--launch-skip <warmup> --launch-count 1``).
 * ``report``: writes ``profile.md`` into ``--out``: with ``--ncu-csv`` (``ncu --import ... --csv --page details``,
@@ -28,7 +28,9 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+HERE = Path(__file__).resolve().parent
+# this folder and the timing harness (benchmarks/harness/: cases, methods, timing, reports)
+sys.path[:0] = [str(HERE), str(HERE.parent / "harness")]
 
 import torch  # noqa: E402
 from bench_cases import Case  # noqa: E402
@@ -306,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     start = time.monotonic()
-    device, stamp, default_out = start_run("benchmarks/profile_case.py", argv, args.smoke, "the case", "profile")
+    device, stamp, default_out = start_run("benchmarks/gpu/profile_case.py", argv, args.smoke, "the case", "profile")
     if args.action == "launch":
         launch(args, device)
     else:

@@ -6,7 +6,7 @@ and ``dq`` against the float64 reference on the same (rounded) inputs, and times
 block mask (``triton.testing.do_bench``, medians). Also one decode step (4 queries against the N keys) with the block
 mask against float64. Prints a markdown table (and writes it to ``--out``/block_mask.md).
 
-Usage: ``python benchmarks/block_mask_check.py [--n 8192] [--d 128] [--block 128] [--keep 0.25] [--alphas 1,1.5,2]
+Usage: ``python benchmarks/gpu/block_mask_check.py [--n 8192] [--d 128] [--block 128] [--keep 0.25] [--alphas 1,1.5,2]
 [--out DIR]``.
 """
 

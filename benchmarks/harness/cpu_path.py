@@ -21,8 +21,8 @@ the table's header gives the load average before and after the run.
 
 Usage::
 
-    .venv/bin/python benchmarks/cpu_path.py                      # 1 x 8 x 2048 x 64, causal, alpha 1.5, float32
-    .venv/bin/python benchmarks/cpu_path.py --seq 4096 --modes fwd
+    .venv/bin/python benchmarks/harness/cpu_path.py                      # 1 x 8 x 2048 x 64, causal, alpha 1.5, float32
+    .venv/bin/python benchmarks/harness/cpu_path.py --seq 4096 --modes fwd
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 METHODS = ("ours", "old", "entmax", "sdpa")
 MODES = ("fwd", "fwd+bwd")
 

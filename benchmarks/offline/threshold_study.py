@@ -1,6 +1,6 @@
 """Design study of the forward's threshold passes: pass and tile-visit counts of candidate strategies (a float32
 emulation of 64-row query tiles that stop together, against a float64 oracle), priced with the static cycles per key
-tile of their prototype loops (``benchmarks/lean_passes.py``), as modelled time per query tile.
+tile of their prototype loops (``benchmarks/offline/lean_passes.py``), as modelled time per query tile.
 
 Strategies (``z = (alpha - 1) s``, ``m`` the row max, ``tol`` by dtype as the kernel's ``default_tolerance``; every
 bracket certified as in ``kernels/attn/_threshold.py``: tangent roots of the convex ``phi = f^(1/beta) - 1`` are
@@ -21,13 +21,13 @@ Per query tile it records the passes (max and value pass included) and, per pass
 those screened as dead (a key tile is dead for a pass once every score of every row lies at or below the row's
 certified lower bound known before that pass; in the first pass that knows ``m - 1`` a dead tile costs the screen
 only). The output error of the value pass at the final estimate is compared with a FlashAttention-style pipeline
-at the exact threshold (``benchmarks/passes.py``'s ``pipeline_out``): ``ratio`` 1.00 = as accurate.
+at the exact threshold (``benchmarks/offline/passes.py``'s ``pipeline_out``): ``ratio`` 1.00 = as accurate.
 
 Usage (from the project root)::
 
-    python benchmarks/threshold_study.py emulate --out E.jsonl [--n 1024 4096] [--alpha 1.5 2 1.25]
+    python benchmarks/offline/threshold_study.py emulate --out E.jsonl [--n 1024 4096] [--alpha 1.5 2 1.25]
         [--dtype bf16 fp16] [--dist std1 std3 local flat] [--strategies "today 8,1" "rel 4,2" ...]
-    python benchmarks/threshold_study.py model E.jsonl --cycles C39.json [--markdown]
+    python benchmarks/offline/threshold_study.py model E.jsonl --cycles C39.json [--markdown]
 
 ``model`` prices each strategy per query tile with the cycles of the prototype loops (``lean_passes.py --json``) and
 prints it against the softmax loop (``--softmax`` cycles of the same config) dense and at 60% / 90% dead key tiles.
@@ -57,7 +57,7 @@ def make_scores(dist, n, d, heads, seed, dtype):
     """Scores ``q k^T / sqrt(d)`` (float32 from inputs rounded to ``dtype``, float64 from the same rounded inputs)
     and ``v``, per head: ``(s32 [H, n, n], s64, v [H, n, d])``. ``dist``: ``std1`` / ``std3`` (Gaussian scores of
     std 1 / 3: two temperatures), ``flat`` (std 0.3), ``local`` (AR(1) keys, queries near their own key); the
-    generator of ``benchmarks/passes.py``."""
+    generator of ``benchmarks/offline/passes.py``."""
     os.environ.setdefault("TRITON_INTERPRET", "1")
     from passes import make_inputs
 

@@ -10,7 +10,7 @@ file. Two runs of the same kernels give identical files; compare a run before an
 Without a GPU it sets ``TRITON_INTERPRET=1`` (before importing any kernel) and runs on CPU
 tensors; a minute or two on one core.
 
-    python benchmarks/fused_digest.py --out /tmp/after.json [--check /tmp/before.json]
+    python benchmarks/offline/fused_digest.py --out /tmp/after.json [--check /tmp/before.json]
 """
 
 from __future__ import annotations

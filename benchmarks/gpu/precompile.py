@@ -22,7 +22,7 @@ A venv with the device's Triton (torch from the project's venv serves)::
     python3 -m venv /tmp/t36 && /tmp/t36/bin/pip install triton==3.6.0
     pip download triton==3.6.0 --no-deps --only-binary=:all: --python-version 3.12 \\
         --platform manylinux_2_28_x86_64 -d /tmp/wheels312
-    PYTHONPATH=/tmp/t36/lib/python3.11/site-packages .venv/bin/python benchmarks/precompile.py \\
+    PYTHONPATH=/tmp/t36/lib/python3.11/site-packages .venv/bin/python benchmarks/gpu/precompile.py \\
         --device-wheel /tmp/wheels312/triton-3.6.0-cp312-*.whl
 
 Writes into ``--out`` (default ``.triton-sm90/`` in the repo root, git-ignored): the cache entries, only the
@@ -56,7 +56,11 @@ import zipfile
 import zlib
 from pathlib import Path
 
-from triton_cache import (  # this folder is sys.path[0] when run as a script
+HERE = Path(__file__).resolve().parent
+# this folder (triton_cache, headline) and the timing harness headline.py runs with (benchmarks/harness/)
+sys.path[:0] = [str(HERE), str(HERE.parent / "harness")]
+
+from triton_cache import (  # noqa: E402
     DEFAULT_OUT,
     MANIFEST,
     ROOT,
@@ -321,7 +325,6 @@ def main(argv=None) -> int:
     if args.worker is None and not args.check:
         return build(args)
     set_up_offline(args.out)
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     import headline
 
     hargs = headline.parse_args(args.headline_args)
