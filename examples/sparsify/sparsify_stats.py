@@ -14,8 +14,8 @@ head; ``--alpha`` puts every head at one value instead (default for other models
 
 Usage::
 
-    python examples/sparsify_stats.py --text notes.txt                              # all-MiniLM-L6-v2, alpha 1.5
-    python examples/sparsify_stats.py --model runs/sparsify/adapted_learnable --text notes.txt
+    python examples/sparsify/sparsify_stats.py --text notes.txt                     # all-MiniLM-L6-v2, alpha 1.5
+    python examples/sparsify/sparsify_stats.py --model runs/sparsify/adapted_learnable --text notes.txt
 """
 
 from __future__ import annotations
@@ -28,13 +28,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent)]  # this example's modules and examples/run_folders.py
 
 import sparsify_data as data  # noqa: E402
 import sparsify_model as sm  # noqa: E402
-from run_folders import add_device_option, run_folder  # noqa: E402
-from seq2seq_model import resolve_device  # noqa: E402
-from train_sparse_transformer import _positive_int  # noqa: E402
+from run_folders import add_device_option, positive_int, resolve_device, run_folder  # noqa: E402
 
 import sparse_attn.integrations.hf as entmax_hf  # noqa: E402
 from sparse_attn.stats import record_head_stats  # noqa: E402
@@ -48,13 +47,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--text", type=Path, default=None, help="UTF-8 text file (None: Python's pydoc_data.topics)")
     p.add_argument("--alpha", type=float, default=None,
                    help="alpha of every head (None: the alphas saved with the model, else 1.5)")
-    p.add_argument("--seq-len", type=_positive_int, default=128, help="tokens per window")
-    p.add_argument("--batch-size", type=_positive_int, default=16, help="windows per forward pass")
+    p.add_argument("--seq-len", type=positive_int, default=128, help="tokens per window")
+    p.add_argument("--batch-size", type=positive_int, default=16, help="windows per forward pass")
     p.add_argument("--out", type=Path, default=None,
                    help="output folder (default: runs/sparsify_stats, plus -<option>=<value>,... for every option "
                         "that differs from its default)")
     add_device_option(p)
-    p.add_argument("--threads", type=_positive_int, default=1, help="CPU threads for torch")
+    p.add_argument("--threads", type=positive_int, default=1, help="CPU threads for torch")
     return p
 
 

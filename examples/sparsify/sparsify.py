@@ -26,8 +26,8 @@ On a CUDA machine the attention runs the fused Triton kernels (``--device auto``
 
 Usage::
 
-    python examples/sparsify.py                                  # defaults: a few minutes on 2 CPU cores
-    python examples/sparsify.py --model path/to/hf-model --text notes.txt --steps 200 --seq-len 128
+    python examples/sparsify/sparsify.py                                  # defaults: a few minutes on 2 CPU cores
+    python examples/sparsify/sparsify.py --model path/to/hf-model --text notes.txt --steps 200 --seq-len 128
 """
 
 from __future__ import annotations
@@ -40,16 +40,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent)]  # this example's modules and examples/run_folders.py
 
 import sparsify_data as data  # noqa: E402
 import sparsify_figures as figures  # noqa: E402
 import sparsify_model as sm  # noqa: E402
 import sparsify_reports as reports  # noqa: E402
-from run_folders import add_device_option, run_folder  # noqa: E402
-from seq2seq_model import resolve_device  # noqa: E402
+from run_folders import add_device_option, positive_int, resolve_device, run_folder  # noqa: E402
 from sparsify_train import TrainConfig, attach_alphas, distill  # noqa: E402
-from train_sparse_transformer import _positive_int  # noqa: E402
 
 RUNS = ("learnable", "fixed")
 
@@ -83,18 +82,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="output folder (default: runs/sparsify, plus -<option>=<value>,... for every option that "
                         "differs from its default)")
     add_device_option(p)
-    p.add_argument("--threads", type=_positive_int, default=1,
+    p.add_argument("--threads", type=positive_int, default=1,
                    help="CPU threads for torch (1 is fastest on a machine shared with other work)")
     p.add_argument("--seed", type=int, default=d.seed, help="seed (held-out split, training batches)")
-    p.add_argument("--seq-len", type=_positive_int, default=64,
+    p.add_argument("--seq-len", type=positive_int, default=64,
                    help="tokens per training window; held-out sentences are cut to this length")
-    p.add_argument("--n-eval", type=_positive_int, default=256, help="held-out sentences")
-    p.add_argument("--eval-batch-size", type=_positive_int, default=64, help="held-out batch size")
+    p.add_argument("--n-eval", type=positive_int, default=256, help="held-out sentences")
+    p.add_argument("--eval-batch-size", type=positive_int, default=64, help="held-out batch size")
     p.add_argument("--alphas", type=_alpha_list, default="1,1.25,1.5,2", help="zero-shot alphas")
     p.add_argument("--runs", type=_runs, default=",".join(RUNS),
                    help="adaptation runs: 'learnable' (per-head alpha) and/or 'fixed' (every head at --fixed-alpha)")
     p.add_argument("--steps", type=int, default=d.steps, help="adaptation steps per run (0: zero-shot only)")
-    p.add_argument("--batch-size", type=_positive_int, default=d.batch_size, help="windows per adaptation step")
+    p.add_argument("--batch-size", type=positive_int, default=d.batch_size, help="windows per adaptation step")
     p.add_argument("--alpha-init", type=float, default=d.alpha, help="initial learnable alpha, in (1, 2)")
     p.add_argument("--fixed-alpha", type=float, default=1.5, help="alpha of every head in the fixed run")
     p.add_argument("--lr", type=float, default=d.lr, help="AdamW learning rate of the model weights")
@@ -104,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weight of the sentence-embedding loss")
     p.add_argument("--sparsity-weight", type=float, default=d.sparsity_weight,
                    help="weight of the pressure towards larger alpha (learnable run)")
-    p.add_argument("--log-every", type=_positive_int, default=d.log_every, help="record alphas every N steps")
+    p.add_argument("--log-every", type=positive_int, default=d.log_every, help="record alphas every N steps")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--no-figures", action="store_true", help="reports without figures")
     p.add_argument("--no-save", action="store_true", help="do not save the adapted learnable-alpha model")

@@ -9,7 +9,7 @@
 
 The defaults finish in a few minutes on a 2-core CPU (reference path); on a CUDA machine the
 attention runs the fused Triton kernels. Any other option is passed on to the training script,
-e.g. ``python examples/demo.py --steps 2000 --d-model 128``.
+e.g. ``python examples/seq2seq/demo.py --steps 2000 --d-model 128``.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent)]  # this example's modules and examples/run_folders.py
 
 import inference  # noqa: E402
 import train_sparse_transformer  # noqa: E402

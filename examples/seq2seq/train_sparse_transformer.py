@@ -30,8 +30,8 @@ two keys).
 
 Usage::
 
-    python examples/train_sparse_transformer.py --variant all --out runs/mine
-    python examples/train_sparse_transformer.py --variant adaptive --steps 2000 --d-model 128
+    python examples/seq2seq/train_sparse_transformer.py --variant all --out runs/mine
+    python examples/seq2seq/train_sparse_transformer.py --variant adaptive --steps 2000 --d-model 128
 
 On a CUDA machine the attention runs the fused Triton kernels; on CPU the materialized
 reference path.
@@ -44,9 +44,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent)]  # this example's modules and examples/run_folders.py
 
-from run_folders import add_device_option, run_folder  # noqa: E402
+from run_folders import add_device_option, positive_int, resolve_device, run_folder  # noqa: E402
 from seq2seq_figures import FIGURES, plot_figures  # noqa: E402
 from seq2seq_model import (  # noqa: E402
     BLOCKS,
@@ -56,7 +57,6 @@ from seq2seq_model import (  # noqa: E402
     by_block,
     current_alphas,
     load_checkpoint,
-    resolve_device,
     variant_attention_kwargs,
 )
 from seq2seq_reports import summary_text, write_reports  # noqa: E402
@@ -72,37 +72,30 @@ __all__ = [
 ]
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     d = Config()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--variant", choices=VARIANTS + ("all",), default="all", help="attention variant to train")
     p.add_argument("--task", choices=TASKS, default=d.task, help="synthetic task")
-    p.add_argument("--length", type=_positive_int, default=d.length, help="sequence length (digits)")
-    p.add_argument("--vocab", type=_positive_int, default=d.vocab, help="number of distinct digits")
-    p.add_argument("--d-model", type=_positive_int, default=d.d_model, help="model width")
-    p.add_argument("--heads", type=_positive_int, default=d.heads, help="attention heads per block")
-    p.add_argument("--layers", type=_positive_int, default=d.layers, help="encoder layers (= decoder layers)")
-    p.add_argument("--d-ff", type=_positive_int, default=d.d_ff, help="feed-forward width")
+    p.add_argument("--length", type=positive_int, default=d.length, help="sequence length (digits)")
+    p.add_argument("--vocab", type=positive_int, default=d.vocab, help="number of distinct digits")
+    p.add_argument("--d-model", type=positive_int, default=d.d_model, help="model width")
+    p.add_argument("--heads", type=positive_int, default=d.heads, help="attention heads per block")
+    p.add_argument("--layers", type=positive_int, default=d.layers, help="encoder layers (= decoder layers)")
+    p.add_argument("--d-ff", type=positive_int, default=d.d_ff, help="feed-forward width")
     p.add_argument("--dropout", type=float, default=d.dropout, help="dropout (attention weights and residuals)")
-    p.add_argument("--steps", type=_positive_int, default=d.steps, help="training steps per variant")
-    p.add_argument("--batch-size", type=_positive_int, default=d.batch_size, help="training batch size")
+    p.add_argument("--steps", type=positive_int, default=d.steps, help="training steps per variant")
+    p.add_argument("--batch-size", type=positive_int, default=d.batch_size, help="training batch size")
     p.add_argument("--lr", type=float, default=d.lr, help="peak Adam learning rate")
     p.add_argument("--alpha-lr-mult", type=float, default=d.alpha_lr_mult,
                    help="learning-rate multiplier of the alpha logits")
-    p.add_argument("--warmup", type=_positive_int, default=d.warmup, help="linear warm-up steps")
-    p.add_argument("--val-size", type=_positive_int, default=d.val_size, help="validation examples")
+    p.add_argument("--warmup", type=positive_int, default=d.warmup, help="linear warm-up steps")
+    p.add_argument("--val-size", type=positive_int, default=d.val_size, help="validation examples")
     p.add_argument("--seed", type=int, default=d.seed, help="random seed (data, weights, initial alphas)")
-    p.add_argument("--log-every", type=_positive_int, default=d.log_every, help="record alphas every N steps")
+    p.add_argument("--log-every", type=positive_int, default=d.log_every, help="record alphas every N steps")
     add_device_option(p)
-    p.add_argument("--threads", type=_positive_int, default=1,
+    p.add_argument("--threads", type=positive_int, default=1,
                    help="CPU threads for torch (this model's matrices are too small to gain from more)")
     p.add_argument("--out", type=Path, default=None,
                    help="output folder (default: runs/train, plus -<option>=<value>,... for every option that "

@@ -2,9 +2,9 @@
 
 Usage::
 
-    python examples/context_parallel.py                        # 2 processes, all-gather K/V
-    python examples/context_parallel.py --world 4 --scheme ulysses
-    python examples/context_parallel.py --memory-table         # docs/scaling.md's analytic table
+    python examples/context_parallel/context_parallel.py                        # 2 processes, all-gather K/V
+    python examples/context_parallel/context_parallel.py --world 4 --scheme ulysses
+    python examples/context_parallel/context_parallel.py --memory-table         # docs/scaling.md's analytic table
 
 Each process (forked, joined by a file store) first runs ``context_parallel_attention`` /
 ``ulysses_attention`` on its shards of random q, k, v and compares its rows and gradients with

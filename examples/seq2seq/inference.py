@@ -8,8 +8,8 @@ zeros are drawn in a separate colour.
 
 Usage::
 
-    python examples/inference.py --checkpoint runs/demo/adaptive/checkpoint.pt
-    python examples/inference.py --checkpoint runs/demo/entmax15/checkpoint.pt --module encoder.0.self_attn
+    python examples/seq2seq/inference.py --checkpoint runs/demo/adaptive/checkpoint.pt
+    python examples/seq2seq/inference.py --checkpoint runs/demo/entmax15/checkpoint.pt --module encoder.0.self_attn
 """
 
 from __future__ import annotations
@@ -21,10 +21,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent)]  # this example's modules and examples/run_folders.py
 
-from run_folders import add_device_option, option_slug  # noqa: E402
-from seq2seq_model import load_checkpoint, resolve_device  # noqa: E402
+from run_folders import add_device_option, option_slug, resolve_device  # noqa: E402
+from seq2seq_model import load_checkpoint  # noqa: E402
 from seq2seq_task import make_batch  # noqa: E402
 
 from sparse_attn.stats import record_head_stats  # noqa: E402

@@ -144,16 +144,6 @@ def block_of(name: str) -> str:
     return "encoder self" if name.startswith("encoder") else "decoder self"
 
 
-def resolve_device(device: str) -> torch.device:
-    """``"auto"`` -> CUDA when available, else CPU; other names are checked and passed through."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device must be 'auto', 'cpu' or an available CUDA device, got {device!r} "
-                         "but CUDA is not available")
-    return torch.device(device)
-
-
 def build_model(cfg: Config) -> SparseSeq2SeqTransformer:
     """A freshly initialised model for ``cfg`` (seeded by ``cfg.seed``) on ``cfg.device``."""
     torch.manual_seed(cfg.seed)
