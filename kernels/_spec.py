@@ -16,7 +16,7 @@ import dataclasses
 import torch
 from torch import Tensor
 
-from ._common import alpha_class_of
+from ._args import alpha_class_of
 
 __all__ = ["AttnSpec", "DIFFERENTIABLE", "FIELDS", "used_variants", "resolve_spec_alpha_class"]
 

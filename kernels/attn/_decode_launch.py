@@ -23,8 +23,8 @@ from typing import NamedTuple
 
 import torch
 
-from .. import _common
-from .._masking import mask_spec, score_spec
+from .. import _args
+from .._args import mask_spec, score_spec
 from ._decode_state import N_PART, N_STATE, _cache_spec
 from ._threshold import DECODE_MAX_PASSES, DECODE_POINTS, default_tolerance
 
@@ -87,7 +87,7 @@ def _pick_config(head_dim: int, n_rows: int, interpret: bool) -> tuple[int, int,
     block_m = min(MAX_BLOCK_M, max(16, 1 << max(n_rows - 1, 0).bit_length()))
     if interpret:
         return block_m, 16, 4, 1
-    return block_m, 64 if _common.head_dim_block(head_dim) <= 128 else 32, 4, 2
+    return block_m, 64 if _args.head_dim_block(head_dim) <= 128 else 32, 4, 2
 
 
 def static_plan(dtype: torch.dtype, paged: bool, head_dim: int, head_dim_v: int, n_rows: int, is_causal: bool,
@@ -95,7 +95,7 @@ def static_plan(dtype: torch.dtype, paged: bool, head_dim: int, head_dim_v: int,
                 tol, max_passes, block_n, has_hint: bool = False) -> StaticPlan:
     """The launches' configuration (cached): ``classes`` the ``ALPHA_CLASS`` values launched (``FILTER`` when more
     than one), ``tol`` / ``max_passes`` / ``block_n`` None for the defaults, ``has_blocks`` the block mask's
-    ``SCORE[4]`` (``_common.blocks_mode``: 0, or 2 / 4 without / with partial blocks), ``has_hint`` a threshold
+    ``SCORE[4]`` (``_args.blocks_mode``: 0, or 2 / 4 without / with partial blocks), ``has_hint`` a threshold
     hint given. Arguments as :func:`sparse_attn.kernels.attn.entmax_decode.entmax_decode_fwd`."""
     key = (dtype, paged, head_dim, head_dim_v, n_rows, is_causal, window_size, softcap, has_alibi, has_sinks,
            has_blocks, classes, tol, max_passes, block_n, has_hint)
@@ -103,7 +103,7 @@ def static_plan(dtype: torch.dtype, paged: bool, head_dim: int, head_dim_v: int,
     if plan is not None:
         _PLANS.move_to_end(key)
         return plan
-    interpret = _common.interpreting()
+    interpret = _args.interpreting()
     block_m, default_n, num_warps, num_stages = _pick_config(head_dim, n_rows, interpret)
     block_n = default_n if block_n is None else block_n
     assert block_n >= 16 and block_n & (block_n - 1) == 0, f"block_n: got {block_n}"
@@ -139,7 +139,7 @@ def default_num_splits(batch: int, n_kv_heads: int, n_row_tiles: int, n_kblocks:
 
 def sizes(plan: StaticPlan, batch: int, n_kv_heads: int, n_rows: int, seqlen_q: int, capacity: int,
           max_seqlen_k, num_splits, device) -> Sizes:
-    """The geometry of one call: row tiles, key blocks the splits share (``_masking.key_blocks_spanned``), splits."""
+    """The geometry of one call: row tiles, key blocks the splits share (``_args.key_blocks_spanned``), splits."""
     max_seqlen_k = capacity if max_seqlen_k is None else min(int(max_seqlen_k), capacity)
     n_row_tiles = _cdiv(n_rows, plan.block_m)
     mask, block_n = plan.consts["MASK"], plan.block_n

@@ -35,17 +35,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import _common, _masking
-from .._common import (
-    ALPHA_CLASSES,
-    alpha_class_id,
-    class_launches,
-    load_rows,
-    resolve_alpha_class,
-    slice_base,
-    store_rows,
-)
-from .._common import alpha_class_of as alpha_class_of  # re-exported: the public place of the class rule
+from .. import _args
+from .._args import ALPHA_CLASSES, class_launches, resolve_alpha_class
+from .._args import alpha_class_of as alpha_class_of  # re-exported: the public place of the class rule
+from .._common import alpha_class_id, load_rows, slice_base, store_rows
 from .._masking import key_tile_range, max_first_tile, program_mods, seq_bounds
 from ._fwd_rows import KeyTiles, Rows, Scalars, Tiles, entmax_rows, softmax_rows, value_rows
 from ._fwd_split import threshold_rows
@@ -233,7 +226,7 @@ SPLIT_MAXNREG = {(64, 64, 4, 128): {2: 168, 3: 168}}
 # on a GPU the kernel is autotuned per head dim, tile, alpha class, mask kind, causal flag and precision;
 # the interpreter runs one pinned config (autotuning several fails there)
 _entmax_attn_fwd_autotuned = triton.autotune(
-    configs=_common.launch_configs(), prune_configs_by={"early_config_prune": _common.prune_to_pinned(
+    configs=_args.launch_configs(), prune_configs_by={"early_config_prune": _args.prune_to_pinned(
         lambda head_dim: _pick_config(head_dim, False)[2:])},
     key=["HEAD_DIM", "HEAD_DIM_V", "BLOCK_M", "BLOCK_N", "ALPHA_CLASS", "HEAD_FILTER", "BIAS_KIND", "MASK", "SCORE",
          "IS_VARLEN", "HAS_DROPOUT", "NEED_OUT_U", "DOT_PRECISION"],
@@ -251,7 +244,7 @@ def _pick_config(head_dim: int, interpret: bool):
     """
     if interpret:
         return 32, 32, 4, 1
-    head_dim_block = _common.head_dim_block(head_dim)
+    head_dim_block = _args.head_dim_block(head_dim)
     if head_dim_block <= 64:
         return 128, 64, 8, 2
     if head_dim_block <= 128:
@@ -261,7 +254,7 @@ def _pick_config(head_dim: int, interpret: bool):
 
 def fwd_block_sizes(head_dim: int) -> tuple:
     """Default ``(block_m, block_n)`` of :func:`entmax_attn_fwd` for this head dim (the liveness map's tiles)."""
-    block_m, block_n, _, _ = _pick_config(head_dim, _common.interpreting())
+    block_m, block_n, _, _ = _pick_config(head_dim, _args.interpreting())
     return block_m, block_n
 
 
@@ -342,7 +335,7 @@ def entmax_attn_fwd(
         block_m, block_n: tile sizes (powers of two >= 16); default by head dim.
         num_warps, num_stages: force this launch config (a power of two in [1, 32] warps, 1 to 8 pipeline stages; the
             one not given is the pinned one of this head dim) instead of the GPU's ``triton.autotune`` over
-            ``_common.launch_configs``; for tuning (``benchmarks/tune_tiles.py``). Default None (autotuned on a GPU,
+            ``_args.launch_configs``; for tuning (``benchmarks/tune_tiles.py``). Default None (autotuned on a GPU,
             pinned under the interpreter or with ``SPARSE_ATTN_PINNED=1``).
         split: True: run the heads of alpha in (1, 2] by the split forward (a threshold kernel, then a value kernel
             that knows tau: ``kernels/attn/_fwd_split.py``) with the pinned launch config; False: by the fused kernel;
@@ -352,7 +345,7 @@ def entmax_attn_fwd(
         :class:`EntmaxAttnFwdResult`.
 
     Raises:
-        ValueError: more than 65535 heads or batch entries (sequences) (``_masking.tile_plan``); ``num_warps`` or
+        ValueError: more than 65535 heads or batch entries (sequences) (``_args.tile_plan``); ``num_warps`` or
             ``num_stages`` out of range (``TypeError`` when not an int).
     """
     forced = _forced_options(num_warps, num_stages, q.shape[-1])
@@ -368,7 +361,7 @@ def entmax_attn_fwd(
                 _entmax_attn_fwd_kernel[plan.grid](**args, STAGE=stage, **_split_options(stage, args, options))
         elif forced is not None:
             _entmax_attn_fwd_kernel[plan.grid](**args, **forced)
-        elif _common.pinned_launch():
+        elif _args.pinned_launch():
             _entmax_attn_fwd_kernel[plan.grid](**args, **plan.options)
         else:
             _entmax_attn_fwd_autotuned[plan.grid](**args)
@@ -391,7 +384,7 @@ def _split_options(stage: int, args: dict, options: dict) -> dict:
     """Launch options of a split forward stage: ``options``, plus the threshold kernel's register cap
     (``SPLIT_MAXNREG``) at the configs it was measured at."""
     cap = SPLIT_MAXNREG.get((args["BLOCK_M"], args["BLOCK_N"], options["num_warps"], args["BLOCK_D"]), {})
-    if stage == 1 and args["ALPHA_CLASS"] in cap and not _common.interpreting():
+    if stage == 1 and args["ALPHA_CLASS"] in cap and not _args.interpreting():
         return dict(options, maxnreg=cap[args["ALPHA_CLASS"]])
     return options
 
@@ -407,7 +400,7 @@ def _forced_options(num_warps, num_stages, head_dim: int) -> dict | None:
             raise TypeError(f"{name}: expected {expected} or None, got {type(value).__name__} {value!r}")
         if value is not None and value not in allowed:
             raise ValueError(f"{name}: expected {expected} or None, got {value!r}")
-    _, _, warps, stages = _pick_config(head_dim, _common.interpreting())
+    _, _, warps, stages = _pick_config(head_dim, _args.interpreting())
     return dict(num_warps=warps if num_warps is None else num_warps,
                 num_stages=stages if num_stages is None else num_stages)
 
@@ -425,8 +418,8 @@ def _plan(q, k, v, alpha, scale, bias, is_causal, cu_seqlens_q, cu_seqlens_k, ma
     """Allocate the outputs and name every kernel argument of one forward launch."""
     batch, n_heads, total_q, head_dim = q.shape
     assert 16 <= head_dim <= 256, f"q: head dim must be in [16, 256], got {head_dim}"
-    default_m, default_n, num_warps, num_stages = _pick_config(head_dim, _common.interpreting())
-    plan = _masking.tile_plan(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+    default_m, default_n, num_warps, num_stages = _pick_config(head_dim, _args.interpreting())
+    plan = _args.tile_plan(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                               default_m if block_m is None else block_m, default_n if block_n is None else block_n)
     n_seq, n_q_tiles = plan.n_seq, plan.n_q_tiles
     alpha_class = resolve_alpha_class(alpha, alpha_class)
@@ -461,12 +454,12 @@ def _plan(q, k, v, alpha, scale, bias, is_causal, cu_seqlens_q, cu_seqlens_k, ma
     dropout_p = float(dropout_p)
     (k1, p1), (k2, p2), (k0, p0) = FWD_POINTS[1], FWD_POINTS[2], FWD_POINTS[0]
     args = dict(
-        **_common.attention_args(q, k, v, alpha, bias, cu_seqlens_q, cu_seqlens_k, scale, is_causal, dropout_p, seed,
+        **_args.attention_args(q, k, v, alpha, bias, cu_seqlens_q, cu_seqlens_k, scale, is_causal, dropout_p, seed,
                                  window_size, alibi_slopes, softcap, sinks, block_mask,
                                  (plan.block_m, plan.block_n)),
         OUT=out, OUT_U=out if out_u is None else out_u, TAU=tau, TAU_LO=tau_lo, LSUM=lsum, NNZ=nnz, N_VALID=n_valid,
-        LIVE=live, N_PASSES=n_passes, TILE_VISITS=tile_visits, **_common.stride_args("stride_o", out, "bhmd"),
-        **_common.stride_args("stride_ou", out if out_u is None else out_u, "bhmd"), NEED_OUT_U=out_u is not None,
+        LIVE=live, N_PASSES=n_passes, TILE_VISITS=tile_visits, **_args.stride_args("stride_o", out, "bhmd"),
+        **_args.stride_args("stride_ou", out if out_u is None else out_u, "bhmd"), NEED_OUT_U=out_u is not None,
         n_q_tiles=n_q_tiles, n_words=plan.n_words,
         tol=default_tolerance(q.dtype) if tol is None else float(tol),
         max_passes=DEFAULT_MAX_PASSES if max_passes is None else int(max_passes),

@@ -51,8 +51,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import _common
-from .._common import ALPHA_CLASSES, LOG2E, alpha_class_of, class_launches, resolve_alpha_class
+from .. import _args
+from .._args import ALPHA_CLASSES, alpha_class_of, class_launches, resolve_alpha_class
+from .._common import LOG2E
 from .._masking import key_block_range, score_mod, sink_tile
 from . import _decode_launch as _launch
 from ._decode_state import (
@@ -244,7 +245,7 @@ def _entmax_decode_split_kernel(
     program, the merge and the candidate passes), 2 the value pass (and the combine), as the module docstring says.
     ``ALPHA_CLASS`` 0 (softmax) runs its single pass (and the combine) whatever ``PHASE``. ``CACHE``: ``(IS_PAGED,
     HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, UPCAST, DOT_PRECISION)`` (:func:`_cache_spec`), passed on unread to the
-    helpers that read the cache; ``MODS`` the score modifications (``_common.mods_args``); ``OUT`` contiguous;
+    helpers that read the cache; ``MODS`` the score modifications (``_args.mods_args``); ``OUT`` contiguous;
     ``COUNT`` one ticket counter per row tile, zero at rest. With ``HAS_HINT``, ``TAU_HINT`` holds a threshold per row
     (``(B, Hq, Nq)`` at the ``stride_hint*`` strides, absolute, in the z-scale: a previous step's ``tau``); the score
     pass evaluates ``f``, ``g``, ``c`` at ``HINT_P`` points ``hint_step`` apart around it, the hint itself one of them
@@ -425,7 +426,7 @@ def _hint_args(tau_hint, rows: tuple, ws: dict) -> dict:
     if tau_hint is None:
         return dict(TAU_HINT=ws["STATE"], HINT_PTS=ws["STATE"], stride_hintb=0, stride_hinth=0, stride_hintm=0)
     hint = tau_hint.expand(rows)
-    return dict(TAU_HINT=hint, HINT_PTS=ws["HINT_PTS"], **_common.stride_args("stride_hint", hint, "bhm"))
+    return dict(TAU_HINT=hint, HINT_PTS=ws["HINT_PTS"], **_args.stride_args("stride_hint", hint, "bhm"))
 
 
 def entmax_decode_fwd(
@@ -490,7 +491,7 @@ def entmax_decode_fwd(
         alpha_class: as :func:`sparse_attn.kernels.attn.entmax_attn_fwd.entmax_attn_fwd` (default from the values for a
             Python float or a CPU tensor, else ``"mixed"``).
         block_n: keys per block (a power of two >= 16); default by head dim.
-        block_mask: ``(mask, (block_q, block_k)[, bits])`` (``_common.block_args``): ``mask`` ``(B or 1, Hq or 1,
+        block_mask: ``(mask, (block_q, block_k)[, bits])`` (``_args.block_args``): ``mask`` ``(B or 1, Hq or 1,
             >= ceil(Nq / block_q), >= ceil(max_seqlen_k / block_k))``; query ``i`` (its index among the ``Nq``, as
             the fused forward's rows) sees key ``j`` only if block ``(i // block_q, j // block_k)`` keeps it. Key
             blocks it hides from every row of a program are not read. Default None.
@@ -527,12 +528,12 @@ def entmax_decode_fwd(
         classes = tuple(c for c, _ in class_launches(alpha_class))
     plan = _launch.static_plan(q.dtype, paged, head_dim, head_dim_v, n_rows, bool(is_causal),
                                None if window_size is None else tuple(window_size), softcap, alibi_slopes is not None,
-                               sinks is not None, _common.blocks_mode(block_mask, None), classes, tol, max_passes,
+                               sinks is not None, _args.blocks_mode(block_mask, None), classes, tol, max_passes,
                                block_n, tau_hint is not None)
     dev = q.device
     sz = _launch.sizes(plan, batch, n_kv_heads, n_rows, seqlen_q, capacity, max_seqlen_k, num_splits, dev)
     if block_mask is not None:
-        grid_blocks, (block_q, block_k), _ = _common.block_parts(block_mask)
+        grid_blocks, (block_q, block_k), _ = _args.block_parts(block_mask)
         assert grid_blocks.dim() == 4 and grid_blocks.shape[0] in (1, batch) and grid_blocks.shape[1] in (1, n_heads)
         assert grid_blocks.shape[2] >= -(-seqlen_q // block_q), f"block_mask: got {tuple(grid_blocks.shape)}"
         assert grid_blocks.shape[3] >= -(-sz.max_seqlen_k // block_k), f"block_mask: got {tuple(grid_blocks.shape)}"
@@ -560,15 +561,15 @@ def entmax_decode_fwd(
     if out.numel() == 0:
         return result
 
-    alpha_t = _common.alpha_arg(alpha, n_heads, dev)
-    mods = _common.mods_args(bias, (batch, n_heads, seqlen_q, capacity), alibi_slopes, sinks, q, block_mask)
+    alpha_t = _args.alpha_arg(alpha, n_heads, dev)
+    mods = _args.mods_args(bias, (batch, n_heads, seqlen_q, capacity), alibi_slopes, sinks, q, block_mask)
     args = dict(
         plan.consts, Q=q, K=k_cache, V=v_cache, ALPHA=alpha_t, BLOCK_TABLE=block_table if paged else cache_seqlens,
         CACHE_SEQLENS=cache_seqlens, **mods, Z=ws["Z"], LIST=ws["LIST"], LIVE_N=ws["LIVE_N"],
         GRID_ROW=ws["GRID_ROW"], STATE=ws["STATE"], PART_ROW=ws["PART_ROW"], PART_ACC=ws["PART_ACC"], OUT=out,
         TAU=tau, NNZ=nnz, N_VALID=n_valid,
         COUNT=_launch.tickets(batch * n_kv_heads * sz.n_row_tiles, dev, reuse_scratch),
-        **_common.stride_args("stride_q", q, "bhmd"), **_hint_args(tau_hint, rows, ws),
+        **_args.stride_args("stride_q", q, "bhmd"), **_hint_args(tau_hint, rows, ws),
         **_cache_strides("stride_k", k_cache, paged),
         **_cache_strides("stride_v", v_cache, paged),
         stride_tb=block_table.stride(0) if paged else 0, stride_tn=block_table.stride(1) if paged else 0,

@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from sparse_attn.attn._kv_cache import MAX_DECODE_QUERIES
 from sparse_attn.attn.attn_inputs import AttentionStats, AttnSpec
 from sparse_attn.attn.routes import refused
-from sparse_attn.kernels._common import alpha_class_of
+from sparse_attn.kernels._args import alpha_class_of
 
 __all__ = ["decode_attention", "decode_fits", "decode_unsupported"]
 
