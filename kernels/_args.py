@@ -23,6 +23,11 @@ from ._common import dropout_mask_kernel
 # 1.5-entmax and any other alpha. "mixed" alpha (classes unknown on the host) launches all four, each over every head,
 # and a program whose head is of another class has nothing to do (HEAD_FILTER, ``_common.alpha_class_id``).
 ALPHA_CLASSES = {"softmax": 0, "sparsemax": 1, "entmax15": 2, "general": 3}
+CLASS_NAMES = {cls: name for name, cls in ALPHA_CLASSES.items()}
+# the threshold arithmetic of each ALPHA_CLASS, the compile-time ``POW`` of the forward and decode kernels (and the key
+# of their point tables, ``_threshold.FWD_POINTS`` / ``DECODE_POINTS``): 1 for alpha = 2, 2 for alpha = 1.5, 0 for any
+# other alpha; softmax (no threshold: its passes never read ``POW``) takes 0
+CLASS_POW = {0: 0, 1: 1, 2: 2, 3: 0}
 
 
 def computed_alpha(alpha: float, dtype: torch.dtype = torch.float32) -> float:
@@ -74,6 +79,15 @@ def class_launches(alpha_class: str) -> list:
     if alpha_class == "mixed":
         return [(c, True) for c in ALPHA_CLASSES.values()]
     return [(ALPHA_CLASSES[alpha_class], False)]
+
+
+def classes_present(alpha, alpha_class: str) -> tuple:
+    """The ``ALPHA_CLASS`` values one call launches, ascending: those of :func:`class_launches`, or for a mixed alpha
+    held in a CPU tensor the classes of its values (a head outside [1, 2] or NaN: the general class, 3, as on the
+    device, ``_common.alpha_class_id``)."""
+    if alpha_class == "mixed" and isinstance(alpha, torch.Tensor) and alpha.device.type == "cpu":
+        return tuple(sorted({ALPHA_CLASSES[alpha_class_of([a])] if 1 <= a <= 2 else 3 for a in alpha.tolist()}))
+    return tuple(c for c, _ in class_launches(alpha_class))
 
 
 def interpreting() -> bool:

@@ -24,7 +24,7 @@ from typing import NamedTuple
 import torch
 
 from .. import _args
-from .._args import mask_spec, score_spec
+from .._args import CLASS_POW, mask_spec, score_spec
 from ._decode_state import N_PART, N_STATE, _cache_spec
 from ._threshold import DECODE_MAX_PASSES, DECODE_POINTS, default_tolerance
 
@@ -35,8 +35,6 @@ __all__ = ["StaticPlan", "Sizes", "static_plan", "sizes", "scratch_layout", "car
 MAX_BLOCK_M = 32
 _MAX_PLANS = 64
 _ALIGN = 256  # bytes: every scratch tensor starts at a multiple (the pointer specialization of a fresh allocation)
-# the threshold arithmetic (POW) of each entmax ALPHA_CLASS
-POW_OF = {1: 1, 2: 2, 3: 0}
 # the threshold hint (``entmax_decode(tau_hint=)``): points the score pass evaluates around it (``HINT_P``, a power of
 # two; the hint itself among them) and their spacing in the z-scale by POW: wide where two points with no score
 # between them give the exact root (alpha = 2, 1.5), narrower at other alpha, which need a bracket narrow in total
@@ -53,7 +51,7 @@ class StaticPlan(NamedTuple):
     options: dict          # num_warps / num_stages (none under the interpreter)
     max_passes: int
     consts: dict           # kernel arguments that are the same for every call of the configuration
-    chains: tuple          # per alpha class: (ALPHA_CLASS, GRID_K, CAND_P, (PHASE, ...))
+    chains: tuple          # per alpha class: (ALPHA_CLASS, POW, GRID_K, CAND_P, (PHASE, ...))
 
 
 class Sizes(NamedTuple):
@@ -110,7 +108,8 @@ def static_plan(dtype: torch.dtype, paged: bool, head_dim: int, head_dim_v: int,
     max_passes = DECODE_MAX_PASSES[dtype] if max_passes is None else max_passes
     assert max_passes >= 2, f"max_passes: got {max_passes}"
     # per alpha class: the score pass (softmax: its only pass), then the value pass
-    chains = tuple((cls, *DECODE_POINTS[POW_OF.get(cls, 1)], (0,) if cls == 0 else (0, 2)) for cls in classes)
+    chains = tuple((cls, CLASS_POW[cls], *DECODE_POINTS[CLASS_POW[cls]], (0,) if cls == 0 else (0, 2))
+                   for cls in classes)
     score = score_spec(softcap, has_alibi, has_sinks, has_blocks)
     consts = dict(tol=default_tolerance(dtype) if tol is None else float(tol), n_slots=max_passes + 1,
                   MASK=mask_spec(is_causal, window_size), SCORE=score, FILTER=len(classes) > 1, BLOCK_M=block_m,
@@ -164,7 +163,7 @@ def scratch_layout(plan: StaticPlan, sz: Sizes, rows: tuple, n_kv_heads: int, he
     n_rows = rows[1] // max(n_kv_heads, 1) * rows[2]
     tiles = (batch, n_kv_heads, sz.n_row_tiles)
     per_split = (batch, n_kv_heads, sz.n_row_tiles * plan.block_m, sz.n_splits)
-    grid_k = max((c[1] for c in plan.chains), default=1)
+    grid_k = max((c[2] for c in plan.chains), default=1)
     layout = [("Z", (batch, n_kv_heads, n_rows, sz.n_span * plan.block_n), f32),
               ("LIST", (*tiles, sz.n_span), i32), ("LIVE_N", (*tiles, sz.n_splits), i32),
               ("PART_ROW", (*per_split, N_PART.value), f32), ("PART_ACC", (*per_split, head_dim_v), f32),

@@ -99,15 +99,12 @@ def _keys_as_m(head_dim: int, head_dim_v: int) -> bool:
     return _args.head_dim_block(max(head_dim, head_dim_v)) <= 128
 
 
-_CLASS_NAMES = {cls: name for name, cls in _args.ALPHA_CLASSES.items()}
-
-
 def _call_flags(args: dict) -> tuple:
     """``(need_dalpha, dense_dbias, deterministic, alpha_class)`` of ``_pick_config`` from one kernel launch's
     arguments: as far as they choose that kernel's tiles (the dQ kernel's sweep, or without determinism the dK/dV
     kernel, accumulates the d alpha sums and stores the dense dS tiles; a filtered launch is ``"mixed"``)."""
     deterministic = args.get("PHASE", 0) == 0 and not args.get("NEED_DQ", False)
-    alpha_class = "mixed" if args.get("HEAD_FILTER", True) else _CLASS_NAMES[args["ALPHA_CLASS"]]
+    alpha_class = "mixed" if args.get("HEAD_FILTER", True) else _args.CLASS_NAMES[args["ALPHA_CLASS"]]
     return bool(args.get("NEED_DALPHA", False)), bool(args.get("NEED_DBIAS", False)), deterministic, alpha_class
 
 

@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from .. import _args
-from .._args import ALPHA_CLASSES, class_launches, resolve_alpha_class
+from .._args import ALPHA_CLASSES, CLASS_POW, class_launches, resolve_alpha_class
 from .._args import alpha_class_of as alpha_class_of  # re-exported: the public place of the class rule
 from .._common import alpha_class_id, load_rows, slice_base, store_rows
 from .._masking import key_tile_range, max_first_tile, program_mods, seq_bounds
@@ -100,8 +100,8 @@ def _entmax_attn_fwd_kernel(
     stride_oub, stride_ouh, stride_oum, stride_oud,
     n_heads, kv_group, total_q, total_k, n_q_tiles, n_words,
     scale, tol, max_passes, seed, dropout_p, inv_keep, MASK, SCORE,
-    ALPHA_CLASS: tl.constexpr, HEAD_FILTER: tl.constexpr, GRID_K1: tl.constexpr, CAND_P1: tl.constexpr,
-    GRID_K2: tl.constexpr, CAND_P2: tl.constexpr, GRID_K0: tl.constexpr, CAND_P0: tl.constexpr,
+    ALPHA_CLASS: tl.constexpr, HEAD_FILTER: tl.constexpr, POW: tl.constexpr, GRID_K: tl.constexpr,
+    CAND_P: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BIAS_KIND: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_DROPOUT: tl.constexpr, NEED_OUT_U: tl.constexpr,
@@ -113,7 +113,8 @@ def _entmax_attn_fwd_kernel(
     (alpha in (1, 2] only): 0 the fused forward, every pass in this launch; 1 the split forward's threshold kernel
     (``_fwd_split.threshold_rows``: stores the rows' reference scores in ``TAU``, the thresholds and certified lower
     bounds relative to them in ``TAU_LO`` and ``LSUM``, the NaN / +inf flags in ``NNZ``, the valid-key counts, passes,
-    visits and the bitmap); 2 its value kernel (reads them, writes every output).
+    visits and the bitmap); 2 its value kernel (reads them, writes every output). ``POW``, ``GRID_K``, ``CAND_P``:
+    the class's threshold arithmetic and points, from the host (``_args.CLASS_POW``, ``_threshold.FWD_POINTS``).
     """
     pid_m = n_q_tiles - 1 - tl.program_id(0)
     h = tl.program_id(1)
@@ -152,18 +153,6 @@ def _entmax_attn_fwd_kernel(
     sc = Scalars(scale, tl.where(a_ok, alpha, 1.5), tol, max_passes)
     kt_first = max_first_tile(pid_m, seqlen_q, seqlen_k, kt_lo, kt_hi, MASK, BLOCK_M, BLOCK_N)
     tiles = Tiles(kt_lo, kt_hi, kt_first, n_words, live_base)
-    if ALPHA_CLASS == 1:
-        POW: tl.constexpr = 1
-        GRID_K: tl.constexpr = GRID_K1
-        CAND_P: tl.constexpr = CAND_P1
-    elif ALPHA_CLASS == 2:
-        POW: tl.constexpr = 2
-        GRID_K: tl.constexpr = GRID_K2
-        CAND_P: tl.constexpr = CAND_P2
-    else:
-        POW: tl.constexpr = 0
-        GRID_K: tl.constexpr = GRID_K0
-        CAND_P: tl.constexpr = CAND_P0
     if STAGE == 1:
         # for stage 2, in the statistics it will overwrite: the rows' reference scores (TAU), the thresholds and the
         # certified lower bounds relative to them (TAU_LO, LSUM), the NaN / +inf flags (NNZ) and the valid-key counts
@@ -452,7 +441,6 @@ def _plan(q, k, v, alpha, scale, bias, is_causal, cu_seqlens_q, cu_seqlens_k, ma
         return _Launch(None, [], {}, result)
 
     dropout_p = float(dropout_p)
-    (k1, p1), (k2, p2), (k0, p0) = FWD_POINTS[1], FWD_POINTS[2], FWD_POINTS[0]
     args = dict(
         **_args.attention_args(q, k, v, alpha, bias, cu_seqlens_q, cu_seqlens_k, scale, is_causal, dropout_p, seed,
                                  window_size, alibi_slopes, softcap, sinks, block_mask,
@@ -463,10 +451,11 @@ def _plan(q, k, v, alpha, scale, bias, is_causal, cu_seqlens_q, cu_seqlens_k, ma
         n_q_tiles=n_q_tiles, n_words=plan.n_words,
         tol=default_tolerance(q.dtype) if tol is None else float(tol),
         max_passes=DEFAULT_MAX_PASSES if max_passes is None else int(max_passes),
-        inv_keep=1.0 / (1.0 - dropout_p) if dropout_p < 1 else 0.0, GRID_K1=k1, CAND_P1=p1, GRID_K2=k2, CAND_P2=p2,
-        GRID_K0=k0, CAND_P0=p0, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
+        inv_keep=1.0 / (1.0 - dropout_p) if dropout_p < 1 else 0.0, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
     )
-    launches = [dict(args, ALPHA_CLASS=c, HEAD_FILTER=f) for c, f in class_launches(alpha_class)]
+    # per class its threshold arithmetic and points (FWD_POINTS read here: benchmarks/points_sweep.py sets it)
+    launches = [dict(args, ALPHA_CLASS=c, HEAD_FILTER=f, POW=CLASS_POW[c], GRID_K=FWD_POINTS[CLASS_POW[c]][0],
+                     CAND_P=FWD_POINTS[CLASS_POW[c]][1]) for c, f in class_launches(alpha_class)]
     return _Launch((n_q_tiles, n_heads, n_seq), launches, dict(num_warps=num_warps, num_stages=num_stages), result)
 
 
