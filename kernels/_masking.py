@@ -1,10 +1,10 @@
 """Which keys a query may see, and the tile ranges that follow: the one place every attention
 kernel (forward, dQ, dK/dV, d bias) takes its structural mask and its loop bounds from.
 
-A launcher builds the mask once with :func:`mask_spec` and passes it to its kernel as the single
+A launcher builds the mask once with ``_args.mask_spec`` and passes it to its kernel as the single
 argument ``MASK``; kernels hand ``MASK`` on to the helpers here and never read its fields. It holds
 the causal flag and a sliding window ``(left, right)``; a new structural mask (a query offset for a
-KV cache, ...) is a new field of ``mask_spec`` read by :func:`visible`, :func:`key_tile_range` and
+KV cache, ...) is a new field of ``_args.mask_spec`` read by :func:`visible`, :func:`key_tile_range` and
 :func:`query_tile_range`; the kernels do not change.
 
 Coordinates are sequence-local: row ``i`` in ``[0, seqlen_q)``, key ``j`` in ``[0, seqlen_k)``
@@ -12,135 +12,18 @@ Coordinates are sequence-local: row ``i`` in ``[0, seqlen_q)``, key ``j`` in ``[
 aligned (as flash-attn): with ``d = j - (i + seqlen_k - seqlen_q)``, causal keeps ``d <= 0`` and the
 window ``-left <= d <= right`` (a side of ``-1`` is unbounded).
 Before masks, scores can be soft-capped (:func:`soft_cap`) and get ALiBi's ``-slope * |d|``
-(:func:`mask_scores`), as described by the ``SCORE`` argument of :func:`score_spec`.
+(:func:`mask_scores`), as described by the ``SCORE`` argument of ``_args.score_spec``.
 The additive mask (``BIAS``) and a block-sparse mask (``SCORE[4]``, :func:`block_visible`, :func:`partial_tile`,
 :func:`partial_scores`; :func:`block_tile_live` tells the tile loops which key tiles it hides) are applied by
-:func:`mask_scores` on top of this; on the host,
-:func:`dbias_mode` and :func:`sum_to_mask` say how its gradient is reduced to its broadcast shape,
-and :func:`tile_plan` gives the launch geometry (grids, tile counts, liveness words). Loops over the live tiles
+:func:`mask_scores` on top of this. Only ``@triton.jit`` functions live here: the host side (``mask_spec``,
+``score_spec``, the launch geometry ``tile_plan``, the mask gradient's reduction ``dbias_mode`` / ``sum_to_mask``)
+is ``_args.py``. Loops over the live tiles
 of a liveness word (or of any 32 tiles) walk a compacted list built in registers by :func:`word_bits` /
 :func:`bit_rank` and :func:`live_tile`, with no branch per tile, so their loads can be pipelined.
 """
 
-from typing import NamedTuple
-
 import triton
 import triton.language as tl
-
-# CUDA caps launch-grid axes 1 and 2 at 65535 programs; the attention grids are
-# (tiles, heads, batch entries or sequences), so heads and batch are each limited to this.
-MAX_GRID_YZ = 65535
-
-
-# window sides at least this wide are unbounded for any sequence the kernels index with int32
-_UNBOUNDED_SIDE = 2**30
-
-
-def mask_spec(is_causal: bool, window_size: tuple | None = None) -> tuple:
-    """The ``MASK`` kernel argument ``(IS_CAUSAL, HAS_LEFT, HAS_RIGHT, left, right)``: three compile-time flags
-    and the window's sides as run-time ints (one build serves every window width).
-
-    ``window_size``: ``(left, right)`` ints >= -1 (``-1`` = unbounded on that side) or None for no window.
-    """
-    left, right = (-1, -1) if window_size is None else (int(w) for w in window_size)
-    has_left, has_right = 0 <= left < _UNBOUNDED_SIDE, 0 <= right < _UNBOUNDED_SIDE
-    return (tl.constexpr(bool(is_causal)), tl.constexpr(has_left), tl.constexpr(has_right),
-            left if has_left else 0, right if has_right else 0)
-
-
-def score_spec(softcap: float | None, has_alibi: bool, has_sinks: bool = False, has_blocks: int = 0) -> tuple:
-    """The ``SCORE`` kernel argument ``(HAS_SOFTCAP, softcap, HAS_ALIBI, HAS_SINKS, HAS_BLOCKS)``: how scores are
-    modified before masks: ``softcap * tanh(s / softcap)`` (a run-time float, 1.0 when off) and ALiBi slopes read by
-    :func:`alibi_slope`; whether each row has a per-head sink logit (:func:`sink_logit`), a virtual key with
-    zero value that joins the row's normalization; and whether a block-sparse mask hides whole blocks of keys
-    (:func:`block_visible`).
-    ``has_blocks`` (``SCORE[4]``, ``_common.blocks_mode``): 0 no block mask. A block mask whose blocks are all full
-    or hidden (a boolean grid): 1 when its blocks are unions of the launch's tiles (the tile loops skip hidden tiles
-    and every tile they visit is whole in one kept block: no per-score check); 2 otherwise (the tile skip and the
-    per-score check, :func:`block_visible`). A block mask with partial blocks (an int32 grid of block states and
-    their element masks as bits, :func:`block_state`): 3 when aligned as in mode 1 (one state read per tile; only a
-    tile in a partial block tests its scores' bits, :func:`partial_tile`); 4 otherwise (the per-score states, and the
-    bits of the scores in partial blocks when the tile meets one, :func:`partial_scores`)."""
-    return (tl.constexpr(softcap is not None), float(softcap) if softcap is not None else 1.0,
-            tl.constexpr(bool(has_alibi)), tl.constexpr(bool(has_sinks)), tl.constexpr(int(has_blocks)))
-
-
-class TilePlan(NamedTuple):
-    """Launch geometry of one attention call: grid axis 2 (batch entries, or packed sequences), the
-    tile sizes, the query / key tiles of the longest sequence (grid axis 0) and the liveness words
-    per query tile (one bit per key tile, docs/design.md)."""
-
-    n_seq: int
-    block_m: int
-    block_n: int
-    n_q_tiles: int
-    n_k_tiles: int
-    n_words: int
-
-
-def tile_plan(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_m: int, block_n: int) -> TilePlan:
-    """The :class:`TilePlan` of ``q (B, Hq, Nq, D)``, ``k (B, Hk, Nk, D)`` (packed when ``cu_seqlens_q`` is
-    given; the longest sequences are computed from the offsets unless given).
-
-    Raises ``ValueError`` for more than 65535 heads or batch entries (sequences): CUDA caps grid axes
-    1 and 2 at 65535 (their product is not limited).
-    """
-    n_seq = q.shape[0]
-    if cu_seqlens_q is None:
-        max_seqlen_q, max_seqlen_k = q.shape[2], k.shape[2]
-    else:
-        n_seq = cu_seqlens_q.numel() - 1
-        max_seqlen_q = _max_seqlen(cu_seqlens_q) if max_seqlen_q is None else max_seqlen_q
-        max_seqlen_k = _max_seqlen(cu_seqlens_k) if max_seqlen_k is None else max_seqlen_k
-    if q.shape[1] > MAX_GRID_YZ or n_seq > MAX_GRID_YZ:
-        raise ValueError(f"q: expected at most {MAX_GRID_YZ} heads and {MAX_GRID_YZ} batch entries (sequences), "
-                         f"got {q.shape[1]} heads and {n_seq}")
-    assert all(b >= 16 and b & (b - 1) == 0 for b in (block_m, block_n)), f"block_m, block_n: got {block_m}, {block_n}"
-    n_k_tiles = triton.cdiv(max_seqlen_k, block_n)
-    return TilePlan(n_seq, block_m, block_n, triton.cdiv(max_seqlen_q, block_m), n_k_tiles, triton.cdiv(n_k_tiles, 32))
-
-
-def _max_seqlen(cu_seqlens) -> int:
-    """Longest sequence of packed offsets ``cu_seqlens`` (int ``(nseq + 1,)``); 0 without sequences."""
-    if cu_seqlens.numel() < 2:
-        return 0
-    return int((cu_seqlens[1:] - cu_seqlens[:-1]).max().item())
-
-
-def mask_shape4(bias) -> tuple:
-    """The mask's shape left-padded with ones to 4 dims."""
-    return (1,) * (4 - bias.ndim) + tuple(bias.shape)
-
-
-def dbias_mode(bias, full) -> str:
-    """How the bias gradient is accumulated without a ``(B, Hq, Nq, Nk)`` buffer unless the mask has that size.
-
-    ``"rows"``: mask broadcast along keys, per-row sums of dS from the dQ kernel (``(B, Hq, Nq)``);
-    ``"cols"``: broadcast along queries, per-key sums from the dK/dV kernel (``(B, Hq, Nk)``);
-    ``"dense"``: a full ``(B, Hq, Nq, Nk)`` mask (or none), dS written by the dQ kernel;
-    ``"blocks"``: broadcast over batch and/or heads only, the dbias kernel sums into the mask's shape.
-    """
-    if bias is None:
-        return "dense"
-    shape4 = mask_shape4(bias)
-    if shape4[3] == 1:
-        return "rows"
-    if shape4[2] == 1:
-        return "cols"
-    if shape4[0] == full[0] and shape4[1] == full[1]:
-        return "dense"
-    return "blocks"
-
-
-def sum_to_mask(grad, bias):
-    """Sum a 4-d gradient over the dims the mask broadcasts along; shaped like ``bias`` (or 4-d if None)."""
-    if bias is None:
-        return grad
-    shape4 = mask_shape4(bias)
-    dims = [d for d in range(4) if shape4[d] == 1 and grad.shape[d] != 1]
-    if dims:
-        grad = grad.sum(dim=dims, keepdim=True)
-    return grad.reshape(bias.shape)
 
 
 @triton.jit
@@ -199,7 +82,7 @@ def program_mods(MODS, b, seq, h, q_start, k_start, SCORE):
     sequence and head: its grid, block sizes, and the element masks of its partial blocks (``n_words`` int32 words per
     block row, :func:`block_state`; with ``SCORE[4]`` 3 or 4 only); read only with ``SCORE[4]``
     (:func:`block_visible`, :func:`block_tile_live`).
-    ``MODS`` is the kernel argument of ``_common.mods_args``; helpers take ``mods`` and never index ``MODS``; a new
+    ``MODS`` is the kernel argument of ``_args.mods_args``; helpers take ``mods`` and never index ``MODS``; a new
     per-program score input is one more entry here, read by :func:`mask_scores`."""
     bias_base = (MODS[0] + b.to(tl.int64) * MODS[1] + h.to(tl.int64) * MODS[2] + q_start.to(tl.int64) * MODS[3]
                  + k_start.to(tl.int64) * MODS[4])
@@ -475,16 +358,6 @@ def key_block_range(row_lo, row_hi, seqlen_q, seqlen_k, MASK, BLOCK_N: tl.conste
     if MASK[1]:  # without a left window the loops start at block 0, a constant the compiler sees
         kt_lo = tl.minimum(k_lo // BLOCK_N, kt_hi)
     return kt_lo, kt_hi
-
-
-def key_blocks_spanned(mask: tuple, seqlen_q: int, seqlen_k: int, block_n: int) -> int:
-    """Most key blocks of ``block_n`` keys that :func:`key_block_range` gives the rows of one sequence of ``seqlen_q``
-    rows and at most ``seqlen_k`` keys under ``mask`` (:func:`mask_spec`): all blocks, or with a left window the
-    ``seqlen_q + left`` keys before the sequence end (over one more block when unaligned)."""
-    n_blocks = triton.cdiv(seqlen_k, block_n)
-    if mask[1]:
-        n_blocks = min(n_blocks, triton.cdiv(seqlen_q + mask[3], block_n) + 1)
-    return n_blocks
 
 
 @triton.jit

@@ -2,9 +2,10 @@
 
 :func:`sparse_attn.attn.attn_inputs.prepare_attention` (the one argument gate: :func:`sparse_attn.entmax_attention`, the
 reference, the modules, the Hugging Face function, :func:`sparse_attn.entmax_decode` and context parallelism) builds
-it once; the routers read :meth:`AttnSpec.used`, the reference and the decode route read its fields, and the fused
-custom op carries it across the ``torch.library`` boundary field by field (``sparse_attn.attn._attn_autograd``:
-``spec_to_op_args`` / ``spec_from_op_args``). Change it with :func:`dataclasses.replace`, never in place.
+it once; the routers read :meth:`AttnSpec.used`, the reference and the decode route read its fields, and the custom
+ops (fused and decode) carry it across the ``torch.library`` boundary field by field (:func:`flatten_spec` /
+:func:`unflatten_spec`). Each field declares in one place, :data:`DECLS`, its schema type at that boundary, whether it
+may receive a gradient and the variants it states. Change a spec with :func:`dataclasses.replace`, never in place.
 
 This module imports torch and the kernels package only (the import direction is ``sparse_attn`` -> ``kernels``).
 """
@@ -12,17 +13,15 @@ This module imports torch and the kernels package only (the import direction is 
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-from ._common import alpha_class_of
+from ._args import alpha_class_of
 
-__all__ = ["AttnSpec", "DIFFERENTIABLE", "FIELDS", "used_variants", "resolve_spec_alpha_class"]
-
-DIFFERENTIABLE = ("q", "k", "v", "alpha", "mask", "alibi_slopes", "sinks")
-"""The fields of :class:`AttnSpec` that may receive a gradient (each only when it requires one): what
-:attr:`AttnSpec.need_grad` looks at, and what the fused op's backward returns gradients for by name."""
+__all__ = ["AttnSpec", "DECLS", "DIFFERENTIABLE", "FIELDS", "FieldDecl", "flatten_spec", "op_schema", "unflatten_spec",
+           "used_variants", "resolve_spec_alpha_class"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -193,6 +192,74 @@ class AttnSpec:
 
 FIELDS = tuple(f.name for f in dataclasses.fields(AttnSpec))
 """The spec's field names in order (computed once: ``torch.compile`` does not trace ``dataclasses.fields``)."""
+
+
+class FieldDecl(NamedTuple):
+    """What a field of :class:`AttnSpec` declares: its ``torch.library`` schema type at the custom ops' boundary
+    (``int[]`` fields are tuples in the spec, lists in the ops), whether it may receive a gradient, and the variants
+    (names of :data:`sparse_attn.attn.routes.VARIANTS`) whose use it states; none: a field of the problem itself
+    (``sparse_attn.attn.routes.PROBLEM_FIELDS``)."""
+
+    op_type: str
+    grad: bool = False
+    variants: tuple = ()
+
+
+DECLS = {
+    "q": FieldDecl("Tensor", grad=True), "k": FieldDecl("Tensor", grad=True), "v": FieldDecl("Tensor", grad=True),
+    "alpha": FieldDecl("Tensor", grad=True), "alpha_value": FieldDecl("float?"), "alpha_checked": FieldDecl("bool"),
+    "mask": FieldDecl("Tensor?", grad=True, variants=("bool_mask", "float_mask", "mask_grad")),
+    "is_causal": FieldDecl("bool", variants=("causal",)), "scale": FieldDecl("float"),
+    "dropout_p": FieldDecl("float", variants=("dropout",)),
+    "cu_seqlens_q": FieldDecl("Tensor?", variants=("varlen",)),
+    "cu_seqlens_k": FieldDecl("Tensor?"),  # travels with cu_seqlens_q
+    "max_seqlen_q": FieldDecl("int"), "max_seqlen_k": FieldDecl("int"), "backend": FieldDecl("str"),
+    "window_size": FieldDecl("int[]?", variants=("window",)),
+    "alibi_slopes": FieldDecl("Tensor?", grad=True, variants=("alibi", "alibi_grad")),
+    "sinks": FieldDecl("Tensor?", grad=True, variants=("sinks",)),
+    "softcap": FieldDecl("float?", variants=("softcap",)),
+    "alpha_class": FieldDecl("str"), "need_stats": FieldDecl("bool"),
+    "need_grad": FieldDecl("bool"),  # read by the "grad" variant
+    "cache_seqlens": FieldDecl("Tensor?"), "block_table": FieldDecl("Tensor?"), "num_splits": FieldDecl("int?"),
+    "block_mask": FieldDecl("Tensor?", variants=("block_mask",)),
+    "block_size": FieldDecl("int[]?"), "block_bits": FieldDecl("Tensor?"),  # travel with block_mask
+    "deterministic": FieldDecl("bool"),
+}
+"""Each field's :class:`FieldDecl`, in field order: a field without one fails at import, so a new field cannot be
+forgotten at the op boundary, in the gradients or in the routes."""
+if tuple(DECLS) != FIELDS:
+    raise RuntimeError(f"kernels/_spec.py: DECLS must declare the fields of AttnSpec in order: {FIELDS}")
+
+DIFFERENTIABLE = tuple(name for name, decl in DECLS.items() if decl.grad)
+"""The fields of :class:`AttnSpec` that may receive a gradient (each only when it requires one): what
+:attr:`AttnSpec.need_grad` looks at, and what the fused op's backward returns gradients for by name."""
+
+
+def op_schema(extra: dict) -> str:
+    """The arguments of a custom op that takes a spec (:func:`flatten_spec`) and then ``extra`` (name -> schema type):
+    ``"Tensor q, Tensor k, ..."``."""
+    return ", ".join([f"{decl.op_type} {name}" for name, decl in DECLS.items()]
+                     + [f"{op_type} {name}" for name, op_type in extra.items()])
+
+
+def flatten_spec(spec: AttnSpec, *extra) -> tuple:
+    """A spec as a custom op's positional arguments (:data:`FIELDS` order, ``int[]`` fields as lists), then
+    ``extra``; :func:`unflatten_spec` is the inverse."""
+    return (*(_to_op(getattr(spec, name), decl.op_type) for name, decl in DECLS.items()), *extra)
+
+
+def unflatten_spec(args) -> tuple[AttnSpec, tuple]:
+    """The spec back from a custom op's positional arguments (:func:`flatten_spec`), and the arguments after it."""
+    named = {name: _from_op(a, decl.op_type) for (name, decl), a in zip(DECLS.items(), args)}
+    return AttnSpec(**named), tuple(args[len(FIELDS):])
+
+
+def _to_op(value, op_type: str):
+    return list(value) if value is not None and op_type.startswith("int[]") else value
+
+
+def _from_op(value, op_type: str):
+    return tuple(value) if value is not None and op_type.startswith("int[]") else value
 
 
 def resolve_spec_alpha_class(alpha: Tensor, alpha_value: float | None, alpha_checked: bool) -> str:

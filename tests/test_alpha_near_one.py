@@ -2,7 +2,7 @@
 
 A Python ``alpha = 1 + eps`` with ``eps`` below float32's resolution at 1 (``2**-24``) is 1.0 in float32: every
 float32 / float16 / bfloat16 computation (the kernels, the CPU path, the mappings and losses) runs it as softmax
-(``kernels._common.computed_alpha``), exactly as it runs a tensor alpha holding that value; float64 computations keep
+(``kernels._args.computed_alpha``), exactly as it runs a tensor alpha holding that value; float64 computations keep
 the float64 value. Above that the general arithmetic runs with ``alpha - 1`` as small as ``2**-23``. Either way the
 result is entmax at that alpha up to the dtype's rounding: the tests compare with the float64 reference at the Python
 value (entmax is continuous at alpha = 1, ``O((alpha - 1) s**2)`` from softmax, far below these tolerances), never
@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 import sparse_attn
 from sparse_attn import EntmaxMultiheadAttention, entmax, entmax_attention, entmax_bisect_loss
 from sparse_attn.decode import entmax_decode
-from sparse_attn.kernels._common import alpha_class_of, computed_alpha
+from sparse_attn.kernels._args import alpha_class_of, computed_alpha
 
 pytestmark = pytest.mark.usefixtures("poison_uninitialized")
 

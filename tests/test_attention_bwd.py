@@ -10,7 +10,7 @@ import torch
 from helpers import TOL, assert_close_to_ref, bf16_toward_zero
 
 from sparse_attn.attention import entmax_attention
-from sparse_attn.kernels._common import dropout_keep_mask
+from sparse_attn.kernels._args import dropout_keep_mask
 from sparse_attn.kernels.attn.entmax_attn_bwd import entmax_attn_bwd
 from sparse_attn.reference import entmax_attention_reference
 

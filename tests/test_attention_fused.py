@@ -15,7 +15,7 @@ from variants import ROWS, Problem, build, cast, eager_attention, grad_leaves, o
 from sparse_attn import entmax_attention
 from sparse_attn.attn._attn_autograd import _fwd_op, spec_to_op_args
 from sparse_attn.attn.attn_inputs import prepare_attention
-from sparse_attn.kernels._common import dropout_keep_mask
+from sparse_attn.kernels._args import dropout_keep_mask
 from sparse_attn.reference import entmax_attention_reference
 
 # Forward outputs and backward dq / dk / dv are allocated filled with NaN (ints: their max) by the

@@ -17,7 +17,8 @@ import triton
 import triton.language as tl
 from helpers import TOL
 
-from sparse_attn.kernels._common import dropout_keep, dropout_keep_mask
+from sparse_attn.kernels._args import dropout_keep_mask
+from sparse_attn.kernels._common import dropout_keep
 from sparse_attn.kernels.attn.entmax_attn_fwd import DEFAULT_MAX_PASSES, entmax_attn_fwd
 from sparse_attn.reference import entmax_attention_reference
 

@@ -16,7 +16,7 @@ from variants import Problem, build, eager_attention, expand_blocks, together
 
 import sparse_attn as sa
 from sparse_attn.attn.masks import block_keep, block_mask_from_torch
-from sparse_attn.kernels import _common, _masking
+from sparse_attn.kernels import _args, _masking
 from sparse_attn.reference import entmax_attention_reference
 
 
@@ -271,10 +271,10 @@ def test_block_tile_live_says_whether_a_tile_meets_a_kept_block(bq, bk):
     nq, nk, bm_, bn = 70, 90, 32, 32
     grid = _blocks((2, 3, math.ceil(nq / bq), math.ceil(nk / bk)), seed=bq * bk, p_keep=0.15)
     like = torch.empty(1)
-    mods = _common.mods_args(None, (2, 3, nq, nk), None, None, like, (grid, (bq, bk)))["MODS"]
+    mods = _args.mods_args(None, (2, 3, nq, nk), None, None, like, (grid, (bq, bk)))["MODS"]
     n_qt, n_kt = triton.cdiv(nq, bm_), triton.cdiv(nk, bn)
     out = torch.full((2, 3, n_qt, n_kt), -1, dtype=torch.int32)
-    _tile_live_kernel[(n_qt, 3, 2)](out, mods, nq, nk, n_kt, _masking.score_spec(None, False, False, 2),
+    _tile_live_kernel[(n_qt, 3, 2)](out, mods, nq, nk, n_kt, _args.score_spec(None, False, False, 2),
                                     BLOCK_M=bm_, BLOCK_N=bn)
     keep = block_keep(sa.BlockSparseMask(grid, (bq, bk)), nq, nk)
     pad = torch.zeros(2, 3, n_qt * bm_, n_kt * bn, dtype=torch.bool)

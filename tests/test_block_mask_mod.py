@@ -14,7 +14,7 @@ import sparse_attn as sa
 from sparse_attn.attn import decode as decode_mod
 from sparse_attn.attn.attn_inputs import prepare_attention
 from sparse_attn.attn.masks import block_keep, block_mask_from_torch
-from sparse_attn.kernels import _common
+from sparse_attn.kernels import _args
 from sparse_attn.kernels.attn import entmax_decode as decode_kernels
 from sparse_attn.reference import entmax_attention_reference
 
@@ -122,9 +122,9 @@ def test_blocks_the_mask_mod_keeps_whole_become_full_and_an_aligned_mask_is_a_bo
     conv = block_mask_from_torch(bm, 1, 1)
     assert conv.bits is None and conv.mask.dtype == torch.bool
     torch.testing.assert_close(conv.mask[0, 0], torch.ones(3, 3, dtype=torch.bool).tril(), **EXACT)
-    assert _common.blocks_mode((conv.mask, conv.block_size, conv.bits), (32, 32)) == 1
+    assert _args.blocks_mode((conv.mask, conv.block_size, conv.bits), (32, 32)) == 1
     partial = block_mask_from_torch(create_block_mask(causal, 1, 1, 96, 96, device="cpu", BLOCK_SIZE=32), 1, 1)
-    assert [_common.blocks_mode(tuple(partial), t) for t in ((32, 32), (64, 32))] == [3, 4]
+    assert [_args.blocks_mode(tuple(partial), t) for t in ((32, 32), (64, 32))] == [3, 4]
 
 
 def test_the_mask_mod_is_evaluated_once_per_mask_object():

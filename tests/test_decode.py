@@ -840,7 +840,7 @@ def test_hf_generate_takes_the_decode_path_and_records_stats(monkeypatch, arch):
                              output_logits=True, return_dict_in_generate=True)
     assert calls == [1] * (new - 1) * config.num_hidden_layers
     if arch != "llama":
-        assert [3, 0] in [kw["window_size"] for kw in variants]  # the sliding layers' window reaches the kernels
+        assert (3, 0) in [kw["window_size"] for kw in variants]  # the sliding layers' window reaches the kernels
         assert all((kw["sinks"] is not None) == (arch == "gpt_oss") for kw in variants)
         assert all((kw["softcap"] is not None) == (arch == "gemma2") for kw in variants)
     hist = rec.density_history()

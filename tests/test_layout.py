@@ -1,6 +1,7 @@
 """House rules of the source tree: the package's modules import each other one way (no cycle, lazy imports inside
-functions included), and so do the benchmark scripts (and their folders), no source file passes 600 lines, and test
-tolerances come from the one table (``tests/helpers.py``: ``TOL`` and ``EXACT``)."""
+functions included), and so do the benchmark scripts (and their folders), no source file passes 600 lines, test
+tolerances come from the one table (``tests/helpers.py``: ``TOL`` and ``EXACT``), and the kernels' shared device
+code is kept apart from the host code that builds their arguments."""
 
 import ast
 import pathlib
@@ -203,6 +204,18 @@ def test_kernel_helpers_take_at_most_15_parameters(path):
     as loose arguments threaded through every helper (docs/design.md, "The spec in the kernels")."""
     over = [(name, n) for name, n, launched in _jit_functions(path) if not launched and n > MAX_HELPER_PARAMS]
     assert not over, f"{path.relative_to(ROOT)}: {over} take more than {MAX_HELPER_PARAMS} parameters"
+
+
+def test_shared_device_modules_hold_device_code_only():
+    """``kernels/_common.py`` and ``kernels/_masking.py`` hold ``@triton.jit`` functions and the constants they read,
+    and import no torch; everything a launcher computes on the host is ``kernels/_args.py`` (docs/design.md)."""
+    for name in ("_common.py", "_masking.py"):
+        tree = ast.parse((ROOT / "kernels" / name).read_text())
+        host = [node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))
+                and not any("jit" in ast.unparse(d) for d in node.decorator_list)]
+        torch = [ast.unparse(node) for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))
+                 and "torch" in ast.unparse(node)]
+        assert host == [] and torch == [], f"kernels/{name}: host code {host}, {torch}: move it to kernels/_args.py"
 
 
 # The import direction (CONTRIBUTING.md, "Layers"), top to bottom: a package imports its own modules and those of

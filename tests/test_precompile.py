@@ -78,7 +78,7 @@ def test_the_split_forward_stages_are_built_and_found(tmp_path):
     """The split forward's two launches (alpha 1.5 by default: a threshold kernel, then a value kernel, the forward
     kernel's ``STAGE`` 1 and 2) are what the cache holds for the alpha = 1.5 training forward, and replaying the
     launches against it compiles nothing."""
-    from sparse_attn.kernels._common import ALPHA_CLASSES
+    from sparse_attn.kernels._args import ALPHA_CLASSES
     from sparse_attn.kernels.attn.entmax_attn_fwd import SPLIT_CLASSES
 
     assert "entmax15" in SPLIT_CLASSES and _SUBSET[-2:] == ["--methods", "1"]

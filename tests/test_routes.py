@@ -20,6 +20,7 @@ from sparse_attn.attn.attn_inputs import AttentionInputs, prepare_attention
 from sparse_attn.attn.routes import PROBLEM_FIELDS, SUPPORTED, VARIANTS, refused
 from sparse_attn.decode import decode_fits, decode_unsupported
 from sparse_attn.distributed import context_parallel_attention, ulysses_attention
+from sparse_attn.kernels._spec import DECLS
 
 B, H, N, D = 2, 4, 12, 16
 
@@ -47,6 +48,9 @@ def test_every_variant_and_field_is_covered():
     assert list(ROWS) == list(VARIANTS)
     fields = {f.name for f in dataclasses.fields(AttentionInputs)}
     assert fields - PROBLEM_FIELDS == {row.field for row in ROWS.values() if row.field is not None}
+    # each field declares its variants (kernels/_spec.py, DECLS): those of the rows that set it, all of them known
+    assert all(row.name in DECLS[row.field].variants for row in ROWS.values() if row.field is not None)
+    assert {name for decl in DECLS.values() for name in decl.variants} <= set(VARIANTS)
     assert set(SUPPORTED) == {"sdpa", "decode", "fused", "chunked", "reference", "context_parallel", "ulysses"}
     assert all(route_set <= set(VARIANTS) for route_set in SUPPORTED.values())
     assert all(ROWS[name].routes == {r for r, names in SUPPORTED.items() if name in names} for name in ROWS)

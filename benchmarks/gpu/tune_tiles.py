@@ -45,7 +45,7 @@ from bench_common import ERROR, OK, SKIPPED, fmt, free_memory, split_resumed  # 
 from bench_report import read_csv, stamp_lines, write_csv  # noqa: E402
 from bench_timing import Timing, measure, start_run  # noqa: E402
 
-from sparse_attn.kernels import _common  # noqa: E402
+from sparse_attn.kernels import _args  # noqa: E402
 from sparse_attn.kernels.attn import entmax_attn_bwd as bwd  # noqa: E402
 from sparse_attn.kernels.attn import entmax_attn_fwd as fwd  # noqa: E402
 
@@ -144,7 +144,7 @@ def parse_bwd_config(text: str) -> BwdConfig:
 def bwd_candidate_configs(head_dim: int, extra: list[BwdConfig] | None, smoke: bool) -> list[BwdConfig]:
     """The pinned backward first, then one kernel's config replaced at a time (``extra`` replaces the table)."""
     if extra is None:
-        table = SMOKE_BWD_CANDIDATES if smoke else BWD_CANDIDATES[min(256, max(64, _common.head_dim_block(head_dim)))]
+        table = SMOKE_BWD_CANDIDATES if smoke else BWD_CANDIDATES[min(256, max(64, _args.head_dim_block(head_dim)))]
         extra = [BwdConfig(c[0], Config(*c[1:])) for c in table]
     return list(dict.fromkeys([BwdConfig(None, Config(None, None, None, None))] + list(extra)))
 
@@ -159,7 +159,7 @@ def parse_config(text: str) -> Config:
 
 
 def pinned_config(head_dim: int) -> Config:
-    return Config(*fwd._pick_config(head_dim, _common.interpreting()))
+    return Config(*fwd._pick_config(head_dim, _args.interpreting()))
 
 
 def candidate_configs(head_dim: int, extra: list[Config] | None, smoke: bool) -> list[Config]:
@@ -167,10 +167,10 @@ def candidate_configs(head_dim: int, extra: list[Config] | None, smoke: bool) ->
     GPU; no repeats."""
     pinned = pinned_config(head_dim)
     if extra is None:
-        table = SMOKE_CANDIDATES if smoke else CANDIDATES[min(256, max(64, _common.head_dim_block(head_dim)))]
+        table = SMOKE_CANDIDATES if smoke else CANDIDATES[min(256, max(64, _args.head_dim_block(head_dim)))]
         extra = [Config(*c) for c in table]
     configs = [pinned] + [c for c in extra if c != pinned]
-    if not _common.interpreting():
+    if not _args.interpreting():
         configs.append(Config(None, None, None, None))
     return list(dict.fromkeys(configs))
 
@@ -245,7 +245,7 @@ def fwd_resources(kwargs: dict) -> dict:
     block) of the forward's GPU build for these launch arguments (a forced config), read from the compiled
     kernel; the largest over the launches of a mixed class. ``{}`` under the interpreter or for the default
     launch; ``{"note": ...}`` when they cannot be read."""
-    if _common.interpreting() or kwargs.get("num_warps") is None:
+    if _args.interpreting() or kwargs.get("num_warps") is None:
         return {}
     try:
         from sm90_build import captured_launches

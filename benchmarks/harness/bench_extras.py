@@ -11,7 +11,7 @@ from bench_common import OOM_ERRORS, free_memory
 from bench_methods import FUSED_MODULES, Method
 
 from sparse_attn.attention import entmax_attention
-from sparse_attn.kernels._common import alpha_class_of
+from sparse_attn.kernels._args import alpha_class_of
 
 
 def visitable_tiles(seq_q: int, seq_k: int, block_m: int, block_n: int, causal: bool) -> int:

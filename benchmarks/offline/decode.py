@@ -49,6 +49,7 @@ elif not torch.cuda.is_available():
 
 from passes import make_inputs, pipeline_out  # noqa: E402
 
+from sparse_attn.kernels._args import CLASS_NAMES  # noqa: E402
 from sparse_attn.kernels.attn import entmax_decode as dec  # noqa: E402
 
 DISTS = ("std1", "std3", "flat", "local")
@@ -215,7 +216,7 @@ def sm90_builds(head_dim: int, alpha_class: str, paged: bool = True, mask: str |
             continue
         seen.add(key)
         info = analyse(compile_like_launch(split_kernel, args, kwargs))
-        cls = {v: c for c, v in dec.ALPHA_CLASSES.items()}.get(kwargs.get("ALPHA_CLASS"), "all")
+        cls = CLASS_NAMES.get(kwargs.get("ALPHA_CLASS"), "all")
         info.update(kernel=name, d=head_dim, alpha=cls + (" (filtered)" if kwargs.get("FILTER") else ""),
                     block=f"{kwargs['BLOCK_M']}x{kwargs.get('BLOCK_N', '-')}", warps=kwargs.get("num_warps", 4),
                     stages=kwargs.get("num_stages", 3))

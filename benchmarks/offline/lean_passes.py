@@ -45,6 +45,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from sparse_attn.kernels._args import ALPHA_CLASSES, CLASS_POW  # noqa: E402
 from sparse_attn.kernels._common import load_rows  # noqa: E402
 from sparse_attn.kernels._masking import live_tile, word_bits  # noqa: E402
 from sparse_attn.kernels.attn._threshold import point_sums, row_sums, weights  # noqa: E402
@@ -318,7 +319,6 @@ def _tensors(d, n, dtype=torch.bfloat16, block_m=64, npts=8):
 
 
 POW_ALPHA = {1: 2.0, 2: 1.5, 0: 1.25}
-CLASS_POW = {"sparsemax": 1, "entmax15": 2, "general": 0}
 
 
 def prototypes(d: int, n: int, block_m: int, block_n: int, classes, npts_list=(1, 2, 4, 8)):
@@ -330,7 +330,7 @@ def prototypes(d: int, n: int, block_m: int, block_n: int, classes, npts_list=(1
     out = [("max", _max_kernel, dict(common, M_OUT=f32, BAD_OUT=i32, n_tiles=n_tiles), blk),
            ("hist16", _hist_kernel, dict(common, M_IN=f32, H_OUT=i32, LIVE=live, n_tiles=n_tiles), blk)]
     for cls in classes:
-        pow_ = CLASS_POW[cls]
+        pow_ = CLASS_POW[ALPHA_CLASSES[cls]]
         alpha = POW_ALPHA[pow_]
         beta = 1.0 / (alpha - 1.0)
         for npts in npts_list:

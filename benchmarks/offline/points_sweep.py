@@ -39,7 +39,6 @@ sys.path.insert(0, HERE)
 
 SETTINGS = [(k, p) for k in (8, 4, 2) for p in (1, 2, 4)]
 CLASS_ALPHA = {"entmax15": 1.5, "sparsemax": 2.0, "general": 1.25}
-POW_OF_ALPHA = {1.5: 2, 2.0: 1, 1.25: 0}
 LIMIT = {1.5: 3.0, 2.0: 3.0, 1.25: 3.2}
 DISTS = ("flat", "std1", "std3", "local")
 SPIKE_DIST = {"flat": "g0.3", "std1": "g1", "std3": "g3", "local": "ar"}
@@ -124,12 +123,13 @@ def cmd_passes(args) -> None:
     import passes
     import torch
 
+    from sparse_attn.kernels._args import ALPHA_CLASSES, CLASS_POW, alpha_class_of
     from sparse_attn.kernels.attn import entmax_attn_fwd as fwd
 
     saved = dict(fwd.FWD_POINTS)
     with open(args.out, "a") as fo:
         for n, causal, alpha, dist, kp in itertools.product(args.n, args.causal, args.alpha, args.dist, args.points):
-            fwd.FWD_POINTS[POW_OF_ALPHA[alpha]] = kp
+            fwd.FWD_POINTS[CLASS_POW[ALPHA_CLASSES[alpha_class_of([alpha])]]] = kp
             try:
                 r = passes.measure(dist, n, alpha, torch.bfloat16, heads=args.heads, block=args.block,
                                    causal=causal)

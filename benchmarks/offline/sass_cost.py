@@ -154,7 +154,6 @@ for _cls, (_ops, _pipe) in _CLASS_OPS.items():
         OP_CLASS[_op], OP_PIPE[_op] = _cls, _pipe
 MIX_CLASSES = tuple(_CLASS_OPS) + ("unknown",)
 
-POW_OF_CLASS = {"sparsemax": 1, "entmax15": 2, "general": 0}
 LABEL = {"softmax": "softmax", "entmax15": "1.5-entmax", "sparsemax": "sparsemax", "general": "general (1.25)"}
 
 
@@ -771,12 +770,13 @@ def _tag(r: dict, key: str = "") -> str:
 
 def grid_point_work(r: dict) -> str:
     """The grid pass's live-only instructions (live path minus dead path) per score and grid point, by opcode."""
+    from sparse_attn.kernels._args import ALPHA_CLASSES, CLASS_POW
     from sparse_attn.kernels.attn._threshold import FWD_POINTS
 
     loops = r["an"]["loops"]
     extra = loops["grid"]["count"]["by_op"] - loops["grid_dead"]["count"]["by_op"]
     per_thread = r["an"]["block_m"] * r["an"]["block_n"] / (32 * r["an"]["warps"])
-    k = FWD_POINTS[POW_OF_CLASS[r["cls"]]][0]
+    k = FWD_POINTS[CLASS_POW[ALPHA_CLASSES[r["cls"]]]][0]
     unit = per_thread * k
     return (f"{_tag(r, 'grid')}: live-only work {sum(extra.values())} instructions per warp per tile = "
             f"{sum(extra.values()) / unit:.1f} per score per grid point ({per_thread:.0f} scores per thread, GRID_K "

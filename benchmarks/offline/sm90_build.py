@@ -33,7 +33,7 @@ from triton.compiler import ASTSource, make_backend  # noqa: E402
 from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
 import sparse_attn.kernels.attn.entmax_attn_fwd as fwd  # noqa: E402
-from sparse_attn.kernels._masking import tile_plan  # noqa: E402
+from sparse_attn.kernels._args import tile_plan  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -304,11 +304,11 @@ def candidates(head_dims, classes, n: int = N_DEFAULT):
     training forward (``need_out_u``) of each alpha class in ``classes``, and the general-alpha backward's dQ (with
     d alpha) and dK/dV kernels over their pruned config lists. Yields one analysis dict per build, with ``pinned``
     True for the config used without autotuning."""
-    from sparse_attn.kernels import _common
+    from sparse_attn.kernels import _args
     from sparse_attn.kernels.attn import entmax_attn_bwd as bwd
 
     def tried(pinned, d):  # the configs the autotuner of a launch at head dim d keeps
-        return _common.prune_to_pinned(pinned)(_common.launch_configs(), {"HEAD_DIM": d})
+        return _args.prune_to_pinned(pinned)(_args.launch_configs(), {"HEAD_DIM": d})
 
     for d in head_dims:
         _, _, warps, stages = fwd._pick_config(d, False)
@@ -318,8 +318,8 @@ def candidates(head_dims, classes, n: int = N_DEFAULT):
                 yield dict(info, pinned=(cfg.num_warps, cfg.num_stages) == (warps, stages))
         for name in ("dq", "dkdv"):
             pinned = bwd._pick_config(d, False, True)[name][-2:]
-            kept = _common.prune_to_pinned(bwd._pinned(name), by_args=True)(
-                _common.launch_configs(), {"HEAD_DIM": d, "NEED_DALPHA": True})
+            kept = _args.prune_to_pinned(bwd._pinned(name), by_args=True)(
+                _args.launch_configs(), {"HEAD_DIM": d, "NEED_DALPHA": True})
             for cfg in kept:
                 for info in bwd_cases(d, need_dalpha=True, mask=None, causal=False, n=n, kernels=(name,),
                                       config=(cfg.num_warps, cfg.num_stages)):

@@ -54,7 +54,7 @@ def _weights(s, tau, cu, cp, log_l, alpha, ALPHA_CLASS: tl.constexpr):
     For a general alpha, ``log r = log1p(w)`` with ``w = (alpha-1) s - (tau + 1)``: near alpha = 1
     ``r`` is within O(alpha-1) of 1, and rounding ``r`` itself would cost ``beta`` ulps in ``p``; ``log p`` is then
     ``beta log r - log L`` (no second logarithm). ``log p`` is dead code unless d alpha is asked for.
-    ``ALPHA_CLASS`` (``_common.ALPHA_CLASSES``) picks the path at compile time.
+    ``ALPHA_CLASS`` (``_args.ALPHA_CLASSES``) picks the path at compile time.
     """
     tau, tau_lo = tau
     if ALPHA_CLASS == 0:

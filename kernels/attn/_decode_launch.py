@@ -23,8 +23,8 @@ from typing import NamedTuple
 
 import torch
 
-from .. import _common
-from .._masking import mask_spec, score_spec
+from .. import _args
+from .._args import CLASS_POW, mask_spec, score_spec
 from ._decode_state import N_PART, N_STATE, _cache_spec
 from ._threshold import DECODE_MAX_PASSES, DECODE_POINTS, default_tolerance
 
@@ -35,8 +35,6 @@ __all__ = ["StaticPlan", "Sizes", "static_plan", "sizes", "scratch_layout", "car
 MAX_BLOCK_M = 32
 _MAX_PLANS = 64
 _ALIGN = 256  # bytes: every scratch tensor starts at a multiple (the pointer specialization of a fresh allocation)
-# the threshold arithmetic (POW) of each entmax ALPHA_CLASS
-POW_OF = {1: 1, 2: 2, 3: 0}
 # the threshold hint (``entmax_decode(tau_hint=)``): points the score pass evaluates around it (``HINT_P``, a power of
 # two; the hint itself among them) and their spacing in the z-scale by POW: wide where two points with no score
 # between them give the exact root (alpha = 2, 1.5), narrower at other alpha, which need a bracket narrow in total
@@ -53,7 +51,7 @@ class StaticPlan(NamedTuple):
     options: dict          # num_warps / num_stages (none under the interpreter)
     max_passes: int
     consts: dict           # kernel arguments that are the same for every call of the configuration
-    chains: tuple          # per alpha class: (ALPHA_CLASS, GRID_K, CAND_P, (PHASE, ...))
+    chains: tuple          # per alpha class: (ALPHA_CLASS, POW, GRID_K, CAND_P, (PHASE, ...))
 
 
 class Sizes(NamedTuple):
@@ -87,7 +85,7 @@ def _pick_config(head_dim: int, n_rows: int, interpret: bool) -> tuple[int, int,
     block_m = min(MAX_BLOCK_M, max(16, 1 << max(n_rows - 1, 0).bit_length()))
     if interpret:
         return block_m, 16, 4, 1
-    return block_m, 64 if _common.head_dim_block(head_dim) <= 128 else 32, 4, 2
+    return block_m, 64 if _args.head_dim_block(head_dim) <= 128 else 32, 4, 2
 
 
 def static_plan(dtype: torch.dtype, paged: bool, head_dim: int, head_dim_v: int, n_rows: int, is_causal: bool,
@@ -95,7 +93,7 @@ def static_plan(dtype: torch.dtype, paged: bool, head_dim: int, head_dim_v: int,
                 tol, max_passes, block_n, has_hint: bool = False) -> StaticPlan:
     """The launches' configuration (cached): ``classes`` the ``ALPHA_CLASS`` values launched (``FILTER`` when more
     than one), ``tol`` / ``max_passes`` / ``block_n`` None for the defaults, ``has_blocks`` the block mask's
-    ``SCORE[4]`` (``_common.blocks_mode``: 0, or 2 / 4 without / with partial blocks), ``has_hint`` a threshold
+    ``SCORE[4]`` (``_args.blocks_mode``: 0, or 2 / 4 without / with partial blocks), ``has_hint`` a threshold
     hint given. Arguments as :func:`sparse_attn.kernels.attn.entmax_decode.entmax_decode_fwd`."""
     key = (dtype, paged, head_dim, head_dim_v, n_rows, is_causal, window_size, softcap, has_alibi, has_sinks,
            has_blocks, classes, tol, max_passes, block_n, has_hint)
@@ -103,14 +101,15 @@ def static_plan(dtype: torch.dtype, paged: bool, head_dim: int, head_dim_v: int,
     if plan is not None:
         _PLANS.move_to_end(key)
         return plan
-    interpret = _common.interpreting()
+    interpret = _args.interpreting()
     block_m, default_n, num_warps, num_stages = _pick_config(head_dim, n_rows, interpret)
     block_n = default_n if block_n is None else block_n
     assert block_n >= 16 and block_n & (block_n - 1) == 0, f"block_n: got {block_n}"
     max_passes = DECODE_MAX_PASSES[dtype] if max_passes is None else max_passes
     assert max_passes >= 2, f"max_passes: got {max_passes}"
     # per alpha class: the score pass (softmax: its only pass), then the value pass
-    chains = tuple((cls, *DECODE_POINTS[POW_OF.get(cls, 1)], (0,) if cls == 0 else (0, 2)) for cls in classes)
+    chains = tuple((cls, CLASS_POW[cls], *DECODE_POINTS[CLASS_POW[cls]], (0,) if cls == 0 else (0, 2))
+                   for cls in classes)
     score = score_spec(softcap, has_alibi, has_sinks, has_blocks)
     consts = dict(tol=default_tolerance(dtype) if tol is None else float(tol), n_slots=max_passes + 1,
                   MASK=mask_spec(is_causal, window_size), SCORE=score, FILTER=len(classes) > 1, BLOCK_M=block_m,
@@ -139,7 +138,7 @@ def default_num_splits(batch: int, n_kv_heads: int, n_row_tiles: int, n_kblocks:
 
 def sizes(plan: StaticPlan, batch: int, n_kv_heads: int, n_rows: int, seqlen_q: int, capacity: int,
           max_seqlen_k, num_splits, device) -> Sizes:
-    """The geometry of one call: row tiles, key blocks the splits share (``_masking.key_blocks_spanned``), splits."""
+    """The geometry of one call: row tiles, key blocks the splits share (``_args.key_blocks_spanned``), splits."""
     max_seqlen_k = capacity if max_seqlen_k is None else min(int(max_seqlen_k), capacity)
     n_row_tiles = _cdiv(n_rows, plan.block_m)
     mask, block_n = plan.consts["MASK"], plan.block_n
@@ -164,7 +163,7 @@ def scratch_layout(plan: StaticPlan, sz: Sizes, rows: tuple, n_kv_heads: int, he
     n_rows = rows[1] // max(n_kv_heads, 1) * rows[2]
     tiles = (batch, n_kv_heads, sz.n_row_tiles)
     per_split = (batch, n_kv_heads, sz.n_row_tiles * plan.block_m, sz.n_splits)
-    grid_k = max((c[1] for c in plan.chains), default=1)
+    grid_k = max((c[2] for c in plan.chains), default=1)
     layout = [("Z", (batch, n_kv_heads, n_rows, sz.n_span * plan.block_n), f32),
               ("LIST", (*tiles, sz.n_span), i32), ("LIVE_N", (*tiles, sz.n_splits), i32),
               ("PART_ROW", (*per_split, N_PART.value), f32), ("PART_ACC", (*per_split, head_dim_v), f32),

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import _common
+from .. import _args
 from .._common import LN2, LOG2E, alpha_class_id
 from .._masking import block_visible, program_mods
 from ._threshold import Bracket, log_ref, merge_points, open_bracket, phi, pick_bracket, solve, weight_done
@@ -50,7 +50,7 @@ def _row_mods(MODS, b, h, SCORE):
     ALiBi slopes as ``[BLOCK_M, 1]`` columns of a score tile, the sink logits per row ``[BLOCK_M]`` (a scalar
     ``-inf`` without sinks), the block mask with its base per row as a ``[BLOCK_M, 1]`` column (the block grid of
     batch entry ``b`` and head ``h``, its rows the query index ``i`` as the fused forward's:
-    ``_masking.block_visible``). ``MODS`` is the kernel argument of ``_common.mods_args``."""
+    ``_masking.block_visible``). ``MODS`` is the kernel argument of ``_args.mods_args``."""
     bias_base, stride_m, stride_n, slope, sink, blocks = program_mods(MODS, b, b, h, b * 0, b * 0, SCORE)
     return (bias_base[:, None], stride_m, stride_n, (slope + tl.zeros([h.shape[0]], tl.float32))[:, None], sink,
             (blocks[0][:, None], blocks[1], blocks[2], blocks[3], blocks[4], blocks[5], blocks[6]))
@@ -115,11 +115,11 @@ def _cache_tile(cache, pages, cols, IS_PAGED: tl.constexpr, HEAD_DIM: tl.constex
 
 def _cache_spec(paged: bool, head_dim: int, head_dim_v: int, dtype: torch.dtype) -> tuple:
     """The ``CACHE`` kernel argument, how the split kernel reads the cache and multiplies by it (compile-time):
-    ``(IS_PAGED, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, UPCAST, DOT_PRECISION)`` (``_common.attention_args``
+    ``(IS_PAGED, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, UPCAST, DOT_PRECISION)`` (``_args.attention_args``
     names them)."""
     return tuple(tl.constexpr(x) for x in (
-        paged, head_dim, _common.head_dim_block(head_dim), head_dim_v, _common.head_dim_block(head_dim_v),
-        _common.interpreting(), _common.dot_precision(dtype)))
+        paged, head_dim, _args.head_dim_block(head_dim), head_dim_v, _args.head_dim_block(head_dim_v),
+        _args.interpreting(), _args.dot_precision(dtype)))
 
 
 def _cache_strides(prefix: str, cache: torch.Tensor, paged: bool) -> dict:
@@ -128,7 +128,7 @@ def _cache_strides(prefix: str, cache: torch.Tensor, paged: bool) -> dict:
     if paged:
         st = cache.stride()
         return {prefix + "b": st[0], prefix + "n": st[1], prefix + "h": st[2], prefix + "d": st[3]}
-    return _common.stride_args(prefix, cache, "bhnd")
+    return _args.stride_args(prefix, cache, "bhnd")
 
 
 @triton.jit

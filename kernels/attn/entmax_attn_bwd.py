@@ -26,7 +26,7 @@ on Hopper's warpgroup MMA), unions of the forward's tiles or parts of them; the 
 tiles is read for both (``_bwd_tiles._live_bits``). Every loop walks a compacted list of its live tiles built from
 the liveness bits in registers (``_masking.bit_rank``, ``live_tile``), with no branch per tile, so its loads are
 pipelined (the dQ kernel's with TMA descriptors on sm_90); the per-score mask is computed on boundary tiles only
-(``_masking.tile_inside``). The alpha class is a compile-time constant as in the forward (``_common.ALPHA_CLASSES``;
+(``_masking.tile_inside``). The alpha class is a compile-time constant as in the forward (``_args.ALPHA_CLASSES``;
 device alpha: one filtered launch per class): alpha = 1 uses ``exp2``, alpha = 1.5 and alpha = 2 use no
 transcendental function per score, other values one ``log2``, one ``exp2`` and one division.
 """
@@ -39,7 +39,7 @@ from typing import NamedTuple
 import torch
 import triton
 
-from .. import _common, _masking
+from .. import _args
 from ._bwd_kernels import _entmax_attn_bwd_dbias_kernel, _entmax_attn_bwd_dkdv_kernel, _entmax_attn_bwd_dq_kernel
 
 _DEFAULT_BLOCK = 64
@@ -72,7 +72,7 @@ def _pick_config(head_dim: int, interpret: bool, need_dalpha: bool = False, dens
     tiles."""
     if interpret:
         return dict(dq=BwdTiles(64, 16, 4, 1), dkdv=BwdTiles(16, 64, 4, 1), dbias=BwdTiles(16, 64, 4, 1))
-    head_dim_block = _common.head_dim_block(head_dim)
+    head_dim_block = _args.head_dim_block(head_dim)
     dq_dalpha, dq_dense = (need_dalpha, dense_dbias) if deterministic else (False, False)
     if head_dim_block <= 64:
         dq = BwdTiles(128, 32 if dq_dalpha or dq_dense else 64, 8, 2)
@@ -96,10 +96,7 @@ def _keys_as_m(head_dim: int, head_dim_v: int) -> bool:
     """Whether the dK/dV kernel takes its products with the keys as the MMA's M (``KEYS_M``): up to head dim 128. Above,
     a warpgroup's 64 keys would hold 2 x 64 x 256 float32 accumulators (256 registers a thread), and eight warps on 64
     keys repeat the score products on both warpgroups (sm_90 builds, docs/backward.md): the query rows are the M."""
-    return _common.head_dim_block(max(head_dim, head_dim_v)) <= 128
-
-
-_CLASS_NAMES = {cls: name for name, cls in _common.ALPHA_CLASSES.items()}
+    return _args.head_dim_block(max(head_dim, head_dim_v)) <= 128
 
 
 def _call_flags(args: dict) -> tuple:
@@ -107,13 +104,13 @@ def _call_flags(args: dict) -> tuple:
     arguments: as far as they choose that kernel's tiles (the dQ kernel's sweep, or without determinism the dK/dV
     kernel, accumulates the d alpha sums and stores the dense dS tiles; a filtered launch is ``"mixed"``)."""
     deterministic = args.get("PHASE", 0) == 0 and not args.get("NEED_DQ", False)
-    alpha_class = "mixed" if args.get("HEAD_FILTER", True) else _CLASS_NAMES[args["ALPHA_CLASS"]]
+    alpha_class = "mixed" if args.get("HEAD_FILTER", True) else _args.CLASS_NAMES[args["ALPHA_CLASS"]]
     return bool(args.get("NEED_DALPHA", False)), bool(args.get("NEED_DBIAS", False)), deterministic, alpha_class
 
 
 def _pinned(kernel: str):
     """``args -> (num_warps, num_stages)`` of ``kernel``'s pinned GPU config for a launch's arguments
-    (``_common.prune_to_pinned``)."""
+    (``_args.prune_to_pinned``)."""
     def pinned(args):
         tiles = _pick_config(args["HEAD_DIM"], False, *_call_flags(args))[kernel]
         return tiles.num_warps, tiles.num_stages
@@ -125,31 +122,31 @@ _TUNE_KEY = ["HEAD_DIM", "HEAD_DIM_V", "BLOCK_M", "BLOCK_N", "ALPHA_CLASS", "HEA
 # on a GPU each kernel is autotuned per head dim, tile, alpha class, feature flags and precision; the interpreter
 # runs the pinned config (autotuning several fails there)
 _entmax_attn_bwd_dq_autotuned = triton.autotune(
-    configs=_common.launch_configs(), key=_TUNE_KEY + ["PHASE", "NEED_DALPHA", "NEED_DBIAS", "NEED_DBIAS_ROWS"],
-    prune_configs_by={"early_config_prune": _common.prune_to_pinned(_pinned("dq"), by_args=True)},
+    configs=_args.launch_configs(), key=_TUNE_KEY + ["PHASE", "NEED_DALPHA", "NEED_DBIAS", "NEED_DBIAS_ROWS"],
+    prune_configs_by={"early_config_prune": _args.prune_to_pinned(_pinned("dq"), by_args=True)},
 )(_entmax_attn_bwd_dq_kernel)
 # the dK/dV kernel adds into DK, DV with HEAD_FILTER (and into DQ, ROW_SUMS, DBIAS_ROWS without determinism), the
 # dbias kernel into DBIAS: every autotuning run restores them
 _entmax_attn_bwd_dkdv_autotuned = triton.autotune(
-    configs=_common.launch_configs(),
+    configs=_args.launch_configs(),
     key=_TUNE_KEY + ["NEED_DBIAS_COLS", "NEED_DQ", "NEED_DALPHA", "NEED_DBIAS", "NEED_DBIAS_ROWS", "KEYS_M"],
     restore_value=["DK", "DV", "DQ", "ROW_SUMS", "DBIAS_ROWS"],
-    prune_configs_by={"early_config_prune": _common.prune_to_pinned(_pinned("dkdv"), by_args=True)},
+    prune_configs_by={"early_config_prune": _args.prune_to_pinned(_pinned("dkdv"), by_args=True)},
 )(_entmax_attn_bwd_dkdv_kernel)
 _entmax_attn_bwd_dbias_autotuned = triton.autotune(
-    configs=_common.launch_configs(), key=_TUNE_KEY, restore_value=["DBIAS"],
-    prune_configs_by={"early_config_prune": _common.prune_to_pinned(_pinned("dbias"), by_args=True)},
+    configs=_args.launch_configs(), key=_TUNE_KEY, restore_value=["DBIAS"],
+    prune_configs_by={"early_config_prune": _args.prune_to_pinned(_pinned("dbias"), by_args=True)},
 )(_entmax_attn_bwd_dbias_kernel)
 
 
 def _launch(name: str, grid: tuple, args: dict, alpha_class: str, forced: BwdTiles | None = None) -> None:
-    """Launch kernel ``name`` (``"dq"``, ``"dkdv"``, ``"dbias"``) once per alpha class (``_common.class_launches``):
+    """Launch kernel ``name`` (``"dq"``, ``"dkdv"``, ``"dbias"``) once per alpha class (``_args.class_launches``):
     autotuned on a GPU, pinned under the interpreter or with ``SPARSE_ATTN_PINNED=1``, or with the warps and stages
     of a ``forced`` config (its tiles are in ``args``)."""
-    for cls, head_filter in _common.class_launches(alpha_class):
+    for cls, head_filter in _args.class_launches(alpha_class):
         launch = dict(args, ALPHA_CLASS=cls, HEAD_FILTER=head_filter)
-        if forced is not None or _common.pinned_launch():
-            tiles = forced or _pick_config(args["HEAD_DIM"], _common.interpreting(), *_call_flags(launch))[name]
+        if forced is not None or _args.pinned_launch():
+            tiles = forced or _pick_config(args["HEAD_DIM"], _args.interpreting(), *_call_flags(launch))[name]
             globals()[f"_entmax_attn_bwd_{name}_kernel"][grid](**launch, num_warps=tiles.num_warps,
                                                                num_stages=tiles.num_stages)
         else:
@@ -226,7 +223,7 @@ def _zero_grads(q, k, v, bias, need_dalpha, need_dbias):
 
 # what the kernels write: gradients, per-row delta, weight factors (``_bwd_tiles._row_factors``) and d alpha
 # partials, and the d bias accumulation
-# mode (``_masking.dbias_mode``, None when not needed) with its buffers; without determinism the float32 dQ the
+# mode (``_args.dbias_mode``, None when not needed) with its buffers; without determinism the float32 dQ the
 # dK/dV kernel adds into and its six d alpha row sums per row
 _Buffers = namedtuple("_Buffers", "dq dk dv delta row_factors dalpha_rows mode dbias dbias_rows dbias_cols dq32 "
                                    "row_sums")
@@ -242,7 +239,7 @@ def _buffers(q, k, v, bias, is_varlen, need_dalpha, need_dbias, deterministic) -
             g.zero_()
     full = (*q.shape[:3], k.shape[2])
     delta = torch.empty(full[:3], dtype=torch.float32, device=q.device)
-    mode = _masking.dbias_mode(bias, full) if need_dbias else None
+    mode = _args.dbias_mode(bias, full) if need_dbias else None
     zeros32 = dict(dtype=torch.float32, device=q.device)
     return _Buffers(
         dq, dk, dv, delta, torch.empty((*full[:3], 3), dtype=torch.float32, device=q.device),
@@ -264,12 +261,12 @@ def _common_args(q, k, v, do, tau, tau_lo, delta, row_factors, alpha, bias, cu_s
     decided by the tile loops alone (``SCORE[4]`` 1) only when its blocks are unions of both the forward's tiles (the
     bitmap) and the kernel's."""
     whole = None if live is None else (max(live_tiles[0], tiles.block_m), max(live_tiles[1], tiles.block_n))
-    args = _common.attention_args(q, k, v, alpha, bias, cu_seqlens_q, cu_seqlens_k, scale, is_causal, dropout_p, seed,
+    args = _args.attention_args(q, k, v, alpha, bias, cu_seqlens_q, cu_seqlens_k, scale, is_causal, dropout_p, seed,
                                   window_size, alibi_slopes, softcap, sinks, block_mask, whole)
     return dict(
         args, DO=do, TAU=(tau.contiguous(), torch.zeros_like(tau) if tau_lo is None else tau_lo.contiguous()),
         DELTA=delta, ROW_FACTORS=row_factors,
-        **_common.stride_args("stride_do", do, "bhmd"), **_live_args(live, q), HAS_LIVE=live is not None,
+        **_args.stride_args("stride_do", do, "bhmd"), **_live_args(live, q), HAS_LIVE=live is not None,
         LIVE_BLOCK_M=live_tiles[0], LIVE_BLOCK_N=live_tiles[1], BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
         USE_TMA=use_tma,
     )
@@ -343,7 +340,7 @@ def entmax_attn_bwd(
         of ``sinks`` (float32 per-row gradients summed over batch and rows).
 
     Raises:
-        ValueError: more than 65535 heads or batch entries (sequences) (``_masking.tile_plan``).
+        ValueError: more than 65535 heads or batch entries (sequences) (``_args.tile_plan``).
     """
     _check_args(do, q, k, v, out, out_u, tau, tau_lo, lsum, bias, cu_seqlens_q, cu_seqlens_k, live, block_m, block_n)
     n_heads = q.shape[1]
@@ -351,9 +348,9 @@ def entmax_attn_bwd(
     if q.shape[0] * n_heads * q.shape[2] == 0 or k.shape[2] == 0:
         grads = _zero_grads(q, k, v, bias, need_dalpha, need_dbias)
         return grads if sinks is None else (*grads, torch.zeros_like(sinks))
-    dense = need_dbias and _masking.dbias_mode(bias, (*q.shape[:3], k.shape[2])) == "dense"
-    alpha_class = _common.resolve_alpha_class(alpha, alpha_class)
-    config = _pick_config(q.shape[3], _common.interpreting(), bool(need_dalpha), dense, deterministic, alpha_class)
+    dense = need_dbias and _args.dbias_mode(bias, (*q.shape[:3], k.shape[2])) == "dense"
+    alpha_class = _args.resolve_alpha_class(alpha, alpha_class)
+    config = _pick_config(q.shape[3], _args.interpreting(), bool(need_dalpha), dense, deterministic, alpha_class)
     forced = {name: BwdTiles(*t) for name, t in (tiles or {}).items()}
     assert set(forced) <= set(config), f"tiles: expected kernels among {sorted(config)}, got {sorted(forced)}"
     assert all(b >= 16 and b & (b - 1) == 0 for t in forced.values() for b in t[:2]) and all(
@@ -361,12 +358,12 @@ def entmax_attn_bwd(
     config.update(forced)
     # the bitmap's tiles are the forward's (block_m x block_n); each kernel's tiles lie in them or are unions of them
     live_tiles = tuple(_DEFAULT_BLOCK if b is None else int(b) for b in (block_m, block_n))
-    live_plan = _masking.tile_plan(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *live_tiles)
+    live_plan = _args.tile_plan(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *live_tiles)
     live_shape = (live_plan.n_seq, n_heads, live_plan.n_q_tiles, live_plan.n_words)
     assert live is None or (live.shape == live_shape and live.dtype == torch.int32), f"live: expected {live_shape}"
     assert out_u is not None or alpha_class == "softmax", (
         "out_u: required unless every head has alpha = 1 (entmax_attn_fwd(..., need_out_u=True).out_u)")
-    plans = {name: _masking.tile_plan(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, t.block_m,
+    plans = {name: _args.tile_plan(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, t.block_m,
                                       t.block_n) for name, t in config.items()}
     buf = _buffers(q, k, v, bias, cu_seqlens_q is not None, need_dalpha, need_dbias, deterministic)
     if alpha_class == "mixed" and n_heads > k.shape[1] and k.dtype != torch.float32:
@@ -380,7 +377,7 @@ def entmax_attn_bwd(
 
     # the dQ kernel's K / V tiles by TMA where the device and layout allow (_TMA_KERNELS)
     use_tma = _tma_device(q.device) and all(_tma_rows(t) for t in (q, k, v, do))
-    if use_tma and not _common.interpreting():
+    if use_tma and not _args.interpreting():
         _set_tma_allocator(q.device)
 
     def kernel_args(name):
@@ -396,7 +393,7 @@ def entmax_attn_bwd(
     dq_args = dict(
         kernel_args("dq"), LSUM=lsum.contiguous(), OUT_U=out_u, DQ=buf.dq, DALPHA=buf.dalpha_rows, DBIAS=buf.dbias,
         DSINKS=buf.delta if dsinks_rows is None else dsinks_rows, DBIAS_ROWS=buf.dbias_rows, ROW_SUMS=buf.row_sums,
-        **_common.stride_args("stride_ou", out_u, "bhmd"), **_common.stride_args("stride_dq", buf.dq, "bhmd"),
+        **_args.stride_args("stride_ou", out_u, "bhmd"), **_args.stride_args("stride_dq", buf.dq, "bhmd"),
         NEED_DALPHA=bool(need_dalpha), NEED_DBIAS=deterministic and buf.mode == "dense",
         NEED_DBIAS_ROWS=deterministic and buf.mode == "rows",
     )
@@ -405,8 +402,8 @@ def entmax_attn_bwd(
     plan = plans["dkdv"]
     _launch("dkdv", (plan.n_k_tiles, k.shape[1], plan.n_seq), dict(
         kernel_args("dkdv"), DK=buf.dk, DV=buf.dv, DBIAS_COLS=buf.dbias_cols, DQ=buf.dq32, ROW_SUMS=buf.row_sums,
-        DBIAS=buf.dbias, DBIAS_ROWS=buf.dbias_rows, **_common.stride_args("stride_dk", buf.dk, "bhnd"),
-        **_common.stride_args("stride_dv", buf.dv, "bhnd"), **_common.stride_args("stride_dq", buf.dq32, "bhmd"),
+        DBIAS=buf.dbias, DBIAS_ROWS=buf.dbias_rows, **_args.stride_args("stride_dk", buf.dk, "bhnd"),
+        **_args.stride_args("stride_dv", buf.dv, "bhnd"), **_args.stride_args("stride_dq", buf.dq32, "bhmd"),
         NEED_DBIAS_COLS=buf.mode == "cols", NEED_DQ=not deterministic,
         NEED_DALPHA=bool(need_dalpha) and not deterministic, NEED_DBIAS=not deterministic and buf.mode == "dense",
         NEED_DBIAS_ROWS=not deterministic and buf.mode == "rows", KEYS_M=_keys_as_m(q.shape[3], v.shape[3]),
@@ -427,11 +424,11 @@ def entmax_attn_bwd(
 def _dbias(buf, bias, cu_seqlens_q, plans, n_heads, common, alpha_class, forced=None):
     """d bias in the shape of ``bias`` from the kernels' buffers (and the dbias kernel for batch/head broadcasts)."""
     if buf.mode == "blocks":
-        dbias = _dbias_blocks(_masking.mask_shape4(bias), cu_seqlens_q is not None, plans["dbias"], n_heads, common,
+        dbias = _dbias_blocks(_args.mask_shape4(bias), cu_seqlens_q is not None, plans["dbias"], n_heads, common,
                               alpha_class, forced)
     else:
         dbias = {"rows": buf.dbias_rows[..., None], "cols": buf.dbias_cols[:, :, None]}.get(buf.mode, buf.dbias)
-    return _masking.sum_to_mask(dbias, bias)
+    return _args.sum_to_mask(dbias, bias)
 
 
 def _dbias_blocks(bias_shape, is_varlen, plan, n_heads, common, alpha_class, forced=None):

@@ -35,17 +35,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import _common, _masking
-from .._common import (
-    ALPHA_CLASSES,
-    alpha_class_id,
-    class_launches,
-    load_rows,
-    resolve_alpha_class,
-    slice_base,
-    store_rows,
-)
-from .._common import alpha_class_of as alpha_class_of  # re-exported: the public place of the class rule
+from .. import _args
+from .._args import ALPHA_CLASSES, CLASS_POW, class_launches, resolve_alpha_class
+from .._args import alpha_class_of as alpha_class_of  # re-exported: the public place of the class rule
+from .._common import alpha_class_id, load_rows, slice_base, store_rows
 from .._masking import key_tile_range, max_first_tile, program_mods, seq_bounds
 from ._fwd_rows import KeyTiles, Rows, Scalars, Tiles, entmax_rows, softmax_rows, value_rows
 from ._fwd_split import threshold_rows
@@ -107,8 +100,8 @@ def _entmax_attn_fwd_kernel(
     stride_oub, stride_ouh, stride_oum, stride_oud,
     n_heads, kv_group, total_q, total_k, n_q_tiles, n_words,
     scale, tol, max_passes, seed, dropout_p, inv_keep, MASK, SCORE,
-    ALPHA_CLASS: tl.constexpr, HEAD_FILTER: tl.constexpr, GRID_K1: tl.constexpr, CAND_P1: tl.constexpr,
-    GRID_K2: tl.constexpr, CAND_P2: tl.constexpr, GRID_K0: tl.constexpr, CAND_P0: tl.constexpr,
+    ALPHA_CLASS: tl.constexpr, HEAD_FILTER: tl.constexpr, POW: tl.constexpr, GRID_K: tl.constexpr,
+    CAND_P: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BIAS_KIND: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_DROPOUT: tl.constexpr, NEED_OUT_U: tl.constexpr,
@@ -120,7 +113,8 @@ def _entmax_attn_fwd_kernel(
     (alpha in (1, 2] only): 0 the fused forward, every pass in this launch; 1 the split forward's threshold kernel
     (``_fwd_split.threshold_rows``: stores the rows' reference scores in ``TAU``, the thresholds and certified lower
     bounds relative to them in ``TAU_LO`` and ``LSUM``, the NaN / +inf flags in ``NNZ``, the valid-key counts, passes,
-    visits and the bitmap); 2 its value kernel (reads them, writes every output).
+    visits and the bitmap); 2 its value kernel (reads them, writes every output). ``POW``, ``GRID_K``, ``CAND_P``:
+    the class's threshold arithmetic and points, from the host (``_args.CLASS_POW``, ``_threshold.FWD_POINTS``).
     """
     pid_m = n_q_tiles - 1 - tl.program_id(0)
     h = tl.program_id(1)
@@ -159,18 +153,6 @@ def _entmax_attn_fwd_kernel(
     sc = Scalars(scale, tl.where(a_ok, alpha, 1.5), tol, max_passes)
     kt_first = max_first_tile(pid_m, seqlen_q, seqlen_k, kt_lo, kt_hi, MASK, BLOCK_M, BLOCK_N)
     tiles = Tiles(kt_lo, kt_hi, kt_first, n_words, live_base)
-    if ALPHA_CLASS == 1:
-        POW: tl.constexpr = 1
-        GRID_K: tl.constexpr = GRID_K1
-        CAND_P: tl.constexpr = CAND_P1
-    elif ALPHA_CLASS == 2:
-        POW: tl.constexpr = 2
-        GRID_K: tl.constexpr = GRID_K2
-        CAND_P: tl.constexpr = CAND_P2
-    else:
-        POW: tl.constexpr = 0
-        GRID_K: tl.constexpr = GRID_K0
-        CAND_P: tl.constexpr = CAND_P0
     if STAGE == 1:
         # for stage 2, in the statistics it will overwrite: the rows' reference scores (TAU), the thresholds and the
         # certified lower bounds relative to them (TAU_LO, LSUM), the NaN / +inf flags (NNZ) and the valid-key counts
@@ -233,7 +215,7 @@ SPLIT_MAXNREG = {(64, 64, 4, 128): {2: 168, 3: 168}}
 # on a GPU the kernel is autotuned per head dim, tile, alpha class, mask kind, causal flag and precision;
 # the interpreter runs one pinned config (autotuning several fails there)
 _entmax_attn_fwd_autotuned = triton.autotune(
-    configs=_common.launch_configs(), prune_configs_by={"early_config_prune": _common.prune_to_pinned(
+    configs=_args.launch_configs(), prune_configs_by={"early_config_prune": _args.prune_to_pinned(
         lambda head_dim: _pick_config(head_dim, False)[2:])},
     key=["HEAD_DIM", "HEAD_DIM_V", "BLOCK_M", "BLOCK_N", "ALPHA_CLASS", "HEAD_FILTER", "BIAS_KIND", "MASK", "SCORE",
          "IS_VARLEN", "HAS_DROPOUT", "NEED_OUT_U", "DOT_PRECISION"],
@@ -251,7 +233,7 @@ def _pick_config(head_dim: int, interpret: bool):
     """
     if interpret:
         return 32, 32, 4, 1
-    head_dim_block = _common.head_dim_block(head_dim)
+    head_dim_block = _args.head_dim_block(head_dim)
     if head_dim_block <= 64:
         return 128, 64, 8, 2
     if head_dim_block <= 128:
@@ -261,7 +243,7 @@ def _pick_config(head_dim: int, interpret: bool):
 
 def fwd_block_sizes(head_dim: int) -> tuple:
     """Default ``(block_m, block_n)`` of :func:`entmax_attn_fwd` for this head dim (the liveness map's tiles)."""
-    block_m, block_n, _, _ = _pick_config(head_dim, _common.interpreting())
+    block_m, block_n, _, _ = _pick_config(head_dim, _args.interpreting())
     return block_m, block_n
 
 
@@ -342,7 +324,11 @@ def entmax_attn_fwd(
         block_m, block_n: tile sizes (powers of two >= 16); default by head dim.
         num_warps, num_stages: force this launch config (a power of two in [1, 32] warps, 1 to 8 pipeline stages; the
             one not given is the pinned one of this head dim) instead of the GPU's ``triton.autotune`` over
+<<<<<<< HEAD
             ``_common.launch_configs``; for tuning (``benchmarks/gpu/tune_tiles.py``). Default None (autotuned on a GPU,
+=======
+            ``_args.launch_configs``; for tuning (``benchmarks/tune_tiles.py``). Default None (autotuned on a GPU,
+>>>>>>> args
             pinned under the interpreter or with ``SPARSE_ATTN_PINNED=1``).
         split: True: run the heads of alpha in (1, 2] by the split forward (a threshold kernel, then a value kernel
             that knows tau: ``kernels/attn/_fwd_split.py``) with the pinned launch config; False: by the fused kernel;
@@ -352,7 +338,7 @@ def entmax_attn_fwd(
         :class:`EntmaxAttnFwdResult`.
 
     Raises:
-        ValueError: more than 65535 heads or batch entries (sequences) (``_masking.tile_plan``); ``num_warps`` or
+        ValueError: more than 65535 heads or batch entries (sequences) (``_args.tile_plan``); ``num_warps`` or
             ``num_stages`` out of range (``TypeError`` when not an int).
     """
     forced = _forced_options(num_warps, num_stages, q.shape[-1])
@@ -368,7 +354,7 @@ def entmax_attn_fwd(
                 _entmax_attn_fwd_kernel[plan.grid](**args, STAGE=stage, **_split_options(stage, args, options))
         elif forced is not None:
             _entmax_attn_fwd_kernel[plan.grid](**args, **forced)
-        elif _common.pinned_launch():
+        elif _args.pinned_launch():
             _entmax_attn_fwd_kernel[plan.grid](**args, **plan.options)
         else:
             _entmax_attn_fwd_autotuned[plan.grid](**args)
@@ -391,7 +377,7 @@ def _split_options(stage: int, args: dict, options: dict) -> dict:
     """Launch options of a split forward stage: ``options``, plus the threshold kernel's register cap
     (``SPLIT_MAXNREG``) at the configs it was measured at."""
     cap = SPLIT_MAXNREG.get((args["BLOCK_M"], args["BLOCK_N"], options["num_warps"], args["BLOCK_D"]), {})
-    if stage == 1 and args["ALPHA_CLASS"] in cap and not _common.interpreting():
+    if stage == 1 and args["ALPHA_CLASS"] in cap and not _args.interpreting():
         return dict(options, maxnreg=cap[args["ALPHA_CLASS"]])
     return options
 
@@ -407,7 +393,7 @@ def _forced_options(num_warps, num_stages, head_dim: int) -> dict | None:
             raise TypeError(f"{name}: expected {expected} or None, got {type(value).__name__} {value!r}")
         if value is not None and value not in allowed:
             raise ValueError(f"{name}: expected {expected} or None, got {value!r}")
-    _, _, warps, stages = _pick_config(head_dim, _common.interpreting())
+    _, _, warps, stages = _pick_config(head_dim, _args.interpreting())
     return dict(num_warps=warps if num_warps is None else num_warps,
                 num_stages=stages if num_stages is None else num_stages)
 
@@ -425,8 +411,8 @@ def _plan(q, k, v, alpha, scale, bias, is_causal, cu_seqlens_q, cu_seqlens_k, ma
     """Allocate the outputs and name every kernel argument of one forward launch."""
     batch, n_heads, total_q, head_dim = q.shape
     assert 16 <= head_dim <= 256, f"q: head dim must be in [16, 256], got {head_dim}"
-    default_m, default_n, num_warps, num_stages = _pick_config(head_dim, _common.interpreting())
-    plan = _masking.tile_plan(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+    default_m, default_n, num_warps, num_stages = _pick_config(head_dim, _args.interpreting())
+    plan = _args.tile_plan(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                               default_m if block_m is None else block_m, default_n if block_n is None else block_n)
     n_seq, n_q_tiles = plan.n_seq, plan.n_q_tiles
     alpha_class = resolve_alpha_class(alpha, alpha_class)
@@ -459,21 +445,21 @@ def _plan(q, k, v, alpha, scale, bias, is_causal, cu_seqlens_q, cu_seqlens_k, ma
         return _Launch(None, [], {}, result)
 
     dropout_p = float(dropout_p)
-    (k1, p1), (k2, p2), (k0, p0) = FWD_POINTS[1], FWD_POINTS[2], FWD_POINTS[0]
     args = dict(
-        **_common.attention_args(q, k, v, alpha, bias, cu_seqlens_q, cu_seqlens_k, scale, is_causal, dropout_p, seed,
+        **_args.attention_args(q, k, v, alpha, bias, cu_seqlens_q, cu_seqlens_k, scale, is_causal, dropout_p, seed,
                                  window_size, alibi_slopes, softcap, sinks, block_mask,
                                  (plan.block_m, plan.block_n)),
         OUT=out, OUT_U=out if out_u is None else out_u, TAU=tau, TAU_LO=tau_lo, LSUM=lsum, NNZ=nnz, N_VALID=n_valid,
-        LIVE=live, N_PASSES=n_passes, TILE_VISITS=tile_visits, **_common.stride_args("stride_o", out, "bhmd"),
-        **_common.stride_args("stride_ou", out if out_u is None else out_u, "bhmd"), NEED_OUT_U=out_u is not None,
+        LIVE=live, N_PASSES=n_passes, TILE_VISITS=tile_visits, **_args.stride_args("stride_o", out, "bhmd"),
+        **_args.stride_args("stride_ou", out if out_u is None else out_u, "bhmd"), NEED_OUT_U=out_u is not None,
         n_q_tiles=n_q_tiles, n_words=plan.n_words,
         tol=default_tolerance(q.dtype) if tol is None else float(tol),
         max_passes=DEFAULT_MAX_PASSES if max_passes is None else int(max_passes),
-        inv_keep=1.0 / (1.0 - dropout_p) if dropout_p < 1 else 0.0, GRID_K1=k1, CAND_P1=p1, GRID_K2=k2, CAND_P2=p2,
-        GRID_K0=k0, CAND_P0=p0, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
+        inv_keep=1.0 / (1.0 - dropout_p) if dropout_p < 1 else 0.0, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
     )
-    launches = [dict(args, ALPHA_CLASS=c, HEAD_FILTER=f) for c, f in class_launches(alpha_class)]
+    # per class its threshold arithmetic and points (FWD_POINTS read here: benchmarks/points_sweep.py sets it)
+    launches = [dict(args, ALPHA_CLASS=c, HEAD_FILTER=f, POW=CLASS_POW[c], GRID_K=FWD_POINTS[CLASS_POW[c]][0],
+                     CAND_P=FWD_POINTS[CLASS_POW[c]][1]) for c, f in class_launches(alpha_class)]
     return _Launch((n_q_tiles, n_heads, n_seq), launches, dict(num_warps=num_warps, num_stages=num_stages), result)
 
 

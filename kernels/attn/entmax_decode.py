@@ -51,8 +51,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import _common
-from .._common import ALPHA_CLASSES, LOG2E, alpha_class_of, class_launches, resolve_alpha_class
+from .. import _args
+from .._args import classes_present, resolve_alpha_class
+from .._common import LOG2E
 from .._masking import key_block_range, score_mod, sink_tile
 from . import _decode_launch as _launch
 from ._decode_state import (
@@ -236,15 +237,17 @@ def _entmax_decode_split_kernel(
     stride_tb, stride_tn, page_size,
     n_heads, n_kv_heads, kv_group, seqlen_q, n_rows, n_row_tiles, n_splits, blocks_per_split, n_span,
     max_seqlen_k, scale, tol, n_slots, MASK, SCORE, MODS, CACHE,
-    ALPHA_CLASS: tl.constexpr, FILTER: tl.constexpr, PHASE: tl.constexpr, GRID_K: tl.constexpr,
+    ALPHA_CLASS: tl.constexpr, FILTER: tl.constexpr, PHASE: tl.constexpr, POW: tl.constexpr, GRID_K: tl.constexpr,
     CAND_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BIAS_KIND: tl.constexpr,
     HAS_HINT: tl.constexpr, HINT_P: tl.constexpr,
 ):
     """One program per (split, kv head x row tile, batch entry); ``PHASE`` 0 the score pass (and, in the tile's last
     program, the merge and the candidate passes), 2 the value pass (and the combine), as the module docstring says.
-    ``ALPHA_CLASS`` 0 (softmax) runs its single pass (and the combine) whatever ``PHASE``. ``CACHE``: ``(IS_PAGED,
-    HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, UPCAST, DOT_PRECISION)`` (:func:`_cache_spec`), passed on unread to the
-    helpers that read the cache; ``MODS`` the score modifications (``_common.mods_args``); ``OUT`` contiguous;
+    ``ALPHA_CLASS`` 0 (softmax) runs its single pass (and the combine) whatever ``PHASE``; ``POW``, ``GRID_K``,
+    ``CAND_P``: the class's threshold arithmetic and points (``_args.CLASS_POW``, ``_threshold.DECODE_POINTS``).
+    ``CACHE``: ``(IS_PAGED, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, UPCAST, DOT_PRECISION)`` (:func:`_cache_spec`),
+    passed on unread to the helpers that read the cache; ``MODS`` the score modifications (``_args.mods_args``);
+    ``OUT`` contiguous;
     ``COUNT`` one ticket counter per row tile, zero at rest. With ``HAS_HINT``, ``TAU_HINT`` holds a threshold per row
     (``(B, Hq, Nq)`` at the ``stride_hint*`` strides, absolute, in the z-scale: a previous step's ``tau``); the score
     pass evaluates ``f``, ``g``, ``c`` at ``HINT_P`` points ``hint_step`` apart around it, the hint itself one of them
@@ -307,12 +310,6 @@ def _entmax_decode_split_kernel(
                           mods[4] + tl.zeros([BLOCK_M], tl.float32), CACHE[3], CACHE[4])
         return
 
-    if ALPHA_CLASS == 1:
-        POW: tl.constexpr = 1
-    elif ALPHA_CLASS == 2:
-        POW: tl.constexpr = 2
-    else:
-        POW: tl.constexpr = 0
     # unchecked device alpha outside [1, 2] (or NaN) reaches the general class: those rows are NaN
     a_ok = (alpha >= 1.0) & (alpha <= 2.0)
     am1 = tl.where(a_ok, alpha, 1.5) - 1.0
@@ -425,7 +422,7 @@ def _hint_args(tau_hint, rows: tuple, ws: dict) -> dict:
     if tau_hint is None:
         return dict(TAU_HINT=ws["STATE"], HINT_PTS=ws["STATE"], stride_hintb=0, stride_hinth=0, stride_hintm=0)
     hint = tau_hint.expand(rows)
-    return dict(TAU_HINT=hint, HINT_PTS=ws["HINT_PTS"], **_common.stride_args("stride_hint", hint, "bhm"))
+    return dict(TAU_HINT=hint, HINT_PTS=ws["HINT_PTS"], **_args.stride_args("stride_hint", hint, "bhm"))
 
 
 def entmax_decode_fwd(
@@ -490,7 +487,7 @@ def entmax_decode_fwd(
         alpha_class: as :func:`sparse_attn.kernels.attn.entmax_attn_fwd.entmax_attn_fwd` (default from the values for a
             Python float or a CPU tensor, else ``"mixed"``).
         block_n: keys per block (a power of two >= 16); default by head dim.
-        block_mask: ``(mask, (block_q, block_k)[, bits])`` (``_common.block_args``): ``mask`` ``(B or 1, Hq or 1,
+        block_mask: ``(mask, (block_q, block_k)[, bits])`` (``_args.block_args``): ``mask`` ``(B or 1, Hq or 1,
             >= ceil(Nq / block_q), >= ceil(max_seqlen_k / block_k))``; query ``i`` (its index among the ``Nq``, as
             the fused forward's rows) sees key ``j`` only if block ``(i // block_q, j // block_k)`` keeps it. Key
             blocks it hides from every row of a program are not read. Default None.
@@ -521,18 +518,15 @@ def entmax_decode_fwd(
     kv_group = n_heads // max(n_kv_heads, 1)
     n_rows = kv_group * seqlen_q
     alpha_class = resolve_alpha_class(alpha, alpha_class)
-    if alpha_class == "mixed" and isinstance(alpha, torch.Tensor) and alpha.device.type == "cpu":
-        classes = tuple(sorted({ALPHA_CLASSES[alpha_class_of([a])] if 1 <= a <= 2 else 3 for a in alpha.tolist()}))
-    else:
-        classes = tuple(c for c, _ in class_launches(alpha_class))
+    classes = classes_present(alpha, alpha_class)
     plan = _launch.static_plan(q.dtype, paged, head_dim, head_dim_v, n_rows, bool(is_causal),
                                None if window_size is None else tuple(window_size), softcap, alibi_slopes is not None,
-                               sinks is not None, _common.blocks_mode(block_mask, None), classes, tol, max_passes,
+                               sinks is not None, _args.blocks_mode(block_mask, None), classes, tol, max_passes,
                                block_n, tau_hint is not None)
     dev = q.device
     sz = _launch.sizes(plan, batch, n_kv_heads, n_rows, seqlen_q, capacity, max_seqlen_k, num_splits, dev)
     if block_mask is not None:
-        grid_blocks, (block_q, block_k), _ = _common.block_parts(block_mask)
+        grid_blocks, (block_q, block_k), _ = _args.block_parts(block_mask)
         assert grid_blocks.dim() == 4 and grid_blocks.shape[0] in (1, batch) and grid_blocks.shape[1] in (1, n_heads)
         assert grid_blocks.shape[2] >= -(-seqlen_q // block_q), f"block_mask: got {tuple(grid_blocks.shape)}"
         assert grid_blocks.shape[3] >= -(-sz.max_seqlen_k // block_k), f"block_mask: got {tuple(grid_blocks.shape)}"
@@ -560,15 +554,15 @@ def entmax_decode_fwd(
     if out.numel() == 0:
         return result
 
-    alpha_t = _common.alpha_arg(alpha, n_heads, dev)
-    mods = _common.mods_args(bias, (batch, n_heads, seqlen_q, capacity), alibi_slopes, sinks, q, block_mask)
+    alpha_t = _args.alpha_arg(alpha, n_heads, dev)
+    mods = _args.mods_args(bias, (batch, n_heads, seqlen_q, capacity), alibi_slopes, sinks, q, block_mask)
     args = dict(
         plan.consts, Q=q, K=k_cache, V=v_cache, ALPHA=alpha_t, BLOCK_TABLE=block_table if paged else cache_seqlens,
         CACHE_SEQLENS=cache_seqlens, **mods, Z=ws["Z"], LIST=ws["LIST"], LIVE_N=ws["LIVE_N"],
         GRID_ROW=ws["GRID_ROW"], STATE=ws["STATE"], PART_ROW=ws["PART_ROW"], PART_ACC=ws["PART_ACC"], OUT=out,
         TAU=tau, NNZ=nnz, N_VALID=n_valid,
         COUNT=_launch.tickets(batch * n_kv_heads * sz.n_row_tiles, dev, reuse_scratch),
-        **_common.stride_args("stride_q", q, "bhmd"), **_hint_args(tau_hint, rows, ws),
+        **_args.stride_args("stride_q", q, "bhmd"), **_hint_args(tau_hint, rows, ws),
         **_cache_strides("stride_k", k_cache, paged),
         **_cache_strides("stride_v", v_cache, paged),
         stride_tb=block_table.stride(0) if paged else 0, stride_tn=block_table.stride(1) if paged else 0,
@@ -578,14 +572,14 @@ def entmax_decode_fwd(
     grid = (sz.n_splits, n_kv_heads * sz.n_row_tiles, batch)
     per_split = ws["PART_ROW"].shape[:4]
     try:
-        for launch, (cls, grid_k, cand_p, phases) in enumerate(plan.chains):
+        for launch, (cls, pow_, grid_k, cand_p, phases) in enumerate(plan.chains):
             # the grid sums of this class's chain, contiguous at its own point count
             grid_pts = _launch.carve(ws["GRID_PTS"], (*per_split, 3, grid_k))
             for phase in phases:
                 _entmax_decode_split_kernel[grid](
                     **args, GRID_PTS=grid_pts, BLOCKS_READ=blocks_read[launch], N_PASSES=n_passes[launch],
-                    hint_step=float(_launch.HINT_STEP[_launch.POW_OF.get(cls, 1)] if hint_step is None else hint_step),
-                    ALPHA_CLASS=cls, GRID_K=grid_k, CAND_P=cand_p, PHASE=phase, **plan.options)
+                    hint_step=float(_launch.HINT_STEP[pow_] if hint_step is None else hint_step),
+                    ALPHA_CLASS=cls, POW=pow_, GRID_K=grid_k, CAND_P=cand_p, PHASE=phase, **plan.options)
     except BaseException:
         _launch.reset_tickets(dev)  # a launch that did not finish leaves tickets taken
         raise

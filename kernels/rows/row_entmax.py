@@ -44,7 +44,8 @@ import torch
 import triton
 import triton.language as tl
 
-from sparse_attn.kernels._common import LN2, LOG2E, computed_alpha, expm1mx_series, interpreting, log2_1p
+from sparse_attn.kernels._args import computed_alpha, interpreting
+from sparse_attn.kernels._common import LN2, LOG2E, expm1mx_series, log2_1p
 
 __all__ = [
     "MODE_SOFTMAX",
@@ -68,7 +69,7 @@ _STALL = tl.constexpr(4.76837158203125e-07)
 
 def row_mode(alpha: float) -> int:
     """Kernel mode for one alpha shared by all rows: the exact routes for 1, 1.5 and 2 (alpha as the kernel holds it:
-    ``_common.computed_alpha``)."""
+    ``_args.computed_alpha``)."""
     alpha = computed_alpha(alpha)
     if alpha == 1.0:
         return MODE_SOFTMAX

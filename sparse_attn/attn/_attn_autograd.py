@@ -16,7 +16,7 @@ from torch.nn.attention.bias import causal_lower_right
 from sparse_attn.attn._decode_op import decode_attention, decode_fits
 from sparse_attn.attn.attn_inputs import AttentionStats, AttnSpec
 from sparse_attn.attn.routes import refusal_message, refused
-from sparse_attn.kernels._spec import DIFFERENTIABLE
+from sparse_attn.kernels._spec import DECLS, DIFFERENTIABLE, flatten_spec, op_schema, unflatten_spec
 from sparse_attn.kernels._spec import FIELDS as SPEC_FIELDS
 from sparse_attn.kernels.attn.entmax_attn_bwd import entmax_attn_bwd
 from sparse_attn.kernels.attn.entmax_attn_fwd import entmax_attn_fwd, fwd_block_sizes
@@ -30,21 +30,11 @@ def _live_shape(spec: AttnSpec):
     return (spec.n_seqs, spec.n_heads, n_qt, n_words), (spec.n_seqs, spec.n_heads, n_qt)
 
 
-_OP_TYPES = {
-    "q": "Tensor", "k": "Tensor", "v": "Tensor", "alpha": "Tensor", "alpha_value": "float?", "alpha_checked": "bool",
-    "mask": "Tensor?", "is_causal": "bool", "scale": "float", "dropout_p": "float", "cu_seqlens_q": "Tensor?",
-    "cu_seqlens_k": "Tensor?", "max_seqlen_q": "int", "max_seqlen_k": "int", "backend": "str",
-    "window_size": "int[]?", "alibi_slopes": "Tensor?", "sinks": "Tensor?", "softcap": "float?", "alpha_class": "str",
-    "need_stats": "bool", "need_grad": "bool", "cache_seqlens": "Tensor?", "block_table": "Tensor?",
-    "num_splits": "int?", "block_mask": "Tensor?", "block_size": "int[]?", "block_bits": "Tensor?",
-    "deterministic": "bool", "seed": "int",
-}
-"""The ``torch.library`` schema type of each spec field (and the dropout seed): a spec field missing here fails at
-import, so a new field cannot be forgotten at the op boundary."""
 FWD_FIELDS = SPEC_FIELDS + ("seed",)
-"""The forward op's arguments by name, in its positional order: the spec's fields, then the dropout seed."""
-_TENSOR_FIELDS = tuple(name for name in FWD_FIELDS if _OP_TYPES[name].startswith("Tensor"))
-_SPEC_SCHEMA = ", ".join(f"{_OP_TYPES[name]} {name}" for name in FWD_FIELDS)
+"""The forward op's arguments by name, in its positional order: the spec's fields (their schema types declared in
+``kernels/_spec.py``, ``DECLS``), then the dropout seed."""
+_TENSOR_FIELDS = tuple(name for name, decl in DECLS.items() if decl.op_type.startswith("Tensor"))
+_SPEC_SCHEMA = op_schema({"seed": "int"})
 _FWD_OUTPUTS = ("out", "tau", "tau_lo", "lsum", "nnz", "n_valid", "live", "n_passes", "tile_visits", "out_u")
 _BWD_EXTRA = ("do", "out", "out_u", "tau", "tau_lo", "lsum", "live", "need_dalpha", "need_dmask")
 """The backward op's arguments before the spec's (the forward's results it reads, and which gradients)."""
@@ -53,24 +43,17 @@ _BWD_OUTPUTS = ("q", "k", "v", "alpha", "mask", "sinks")
 
 
 def spec_to_op_args(spec: AttnSpec, seed: int) -> tuple:
-    """Flatten a spec (and the dropout seed) into the custom ops' positional arguments (:data:`FWD_FIELDS` order);
-    :func:`spec_from_op_args` is the inverse."""
-    named = {name: getattr(spec, name) for name in SPEC_FIELDS}
-    named["window_size"] = None if spec.window_size is None else list(spec.window_size)
-    named["block_size"] = None if spec.block_size is None else list(spec.block_size)
-    named["seed"] = seed
-    return tuple(named[name] for name in FWD_FIELDS)
+    """Flatten a spec (and the dropout seed) into the fused ops' positional arguments (:data:`FWD_FIELDS` order,
+    ``kernels/_spec.py``'s ``flatten_spec``, as the decode op); :func:`spec_from_op_args` is the inverse."""
+    return flatten_spec(spec, seed)
 
 
 def spec_from_op_args(args) -> tuple[AttnSpec, int]:
-    """The spec and the dropout seed back from the custom ops' positional arguments (the inverse of
+    """The spec and the dropout seed back from the fused ops' positional arguments (the inverse of
     :func:`spec_to_op_args`)."""
-    named = fwd_op_named(args)
-    seed = named.pop("seed")
-    for name in ("window_size", "block_size"):
-        if named[name] is not None:
-            named[name] = tuple(named[name])
-    return AttnSpec(**named), seed
+    fwd_op_named(args)  # one argument per field and the seed
+    spec, (seed,) = unflatten_spec(args)
+    return spec, seed
 
 
 def fwd_op_named(args) -> dict:

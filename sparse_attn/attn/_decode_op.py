@@ -1,7 +1,9 @@
 """The decode kernels as a custom op, and the decode route of the fused path (below :mod:`sparse_attn.decode`).
 
 ``sparse_attn::entmax_decode`` wraps the launcher of ``kernels/attn/entmax_decode.py`` (forward only, with a fake
-implementation for ``torch.compile``); :func:`decode_fits` / :func:`decode_attention` are how
+implementation for ``torch.compile``); it takes the spec as the fused ops do, field by field (``kernels/_spec.py``:
+``flatten_spec`` / ``unflatten_spec``), its ``cache_seqlens`` the keys each sequence holds, and the threshold hint;
+:func:`decode_fits` / :func:`decode_attention` are how
 :func:`sparse_attn.entmax_attention` sends a decoding step to it (``sparse_attn.attn._attn_autograd``), and
 :func:`_run_decode_op` how both reach the kernels: through the op, or straight to the launcher for eager calls that
 need no op (:func:`_direct`). Design and measurements: docs/decode.md.
@@ -16,58 +18,45 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from sparse_attn.attn._kv_cache import MAX_DECODE_QUERIES
 from sparse_attn.attn.attn_inputs import AttentionStats, AttnSpec
 from sparse_attn.attn.routes import refused
-from sparse_attn.kernels._common import alpha_class_of
+from sparse_attn.kernels._spec import flatten_spec, op_schema, unflatten_spec
 
 __all__ = ["decode_attention", "decode_fits", "decode_unsupported"]
 
 
-@torch.library.custom_op("sparse_attn::entmax_decode", mutates_args=())
-def _decode_op(
-    q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor, alpha: Tensor, alpha_value: float | None,
-    scale: float, block_table: Tensor | None, bias: Tensor | None, is_causal: bool, max_seqlen_k: int | None,
-    num_splits: int | None, window_size: list[int] | None, alibi_slopes: Tensor | None, softcap: float | None,
-    sinks: Tensor | None, block_mask: Tensor | None = None, block_size: list[int] | None = None,
-    block_bits: Tensor | None = None, tau_hint: Tensor | None = None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """The decode kernels as a custom op (forward only): ``(out, tau, nnz, n_valid)``; ``alpha`` float32 ``(Hq,)``,
-    ``alpha_value`` the Python number it holds when it was given as one (one compile-time alpha class);
-    ``block_mask``, ``block_size``, ``block_bits``: the spec's block grid, its ``(bq, bk)`` and its partial blocks'
-    bits (None without them); ``tau_hint`` float32 broadcastable to ``(B, Hq, Nq)`` or None (``entmax_decode``'s)."""
-    res = _launch(q, k_cache, v_cache, cache_seqlens, alpha, alpha_value, scale, block_table, bias, is_causal,
-                  max_seqlen_k, num_splits, window_size, alibi_slopes, softcap, sinks, block_mask, block_size,
-                  block_bits, True, False, tau_hint)
+def _decode_impl(*args) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The decode kernels as a custom op (forward only) on a flattened spec and ``tau_hint`` (float32 broadcastable
+    to ``(B, Hq, Nq)`` or None, ``entmax_decode``'s): ``(out, tau, nnz, n_valid)``."""
+    spec, (tau_hint,) = unflatten_spec(args)
+    res = _launch(spec, True, False, tau_hint)
     return res.out, res.tau, res.nnz, res.n_valid
 
 
-def _launch(q, k_cache, v_cache, cache_seqlens, alpha, alpha_value, scale, block_table, bias, is_causal,
-            max_seqlen_k, num_splits, window_size, alibi_slopes, softcap, sinks, block_mask, block_size, block_bits,
-            stats, reuse, tau_hint=None):
-    """The launcher on the op's arguments, for the op (``stats`` and not ``reuse``: every output fresh, the scratch
-    allocated, which under ``torch.compile``'s CUDA graphs belongs to the graph's pool) or for an eager call that
-    needs no op (:func:`_run_decode_op`: the scratch reused, the statistics computed into it unless ``stats``)."""
+_DECODE_SCHEMA = f"({op_schema({'tau_hint': 'Tensor?'})}) -> (Tensor, Tensor, Tensor, Tensor)"
+_decode_op = torch.library.custom_op("sparse_attn::entmax_decode", _decode_impl, mutates_args=(), schema=_DECODE_SCHEMA)
+
+
+def _launch(spec: AttnSpec, stats: bool, reuse: bool, tau_hint=None):
+    """The launcher on a spec whose ``k`` / ``v`` are a KV cache holding ``spec.cache_seqlens`` keys per sequence,
+    for the op (``stats`` and not ``reuse``: every output fresh, the scratch allocated, which under
+    ``torch.compile``'s CUDA graphs belongs to the graph's pool) or for an eager call that needs no op
+    (:func:`_run_decode_op`: the scratch reused, the statistics computed into it unless ``stats``)."""
     from sparse_attn.kernels.attn import entmax_decode as kernels
 
     return kernels.entmax_decode_fwd(
-        q, k_cache, v_cache, cache_seqlens, alpha, scale, block_table=block_table, bias=bias, is_causal=is_causal,
-        window_size=window_size, alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks, max_seqlen_k=max_seqlen_k,
-        num_splits=num_splits,
-        block_mask=None if block_mask is None else (block_mask, tuple(block_size), block_bits),
-        alpha_class=None if alpha_value is None else alpha_class_of([alpha_value]), counters=False,
-        stats=stats, reuse_scratch=reuse, tau_hint=tau_hint)
+        spec.q, spec.k, spec.v, spec.cache_seqlens, spec.alpha.detach().float().contiguous(), spec.scale,
+        block_table=spec.block_table, bias=spec.mask, is_causal=spec.is_causal, window_size=spec.window_size,
+        alibi_slopes=spec.alibi_slopes, softcap=spec.softcap, sinks=spec.sinks, max_seqlen_k=spec.max_seqlen_k,
+        num_splits=spec.num_splits,
+        block_mask=None if spec.block_mask is None else (spec.block_mask, spec.block_size, spec.block_bits),
+        alpha_class=spec.alpha_class, counters=False, stats=stats, reuse_scratch=reuse, tau_hint=tau_hint)
 
 
 @_decode_op.register_fake
-def _decode_fake(q, k_cache, v_cache, cache_seqlens, alpha, alpha_value, scale, block_table, bias, is_causal,
-                 max_seqlen_k, num_splits, window_size, alibi_slopes, softcap, sinks, block_mask=None, block_size=None,
-                 block_bits=None, tau_hint=None):
-    rows = q.shape[:3]
-    return (q.new_empty((*rows, v_cache.shape[-1])), q.new_empty(rows, dtype=torch.float32),
-            q.new_empty(rows, dtype=torch.int32), q.new_empty(rows, dtype=torch.int32))
-
-
-def _window_arg(window_size) -> list[int] | None:
-    """``window_size`` as the custom op takes it (a list of ints, or None)."""
-    return None if window_size is None else [int(w) for w in window_size]
+def _decode_fake(*args):
+    spec, _ = unflatten_spec(args)
+    rows = spec.q.shape[:3]
+    return (spec.q.new_empty((*rows, spec.head_dim_v)), spec.q.new_empty(rows, dtype=torch.float32),
+            spec.q.new_empty(rows, dtype=torch.int32), spec.q.new_empty(rows, dtype=torch.int32))
 
 
 def decode_unsupported(inputs: AttnSpec) -> list[str]:
@@ -131,14 +120,11 @@ def _run_decode_op(spec: AttnSpec, seqlens: Tensor, return_stats: bool, tau_hint
     """The decode kernels on a spec whose ``k`` / ``v`` are a KV cache holding ``seqlens`` keys per sequence: ``out``
     or ``(out, AttentionStats)``; through the custom op, or straight to the launcher where :func:`_direct` allows.
     ``tau_hint``: ``entmax_decode``'s, checked."""
-    args = (spec.q, spec.k, spec.v, seqlens, spec.alpha.detach().float().contiguous(), spec.alpha_value, spec.scale,
-            spec.block_table, spec.mask, spec.is_causal, spec.max_seqlen_k, spec.num_splits,
-            _window_arg(spec.window_size), spec.alibi_slopes, spec.softcap, spec.sinks, spec.block_mask,
-            None if spec.block_size is None else [int(n) for n in spec.block_size], spec.block_bits, tau_hint)
+    spec = spec.swapped(cache_seqlens=seqlens)
     if _direct(spec.q, spec.k, spec.v, seqlens, spec.mask, spec.block_table, spec.alibi_slopes, spec.sinks,
                spec.block_mask, spec.block_bits, tau_hint):
-        res = _launch(*args[:-1], return_stats, True, tau_hint)
+        res = _launch(spec, return_stats, True, tau_hint)
         out, tau, nnz, n_valid = res.out, res.tau, res.nnz, res.n_valid
     else:
-        out, tau, nnz, n_valid = _decode_op(*args)
+        out, tau, nnz, n_valid = _decode_op(*flatten_spec(spec, tau_hint))
     return (out, AttentionStats(nnz, tau, n_valid)) if return_stats else out

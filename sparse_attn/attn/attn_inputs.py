@@ -30,7 +30,7 @@ from sparse_attn._validation import check_bool, check_number, values_checkable
 from sparse_attn.attn._kv_cache import check_kv_cache
 from sparse_attn.attn.masks import check_block_mask, check_mask
 from sparse_attn.attn.routes import refused, used_variants
-from sparse_attn.kernels._common import computed_alpha, interpreting
+from sparse_attn.kernels._args import computed_alpha, interpreting
 from sparse_attn.kernels._spec import DIFFERENTIABLE, AttnSpec, resolve_spec_alpha_class
 
 __all__ = [
@@ -357,7 +357,7 @@ def prepare_attention(
     Arguments as :func:`sparse_attn.entmax_attention` (``need_stats`` is its ``return_stats``), plus a promise callers
     may make: ``alpha_in_range`` (a tensor alpha's values are in [1, 2], e.g. a module's alpha, valid by
     construction: they are not read), and the reference's ``compute_dtype`` (a Python alpha is held as that dtype
-    holds it: ``kernels._common.computed_alpha``). Float masks are not checked for NaN / +inf: such entries make
+    holds it: ``kernels._args.computed_alpha``). Float masks are not checked for NaN / +inf: such entries make
     their rows NaN on every backend (the non-finite policy). Problems with no query, key, head or batch entry
     run on the reference (their output is empty or zero).
 

@@ -21,7 +21,10 @@ Routes:
 
 from __future__ import annotations
 
-from sparse_attn.kernels._spec import used_variants  # re-exported: the variants of a call, read from its spec
+from sparse_attn.kernels._spec import (
+    DECLS,
+    used_variants,  # re-exported: the variants of a call, read from its spec
+)
 
 __all__ = ["VARIANTS", "SUPPORTED", "PROBLEM_FIELDS", "ROUTE_NAMES", "used_variants", "refused", "refusal_message"]
 
@@ -62,15 +65,13 @@ SUPPORTED: dict[str, frozenset] = {
 }
 """The variants each route implements, listed by hand: a variant a route does not list is refused there."""
 
-PROBLEM_FIELDS = frozenset({"q", "k", "v", "alpha", "alpha_value", "alpha_checked", "scale", "max_seqlen_q",
-                            "max_seqlen_k", "backend", "cu_seqlens_k", "alpha_class", "need_stats", "need_grad",
-                            "cache_seqlens", "block_table", "num_splits", "block_size", "block_bits",
-                            "deterministic"})
+PROBLEM_FIELDS = frozenset(name for name, decl in DECLS.items() if not decl.variants)
 """Fields of the spec (``AttnSpec`` = ``AttentionInputs``) that state the problem itself, not a variant
 (``cu_seqlens_k`` travels with ``cu_seqlens_q``, the ``varlen`` variant; ``need_grad`` is read by the ``grad``
 variant; the KV cache fields are the decode route's own layout; ``block_size`` and ``block_bits`` travel with
 ``block_mask``; ``deterministic`` permits the fused backward's atomics and asks nothing of a route that is
-deterministic anyway); every other field must map to a variant in :func:`used_variants`."""
+deterministic anyway); every other field must map to a variant in :func:`used_variants`. Each field declares its
+variants in ``kernels/_spec.py`` (``DECLS``)."""
 
 
 def refused(route: str, used) -> list[str]:

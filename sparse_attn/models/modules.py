@@ -31,7 +31,7 @@ from sparse_attn.attn.masks import (
     from_mha_mask,
     key_padding_to_mask,
 )
-from sparse_attn.kernels._common import interpreting
+from sparse_attn.kernels._args import interpreting
 from sparse_attn.models._head_alpha import EntmaxAlpha, _check_factory, _HeadAlphaMixin, resolve_learnable
 from sparse_attn.models._sdpa_callers import sdpa_modules
 from sparse_attn.models.stats import head_stats_sink, register_layer_type

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from sparse_attn._validation import check_alpha, check_dim, check_tensor
-from sparse_attn.kernels._common import interpreting
+from sparse_attn.kernels._args import interpreting
 from sparse_attn.kernels.rows.row_entmax import MODE_GENERAL, entmax_rows_bwd, entmax_rows_fwd, row_mode
 
 __all__ = ["entmax_rows_triton"]

@@ -41,7 +41,7 @@ from sparse_attn._validation import (
     check_positive_int,
     check_tensor,
 )
-from sparse_attn.kernels._common import computed_alpha
+from sparse_attn.kernels._args import computed_alpha
 from sparse_attn.rows.mappings import _check_alpha_arg, _compute_dtype, entmax15, entmax_bisect, sparsemax
 
 __all__ = [

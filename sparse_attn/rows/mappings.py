@@ -9,7 +9,7 @@ Models"; Correia, Niculae & Martins 2019, "Adaptively Sparse Transformers")::
 ``alpha = 1.5`` 1.5-entmax. Internally the row is written as ``p_j = [1 + (alpha - 1) * (x_j - t)]_+ ** (1 / (alpha -
 1))`` with ``t`` in the scale of ``x`` (``tau = (alpha - 1) * t - 1``); this form tends to ``exp(x_j - t)`` as
 ``alpha -> 1`` and is evaluated with ``log1p``/``exp`` so that the mapping is continuous at ``alpha = 1``. A Python
-alpha is taken as the computation holds it (``kernels._common.computed_alpha``): ``1 + 1e-9`` is 1.0 in float32, so
+alpha is taken as the computation holds it (``kernels._args.computed_alpha``): ``1 + 1e-9`` is 1.0 in float32, so
 float32 / float16 / bfloat16 inputs get softmax there, as a tensor alpha of that value does.
 
 Exact paths (``alpha`` in {1, 1.5, 2}) sort the row (optionally only its top ``k``); other values use a safeguarded
@@ -49,7 +49,7 @@ from sparse_attn._validation import (
     check_positive_int,
     check_real,
 )
-from sparse_attn.kernels._common import computed_alpha
+from sparse_attn.kernels._args import computed_alpha
 from sparse_attn.rows._dispatch import load_kernel
 from sparse_attn.rows._entmax_solver import _newton_rows, _solve_rows
 

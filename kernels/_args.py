@@ -1,0 +1,410 @@
+"""The host side of the kernels: everything a launcher computes before a launch, from Python values and tensors
+to kernel arguments. The alpha class plan (``ALPHA_CLASSES`` and the rules that pick a class), the interpreter
+switches and build choices, the structural mask ``MASK`` (:func:`mask_spec`), the score modifications ``SCORE``
+(:func:`score_spec`) and their tensors ``MODS`` (:func:`mods_args`), the arguments every attention kernel takes
+(:func:`attention_args`), the launch geometry (:func:`tile_plan`) and the reduction of a mask's gradient to its
+broadcast shape (:func:`dbias_mode`, :func:`sum_to_mask`). ``_common.py`` and ``_masking.py`` hold the device code
+that reads these arguments.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import dropout_mask_kernel
+
+# ALPHA_CLASS values of the attention kernels, one compiled path each: softmax (alpha = 1), sparsemax (alpha = 2),
+# 1.5-entmax and any other alpha. "mixed" alpha (classes unknown on the host) launches all four, each over every head,
+# and a program whose head is of another class has nothing to do (HEAD_FILTER, ``_common.alpha_class_id``).
+ALPHA_CLASSES = {"softmax": 0, "sparsemax": 1, "entmax15": 2, "general": 3}
+CLASS_NAMES = {cls: name for name, cls in ALPHA_CLASSES.items()}
+# the threshold arithmetic of each ALPHA_CLASS, the compile-time ``POW`` of the forward and decode kernels (and the key
+# of their point tables, ``_threshold.FWD_POINTS`` / ``DECODE_POINTS``): 1 for alpha = 2, 2 for alpha = 1.5, 0 for any
+# other alpha; softmax (no threshold: its passes never read ``POW``) takes 0
+CLASS_POW = {0: 0, 1: 1, 2: 2, 3: 0}
+
+
+def computed_alpha(alpha: float, dtype: torch.dtype = torch.float32) -> float:
+    """``alpha`` as a computation in ``dtype`` holds it: rounded to float32, or kept in float64 when ``dtype`` is
+    float64 (the kernels and every float32 / float16 / bfloat16 computation hold alpha in float32).
+
+    Every path decides its alpha class from this value, so a Python alpha such as ``1 + 1e-9`` (1.0 in float32) is
+    the softmax class rather than a general alpha whose ``alpha - 1`` rounds to 0. The general arithmetic is exact in
+    kind for every float32 alpha above 1 (the smallest, ``1 + 2**-23``, included); entmax tends to softmax as
+    ``alpha -> 1`` with weights off by ``O((alpha - 1) * s**2)`` (``s``: the scores' spread), below float32's
+    resolution wherever rounding makes alpha exactly 1.
+    """
+    alpha = float(alpha)
+    if dtype == torch.float64:
+        return alpha
+    try:
+        return struct.unpack("f", struct.pack("f", alpha))[0]  # on the host: no tensor, nothing read back
+    except OverflowError:  # beyond float32's range (no alpha of an attention call): nothing near 1 to decide
+        return alpha
+
+
+def alpha_class_of(alpha_values) -> str:
+    """The compile-time alpha class for known per-head alpha values (a sequence of floats in [1, 2]), each taken as
+    the kernels hold it (:func:`computed_alpha`)."""
+    vals = {computed_alpha(a) for a in alpha_values}
+    if vals == {1.0}:
+        return "softmax"
+    if vals == {2.0}:
+        return "sparsemax"
+    if vals == {1.5}:
+        return "entmax15"
+    if vals and all(1.0 < a < 2.0 and a != 1.5 for a in vals):
+        return "general"
+    return "mixed"
+
+
+def resolve_alpha_class(alpha, alpha_class: str | None) -> str:
+    """``alpha_class`` when given, else from the values of a Python number or a CPU tensor (no device sync), else
+    ``"mixed"``."""
+    if alpha_class is not None:
+        return alpha_class
+    if not isinstance(alpha, torch.Tensor):
+        return alpha_class_of([alpha])
+    return alpha_class_of(alpha.tolist()) if alpha.device.type == "cpu" else "mixed"
+
+
+def class_launches(alpha_class: str) -> list:
+    """``(ALPHA_CLASS, HEAD_FILTER)`` of the launches one call makes: one, or all four filtered ones when mixed."""
+    if alpha_class == "mixed":
+        return [(c, True) for c in ALPHA_CLASSES.values()]
+    return [(ALPHA_CLASSES[alpha_class], False)]
+
+
+def classes_present(alpha, alpha_class: str) -> tuple:
+    """The ``ALPHA_CLASS`` values one call launches, ascending: those of :func:`class_launches`, or for a mixed alpha
+    held in a CPU tensor the classes of its values (a head outside [1, 2] or NaN: the general class, 3, as on the
+    device, ``_common.alpha_class_id``)."""
+    if alpha_class == "mixed" and isinstance(alpha, torch.Tensor) and alpha.device.type == "cpu":
+        return tuple(sorted({ALPHA_CLASSES[alpha_class_of([a])] if 1 <= a <= 2 else 3 for a in alpha.tolist()}))
+    return tuple(c for c, _ in class_launches(alpha_class))
+
+
+def interpreting() -> bool:
+    """True when Triton kernels run under the CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def pinned_launch() -> bool:
+    """True when the attention kernels launch their one pinned config instead of ``triton.autotune``: under the
+    interpreter, or with ``SPARSE_ATTN_PINNED=1`` (a first GPU run: one build per kernel, no tuning runs)."""
+    return interpreting() or os.environ.get("SPARSE_ATTN_PINNED", "0") == "1"
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """``input_precision`` of the attention ``tl.dot``s: fp32 inputs keep fp32 accuracy on tensor cores
+    (3xTF32); fp16/bf16 ignore the setting; the interpreter computes in the input dtype whatever it says."""
+    if interpreting():
+        return "ieee"
+    return "tf32x3" if dtype == torch.float32 else "tf32"
+
+
+def head_dim_block(head_dim: int) -> int:
+    """``BLOCK_D``: the head dim padded to a power of two >= 16 (``tl.dot`` needs >= 16 on a GPU)."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def launch_configs():
+    """GPU configs a ``triton.autotune`` of an attention kernel may try: warps and pipeline stages only (the tiles
+    are the launcher's); each launch keeps three of them (``prune_to_pinned``)."""
+    return [triton.Config({}, num_warps=w, num_stages=s) for w in (4, 8) for s in (1, 2, 3)]
+
+
+def prune_to_pinned(pinned, by_args: bool = False):
+    """``early_config_prune`` for ``launch_configs()``: ``pinned(head_dim) -> (num_warps, num_stages)`` (with
+    ``by_args``: ``pinned(args)``, the launch's arguments by name) of a launch first, then one more pipeline stage,
+    then the other warp count (measured alternatives: docs/kernels.md)."""
+
+    def prune(configs, named_args, **kwargs):
+        args = {**named_args, **kwargs}
+        warps, stages = pinned(args if by_args else args["HEAD_DIM"])
+        keep = [(warps, stages), (warps, stages + 1), ({4: 8, 8: 4}[warps], stages)]
+        return [c for w_s in keep for c in configs if (c.num_warps, c.num_stages) == w_s]
+    return prune
+
+
+# window sides at least this wide are unbounded for any sequence the kernels index with int32
+_UNBOUNDED_SIDE = 2**30
+
+
+def mask_spec(is_causal: bool, window_size: tuple | None = None) -> tuple:
+    """The ``MASK`` kernel argument ``(IS_CAUSAL, HAS_LEFT, HAS_RIGHT, left, right)``: three compile-time flags
+    and the window's sides as run-time ints (one build serves every window width).
+
+    ``window_size``: ``(left, right)`` ints >= -1 (``-1`` = unbounded on that side) or None for no window.
+    """
+    left, right = (-1, -1) if window_size is None else (int(w) for w in window_size)
+    has_left, has_right = 0 <= left < _UNBOUNDED_SIDE, 0 <= right < _UNBOUNDED_SIDE
+    return (tl.constexpr(bool(is_causal)), tl.constexpr(has_left), tl.constexpr(has_right),
+            left if has_left else 0, right if has_right else 0)
+
+
+def score_spec(softcap: float | None, has_alibi: bool, has_sinks: bool = False, has_blocks: int = 0) -> tuple:
+    """The ``SCORE`` kernel argument ``(HAS_SOFTCAP, softcap, HAS_ALIBI, HAS_SINKS, HAS_BLOCKS)``: how scores are
+    modified before masks: ``softcap * tanh(s / softcap)`` (a run-time float, 1.0 when off) and ALiBi slopes read by
+    ``_masking.alibi_slope``; whether each row has a per-head sink logit (``_masking.sink_logit``), a virtual key with
+    zero value that joins the row's normalization; and whether a block-sparse mask hides whole blocks of keys
+    (``_masking.block_visible``).
+    ``has_blocks`` (``SCORE[4]``, :func:`blocks_mode`): 0 no block mask. A block mask whose blocks are all full
+    or hidden (a boolean grid): 1 when its blocks are unions of the launch's tiles (the tile loops skip hidden tiles
+    and every tile they visit is whole in one kept block: no per-score check); 2 otherwise (the tile skip and the
+    per-score check, ``_masking.block_visible``). A block mask with partial blocks (an int32 grid of block states
+    and their element masks as bits, ``_masking.block_state``): 3 when aligned as in mode 1 (one state read per
+    tile; only a tile in a partial block tests its scores' bits, ``_masking.partial_tile``); 4 otherwise (the
+    per-score states, and the bits of the scores in partial blocks when the tile meets one,
+    ``_masking.partial_scores``)."""
+    return (tl.constexpr(softcap is not None), float(softcap) if softcap is not None else 1.0,
+            tl.constexpr(bool(has_alibi)), tl.constexpr(bool(has_sinks)), tl.constexpr(int(has_blocks)))
+
+
+def attention_args(q, k, v, alpha, bias, cu_seqlens_q, cu_seqlens_k, scale, is_causal, dropout_p, seed,
+                   window_size=None, alibi_slopes=None, softcap=None, sinks=None, block_mask=None,
+                   tiles: tuple | None = None) -> dict:
+    """The keyword arguments every attention kernel (forward, dQ, dK/dV, d bias) takes, named as in
+    CONTRIBUTING.md ("Naming in kernels/"). ``bias`` (an additive float mask, or a boolean / uint8 keep mask
+    read as is: ``BIAS_KIND`` 1 or 2) is broadcast to ``(B, Hq, Nq, Nk)`` by zero strides; ``is_causal`` and
+    ``window_size`` become the structural mask ``MASK`` (:func:`mask_spec`); ``softcap`` and
+    ``alibi_slopes`` (float32 ``(Hq,)`` or ``(B or nseq, Hq)``) the score modifications ``SCORE`` and ``ALIBI``
+    (:func:`score_spec`); ``sinks`` (``(Hq,)``, read as float32) the per-head sink logits ``SINKS``;
+    ``block_mask`` a ``(mask, (block_q, block_k))`` pair, ``mask`` boolean ``(B or nseq or 1, Hq or 1, q blocks,
+    k blocks)``, or a ``(states, (block_q, block_k), bits)`` triple with partial blocks (:func:`block_args`);
+    ``tiles``: the ``(block_m, block_n)`` of a launch whose tile loops decide the block mask per tile
+    (:func:`blocks_mode`)."""
+    is_varlen = cu_seqlens_q is not None
+    head_dim = q.shape[3]
+    return dict(
+        Q=q, K=k, V=v, ALPHA=alpha_arg(alpha, q.shape[1], q.device),
+        **mods_args(bias, (*q.shape[:3], k.shape[2]), alibi_slopes, sinks, q, block_mask),
+        CU_SEQLENS_Q=cu_seqlens_q if is_varlen else q, CU_SEQLENS_K=cu_seqlens_k if is_varlen else q,
+        **stride_args("stride_q", q, "bhmd"), **stride_args("stride_k", k, "bhnd"),
+        **stride_args("stride_v", v, "bhnd"),
+        n_heads=q.shape[1], kv_group=q.shape[1] // k.shape[1], total_q=q.shape[2], total_k=k.shape[2],
+        scale=float(scale), dropout_p=float(dropout_p), seed=int(seed) & 0x7FFFFFFF,
+        MASK=mask_spec(is_causal, window_size),
+        SCORE=score_spec(softcap, alibi_slopes is not None, sinks is not None, blocks_mode(block_mask, tiles)),
+        HEAD_DIM=head_dim, BLOCK_D=head_dim_block(head_dim),
+        HEAD_DIM_V=v.shape[3], BLOCK_DV=head_dim_block(v.shape[3]), IS_VARLEN=is_varlen,
+        HAS_DROPOUT=float(dropout_p) > 0.0, UPCAST=interpreting(), DOT_PRECISION=dot_precision(q.dtype),
+    )
+
+
+def blocks_mode(block_mask, tiles: tuple | None) -> int:
+    """``SCORE[4]`` (:func:`score_spec`) for a block mask (:func:`block_parts`) and the launch's ``tiles``
+    ``(block_m, block_n)``: 0 without a block mask. Every tile lies in one block when ``bq``, ``bk`` are multiples of
+    the tiles: then 1 without partial blocks (the tile loops' skip decides alone, the per-score check would only cost,
+    and at head dim 128 spill), 3 with them (one state read per tile, bits only in partial tiles). Otherwise, or when
+    ``tiles`` is None (a kernel that visits tiles the forward's skip did not decide), 2 without partial blocks and 4
+    with them (per-score states)."""
+    if block_mask is None:
+        return 0
+    _, (block_q, block_k), bits = block_parts(block_mask)
+    aligned = tiles is not None and block_q % tiles[0] == 0 and block_k % tiles[1] == 0
+    return (1 if aligned else 2) + (0 if bits is None else 2)
+
+
+def block_parts(block_mask) -> tuple:
+    """``(grid, (block_q, block_k), bits)`` of a launcher's ``block_mask``: a ``(grid, (block_q, block_k))`` pair (a
+    boolean grid, ``bits`` None) or a ``(states, (block_q, block_k), bits)`` triple (``bits`` None or the int32 words
+    of the partial blocks, :func:`block_args`)."""
+    grid, size, *rest = block_mask
+    return grid, size, rest[0] if rest else None
+
+
+def mods_args(bias, shape: tuple, alibi_slopes, sinks, like, block_mask=None) -> dict:
+    """``BIAS_KIND`` and ``MODS``, the tensors of the score modifications as one kernel argument (a tuple, read by
+    ``_masking.program_mods`` only): ``(BIAS, stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n, ALIBI,
+    stride_alibi_b, stride_alibi_h, SINKS, BLOCKS, stride_block_b, stride_block_h, stride_block_m, stride_block_n,
+    block_q, block_k[, BITS, n_words])`` from :func:`bias_args`, :func:`alibi_args`, :func:`sinks_arg` and
+    :func:`block_args`. A new per-program score input is a new entry here and in ``program_mods``; the kernels pass
+    ``MODS`` on unread."""
+    b = bias_args(bias, shape, like)
+    a = alibi_args(alibi_slopes, like)
+    mods = (b["BIAS"], b["stride_bias_b"], b["stride_bias_h"], b["stride_bias_m"], b["stride_bias_n"], a["ALIBI"],
+            a["stride_alibi_b"], a["stride_alibi_h"], sinks_arg(sinks, like), *block_args(block_mask, like))
+    return dict(BIAS_KIND=b["BIAS_KIND"], MODS=mods)
+
+
+def block_args(block_mask, like) -> tuple:
+    """``(BLOCKS, stride_block_b, stride_block_h, stride_block_m, stride_block_n, block_q, block_k)``, and ``(BITS,
+    n_words)`` after them with partial blocks: a block mask (:func:`block_parts`) indexed by sequence and q head,
+    stride 0 along its broadcast dims. A boolean grid ``(B or nseq or 1, Hq or 1, q blocks, k blocks)`` is read as
+    uint8; with partial blocks the grid holds int32 states (0 hidden, 1 full, ``2 + i`` partial block ``i``) and
+    ``BITS`` the int32 words ``(n_partial, block_q, n_words)`` of their element masks (``n_words = ceil(block_k /
+    32)``; bit ``c % 32`` of word ``c // 32`` of row ``r`` keeps the block's row ``r``, key ``c``). ``like`` and zeros
+    (block sizes 1) for none."""
+    if block_mask is None:
+        return (like, 0, 0, 0, 0, 1, 1)
+    mask, (block_q, block_k), bits = block_parts(block_mask)
+    if bits is None:
+        mask, partial = mask.to(device=like.device, dtype=torch.bool).view(torch.uint8), ()
+    else:
+        mask = mask.to(device=like.device, dtype=torch.int32)
+        partial = (bits.to(device=like.device, dtype=torch.int32).contiguous(), bits.shape[2])
+    strides = [0 if n == 1 else st for n, st in zip(mask.shape, mask.stride(), strict=True)]
+    return (mask, *strides, int(block_q), int(block_k), *partial)
+
+
+def bias_args(bias, shape: tuple, like) -> dict:
+    """``BIAS``, ``BIAS_KIND`` (0 none, 1 an additive float mask, 2 a boolean / uint8 keep mask read as uint8) and
+    ``stride_bias_b/h/m/n``: the mask broadcast to the 4-d ``shape`` by zero strides (``like`` stands in for a
+    missing one)."""
+    if bias is None:
+        return dict(BIAS=like, BIAS_KIND=0, **bias_stride_args(None))
+    kind = 2 if bias.dtype in (torch.bool, torch.uint8) else 1
+    if bias.dtype == torch.bool:
+        bias = bias.view(torch.uint8)
+    full = bias.expand(*shape)
+    return dict(BIAS=full, BIAS_KIND=kind, **bias_stride_args(full))
+
+
+def sinks_arg(sinks, like) -> torch.Tensor:
+    """The ``SINKS`` kernel argument: the per-head sink logits as contiguous float32 on ``like``'s device (``like``
+    stands in for none)."""
+    return like if sinks is None else sinks.detach().to(device=like.device, dtype=torch.float32).contiguous()
+
+
+def alibi_args(alibi_slopes, like) -> dict:
+    """``ALIBI`` and ``stride_alibi_b/h``: the slopes ``(Hq,)`` (batch stride 0) or ``(B or nseq, Hq)``."""
+    if alibi_slopes is None:
+        return dict(ALIBI=like, stride_alibi_b=0, stride_alibi_h=0)
+    slopes = alibi_slopes.to(device=like.device, dtype=torch.float32)
+    if slopes.dim() == 1:
+        return dict(ALIBI=slopes, stride_alibi_b=0, stride_alibi_h=slopes.stride(0))
+    return dict(ALIBI=slopes, stride_alibi_b=slopes.stride(0), stride_alibi_h=slopes.stride(1))
+
+
+def alpha_arg(alpha, n_heads: int, device) -> torch.Tensor:
+    """The ``ALPHA`` kernel argument: float32 ``(Hq,)`` on ``device`` (a Python number is broadcast)."""
+    if not isinstance(alpha, torch.Tensor):
+        alpha = torch.full((n_heads,), float(alpha), dtype=torch.float32, device=device)
+    assert alpha.shape == (n_heads,), f"alpha: expected shape ({n_heads},), got {tuple(alpha.shape)}"
+    return alpha.detach().to(device=device, dtype=torch.float32).contiguous()
+
+
+def stride_args(prefix: str, t: torch.Tensor, dims: str) -> dict:
+    """Kernel keyword arguments ``{prefix + dim: stride}``, e.g. ``stride_args("stride_q", q, "bhmd")``."""
+    return {prefix + d: st for d, st in zip(dims, t.stride(), strict=True)}
+
+
+def bias_stride_args(bias: torch.Tensor | None) -> dict:
+    """``stride_bias_b/h/m/n`` of a 4-d bias (broadcast dims have stride 0); all 0 without a bias."""
+    if bias is None:
+        return dict.fromkeys(("stride_bias_b", "stride_bias_h", "stride_bias_m", "stride_bias_n"), 0)
+    return stride_args("stride_bias_", bias, "bhmn")
+
+
+# CUDA caps launch-grid axes 1 and 2 at 65535 programs; the attention grids are
+# (tiles, heads, batch entries or sequences), so heads and batch are each limited to this.
+MAX_GRID_YZ = 65535
+
+
+class TilePlan(NamedTuple):
+    """Launch geometry of one attention call: grid axis 2 (batch entries, or packed sequences), the
+    tile sizes, the query / key tiles of the longest sequence (grid axis 0) and the liveness words
+    per query tile (one bit per key tile, docs/design.md)."""
+
+    n_seq: int
+    block_m: int
+    block_n: int
+    n_q_tiles: int
+    n_k_tiles: int
+    n_words: int
+
+
+def tile_plan(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_m: int, block_n: int) -> TilePlan:
+    """The :class:`TilePlan` of ``q (B, Hq, Nq, D)``, ``k (B, Hk, Nk, D)`` (packed when ``cu_seqlens_q`` is
+    given; the longest sequences are computed from the offsets unless given).
+
+    Raises ``ValueError`` for more than 65535 heads or batch entries (sequences): CUDA caps grid axes
+    1 and 2 at 65535 (their product is not limited).
+    """
+    n_seq = q.shape[0]
+    if cu_seqlens_q is None:
+        max_seqlen_q, max_seqlen_k = q.shape[2], k.shape[2]
+    else:
+        n_seq = cu_seqlens_q.numel() - 1
+        max_seqlen_q = _max_seqlen(cu_seqlens_q) if max_seqlen_q is None else max_seqlen_q
+        max_seqlen_k = _max_seqlen(cu_seqlens_k) if max_seqlen_k is None else max_seqlen_k
+    if q.shape[1] > MAX_GRID_YZ or n_seq > MAX_GRID_YZ:
+        raise ValueError(f"q: expected at most {MAX_GRID_YZ} heads and {MAX_GRID_YZ} batch entries (sequences), "
+                         f"got {q.shape[1]} heads and {n_seq}")
+    assert all(b >= 16 and b & (b - 1) == 0 for b in (block_m, block_n)), f"block_m, block_n: got {block_m}, {block_n}"
+    n_k_tiles = triton.cdiv(max_seqlen_k, block_n)
+    return TilePlan(n_seq, block_m, block_n, triton.cdiv(max_seqlen_q, block_m), n_k_tiles, triton.cdiv(n_k_tiles, 32))
+
+
+def _max_seqlen(cu_seqlens) -> int:
+    """Longest sequence of packed offsets ``cu_seqlens`` (int ``(nseq + 1,)``); 0 without sequences."""
+    if cu_seqlens.numel() < 2:
+        return 0
+    return int((cu_seqlens[1:] - cu_seqlens[:-1]).max().item())
+
+
+def key_blocks_spanned(mask: tuple, seqlen_q: int, seqlen_k: int, block_n: int) -> int:
+    """Most key blocks of ``block_n`` keys that ``_masking.key_block_range`` gives the rows of one sequence of
+    ``seqlen_q`` rows and at most ``seqlen_k`` keys under ``mask`` (:func:`mask_spec`): all blocks, or with a left
+    window the ``seqlen_q + left`` keys before the sequence end (over one more block when unaligned)."""
+    n_blocks = triton.cdiv(seqlen_k, block_n)
+    if mask[1]:
+        n_blocks = min(n_blocks, triton.cdiv(seqlen_q + mask[3], block_n) + 1)
+    return n_blocks
+
+
+def mask_shape4(bias) -> tuple:
+    """The mask's shape left-padded with ones to 4 dims."""
+    return (1,) * (4 - bias.ndim) + tuple(bias.shape)
+
+
+def dbias_mode(bias, full) -> str:
+    """How the bias gradient is accumulated without a ``(B, Hq, Nq, Nk)`` buffer unless the mask has that size.
+
+    ``"rows"``: mask broadcast along keys, per-row sums of dS from the dQ kernel (``(B, Hq, Nq)``);
+    ``"cols"``: broadcast along queries, per-key sums from the dK/dV kernel (``(B, Hq, Nk)``);
+    ``"dense"``: a full ``(B, Hq, Nq, Nk)`` mask (or none), dS written by the dQ kernel;
+    ``"blocks"``: broadcast over batch and/or heads only, the dbias kernel sums into the mask's shape.
+    """
+    if bias is None:
+        return "dense"
+    shape4 = mask_shape4(bias)
+    if shape4[3] == 1:
+        return "rows"
+    if shape4[2] == 1:
+        return "cols"
+    if shape4[0] == full[0] and shape4[1] == full[1]:
+        return "dense"
+    return "blocks"
+
+
+def sum_to_mask(grad, bias):
+    """Sum a 4-d gradient over the dims the mask broadcasts along; shaped like ``bias`` (or 4-d if None)."""
+    if bias is None:
+        return grad
+    shape4 = mask_shape4(bias)
+    dims = [d for d in range(4) if shape4[d] == 1 and grad.shape[d] != 1]
+    if dims:
+        grad = grad.sum(dim=dims, keepdim=True)
+    return grad.reshape(bias.shape)
+
+
+def dropout_keep_mask(seed: int, batch_heads: int, n_rows: int, n_cols: int, dropout_p: float, device) -> torch.Tensor:
+    """Materialize the keep-mask the attention kernels draw, shape ``(batch_heads, n_rows, n_cols)``.
+
+    For tests and the reference path only (it is O(N^2)); ``batch_heads`` indexes
+    ``b * num_heads + h`` exactly as the kernels do.
+    """
+    out = torch.empty((batch_heads, n_rows, n_cols), dtype=torch.int8, device=device)
+    block_m = 16
+    grid = (triton.cdiv(n_rows, block_m), batch_heads)
+    dropout_mask_kernel[grid](OUT=out, seed=seed, dropout_p=dropout_p, n_rows=n_rows, n_cols=n_cols, BLOCK_M=block_m,
+                               BLOCK_N=32)
+    return out.bool()
