@@ -327,7 +327,7 @@ def entmax_attn_fwd(
 <<<<<<< HEAD
             ``_common.launch_configs``; for tuning (``benchmarks/gpu/tune_tiles.py``). Default None (autotuned on a GPU,
 =======
-            ``_args.launch_configs``; for tuning (``benchmarks/tune_tiles.py``). Default None (autotuned on a GPU,
+            ``_args.launch_configs``; for tuning (``benchmarks/gpu/tune_tiles.py``). Default None (autotuned on a GPU,
 >>>>>>> args
             pinned under the interpreter or with ``SPARSE_ATTN_PINNED=1``).
         split: True: run the heads of alpha in (1, 2] by the split forward (a threshold kernel, then a value kernel
@@ -457,7 +457,7 @@ def _plan(q, k, v, alpha, scale, bias, is_causal, cu_seqlens_q, cu_seqlens_k, ma
         max_passes=DEFAULT_MAX_PASSES if max_passes is None else int(max_passes),
         inv_keep=1.0 / (1.0 - dropout_p) if dropout_p < 1 else 0.0, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
     )
-    # per class its threshold arithmetic and points (FWD_POINTS read here: benchmarks/points_sweep.py sets it)
+    # per class its threshold arithmetic and points (FWD_POINTS read here: benchmarks/offline/points_sweep.py sets it)
     launches = [dict(args, ALPHA_CLASS=c, HEAD_FILTER=f, POW=CLASS_POW[c], GRID_K=FWD_POINTS[CLASS_POW[c]][0],
                      CAND_P=FWD_POINTS[CLASS_POW[c]][1]) for c, f in class_launches(alpha_class)]
     return _Launch((n_q_tiles, n_heads, n_seq), launches, dict(num_warps=num_warps, num_stages=num_stages), result)
