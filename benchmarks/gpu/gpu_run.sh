@@ -3,6 +3,7 @@
 #
 #   bash benchmarks/gpu/gpu_run.sh [OUT_DIR]                # MODE=headline (default): smoke tests + headline cases
 #   MODE=tests bash benchmarks/gpu/gpu_run.sh [OUT_DIR]     # the gpu-marked tests only (make test-gpu), logged
+#   MODE=isolated bash benchmarks/gpu/gpu_run.sh [OUT_DIR]  # gpu and gpu_smoke tests, one process each (isolated_tests.py)
 #   MODE=bench bash benchmarks/gpu/gpu_run.sh [OUT_DIR]     # gpu-marked tests, then the full grid
 #   MODE=tune bash benchmarks/gpu/gpu_run.sh [OUT_DIR]      # launch-config sweep (benchmarks/gpu/tune_tiles.py)
 #   MODE=profile bash benchmarks/gpu/gpu_run.sh [OUT_DIR]   # one forward case under Nsight Compute (profile_ncu.sh)
@@ -15,12 +16,14 @@
 #            in .triton-sm90/ (benchmarks/gpu/precompile.py) is installed into TRITON_CACHE_DIR first, and headline.log
 #            says how many kernels the warm-up loaded from it and how many it compiled
 #   tests:   pytest_gpu.log (the GPU, versions and commit first, then pytest's output with --durations=25)
+#   isolated: env.txt, isolated.log, summary.md, summary.tsv, logs/<n>.log (one per test; see isolated_tests.py)
 #   bench:   pytest_gpu.log, bench.log, results.md, results.csv and three plot_*.png (7 files)
 #   tune:    tune.log, tune.md, tune.csv
 #   profile: profile.md, profile.log; with ncu also ncu.log, ncu_details.csv, ncu_raw.csv, profile.ncu-rep
 #   decode:  decode.md (GPU, driver, commit, command, then one table per dtype)
 # Environment knobs:
-#   MODE            headline, tests, bench, tune, profile or decode (default headline)
+#   MODE            headline, tests, isolated, bench, tune, profile or decode (default headline)
+#   ISOLATED_ARGS   extra arguments for benchmarks/gpu/isolated_tests.py (e.g. "--jobs 14 -m gpu")
 #   SMOKE_TIMEOUT_S cap on the gpu_smoke tests of MODE=headline (default 150), run while the kernels build
 #                   (SKIP_TESTS=1 skips them)
 #   HEADLINE_ARGS   extra arguments for benchmarks/gpu/headline.py (e.g. "--seqs 4096 --groups headline")
@@ -139,6 +142,22 @@ case "$MODE" in
     } 2>&1 | tee "$OUT_DIR/pytest_gpu.log"
     exit "${PIPESTATUS[0]}"
     ;;
+  isolated)
+    export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
+    mkdir -p "$TRITON_CACHE_DIR"
+    {
+      nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
+      "$PY" -c "import sys, torch, triton, numpy; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'numpy', numpy.__version__)"
+      echo "commit: ${BENCH_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
+      echo "command: python benchmarks/gpu/isolated_tests.py ${ISOLATED_ARGS:-}"
+      nproc
+    } 2>&1 | tee "$OUT_DIR/env.txt"
+    left=$(( TOTAL_S - (SECONDS - START) ))
+    # shellcheck disable=SC2086
+    timeout $(( left - 5 )) "$PY" benchmarks/gpu/isolated_tests.py --out "$OUT_DIR" --budget-s $(( left - 40 )) \
+      ${ISOLATED_ARGS:-} 2>&1 | tee "$OUT_DIR/isolated.log"
+    exit "${PIPESTATUS[0]}"
+    ;;
   profile)
     left=$(( TOTAL_S - (SECONDS - START) ))
     BUDGET_S=$(( left - 10 )) timeout "$left" bash benchmarks/gpu/profile_ncu.sh "$OUT_DIR"
@@ -160,7 +179,7 @@ case "$MODE" in
     exit "${PIPESTATUS[0]}"
     ;;
   *)
-    echo "gpu_run: MODE must be headline, tests, bench, tune, profile or decode, got '$MODE'" >&2
+    echo "gpu_run: MODE must be headline, tests, isolated, bench, tune, profile or decode, got '$MODE'" >&2
     exit 2
     ;;
 esac

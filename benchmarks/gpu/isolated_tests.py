@@ -1,0 +1,151 @@
+"""Run the GPU-marked tests one pytest process per test, several at a time, each result written as it ends.
+
+One CUDA "illegal memory access" poisons the whole process that met it, so under ``pytest -n 8`` one bad kernel
+fails every later test of its worker and the log cannot say which test was first. Here every test owns its
+process (``CUDA_LAUNCH_BLOCKING=1`` by default, so the error is raised at the launch that caused it), the tests of
+different files run side by side (so parallel processes rarely compile the same kernel at once; the Triton disk
+cache is shared), and each test's log and a summary row are written the moment it ends, so a run cut by a time
+limit still names every test that finished.
+
+    python benchmarks/gpu/isolated_tests.py --out DIR [--jobs 12] [--budget-s 420] [--per-test-s 240] [-m EXPR]
+                                            [--first PATTERN ...] [nodeid ...]
+
+DIR receives ``summary.tsv`` (nodeid, outcome, exit status, seconds), ``logs/<n>.log`` (pytest's -q --tb=short
+output of test n) and ``summary.md`` (counts, then the failed tests with their first error line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def collect(select: str, nodeids: list[str]) -> list[str]:
+    """Node ids pytest would run for ``-m select`` (or the given ids), in collection order."""
+    cmd = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-m", select,
+           *(nodeids or ["tests"])]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False).stdout
+    return [line.strip() for line in out.splitlines() if "::" in line and not line.startswith(" ")]
+
+
+def interleave(ids: list[str], first: list[str]) -> list[str]:
+    """Round-robin over test files (files matching a ``first`` pattern lead), so neighbours differ in file."""
+    by_file: dict[str, list[str]] = defaultdict(list)
+    for nodeid in ids:
+        by_file[nodeid.split("::")[0]].append(nodeid)
+    files = sorted(by_file, key=lambda f: (not any(p in f for p in first), f))
+    order = []
+    for group in itertools.zip_longest(*(by_file[f] for f in files)):
+        order.extend(n for n in group if n is not None)
+    return order
+
+
+def first_error(log: str) -> str:
+    """The most telling line of a failed test's log: a CUDA error, else the first ``E   `` line."""
+    for pattern in (r"illegal memory access|CUDA error|misaligned address|out of resources", r"^E\s+\S"):
+        for line in log.splitlines():
+            if re.search(pattern, line):
+                return line.strip()[:240]
+    tail = [line for line in log.splitlines() if line.strip()]
+    return tail[-1].strip()[:240] if tail else ""
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--jobs", type=int, default=12)
+    ap.add_argument("--budget-s", type=float, default=420.0, help="start no test after this; kill all at it + 20 s")
+    ap.add_argument("--per-test-s", type=float, default=240.0)
+    ap.add_argument("-m", dest="select", default="gpu or gpu_smoke")
+    ap.add_argument("--first", nargs="*", default=[], help="test files (substrings) to start first")
+    ap.add_argument("--no-launch-blocking", action="store_true")
+    ap.add_argument("nodeids", nargs="*")
+    args = ap.parse_args()
+
+    start = time.monotonic()
+    out: Path = args.out
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    ids = interleave(collect(args.select, args.nodeids), args.first)
+    print(f"isolated_tests: {len(ids)} tests, {args.jobs} at a time, budget {args.budget_s:.0f} s", flush=True)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env['PYTHONPATH']}" if env.get("PYTHONPATH") else str(ROOT)
+    if not args.no_launch_blocking:
+        env["CUDA_LAUNCH_BLOCKING"] = "1"
+    summary = open(out / "summary.tsv", "w", buffering=1)
+    summary.write("n\tnodeid\toutcome\trc\tseconds\tfirst_error\n")
+    lock = threading.Lock()
+    queue = list(enumerate(ids))
+    rows: list[tuple[int, str, str, int, float, str]] = []
+    procs: set[subprocess.Popen] = set()
+
+    def worker():
+        while True:
+            with lock:
+                if not queue or time.monotonic() - start > args.budget_s:
+                    return
+                n, nodeid = queue.pop(0)
+            t0 = time.monotonic()
+            log_path = out / "logs" / f"{n:03d}.log"
+            with open(log_path, "w") as log:
+                log.write(f"# {nodeid}\n")
+                log.flush()
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+                     "-p", "no:randomly", "--tb=short", "-rfE", nodeid],
+                    cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+                with lock:
+                    procs.add(proc)
+                limit = min(args.per_test_s, args.budget_s + 20 - (time.monotonic() - start))
+                try:
+                    rc = proc.wait(timeout=max(limit, 1))
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    rc = proc.wait()
+                    rc = 124 if rc != 0 else rc
+                with lock:
+                    procs.discard(proc)
+            text = log_path.read_text(errors="replace")
+            outcome = {0: "passed", 1: "FAILED", 5: "none-run", 124: "TIMEOUT"}.get(rc, f"ERROR{rc}")
+            if rc == 0 and re.search(r"\bskipped\b", text) and not re.search(r"\bpassed\b", text):
+                outcome = "skipped"
+            row = (n, nodeid, outcome, rc, round(time.monotonic() - t0, 1), first_error(text) if rc else "")
+            with lock:
+                rows.append(row)
+                summary.write("\t".join(map(str, row)) + "\n")
+                print(f"[{time.monotonic() - start:6.0f}s] {outcome:8s} {row[4]:6.1f}s {nodeid}", flush=True)
+
+    threads = [threading.Thread(target=worker) for _ in range(args.jobs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    summary.close()
+    counts = defaultdict(int)
+    for row in rows:
+        counts[row[2]] += 1
+    not_run = [nodeid for _, nodeid in queue]
+    with open(out / "summary.md", "w") as md:
+        md.write(f"{len(ids)} tests selected ({args.select!r}), {len(rows)} run in {time.monotonic() - start:.0f} s, "
+                 f"{len(not_run)} not started (budget); "
+                 + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) + "\n\n")
+        for row in sorted(rows):
+            if row[2] not in ("passed", "skipped"):
+                md.write(f"- `{row[1]}` {row[2]} ({row[4]} s, logs/{row[0]:03d}.log): {row[5]}\n")
+        if not_run:
+            md.write("\nNot started:\n" + "".join(f"- `{n}`\n" for n in not_run))
+    print((out / "summary.md").read_text(), flush=True)
+    return 0 if all(r[2] in ("passed", "skipped") for r in rows) and not not_run else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
