@@ -19,6 +19,17 @@ if not _HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
     # Tests use tiny tensors: one thread per (xdist) worker avoids oversubscribing the cores.
     torch.set_num_threads(1)
+    if os.environ.get("SPARSE_ATTN_BOUNDS_CHECK", "0") == "1":
+        # every interpreted load, store and atomic must stay inside its launch's tensor arguments (bounds_check.py)
+        from bounds_check import install
+
+        install()
+    if os.environ.get("SPARSE_ATTN_EMULATE_GPU", "0") == "1":
+        # the interpreter runs what a GPU launch runs: the GPU's tiles, the dQ kernel's TMA descriptors, up to 32
+        # decode splits (a diagnosis mode; tests that count tiles or passes at the interpreter's tiles fail here)
+        from bounds_check import emulate_gpu_launches
+
+        emulate_gpu_launches()
 
 # The device the Triton kernels run on in this session: a GPU when there is one,
 # otherwise CPU tensors through the interpreter.

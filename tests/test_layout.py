@@ -251,3 +251,20 @@ def test_imports_go_down_the_layers():
             if theirs != own and rank[theirs] <= rank[own]:
                 wrong.append(f"{name} -> {target}")
     assert wrong == [], "imports against the layers (" + " | ".join(map(str, LAYERS)) + "): " + "; ".join(wrong)
+
+
+def test_no_merge_conflict_markers():
+    """No tracked text file keeps a merge's conflict markers (one once sat unseen inside a docstring)."""
+    import subprocess
+
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=False).stdout.split()
+    if not files:
+        pytest.skip("not a git checkout")
+    marker = re.compile(r"^(<{7} |>{7} |={7}$)", re.MULTILINE)
+    bad = []
+    for name in files:
+        path = ROOT / name
+        if path.suffix in (".py", ".md", ".toml", ".sh", ".txt", ".cfg", ".yaml", ".yml", "") and path.is_file():
+            text = path.read_text(errors="replace")
+            bad += [f"{name}:{text.count(chr(10), 0, m.start()) + 1}" for m in marker.finditer(text)]
+    assert not bad, f"merge conflict markers at {bad}"

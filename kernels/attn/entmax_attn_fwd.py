@@ -324,11 +324,7 @@ def entmax_attn_fwd(
         block_m, block_n: tile sizes (powers of two >= 16); default by head dim.
         num_warps, num_stages: force this launch config (a power of two in [1, 32] warps, 1 to 8 pipeline stages; the
             one not given is the pinned one of this head dim) instead of the GPU's ``triton.autotune`` over
-<<<<<<< HEAD
-            ``_common.launch_configs``; for tuning (``benchmarks/gpu/tune_tiles.py``). Default None (autotuned on a GPU,
-=======
             ``_args.launch_configs``; for tuning (``benchmarks/gpu/tune_tiles.py``). Default None (autotuned on a GPU,
->>>>>>> args
             pinned under the interpreter or with ``SPARSE_ATTN_PINNED=1``).
         split: True: run the heads of alpha in (1, 2] by the split forward (a threshold kernel, then a value kernel
             that knows tau: ``kernels/attn/_fwd_split.py``) with the pinned launch config; False: by the fused kernel;
