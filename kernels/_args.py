@@ -137,25 +137,68 @@ def prune_to_pinned(pinned, by_args: bool = False):
 _UNBOUNDED_SIDE = 2**30
 
 
-def mask_spec(is_causal: bool, window_size: tuple | None = None) -> tuple:
-    """The ``MASK`` kernel argument ``(IS_CAUSAL, HAS_LEFT, HAS_RIGHT, left, right)``: three compile-time flags
-    and the window's sides as run-time ints (one build serves every window width).
+class MaskSpec(NamedTuple):
+    """The ``MASK`` kernel argument, read by name in the kernels (``_masking.visible``, ``key_tile_range``, ...):
+    three compile-time flags and the window's sides as run-time ints (one build serves every window width)."""
+
+    causal: tl.constexpr  # keys after the query's diagonal are hidden
+    has_left: tl.constexpr  # a left window side: keys more than ``left`` before the diagonal are hidden
+    has_right: tl.constexpr  # a right window side: keys more than ``right`` after the diagonal are hidden
+    left: int  # 0 without a left side
+    right: int  # 0 without a right side
+
+
+class ScoreSpec(NamedTuple):
+    """The ``SCORE`` kernel argument, read by name in the kernels: how scores are modified before masks."""
+
+    has_softcap: tl.constexpr  # ``softcap * tanh(s / softcap)``
+    softcap: float  # a run-time float, 1.0 when off
+    has_alibi: tl.constexpr  # ALiBi slopes read by ``_masking.alibi_slope``
+    has_sinks: tl.constexpr  # a per-head sink logit per row (``_masking.sink_logit``)
+    blocks: tl.constexpr  # the block mask's mode, :func:`blocks_mode` (0: none)
+
+
+class ModsArgs(NamedTuple):
+    """The ``MODS`` kernel argument (:func:`mods_args`): the score modifications' tensors and strides, read by name in
+    ``_masking.program_mods``. ``bits`` and ``n_words`` (a block mask with partial blocks, :func:`block_args`) are
+    None otherwise: the kernel then takes no more arguments than without them."""
+
+    bias: object  # the additive / boolean mask (``like`` for none), broadcast by zero strides
+    stride_bias_b: int
+    stride_bias_h: int
+    stride_bias_m: int
+    stride_bias_n: int
+    alibi: object  # the ALiBi slopes
+    stride_alibi_b: int
+    stride_alibi_h: int
+    sinks: object  # the per-head sink logits
+    blocks: object  # the block mask's grid
+    stride_block_b: int
+    stride_block_h: int
+    stride_block_m: int
+    stride_block_n: int
+    block_q: int
+    block_k: int
+    bits: object = None  # the element masks of its partial blocks
+    n_words: int | None = None
+
+
+def mask_spec(is_causal: bool, window_size: tuple | None = None) -> MaskSpec:
+    """The ``MASK`` kernel argument (:class:`MaskSpec`).
 
     ``window_size``: ``(left, right)`` ints >= -1 (``-1`` = unbounded on that side) or None for no window.
     """
     left, right = (-1, -1) if window_size is None else (int(w) for w in window_size)
     has_left, has_right = 0 <= left < _UNBOUNDED_SIDE, 0 <= right < _UNBOUNDED_SIDE
-    return (tl.constexpr(bool(is_causal)), tl.constexpr(has_left), tl.constexpr(has_right),
-            left if has_left else 0, right if has_right else 0)
+    return MaskSpec(tl.constexpr(bool(is_causal)), tl.constexpr(has_left), tl.constexpr(has_right),
+                    left if has_left else 0, right if has_right else 0)
 
 
-def score_spec(softcap: float | None, has_alibi: bool, has_sinks: bool = False, has_blocks: int = 0) -> tuple:
-    """The ``SCORE`` kernel argument ``(HAS_SOFTCAP, softcap, HAS_ALIBI, HAS_SINKS, HAS_BLOCKS)``: how scores are
-    modified before masks: ``softcap * tanh(s / softcap)`` (a run-time float, 1.0 when off) and ALiBi slopes read by
-    ``_masking.alibi_slope``; whether each row has a per-head sink logit (``_masking.sink_logit``), a virtual key with
-    zero value that joins the row's normalization; and whether a block-sparse mask hides whole blocks of keys
-    (``_masking.block_visible``).
-    ``has_blocks`` (``SCORE[4]``, :func:`blocks_mode`): 0 no block mask. A block mask whose blocks are all full
+def score_spec(softcap: float | None, has_alibi: bool, has_sinks: bool = False, has_blocks: int = 0) -> ScoreSpec:
+    """The ``SCORE`` kernel argument (:class:`ScoreSpec`): ``softcap * tanh(s / softcap)`` and ALiBi slopes;
+    whether each row has a per-head sink logit, a virtual key with zero value that joins the row's normalization;
+    and whether a block-sparse mask hides whole blocks of keys (``_masking.block_visible``).
+    ``has_blocks`` (``SCORE.blocks``, :func:`blocks_mode`): 0 no block mask. A block mask whose blocks are all full
     or hidden (a boolean grid): 1 when its blocks are unions of the launch's tiles (the tile loops skip hidden tiles
     and every tile they visit is whole in one kept block: no per-score check); 2 otherwise (the tile skip and the
     per-score check, ``_masking.block_visible``). A block mask with partial blocks (an int32 grid of block states
@@ -163,8 +206,8 @@ def score_spec(softcap: float | None, has_alibi: bool, has_sinks: bool = False, 
     tile; only a tile in a partial block tests its scores' bits, ``_masking.partial_tile``); 4 otherwise (the
     per-score states, and the bits of the scores in partial blocks when the tile meets one,
     ``_masking.partial_scores``)."""
-    return (tl.constexpr(softcap is not None), float(softcap) if softcap is not None else 1.0,
-            tl.constexpr(bool(has_alibi)), tl.constexpr(bool(has_sinks)), tl.constexpr(int(has_blocks)))
+    return ScoreSpec(tl.constexpr(softcap is not None), float(softcap) if softcap is not None else 1.0,
+                     tl.constexpr(bool(has_alibi)), tl.constexpr(bool(has_sinks)), tl.constexpr(int(has_blocks)))
 
 
 def attention_args(q, k, v, alpha, bias, cu_seqlens_q, cu_seqlens_k, scale, is_causal, dropout_p, seed,
@@ -199,7 +242,7 @@ def attention_args(q, k, v, alpha, bias, cu_seqlens_q, cu_seqlens_k, scale, is_c
 
 
 def blocks_mode(block_mask, tiles: tuple | None) -> int:
-    """``SCORE[4]`` (:func:`score_spec`) for a block mask (:func:`block_parts`) and the launch's ``tiles``
+    """``SCORE.blocks`` (:func:`score_spec`) for a block mask (:func:`block_parts`) and the launch's ``tiles``
     ``(block_m, block_n)``: 0 without a block mask. Every tile lies in one block when ``bq``, ``bk`` are multiples of
     the tiles: then 1 without partial blocks (the tile loops' skip decides alone, the per-score check would only cost,
     and at head dim 128 spill), 3 with them (one state read per tile, bits only in partial tiles). Otherwise, or when
@@ -221,16 +264,15 @@ def block_parts(block_mask) -> tuple:
 
 
 def mods_args(bias, shape: tuple, alibi_slopes, sinks, like, block_mask=None) -> dict:
-    """``BIAS_KIND`` and ``MODS``, the tensors of the score modifications as one kernel argument (a tuple, read by
-    ``_masking.program_mods`` only): ``(BIAS, stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n, ALIBI,
-    stride_alibi_b, stride_alibi_h, SINKS, BLOCKS, stride_block_b, stride_block_h, stride_block_m, stride_block_n,
-    block_q, block_k[, BITS, n_words])`` from :func:`bias_args`, :func:`alibi_args`, :func:`sinks_arg` and
-    :func:`block_args`. A new per-program score input is a new entry here and in ``program_mods``; the kernels pass
-    ``MODS`` on unread."""
+    """``BIAS_KIND`` and ``MODS``, the tensors of the score modifications as one kernel argument (a
+    :class:`ModsArgs`, read by name in ``_masking.program_mods`` only) from :func:`bias_args`, :func:`alibi_args`,
+    :func:`sinks_arg` and :func:`block_args`. A new per-program score input is a new field here and in
+    ``_masking.ProgramMods``; the kernels pass ``MODS`` on unread."""
     b = bias_args(bias, shape, like)
     a = alibi_args(alibi_slopes, like)
-    mods = (b["BIAS"], b["stride_bias_b"], b["stride_bias_h"], b["stride_bias_m"], b["stride_bias_n"], a["ALIBI"],
-            a["stride_alibi_b"], a["stride_alibi_h"], sinks_arg(sinks, like), *block_args(block_mask, like))
+    mods = ModsArgs(b["BIAS"], b["stride_bias_b"], b["stride_bias_h"], b["stride_bias_m"], b["stride_bias_n"],
+                    a["ALIBI"], a["stride_alibi_b"], a["stride_alibi_h"], sinks_arg(sinks, like),
+                    *block_args(block_mask, like))
     return dict(BIAS_KIND=b["BIAS_KIND"], MODS=mods)
 
 
@@ -355,8 +397,8 @@ def key_blocks_spanned(mask: tuple, seqlen_q: int, seqlen_k: int, block_n: int) 
     ``seqlen_q`` rows and at most ``seqlen_k`` keys under ``mask`` (:func:`mask_spec`): all blocks, or with a left
     window the ``seqlen_q + left`` keys before the sequence end (over one more block when unaligned)."""
     n_blocks = triton.cdiv(seqlen_k, block_n)
-    if mask[1]:
-        n_blocks = min(n_blocks, triton.cdiv(seqlen_q + mask[3], block_n) + 1)
+    if mask.has_left:
+        n_blocks = min(n_blocks, triton.cdiv(seqlen_q + mask.left, block_n) + 1)
     return n_blocks
 
 

@@ -13,7 +13,7 @@ aligned (as flash-attn): with ``d = j - (i + seqlen_k - seqlen_q)``, causal keep
 window ``-left <= d <= right`` (a side of ``-1`` is unbounded).
 Before masks, scores can be soft-capped (:func:`soft_cap`) and get ALiBi's ``-slope * |d|``
 (:func:`mask_scores`), as described by the ``SCORE`` argument of ``_args.score_spec``.
-The additive mask (``BIAS``) and a block-sparse mask (``SCORE[4]``, :func:`block_visible`, :func:`partial_tile`,
+The additive mask (``BIAS``) and a block-sparse mask (``SCORE.blocks``, :func:`block_visible`, :func:`partial_tile`,
 :func:`partial_scores`; :func:`block_tile_live` tells the tile loops which key tiles it hides) are applied by
 :func:`mask_scores` on top of this. Only ``@triton.jit`` functions live here: the host side (``mask_spec``,
 ``score_spec``, the launch geometry ``tile_plan``, the mask gradient's reduction ``dbias_mode`` / ``sum_to_mask``)
@@ -22,8 +22,15 @@ of a liveness word (or of any 32 tiles) walk a compacted list built in registers
 :func:`bit_rank` and :func:`live_tile`, with no branch per tile, so their loads can be pipelined.
 """
 
+from collections import namedtuple
+
 import triton
 import triton.language as tl
+
+# The values a program computes once and its helpers read by name (kernel value types, built inside the kernels):
+# the score modifications of one program (``program_mods``) and its block mask (``ProgramMods.blocks``).
+ProgramMods = namedtuple("ProgramMods", "bias_base stride_bias_m stride_bias_n slope sink blocks")
+BlockGrid = namedtuple("BlockGrid", "base stride_m stride_n block_q block_k bits n_words")
 
 
 @triton.jit
@@ -61,39 +68,40 @@ def tile_indices(tile, start, seqlen, BLOCK: tl.constexpr):
 def visible(rows, cols, seqlen_q, seqlen_k, MASK):
     """``[BLOCK_M, BLOCK_N]`` True where row ``rows[i]`` may attend to key ``cols[j]`` (both in the sequence)."""
     ok = (rows[:, None] < seqlen_q) & (cols[None, :] < seqlen_k)
-    if MASK[0] or MASK[1] or MASK[2]:
+    if MASK.causal or MASK.has_left or MASK.has_right:
         d = cols[None, :] - rows[:, None] - (seqlen_k - seqlen_q)
-        if MASK[0]:
+        if MASK.causal:
             ok = ok & (d <= 0)
-        if MASK[2]:
-            ok = ok & (d <= MASK[4])
-        if MASK[1]:
-            ok = ok & (d >= -MASK[3])
+        if MASK.has_right:
+            ok = ok & (d <= MASK.right)
+        if MASK.has_left:
+            ok = ok & (d >= -MASK.left)
     return ok
 
 
 @triton.jit
 def program_mods(MODS, b, seq, h, q_start, k_start, SCORE):
     """The score modifications of one program (batch entry ``b``, sequence ``seq``, q head ``h``, its first row and key
-    at ``q_start``, ``k_start`` of the packed tensors) as one tuple, the ``mods`` of :func:`score_mod`:
-    ``(bias_base, stride_bias_m, stride_bias_n, slope, sink, blocks)``: the additive / boolean mask of its row 0, key 0,
-    the mask's row and key strides, the ALiBi slope (:func:`alibi_slope`), the sink logit (:func:`sink_logit`) and the
-    block mask ``blocks = (block_base, stride_block_m, stride_block_n, block_q, block_k, BITS, n_words)`` of this
+    at ``q_start``, ``k_start`` of the packed tensors) as one :data:`ProgramMods`, the ``mods`` of :func:`score_mod`:
+    the additive / boolean mask of its row 0, key 0 (``bias_base``), the mask's row and key strides, the ALiBi slope
+    (:func:`alibi_slope`), the sink logit (:func:`sink_logit`) and the block mask ``blocks`` (a :data:`BlockGrid`:
+    ``base``, ``stride_m``, ``stride_n``, ``block_q``, ``block_k``, ``bits``, ``n_words``) of this
     sequence and head: its grid, block sizes, and the element masks of its partial blocks (``n_words`` int32 words per
-    block row, :func:`block_state`; with ``SCORE[4]`` 3 or 4 only); read only with ``SCORE[4]``
+    block row, :func:`block_state`; with ``SCORE.blocks`` 3 or 4 only); read only with ``SCORE.blocks``
     (:func:`block_visible`, :func:`block_tile_live`).
-    ``MODS`` is the kernel argument of ``_args.mods_args``; helpers take ``mods`` and never index ``MODS``; a new
-    per-program score input is one more entry here, read by :func:`mask_scores`."""
-    bias_base = (MODS[0] + b.to(tl.int64) * MODS[1] + h.to(tl.int64) * MODS[2] + q_start.to(tl.int64) * MODS[3]
-                 + k_start.to(tl.int64) * MODS[4])
-    if SCORE[4] >= 3:
-        bits = MODS[16], MODS[17]
-    else:  # no partial blocks: MODS ends at the block sizes (the kernel takes no more arguments than without them)
-        bits = MODS[9], 0
-    blocks = (MODS[9] + seq.to(tl.int64) * MODS[10] + h.to(tl.int64) * MODS[11], MODS[12], MODS[13], MODS[14],
-              MODS[15], bits[0], bits[1])
-    return (bias_base, MODS[3], MODS[4], alibi_slope(MODS[5], seq, h, MODS[6], MODS[7], SCORE),
-            sink_logit(MODS[8], h, SCORE), blocks)
+    ``MODS`` is the kernel argument of ``_args.mods_args`` (an ``_args.ModsArgs``); helpers take ``mods`` and never
+    read ``MODS``; a new per-program score input is one more field of both, read by :func:`mask_scores`."""
+    bias_base = (MODS.bias + b.to(tl.int64) * MODS.stride_bias_b + h.to(tl.int64) * MODS.stride_bias_h
+                 + q_start.to(tl.int64) * MODS.stride_bias_m + k_start.to(tl.int64) * MODS.stride_bias_n)
+    if SCORE.blocks >= 3:
+        bits = MODS.bits, MODS.n_words
+    else:  # no partial blocks: MODS has no bits (the kernel takes no more arguments than without them)
+        bits = MODS.blocks, 0
+    blocks = BlockGrid(MODS.blocks + seq.to(tl.int64) * MODS.stride_block_b + h.to(tl.int64) * MODS.stride_block_h,
+                       MODS.stride_block_m, MODS.stride_block_n, MODS.block_q, MODS.block_k, bits[0], bits[1])
+    return ProgramMods(bias_base, MODS.stride_bias_m, MODS.stride_bias_n,
+                       alibi_slope(MODS.alibi, seq, h, MODS.stride_alibi_b, MODS.stride_alibi_h, SCORE),
+                       sink_logit(MODS.sinks, h, SCORE), blocks)
 
 
 @triton.jit
@@ -103,7 +111,7 @@ def score_mod(s, rows, cols, seqlen_q, seqlen_k, mods, bias_scale, MASK, SCORE, 
     mask or a boolean mask hides the key (:func:`mask_scores`); relative to the rows' reference scores ``ref``
     (``[BLOCK_M]``, subtracted last, after the scores are rounded as without it) when given. ``mods`` from
     :func:`program_mods`. The one place the attention kernels modify scores. [BLOCK_M, BLOCK_N]"""
-    s = soft_cap(s, SCORE[1] * bias_scale, SCORE)
+    s = soft_cap(s, SCORE.softcap * bias_scale, SCORE)
     return mask_scores(s, rows, cols, seqlen_q, seqlen_k, mods, bias_scale, MASK, BIAS_KIND, SCORE, ref)
 
 
@@ -112,7 +120,7 @@ def alibi_slope(ALIBI, seq, h, stride_alibi_b, stride_alibi_h, SCORE):
     """ALiBi slope of sequence (batch entry) ``seq`` and q head ``h`` (float32, shaped like ``h``; 0 without ALiBi).
     One return statement: a compiled function's returns must agree in shape."""
     slope = 0.0
-    if SCORE[2]:
+    if SCORE.has_alibi:
         slope = tl.load(ALIBI + seq.to(tl.int64) * stride_alibi_b + h.to(tl.int64) * stride_alibi_h).to(tl.float32)
     return slope
 
@@ -121,7 +129,7 @@ def alibi_slope(ALIBI, seq, h, stride_alibi_b, stride_alibi_h, SCORE):
 def sink_logit(SINKS, h, SCORE):
     """Sink logit of q head ``h`` (float32, shaped like ``h``; not scaled, capped or masked; ``-inf`` without sinks)."""
     sink = float("-inf")
-    if SCORE[3]:
+    if SCORE.has_sinks:
         sink = tl.load(SINKS + h).to(tl.float32)
     return sink
 
@@ -142,7 +150,7 @@ def soft_cap(s, cap, SCORE):
     (``x = s / cap``), else ``cap * (1 - 2 / (exp(2x) + 1))`` (exact limits at large ``|x|``). The second form
     alone loses the relative accuracy of small ``x`` (``1 - 2 / (e^{2x} + 1)`` cancels: an error of a few ulps of
     ``cap``), which large caps make visible (docs/kernels.md)."""
-    if SCORE[0]:
+    if SCORE.has_softcap:
         # tensor-first arithmetic: ``cap`` may be a compile-time constant (a Python float times a constexpr)
         x = s * (1.0 / cap)
         x2 = x * x
@@ -159,7 +167,7 @@ def soft_cap(s, cap, SCORE):
 @triton.jit
 def mask_scores(s, rows, cols, seqlen_q, seqlen_k, mods, bias_scale, MASK, BIAS_KIND: tl.constexpr, SCORE, ref=None):
     """Scores ``s + bias_scale * (bias - slope * |d|)`` (minus the rows' references ``ref`` when given) where
-    :func:`visible` (and the block mask, when ``SCORE[4]``), ``-inf`` elsewhere. ``[BLOCK_M, BLOCK_N]``
+    :func:`visible` (and the block mask, when ``SCORE.blocks``), ``-inf`` elsewhere. ``[BLOCK_M, BLOCK_N]``
 
     ``ref`` is subtracted after the bias and ALiBi terms, so that a score is rounded once, as without it, before it
     is made relative (exact near the reference, Sterbenz); without them the subtraction folds into the caller's
@@ -167,20 +175,21 @@ def mask_scores(s, rows, cols, seqlen_q, seqlen_k, mods, bias_scale, MASK, BIAS_
 
     ``BIAS_KIND``: 0 no mask, 1 an additive float mask, 2 a boolean keep mask read as uint8 (nonzero =
     may attend; never converted to a float tensor). ``mods`` from :func:`program_mods`: the mask's base (row 0, key 0
-    of this sequence and head) and strides, the ALiBi slope, the block mask. The ALiBi term (``SCORE[2]``) uses the
-    bottom-right distance ``d = j - (i + seqlen_k - seqlen_q)``.
+    of this sequence and head) and strides, the ALiBi slope, the block mask. The ALiBi term (``SCORE.has_alibi``) uses
+    the bottom-right distance ``d = j - (i + seqlen_k - seqlen_q)``.
     """
-    bias_base, stride_bias_m, stride_bias_n, slope, _, blocks = mods
+    blocks = mods.blocks
     ok = visible(rows, cols, seqlen_q, seqlen_k, MASK)
-    if SCORE[4] == 2:
+    if SCORE.blocks == 2:
         ok = ok & block_visible(rows, cols, blocks, ok)
-    if SCORE[4] == 3:
+    if SCORE.blocks == 3:
         ok = partial_tile(ok, rows, cols, seqlen_q, seqlen_k, blocks)
-    if SCORE[2]:
+    if SCORE.has_alibi:
         d = (cols[None, :] - rows[:, None] - (seqlen_k - seqlen_q)).to(tl.float32)
-        s = s - (bias_scale * slope) * tl.abs(d)
+        s = s - (bias_scale * mods.slope) * tl.abs(d)
     if BIAS_KIND != 0:
-        bias_ptrs = bias_base + rows.to(tl.int64)[:, None] * stride_bias_m + cols.to(tl.int64)[None, :] * stride_bias_n
+        bias_ptrs = (mods.bias_base + rows.to(tl.int64)[:, None] * mods.stride_bias_m
+                     + cols.to(tl.int64)[None, :] * mods.stride_bias_n)
         if BIAS_KIND == 2:
             ok = ok & (tl.load(bias_ptrs, mask=ok, other=0) != 0)
         else:
@@ -189,7 +198,7 @@ def mask_scores(s, rows, cols, seqlen_q, seqlen_k, mods, bias_scale, MASK, BIAS_
         s = s - ref[:, None]
     s = tl.where(ok, s, float("-inf"))
     # mode 4 last, on the final scores: its per-score states and words are not live across the bias terms
-    if SCORE[4] == 4:
+    if SCORE.blocks == 4:
         s = partial_scores(s, rows, cols, seqlen_q, seqlen_k, blocks)
     return s
 
@@ -204,12 +213,12 @@ def tile_inside(row_lo, col_lo, seqlen_q, seqlen_k, MASK, BLOCK_M: tl.constexpr,
     col_hi = col_lo + BLOCK_N - 1
     shift = seqlen_k - seqlen_q
     ok = (row_hi < seqlen_q) & (col_hi < seqlen_k)
-    if MASK[0]:
+    if MASK.causal:
         ok = ok & (col_hi - row_lo - shift <= 0)
-    if MASK[2]:
-        ok = ok & (col_hi - row_lo - shift <= MASK[4])
-    if MASK[1]:
-        ok = ok & (col_lo - row_hi - shift >= -MASK[3])
+    if MASK.has_right:
+        ok = ok & (col_hi - row_lo - shift <= MASK.right)
+    if MASK.has_left:
+        ok = ok & (col_lo - row_hi - shift >= -MASK.left)
     return ok
 
 
@@ -219,13 +228,13 @@ def key_range(row_lo, row_hi, seqlen_q, seqlen_k, MASK):
     (``k_hi`` may be ``<= k_lo``: no key). The split-K decode kernels take their key range from it directly."""
     shift = seqlen_k - seqlen_q
     k_hi = seqlen_k + row_hi * 0
-    if MASK[0]:
+    if MASK.causal:
         k_hi = tl.minimum(row_hi + shift + 1, k_hi)
-    if MASK[2]:
-        k_hi = tl.minimum(row_hi + shift + MASK[4] + 1, k_hi)
+    if MASK.has_right:
+        k_hi = tl.minimum(row_hi + shift + MASK.right + 1, k_hi)
     k_lo = row_lo * 0
-    if MASK[1]:
-        k_lo = tl.maximum(row_lo + shift - MASK[3], 0)
+    if MASK.has_left:
+        k_lo = tl.maximum(row_lo + shift - MASK.left, 0)
     return k_lo, tl.maximum(k_hi, 0)
 
 
@@ -239,7 +248,7 @@ def key_tile_range(pid_m, seqlen_q, seqlen_k, MASK, BLOCK_M: tl.constexpr, BLOCK
     k_lo, k_hi = key_range(pid_m * BLOCK_M, last_row, seqlen_q, seqlen_k, MASK)
     kt_hi = tl.cdiv(tl.where(pid_m * BLOCK_M < seqlen_q, k_hi, 0), BLOCK_N)
     kt_lo = kt_hi * 0
-    if MASK[1]:  # without a left window the loops start at tile 0, a constant the compiler sees
+    if MASK.has_left:  # without a left window the loops start at tile 0, a constant the compiler sees
         kt_lo = tl.minimum(k_lo // BLOCK_N, kt_hi)
     return kt_lo, kt_hi
 
@@ -250,14 +259,14 @@ def query_tile_range(pid_n, seqlen_q, seqlen_k, MASK, BLOCK_M: tl.constexpr, BLO
     (possibly empty: ``qt_lo >= qt_hi``)."""
     shift = seqlen_k - seqlen_q
     row_lo = pid_n * 0
-    if MASK[0]:
+    if MASK.causal:
         row_lo = tl.maximum(pid_n * BLOCK_N - shift, row_lo)
-    if MASK[2]:
-        row_lo = tl.maximum(pid_n * BLOCK_N - shift - MASK[4], row_lo)
+    if MASK.has_right:
+        row_lo = tl.maximum(pid_n * BLOCK_N - shift - MASK.right, row_lo)
     row_hi = seqlen_q
-    if MASK[1]:
+    if MASK.has_left:
         last_col = tl.minimum((pid_n + 1) * BLOCK_N, seqlen_k) - 1
-        row_hi = tl.maximum(tl.minimum(last_col - shift + MASK[3] + 1, row_hi), 0)
+        row_hi = tl.maximum(tl.minimum(last_col - shift + MASK.left + 1, row_hi), 0)
     return row_lo // BLOCK_M, tl.cdiv(row_hi, BLOCK_M)
 
 
@@ -293,13 +302,13 @@ def max_first_tile(pid_m, seqlen_q, seqlen_k, kt_lo, kt_hi, MASK, BLOCK_M: tl.co
     diagonal band of self-attention. Cross-attention (``seqlen_q != seqlen_k``) without causal mask or window has no
     structure to exploit: ``kt_lo`` (today's ascending order).
     """
-    if MASK[0]:
+    if MASK.causal:
         first = kt_hi - 1
     else:
         mid = tl.minimum(pid_m * BLOCK_M + BLOCK_M // 2, seqlen_q - 1)
         diag = tl.maximum(mid + (seqlen_k - seqlen_q), 0) // BLOCK_N
         first = tl.maximum(tl.minimum(diag, kt_hi - 1), kt_lo)
-        if not (MASK[1] or MASK[2]):
+        if not (MASK.has_left or MASK.has_right):
             first = tl.where(seqlen_q == seqlen_k, first, kt_lo)
     return first
 
@@ -355,7 +364,7 @@ def key_block_range(row_lo, row_hi, seqlen_q, seqlen_k, MASK, BLOCK_N: tl.conste
     k_lo, k_hi = key_range(row_lo, row_hi, seqlen_q, seqlen_k, MASK)
     kt_hi = tl.cdiv(k_hi, BLOCK_N)
     kt_lo = kt_hi * 0
-    if MASK[1]:  # without a left window the loops start at block 0, a constant the compiler sees
+    if MASK.has_left:  # without a left window the loops start at block 0, a constant the compiler sees
         kt_lo = tl.minimum(k_lo // BLOCK_N, kt_hi)
     return kt_lo, kt_hi
 
@@ -363,15 +372,15 @@ def key_block_range(row_lo, row_hi, seqlen_q, seqlen_k, MASK, BLOCK_N: tl.conste
 @triton.jit
 def block_visible(rows, cols, blocks, ok):
     """``[BLOCK_M, BLOCK_N]`` True where the block mask keeps block ``(rows[i] // block_q, cols[j] // block_k)``
-    (``blocks``: the last entry of :func:`program_mods`' tuple); read only where ``ok``."""
+    (``blocks``: ``ProgramMods.blocks``); read only where ``ok``."""
     return tl.load(_block_ptrs(rows, cols, blocks), mask=ok, other=0) != 0
 
 
 @triton.jit
 def _block_ptrs(rows, cols, blocks):
     """``[BLOCK_M, BLOCK_N]`` addresses in the block grid of the blocks of rows ``rows``, keys ``cols``."""
-    return (blocks[0] + (rows // blocks[3]).to(tl.int64)[:, None] * blocks[1]
-            + (cols // blocks[4]).to(tl.int64)[None, :] * blocks[2])
+    return (blocks.base + (rows // blocks.block_q).to(tl.int64)[:, None] * blocks.stride_m
+            + (cols // blocks.block_k).to(tl.int64)[None, :] * blocks.stride_n)
 
 
 @triton.jit
@@ -384,8 +393,8 @@ def block_state(rows, cols, blocks, ok):
 
 @triton.jit
 def partial_tile(ok, rows, cols, seqlen_q, seqlen_k, blocks):
-    """``ok`` of a tile lying in one block of a block mask with partial blocks (``SCORE[4]`` 3), and the block's bits
-    of the tile's scores when the block is partial. Decided per tile: one state read (the tile loops skip hidden
+    """``ok`` of a tile lying in one block of a block mask with partial blocks (``SCORE.blocks`` 3), and the block's
+    bits of the tile's scores when the block is partial. Decided per tile: one state read (the tile loops skip hidden
     blocks' tiles, so none reaches here); a full block's tile does nothing more, a partial block's tile (a run-time
     branch) loads its rows' words (``ceil(BLOCK_N / 32)`` loads of ``[BLOCK_M]``) and tests the bits. Applied to the
     mask before the bias and ALiBi terms: of the forms measured in the sm_90 builds (docs/design.md) this one keeps
@@ -394,15 +403,15 @@ def partial_tile(ok, rows, cols, seqlen_q, seqlen_k, blocks):
     N_WORDS: tl.constexpr = (BLOCK_N + 31) // 32
     row0 = tl.min(rows, 0)
     col0 = tl.min(cols, 0)
-    state = tl.load(blocks[0] + (row0 // blocks[3]).to(tl.int64) * blocks[1]
-                    + (col0 // blocks[4]).to(tl.int64) * blocks[2],
+    state = tl.load(blocks.base + (row0 // blocks.block_q).to(tl.int64) * blocks.stride_m
+                    + (col0 // blocks.block_k).to(tl.int64) * blocks.stride_n,
                     mask=(row0 < seqlen_q) & (col0 < seqlen_k), other=0).to(tl.int32)
     if state >= 2:
-        block_k = blocks[4]
-        n_words = blocks[6]
+        block_k = blocks.block_k
+        n_words = blocks.n_words
         word0 = (col0 % block_k) // 32
-        word_ptrs = (blocks[5] + (state - 2).to(tl.int64) * (blocks[3] * n_words)
-                     + (rows % blocks[3]).to(tl.int64) * n_words + word0)  # [BLOCK_M]
+        word_ptrs = (blocks.bits + (state - 2).to(tl.int64) * (blocks.block_q * n_words)
+                     + (rows % blocks.block_q).to(tl.int64) * n_words + word0)  # [BLOCK_M]
         in_block = cols % block_k  # [BLOCK_N]
         word = tl.load(word_ptrs)[:, None]
         for j in tl.static_range(1, N_WORDS):
@@ -413,16 +422,17 @@ def partial_tile(ok, rows, cols, seqlen_q, seqlen_k, blocks):
 
 @triton.jit
 def partial_scores(s, rows, cols, seqlen_q, seqlen_k, blocks):
-    """Scores ``s`` with ``-inf`` where a score's block is hidden, or partial with the score's bit clear (``SCORE[4]``
-    4: tiles that may meet several blocks): the block state per score (:func:`block_state`), and the bits only in a
-    tile that meets a partial block. ``[BLOCK_M, BLOCK_N]``"""
+    """Scores ``s`` with ``-inf`` where a score's block is hidden, or partial with the score's bit clear
+    (``SCORE.blocks`` 4: tiles that may meet several blocks): the block state per score (:func:`block_state`), and
+    the bits only in a tile that meets a partial block. ``[BLOCK_M, BLOCK_N]``"""
     state = block_state(rows, cols, blocks, (rows < seqlen_q)[:, None] & (cols < seqlen_k)[None, :])
     s = tl.where(state != 0, s, float("-inf"))
     if tl.max(tl.max(state, 1), 0) >= 2:
         partial = state >= 2
-        in_block = cols % blocks[4]
-        word_ptrs = (blocks[5] + (state - 2).to(tl.int64) * (blocks[3] * blocks[6])
-                     + (rows % blocks[3]).to(tl.int64)[:, None] * blocks[6] + (in_block // 32).to(tl.int64)[None, :])
+        in_block = cols % blocks.block_k
+        word_ptrs = (blocks.bits + (state - 2).to(tl.int64) * (blocks.block_q * blocks.n_words)
+                     + (rows % blocks.block_q).to(tl.int64)[:, None] * blocks.n_words
+                     + (in_block // 32).to(tl.int64)[None, :])
         word = tl.load(word_ptrs, mask=partial, other=0)
         s = tl.where(partial & (((word >> (in_block % 32)[None, :]) & 1) == 0), float("-inf"), s)
     return s
@@ -432,11 +442,11 @@ def partial_scores(s, rows, cols, seqlen_q, seqlen_k, blocks):
 def block_tile_live(mods, row_lo, row_hi, kt, seqlen_k, SCORE, BLOCK_N: tl.constexpr):
     """Whether the block mask keeps any block that meets rows ``row_lo .. row_hi`` (inclusive, in the sequence) and
     key tile ``kt`` (keys ``kt * BLOCK_N ..`` up to the sequence end): a key tile for which it is False holds no
-    visible key for these rows and need not be loaded. Always True without a block mask (``SCORE[4]`` off).
+    visible key for these rows and need not be loaded. Always True without a block mask (``SCORE.blocks`` off).
     ``mods`` from :func:`program_mods`. One ``[BLOCK_N]`` load per query block the rows meet."""
     live = kt >= 0
-    if SCORE[4]:
-        block_base, stride_m, stride_n, block_q, block_k, _, _ = mods[5]
+    if SCORE.blocks:
+        block_base, stride_m, stride_n, block_q, block_k, _, _ = mods.blocks
         k_lo = kt * BLOCK_N
         k_hi = tl.minimum(k_lo + BLOCK_N, seqlen_k) - 1
         kb = k_lo // block_k + tl.arange(0, BLOCK_N)

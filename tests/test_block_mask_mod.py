@@ -146,8 +146,8 @@ def test_the_mask_mod_is_evaluated_once_per_mask_object():
 
 
 # (mask_mod, B and H of the BlockMask, batch, q heads, kv heads, N, BLOCK_SIZE, alpha); the interpreter's tiles are
-# 32 x 32 (forward) and 64 x 16 / 16 x 64 (backward): 64-blocks are aligned everywhere (SCORE[4] 3), 32-blocks in
-# the forward only, 16 and 24 x 40 nowhere (SCORE[4] 4)
+# 32 x 32 (forward) and 64 x 16 / 16 x 64 (backward): 64-blocks are aligned everywhere (SCORE.blocks 3), 32-blocks in
+# the forward only, 16 and 24 x 40 nowhere (SCORE.blocks 4)
 FUSED_CASES = {
     "causal-aligned": (causal, None, None, 1, 2, 2, 96, 64, 1.5),
     "window-fwd-aligned": (sliding_window, None, None, 1, 2, 2, 100, 32, 2.0),

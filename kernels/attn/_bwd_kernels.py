@@ -59,8 +59,9 @@ def _entmax_attn_bwd_dq_kernel(
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     """One program per (query tile ``pid_m``, q head ``h``, batch entry or sequence ``seq``): delta, dQ, d alpha and,
-    with sinks (``SCORE[3]``), each row's sink gradient ``-U_sink delta`` into ``DSINKS`` (float32 ``(B, Hq, Nq)``).
-    The sink is a virtual key with ``dP = 0`` (``_masking.sink_tile``): its weights join the d alpha row sums.
+    with sinks (``SCORE.has_sinks``), each row's sink gradient ``-U_sink delta`` into ``DSINKS`` (float32
+    ``(B, Hq, Nq)``). The sink is a virtual key with ``dP = 0`` (``_masking.sink_tile``): its weights join the d alpha
+    row sums.
 
     ``PHASE`` 0: all of it (the deterministic backward). Without determinism the dK/dV kernel computes dQ and the row
     sums, and this kernel runs twice without its sweep over the keys: ``PHASE`` 1 before it (delta, the sinks'
@@ -114,8 +115,8 @@ def _entmax_attn_bwd_dq_kernel(
     s_pld = tl.zeros([BLOCK_M], dtype=tl.float32)
     s_ds = tl.zeros([BLOCK_M], dtype=tl.float32)
     mods = program_mods(MODS, b, seq, h, q_start, k_start, SCORE)
-    if SCORE[3]:
-        p_s, u_s, logp_s = _weights(sink_tile(mods[4], BLOCK_M, BLOCK_N), tau, cu, cp, log_l, alpha, ALPHA_CLASS)
+    if SCORE.has_sinks:
+        p_s, u_s, logp_s = _weights(sink_tile(mods.sink, BLOCK_M, BLOCK_N), tau, cu, cp, log_l, alpha, ALPHA_CLASS)
         if PHASE != 2:
             tl.store(DSINKS + stat_offs, -tl.sum(u_s, 1) * delta, mask=row_ok)
         if NEED_DALPHA:

@@ -150,10 +150,10 @@ def _tile(qrow, s, dp, idx, inside, alpha, mods, drop, MASK, SCORE, ALPHA_CLASS:
     ``(seed, bh, total_k, dropout_p)``."""
     _, _, tau, cu, cp, log_l, delta = qrow
     rows, cols, rows_global, cols_global, seqlen_q, seqlen_k = idx
-    if (BIAS_KIND == 0) and (SCORE[2] == 0) and (SCORE[4] <= 1):
+    if (BIAS_KIND == 0) and (SCORE.has_alibi == 0) and (SCORE.blocks <= 1):
         # only the structural mask: interior tiles need no per-score check
         if inside:
-            s_m = soft_cap(s, SCORE[1], SCORE)
+            s_m = soft_cap(s, SCORE.softcap, SCORE)
         else:
             s_m = score_mod(s, rows, cols, seqlen_q, seqlen_k, mods, 1.0, MASK, SCORE, BIAS_KIND)
     else:
@@ -169,8 +169,8 @@ def _tile(qrow, s, dp, idx, inside, alpha, mods, drop, MASK, SCORE, ALPHA_CLASS:
         pd = p
     ds = u * (dp - delta[:, None])
     ds_qk = ds
-    if SCORE[0]:
-        t = soft_cap(s, SCORE[1], SCORE) / SCORE[1]  # the capped scores score_mod computed (one build: CSE)
+    if SCORE.has_softcap:
+        t = soft_cap(s, SCORE.softcap, SCORE) / SCORE.softcap  # the capped scores score_mod computed (one build: CSE)
         ds_qk = ds * (1.0 - t * t)
     return p, u, logp, dp, pd, ds, ds_qk
 

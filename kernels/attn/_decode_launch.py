@@ -93,7 +93,7 @@ def static_plan(dtype: torch.dtype, paged: bool, head_dim: int, head_dim_v: int,
                 tol, max_passes, block_n, has_hint: bool = False) -> StaticPlan:
     """The launches' configuration (cached): ``classes`` the ``ALPHA_CLASS`` values launched (``FILTER`` when more
     than one), ``tol`` / ``max_passes`` / ``block_n`` None for the defaults, ``has_blocks`` the block mask's
-    ``SCORE[4]`` (``_args.blocks_mode``: 0, or 2 / 4 without / with partial blocks), ``has_hint`` a threshold
+    ``SCORE.blocks`` (``_args.blocks_mode``: 0, or 2 / 4 without / with partial blocks), ``has_hint`` a threshold
     hint given. Arguments as :func:`sparse_attn.kernels.attn.entmax_decode.entmax_decode_fwd`."""
     key = (dtype, paged, head_dim, head_dim_v, n_rows, is_causal, window_size, softcap, has_alibi, has_sinks,
            has_blocks, classes, tol, max_passes, block_n, has_hint)
@@ -143,8 +143,8 @@ def sizes(plan: StaticPlan, batch: int, n_kv_heads: int, n_rows: int, seqlen_q: 
     n_row_tiles = _cdiv(n_rows, plan.block_m)
     mask, block_n = plan.consts["MASK"], plan.block_n
     n_span = _cdiv(max_seqlen_k, block_n)
-    if mask[1]:
-        n_span = min(n_span, _cdiv(seqlen_q + mask[3], block_n) + 1)
+    if mask.has_left:
+        n_span = min(n_span, _cdiv(seqlen_q + mask.left, block_n) + 1)
     if num_splits is None:
         num_splits = default_num_splits(batch, n_kv_heads, n_row_tiles, n_span, device)
     blocks_per_split = max(_cdiv(n_span, max(int(num_splits), 1)), 1)

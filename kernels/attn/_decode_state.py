@@ -12,7 +12,7 @@ import triton.language as tl
 
 from .. import _args
 from .._common import LN2, LOG2E, alpha_class_id
-from .._masking import block_visible, program_mods
+from .._masking import BlockGrid, ProgramMods, block_visible, program_mods
 from ._threshold import Bracket, log_ref, merge_points, open_bracket, phi, pick_bracket, solve, weight_done
 from ._threshold_tiles import anchor, cand_points, cand_sums, ring_index
 
@@ -51,9 +51,12 @@ def _row_mods(MODS, b, h, SCORE):
     ``-inf`` without sinks), the block mask with its base per row as a ``[BLOCK_M, 1]`` column (the block grid of
     batch entry ``b`` and head ``h``, its rows the query index ``i`` as the fused forward's:
     ``_masking.block_visible``). ``MODS`` is the kernel argument of ``_args.mods_args``."""
-    bias_base, stride_m, stride_n, slope, sink, blocks = program_mods(MODS, b, b, h, b * 0, b * 0, SCORE)
-    return (bias_base[:, None], stride_m, stride_n, (slope + tl.zeros([h.shape[0]], tl.float32))[:, None], sink,
-            (blocks[0][:, None], blocks[1], blocks[2], blocks[3], blocks[4], blocks[5], blocks[6]))
+    mods = program_mods(MODS, b, b, h, b * 0, b * 0, SCORE)
+    blocks = mods.blocks
+    return ProgramMods(mods.bias_base[:, None], mods.stride_bias_m, mods.stride_bias_n,
+                       (mods.slope + tl.zeros([h.shape[0]], tl.float32))[:, None], mods.sink,
+                       BlockGrid(blocks.base[:, None], blocks.stride_m, blocks.stride_n, blocks.block_q, blocks.block_k,
+                                 blocks.bits, blocks.n_words))
 
 
 @triton.jit
@@ -62,10 +65,10 @@ def _tile_live(mods, rows, kt, BLOCK_N: tl.constexpr):
     a key of key block ``kt``: the OR over the rows' own (head, query block) of their grids, so a grid with a head dim
     is exact too (``_masking.block_tile_live`` takes one head). A block for which it is False holds no visible key of
     the tile and is never loaded. One ``[BLOCK_M, BLOCK_N]`` uint8 load (``_masking.block_visible``) of a few
-    distinct bytes. ``mods`` from :func:`_row_mods`; read only with a block mask (``SCORE[4]``)."""
+    distinct bytes. ``mods`` from :func:`_row_mods`; read only with a block mask (``SCORE.blocks``)."""
     cols = kt * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = rows[1][:, None] & (cols < rows[3])[None, :]
-    return tl.max((block_visible(rows[0], cols, mods[5], ok) & ok).to(tl.int32)) != 0
+    return tl.max((block_visible(rows[0], cols, mods.blocks, ok) & ok).to(tl.int32)) != 0
 
 
 @triton.jit
@@ -385,7 +388,7 @@ def _cand_passes(store, n_in, n_slots, state, ent, zs, tol, SCORE, POW: tl.const
             n_out += live
             _, _, _, FP, GP, CP = cand_sums(z, (zero, zero, t_p, l_p, cand), (zero, zero, zero, FP, GP, CP),
                                             POW, CAND_P, bm1[:, None])
-        if SCORE[3]:
+        if SCORE.has_sinks:
             _, _, _, FP, GP, CP = cand_sums(zs - ref[:, None], (zero, zero, t_p, l_p, cand),
                                             (zero, zero, zero, FP, GP, CP), POW, CAND_P, bm1[:, None])
         br, est, lo, hi, exact = _merge_cands((FP, GP, CP), (t_p, l_p), (br, est, lo, hi, exact, usable), am1, tol,

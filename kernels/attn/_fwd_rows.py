@@ -1,6 +1,7 @@
 """The fused forward's work on one query tile (``kernels/attn/entmax_attn_fwd.py`` launches it): score tiles, the
-online-softmax pass at alpha = 1 and, for alpha in (1, 2], the grid pass, the candidate passes and the value pass
-(the module docstring of ``entmax_attn_fwd`` and docs/kernels.md describe them).
+online-softmax pass at alpha = 1 and, for alpha in (1, 2], the value pass and the tile helpers of the grid and
+candidate passes (``_fwd_entmax.py`` runs those; the module docstring of ``entmax_attn_fwd`` and docs/kernels.md
+describe them).
 
 The kernel builds the program's run-time values once as tuples and hands them down: :class:`KeyTiles` (the key and
 value slices), :class:`Rows` (the query rows, their sequence and their dropout draw), :class:`Tiles` (the key tile
@@ -16,18 +17,10 @@ import triton
 import triton.language as tl
 
 from .._common import LN2, LOG2E, dropout_keep, load_rows, two_sum
-from .._masking import block_tile_live, live_tile, mark_tile, score_mod, sink_tile, visit_tile, walk_words, word_bits
-from ._threshold import FAST_BETA_MAX, log_ref, more_passes, solve, tighten, weights, width_done
+from .._masking import block_tile_live, live_tile, mark_tile, score_mod, sink_tile, visit_tile, word_bits
+from ._threshold import FAST_BETA_MAX, weights
 from ._threshold_tiles import (
-    cand_bracket,
-    cand_points,
     cand_sums,
-    grid_bracket,
-    grid_start,
-    grid_sums,
-    grid_tile,
-    lowest_point,
-    point_zeros,
 )
 
 
@@ -179,12 +172,12 @@ def valid_keys(z, code, n_fast, bad, n_valid):
 @triton.jit
 def open_tile(i, tiles, kv, rw, mods, span, shut, SCORE):
     """The key tile ``kt`` a first pass visits ``i``-th, max-first from ``tiles.kt_first`` (``_masking.visit_tile``),
-    and whether to load it: a key tile the block mask (``SCORE[4]``) hides from every row of the program's rows
+    and whether to load it: a key tile the block mask (``SCORE.blocks``) hides from every row of the program's rows
     ``span`` (``_row_span``) is never loaded (dead from the start; ``shut`` counts them). Returns ``(kt, tile_open,
     shut)``."""
     kt = visit_tile(i, tiles.kt_lo, tiles.kt_hi, tiles.kt_first)
     tile_open = True
-    if SCORE[4]:
+    if SCORE.blocks:
         tile_open = block_tile_live(mods, span[0], span[1], kt, rw.seqlen_k, SCORE, kv.offs_n.shape[0])
         shut += tl.where(tile_open, 0, 1)
     return kt, tile_open, shut
@@ -218,16 +211,16 @@ def softmax_rows(q, kv, rw, tiles, mods, scale, BIAS_KIND: tl.constexpr, MASK, S
     would round them at their own magnitude (and overflow beyond 2.4e38). ``tau = m + log(lsum)`` (the logsumexp)
     is returned as two floats, ``tau`` and its rounding residual ``tau_lo``.
 
-    With sinks (``SCORE[3]``) the sink logit (``mods``) starts the running max and the denominator (one more term,
-    no value); a NaN or ``+inf`` sink makes every row NaN.
+    With sinks (``SCORE.has_sinks``) the sink logit (``mods``) starts the running max and the denominator (one more
+    term, no value); a NaN or ``+inf`` sink makes every row NaN.
     """
     BLOCK_M: tl.constexpr = rw.rows.shape[0]
     BLOCK_DV: tl.constexpr = kv.dv_ok.shape[0]
     kt_lo, kt_hi, live_base = tiles.kt_lo, tiles.kt_hi, tiles.live_base
-    sink = mods[4]
+    sink = mods.sink
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_sum = tl.zeros([BLOCK_M], tl.float32)
-    if SCORE[3]:
+    if SCORE.has_sinks:
         sink_bad = (sink != sink) | (sink == float("inf"))
         s_sink = tl.where(sink_bad, float("-inf"), sink)
         m = tl.zeros([BLOCK_M], tl.float32) + s_sink
@@ -236,12 +229,12 @@ def softmax_rows(q, kv, rw, tiles, mods, scale, BIAS_KIND: tl.constexpr, MASK, S
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     word = tl.zeros([], tl.int32)
     shut = tl.zeros([], tl.int32)
-    if SCORE[4]:
+    if SCORE.blocks:
         row_lo, row_hi = _row_span(rw)
     for kt in range(kt_lo, kt_hi):
         # a key tile the block mask hides from every row is never loaded (its live bit stays 0)
         tile_open = True
-        if SCORE[4]:
+        if SCORE.blocks:
             tile_open = block_tile_live(mods, row_lo, row_hi, kt, rw.seqlen_k, SCORE, kv.offs_n.shape[0])
             shut += tl.where(tile_open, 0, 1)
         lane = kt % 32
@@ -272,7 +265,7 @@ def softmax_rows(q, kv, rw, tiles, mods, scale, BIAS_KIND: tl.constexpr, MASK, S
     tau = tl.where(valid, tau, float("inf"))
     tau_lo = tl.where(valid, tau_lo, 0.0)
     lsum = tl.where(valid, 1.0, 0.0)
-    if SCORE[3]:
+    if SCORE.has_sinks:
         out = tl.where(sink_bad, float("nan"), out)
         tau = tl.where(sink_bad, float("nan"), tau)
         lsum = tl.where(sink_bad, float("nan"), lsum)
@@ -337,8 +330,8 @@ def points_pass(q, kv, rw, mods, pts, acc, st, POW: tl.constexpr, NPTS: tl.const
                 COUNT: tl.constexpr, BIAS_KIND: tl.constexpr, MASK, SCORE, DOT_PRECISION: tl.constexpr):
     """One pass over the live tiles adding the point sums of every score tile at the points ``pts`` to ``acc``
     (``_threshold_tiles.cand_sums`` with ``NPTS`` points, per-lane partials with ``LANES``), then the sink's with
-    ``SCORE[3]``; the bitmap's words are rewritten: a tile with no score above ``lo_kill`` dies. The candidate passes
-    of the fused forward and the bracket and refinement passes of the split forward (``_fwd_split.py``).
+    ``SCORE.has_sinks``; the bitmap's words are rewritten: a tile with no score above ``lo_kill`` dies. The candidate
+    passes of the fused forward and the bracket and refinement passes of the split forward (``_fwd_split.py``).
 
     ``st = (ref, z_scale, am1, bm1, lo_kill, tiles, zs, visits)``: the sums are of ``z - ref`` (``[BLOCK_M]``, the
     rows' reference scores, ``_masking.score_mod``), the points and ``lo_kill`` relative to it; ``zs`` the sink's
@@ -358,157 +351,10 @@ def points_pass(q, kv, rw, mods, pts, acc, st, POW: tl.constexpr, NPTS: tl.const
             acc = cand_sums(z, pts, acc, POW, NPTS, bm1, LANES, COUNT)
             visits += 1
         tl.store(tiles.live_base + wd, new_word)
-    if SCORE[3]:
+    if SCORE.has_sinks:
         acc = cand_sums(zs - ref[:, None], pts, acc, POW, NPTS, bm1, LANES, COUNT)
     tl.debug_barrier()
     return acc, visits
-
-
-@triton.jit
-def entmax_rows(q, kv, rw, tiles, mods, sc, POW: tl.constexpr, GRID_K: tl.constexpr, CAND_P: tl.constexpr,
-                BIAS_KIND: tl.constexpr, MASK, SCORE, HAS_DROPOUT: tl.constexpr, NEED_OUT_U: tl.constexpr,
-                DOT_PRECISION: tl.constexpr):
-    """alpha in (1, 2]: grid pass, candidate passes, value pass (module docstring).
-
-    Returns ``(out, out_u, tau, tau_lo, lsum, nnz, n_valid, n_passes, visits)``. Thresholds are carried as
-    ``theta = tau + shift`` (shift 1 on the general path POW 0, see kernels/attn/_threshold.py), and, with every
-    score and point, relative to the row's reference score ``ref`` (``_threshold_tiles.anchor``, set by the grid
-    pass); the threshold ``ref + tau_rel`` is returned as two floats, ``tau`` and its rounding residual ``tau_lo``. With
-    ``NEED_OUT_U`` the value pass also accumulates ``sum_j U_ij v_j`` and ``sum_j U_ij`` (``U = p^(2 - alpha)`` up
-    to a row factor, dropout applied to the first): ``out_u`` is their ratio, from which the backward's ``delta`` is
-    ``dO . out_u`` (docs/backward.md); otherwise ``out_u`` is ``out``.
-
-    With sinks (``SCORE[3]``) the sink is one more score per row, ``(alpha - 1) * sink`` in the z-scale, held by a
-    virtual tile (``_masking.sink_tile``): it enters the running max and the grid sums before the real tiles, the
-    point sums of every candidate pass and ``lsum`` (and ``sum_j U_ij``) of the value pass, but no output, support
-    count, valid-key count or liveness bit. A NaN or ``+inf`` sink makes every row NaN.
-
-    The grid pass visits the key tiles max-first, from ``kt_first`` (``_masking.max_first_tile``: the diagonal tile
-    when causal, else the diagonal / window centre, ascending for unstructured cross-attention) outward
-    (``_masking.visit_tile``), so that the running max is final before the far tiles are seen. The ring is exact in
-    any order and a tile is skipped only below the current lowest point, which only rises. More tiles die in the
-    grid pass; the valid-key counts, the NaN/+inf rows and (on finite scores) the final live set are those of the
-    ascending order, but the grid sums are added in another order: outputs and thresholds are not bitwise those of
-    the ascending order (they stay within the certified brackets and the usual tolerances). A tile
-    that is dead and plain when visited (``tile_screen``: two row reductions and one CTA-wide compare) skips the
-    per-score NaN/+inf flags, the valid-key counts and ``grid_tile``; its valid-key counts come from the row max.
-    """
-    BLOCK_M: tl.constexpr = rw.rows.shape[0]
-    BLOCK_N: tl.constexpr = kv.offs_n.shape[0]
-    kt_lo, kt_hi, kt_first, n_words, live_base = tiles
-    scale, alpha, tol, max_passes = sc
-    sink = mods[4]
-    am1 = alpha - 1.0
-    beta = 1.0 / am1
-    bm1 = beta - 1.0
-    z_scale = scale * am1
-    if POW == 0:
-        shift = 1.0
-    else:
-        shift = 0.0
-    # point sums per lane of the quad that holds a row (_threshold.row_sums: one lane reduction per pass, not per
-    # tile) where the registers allow it and it pays (sass_cost, sm90_build); else reduced on every tile (LANES 0)
-    if POW == 2:
-        LANES: tl.constexpr = 4
-        CAND_LANES: tl.constexpr = 4
-    elif POW == 1:
-        LANES: tl.constexpr = 0
-        CAND_LANES: tl.constexpr = 4
-    else:
-        LANES: tl.constexpr = 0
-        CAND_LANES: tl.constexpr = 0
-
-    # ---- pass 1: max, valid keys, NaN/+inf rows, and f, g, c at GRID_K points below the running max (relative to ref)
-    w_grid, slot, m, j_top, ref, n_valid, bad, F, G, L = grid_start(BLOCK_M, GRID_K, LANES)
-    z_sink = am1 * sink
-    zs = _sink_scores(mods, am1, BLOCK_M, BLOCK_N)
-    if SCORE[3]:
-        bad = bad | ((z_sink != z_sink) | (z_sink == float("inf"))).to(tl.int32)
-        m, j_top, ref, F, G, L, _ = grid_tile(zs, m, j_top, ref, F, G, L, slot, w_grid, shift, beta, bm1, POW, GRID_K,
-                                              LANES)
-    # max-first order (_masking.max_first_tile): the diagonal / window centre first, then outward; a tile that is
-    # dead and plain when visited (tile_screen) costs its score product and two row reductions
-    t_low = lowest_point(j_top, w_grid, GRID_K)
-    walk = walk_words()
-    shut = tl.zeros([], tl.int32)
-    span = _row_span(rw)
-    for i in range(0, kt_hi - kt_lo):
-        kt, tile_open, shut = open_tile(i, tiles, kv, rw, mods, span, shut, SCORE)
-        live = tl.zeros([], tl.int32)
-        if tile_open:
-            z = _score_tile(q, kv, rw, _key_cols(kt, kv), mods, z_scale, am1, BIAS_KIND, MASK, SCORE, DOT_PRECISION)
-            code, n_fast, _z_max = tile_screen(z, t_low, ref)
-            bad, n_valid = valid_keys(z, code, n_fast, bad, n_valid)
-            if code != 0:
-                m, j_top, ref, F, G, L, live = grid_tile(z, m, j_top, ref, F, G, L, slot, w_grid, shift, beta, bm1, POW,
-                                                         GRID_K, LANES)
-                t_low = lowest_point(j_top, w_grid, GRID_K)
-        walk = mark_live(tiles, kt, live, walk)
-    tl.debug_barrier()
-    F, G = grid_sums(F, G, LANES)
-    n_passes = tl.full([], 1, tl.int32)
-    visits = kt_hi - kt_lo - shut
-
-    # ---- bracket from the grid: the lowest point has phi >= 0 in exact arithmetic; the row max closes it
-    valid = n_valid > 0
-    usable = valid & (bad == 0)
-    ref = tl.where(usable, ref, 0.0)
-    # from here on the row max, the points and the thresholds are relative to ref
-    m = tl.where(usable, m - ref, 0.0)
-    j_top = tl.where(usable, j_top, 0.0)
-    # beyond 2**22 grid steps fp32 cannot index the grid: those rows start from [m - 1, m] with phi(m - 1) >= 0
-    # unknown (NaN: bisect)
-    grid_ok = tl.abs(j_top) < 4194304.0
-    zero = tl.zeros([BLOCK_M], tl.float32)
-    br = grid_bracket(m, j_top, grid_ok, F, G, L, slot, w_grid, shift, am1, POW, GRID_K)
-    est, lo, hi, exact = solve(br, POW)
-    done = width_done(exact, lo, hi, usable, tol)
-
-    # ---- candidate passes over the live tiles while a row of the tile is not pinned down
-    go = more_passes(done, n_passes, max_passes)
-    while go:
-        if CAND_P == 1:
-            t_1 = est
-            l_1 = log_ref(m, t_1)
-            f1 = point_zeros(BLOCK_M, 0, CAND_LANES)
-            g1 = point_zeros(BLOCK_M, 0, CAND_LANES)
-            c1 = point_zeros(BLOCK_M, 0, CAND_LANES)
-            t_p = zero  # the multi-point accumulators are unused with one point
-            l_p = zero
-            cand = zero
-            FP = zero
-            GP = zero
-            CP = zero
-        else:
-            t_1 = zero  # the one-point accumulators are unused with several points
-            l_1 = zero
-            f1 = zero
-            g1 = zero
-            c1 = zero
-            cand = tl.arange(0, CAND_P).to(tl.float32)
-            t_p, l_p = cand_points(m, lo, hi, CAND_P)  # [BLOCK_M, CAND_P]
-            FP = point_zeros(BLOCK_M, CAND_P, CAND_LANES)
-            GP = point_zeros(BLOCK_M, CAND_P, CAND_LANES)
-            CP = point_zeros(BLOCK_M, CAND_P, CAND_LANES)
-        pts = (t_1, l_1, t_p, l_p, cand)
-        acc, visits = points_pass(q, kv, rw, mods, pts, (f1, g1, c1, FP, GP, CP),
-                                  (ref, z_scale, am1, bm1, lo - shift, tiles, zs, visits), POW, CAND_P, CAND_LANES,
-                                  POW == 2, BIAS_KIND, MASK, SCORE, DOT_PRECISION)
-        br, est, lo, hi, exact = tighten(done == 0, br, cand_bracket(br, pts, acc, am1, POW, CAND_P, CAND_LANES), est,
-                                         lo, hi, exact, POW)
-        n_passes += 1
-        done = width_done(exact, lo, hi, usable, tol)
-        go = more_passes(done, n_passes, max_passes)
-
-    # ---- value pass at the estimate; tiles die only below the certified lower bound
-    # a threshold at the max would leave no weight: keep it one rounding step below (one-hot on the max key)
-    tau_lim = m - tl.maximum(tl.abs(m) * 2.4e-7, 1e-15) + shift
-    tau_saved = tl.where(usable, tl.minimum(est, tau_lim), 0.0) - shift
-    lo_kill = tl.minimum(lo, tau_saved + shift) - shift
-    out, out_u, tau, tau_lo, l_out, nnz, n_passes, visits = value_rows(
-        q, kv, rw, tiles, mods, (tau_saved, lo_kill, alpha, z_scale, ref, valid, bad, n_passes, visits), POW,
-        BIAS_KIND, MASK, SCORE, HAS_DROPOUT, NEED_OUT_U, DOT_PRECISION)
-    return out, out_u, tau, tau_lo, l_out, nnz, n_valid, n_passes, visits
 
 
 @triton.jit
@@ -522,8 +368,8 @@ def value_rows(q, kv, rw, tiles, mods, vr, POW: tl.constexpr, BIAS_KIND: tl.cons
     exactly as the backward forms it), ``lo_kill`` the certified lower bound below which a tile dies (never above
     ``tau``, relative to ``ref`` too), the rows' valid-key flags and NaN / +inf flags, and the passes and tile visits
     so far. Returns ``(out, out_u, tau, tau_lo, lsum, nnz, n_passes, visits)`` as ``entmax_rows`` returns them
-    (``tau + tau_lo = ref + tau`` exactly; ``out_u`` is ``out`` without ``NEED_OUT_U``; the sink, with ``SCORE[3]``,
-    adds its weight to ``lsum`` and ``sum_j U_ij``).
+    (``tau + tau_lo = ref + tau`` exactly; ``out_u`` is ``out`` without ``NEED_OUT_U``; the sink, with
+    ``SCORE.has_sinks``, adds its weight to ``lsum`` and ``sum_j U_ij``).
     """
     tau_saved, lo_kill, alpha, z_scale, ref, valid, bad, n_passes, visits = vr
     am1 = alpha - 1.0
@@ -559,7 +405,7 @@ def value_rows(q, kv, rw, tiles, mods, vr, POW: tl.constexpr, BIAS_KIND: tl.cons
         _, _, _, acc_u, u_sum, visits = _value_pass(
             q, kv, rw, tiles, mods, (t_use, lo_kill, beta, z_scale, am1, ref, visits), POW, BIAS_KIND, MASK, SCORE,
             HAS_DROPOUT, False, True, False, DOT_PRECISION)
-    if SCORE[3]:
+    if SCORE.has_sinks:
         zs = _sink_scores(mods, am1, rw.rows.shape[0], kv.offs_n.shape[0]) - ref[:, None]
         p_s = weights(zs, t_use, POW, beta)
         l_sum += tl.sum(p_s, 1)
@@ -587,5 +433,5 @@ def value_rows(q, kv, rw, tiles, mods, vr, POW: tl.constexpr, BIAS_KIND: tl.cons
 def _sink_scores(mods, am1, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """The sink's virtual score tile in the z-scale (``_masking.sink_tile``), ``-inf`` for a NaN or ``+inf`` sink
     (those rows are flagged bad). [BLOCK_M, BLOCK_N]"""
-    z_sink = am1 * mods[4]
+    z_sink = am1 * mods.sink
     return sink_tile(tl.where((z_sink != z_sink) | (z_sink == float("inf")), float("-inf"), z_sink), BLOCK_M, BLOCK_N)

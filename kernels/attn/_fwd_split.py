@@ -110,7 +110,7 @@ def threshold_rows(q, kv, rw, mods, tiles, sc, POW: tl.constexpr, BIAS_KIND: tl.
     else:
         shift = 0.0
         LANES: tl.constexpr = 4
-    if SCORE[3]:
+    if SCORE.has_sinks:
         zs = _sink_scores(mods, am1, BLOCK_M, BLOCK_N)
     else:
         zs = tl.full([BLOCK_M, BLOCK_N], float("-inf"), tl.float32)
@@ -118,8 +118,8 @@ def threshold_rows(q, kv, rw, mods, tiles, sc, POW: tl.constexpr, BIAS_KIND: tl.
     # ---- pass 1: the row max (the sink's too), valid keys, NaN / +inf rows, tiles below the running max - 1
     m, n_valid, bad, visits = _max_pass(q, kv, rw, mods, tiles, z_scale, am1, zs, BIAS_KIND, MASK, SCORE,
                                         DOT_PRECISION)
-    if SCORE[3]:
-        z_sink = am1 * mods[4]
+    if SCORE.has_sinks:
+        z_sink = am1 * mods.sink
         bad = bad | ((z_sink != z_sink) | (z_sink == float("inf"))).to(tl.int32)
     tl.debug_barrier()
     valid = n_valid > 0

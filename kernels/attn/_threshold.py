@@ -2,8 +2,9 @@
 threshold constants, the row arithmetic (evaluation points, the bracket state ``Bracket``, certified brackets, the
 estimate) and the stopping rules. Its per-key-tile half, the passes that feed them (the grid pass's ring of ``GRID_K``
 points below the running max and its first bracket, the candidate passes' points, sums and merge), is
-``kernels/attn/_threshold_tiles.py``. The loops over key tiles stay with their kernels: ``kernels/attn/_fwd_rows.py``,
-``kernels/attn/_fwd_split.py`` and ``kernels/attn/entmax_decode.py``.
+``kernels/attn/_threshold_tiles.py``. The loops over key tiles stay with their kernels:
+``kernels/attn/_fwd_rows.py``, ``kernels/attn/_fwd_entmax.py``, ``kernels/attn/_fwd_split.py`` and
+``kernels/attn/entmax_decode.py``.
 
 For ``alpha > 1`` a row's threshold ``tau`` solves ``f(tau) = sum_j [z_j - tau]_+^beta = 1`` with
 ``z = (alpha - 1) * score`` and ``beta = 1 / (alpha - 1)``. ``phi = f^(1/beta) - 1`` is convex and

@@ -258,8 +258,8 @@ def _common_args(q, k, v, do, tau, tau_lo, delta, row_factors, alpha, bias, cu_s
     """Keyword arguments of one backward kernel with its ``tiles`` (``TAU`` is the pair ``(tau, tau_lo)``, zeros
     without ``tau_lo``); ``live_tiles``: the bitmap's (the forward's)
     ``(block_m, block_n)``; ``use_tma``: stream the loops' tiles with TMA descriptors (``USE_TMA``). A block mask is
-    decided by the tile loops alone (``SCORE[4]`` 1) only when its blocks are unions of both the forward's tiles (the
-    bitmap) and the kernel's."""
+    decided by the tile loops alone (``SCORE.blocks`` 1) only when its blocks are unions of both the forward's tiles
+    (the bitmap) and the kernel's."""
     whole = None if live is None else (max(live_tiles[0], tiles.block_m), max(live_tiles[1], tiles.block_n))
     args = _args.attention_args(q, k, v, alpha, bias, cu_seqlens_q, cu_seqlens_k, scale, is_causal, dropout_p, seed,
                                   window_size, alibi_slopes, softcap, sinks, block_mask, whole)

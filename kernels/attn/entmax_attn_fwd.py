@@ -40,7 +40,8 @@ from .._args import ALPHA_CLASSES, CLASS_POW, class_launches, resolve_alpha_clas
 from .._args import alpha_class_of as alpha_class_of  # re-exported: the public place of the class rule
 from .._common import alpha_class_id, load_rows, slice_base, store_rows
 from .._masking import key_tile_range, max_first_tile, program_mods, seq_bounds
-from ._fwd_rows import KeyTiles, Rows, Scalars, Tiles, entmax_rows, softmax_rows, value_rows
+from ._fwd_entmax import entmax_rows
+from ._fwd_rows import KeyTiles, Rows, Scalars, Tiles, softmax_rows, value_rows
 from ._fwd_split import threshold_rows
 from ._threshold import FWD_MAX_PASSES as DEFAULT_MAX_PASSES  # re-exported: the public place of the default
 from ._threshold import FWD_POINTS

@@ -34,8 +34,8 @@ sets the ticket back to zero.
 The attention variants are the forward's, from ``kernels/_masking.py``: the scores are soft-capped, get ALiBi's
 term and the window (``MASK``, ``SCORE``) with the decode alignment (query ``i`` at key position
 ``i + cache_seqlens[b] - Nq``), and the splits share only the key blocks the tile's rows may see
-(``_masking.key_range``: with a sliding window, the window's blocks); a block-sparse mask (``SCORE[4]``, indexed by the
-query's index ``i`` and the key position) hides keys per element, and a key block it hides from every row of a
+(``_masking.key_range``: with a sliding window, the window's blocks); a block-sparse mask (``SCORE.blocks``, indexed by
+the query's index ``i`` and the key position) hides keys per element, and a key block it hides from every row of a
 program is never read (``_decode_state._tile_live``). A sink is one virtual score per row held by
 split 0 (``_masking.sink_tile``): it enters that split's max and grid sums, its candidate sums and its value-pass
 weight sum, so every merge sees it exactly once; softmax rows add it in the combine (max and denominator).
@@ -166,7 +166,7 @@ def _grid_pass(q, keys, pages, rows, mods, out, ent, zs, MASK, SCORE, POW: tl.co
     GH = tl.zeros([q.shape[0], HINT_P], tl.float32)
     CH = tl.zeros([q.shape[0], HINT_P], tl.float32)
     LH = tl.full([q.shape[0], HINT_P], -99.65784284662087, tl.float32)
-    if SCORE[3]:
+    if SCORE.has_sinks:
         m, j_top, ref, F, G, L, _ = grid_tile(zs, m, j_top, ref, F, G, L, slot, w_grid, shift, beta[:, None],
                                               bm1[:, None], POW, GRID_K, 0)
         if HINT_P > 1:
@@ -174,7 +174,7 @@ def _grid_pass(q, keys, pages, rows, mods, out, ent, zs, MASK, SCORE, POW: tl.co
     for kt in range(rows[4], rows[5]):
         # a key block the block mask hides from every row is never loaded nor listed (its scores are not stored)
         tile_open = True
-        if SCORE[4]:
+        if SCORE.blocks:
             tile_open = _tile_live(mods, rows, kt, BLOCK_N)
             n_read += tile_open.to(tl.int32)
         if tile_open:
@@ -210,7 +210,7 @@ def _softmax_split(q, keys, values, pages, rows, mods, scale, MASK, SCORE, BLOCK
     for kt in range(rows[4], rows[5]):
         cols = kt * BLOCK_N + tl.arange(0, BLOCK_N)
         tile_open = True
-        if SCORE[4]:
+        if SCORE.blocks:
             tile_open = _tile_live(mods, rows, kt, BLOCK_N)
             n_read += tile_open.to(tl.int32)
         if tile_open:
@@ -297,7 +297,7 @@ def _entmax_decode_split_kernel(
     if ALPHA_CLASS == 0:
         m, l_sum, acc, n_valid, n_read = _softmax_split(q, keys, values, pages, rows, mods, scale, MASK, SCORE,
                                                         BLOCK_N, BIAS_KIND, CACHE)
-        if not SCORE[4]:
+        if not SCORE.blocks:
             n_read = kt_hi - kt_lo
         _store_partials(PART_ROW, PART_ACC, split_rows + split, active, m, l_sum, n_valid, acc, CACHE[3], CACHE[4])
         tl.store(PART_ROW + (split_rows + split) * N_PART + 3, n_valid.to(tl.float32), mask=active)
@@ -307,7 +307,7 @@ def _entmax_decode_split_kernel(
             tl.store(N_PASSES + tile, 1)
         if _last_arrival(COUNT + tile, n_splits):
             _combine_rows(outs, PART_ROW, PART_ACC, split_rows, n_splits, stat_offs, active, alpha,
-                          mods[4] + tl.zeros([BLOCK_M], tl.float32), CACHE[3], CACHE[4])
+                          mods.sink + tl.zeros([BLOCK_M], tl.float32), CACHE[3], CACHE[4])
         return
 
     # unchecked device alpha outside [1, 2] (or NaN) reaches the general class: those rows are NaN
@@ -319,7 +319,7 @@ def _entmax_decode_split_kernel(
         shift = 1.0
     else:
         shift = 0.0
-    zs, sink_bad = _sink_scores(mods[4], am1, active & (split == 0), BLOCK_N)
+    zs, sink_bad = _sink_scores(mods.sink, am1, active & (split == 0), BLOCK_N)
 
     if PHASE == 0:
         if HAS_HINT:
@@ -334,7 +334,7 @@ def _entmax_decode_split_kernel(
         m, j_top, ref, n_valid, bad, F, G, C, n_live, n_read, hint_pts = _grid_pass(
             q, keys, pages, rows, mods, (Z, z_rows, list_base), (scale * am1, am1, beta, bm1, shift, T), zs, MASK,
             SCORE, POW, GRID_K, BLOCK_N, BIAS_KIND, CACHE)
-        if not SCORE[4]:
+        if not SCORE.blocks:
             n_read = kt_hi - kt_lo
         row = GRID_ROW + (split_rows + split) * N_PART
         tl.store(row, m, mask=active)
@@ -359,7 +359,7 @@ def _entmax_decode_split_kernel(
                 (Z, z_rows, list_tile, live_tile, BLOCKS_READ + tile.to(tl.int64) * n_splits * n_slots),
                 _tile_list(list_tile, live_tile, n_splits, blocks_per_split), n_slots,
                 (g_m, g_br, g_est, g_lo, g_hi, g_exact, g_usable, g_passes, g_ref), (am1, beta, bm1, shift),
-                _sink_scores(mods[4], am1, active, BLOCK_N)[0], tol, SCORE, POW, CAND_P, BLOCK_N)
+                _sink_scores(mods.sink, am1, active, BLOCK_N)[0], tol, SCORE, POW, CAND_P, BLOCK_N)
             _store_state(STATE, state_rows, active, c_m, c_br, c_est, c_lo, c_hi, c_exact, c_usable, g_bad, c_passes,
                          c_ref)
         return
@@ -377,7 +377,7 @@ def _entmax_decode_split_kernel(
     tau_row = t_use - shift
     t_use = tau_row + shift
     l_sum = tl.zeros([BLOCK_M], tl.float32)
-    if SCORE[3]:
+    if SCORE.has_sinks:
         l_sum = tl.sum(tl.where(ok_row[:, None], weights(zs - ref[:, None], t_use, POW, beta[:, None]), 0.0), 1)
     nnz = tl.zeros([BLOCK_M], tl.int32)
     acc = tl.zeros([BLOCK_M, CACHE[4]], tl.float32)
@@ -413,7 +413,7 @@ def _entmax_decode_split_kernel(
         tl.store(N_PASSES + tile, passes.to(tl.int32) + 1)
     if _last_arrival(COUNT + tile, n_splits):
         _combine_rows(outs, PART_ROW, PART_ACC, split_rows, n_splits, stat_offs, active, alpha,
-                      mods[4] + tl.zeros([BLOCK_M], tl.float32), CACHE[3], CACHE[4])
+                      mods.sink + tl.zeros([BLOCK_M], tl.float32), CACHE[3], CACHE[4])
 
 
 def _hint_args(tau_hint, rows: tuple, ws: dict) -> dict:
