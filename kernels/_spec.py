@@ -13,6 +13,7 @@ This module imports torch and the kernels package only (the import direction is 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -196,26 +197,48 @@ FIELDS = tuple(f.name for f in dataclasses.fields(AttnSpec))
 
 class FieldDecl(NamedTuple):
     """What a field of :class:`AttnSpec` declares: its ``torch.library`` schema type at the custom ops' boundary
-    (``int[]`` fields are tuples in the spec, lists in the ops), whether it may receive a gradient, and the variants
-    (names of :data:`sparse_attn.attn.routes.VARIANTS`) whose use it states; none: a field of the problem itself
-    (``sparse_attn.attn.routes.PROBLEM_FIELDS``)."""
+    (``int[]`` fields are tuples in the spec, lists in the ops), whether it may receive a gradient, the variants
+    (names of :data:`sparse_attn.attn.routes.VARIANTS`) whose use it states (none: a field of the problem itself,
+    ``sparse_attn.attn.routes.PROBLEM_FIELDS``), and ``uses``, the rule naming which of them a value uses (default:
+    the first variant whenever the field is given: not None, not False, not 0; :func:`used_variants` reads it)."""
 
     op_type: str
     grad: bool = False
     variants: tuple = ()
+    uses: Callable | None = None
+
+    def used_by(self, value) -> tuple:
+        """The variants of :attr:`variants` that ``value`` (the field's normalized value) uses."""
+        if self.uses is not None:
+            return self.uses(value)
+        given = value is not None and value is not False and not (isinstance(value, (int, float)) and value == 0)
+        return self.variants[:1] if given else ()
+
+
+def _mask_uses(mask) -> tuple:
+    if mask is None:
+        return ()
+    kind = "bool_mask" if mask.dtype == torch.bool else "float_mask"
+    return (kind, "mask_grad") if _wants_grad(mask) else (kind,)
+
+
+def _alibi_uses(slopes) -> tuple:
+    if slopes is None:
+        return ()
+    return ("alibi", "alibi_grad") if _wants_grad(slopes) else ("alibi",)
 
 
 DECLS = {
     "q": FieldDecl("Tensor", grad=True), "k": FieldDecl("Tensor", grad=True), "v": FieldDecl("Tensor", grad=True),
     "alpha": FieldDecl("Tensor", grad=True), "alpha_value": FieldDecl("float?"), "alpha_checked": FieldDecl("bool"),
-    "mask": FieldDecl("Tensor?", grad=True, variants=("bool_mask", "float_mask", "mask_grad")),
+    "mask": FieldDecl("Tensor?", grad=True, variants=("bool_mask", "float_mask", "mask_grad"), uses=_mask_uses),
     "is_causal": FieldDecl("bool", variants=("causal",)), "scale": FieldDecl("float"),
     "dropout_p": FieldDecl("float", variants=("dropout",)),
     "cu_seqlens_q": FieldDecl("Tensor?", variants=("varlen",)),
     "cu_seqlens_k": FieldDecl("Tensor?"),  # travels with cu_seqlens_q
     "max_seqlen_q": FieldDecl("int"), "max_seqlen_k": FieldDecl("int"), "backend": FieldDecl("str"),
     "window_size": FieldDecl("int[]?", variants=("window",)),
-    "alibi_slopes": FieldDecl("Tensor?", grad=True, variants=("alibi", "alibi_grad")),
+    "alibi_slopes": FieldDecl("Tensor?", grad=True, variants=("alibi", "alibi_grad"), uses=_alibi_uses),
     "sinks": FieldDecl("Tensor?", grad=True, variants=("sinks",)),
     "softcap": FieldDecl("float?", variants=("softcap",)),
     "alpha_class": FieldDecl("str"), "need_stats": FieldDecl("bool"),
@@ -285,29 +308,11 @@ def used_variants(q: Tensor, k: Tensor | None, v: Tensor, *, alpha=None, mask=No
     arguments (None when unused, as :func:`sparse_attn.attn.attn_inputs.prepare_attention` leaves them; ``k`` None:
     not known yet, no ``gqa``; ``n_kv_heads``: ``Hk`` when ``k`` is not ``(B, Hk, Nk, D)``; ``need_grad``: the spec's
     decision, None: from grad mode and the tensors now)."""
-    used = set()
-    if cu_seqlens_q is not None:
-        used.add("varlen")
-    if mask is not None:
-        used.add("bool_mask" if mask.dtype == torch.bool else "float_mask")
-        if _wants_grad(mask):
-            used.add("mask_grad")
-    if is_causal:
-        used.add("causal")
-    if window_size is not None:
-        used.add("window")
-    if alibi_slopes is not None:
-        used.add("alibi")
-        if _wants_grad(alibi_slopes):
-            used.add("alibi_grad")
-    if sinks is not None:
-        used.add("sinks")
-    if softcap is not None:
-        used.add("softcap")
-    if dropout_p > 0:
-        used.add("dropout")
-    if block_mask is not None:
-        used.add("block_mask")
+    given = dict(mask=mask, is_causal=is_causal, dropout_p=dropout_p, cu_seqlens_q=cu_seqlens_q,
+                 window_size=window_size, alibi_slopes=alibi_slopes, sinks=sinks, softcap=softcap,
+                 block_mask=block_mask)
+    # the variants a field states, by its declaration (DECLS); the shapes and autograd state the rest
+    used = {variant for name, value in given.items() for variant in DECLS[name].used_by(value)}
     if k is not None and (k.shape[1] if n_kv_heads is None else n_kv_heads) != q.shape[1]:
         used.add("gqa")
     if v.shape[-1] != q.shape[-1]:

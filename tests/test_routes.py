@@ -189,3 +189,24 @@ def test_entmax_decode_refuses_gradients_up_front():
     ref = entmax_decode(qg, k, v, backend="reference")
     assert ref.requires_grad
     torch.testing.assert_close(out, ref.detach(), rtol=2e-5, atol=2e-5)  # why: float32 kernel vs reference
+
+
+def test_field_declarations_name_only_their_own_variants():
+    """``FieldDecl.used_by`` (what ``used_variants`` reads) names only variants its field declares, none for an
+    unset field, and the declared first variant for a field merely given."""
+    import torch
+
+    for name, decl in DECLS.items():
+        assert decl.used_by(None) == (), name
+    mask = torch.zeros(2, 3)
+    assert DECLS["mask"].used_by(mask.bool()) == ("bool_mask",)
+    assert DECLS["mask"].used_by(mask) == ("float_mask",)
+    assert DECLS["mask"].used_by(mask.requires_grad_()) == ("float_mask", "mask_grad")
+    assert DECLS["alibi_slopes"].used_by(torch.ones(2)) == ("alibi",)
+    assert DECLS["is_causal"].used_by(False) == () and DECLS["is_causal"].used_by(True) == ("causal",)
+    assert DECLS["dropout_p"].used_by(0.0) == () and DECLS["dropout_p"].used_by(0.1) == ("dropout",)
+    assert DECLS["window_size"].used_by((4, 0)) == ("window",)
+    for name, decl in DECLS.items():
+        if decl.variants:
+            assert set(decl.used_by(torch.ones(1, requires_grad=True) if decl.op_type == "Tensor?" else 1.0)) <= set(
+                decl.variants), name
