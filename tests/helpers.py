@@ -95,11 +95,12 @@ TOL = {
     # A float32 model through the library against the same float32 model computed another way (compiled, eager
     # attention fed the same weights, a manual composition, a cached decoding step): same_values' atol plus a relative
     # part for logits and gradients larger than 1 (pass as **TOL["same_model_f32"]). Measured at most 6.0e-7 abs
-    # (tests/test_modules.py), 4.2e-8 beyond the rtol part (cached decoding, tests/test_hf_variants.py); atol about
-    # 8x that, since other torch / transformers versions may reorder the float32 sums.
+    # (tests/models/test_modules.py), 4.2e-8 beyond the rtol part (cached decoding,
+    # tests/integrations/test_hf_variants.py); atol about 8x that, since other torch / transformers versions may
+    # reorder the float32 sums.
     "same_model_f32": {"atol": 5e-6, "rtol": 1e-5},
     # The fused kernel's float32 tau (the threshold on (alpha - 1) * scores) against the float64 reference's.
-    # Measured at most 4.7e-7 under the interpreter (tests/test_attention_fused.py).
+    # Measured at most 4.7e-7 under the interpreter (tests/attn/test_attention_fused.py).
     "tau": {F32: 1e-4},
     # torch.autograd.gradcheck in float64 (pass as **TOL["gradcheck"]): central differences with step eps.
     "gradcheck": {"eps": 1e-7, "atol": 1e-6},

@@ -1,7 +1,7 @@
 """One table of bad arguments per kind of entry point (mappings, losses, structured and constrained mappings,
 kernel launchers, stats; entmax_attention and its reference; the modules; SDPA routing), each row a call
 that must raise ``TypeError`` / ``ValueError`` naming the argument, and a test that every public callable of
-``sparse_attn`` has rows in them (the Hugging Face integration's table is in tests/test_hf.py).
+``sparse_attn`` has rows in them (the Hugging Face integration's table is in tests/integrations/test_hf.py).
 """
 
 import inspect

@@ -439,7 +439,7 @@ def test_attention_reference_gradients_match_float64(problem):
     _check_attention_gradients(problem, "reference")
 
 
-# The fused backward takes delta = dO . out_u from the forward's float32 out_u (tests/test_attention_bwd.py::
+# The fused backward takes delta = dO . out_u from the forward's float32 out_u (tests/attn/test_attention_bwd.py::
 # test_bf16_delta_from_float32_out_u); at large q, k magnitudes the float32 weights' own error (z - tau cancels,
 # relative to |score|) still exceeds the gradient tolerances (fp32 dv at magnitude 100, measured), which the
 # gradient rule does not scale for. Gradients are fuzzed at unit magnitudes.

@@ -160,7 +160,7 @@ def literal_tolerances(text: str) -> list[str]:
 
 
 def _test_files():
-    return sorted(p for p in (ROOT / "tests").glob("*.py")
+    return sorted(p for p in (ROOT / "tests").rglob("*.py")
                   if p.name != "helpers.py" and p.name not in TOLERANCE_SCAN_SKIPPED)
 
 
@@ -268,3 +268,12 @@ def test_no_merge_conflict_markers():
             text = path.read_text(errors="replace")
             bad += [f"{name}:{text.count(chr(10), 0, m.start()) + 1}" for m in marker.finditer(text)]
     assert not bad, f"merge conflict markers at {bad}"
+
+
+def test_tests_mirror_the_subpackages():
+    """Tests of one subpackage live in the folder of its name (``tests/attn/`` for ``sparse_attn.attn`` and
+    ``sparse_attn.kernels.attn``, ...); tests of the whole project, and the shared helpers, at the top."""
+    subpackages = {p.parent.name for p in (ROOT / "sparse_attn").glob("*/__init__.py")}
+    folders = {p.name for p in (ROOT / "tests").iterdir() if p.is_dir() and not p.name.startswith((".", "__"))}
+    assert folders and folders <= subpackages, f"tests/ folders {sorted(folders - subpackages)} are no subpackage"
+    assert not list((ROOT / "tests").glob("*/*/test_*.py")), "one folder level under tests/"

@@ -2,8 +2,8 @@
 the routes it must run on (as flash-attention's ``tests/cute/score_mod_definitions.py`` pairs each kernel score mod
 with an eager one).
 
-A row of :data:`ROWS` per name of the library's ``sparse_attn.attn.routes.VARIANTS`` (``tests/test_routes.py`` checks
-the two sets are equal, so a new library variant without a row fails there):
+A row of :data:`ROWS` per name of the library's ``sparse_attn.attn.routes.VARIANTS`` (``tests/attn/test_routes.py``
+checks the two sets are equal, so a new library variant without a row fails there):
 
 * ``field``: the ``AttnSpec`` field the variant lives in (None: it comes from the shapes or the autograd state);
 * ``kwargs(p, g)``: the ``entmax_attention`` / ``prepare_attention`` keywords that turn it on for the problem ``p``

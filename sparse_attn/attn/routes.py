@@ -4,7 +4,7 @@ A call's variants are named by :func:`used_variants` (from the normalized argume
 :func:`sparse_attn.attn.attn_inputs.prepare_attention`, or :meth:`AttnSpec.used`). Each route declares the set it
 implements in :data:`SUPPORTED`; ``refused(route, used)`` is what is left over, as phrases for an error message. A
 variant missing from a route's set is refused there, so a new variant is off every route until a route lists it
-(fail closed), and ``tests/test_routes.py`` checks that every field of the spec (``AttnSpec``) is named here.
+(fail closed), and ``tests/attn/test_routes.py`` checks that every field of the spec (``AttnSpec``) is named here.
 
 Routes:
 

@@ -643,7 +643,8 @@ def test_example_script_runs():
     import subprocess
     import sys
 
-    script = os.path.join(os.path.dirname(__file__), os.pardir, "examples", "context_parallel", "context_parallel.py")
+    script = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "examples", "context_parallel",
+                          "context_parallel.py")
     res = subprocess.run([sys.executable, script, "--steps", "1"], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "largest parameter difference from one process after 1 steps" in res.stdout

@@ -1,5 +1,5 @@
 """Block-sparse masks (``block_mask=``): a boolean block grid with its block sizes, or torch's flex_attention
-``BlockMask`` (noop_mask here; with other mask_mods: tests/test_block_mask_mod.py), intersected with every other
+``BlockMask`` (noop_mask here; with other mask_mods: tests/attn/test_block_mask_mod.py), intersected with every other
 mask; the fused kernels (interpreter) and the reference against the float64 reference, the torch conversion, bad
 inputs, rows left without keys, the Hugging Face function, and the kernels' tile-liveness helper
 ``_masking.block_tile_live``."""
@@ -199,8 +199,8 @@ def test_torch_block_masks_equal_the_boolean_block_mask():
 
 
 def test_a_torch_block_mask_with_a_mask_mod_is_its_element_mask(kernel_device):
-    """create_block_mask(causal mask_mod) (partial diagonal blocks: tests/test_block_mask_mod.py for the others) gives
-    what is_causal gives, on the reference exactly and on the kernels within float32 rounding."""
+    """create_block_mask(causal mask_mod) (partial diagonal blocks: tests/attn/test_block_mask_mod.py for the others)
+    gives what is_causal gives, on the reference exactly and on the kernels within float32 rounding."""
     q, k, v = (t.to(kernel_device) for t in qkv(b=1, hq=2, hk=2, nq=40, nk=40, d=16, dtype=F32))
     causal = create_block_mask(lambda b, h, i, j: j <= i, None, None, 40, 40, device=kernel_device, BLOCK_SIZE=16)
     want = entmax_attention_reference(q.double(), k.double(), v.double(), 1.5, is_causal=True)

@@ -856,7 +856,7 @@ def test_hf_generate_takes_the_decode_path_and_records_stats(monkeypatch, arch):
     assert torch.equal(res.sequences[:, ids.shape[1]:], torch.stack([s.argmax(-1) for s in res.logits], 1))
 
 
-_DECODE_BENCH = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "offline", "decode.py")
+_DECODE_BENCH = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "benchmarks", "offline", "decode.py")
 
 
 def test_compiles_for_sm90():

@@ -380,7 +380,7 @@ def test_gpu_large(dtype, D):
         _check_close("out", res.out, out64, out_lp, dtype)
 
 
-_SM90_BUILD = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "offline", "sm90_build.py")
+_SM90_BUILD = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "benchmarks", "offline", "sm90_build.py")
 
 
 def test_compiles_for_sm90():
@@ -388,7 +388,7 @@ def test_compiles_for_sm90():
     (d alpha and every mask-gradient mode), which the interpreter never exercises, compile for sm_90 with the
     specialization a real launch gets (benchmarks/offline/sm90_build.py --check)."""
     # the script builds this checkout's kernels, whichever copy of the package is installed
-    root = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
+    root = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir, os.pardir))
     env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1",
                PYTHONPATH=os.pathsep.join([root] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     proc = subprocess.run([sys.executable, _SM90_BUILD, "--check"], env=env, capture_output=True, text=True,
