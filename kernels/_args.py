@@ -210,35 +210,44 @@ def score_spec(softcap: float | None, has_alibi: bool, has_sinks: bool = False, 
                      tl.constexpr(bool(has_alibi)), tl.constexpr(bool(has_sinks)), tl.constexpr(int(has_blocks)))
 
 
-def attention_args(q, k, v, alpha, bias, cu_seqlens_q, cu_seqlens_k, scale, is_causal, dropout_p, seed,
-                   window_size=None, alibi_slopes=None, softcap=None, sinks=None, block_mask=None,
-                   tiles: tuple | None = None) -> dict:
+def attention_args(spec, seed: int, tiles: tuple | None = None) -> dict:
     """The keyword arguments every attention kernel (forward, dQ, dK/dV, d bias) takes, named as in
-    CONTRIBUTING.md ("Naming in kernels/"). ``bias`` (an additive float mask, or a boolean / uint8 keep mask
-    read as is: ``BIAS_KIND`` 1 or 2) is broadcast to ``(B, Hq, Nq, Nk)`` by zero strides; ``is_causal`` and
-    ``window_size`` become the structural mask ``MASK`` (:func:`mask_spec`); ``softcap`` and
-    ``alibi_slopes`` (float32 ``(Hq,)`` or ``(B or nseq, Hq)``) the score modifications ``SCORE`` and ``ALIBI``
-    (:func:`score_spec`); ``sinks`` (``(Hq,)``, read as float32) the per-head sink logits ``SINKS``;
-    ``block_mask`` a ``(mask, (block_q, block_k))`` pair, ``mask`` boolean ``(B or nseq or 1, Hq or 1, q blocks,
-    k blocks)``, or a ``(states, (block_q, block_k), bits)`` triple with partial blocks (:func:`block_args`);
-    ``tiles``: the ``(block_m, block_n)`` of a launch whose tile loops decide the block mask per tile
-    (:func:`blocks_mode`)."""
-    is_varlen = cu_seqlens_q is not None
+    CONTRIBUTING.md ("Naming in kernels/"), from an ``AttnSpec`` (``kernels/_spec.py``; the fused ops' spec, or
+    ``kernel_spec`` of a direct launcher call) and the dropout ``seed``. The spec's ``mask`` (an additive float mask,
+    or a boolean / uint8 keep mask read as is: ``BIAS_KIND`` 1 or 2) is broadcast to ``(B, Hq, Nq, Nk)`` by zero
+    strides; ``is_causal`` and ``window_size`` become the structural mask ``MASK`` (:func:`mask_spec`); ``softcap``
+    and ``alibi_slopes`` (float32 ``(Hq,)`` or ``(B or nseq, Hq)``) the score modifications ``SCORE`` and ``ALIBI``
+    (:func:`score_spec`); ``sinks`` (``(Hq,)``, read as float32) the per-head sink logits ``SINKS``; the block mask
+    (:func:`spec_block_mask`) the block grid and, with partial blocks, their bits (:func:`block_args`); ``tiles``: the
+    ``(block_m, block_n)`` of a launch whose tile loops decide the block mask per tile (:func:`blocks_mode`)."""
+    q, k, v = spec.q, spec.k, spec.v
+    block_mask = spec_block_mask(spec)
+    is_varlen = spec.cu_seqlens_q is not None
     head_dim = q.shape[3]
     return dict(
-        Q=q, K=k, V=v, ALPHA=alpha_arg(alpha, q.shape[1], q.device),
-        **mods_args(bias, (*q.shape[:3], k.shape[2]), alibi_slopes, sinks, q, block_mask),
-        CU_SEQLENS_Q=cu_seqlens_q if is_varlen else q, CU_SEQLENS_K=cu_seqlens_k if is_varlen else q,
+        Q=q, K=k, V=v, ALPHA=alpha_arg(spec.alpha, q.shape[1], q.device),
+        **mods_args(spec.mask, (*q.shape[:3], k.shape[2]), spec.alibi_slopes, spec.sinks, q, block_mask),
+        CU_SEQLENS_Q=spec.cu_seqlens_q if is_varlen else q, CU_SEQLENS_K=spec.cu_seqlens_k if is_varlen else q,
         **stride_args("stride_q", q, "bhmd"), **stride_args("stride_k", k, "bhnd"),
         **stride_args("stride_v", v, "bhnd"),
         n_heads=q.shape[1], kv_group=q.shape[1] // k.shape[1], total_q=q.shape[2], total_k=k.shape[2],
-        scale=float(scale), dropout_p=float(dropout_p), seed=int(seed) & 0x7FFFFFFF,
-        MASK=mask_spec(is_causal, window_size),
-        SCORE=score_spec(softcap, alibi_slopes is not None, sinks is not None, blocks_mode(block_mask, tiles)),
+        scale=float(spec.scale), dropout_p=float(spec.dropout_p), seed=int(seed) & 0x7FFFFFFF,
+        MASK=mask_spec(spec.is_causal, spec.window_size),
+        SCORE=score_spec(spec.softcap, spec.alibi_slopes is not None, spec.sinks is not None,
+                         blocks_mode(block_mask, tiles)),
         HEAD_DIM=head_dim, BLOCK_D=head_dim_block(head_dim),
         HEAD_DIM_V=v.shape[3], BLOCK_DV=head_dim_block(v.shape[3]), IS_VARLEN=is_varlen,
-        HAS_DROPOUT=float(dropout_p) > 0.0, UPCAST=interpreting(), DOT_PRECISION=dot_precision(q.dtype),
+        HAS_DROPOUT=float(spec.dropout_p) > 0.0, UPCAST=interpreting(), DOT_PRECISION=dot_precision(q.dtype),
     )
+
+
+def spec_block_mask(spec) -> tuple | None:
+    """A spec's block mask as :func:`block_parts` reads it: ``(grid, (bq, bk))``, ``(states, (bq, bk), bits)`` with
+    partial blocks, or None."""
+    if spec.block_mask is None:
+        return None
+    return (spec.block_mask, spec.block_size) if spec.block_bits is None else (spec.block_mask, spec.block_size,
+                                                                                spec.block_bits)
 
 
 def blocks_mode(block_mask, tiles: tuple | None) -> int:

@@ -21,7 +21,8 @@ from torch import Tensor
 
 from ._args import alpha_class_of
 
-__all__ = ["AttnSpec", "DECLS", "DIFFERENTIABLE", "FIELDS", "FieldDecl", "flatten_spec", "op_schema", "unflatten_spec",
+__all__ = ["AttnSpec", "DECLS", "DIFFERENTIABLE", "FIELDS", "FieldDecl", "flatten_spec", "kernel_spec", "op_schema",
+           "unflatten_spec",
            "used_variants", "resolve_spec_alpha_class"]
 
 
@@ -256,6 +257,23 @@ if tuple(DECLS) != FIELDS:
 DIFFERENTIABLE = tuple(name for name, decl in DECLS.items() if decl.grad)
 """The fields of :class:`AttnSpec` that may receive a gradient (each only when it requires one): what
 :attr:`AttnSpec.need_grad` looks at, and what the fused op's backward returns gradients for by name."""
+
+
+def kernel_spec(q: Tensor, k: Tensor, v: Tensor, alpha, scale: float, *, bias=None, is_causal: bool = False,
+                cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, dropout_p: float = 0.0,
+                alpha_class: str | None = None, window_size=None, alibi_slopes=None, softcap=None, sinks=None,
+                block_mask=None) -> AttnSpec:
+    """The :class:`AttnSpec` of a direct call to the fused launchers (``entmax_attn_fwd`` / ``entmax_attn_bwd``, whose
+    keywords these are; they are not validated here): ``bias`` is the spec's ``mask``, ``block_mask`` the launchers'
+    ``(grid, (bq, bk)[, bits])``; ``max_seqlen_*`` may stay None (the launch plan measures them) and ``alpha_class``
+    None (resolved from the values where that needs no device sync). The launchers build every kernel argument from
+    the spec (``_args.attention_args``), as the autograd op's spec reaches them."""
+    grid, size, bits = (None, None, None) if block_mask is None else (*block_mask, None)[:3]
+    return AttnSpec(q=q, k=k, v=v, alpha=alpha, alpha_value=None, alpha_checked=False, mask=bias, is_causal=is_causal,
+                    scale=scale, dropout_p=dropout_p, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                    max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, backend="triton", window_size=window_size,
+                    alibi_slopes=alibi_slopes, sinks=sinks, softcap=softcap, alpha_class=alpha_class,
+                    block_mask=grid, block_size=size, block_bits=bits)
 
 
 def op_schema(extra: dict) -> str:

@@ -40,6 +40,7 @@ import torch
 import triton
 
 from .. import _args
+from .._spec import kernel_spec
 from ._bwd_kernels import _entmax_attn_bwd_dbias_kernel, _entmax_attn_bwd_dkdv_kernel, _entmax_attn_bwd_dq_kernel
 
 _DEFAULT_BLOCK = 64
@@ -252,21 +253,19 @@ def _buffers(q, k, v, bias, is_varlen, need_dalpha, need_dbias, deterministic) -
     )
 
 
-def _common_args(q, k, v, do, tau, tau_lo, delta, row_factors, alpha, bias, cu_seqlens_q, cu_seqlens_k, live, scale,
-                 is_causal, dropout_p, seed, live_tiles: tuple, tiles: BwdTiles, use_tma: bool, window_size=None,
-                 alibi_slopes=None, softcap=None, sinks=None, block_mask=None) -> dict:
+def _common_args(spec, seed, do, tau, tau_lo, delta, row_factors, live, live_tiles: tuple, tiles: BwdTiles,
+                 use_tma: bool) -> dict:
     """Keyword arguments of one backward kernel with its ``tiles`` (``TAU`` is the pair ``(tau, tau_lo)``, zeros
     without ``tau_lo``); ``live_tiles``: the bitmap's (the forward's)
     ``(block_m, block_n)``; ``use_tma``: stream the loops' tiles with TMA descriptors (``USE_TMA``). A block mask is
     decided by the tile loops alone (``SCORE.blocks`` 1) only when its blocks are unions of both the forward's tiles
     (the bitmap) and the kernel's."""
     whole = None if live is None else (max(live_tiles[0], tiles.block_m), max(live_tiles[1], tiles.block_n))
-    args = _args.attention_args(q, k, v, alpha, bias, cu_seqlens_q, cu_seqlens_k, scale, is_causal, dropout_p, seed,
-                                  window_size, alibi_slopes, softcap, sinks, block_mask, whole)
+    args = _args.attention_args(spec, seed, whole)
     return dict(
         args, DO=do, TAU=(tau.contiguous(), torch.zeros_like(tau) if tau_lo is None else tau_lo.contiguous()),
         DELTA=delta, ROW_FACTORS=row_factors,
-        **_args.stride_args("stride_do", do, "bhmd"), **_live_args(live, q), HAS_LIVE=live is not None,
+        **_args.stride_args("stride_do", do, "bhmd"), **_live_args(live, spec.q), HAS_LIVE=live is not None,
         LIVE_BLOCK_M=live_tiles[0], LIVE_BLOCK_N=live_tiles[1], BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
         USE_TMA=use_tma,
     )
@@ -342,6 +341,23 @@ def entmax_attn_bwd(
     Raises:
         ValueError: more than 65535 heads or batch entries (sequences) (``_args.tile_plan``).
     """
+    spec = kernel_spec(q, k, v, alpha, scale, bias=bias, is_causal=is_causal, cu_seqlens_q=cu_seqlens_q,
+                       cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                       dropout_p=dropout_p, alpha_class=alpha_class, window_size=window_size,
+                       alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks, block_mask=block_mask)
+    return launch_bwd(spec, seed, do, out, tau, lsum, out_u=out_u, tau_lo=tau_lo, live=live, block_m=block_m,
+                      block_n=block_n, need_dalpha=need_dalpha, need_dbias=need_dbias, deterministic=deterministic,
+                      tiles=tiles)
+
+
+def launch_bwd(spec, seed, do, out, tau, lsum, *, out_u=None, tau_lo=None, live=None, block_m=None, block_n=None,
+               need_dalpha=False, need_dbias=False, deterministic=True, tiles=None):
+    """:func:`entmax_attn_bwd` of an ``AttnSpec`` (``kernels/_spec.py``: the fused op's spec, or ``kernel_spec`` of the
+    launcher's keywords), with the forward's dropout ``seed``, outputs and statistics and the options of
+    :func:`entmax_attn_bwd`."""
+    q, k, v, alpha, bias, sinks = spec.q, spec.k, spec.v, spec.alpha, spec.mask, spec.sinks
+    cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k = (spec.cu_seqlens_q, spec.cu_seqlens_k, spec.max_seqlen_q,
+                                                              spec.max_seqlen_k)
     _check_args(do, q, k, v, out, out_u, tau, tau_lo, lsum, bias, cu_seqlens_q, cu_seqlens_k, live, block_m, block_n)
     n_heads = q.shape[1]
     assert sinks is None or sinks.shape == (n_heads,), f"sinks: expected shape ({n_heads},)"
@@ -349,7 +365,7 @@ def entmax_attn_bwd(
         grads = _zero_grads(q, k, v, bias, need_dalpha, need_dbias)
         return grads if sinks is None else (*grads, torch.zeros_like(sinks))
     dense = need_dbias and _args.dbias_mode(bias, (*q.shape[:3], k.shape[2])) == "dense"
-    alpha_class = _args.resolve_alpha_class(alpha, alpha_class)
+    alpha_class = _args.resolve_alpha_class(alpha, spec.alpha_class)
     config = _pick_config(q.shape[3], _args.interpreting(), bool(need_dalpha), dense, deterministic, alpha_class)
     forced = {name: BwdTiles(*t) for name, t in (tiles or {}).items()}
     assert set(forced) <= set(config), f"tiles: expected kernels among {sorted(config)}, got {sorted(forced)}"
@@ -381,9 +397,8 @@ def entmax_attn_bwd(
         _set_tma_allocator(q.device)
 
     def kernel_args(name):
-        return _common_args(q, k, v, do, tau, tau_lo, buf.delta, buf.row_factors, alpha, bias, cu_seqlens_q,
-                            cu_seqlens_k, live, scale, is_causal, dropout_p, seed, live_tiles, config[name],
-                            use_tma and name in _TMA_KERNELS, window_size, alibi_slopes, softcap, sinks, block_mask)
+        return _common_args(spec, seed, do, tau, tau_lo, buf.delta, buf.row_factors, live, live_tiles, config[name],
+                            use_tma and name in _TMA_KERNELS)
 
     out_u = out if out_u is None else out_u
     # rows outside every packed sequence are never visited

@@ -40,6 +40,7 @@ from .._args import ALPHA_CLASSES, CLASS_POW, class_launches, resolve_alpha_clas
 from .._args import alpha_class_of as alpha_class_of  # re-exported: the public place of the class rule
 from .._common import alpha_class_id, load_rows, slice_base, store_rows
 from .._masking import key_tile_range, max_first_tile, program_mods, seq_bounds
+from .._spec import kernel_spec
 from ._fwd_entmax import entmax_rows
 from ._fwd_rows import KeyTiles, Rows, Scalars, Tiles, softmax_rows, value_rows
 from ._fwd_split import threshold_rows
@@ -338,10 +339,22 @@ def entmax_attn_fwd(
         ValueError: more than 65535 heads or batch entries (sequences) (``_args.tile_plan``); ``num_warps`` or
             ``num_stages`` out of range (``TypeError`` when not an int).
     """
-    forced = _forced_options(num_warps, num_stages, q.shape[-1])
-    plan = _plan(q, k, v, alpha, scale, bias, is_causal, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                 dropout_p, seed, tol, max_passes, alpha_class, need_out_u, block_m, block_n, window_size, alibi_slopes,
-                 softcap, sinks, block_mask)
+    spec = kernel_spec(q, k, v, alpha, scale, bias=bias, is_causal=is_causal, cu_seqlens_q=cu_seqlens_q,
+                       cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                       dropout_p=dropout_p, alpha_class=alpha_class, window_size=window_size,
+                       alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks, block_mask=block_mask)
+    return launch_fwd(spec, seed, tol=tol, max_passes=max_passes, need_out_u=need_out_u, block_m=block_m,
+                      block_n=block_n, num_warps=num_warps, num_stages=num_stages, split=split)
+
+
+def launch_fwd(spec, seed: int = 0, *, tol: float | None = None, max_passes: int | None = None,
+               need_out_u: bool = False, block_m: int | None = None, block_n: int | None = None,
+               num_warps: int | None = None, num_stages: int | None = None,
+               split: bool | None = None) -> EntmaxAttnFwdResult:
+    """:func:`entmax_attn_fwd` of an ``AttnSpec`` (``kernels/_spec.py``: the fused op's spec, or ``kernel_spec`` of
+    the launcher's keywords), with the dropout ``seed`` and the launch options of :func:`entmax_attn_fwd`."""
+    forced = _forced_options(num_warps, num_stages, spec.q.shape[-1])
+    plan = _plan(spec, seed, tol, max_passes, need_out_u, block_m, block_n)
     split_classes = {ALPHA_CLASSES[c] for c in ("sparsemax", "entmax15", "general") if runs_split(c, split)}
     for args in plan.launches:
         if args["ALPHA_CLASS"] in split_classes:
@@ -402,17 +415,16 @@ class _Launch(NamedTuple):
     result: EntmaxAttnFwdResult
 
 
-def _plan(q, k, v, alpha, scale, bias, is_causal, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-          seed, tol, max_passes, alpha_class, need_out_u, block_m, block_n, window_size=None, alibi_slopes=None,
-          softcap=None, sinks=None, block_mask=None) -> _Launch:
-    """Allocate the outputs and name every kernel argument of one forward launch."""
+def _plan(spec, seed, tol, max_passes, need_out_u, block_m, block_n) -> _Launch:
+    """Allocate the outputs and name every kernel argument of one forward launch of ``spec``."""
+    q, k, v, cu_seqlens_q = spec.q, spec.k, spec.v, spec.cu_seqlens_q
     batch, n_heads, total_q, head_dim = q.shape
     assert 16 <= head_dim <= 256, f"q: head dim must be in [16, 256], got {head_dim}"
     default_m, default_n, num_warps, num_stages = _pick_config(head_dim, _args.interpreting())
-    plan = _args.tile_plan(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                              default_m if block_m is None else block_m, default_n if block_n is None else block_n)
+    plan = _args.tile_plan(q, k, cu_seqlens_q, spec.cu_seqlens_k, spec.max_seqlen_q, spec.max_seqlen_k,
+                           default_m if block_m is None else block_m, default_n if block_n is None else block_n)
     n_seq, n_q_tiles = plan.n_seq, plan.n_q_tiles
-    alpha_class = resolve_alpha_class(alpha, alpha_class)
+    alpha_class = resolve_alpha_class(spec.alpha, spec.alpha_class)
 
     stats = dict(size=(batch, n_heads, total_q), device=q.device)
     out_shape = (*q.shape[:3], v.shape[3])
@@ -441,11 +453,9 @@ def _plan(q, k, v, alpha, scale, bias, is_causal, cu_seqlens_q, cu_seqlens_k, ma
     if n_q_tiles == 0 or n_seq == 0 or n_heads == 0:
         return _Launch(None, [], {}, result)
 
-    dropout_p = float(dropout_p)
+    dropout_p = float(spec.dropout_p)
     args = dict(
-        **_args.attention_args(q, k, v, alpha, bias, cu_seqlens_q, cu_seqlens_k, scale, is_causal, dropout_p, seed,
-                                 window_size, alibi_slopes, softcap, sinks, block_mask,
-                                 (plan.block_m, plan.block_n)),
+        **_args.attention_args(spec, seed, (plan.block_m, plan.block_n)),
         OUT=out, OUT_U=out if out_u is None else out_u, TAU=tau, TAU_LO=tau_lo, LSUM=lsum, NNZ=nnz, N_VALID=n_valid,
         LIVE=live, N_PASSES=n_passes, TILE_VISITS=tile_visits, **_args.stride_args("stride_o", out, "bhmd"),
         **_args.stride_args("stride_ou", out if out_u is None else out_u, "bhmd"), NEED_OUT_U=out_u is not None,

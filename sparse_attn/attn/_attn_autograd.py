@@ -18,8 +18,8 @@ from sparse_attn.attn.attn_inputs import AttentionStats, AttnSpec
 from sparse_attn.attn.routes import refusal_message, refused
 from sparse_attn.kernels._spec import DECLS, DIFFERENTIABLE, flatten_spec, op_schema, unflatten_spec
 from sparse_attn.kernels._spec import FIELDS as SPEC_FIELDS
-from sparse_attn.kernels.attn.entmax_attn_bwd import entmax_attn_bwd
-from sparse_attn.kernels.attn.entmax_attn_fwd import entmax_attn_fwd, fwd_block_sizes
+from sparse_attn.kernels.attn.entmax_attn_bwd import launch_bwd
+from sparse_attn.kernels.attn.entmax_attn_fwd import fwd_block_sizes, launch_fwd
 
 
 def _live_shape(spec: AttnSpec):
@@ -61,18 +61,6 @@ def fwd_op_named(args) -> dict:
     return dict(zip(FWD_FIELDS, args, strict=True))
 
 
-def _launch_kwargs(spec: AttnSpec, seed: int) -> dict:
-    """The keyword arguments the forward and backward launchers take from the spec (the variants, varlen, dropout,
-    the alpha class): the one place the fused path reads them, so that a new variant is one entry here."""
-    return dict(
-        bias=spec.mask, is_causal=spec.is_causal, window_size=spec.window_size,
-        alibi_slopes=spec.alibi_slopes, softcap=spec.softcap, sinks=spec.sinks, cu_seqlens_q=spec.cu_seqlens_q,
-        cu_seqlens_k=spec.cu_seqlens_k, max_seqlen_q=spec.max_seqlen_q, max_seqlen_k=spec.max_seqlen_k,
-        dropout_p=spec.dropout_p, seed=seed, alpha_class=spec.alpha_class,
-        block_mask=None if spec.block_mask is None else (spec.block_mask, spec.block_size, spec.block_bits),
-    )
-
-
 def _needs_out_u(spec: AttnSpec) -> bool:
     """The backward's float32 ``out_u`` is computed when gradients are needed, unless every head is softmax with
     float32 inputs (then it is the output itself)."""
@@ -82,8 +70,7 @@ def _needs_out_u(spec: AttnSpec) -> bool:
 def _fwd_impl(*args) -> tuple[Tensor, ...]:
     """The fused forward on a flattened spec; the last output is ``out_u`` (shape ``(0,)`` unless ``_needs_out_u``)."""
     spec, seed = spec_from_op_args(args)
-    res = entmax_attn_fwd(spec.q, spec.k, spec.v, spec.alpha, spec.scale, need_out_u=_needs_out_u(spec),
-                          **_launch_kwargs(spec, seed))
+    res = launch_fwd(spec, seed, need_out_u=_needs_out_u(spec))
     out_u = spec.q.new_empty(0, dtype=torch.float32) if res.out_u is None else res.out_u
     return (res.out, res.tau, res.tau_lo, res.lsum, res.nnz, res.n_valid, res.live, res.n_passes, res.tile_visits,
             out_u)
@@ -121,11 +108,11 @@ def _bwd_impl(*args) -> tuple[Tensor, ...]:
     spec, seed = spec_from_op_args(args[len(_BWD_EXTRA):])
     out, out_u = extra["out"], extra["out_u"]
     block_m, block_n = fwd_block_sizes(spec.head_dim)
-    dq, dk, dv, dalpha, dmask, *dsinks = entmax_attn_bwd(
-        extra["do"], spec.q, spec.k, spec.v, out, extra["tau"], extra["lsum"], spec.alpha, spec.scale,
-        tau_lo=extra["tau_lo"], live=extra["live"], block_m=block_m, block_n=block_n, need_dalpha=extra["need_dalpha"],
-        need_dbias=extra["need_dmask"], out_u=out_u if out_u.shape == out.shape else None,
-        deterministic=spec.deterministic, **_launch_kwargs(spec, seed),
+    # the spec reaches the launcher whole: every kernel argument is built from it (kernels/_args.attention_args)
+    dq, dk, dv, dalpha, dmask, *dsinks = launch_bwd(
+        spec, seed, extra["do"], out, extra["tau"], extra["lsum"], tau_lo=extra["tau_lo"], live=extra["live"],
+        block_m=block_m, block_n=block_n, need_dalpha=extra["need_dalpha"], need_dbias=extra["need_dmask"],
+        out_u=out_u if out_u.shape == out.shape else None, deterministic=spec.deterministic,
     )
     if dalpha is None:
         dalpha = spec.alpha.new_zeros(0)

@@ -642,8 +642,8 @@ def test_fused_atomic_dq_matches_reference(name, kernel_device, monkeypatch):
     import sparse_attn.attn._attn_autograd as autograd_mod
 
     asked = []
-    real = autograd_mod.entmax_attn_bwd
-    monkeypatch.setattr(autograd_mod, "entmax_attn_bwd", lambda *a, **kw: asked.append(kw["deterministic"]) or
+    real = autograd_mod.launch_bwd
+    monkeypatch.setattr(autograd_mod, "launch_bwd", lambda *a, **kw: asked.append(kw["deterministic"]) or
                         real(*a, **kw))
     c = dict(ATOMIC_CASES[name])
     gen = torch.Generator().manual_seed(len(name) + 90)
