@@ -21,9 +21,8 @@ from torch import Tensor
 
 from ._args import alpha_class_of
 
-__all__ = ["AttnSpec", "DECLS", "DIFFERENTIABLE", "FIELDS", "FieldDecl", "flatten_spec", "kernel_spec", "op_schema",
-           "unflatten_spec",
-           "used_variants", "resolve_spec_alpha_class"]
+__all__ = ["AttnSpec", "DECLS", "DIFFERENTIABLE", "FIELDS", "FieldDecl", "VARIANT_FIELDS", "flatten_spec",
+           "kernel_spec", "op_schema", "unflatten_spec", "used_variants", "resolve_spec_alpha_class"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -115,10 +114,8 @@ class AttnSpec:
     def used(self) -> frozenset:
         """The variants this call uses (names of :data:`sparse_attn.attn.routes.VARIANTS`); the routers refuse what a
         route does not list in :data:`sparse_attn.attn.routes.SUPPORTED`."""
-        return used_variants(self.q, self.k, self.v, alpha=self.alpha, mask=self.mask, is_causal=self.is_causal,
-                             dropout_p=self.dropout_p, cu_seqlens_q=self.cu_seqlens_q, window_size=self.window_size,
-                             alibi_slopes=self.alibi_slopes, sinks=self.sinks, softcap=self.softcap,
-                             n_kv_heads=self.n_kv_heads, need_grad=self.need_grad, block_mask=self.block_mask)
+        return used_variants(self.q, self.k, self.v, alpha=self.alpha, n_kv_heads=self.n_kv_heads,
+                             need_grad=self.need_grad, **{name: getattr(self, name) for name in VARIANT_FIELDS})
 
     def swapped(self, **fields) -> AttnSpec:
         """A copy with ``fields`` replaced, without running ``__init__`` again: only for tensors that stand where
@@ -255,6 +252,8 @@ if tuple(DECLS) != FIELDS:
     raise RuntimeError(f"kernels/_spec.py: DECLS must declare the fields of AttnSpec in order: {FIELDS}")
 
 DIFFERENTIABLE = tuple(name for name, decl in DECLS.items() if decl.grad)
+VARIANT_FIELDS = tuple(name for name, decl in DECLS.items() if decl.variants)
+"""The fields of :class:`AttnSpec` that state variants (:func:`used_variants` reads each by its declaration)."""
 """The fields of :class:`AttnSpec` that may receive a gradient (each only when it requires one): what
 :attr:`AttnSpec.need_grad` looks at, and what the fused op's backward returns gradients for by name."""
 
@@ -318,23 +317,22 @@ def _wants_grad(*tensors) -> bool:
     return torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad for t in tensors)
 
 
-def used_variants(q: Tensor, k: Tensor | None, v: Tensor, *, alpha=None, mask=None, is_causal: bool = False,
-                  dropout_p: float = 0.0, cu_seqlens_q=None, window_size=None, alibi_slopes=None, sinks=None,
-                  softcap=None, n_kv_heads: int | None = None, need_grad: bool | None = None,
-                  block_mask=None) -> frozenset:
+def used_variants(q: Tensor, k: Tensor | None, v: Tensor, *, alpha=None, n_kv_heads: int | None = None,
+                  need_grad: bool | None = None, **fields) -> frozenset:
     """The names (keys of :data:`sparse_attn.attn.routes.VARIANTS`) of the variants a call uses, from normalized
-    arguments (None when unused, as :func:`sparse_attn.attn.attn_inputs.prepare_attention` leaves them; ``k`` None:
-    not known yet, no ``gqa``; ``n_kv_heads``: ``Hk`` when ``k`` is not ``(B, Hk, Nk, D)``; ``need_grad``: the spec's
-    decision, None: from grad mode and the tensors now)."""
-    given = dict(mask=mask, is_causal=is_causal, dropout_p=dropout_p, cu_seqlens_q=cu_seqlens_q,
-                 window_size=window_size, alibi_slopes=alibi_slopes, sinks=sinks, softcap=softcap,
-                 block_mask=block_mask)
+    arguments: ``fields`` the spec's fields that state variants (:data:`VARIANT_FIELDS`), by name, None / False / 0
+    when unused as :func:`sparse_attn.attn.attn_inputs.prepare_attention` leaves them (one not given is unused);
+    ``k`` None: not known yet, no ``gqa``; ``n_kv_heads``: ``Hk`` when ``k`` is not ``(B, Hk, Nk, D)``;
+    ``need_grad``: the spec's decision, None: from grad mode and the tensors now."""
+    unknown = sorted(set(fields) - set(VARIANT_FIELDS))
+    if unknown:
+        raise TypeError(f"used_variants: {unknown} state no variant; expected fields among {VARIANT_FIELDS}")
     # the variants a field states, by its declaration (DECLS); the shapes and autograd state the rest
-    used = {variant for name, value in given.items() for variant in DECLS[name].used_by(value)}
+    used = {variant for name, value in fields.items() for variant in DECLS[name].used_by(value)}
     if k is not None and (k.shape[1] if n_kv_heads is None else n_kv_heads) != q.shape[1]:
         used.add("gqa")
     if v.shape[-1] != q.shape[-1]:
         used.add("dv")
-    if _wants_grad(q, k, v, alpha, mask, sinks, alibi_slopes) if need_grad is None else need_grad:
+    if _wants_grad(q, k, v, alpha, *(fields.get(name) for name in DIFFERENTIABLE)) if need_grad is None else need_grad:
         used.add("grad")
     return frozenset(used)

@@ -48,7 +48,7 @@ import torch
 from torch import Tensor
 
 from sparse_attn.attn.attn_inputs import AttentionInputs, AttentionStats
-from sparse_attn.attn.reference import _SAFE_ALPHA, _soft_cap, _stats
+from sparse_attn.attn.reference import _SAFE_ALPHA, _stats, modify_scores
 from sparse_attn.rows.mappings import _apply as _entmax_rows
 from sparse_attn.rows.mappings import _rows_vjp, _threshold_from_sorted
 
@@ -349,7 +349,7 @@ def _block_attend(st: _State, t: _Tensors, blk: _Block, gen: torch.Generator | N
     """
     inputs, ct = st.inputs, st.ct
     s = torch.matmul(t.q.to(ct), t.k.to(ct).transpose(-1, -2)).mul_(inputs.scale)
-    s = _soft_cap(s, inputs.softcap)
+    s = modify_scores(s, inputs)
     bias = keep = None
     if t.mask is not None:
         if t.mask.dtype == torch.bool:

@@ -93,6 +93,13 @@ def _stats(scores: Tensor, p: Tensor, alpha, n_valid: Tensor, bad: Tensor, n_key
     return AttentionStats(nnz.masked_fill(bad, 0), tau, n_valid)
 
 
+def modify_scores(s: Tensor, inputs) -> Tensor:
+    """The score modifications applied to the scaled scores ``s = scale q k^T`` (every head of ``inputs``, the spec,
+    along dim 1) before masks and biases: the soft cap. The one place the reference and the CPU path modify scores
+    (the kernels' twin is ``kernels/_masking.score_mod``)."""
+    return _soft_cap(s, inputs.softcap)
+
+
 def _soft_cap(s: Tensor, softcap: float | None) -> Tensor:
     """``softcap * tanh(s / softcap)`` on finite scores; non-finite ones (-inf masked, NaN, +inf) unchanged."""
     if softcap is None:
@@ -108,7 +115,7 @@ def _attend(q, k, v, alpha, bad_head, bias, keep, inputs, ct, dropout_mask, gene
     sink column ``(H,)`` joins every row's normalization and is dropped from the weights.
     Returns ``(out, p, applied, stats)`` in the compute dtype ``ct``; ``p`` over the real keys.
     """
-    s = _soft_cap(torch.matmul(q.to(ct), k.to(ct).transpose(-1, -2)) * inputs.scale, inputs.softcap)
+    s = modify_scores(torch.matmul(q.to(ct), k.to(ct).transpose(-1, -2)) * inputs.scale, inputs)
     if bias is not None:
         s = s + bias.to(ct)
     if keep is not None:

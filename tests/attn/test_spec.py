@@ -53,6 +53,8 @@ def test_every_variant_is_used_and_matches_the_route_table():
                                 dropout_p=spec.dropout_p, cu_seqlens_q=spec.cu_seqlens_q,
                                 window_size=spec.window_size, alibi_slopes=spec.alibi_slopes, sinks=spec.sinks,
                                 softcap=spec.softcap, block_mask=spec.block_mask) == spec.used()
+    with pytest.raises(TypeError, match="state no variant"):
+        routes.used_variants(spec.q, spec.k, spec.v, scale=2.0)
     with torch.no_grad():
         assert "grad" not in _every_variant().used()
 
