@@ -156,6 +156,9 @@ class ScoreSpec(NamedTuple):
     has_alibi: tl.constexpr  # ALiBi slopes read by ``_masking.alibi_slope``
     has_sinks: tl.constexpr  # a per-head sink logit per row (``_masking.sink_logit``)
     blocks: tl.constexpr  # the block mask's mode, :func:`blocks_mode` (0: none)
+    # no modification but the soft cap needs a per-score step (the structural mask aside): a tile inside the
+    # structural mask takes the scores as they are (the backward's interior tiles, ``_bwd_tiles._tile``)
+    plain: tl.constexpr = tl.constexpr(True)
 
 
 class ModsArgs(NamedTuple):
@@ -207,7 +210,8 @@ def score_spec(softcap: float | None, has_alibi: bool, has_sinks: bool = False, 
     per-score states, and the bits of the scores in partial blocks when the tile meets one,
     ``_masking.partial_scores``)."""
     return ScoreSpec(tl.constexpr(softcap is not None), float(softcap) if softcap is not None else 1.0,
-                     tl.constexpr(bool(has_alibi)), tl.constexpr(bool(has_sinks)), tl.constexpr(int(has_blocks)))
+                     tl.constexpr(bool(has_alibi)), tl.constexpr(bool(has_sinks)), tl.constexpr(int(has_blocks)),
+                     tl.constexpr(not has_alibi and int(has_blocks) <= 1))
 
 
 def attention_args(spec, seed: int, tiles: tuple | None = None) -> dict:

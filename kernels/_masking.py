@@ -116,6 +116,18 @@ def score_mod(s, rows, cols, seqlen_q, seqlen_k, mods, bias_scale, MASK, SCORE, 
 
 
 @triton.jit
+def score_mod_grad(ds, s, mods, SCORE):
+    """The gradient of the scaled products ``s`` (``scale q.k``, before :func:`score_mod`) from ``ds``, that of the
+    final scores: :func:`score_mod`'s chain rule, the soft cap's ``1 - tanh^2`` (the masks and biases are added, the
+    reference score subtracted: their derivative is 1). ``mods`` from :func:`program_mods`. [BLOCK_M, BLOCK_N]"""
+    ds_qk = ds
+    if SCORE.has_softcap:
+        t = soft_cap(s, SCORE.softcap, SCORE) / SCORE.softcap  # the capped scores score_mod computed (one build: CSE)
+        ds_qk = ds * (1.0 - t * t)
+    return ds_qk
+
+
+@triton.jit
 def alibi_slope(ALIBI, seq, h, stride_alibi_b, stride_alibi_h, SCORE):
     """ALiBi slope of sequence (batch entry) ``seq`` and q head ``h`` (float32, shaped like ``h``; 0 without ALiBi).
     One return statement: a compiled function's returns must agree in shape."""

@@ -19,7 +19,7 @@ from .._common import (
     slice_base,
     two_sum,
 )
-from .._masking import bit_rank, score_mod, soft_cap, tile_indices
+from .._masking import bit_rank, score_mod, score_mod_grad, soft_cap, tile_indices
 
 
 @triton.jit
@@ -150,8 +150,8 @@ def _tile(qrow, s, dp, idx, inside, alpha, mods, drop, MASK, SCORE, ALPHA_CLASS:
     ``(seed, bh, total_k, dropout_p)``."""
     _, _, tau, cu, cp, log_l, delta = qrow
     rows, cols, rows_global, cols_global, seqlen_q, seqlen_k = idx
-    if (BIAS_KIND == 0) and (SCORE.has_alibi == 0) and (SCORE.blocks <= 1):
-        # only the structural mask: interior tiles need no per-score check
+    if (BIAS_KIND == 0) and SCORE.plain:
+        # only the structural mask (and the soft cap): interior tiles need no per-score check
         if inside:
             s_m = soft_cap(s, SCORE.softcap, SCORE)
         else:
@@ -168,11 +168,7 @@ def _tile(qrow, s, dp, idx, inside, alpha, mods, drop, MASK, SCORE, ALPHA_CLASS:
     else:
         pd = p
     ds = u * (dp - delta[:, None])
-    ds_qk = ds
-    if SCORE.has_softcap:
-        t = soft_cap(s, SCORE.softcap, SCORE) / SCORE.softcap  # the capped scores score_mod computed (one build: CSE)
-        ds_qk = ds * (1.0 - t * t)
-    return p, u, logp, dp, pd, ds, ds_qk
+    return p, u, logp, dp, pd, ds, score_mod_grad(ds, s, mods, SCORE)
 
 
 @triton.jit
