@@ -261,18 +261,19 @@ VARIANT_FIELDS = tuple(name for name, decl in DECLS.items() if decl.variants)
 def kernel_spec(q: Tensor, k: Tensor, v: Tensor, alpha, scale: float, *, bias=None, is_causal: bool = False,
                 cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, dropout_p: float = 0.0,
                 alpha_class: str | None = None, window_size=None, alibi_slopes=None, softcap=None, sinks=None,
-                block_mask=None) -> AttnSpec:
-    """The :class:`AttnSpec` of a direct call to the fused launchers (``entmax_attn_fwd`` / ``entmax_attn_bwd``, whose
-    keywords these are; they are not validated here): ``bias`` is the spec's ``mask``, ``block_mask`` the launchers'
-    ``(grid, (bq, bk)[, bits])``; ``max_seqlen_*`` may stay None (the launch plan measures them) and ``alpha_class``
-    None (resolved from the values where that needs no device sync). The launchers build every kernel argument from
-    the spec (``_args.attention_args``), as the autograd op's spec reaches them."""
+                block_mask=None, cache_seqlens=None, block_table=None, num_splits=None) -> AttnSpec:
+    """The :class:`AttnSpec` of a direct call to the launchers (``entmax_attn_fwd``, ``entmax_attn_bwd``,
+    ``entmax_decode_fwd``, whose keywords these are; they are not validated here): ``bias`` is the spec's ``mask``,
+    ``block_mask`` the launchers' ``(grid, (bq, bk)[, bits])``; ``max_seqlen_*`` may stay None (the launch plan
+    measures them) and ``alpha_class`` None (resolved from the values where that needs no device sync). The launchers
+    build every kernel argument from the spec, as the custom ops' spec reaches them."""
     grid, size, bits = (None, None, None) if block_mask is None else (*block_mask, None)[:3]
     return AttnSpec(q=q, k=k, v=v, alpha=alpha, alpha_value=None, alpha_checked=False, mask=bias, is_causal=is_causal,
                     scale=scale, dropout_p=dropout_p, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                     max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, backend="triton", window_size=window_size,
                     alibi_slopes=alibi_slopes, sinks=sinks, softcap=softcap, alpha_class=alpha_class,
-                    block_mask=grid, block_size=size, block_bits=bits)
+                    block_mask=grid, block_size=size, block_bits=bits, cache_seqlens=cache_seqlens,
+                    block_table=block_table, num_splits=num_splits)
 
 
 def op_schema(extra: dict) -> str:

@@ -11,7 +11,8 @@ Stages (inclusive wall time per call, median over ``--steps`` calls after a warm
 * ``prepare``: the argument gate (``prepare_attention``: the checks, the cache checks, the spec), or its cached form;
 * ``op``: the custom op ``sparse_attn::entmax_decode`` (dispatch and the launcher), when the call goes through it
   (eager calls skip it where nothing needs it: ``sparse_attn.attn.decode``);
-* ``launcher``: ``entmax_decode_fwd`` (planning, buffers, the argument dicts, the stubbed launches);
+* ``launcher``: ``launch_decode``, the launcher on the op's spec (``entmax_decode_fwd`` in sources before it): planning,
+  buffers, the argument dicts, the stubbed launches;
 * ``alloc``: the time spent in ``torch.empty`` / ``torch.zeros`` / ``torch.full`` during the call (all stages).
 
 Also counted per call: kernel launches, buffers allocated (``torch.empty`` / ``torch.zeros`` /
@@ -127,7 +128,7 @@ def measure(batch: int, keys: int, alpha: float, steps: int, heads: int = 32, kv
     times: dict = {}
     allocs = [0, 0.0]
     op = torch.ops.sparse_attn.entmax_decode.default
-    names = ("_entmax_decode_split_kernel", "_entmax_decode_combine_kernel", "entmax_decode_fwd")
+    names = ("_entmax_decode_split_kernel", "_entmax_decode_combine_kernel", "entmax_decode_fwd", "launch_decode")
     saved_dec = {n: getattr(dec, n) for n in names if hasattr(dec, n)}
     saved_mod = {n: getattr(decode_mod, n) for n in ("prepare_attention", "_gate") if hasattr(decode_mod, n)}
     saved_op = op_mod._decode_op
@@ -161,7 +162,8 @@ def measure(batch: int, keys: int, alpha: float, steps: int, heads: int = 32, kv
             if name in saved_mod:
                 setattr(decode_mod, name, _timed("prepare", saved_mod[name], times))
         op_mod._decode_op = _timed("op", saved_op, times)
-        dec.entmax_decode_fwd = _timed("launcher", saved_dec["entmax_decode_fwd"], times)
+        launcher = "launch_decode" if "launch_decode" in saved_dec else "entmax_decode_fwd"
+        setattr(dec, launcher, _timed("launcher", saved_dec[launcher], times))
 
         if route == "decode":
             def step():

@@ -55,6 +55,7 @@ from .. import _args
 from .._args import classes_present, resolve_alpha_class
 from .._common import LOG2E
 from .._masking import key_block_range, score_mod, sink_tile
+from .._spec import kernel_spec
 from . import _decode_launch as _launch
 from ._decode_state import (
     N_PART,
@@ -509,6 +510,24 @@ def entmax_decode_fwd(
     Returns:
         :class:`EntmaxDecodeResult`.
     """
+    spec = kernel_spec(q, k_cache, v_cache, alpha, scale, bias=bias, is_causal=is_causal, max_seqlen_k=max_seqlen_k,
+                       alpha_class=alpha_class, window_size=window_size, alibi_slopes=alibi_slopes, softcap=softcap,
+                       sinks=sinks, block_mask=block_mask, cache_seqlens=cache_seqlens, block_table=block_table,
+                       num_splits=num_splits)
+    return launch_decode(spec, tol=tol, max_passes=max_passes, block_n=block_n, tau_hint=tau_hint,
+                         hint_step=hint_step, counters=counters, stats=stats, reuse_scratch=reuse_scratch)
+
+
+def launch_decode(spec, *, tol: float | None = None, max_passes: int | None = None, block_n: int | None = None,
+                  tau_hint: torch.Tensor | None = None, hint_step: float | None = None, counters: bool = True,
+                  stats: bool = True, reuse_scratch: bool = True) -> EntmaxDecodeResult:
+    """:func:`entmax_decode_fwd` of an ``AttnSpec`` whose ``k`` / ``v`` are the KV cache (``kernels/_spec.py``: the
+    decode op's spec, or ``kernel_spec`` of the launcher's keywords), with the options of :func:`entmax_decode_fwd`."""
+    q, k_cache, v_cache, cache_seqlens = spec.q, spec.k, spec.v, spec.cache_seqlens
+    alpha, scale = spec.alpha, spec.scale
+    block_table, bias, is_causal, window_size = spec.block_table, spec.mask, spec.is_causal, spec.window_size
+    alibi_slopes, softcap, sinks, max_seqlen_k = spec.alibi_slopes, spec.softcap, spec.sinks, spec.max_seqlen_k
+    num_splits, alpha_class, block_mask = spec.num_splits, spec.alpha_class, _args.spec_block_mask(spec)
     batch, n_heads, seqlen_q, head_dim = q.shape
     head_dim_v = v_cache.shape[3]
     paged = block_table is not None

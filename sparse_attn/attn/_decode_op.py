@@ -42,13 +42,8 @@ def _launch(spec: AttnSpec, stats: bool, reuse: bool, tau_hint=None):
     (:func:`_run_decode_op`: the scratch reused, the statistics computed into it unless ``stats``)."""
     from sparse_attn.kernels.attn import entmax_decode as kernels
 
-    return kernels.entmax_decode_fwd(
-        spec.q, spec.k, spec.v, spec.cache_seqlens, spec.alpha.detach().float().contiguous(), spec.scale,
-        block_table=spec.block_table, bias=spec.mask, is_causal=spec.is_causal, window_size=spec.window_size,
-        alibi_slopes=spec.alibi_slopes, softcap=spec.softcap, sinks=spec.sinks, max_seqlen_k=spec.max_seqlen_k,
-        num_splits=spec.num_splits,
-        block_mask=None if spec.block_mask is None else (spec.block_mask, spec.block_size, spec.block_bits),
-        alpha_class=spec.alpha_class, counters=False, stats=stats, reuse_scratch=reuse, tau_hint=tau_hint)
+    # the spec reaches the launcher whole (its fields are the launcher's arguments; ALPHA is made float32 there)
+    return kernels.launch_decode(spec, counters=False, stats=stats, reuse_scratch=reuse, tau_hint=tau_hint)
 
 
 @_decode_op.register_fake

@@ -15,6 +15,7 @@ from sparse_attn.attn import decode as decode_mod
 from sparse_attn.attn.attn_inputs import prepare_attention
 from sparse_attn.attn.masks import block_keep, block_mask_from_torch
 from sparse_attn.kernels import _args
+from sparse_attn.kernels._args import spec_block_mask
 from sparse_attn.kernels.attn import entmax_decode as decode_kernels
 from sparse_attn.reference import entmax_attention_reference
 
@@ -222,13 +223,13 @@ def test_decode_kernels_take_the_partial_blocks(monkeypatch, kernel_device):
     """A decoding step (3 queries against 80 keys, GQA, mixed alpha) with a BlockMask of a bottom-right sliding window
     as its mask_mod: the decode kernels get the bits and match the float64 reference with the element mask."""
     seen = []
-    real = decode_kernels.entmax_decode_fwd
+    real = decode_kernels.launch_decode
 
-    def spy(*args, **kwargs):
-        seen.append(kwargs.get("block_mask"))
-        return real(*args, **kwargs)
+    def spy(spec, *args, **kwargs):
+        seen.append(spec_block_mask(spec))
+        return real(spec, *args, **kwargs)
 
-    monkeypatch.setattr(decode_kernels, "entmax_decode_fwd", spy)
+    monkeypatch.setattr(decode_kernels, "launch_decode", spy)
     nq, nk = 3, 80
 
     def recent(b, h, q_idx, kv_idx):

@@ -25,6 +25,7 @@ from sparse_attn import AttentionStats, entmax_attention, record_head_stats
 from sparse_attn.attn.attn_inputs import prepare_attention
 from sparse_attn.attn.masks import block_keep
 from sparse_attn.decode import decode_fits, decode_unsupported, entmax_decode
+from sparse_attn.kernels._args import spec_block_mask
 from sparse_attn.kernels.attn.entmax_decode import entmax_decode_fwd
 from sparse_attn.reference import entmax_attention_reference
 
@@ -654,17 +655,18 @@ def test_paged_cache_heads_error_names_the_page_layout():
 
 
 def _spy_decode(monkeypatch, variants: list | None = None) -> list:
-    """Record every launch chain of the decode kernels (``entmax_decode_fwd``) as the number of queries per sequence
-    (and, into ``variants``, its ``window_size``, ``alibi_slopes``, ``sinks`` and ``softcap`` arguments)."""
-    calls, real = [], decode_kernels.entmax_decode_fwd
+    """Record every launch chain of the decode kernels (``launch_decode``, which the decode op hands its spec) as the
+    number of queries per sequence (and, into ``variants``, the spec's ``window_size``, ``alibi_slopes``, ``sinks`` and
+    ``softcap``)."""
+    calls, real = [], decode_kernels.launch_decode
 
-    def spy(q, *args, **kwargs):
-        calls.append(q.shape[2])
+    def spy(spec, *args, **kwargs):
+        calls.append(spec.q.shape[2])
         if variants is not None:
-            variants.append({n: kwargs.get(n) for n in ("window_size", "alibi_slopes", "sinks", "softcap")})
-        return real(q, *args, **kwargs)
+            variants.append({n: getattr(spec, n) for n in ("window_size", "alibi_slopes", "sinks", "softcap")})
+        return real(spec, *args, **kwargs)
 
-    monkeypatch.setattr(decode_kernels, "entmax_decode_fwd", spy)
+    monkeypatch.setattr(decode_kernels, "launch_decode", spy)
     return calls
 
 
@@ -1011,13 +1013,13 @@ def test_entmax_attention_block_mask_decoding_step_takes_the_decode_kernels(monk
     """A decoding-shaped ``entmax_attention`` call with a block mask (GQA, per-head alpha, causal) fits the decode
     route and runs on the decode kernels, once, with the block grid, matching the float64 reference."""
     calls, grids = _spy_decode(monkeypatch), []
-    real = decode_kernels.entmax_decode_fwd
+    real = decode_kernels.launch_decode
 
-    def spy(*args, **kwargs):
-        grids.append(kwargs.get("block_mask"))
-        return real(*args, **kwargs)
+    def spy(spec, *args, **kwargs):
+        grids.append(spec_block_mask(spec))
+        return real(spec, *args, **kwargs)
 
-    monkeypatch.setattr(decode_kernels, "entmax_decode_fwd", spy)
+    monkeypatch.setattr(decode_kernels, "launch_decode", spy)
     gen = torch.Generator().manual_seed(34)
     B, Hq, Hk, Nq, N, D = 2, 4, 2, 3, 50, 16
     q = torch.randn(B, Hq, Nq, D, generator=gen)

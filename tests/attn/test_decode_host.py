@@ -189,8 +189,8 @@ def test_paged_step_compiles_fullgraph_and_equals_eager(monkeypatch):
     implementation gives the shapes), runs the kernels once per call and equals the eager step, on two steps of new
     values through the same compiled graph."""
     calls = []
-    real = dec.entmax_decode_fwd
-    monkeypatch.setattr(dec, "entmax_decode_fwd", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    real = dec.launch_decode
+    monkeypatch.setattr(dec, "launch_decode", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     compiled = torch.compile(_paged_step, fullgraph=True, backend="aot_eager")
     for seed, lengths in ((8, (33, 12)), (9, (34, 13))):
         inputs = _paged(seed, lengths=lengths)
@@ -266,8 +266,9 @@ def test_hf_generate_with_a_static_cache_takes_the_decode_path(monkeypatch):
     entmax_hf.attach_entmax_alpha(model, alpha=[1.5, 2.0], learnable=False)
     model.config.entmax_backend = "triton"
     calls = []
-    real = dec.entmax_decode_fwd
-    monkeypatch.setattr(dec, "entmax_decode_fwd", lambda q, *a, **kw: calls.append(q.shape[2]) or real(q, *a, **kw))
+    real = dec.launch_decode
+    monkeypatch.setattr(dec, "launch_decode",
+                        lambda spec, *a, **kw: calls.append(spec.q.shape[2]) or real(spec, *a, **kw))
     gen = torch.Generator().manual_seed(3)
     ids = torch.randint(3, 64, (2, 6), generator=gen)
     mask = torch.ones(2, 6, dtype=torch.long)
