@@ -21,6 +21,7 @@ import torch
 
 _RANGES: contextvars.ContextVar = contextvars.ContextVar("bounds_ranges", default=None)
 _INSTALLED = False
+_ORIGINALS: dict = {}
 
 
 class OutOfBounds(AssertionError):
@@ -64,6 +65,9 @@ def install() -> None:
     from triton.runtime import interpreter as interp
 
     builder = interp.InterpreterBuilder
+    _ORIGINALS.update(load=builder.create_masked_load, store=builder.create_masked_store,
+                      rmw=builder.create_atomic_rmw, cas=builder.create_atomic_cas,
+                      init=interp.GridExecutor._init_args_hst)
     load, store = builder.create_masked_load, builder.create_masked_store
     rmw, cas = builder.create_atomic_rmw, builder.create_atomic_cas
 
@@ -119,6 +123,21 @@ def install() -> None:
 
 def installed() -> bool:
     return _INSTALLED
+
+
+def uninstall() -> None:
+    """Undo :func:`install` (a no-op when it is not installed)."""
+    global _INSTALLED
+    if not _INSTALLED:
+        return
+    from triton.runtime import interpreter as interp
+
+    builder = interp.InterpreterBuilder
+    builder.create_masked_load, builder.create_masked_store = _ORIGINALS["load"], _ORIGINALS["store"]
+    builder.create_atomic_rmw, builder.create_atomic_cas = _ORIGINALS["rmw"], _ORIGINALS["cas"]
+    interp.GridExecutor._init_args_hst = _ORIGINALS["init"]
+    _RANGES.set(None)
+    _INSTALLED = False
 
 
 def emulate_gpu_launches() -> None:
