@@ -31,16 +31,13 @@ launches is fixed on the host (no synchronization) while the candidate passes ad
 own slots; the last program of a launch reads them all (the ticket orders its reads after every split's stores) and
 sets the ticket back to zero.
 
-The attention variants are the forward's, from ``kernels/_masking.py``: the scores are soft-capped, get ALiBi's
-term and the window (``MASK``, ``SCORE``) with the decode alignment (query ``i`` at key position
-``i + cache_seqlens[b] - Nq``), and the splits share only the key blocks the tile's rows may see
-(``_masking.key_range``: with a sliding window, the window's blocks); a block-sparse mask (``SCORE.blocks``, indexed by
-the query's index ``i`` and the key position) hides keys per element, and a key block it hides from every row of a
-program is never read (``_decode_state._tile_live``). A sink is one virtual score per row held by
-split 0 (``_masking.sink_tile``): it enters that split's max and grid sums, its candidate sums and its value-pass
-weight sum, so every merge sees it exactly once; softmax rows add it in the combine (max and denominator).
-Values may have their own head dim (``HEAD_DIM_V``). Derivation, measurements and the offline sm_90 builds:
-docs/decode.md.
+The attention variants are the forward's (``kernels/_masking.py``: ``MASK``, ``SCORE``) with the decode alignment
+(query ``i`` at key position ``i + cache_seqlens[b] - Nq``); the splits share only the key blocks the tile's rows may
+see (``_masking.key_range``), and a key block a block-sparse mask (``SCORE.blocks``) hides from every row of a program
+is never read (``_decode_state._tile_live``). A sink is one virtual score per row held by split 0
+(``_masking.sink_tile``): it enters that split's max and grid sums, its candidate sums and its value-pass weight sum,
+so every merge sees it exactly once; softmax rows add it in the combine. Values may have their own head dim
+(``HEAD_DIM_V``). Derivation, measurements and the offline sm_90 builds: docs/decode.md.
 """
 
 from __future__ import annotations
@@ -523,11 +520,8 @@ def launch_decode(spec, *, tol: float | None = None, max_passes: int | None = No
                   stats: bool = True, reuse_scratch: bool = True) -> EntmaxDecodeResult:
     """:func:`entmax_decode_fwd` of an ``AttnSpec`` whose ``k`` / ``v`` are the KV cache (``kernels/_spec.py``: the
     decode op's spec, or ``kernel_spec`` of the launcher's keywords), with the options of :func:`entmax_decode_fwd`."""
-    q, k_cache, v_cache, cache_seqlens = spec.q, spec.k, spec.v, spec.cache_seqlens
-    alpha, scale = spec.alpha, spec.scale
-    block_table, bias, is_causal, window_size = spec.block_table, spec.mask, spec.is_causal, spec.window_size
-    alibi_slopes, softcap, sinks, max_seqlen_k = spec.alibi_slopes, spec.softcap, spec.sinks, spec.max_seqlen_k
-    num_splits, alpha_class, block_mask = spec.num_splits, spec.alpha_class, _args.spec_block_mask(spec)
+    q, k_cache, v_cache, cache_seqlens, alpha, bias = spec.q, spec.k, spec.v, spec.cache_seqlens, spec.alpha, spec.mask
+    block_table, num_splits, max_seqlen_k = spec.block_table, spec.num_splits, spec.max_seqlen_k
     batch, n_heads, seqlen_q, head_dim = q.shape
     head_dim_v = v_cache.shape[3]
     paged = block_table is not None
@@ -536,11 +530,12 @@ def launch_decode(spec, *, tol: float | None = None, max_passes: int | None = No
     assert 16 <= head_dim <= 256 and 16 <= head_dim_v <= 256 and n_heads % max(n_kv_heads, 1) == 0
     kv_group = n_heads // max(n_kv_heads, 1)
     n_rows = kv_group * seqlen_q
-    alpha_class = resolve_alpha_class(alpha, alpha_class)
+    alpha_class = resolve_alpha_class(alpha, spec.alpha_class)
     classes = classes_present(alpha, alpha_class)
-    plan = _launch.static_plan(q.dtype, paged, head_dim, head_dim_v, n_rows, bool(is_causal),
-                               None if window_size is None else tuple(window_size), softcap, alibi_slopes is not None,
-                               sinks is not None, _args.blocks_mode(block_mask, None), classes, tol, max_passes,
+    block_mask = _args.spec_block_mask(spec)
+    window, blocks = None if spec.window_size is None else tuple(spec.window_size), _args.blocks_mode(block_mask, None)
+    plan = _launch.static_plan(q.dtype, paged, head_dim, head_dim_v, n_rows, bool(spec.is_causal), window, spec.softcap,
+                               spec.alibi_slopes is not None, spec.sinks is not None, blocks, classes, tol, max_passes,
                                block_n, tau_hint is not None)
     dev = q.device
     sz = _launch.sizes(plan, batch, n_kv_heads, n_rows, seqlen_q, capacity, max_seqlen_k, num_splits, dev)
@@ -574,7 +569,7 @@ def launch_decode(spec, *, tol: float | None = None, max_passes: int | None = No
         return result
 
     alpha_t = _args.alpha_arg(alpha, n_heads, dev)
-    mods = _args.mods_args(bias, (batch, n_heads, seqlen_q, capacity), alibi_slopes, sinks, q, block_mask)
+    mods = _args.mods_args(bias, (batch, n_heads, seqlen_q, capacity), spec.alibi_slopes, spec.sinks, q, block_mask)
     args = dict(
         plan.consts, Q=q, K=k_cache, V=v_cache, ALPHA=alpha_t, BLOCK_TABLE=block_table if paged else cache_seqlens,
         CACHE_SEQLENS=cache_seqlens, **mods, Z=ws["Z"], LIST=ws["LIST"], LIVE_N=ws["LIVE_N"],
@@ -587,7 +582,7 @@ def launch_decode(spec, *, tol: float | None = None, max_passes: int | None = No
         stride_tb=block_table.stride(0) if paged else 0, stride_tn=block_table.stride(1) if paged else 0,
         page_size=k_cache.shape[1] if paged else 1, n_heads=n_heads, n_kv_heads=n_kv_heads, kv_group=kv_group,
         seqlen_q=seqlen_q, n_rows=n_rows, n_row_tiles=sz.n_row_tiles, n_splits=sz.n_splits,
-        blocks_per_split=sz.blocks_per_split, n_span=sz.n_span, max_seqlen_k=sz.max_seqlen_k, scale=float(scale))
+        blocks_per_split=sz.blocks_per_split, n_span=sz.n_span, max_seqlen_k=sz.max_seqlen_k, scale=float(spec.scale))
     grid = (sz.n_splits, n_kv_heads * sz.n_row_tiles, batch)
     per_split = ws["PART_ROW"].shape[:4]
     try:
