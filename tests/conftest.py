@@ -37,6 +37,9 @@ KERNEL_DEVICE = "cuda" if _HAS_CUDA else "cpu"
 
 
 def pytest_collection_modifyitems(config, items):
+    # the tests that must share one worker (``xdist_group``: the demo, the sparsify example) are long and run as one
+    # unit: handed out first, so that with ``--dist loadgroup`` the other worker is not left idle while they finish
+    items.sort(key=lambda item: item.get_closest_marker("xdist_group") is None)
     if _HAS_CUDA:
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
