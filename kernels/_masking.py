@@ -31,6 +31,11 @@ import triton.language as tl
 # the score modifications of one program (``program_mods``) and its block mask (``ProgramMods.blocks``).
 ProgramMods = namedtuple("ProgramMods", "bias_base stride_bias_m stride_bias_n slope sink blocks")
 BlockGrid = namedtuple("BlockGrid", "base stride_m stride_n block_q block_k bits n_words")
+# A key tile as a tile loop meets it (:func:`key_tile`): its index ``kt``, its key indices ``cols``, whether it is
+# loaded at all (``open``: False for a tile the block mask hides from every row, a dead tile) and whether it lies inside
+# the sequences and the structural mask (``inside``, :func:`tile_inside`: a full tile, whose scores :func:`score_mod`
+# takes without a per-score step when nothing else modifies them per score); a tile neither dead nor full is partial.
+KeyTile = namedtuple("KeyTile", "kt cols open inside")
 
 
 @triton.jit
@@ -105,14 +110,27 @@ def program_mods(MODS, b, seq, h, q_start, k_start, SCORE):
 
 
 @triton.jit
-def score_mod(s, rows, cols, seqlen_q, seqlen_k, mods, bias_scale, MASK, SCORE, BIAS_KIND: tl.constexpr, ref=None):
+def score_mod(s, rows, cols, seqlen_q, seqlen_k, mods, bias_scale, MASK, SCORE, BIAS_KIND: tl.constexpr, ref=None,
+              inside=None):
     """Final scores of one tile from the scaled products ``s`` (``bias_scale`` times ``scale * q.k``): soft-capped
     (:func:`soft_cap`, in the same scale), plus ``bias_scale * (bias - slope * |d|)``, ``-inf`` where the structural
     mask or a boolean mask hides the key (:func:`mask_scores`); relative to the rows' reference scores ``ref``
     (``[BLOCK_M]``, subtracted last, after the scores are rounded as without it) when given. ``mods`` from
-    :func:`program_mods`. The one place the attention kernels modify scores. [BLOCK_M, BLOCK_N]"""
+    :func:`program_mods`. The one place the attention kernels modify scores. [BLOCK_M, BLOCK_N]
+
+    ``inside`` (a run-time flag, :func:`tile_inside` of the tile; ``KeyTile.inside``): when every pair of the tile is
+    visible and no modification but the soft cap works per score (no mask tensor, ``SCORE.plain``), the scores skip
+    :func:`mask_scores` (a full tile: the per-score check is paid on boundary tiles only). Same values either way."""
     s = soft_cap(s, SCORE.softcap * bias_scale, SCORE)
-    return mask_scores(s, rows, cols, seqlen_q, seqlen_k, mods, bias_scale, MASK, BIAS_KIND, SCORE, ref)
+    if (inside is not None) and (BIAS_KIND == 0) and SCORE.plain:
+        if inside:
+            if ref is not None:
+                s = s - ref[:, None]
+        else:
+            s = mask_scores(s, rows, cols, seqlen_q, seqlen_k, mods, bias_scale, MASK, BIAS_KIND, SCORE, ref)
+    else:
+        s = mask_scores(s, rows, cols, seqlen_q, seqlen_k, mods, bias_scale, MASK, BIAS_KIND, SCORE, ref)
+    return s
 
 
 @triton.jit
@@ -232,6 +250,17 @@ def tile_inside(row_lo, col_lo, seqlen_q, seqlen_k, MASK, BLOCK_M: tl.constexpr,
     if MASK.has_left:
         ok = ok & (col_lo - row_hi - shift >= -MASK.left)
     return ok
+
+
+@triton.jit
+def key_tile(kt, row_lo, seqlen_q, seqlen_k, MASK, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, tile_open=True):
+    """The :data:`KeyTile` ``kt`` of the query tile whose first row is ``row_lo`` (``BLOCK_M`` rows): its key indices,
+    ``tile_open`` (False: dead, the block mask hides it; :func:`block_tile_live`) and :func:`tile_inside`. Every tile
+    loop of the attention kernels takes its tiles from here, in its own order (max-first :func:`visit_tile`, ascending,
+    or the live bits of a bitmap word, :func:`live_tile`)."""
+    col_lo = kt * BLOCK_N
+    return KeyTile(kt, col_lo + tl.arange(0, BLOCK_N), tile_open,
+                   tile_inside(row_lo, col_lo, seqlen_q, seqlen_k, MASK, BLOCK_M, BLOCK_N))
 
 
 @triton.jit

@@ -367,8 +367,11 @@ def tile_loops(compiled, block_m, block_n, d, warps):
         if not has_mma(lp) or any(has_mma(c) for c in lp.children):
             continue
         paths = sass_cost.iteration_paths(blocks, lp, ins)
+        region = sass_cost.mask_region(blocks, lp, ins)  # a full tile skips the per-score mask
+        paths["interior"] = (sass_cost.iteration_paths(blocks, lp, ins, avoid=region)["live"] if region
+                             else paths["live"])
         rec = dict(addr=hex(ins[blocks[lp.header].first].addr))
-        for name in ("live", "dead"):
+        for name in ("live", "interior", "dead"):
             cnt = sass_cost.count_path(ins, paths[name], warps)
             cost = sass_cost.cycles(cnt, warps)
             rec[name] = dict(instr=cnt["total"], cycles=round(cost["cycles"]), bound=cost["bound"],
@@ -439,8 +442,9 @@ def main(argv=None):
                                  loops=loops))
                 print(f"{name:28s} {bm}x{bn} w{warps} regs {info['regs']:3d} spill {info['spill']:4d} (in loops "
                       f"{info['loop_ldst']}) smem {info['smem']} | " + "; ".join(
-                          f"{lp['live']['cycles']}" + (f" ({lp['dead']['cycles']})" if lp["dead"]["instr"] !=
-                                                        lp["live"]["instr"] else "") +
+                          f"{lp['live']['cycles']}" + (f" [full {lp['interior']['cycles']}]"
+                                                        if lp["interior"]["instr"] != lp["live"]["instr"] else "") +
+                          (f" ({lp['dead']['cycles']})" if lp["dead"]["instr"] != lp["interior"]["instr"] else "") +
                           f" {lp['live']['per_score']:.1f}/score {lp['live']['bound']}" for lp in loops), flush=True)
         if args.json:
             with open(args.json, "w") as f:

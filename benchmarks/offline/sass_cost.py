@@ -29,9 +29,11 @@ launcher runs on CPU tensors, the JIT binder gives the launch specialization), t
 3. **One iteration's instructions.** Inside a tile loop the back edges are cut, which leaves a DAG from the
    header to the latches; an iteration is a path through it. Every instruction on the path costs one issue slot
    whether its predicate is true or not. The *live* path is the longest (by instructions: every skippable block
-   runs), the *dead* path the shortest (every skippable block skipped). For the grid pass the only skippable
-   block is the per-point work behind ``if live != 0`` (a tile with no score above the lowest grid point): the
-   dead path is the cost of visiting a dead tile. The candidate and value loops have one path. A loop nested in a
+   runs), the *dead* path the shortest (every skippable block skipped). For the grid pass the skippable blocks
+   are the per-point work behind ``if live != 0`` (a tile with no score above the lowest grid point) and the
+   per-score mask: the dead path is the cost of visiting a dead full tile. Where a loop skips the per-score mask on
+   full tiles (``_masking.score_mod``'s ``inside``), the *interior* path is the longest that avoids the mask block
+   (``mask_region``): a full tile; the live path is then a boundary tile's. A loop nested in a
    tile loop (a point loop the compiler kept rolled) must be a counted loop: a counter set to a constant before
    it, stepped by a constant and compared with a constant at its back edge (``trip_count``); its own path counts
    that many times.
@@ -46,7 +48,8 @@ launcher runs on CPU tensors, the JIT binder gives the launch specialization), t
    bound that ranks loops by the work they issue. The forward's loops come out issue-bound, except the grid
    pass's dead path and some value passes, which are ALU-bound (compare/select bookkeeping per score).
 5. **Per class** (per key tile visible to a query tile, as a ratio to the softmax class's loop of the same head
-   dim and causality): ``dense = grid + c * cand + value`` with ``c = --cand-passes`` candidate passes
+   dim and causality; each loop on a full tile, its interior path where it has one, as all but the diagonal and
+   ragged tiles are): ``dense = grid + c * cand + value`` with ``c = --cand-passes`` candidate passes
    (default 1: bf16 takes 3 passes, grid + 1 candidate + value, on the distributions of docs/kernels.md's pass
    table, ``benchmarks/offline/passes.py``); a fraction ``d`` of dead key tiles costs the grid pass's dead path only
    (the later passes skip them through the bitmap): ``(1 - d) * dense + d * grid_dead``, ``d`` from ``--dead``.
@@ -715,11 +718,14 @@ def analyse_build(compiled, info: dict, alpha_class: str, head_dim: int) -> dict
     out = {}
     for role, lp in roles.items():
         paths = iteration_paths(blocks, lp, ins)
-        for name in ("live", "dead"):
-            path = paths[name]
-            if name == "dead" and (role != "grid" or len(path) == len(paths["live"])):
+        region = mask_region(blocks, lp, ins)
+        if region:  # a full tile skips the per-score mask (``_masking.score_mod``'s ``inside``)
+            paths["interior"] = iteration_paths(blocks, lp, ins, avoid=region)["live"]
+        for name in ("live", "interior", "dead"):
+            path = paths.get(name)
+            if path is None or name == "dead" and (role != "grid" or len(path) == len(paths["live"])):
                 continue
-            key = role if name == "live" else role + "_dead"
+            key = role if name == "live" else f"{role}_{name}"
             cnt = count_path(ins, path, warps)
             out[key] = dict(addr=ins[blocks[lp.header].first].addr, depth=lp.depth, count=cnt,
                             cost=cycles(cnt, warps), nested=paths["nested"] if name == "live" else [])
@@ -732,13 +738,24 @@ def analyse_build(compiled, info: dict, alpha_class: str, head_dim: int) -> dict
 # ------------------------------------------------------------------------------------------------------------------
 # the per-class model and the report
 # ------------------------------------------------------------------------------------------------------------------
+def full_tile_cycles(an: dict, role: str):
+    """Cycles of loop ``role`` on a full key tile: its interior path where it has one (``analyse_build``), else its one
+    path; None when the build has no such loop."""
+    loops = an["loops"]
+    lp = loops.get(role + "_interior", loops.get(role))
+    return None if lp is None else lp["cost"]["cycles"]
+
+
 def class_model(an: dict, soft: float, c: float, dead: list) -> dict:
     """Cycles per visible key tile of one build and the ratios to the softmax loop ``soft`` (docstring, step 5)."""
     cyc = {k: v["cost"]["cycles"] for k, v in an["loops"].items()}
+    # a visible key tile is priced as a full one (its interior path where the loop has one): all but the diagonal
+    # and ragged tiles are (one in N / BLOCK_N / 2 causal, none of N 16384 non-causal)
+    tile = {k: full_tile_cycles(an, k) for k in ("softmax", "grid", "cand", "value")}
     if "softmax" in cyc:
-        dense, gd = cyc["softmax"], cyc["softmax"]
+        dense, gd = tile["softmax"], tile["softmax"]
     else:
-        dense, gd = cyc["grid"] + c * cyc["cand"] + cyc["value"], cyc["grid_dead"]
+        dense, gd = tile["grid"] + c * tile["cand"] + tile["value"], cyc["grid_dead"]
     per_dead = [(1 - d) * dense + d * gd for d in dead]
     return dict(cycles=cyc, dense=dense, dead=per_dead, ratio=dense / soft, ratio_dead=[x / soft for x in per_dead])
 
@@ -1049,7 +1066,8 @@ def main(argv=None) -> int:
                         [f"{b[k]:.0f}" for k in ("issue", "fma", "alu", "xu", "shuffle", "tensor", "smem")] +
                         [f"{lp['cost']['cycles']:.0f}", lp["cost"]["bound"]])
     print("\n## Loop paths: instructions per warp and SM cycles per key tile by resource (`_dead`: the grid pass "
-          "on a dead tile)")
+          "on a dead tile; `_interior`: a full tile, the per-score mask skipped; the plain name: the longest path, a "
+          "boundary tile)")
     print(table(["build / loop", "instr", "issue", "fma", "alu", "xu", "shfl", "tensor", "smem", "cycles", "bound"],
                 rows, args.markdown))
 
@@ -1057,19 +1075,19 @@ def main(argv=None) -> int:
     rows = []
     for r in results:
         soft = next(x for x in results if x["d"] == r["d"] and x["causal"] == r["causal"] and x["cls"] == "softmax")
-        m = r["model"] = class_model(r["an"], soft["an"]["loops"]["softmax"]["cost"]["cycles"], args.cand_passes,
-                                     args.dead)
+        m = r["model"] = class_model(r["an"], full_tile_cycles(soft["an"], "softmax"), args.cand_passes, args.dead)
         cyc = m["cycles"]
         if r["cls"] == "softmax":
-            loops, dead = f"one loop: {cyc['softmax']:.0f}", ["1.00x"] * len(args.dead)
+            loops, dead = f"one loop: {full_tile_cycles(r['an'], 'softmax'):.0f}", ["1.00x"] * len(args.dead)
         else:
-            loops = f"{cyc['grid']:.0f} / {cyc['cand']:.0f} / {cyc['value']:.0f} ({cyc['grid_dead']:.0f})"
+            loops = " / ".join(f"{full_tile_cycles(r['an'], k):.0f}" for k in ("grid", "cand", "value"))
+            loops += f" ({cyc['grid_dead']:.0f})"
             dead = [f"{x:.2f}x" for x in m["ratio_dead"]]
         rows.append([r["d"], "yes" if r["causal"] else "no", LABEL[r["cls"]], loops, f"{m['dense']:.0f}",
                      f"{m['ratio']:.2f}x"] + dead + [r["info"]["block"], f"{r['info']['regs']} / {r['info']['spill']}"])
     print(f"\n## Cycles per key tile, bf16 (triton {triton.__version__}): grid / candidate / value (dead tile: the "
-          f"grid pass's dead path); dense = grid + {args.cand_passes:g} x candidate + value; ratios to the softmax "
-          f"loop of the same head dim and causality")
+          f"grid pass's dead path); dense = grid + {args.cand_passes:g} x candidate + value, each on a full tile; "
+          f"ratios to the softmax loop of the same head dim and causality")
     print(table(["d", "causal", "class", "grid / cand / value (dead tile)", "dense cycles", "dense"] + dead_cols +
                 ["block", "regs / spill"], rows, args.markdown))
 

@@ -19,7 +19,7 @@ from .._common import (
     slice_base,
     two_sum,
 )
-from .._masking import bit_rank, score_mod, score_mod_grad, soft_cap, tile_indices
+from .._masking import bit_rank, score_mod, score_mod_grad, tile_indices
 
 
 @triton.jit
@@ -150,14 +150,7 @@ def _tile(qrow, s, dp, idx, inside, alpha, mods, drop, MASK, SCORE, ALPHA_CLASS:
     ``(seed, bh, total_k, dropout_p)``."""
     _, _, tau, cu, cp, log_l, delta = qrow
     rows, cols, rows_global, cols_global, seqlen_q, seqlen_k = idx
-    if (BIAS_KIND == 0) and SCORE.plain:
-        # only the structural mask (and the soft cap): interior tiles need no per-score check
-        if inside:
-            s_m = soft_cap(s, SCORE.softcap, SCORE)
-        else:
-            s_m = score_mod(s, rows, cols, seqlen_q, seqlen_k, mods, 1.0, MASK, SCORE, BIAS_KIND)
-    else:
-        s_m = score_mod(s, rows, cols, seqlen_q, seqlen_k, mods, 1.0, MASK, SCORE, BIAS_KIND)
+    s_m = score_mod(s, rows, cols, seqlen_q, seqlen_k, mods, 1.0, MASK, SCORE, BIAS_KIND, None, inside)
     p, u, logp = _weights(s_m, tau, cu, cp, log_l, alpha, ALPHA_CLASS)
     if HAS_DROPOUT:
         seed, bh, total_k, dropout_p = drop

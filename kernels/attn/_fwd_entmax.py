@@ -12,7 +12,6 @@ import triton.language as tl
 
 from .._masking import walk_words
 from ._fwd_rows import (
-    _key_cols,
     _row_span,
     _score_tile,
     _sink_scores,
@@ -83,17 +82,17 @@ def grid_pass(q, kv, rw, tiles, mods, zs, zc, POW: tl.constexpr, GRID_K: tl.cons
     shut = tl.zeros([], tl.int32)
     span = _row_span(rw)
     for i in range(0, tiles.kt_hi - tiles.kt_lo):
-        kt, tile_open, shut = open_tile(i, tiles, kv, rw, mods, span, shut, SCORE)
+        key, shut = open_tile(i, tiles, kv, rw, mods, span, shut, MASK, SCORE)
         live = tl.zeros([], tl.int32)
-        if tile_open:
-            z = _score_tile(q, kv, rw, _key_cols(kt, kv), mods, z_scale, am1, BIAS_KIND, MASK, SCORE, DOT_PRECISION)
+        if key.open:
+            z = _score_tile(q, kv, rw, key, mods, z_scale, am1, BIAS_KIND, MASK, SCORE, DOT_PRECISION)
             code, n_fast, _z_max = tile_screen(z, t_low, ref)
             bad, n_valid = valid_keys(z, code, n_fast, bad, n_valid)
             if code != 0:
                 m, j_top, ref, F, G, L, live = grid_tile(z, m, j_top, ref, F, G, L, slot, w_grid, shift, beta, bm1, POW,
                                                          GRID_K, LANES)
                 t_low = lowest_point(j_top, w_grid, GRID_K)
-        walk = mark_live(tiles, kt, live, walk)
+        walk = mark_live(tiles, key.kt, live, walk)
     tl.debug_barrier()
     F, G = grid_sums(F, G, LANES)
     return GridPass(m, j_top, ref, F, G, L, slot, w_grid, n_valid, bad, tiles.kt_hi - tiles.kt_lo - shut)

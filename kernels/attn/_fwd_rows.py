@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from .._common import LN2, LOG2E, dropout_keep, load_rows, two_sum
-from .._masking import block_tile_live, live_tile, mark_tile, score_mod, sink_tile, visit_tile, word_bits
+from .._masking import block_tile_live, key_tile, live_tile, mark_tile, score_mod, sink_tile, visit_tile, word_bits
 from ._threshold import FAST_BETA_MAX, weights
 from ._threshold_tiles import (
     cand_sums,
@@ -79,22 +79,21 @@ class Scalars(NamedTuple):
 
 
 @triton.jit
-def _key_cols(kt, kv):
-    """Sequence-local key indices of key tile ``kt``. [BLOCK_N]"""
-    return kt * kv.offs_n.shape[0] + kv.offs_n
-
-
-@triton.jit
-def _score_tile(q, kv, rw, cols, mods, z_scale, bias_scale, BIAS_KIND: tl.constexpr, MASK, SCORE,
-                DOT_PRECISION: tl.constexpr, ref=None):
-    """Scores ``z_scale * q.k`` (soft-capped in the same scale) ``+ bias_scale * (bias - slope * |d|)`` of one
-    tile, ``-inf`` where masked, minus the rows' reference scores ``ref`` when given (``_masking.score_mod``).
-    [BLOCK_M, BLOCK_N]"""
+def _score_tile(q, kv, rw, key, mods, z_scale, bias_scale, BIAS_KIND: tl.constexpr, MASK, SCORE,
+                DOT_PRECISION: tl.constexpr, ref=None, FULL: tl.constexpr = True):
+    """Scores ``z_scale * q.k`` (soft-capped in the same scale) ``+ bias_scale * (bias - slope * |d|)`` of the key
+    tile ``key`` (a ``_masking.KeyTile``), ``-inf`` where masked, minus the rows' reference scores ``ref`` when given
+    (``_masking.score_mod``). With ``FULL`` a full tile (``key.inside``) skips the per-score mask; each loop decides
+    by its sm_90 builds (docs/kernels.md, "Full tiles"). [BLOCK_M, BLOCK_N]"""
+    cols = key.cols
     offs_d = tl.arange(0, kv.d_ok.shape[0])
     k_ptrs = kv.k_base + cols.to(tl.int64)[None, :] * kv.stride_kn + offs_d.to(tl.int64)[:, None] * kv.stride_kd
     k = tl.load(k_ptrs, mask=(cols[None, :] < rw.seqlen_k) & kv.d_ok[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
     s = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * z_scale
-    return score_mod(s, rw.rows, cols, rw.seqlen_q, rw.seqlen_k, mods, bias_scale, MASK, SCORE, BIAS_KIND, ref)
+    inside = None
+    if FULL:
+        inside = key.inside
+    return score_mod(s, rw.rows, cols, rw.seqlen_q, rw.seqlen_k, mods, bias_scale, MASK, SCORE, BIAS_KIND, ref, inside)
 
 
 @triton.jit
@@ -170,17 +169,28 @@ def valid_keys(z, code, n_fast, bad, n_valid):
 
 
 @triton.jit
-def open_tile(i, tiles, kv, rw, mods, span, shut, SCORE):
-    """The key tile ``kt`` a first pass visits ``i``-th, max-first from ``tiles.kt_first`` (``_masking.visit_tile``),
-    and whether to load it: a key tile the block mask (``SCORE.blocks``) hides from every row of the program's rows
-    ``span`` (``_row_span``) is never loaded (dead from the start; ``shut`` counts them). Returns ``(kt, tile_open,
-    shut)``."""
-    kt = visit_tile(i, tiles.kt_lo, tiles.kt_hi, tiles.kt_first)
+def open_tile(i, tiles, kv, rw, mods, span, shut, MASK, SCORE, ASCENDING: tl.constexpr = False):
+    """The key tile a first pass visits ``i``-th, as a ``_masking.KeyTile``: max-first from ``tiles.kt_first``
+    (``_masking.visit_tile``), or ``tiles.kt_lo + i`` with ``ASCENDING``; it is not loaded (``open`` False, dead from
+    the start; ``shut`` counts them) when the block mask (``SCORE.blocks``) hides it from every row of the program's
+    rows ``span`` (``_row_span``). Returns ``(key, shut)``."""
+    if ASCENDING:
+        kt = tiles.kt_lo + i
+    else:
+        kt = visit_tile(i, tiles.kt_lo, tiles.kt_hi, tiles.kt_first)
     tile_open = True
     if SCORE.blocks:
         tile_open = block_tile_live(mods, span[0], span[1], kt, rw.seqlen_k, SCORE, kv.offs_n.shape[0])
         shut += tl.where(tile_open, 0, 1)
-    return kt, tile_open, shut
+    return key_tile(kt, span[0], rw.seqlen_q, rw.seqlen_k, MASK, rw.rows.shape[0], kv.offs_n.shape[0], tile_open), shut
+
+
+@triton.jit
+def walk_tile(bits, rank, i, wd, kv, rw, row_lo, MASK):
+    """The key tile of the ``i``-th set bit of bitmap word ``wd`` (``_masking.word_bits``, ``live_tile``) as a
+    ``_masking.KeyTile`` (open; ``row_lo`` the program's first row, ``_row_span``): the later passes' walk."""
+    return key_tile(live_tile(bits, rank, i, wd), row_lo, rw.seqlen_q, rw.seqlen_k, MASK, rw.rows.shape[0],
+                    kv.offs_n.shape[0])
 
 
 @triton.jit
@@ -229,19 +239,19 @@ def softmax_rows(q, kv, rw, tiles, mods, scale, BIAS_KIND: tl.constexpr, MASK, S
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     word = tl.zeros([], tl.int32)
     shut = tl.zeros([], tl.int32)
-    if SCORE.blocks:
-        row_lo, row_hi = _row_span(rw)
-    for kt in range(kt_lo, kt_hi):
+    span = _row_span(rw)
+    # full tiles skip the per-score mask from head dim 128 on (sm_90: 241 -> 185 registers at head dim 128); at 64 the
+    # two code paths take 125 -> 166 registers, one program per SM instead of two (docs/kernels.md, "Full tiles")
+    FULL: tl.constexpr = kv.d_ok.shape[0] >= 128
+    for i in range(0, kt_hi - kt_lo):
         # a key tile the block mask hides from every row is never loaded (its live bit stays 0)
-        tile_open = True
-        if SCORE.blocks:
-            tile_open = block_tile_live(mods, row_lo, row_hi, kt, rw.seqlen_k, SCORE, kv.offs_n.shape[0])
-            shut += tl.where(tile_open, 0, 1)
+        key, shut = open_tile(i, tiles, kv, rw, mods, span, shut, MASK, SCORE, True)
+        kt = key.kt
         lane = kt % 32
         word = tl.where(lane == 0, 0, word)
-        if tile_open:
-            cols = _key_cols(kt, kv)
-            s = _score_tile(q, kv, rw, cols, mods, scale, 1.0, BIAS_KIND, MASK, SCORE, DOT_PRECISION)
+        if key.open:
+            cols = key.cols
+            s = _score_tile(q, kv, rw, key, mods, scale, 1.0, BIAS_KIND, MASK, SCORE, DOT_PRECISION, None, FULL)
             s_max = tl.max(s, 1)
             n_valid += tl.sum((s > float("-inf")).to(tl.int32), 1)
             m_new = tl.maximum(m, s_max)
@@ -293,15 +303,20 @@ def _value_pass(q, kv, rw, tiles, mods, vp, POW: tl.constexpr, BIAS_KIND: tl.con
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     u_sum = tl.zeros([BLOCK_M], tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    row_lo = _row_span(rw)[0]
     for wd in range(0, tiles.n_words):
         word = tl.load(live_base + wd)
         new_word = tl.zeros([], tl.int32)
         if word != 0:
             bits, rank, n_set = word_bits(word)
             for i in range(0, n_set):
-                kt = live_tile(bits, rank, i, wd)
-                cols = _key_cols(kt, kv)
-                z = _score_tile(q, kv, rw, cols, mods, z_scale, am1, BIAS_KIND, MASK, SCORE, DOT_PRECISION, ref)
+                key = walk_tile(bits, rank, i, wd, kv, rw, row_lo, MASK)
+                kt = key.kt
+                cols = key.cols
+                # full tiles skip the per-score mask but in the general class (its head-dim-128 inference build
+                # would spill 88 bytes in its loops under triton 3.6; docs/kernels.md, "Full tiles")
+                z = _score_tile(q, kv, rw, key, mods, z_scale, am1, BIAS_KIND, MASK, SCORE, DOT_PRECISION, ref,
+                                POW != 0)
                 p = weights(z, t_use, POW, beta, HALF_P)
                 if WITH_P:
                     # one max per score (not a compare, a select and a max): the row maxima decide
@@ -339,15 +354,15 @@ def points_pass(q, kv, rw, mods, pts, acc, st, POW: tl.constexpr, NPTS: tl.const
     1.5 (``cand_sums``; at alpha 2 the count is ``g``, which ``cand_bracket`` reads). Returns ``(acc, visits)``,
     ``visits`` counting the key tiles loaded."""
     ref, z_scale, am1, bm1, lo_kill, tiles, zs, visits = st
+    row_lo = _row_span(rw)[0]
     for wd in range(0, tiles.n_words):
         # a word with no live tile has n_set 0
         bits, rank, n_set = word_bits(tl.load(tiles.live_base + wd))
         new_word = tl.zeros([], tl.int32)
         for i in range(0, n_set):
-            kt = live_tile(bits, rank, i, wd)
-            z = _score_tile(q, kv, rw, _key_cols(kt, kv), mods, z_scale, am1, BIAS_KIND, MASK, SCORE, DOT_PRECISION,
-                            ref)
-            new_word = new_word | (tl.max((tl.max(z, 1) > lo_kill).to(tl.int32), 0) << (kt - wd * 32))
+            key = walk_tile(bits, rank, i, wd, kv, rw, row_lo, MASK)
+            z = _score_tile(q, kv, rw, key, mods, z_scale, am1, BIAS_KIND, MASK, SCORE, DOT_PRECISION, ref)
+            new_word = new_word | (tl.max((tl.max(z, 1) > lo_kill).to(tl.int32), 0) << (key.kt - wd * 32))
             acc = cand_sums(z, pts, acc, POW, NPTS, bm1, LANES, COUNT)
             visits += 1
         tl.store(tiles.live_base + wd, new_word)

@@ -56,18 +56,17 @@ def _max_pass(q, kv, rw, mods, tiles, z_scale, am1, zs, BIAS_KIND: tl.constexpr,
     shut = tl.zeros([], tl.int32)
     span = _row_span(rw)
     for i in range(0, tiles.kt_hi - tiles.kt_lo):
-        kt, tile_open, shut = open_tile(i, tiles, kv, rw, mods, span, shut, SCORE)
+        key, shut = open_tile(i, tiles, kv, rw, mods, span, shut, MASK, SCORE)
         live = tl.zeros([], tl.int32)
-        if tile_open:
-            z = _score_tile(q, kv, rw, kt * kv.offs_n.shape[0] + kv.offs_n, mods, z_scale, am1, BIAS_KIND, MASK, SCORE,
-                            DOT_PRECISION)
+        if key.open:
+            z = _score_tile(q, kv, rw, key, mods, z_scale, am1, BIAS_KIND, MASK, SCORE, DOT_PRECISION)
             code, n_fast, z_max = tile_screen(z, t_low, 0.0)
             bad, n_valid = valid_keys(z, code, n_fast, bad, n_valid)
             # above the running max - 1 before this tile <=> above the new running max - 1
             live = tl.max((z_max > t_low).to(tl.int32), 0)
             m = tl.maximum(m, z_max)
             t_low = _below_max(m)
-        walk = mark_live(tiles, kt, live, walk)
+        walk = mark_live(tiles, key.kt, live, walk)
     return m, n_valid, bad, tiles.kt_hi - tiles.kt_lo - shut
 
 

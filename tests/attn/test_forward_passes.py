@@ -9,7 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
-from sparse_attn.kernels._masking import mark_tile, visit_tile, walk_words
+from sparse_attn.kernels._args import mask_spec
+from sparse_attn.kernels._masking import key_tile, mark_tile, visit_tile, walk_words
 from sparse_attn.kernels.attn.entmax_attn_fwd import alpha_class_of, entmax_attn_fwd, runs_split
 from sparse_attn.mappings import entmax
 from sparse_attn.reference import entmax_attention_reference
@@ -283,3 +284,41 @@ def test_max_first_walk_visits_every_tile_once_and_builds_the_bitmap(kernel_devi
         both = min(len(below), len(above))
         assert all(abs(order[i] - first) == (i + 1) // 2 for i in range(2 * both + 1))
         assert torch.equal(words.cpu(), expected)
+
+
+@triton.jit
+def _key_tile_kernel(INSIDE, COLS, n_kt, seqlen_q, seqlen_k, MASK, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Store ``key_tile``'s ``inside`` flag and key indices of every key tile of query tile ``program_id(0)``."""
+    qt = tl.program_id(0)
+    for kt in range(0, n_kt):
+        key = key_tile(kt, qt * BLOCK_M, seqlen_q, seqlen_k, MASK, BLOCK_M, BLOCK_N)
+        tl.store(INSIDE + qt * n_kt + kt, key.inside.to(tl.int32))
+        tl.store(COLS + kt * BLOCK_N + tl.arange(0, BLOCK_N), key.cols)
+
+
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(64, 64), (50, 77), (96, 40)])
+@pytest.mark.parametrize("causal,window", [(False, None), (True, None), (False, (20, 5)), (True, (33, -1))])
+def test_key_tile_is_full_exactly_when_every_pair_is_visible(kernel_device, seqlen_q, seqlen_k, causal, window):
+    """The tile loops' key tiles (``_masking.key_tile``): a tile is full (``inside``: its scores skip the per-score
+    mask) exactly when every (row, key) pair of it lies in the sequences and inside the causal mask and the window
+    (bottom-right aligned), so a partial tile never loses its mask and a full one never pays for it."""
+    bm, bn = 16, 16
+    n_qt, n_kt = -(-seqlen_q // bm) + 1, -(-seqlen_k // bn) + 1  # one tile past each end
+    inside = torch.full((n_qt, n_kt), -1, dtype=torch.int32, device=kernel_device)
+    cols = torch.full((n_kt * bn,), -1, dtype=torch.int32, device=kernel_device)
+    _key_tile_kernel[(n_qt,)](inside, cols, n_kt, seqlen_q, seqlen_k, mask_spec(causal, window), bm, bn)
+    i = torch.arange(n_qt * bm)[:, None]
+    j = torch.arange(n_kt * bn)[None, :]
+    d = j - (i + seqlen_k - seqlen_q)
+    ok = (i < seqlen_q) & (j < seqlen_k)
+    if causal:
+        ok &= d <= 0
+    if window is not None:
+        left, right = window
+        ok &= (d >= -left) if left >= 0 else True
+        ok &= (d <= right) if right >= 0 else True
+    full = ok.reshape(n_qt, bm, n_kt, bn).all(dim=3).all(dim=1).to(torch.int32)
+    assert torch.equal(inside.cpu(), full)
+    if window is None:  # both kinds occur (the ragged tiles past the ends are never full)
+        assert 0 < int(full.sum()) < full.numel()
+    assert torch.equal(cols.cpu(), torch.arange(n_kt * bn, dtype=torch.int32))
