@@ -19,6 +19,12 @@ if not _HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
     # Tests use tiny tensors: one thread per (xdist) worker avoids oversubscribing the cores.
     torch.set_num_threads(1)
+    if os.environ.get("SPARSE_ATTN_INTERPRETER_PATCH_ONCE", "1") == "1":
+        # triton.language swapped for the interpreter once per launch, not again at every inner @triton.jit call
+        # (interpreter_patch_once.py: the same kernels, about half the interpreted time)
+        from interpreter_patch_once import install as patch_once
+
+        patch_once()
     if os.environ.get("SPARSE_ATTN_BOUNDS_CHECK", "0") == "1":
         # every interpreted load, store and atomic must stay inside its launch's tensor arguments (bounds_check.py)
         from bounds_check import install

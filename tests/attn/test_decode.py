@@ -863,9 +863,9 @@ _DECODE_BENCH = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "b
 
 def test_compiles_for_sm90():
     """Every launch of a decode step (score and value pass of each alpha class, with the candidate passes and the
-    combine of their last programs) compiles for sm_90 with the specialization a real launch gets, paged, with a
-    float mask, and again with a boolean mask and every attention variant at once (benchmarks/offline/decode.py
-    --sm90-check)."""
+    combine of their last programs) compiles for sm_90 with the specialization a real launch gets, paged and causal,
+    with a float mask and a threshold hint, and again with a boolean mask and every attention variant at once
+    (benchmarks/offline/decode.py --sm90-check)."""
     env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
     proc = subprocess.run([sys.executable, _DECODE_BENCH, "--sm90-check"], env=env, capture_output=True, text=True,
                           timeout=900)
