@@ -96,6 +96,15 @@ _SYNTHETIC = textwrap.dedent("""
         print("refused:", exc)
     else:
         raise AssertionError("a run-time trip count was accepted")
+    # a TMA barrier wait nested in a tile loop (try-wait on an mbarrier, its phase moved into a register): once
+    text = [("", "HGMMA.64x32x16.F32.BF16", "R88,gdesc[UR20],RZ"), ("", "IMAD.U32", "R14,RZ,RZ,UR40"),
+            ("", "SYNCS.PHASECHK.TRANS64.TRYWAIT", "P5[UR41+0x14000],R14"), ("@!P5", "BRA", "0x10"),
+            ("@P2", "BRA", "0x0"), ("", "EXIT", "")]
+    wait = [sc.Ins(16 * n, op, args, pred) for n, (pred, op, args) in enumerate(text)]
+    blocks = sc.blocks_of(wait)
+    outer = next(lp for lp in sc.natural_loops(blocks) if lp.parent is None)
+    assert sc.trip_count(blocks, outer.children[0], wait) == 1
+    assert len(sc.iteration_paths(blocks, outer, wait)["live"]) == 5
     print("ok")
 """)
 

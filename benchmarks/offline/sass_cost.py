@@ -471,6 +471,24 @@ def _imm(text: str):
     return int(text, 0) if _IMM.match(text) else None
 
 
+def _barrier_wait(blocks: list, lp: Loop, ins: list) -> bool:
+    """Whether ``lp`` spins on an mbarrier: one latch branching back on a predicate last written in the body by a
+    ``SYNCS`` try-wait (``SYNCS.PHASECHK... P[addr], R``), the body nothing but that wait, moves of its phase into a
+    register and the branch."""
+    body = _block_ins(blocks, lp.body)
+    if len(lp.latches) != 1:
+        return False
+    br = ins[blocks[lp.latches[0]].last]
+    if br.base != "BRA" or not br.conditional:
+        return False
+    preg = br.pred.lstrip("@!")
+    writers = [n for n in body if n < blocks[lp.latches[0]].last
+               and ins[n].operands.split(",")[0].split("[")[0] == preg]
+    moves = ("MOV", "IMAD", "NOP", "BRA", "SYNCS")
+    return (bool(writers) and ins[writers[-1]].base == "SYNCS"
+            and all(ins[n].base in moves and (ins[n].base != "IMAD" or ins[n].opcode == "IMAD.U32") for n in body))
+
+
 def trip_count(blocks: list, lp: Loop, ins: list) -> int:
     """The constant trip count of a counted loop nested in a tile loop (e.g. a point loop ``for s in range(K)``
     that the compiler kept rolled), or ``LoopError``. Recognized: one latch ending in ``@[!]P BRA header``; ``P``
@@ -479,7 +497,7 @@ def trip_count(blocks: list, lp: Loop, ins: list) -> int:
     in the one block that enters the loop. The count is found by running the counter."""
     where = f"nested loop @{ins[blocks[lp.header].first].addr:#x}"
     body = _block_ins(blocks, lp.body)
-    if all(ins[n].base in ("SYNCS", "BRA", "NOP") for n in body):
+    if all(ins[n].base in ("SYNCS", "BRA", "NOP") for n in body) or _barrier_wait(blocks, lp, ins):
         return 1  # a barrier wait (TMA: try-wait on the load's mbarrier until it completes): issued once when ready
     if len(lp.latches) != 1:
         raise LoopError(f"{where}: {len(lp.latches)} latches, not a counted loop")
