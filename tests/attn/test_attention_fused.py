@@ -45,6 +45,17 @@ def _leaves(shapes, gen, device):
     return [torch.randn(*s, generator=gen).to(device).requires_grad_() for s in shapes]
 
 
+def _check_per_head_alpha(q, k, v, alphas, mask_shape, opts, gen):
+    """One alpha per head (a leaf, with its gradient) and, when ``opts`` asks for ``mask``, a float mask of
+    ``mask_shape`` (with its gradient): the fused outputs and every gradient against the float64 reference. Returns the
+    fused output."""
+    mask = torch.randn(*mask_shape, generator=gen).to(q.device).requires_grad_() if opts.pop("mask", 0) else None
+    alpha = torch.tensor(alphas, device=q.device, requires_grad=True)
+    out, out64, grads, grads64 = _run_both(q, k, v, alpha, mask=mask, **opts)
+    _close_all(out, out64, grads, grads64, ["dq", "dk", "dv", "dalpha"] + (["dmask"] if mask is not None else []))
+    return out
+
+
 def _run_both(q, k, v, alpha, mask=None, sinks=None, **kw):
     """Fused (fp32) and float64-reference outputs and gradients for one random cotangent (gradients of
     ``q, k, v``, then of ``alpha``, ``mask`` and ``sinks`` when they are tensors requiring one)."""
@@ -210,10 +221,7 @@ def test_fused_alibi_and_softcap_forward_and_backward(name, kernel_device):
     q.data *= 2.0  # larger scores: the soft cap bends them
     if "alibi" in opts:
         opts["alibi_slopes"] = (torch.rand(*opts.pop("alibi"), generator=gen) / 4).to(kernel_device)
-    mask = torch.randn(2, 1, 1, nk, generator=gen).to(kernel_device).requires_grad_() if opts.pop("mask", 0) else None
-    alpha = torch.tensor(alphas, device=kernel_device, requires_grad=True)
-    out, out64, grads, grads64 = _run_both(q, k, v, alpha, mask=mask, **opts)
-    _close_all(out, out64, grads, grads64, ["dq", "dk", "dv", "dalpha"] + (["dmask"] if mask is not None else []))
+    _check_per_head_alpha(q, k, v, alphas, (2, 1, 1, nk), opts, gen)
 
 
 def test_fused_alibi_per_sequence_with_varlen(kernel_device):
@@ -243,11 +251,8 @@ def test_fused_value_head_dim_differs(name, kernel_device):
     hk = opts.pop("hk", 2)
     gen = torch.Generator().manual_seed(len(name) + 60)
     q, k, v = _leaves([(2, 2, 37, d), (2, hk, 41, d), (2, hk, 41, dv)], gen, kernel_device)
-    mask = torch.randn(2, 1, 37, 41, generator=gen).to(kernel_device).requires_grad_() if opts.pop("mask", 0) else None
-    alpha = torch.tensor(alphas, device=kernel_device, requires_grad=True)
-    out, out64, grads, grads64 = _run_both(q, k, v, alpha, mask=mask, **opts)
+    out = _check_per_head_alpha(q, k, v, alphas, (2, 1, 37, 41), opts, gen)
     assert out.shape == (2, 2, 37, dv)
-    _close_all(out, out64, grads, grads64, ["dq", "dk", "dv", "dalpha"] + (["dmask"] if mask is not None else []))
 
 
 def test_fused_value_head_dim_differs_varlen(kernel_device):
