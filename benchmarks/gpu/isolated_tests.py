@@ -5,10 +5,12 @@ fails every later test of its worker and the log cannot say which test was first
 process (``CUDA_LAUNCH_BLOCKING=1`` by default, so the error is raised at the launch that caused it), the tests of
 different files run side by side (so parallel processes rarely compile the same kernel at once; the Triton disk
 cache is shared), and each test's log and a summary row are written the moment it ends, so a run cut by a time
-limit still names every test that finished.
+limit still names every test that finished. A test that fails with a CUDA error runs once more, next, with
+``SPARSE_ATTN_TMA=0`` (every kernel on pointer loads instead of TMA descriptors; its row says so), which tells a TMA
+fault from any other (``--no-tma-retry`` skips that).
 
     python benchmarks/gpu/isolated_tests.py --out DIR [--jobs 12] [--budget-s 420] [--per-test-s 240] [-m EXPR]
-                                            [--first PATTERN ...] [nodeid ...]
+                                            [--first PATTERN ...] [--no-tma-retry] [--root DIR] [nodeid ...]
 
 DIR receives ``summary.tsv`` (nodeid, outcome, exit status, seconds), ``logs/<n>.log`` (pytest's -q --tb=short
 output of test n) and ``summary.md`` (counts, then the failed tests with their first error line).
@@ -30,11 +32,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def collect(select: str, nodeids: list[str]) -> list[str]:
-    """Node ids pytest would run for ``-m select`` (or the given ids), in collection order."""
+def collect(select: str, nodeids: list[str], root: Path = ROOT) -> list[str]:
+    """Node ids pytest would run from ``root`` for ``-m select`` (or the given ids), in collection order."""
     cmd = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-m", select,
            *(nodeids or ["tests"])]
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False).stdout
+    out = subprocess.run(cmd, cwd=root, capture_output=True, text=True, check=False).stdout
     return [line.strip() for line in out.splitlines() if "::" in line and not line.startswith(" ")]
 
 
@@ -50,11 +52,17 @@ def interleave(ids: list[str], first: list[str]) -> list[str]:
     return order
 
 
+# a failure the GPU raised (not an assertion): worth a rerun without TMA descriptors; the rerun's log is number
+# n + RETRY_OFFSET
+CUDA_ERROR = re.compile(r"illegal memory access|CUDA error|misaligned address|out of resources|illegal instruction")
+RETRY_OFFSET = 1000
+
+
 def first_error(log: str) -> str:
     """The most telling line of a failed test's log: a CUDA error, else the first ``E   `` line."""
-    for pattern in (r"illegal memory access|CUDA error|misaligned address|out of resources", r"^E\s+\S"):
+    for pattern in (CUDA_ERROR, re.compile(r"^E\s+\S")):
         for line in log.splitlines():
-            if re.search(pattern, line):
+            if pattern.search(line):
                 return line.strip()[:240]
     tail = [line for line in log.splitlines() if line.strip()]
     return tail[-1].strip()[:240] if tail else ""
@@ -69,13 +77,16 @@ def main() -> int:
     ap.add_argument("-m", dest="select", default="gpu or gpu_smoke")
     ap.add_argument("--first", nargs="*", default=[], help="test files (substrings) to start first")
     ap.add_argument("--no-launch-blocking", action="store_true")
+    ap.add_argument("--no-tma-retry", action="store_true",
+                    help="do not rerun a test that met a CUDA error with SPARSE_ATTN_TMA=0")
+    ap.add_argument("--root", type=Path, default=ROOT, help="run pytest from here (default: the repository)")
     ap.add_argument("nodeids", nargs="*")
     args = ap.parse_args()
 
     start = time.monotonic()
     out: Path = args.out
     (out / "logs").mkdir(parents=True, exist_ok=True)
-    ids = interleave(collect(args.select, args.nodeids), args.first)
+    ids = interleave(collect(args.select, args.nodeids, args.root), args.first)
     print(f"isolated_tests: {len(ids)} tests, {args.jobs} at a time, budget {args.budget_s:.0f} s", flush=True)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env['PYTHONPATH']}" if env.get("PYTHONPATH") else str(ROOT)
@@ -84,7 +95,7 @@ def main() -> int:
     summary = open(out / "summary.tsv", "w", buffering=1)
     summary.write("n\tnodeid\toutcome\trc\tseconds\tfirst_error\n")
     lock = threading.Lock()
-    queue = list(enumerate(ids))
+    queue = [(n, nodeid, {}) for n, nodeid in enumerate(ids)]
     rows: list[tuple[int, str, str, int, float, str]] = []
     procs: set[subprocess.Popen] = set()
 
@@ -93,16 +104,17 @@ def main() -> int:
             with lock:
                 if not queue or time.monotonic() - start > args.budget_s:
                     return
-                n, nodeid = queue.pop(0)
+                n, nodeid, extra = queue.pop(0)
             t0 = time.monotonic()
             log_path = out / "logs" / f"{n:03d}.log"
+            label = nodeid + "".join(f" [{k}={v}]" for k, v in extra.items())
             with open(log_path, "w") as log:
-                log.write(f"# {nodeid}\n")
+                log.write(f"# {label}\n")
                 log.flush()
                 proc = subprocess.Popen(
                     [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
                      "-p", "no:randomly", "--tb=short", "-rfE", nodeid],
-                    cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+                    cwd=args.root, env={**env, **extra}, stdout=log, stderr=subprocess.STDOUT)
                 with lock:
                     procs.add(proc)
                 limit = min(args.per_test_s, args.budget_s + 20 - (time.monotonic() - start))
@@ -118,11 +130,13 @@ def main() -> int:
             outcome = {0: "passed", 1: "FAILED", 5: "none-run", 124: "TIMEOUT"}.get(rc, f"ERROR{rc}")
             if rc == 0 and re.search(r"\bskipped\b", text) and not re.search(r"\bpassed\b", text):
                 outcome = "skipped"
-            row = (n, nodeid, outcome, rc, round(time.monotonic() - t0, 1), first_error(text) if rc else "")
+            row = (n, label, outcome, rc, round(time.monotonic() - t0, 1), first_error(text) if rc else "")
             with lock:
+                if rc and not extra and not args.no_tma_retry and CUDA_ERROR.search(text):
+                    queue.insert(0, (n + RETRY_OFFSET, nodeid, {"SPARSE_ATTN_TMA": "0"}))
                 rows.append(row)
                 summary.write("\t".join(map(str, row)) + "\n")
-                print(f"[{time.monotonic() - start:6.0f}s] {outcome:8s} {row[4]:6.1f}s {nodeid}", flush=True)
+                print(f"[{time.monotonic() - start:6.0f}s] {outcome:8s} {row[4]:6.1f}s {label}", flush=True)
 
     threads = [threading.Thread(target=worker) for _ in range(args.jobs)]
     for t in threads:
@@ -133,7 +147,7 @@ def main() -> int:
     counts = defaultdict(int)
     for row in rows:
         counts[row[2]] += 1
-    not_run = [nodeid for _, nodeid in queue]
+    not_run = [nodeid for _, nodeid, _ in queue]
     with open(out / "summary.md", "w") as md:
         md.write(f"{len(ids)} tests selected ({args.select!r}), {len(rows)} run in {time.monotonic() - start:.0f} s, "
                  f"{len(not_run)} not started (budget); "
