@@ -101,6 +101,33 @@ def pinned_launch() -> bool:
     return interpreting() or os.environ.get("SPARSE_ATTN_PINNED", "0") == "1"
 
 
+def tma_device(device) -> bool:
+    """Whether the kernels may stream tiles with TMA tensor descriptors on ``device``: CUDA with compute capability
+    9.0 or newer (Hopper's tensor memory accelerator), unless ``SPARSE_ATTN_TMA=0`` turns them off (every kernel then
+    takes its pointer loads: the same results)."""
+    return (device.type == "cuda" and os.environ.get("SPARSE_ATTN_TMA", "1") != "0"
+            and torch.cuda.get_device_capability(device)[0] >= 9)
+
+
+def tma_rows(t: torch.Tensor) -> bool:
+    """Whether TMA can stream row tiles of ``t`` ``(B, H, N, D)``: a contiguous last dim, a 16-byte aligned base and
+    16-byte multiples as the other strides and the row length (the descriptor's rules), rows that do not overlap (a
+    row stride of at least ``D``: not a broadcast along the sequence)."""
+    size = t.element_size()
+    return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and t.shape[-1] * size % 16 == 0
+            and t.stride(-2) >= t.shape[-1] and all(st * size % 16 == 0 for st in t.stride()[:-1]))
+
+
+def set_tma_allocator(device) -> None:
+    """Descriptors made in a kernel (``tl.make_tensor_descriptor``) live in a global scratch buffer Triton asks an
+    allocator for at launch: torch's caching allocator on ``device``, unless the caller set one of their own. Not
+    under the interpreter, which needs none."""
+    from triton.runtime import _allocation
+
+    if not interpreting() and isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=device))
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """``input_precision`` of the attention ``tl.dot``s: fp32 inputs keep fp32 accuracy on tensor cores
     (3xTF32); fp16/bf16 ignore the setting; the interpreter computes in the input dtype whatever it says."""

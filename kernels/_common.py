@@ -62,6 +62,36 @@ def load_rows(base, idx, offs_d, stride_n, stride_d, ok, d_ok, UPCAST: tl.conste
 
 
 @triton.jit
+def rows_source(X, b, h, start, seqlen, stride_b, stride_h, stride_n, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
+                BLOCK_D: tl.constexpr, USE_TMA: tl.constexpr):
+    """Where a loop streams ``[BLOCK, BLOCK_D]`` row tiles of one (batch ``b``, head ``h``) slice from: the slice's row
+    ``start`` (:func:`slice_base`), or with ``USE_TMA`` a TMA tensor descriptor of its ``seqlen x HEAD_DIM`` rows
+    (last dim contiguous, 16-byte aligned rows: the launcher checks, ``_args.tma_rows``), which loads zeros outside
+    them. :func:`load_tile` reads either."""
+    base = slice_base(X, b, h, start, stride_b, stride_h, stride_n)
+    if USE_TMA:
+        src = tl.make_tensor_descriptor(base, shape=[seqlen, HEAD_DIM], strides=[stride_n, 1],
+                                        block_shape=[BLOCK, BLOCK_D])
+    else:
+        src = base
+    return src
+
+
+@triton.jit
+def load_tile(src, row0, idx, offs_d, stride_n, stride_d, ok, d_ok, UPCAST: tl.constexpr):
+    """Rows ``idx`` (``row0 ..``) of a :func:`rows_source` as ``[BLOCK, BLOCK_D]``, 0 outside ``ok``, ``d_ok``: a
+    pointer's by :func:`load_rows`; a tensor descriptor's by one asynchronous TMA copy, no address or mask per element
+    (the source's type decides when the kernel is built)."""
+    if isinstance(src, tl.tensor_descriptor):
+        x = src.load([row0, 0])
+        if UPCAST:
+            x = x.to(tl.float32)
+    else:
+        x = load_rows(src, idx, offs_d, stride_n, stride_d, ok, d_ok, UPCAST)
+    return x
+
+
+@triton.jit
 def store_rows(base, idx, offs_d, stride_n, stride_d, x, ok, d_ok):
     """Store ``x [BLOCK, BLOCK_D]`` into rows ``idx`` of a ``(seq, head_dim)`` slice, cast to its dtype."""
     tl.store(base + _wide(idx)[:, None] * stride_n + offs_d[None, :] * stride_d, x.to(base.dtype.element_ty),

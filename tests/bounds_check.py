@@ -142,8 +142,10 @@ def uninstall() -> None:
 
 def emulate_gpu_launches() -> None:
     """Make the launchers choose as on a GPU while the interpreter runs the kernels: the pinned GPU tiles of the
-    forward, backward and decode (``_pick_config`` with ``interpret=False``), the dQ kernel's TMA tensor descriptors
-    where the layout allows (``_tma_device``), and the decode's key-range splits of a 132-SM device (up to 32)."""
+    forward, backward and decode (``_pick_config`` with ``interpret=False``), the TMA tensor descriptors of the
+    kernels that take them on sm_90 where the layout allows (``_args.tma_device``), and the decode's key-range splits
+    of a 132-SM device (up to 32)."""
+    from sparse_attn.kernels import _args
     from sparse_attn.kernels.attn import _decode_launch, entmax_attn_bwd, entmax_attn_fwd
 
     for module in (entmax_attn_fwd, entmax_attn_bwd, _decode_launch):
@@ -157,7 +159,7 @@ def emulate_gpu_launches() -> None:
             return _pick(*args, **kwargs)
 
         module._pick_config = gpu_pick
-    entmax_attn_bwd._tma_device = lambda device: True
+    _args.tma_device = lambda device: True
     _decode_launch.sm_count = lambda device: 132
     splits = _decode_launch.default_num_splits
 

@@ -155,7 +155,7 @@ def offline_sm90(args) -> str:
     from triton.runtime.jit import JITFunction
 
     import sparse_attn.attn.attn_inputs as attn_inputs
-    from sparse_attn.kernels.attn import entmax_attn_bwd
+    from sparse_attn.kernels import _args
 
     built_for = f"cp{sys.version_info.major}{sys.version_info.minor} (this interpreter)"
     if args.device_wheel is not None:
@@ -169,8 +169,8 @@ def offline_sm90(args) -> str:
     JITFunction.run = warmup_run
     # backend="triton" takes CPU tensors only under the interpreter; here they only carry shapes and strides
     attn_inputs.interpreting = lambda: True
-    # the backward's launcher asks the tensors' device whether it has TMA (here the CPU's: no); sm_90 has
-    entmax_attn_bwd._tma_device = lambda device: True
+    # the launchers ask the tensors' device whether it has TMA (here the CPU's: no); sm_90 has
+    _args.tma_device = lambda device: True
     assert not triton.knobs.runtime.interpret
     return built_for
 

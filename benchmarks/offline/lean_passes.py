@@ -423,7 +423,10 @@ def main(argv=None):
     ap.add_argument("--causal", action="store_true", help="--split: the causal builds")
     ap.add_argument("--split", action="store_true",
                     help="build the real split forward (kernels/attn/_fwd_split.py) instead of the prototypes")
+    ap.add_argument("--no-tma", action="store_true",
+                    help="pointer loads everywhere instead of TMA descriptors (as with SPARSE_ATTN_TMA=0)")
     args = ap.parse_args(argv)
+    sm90_build.TMA = not args.no_tma
     if args.split:
         rows = []
         opts = {k: v for k, v in (("num_warps", args.warps), ("num_stages", args.stages), ("maxnreg", args.maxnreg))

@@ -1044,7 +1044,10 @@ def main(argv=None) -> int:
                     help="with --bwd: also the backward with the atomic dQ (deterministic=False)")
     ap.add_argument("--points", type=points_arg, default=None, metavar="K,P",
                     help="grid points K and candidate points P for every entmax class (default: the kernel's _POINTS)")
+    ap.add_argument("--no-tma", action="store_true",
+                    help="pointer loads everywhere instead of TMA descriptors (as with SPARSE_ATTN_TMA=0)")
     args = ap.parse_args(argv)
+    sm90_build.TMA = not args.no_tma
     if args.points is not None:
         set_points(args.points)
     if args.smoke:

@@ -33,6 +33,7 @@ from triton.compiler import ASTSource, make_backend  # noqa: E402
 from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
 import sparse_attn.kernels.attn.entmax_attn_fwd as fwd  # noqa: E402
+from sparse_attn.kernels import _args  # noqa: E402
 from sparse_attn.kernels._args import tile_plan  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -50,15 +51,23 @@ class _Capture:
         return lambda *args, **kwargs: self.launches.append((grid, args, kwargs))
 
 
+# the launchers plan every recorded launch as for an sm_90 GPU: TMA descriptors in the kernels that take them there
+# (``_args.tma_device`` says yes); False (``--no-tma``): pointer loads everywhere, as with ``SPARSE_ATTN_TMA=0``
+TMA = True
+
+
 def captured_launches(module, name: str, launcher, *args, **kwargs):
-    """Run ``launcher`` with ``module.name`` replaced by a recorder; returns ``(kernel, [(grid, args, kwargs)])``."""
+    """Run ``launcher`` with ``module.name`` replaced by a recorder (and TMA decided as :data:`TMA` says); returns
+    ``(kernel, [(grid, args, kwargs)])``."""
     kernel = getattr(module, name)
     cap = _Capture(kernel)
     setattr(module, name, cap)
+    saved = tma_switch(TMA)
     try:
         launcher(*args, **kwargs)
     finally:
         setattr(module, name, kernel)
+        tma_switch(saved)
     return kernel, cap.launches
 
 
@@ -107,6 +116,14 @@ ALPHA_OF_CLASS = {"softmax": 1.0, "sparsemax": 2.0, "entmax15": 1.5, "general": 
 # sequence length of the builds: long enough that the liveness map has several words (n_words > 1), as in a real
 # launch; at 1024 keys (one word) the compiler drops the word loops and the builds need fewer registers
 N_DEFAULT = 4096
+
+
+def tma_switch(on):
+    """Make the launchers decide TMA as on an sm_90 GPU (``on`` True: ``_args.tma_device`` says yes) or as without
+    (False), or put back a saved ``_args.tma_device`` (a function); returns the one it replaced."""
+    saved = _args.tma_device
+    _args.tma_device = on if callable(on) else (lambda device: on)
+    return saved
 
 
 def _problem(head_dim, n, dtype, varlen, heads=4):
@@ -179,11 +196,13 @@ def fwd_case(head_dim: int, alpha_class: str, causal: bool = True, dtype=torch.b
     elif tuned is not None:  # the autotuned kernel: record its launch, build it with the pinned config
         cap = _Capture(tuned)
         fwd._entmax_attn_fwd_autotuned = cap
+        saved = tma_switch(TMA)
         try:
             fwd.entmax_attn_fwd(q, k, v, alpha, head_dim ** -0.5, bias=bias, is_causal=causal, cu_seqlens_q=cu,
                                 cu_seqlens_k=cu, dropout_p=0.1 if dropout else 0.0, **variants, **extra)
         finally:
             fwd._entmax_attn_fwd_autotuned = tuned
+            tma_switch(saved)
         _, _, warps, stages = fwd._pick_config(head_dim, False) if config is None else (None, None, *config)
         kernel, launches = fwd._entmax_attn_fwd_kernel, [(g, a, {**kw, "num_warps": warps, "num_stages": stages})
                                                          for g, a, kw in cap.launches]
@@ -206,16 +225,16 @@ def bwd_cases(head_dim: int, need_dalpha: bool = True, mask: str | None = "block
               dtype=torch.bfloat16, n: int = N_DEFAULT, dropout: bool = False, varlen: bool = False,
               kernels=("dq", "dkdv", "dbias"), window_size=None, softcap: float | None = None, alibi: bool = False,
               sinks: bool = False, config: tuple | None = None, alpha_class: str = "general",
-              deterministic: bool = True, tma: bool = True, block_mask: str | None = None):
+              deterministic: bool = True, tma: bool | None = None, block_mask: str | None = None):
     """Build the backward kernels (those of ``kernels`` among ``"dq"``, ``"dkdv"``, ``"dbias"``) one launch of
     ``entmax_attn_bwd`` starts for the heads of one alpha class (``ALPHA_OF_CLASS``); one analysis dict per kernel.
 
     ``mask``: None, ``"bool"``, or the float-mask gradient mode: ``"dense"`` ``(B, H, N, N)``, ``"rows"``
     ``(B, H, N, 1)``, ``"cols"`` ``(B, 1, 1, N)``, ``"blocks"`` ``(1, H, N, N)``. ``config``: ``(num_warps,
     num_stages)`` for every kernel built instead of its pinned one (an autotune candidate). ``deterministic=False``:
-    the backward that adds dQ with atomics in the dK/dV kernel. ``tma``: the launch an sm_90 GPU gets, whose loops
-    stream their tiles with TMA descriptors (the launcher's ``_tma_device``, which says no for CPU tensors); False:
-    the pointer loads of other devices. ``block_mask``: a kind of :data:`BLOCK_MASKS` or None.
+    the backward that adds dQ with atomics in the dK/dV kernel. ``tma``: True, the launch an sm_90 GPU gets, whose
+    loops stream their tiles with TMA descriptors (``_args.tma_device``, which says no for CPU tensors); False: the
+    pointer loads of other devices; None: as :data:`TMA` says. ``block_mask``: a kind of :data:`BLOCK_MASKS` or None.
     """
     from sparse_attn.kernels.attn import entmax_attn_bwd as bwd
 
@@ -234,9 +253,7 @@ def bwd_cases(head_dim: int, need_dalpha: bool = True, mask: str | None = "block
     caps = {name: _Capture(kernel) for name, kernel in tuned.items()}
     for name, cap in caps.items():
         setattr(bwd, f"_entmax_attn_bwd_{name}_autotuned", cap)
-    tma_device = getattr(bwd, "_tma_device", None)
-    if tma_device is not None:
-        bwd._tma_device = lambda device: tma
+    tma_device = tma_switch(TMA if tma is None else tma)
     try:
         bwd.entmax_attn_bwd(torch.empty_like(q), q, k, v, torch.empty_like(q), stats, stats,
                             torch.full((heads,), ALPHA_OF_CLASS[alpha_class]), head_dim ** -0.5, bias=bias,
@@ -250,8 +267,7 @@ def bwd_cases(head_dim: int, need_dalpha: bool = True, mask: str | None = "block
     finally:
         for name, kernel in tuned.items():
             setattr(bwd, f"_entmax_attn_bwd_{name}_autotuned", kernel)
-        if tma_device is not None:
-            bwd._tma_device = tma_device
+        tma_switch(tma_device)
     out = []
     for name, cap in caps.items():
         for _, args, kwargs in cap.launches if name in kernels else []:
@@ -350,7 +366,8 @@ def main(argv=None):
     ap.add_argument("--bwd", action="store_true",
                     help="also the backward kernels of every class (BWD_MATRIX: with and without d alpha and d bias)")
     ap.add_argument("--no-fwd", action="store_true", help="skip the forward builds (with --bwd: the backward only)")
-    ap.add_argument("--no-tma", action="store_true", help="the backward's pointer loads instead of TMA descriptors")
+    ap.add_argument("--no-tma", action="store_true",
+                    help="pointer loads everywhere instead of TMA descriptors (as with SPARSE_ATTN_TMA=0)")
     ap.add_argument("--out-u", action="store_true", help="also the training forward (need_out_u) of every class")
     ap.add_argument("--candidates", action="store_true",
                     help="every config the autotuners may try (training forward per class, general-alpha backward)")
@@ -360,6 +377,8 @@ def main(argv=None):
     ap.add_argument("--block-mask", choices=list(BLOCK_MASKS), default=None,
                     help="every build with a block mask of this kind (BLOCK_MASKS)")
     args = ap.parse_args(argv)
+    global TMA
+    TMA = not args.no_tma
     if args.check:
         return check()
 
@@ -390,7 +409,7 @@ def main(argv=None):
         for cls in args.classes if args.bwd else []:
             for need_dalpha, mask, kernels, deterministic in BWD_MATRIX:
                 for info in bwd_cases(d, need_dalpha=need_dalpha, mask=mask, kernels=kernels, n=args.n,
-                                      alpha_class=cls, deterministic=deterministic, tma=not args.no_tma,
+                                      alpha_class=cls, deterministic=deterministic, tma=TMA,
                                       block_mask=args.block_mask):
                     show(info)
     return 0

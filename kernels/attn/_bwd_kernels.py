@@ -7,7 +7,7 @@ docs/backward.md.
 import triton
 import triton.language as tl
 
-from .._common import _wide, alpha_class_id, load_rows, slice_base, store_rows
+from .._common import _wide, alpha_class_id, load_rows, rows_source, slice_base, store_rows
 from .._masking import (
     key_tile_range,
     live_tile,
@@ -31,7 +31,6 @@ from ._bwd_tiles import (
     _query_rows,
     _row_factors,
     _row_tau,
-    _rows_source,
     _tile,
     _tile_rows,
     _weights,
@@ -126,10 +125,10 @@ def _entmax_attn_bwd_dq_kernel(
             s_g += tl.sum(pg_s, 1)
     if PHASE == 0:
         qrow = (q, do, tau, cu, cp, log_l, delta)
-        kv = (_rows_source(K, b, h_kv, k_start, seqlen_k, stride_kb, stride_kh, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D,
-                           USE_TMA),
-              _rows_source(V, b, h_kv, k_start, seqlen_k, stride_vb, stride_vh, stride_vn, HEAD_DIM_V, BLOCK_N,
-                           BLOCK_DV, USE_TMA), stride_kn, stride_kd, stride_vn, stride_vd)
+        kv = (rows_source(K, b, h_kv, k_start, seqlen_k, stride_kb, stride_kh, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D,
+                          USE_TMA),
+              rows_source(V, b, h_kv, k_start, seqlen_k, stride_vb, stride_vh, stride_vn, HEAD_DIM_V, BLOCK_N,
+                          BLOCK_DV, USE_TMA), stride_kn, stride_kd, stride_vn, stride_vd)
         drop = (seed, bh, total_k, dropout_p)
         live_base = _live_base(LIVE, seq, h, stride_live_b, stride_live_h)
         kt_lo, kt_hi = key_tile_range(pid_m, seqlen_q, seqlen_k, MASK, BLOCK_M, BLOCK_N)
@@ -141,7 +140,7 @@ def _entmax_attn_bwd_dq_kernel(
                                            stride_live_m, HAS_LIVE, BLOCK_M, BLOCK_N, LIVE_BLOCK_M, LIVE_BLOCK_N)
             for i in range(0, n_set):
                 kt = live_tile(bits, rank, i, wd)
-                cols, cols_global, col_ok, k, v = _key_tile(kt, kv, k_start, seqlen_k, dims, UPCAST, BLOCK_N, USE_TMA)
+                cols, cols_global, col_ok, k, v = _key_tile(kt, kv, k_start, seqlen_k, dims, UPCAST, BLOCK_N)
                 s, dp = _products_by_rows(q, do, k, v, scale, DOT_PRECISION)
                 inside = tile_inside(pid_m * BLOCK_M, kt * BLOCK_N, seqlen_q, seqlen_k, MASK, BLOCK_M, BLOCK_N)
                 p, u, logp, dp, _, ds, ds_qk = _tile(
@@ -230,10 +229,10 @@ def _entmax_attn_bwd_dkdv_kernel(
         alpha = tl.load(ALPHA + h)
         if _in_launch(alpha, ALPHA_CLASS, HEAD_FILTER):
             bh = b * n_heads + h
-            qdo = (_rows_source(Q, b, h, q_start, seqlen_q, stride_qb, stride_qh, stride_qm, HEAD_DIM, BLOCK_M,
-                                BLOCK_D, USE_TMA),
-                   _rows_source(DO, b, h, q_start, seqlen_q, stride_dob, stride_doh, stride_dom, HEAD_DIM_V, BLOCK_M,
-                                BLOCK_DV, USE_TMA), stride_qm, stride_qd, stride_dom, stride_dod)
+            qdo = (rows_source(Q, b, h, q_start, seqlen_q, stride_qb, stride_qh, stride_qm, HEAD_DIM, BLOCK_M,
+                               BLOCK_D, USE_TMA),
+                   rows_source(DO, b, h, q_start, seqlen_q, stride_dob, stride_doh, stride_dom, HEAD_DIM_V, BLOCK_M,
+                               BLOCK_DV, USE_TMA), stride_qm, stride_qd, stride_dom, stride_dod)
             mods = program_mods(MODS, b, seq, h, q_start, k_start, SCORE)
             drop = (seed, bh, total_k, dropout_p)
             live_base = _live_base(LIVE, seq, h, stride_live_b, stride_live_h)
@@ -249,7 +248,7 @@ def _entmax_attn_bwd_dkdv_kernel(
                     qt = live_tile(bits, rank, i, c)
                     rows, rows_global, row_ok = tile_indices(qt, q_start, seqlen_q, BLOCK_M)
                     qrow = _query_rows(qdo, (TAU, ROW_FACTORS, DELTA), bh, total_q, qt * BLOCK_M, rows, rows_global,
-                                       row_ok, dims, UPCAST, USE_TMA)
+                                       row_ok, dims, UPCAST)
                     q, do = qrow[0], qrow[1]
                     if KEYS_M:
                         s, dp = _products_by_keys(q, do, k, v, scale, DOT_PRECISION)
@@ -341,11 +340,11 @@ def _entmax_attn_bwd_dbias_kernel(
             qdo = (slice_base(Q, b, h, q_start, stride_qb, stride_qh, stride_qm), slice_base(DO, b, h, q_start,
                    stride_dob, stride_doh, stride_dom), stride_qm, stride_qd, stride_dom, stride_dod)
             qrow = _query_rows(qdo, (TAU, ROW_FACTORS, DELTA), bh, total_q, pid_m * BLOCK_M, rows, rows_global,
-                               row_ok, dims, UPCAST, False)
-            kv = (_rows_source(K, b, h_kv, k_start, seqlen_k, stride_kb, stride_kh, stride_kn, HEAD_DIM, BLOCK_N,
-                               BLOCK_D, USE_TMA),
-                  _rows_source(V, b, h_kv, k_start, seqlen_k, stride_vb, stride_vh, stride_vn, HEAD_DIM_V, BLOCK_N,
-                               BLOCK_DV, USE_TMA), stride_kn, stride_kd, stride_vn, stride_vd)
+                               row_ok, dims, UPCAST)
+            kv = (rows_source(K, b, h_kv, k_start, seqlen_k, stride_kb, stride_kh, stride_kn, HEAD_DIM, BLOCK_N,
+                              BLOCK_D, USE_TMA),
+                  rows_source(V, b, h_kv, k_start, seqlen_k, stride_vb, stride_vh, stride_vn, HEAD_DIM_V, BLOCK_N,
+                              BLOCK_DV, USE_TMA), stride_kn, stride_kd, stride_vn, stride_vd)
             mods = program_mods(MODS, b, seq, h, q_start, k_start, SCORE)
             drop = (seed, bh, total_k, dropout_p)
             live_base = _live_base(LIVE, seq, h, stride_live_b, stride_live_h)
@@ -356,8 +355,7 @@ def _entmax_attn_bwd_dbias_kernel(
                                                stride_live_m, HAS_LIVE, BLOCK_M, BLOCK_N, LIVE_BLOCK_M, LIVE_BLOCK_N)
                 for i in range(0, n_set):
                     kt = live_tile(bits, rank, i, wd)
-                    cols, cols_global, col_ok, k, v = _key_tile(kt, kv, k_start, seqlen_k, dims, UPCAST, BLOCK_N,
-                                                                USE_TMA)
+                    cols, cols_global, col_ok, k, v = _key_tile(kt, kv, k_start, seqlen_k, dims, UPCAST, BLOCK_N)
                     s, dp = _products_by_rows(qrow[0], qrow[1], k, v, scale, DOT_PRECISION)
                     inside = tile_inside(pid_m * BLOCK_M, kt * BLOCK_N, seqlen_q, seqlen_k, MASK, BLOCK_M, BLOCK_N)
                     _, _, _, _, _, ds, _ = _tile(

@@ -15,6 +15,7 @@ from .._common import (
     dropout_keep,
     expm1mx_series,
     load_rows,
+    load_tile,
     log2_1p,
     slice_base,
     two_sum,
@@ -241,60 +242,31 @@ def _tile_rows(X, Y, b, h, start, seqlen, tile, strides_x, strides_y, HEAD_DIM: 
 
 
 @triton.jit
-def _rows_source(X, b, h, start, seqlen, stride_b, stride_h, stride_n, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
-                 BLOCK_D: tl.constexpr, USE_TMA: tl.constexpr):
-    """Where a loop streams ``[BLOCK, BLOCK_D]`` tiles of one (batch ``b``, head ``h``) slice from: the slice's row
-    ``start`` (``_common.slice_base``), or with ``USE_TMA`` a TMA tensor descriptor of its ``seqlen x HEAD_DIM`` rows
-    (last dim contiguous, 16-byte aligned rows: the launcher checks), which loads zeros outside them."""
-    base = slice_base(X, b, h, start, stride_b, stride_h, stride_n)
-    if USE_TMA:
-        src = tl.make_tensor_descriptor(base, shape=[seqlen, HEAD_DIM], strides=[stride_n, 1],
-                                        block_shape=[BLOCK, BLOCK_D])
-    else:
-        src = base
-    return src
-
-
-@triton.jit
-def _load_tile(src, row0, idx, offs, stride_n, stride_d, ok, d_ok, UPCAST: tl.constexpr, USE_TMA: tl.constexpr):
-    """Rows ``idx`` (``row0 ..``) of a ``_rows_source`` as ``[BLOCK, BLOCK_D]``, 0 outside ``ok``, ``d_ok``
-    (``_common.load_rows``; with ``USE_TMA`` one asynchronous TMA copy, no address or mask per element)."""
-    if USE_TMA:
-        x = src.load([row0, 0])
-        if UPCAST:
-            x = x.to(tl.float32)
-    else:
-        x = load_rows(src, idx, offs, stride_n, stride_d, ok, d_ok, UPCAST)
-    return x
-
-
-@triton.jit
-def _key_tile(kt, kv, k_start, seqlen_k, dims, UPCAST: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr):
+def _key_tile(kt, kv, k_start, seqlen_k, dims, UPCAST: tl.constexpr, BLOCK_N: tl.constexpr):
     """Key tile ``kt`` of a query tile: ``cols, cols_global, col_ok`` (``[BLOCK_N]``, ``_masking.tile_indices``) and
     its rows ``k [BLOCK_N, BLOCK_D]``, ``v [BLOCK_N, BLOCK_DV]`` (0 outside; float32 with ``UPCAST``).
     ``kv = (k_src, v_src, stride_kn, stride_kd, stride_vn, stride_vd)``: the sequence's K / V slices of the kv head
-    (``_rows_source``); ``dims``: ``_head_dims``."""
+    (``_common.rows_source``); ``dims``: ``_head_dims``."""
     k_src, v_src, stride_kn, stride_kd, stride_vn, stride_vd = kv
     offs_d, d_ok, offs_dv, dv_ok = dims
     cols, cols_global, col_ok = tile_indices(kt, k_start, seqlen_k, BLOCK_N)
-    k = _load_tile(k_src, kt * BLOCK_N, cols, offs_d, stride_kn, stride_kd, col_ok, d_ok, UPCAST, USE_TMA)
-    v = _load_tile(v_src, kt * BLOCK_N, cols, offs_dv, stride_vn, stride_vd, col_ok, dv_ok, UPCAST, USE_TMA)
+    k = load_tile(k_src, kt * BLOCK_N, cols, offs_d, stride_kn, stride_kd, col_ok, d_ok, UPCAST)
+    v = load_tile(v_src, kt * BLOCK_N, cols, offs_dv, stride_vn, stride_vd, col_ok, dv_ok, UPCAST)
     return cols, cols_global, col_ok, k, v
 
 
 @triton.jit
-def _query_rows(qdo, STATS, bh, total_q, row0, rows, rows_global, row_ok, dims, UPCAST: tl.constexpr,
-                USE_TMA: tl.constexpr):
+def _query_rows(qdo, STATS, bh, total_q, row0, rows, rows_global, row_ok, dims, UPCAST: tl.constexpr):
     """Rows ``rows`` (``row0 ..``) of one (batch, q head) after the dQ kernel: ``qrow = (q, do, tau, cu, cp, log_l,
     delta)`` (the ``qrow`` of ``_tile``): ``q [BLOCK_M, BLOCK_D]``, ``do [BLOCK_M, BLOCK_DV]``, the per-row ``tau``
     (``_row_tau``), weight factors ``cu``, ``cp``, ``log lsum`` (``_row_factors``, stored by the dQ kernel: a row's
     three floats at ``ROW_FACTORS + 3 row``) and ``delta``. ``qdo = (q_src, do_src, stride_qm, stride_qd, stride_dom,
-    stride_dod)``: the sequence's Q / dO slices of the head (``_rows_source``); ``STATS = (TAU, ROW_FACTORS, DELTA)``
-    with ``TAU = (TAU, TAU_LO)``."""
+    stride_dod)``: the sequence's Q / dO slices of the head (``_common.rows_source``); ``STATS = (TAU, ROW_FACTORS,
+    DELTA)`` with ``TAU = (TAU, TAU_LO)``."""
     q_src, do_src, stride_qm, stride_qd, stride_dom, stride_dod = qdo
     offs_d, d_ok, offs_dv, dv_ok = dims
-    q = _load_tile(q_src, row0, rows, offs_d, stride_qm, stride_qd, row_ok, d_ok, UPCAST, USE_TMA)
-    do = _load_tile(do_src, row0, rows, offs_dv, stride_dom, stride_dod, row_ok, dv_ok, UPCAST, USE_TMA)
+    q = load_tile(q_src, row0, rows, offs_d, stride_qm, stride_qd, row_ok, d_ok, UPCAST)
+    do = load_tile(do_src, row0, rows, offs_dv, stride_dom, stride_dod, row_ok, dv_ok, UPCAST)
     stat_offs = bh.to(tl.int64) * total_q + rows_global.to(tl.int64)
     tau = _row_tau(STATS[0], stat_offs, row_ok)
     factors = STATS[1] + stat_offs * 3

@@ -16,7 +16,7 @@ from typing import NamedTuple
 import triton
 import triton.language as tl
 
-from .._common import LN2, LOG2E, dropout_keep, load_rows, two_sum
+from .._common import LN2, LOG2E, dropout_keep, load_tile, two_sum
 from .._masking import block_tile_live, key_tile, live_tile, mark_tile, score_mod, sink_tile, visit_tile, word_bits
 from ._threshold import FAST_BETA_MAX, weights
 from ._threshold_tiles import (
@@ -25,8 +25,9 @@ from ._threshold_tiles import (
 
 
 class KeyTiles(NamedTuple):
-    """The key and value slices of a program's kv head: base pointers (key 0 of the sequence), row and head-dim strides,
-    the key offsets of one tile ``tl.arange(0, BLOCK_N)`` and the masks of the valid key / value head dims
+    """The key and value slices of a program's kv head: base pointers (key 0 of the sequence) or TMA tensor descriptors
+    of the sequence's rows (``_common.rows_source``; ``_score_tile`` and ``_value_tile`` load either), row and head-dim
+    strides, the key offsets of one tile ``tl.arange(0, BLOCK_N)`` and the masks of the valid key / value head dims
     (``[BLOCK_D]``, ``[BLOCK_DV]``)."""
 
     k_base: tl.tensor
@@ -86,9 +87,12 @@ def _score_tile(q, kv, rw, key, mods, z_scale, bias_scale, BIAS_KIND: tl.constex
     (``_masking.score_mod``). With ``FULL`` a full tile (``key.inside``) skips the per-score mask; each loop decides
     by its sm_90 builds (docs/kernels.md, "Full tiles"). [BLOCK_M, BLOCK_N]"""
     cols = key.cols
-    offs_d = tl.arange(0, kv.d_ok.shape[0])
-    k_ptrs = kv.k_base + cols.to(tl.int64)[None, :] * kv.stride_kn + offs_d.to(tl.int64)[:, None] * kv.stride_kd
-    k = tl.load(k_ptrs, mask=(cols[None, :] < rw.seqlen_k) & kv.d_ok[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
+    if isinstance(kv.k_base, tl.tensor_descriptor):  # one TMA copy of the tile, zeros past the keys and head dim
+        k = tl.trans(kv.k_base.load([key.kt * kv.offs_n.shape[0], 0]))
+    else:
+        offs_d = tl.arange(0, kv.d_ok.shape[0])
+        k_ptrs = kv.k_base + cols.to(tl.int64)[None, :] * kv.stride_kn + offs_d.to(tl.int64)[:, None] * kv.stride_kd
+        k = tl.load(k_ptrs, mask=(cols[None, :] < rw.seqlen_k) & kv.d_ok[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
     s = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * z_scale
     inside = None
     if FULL:
@@ -97,11 +101,11 @@ def _score_tile(q, kv, rw, key, mods, z_scale, bias_scale, BIAS_KIND: tl.constex
 
 
 @triton.jit
-def _value_tile(q, kv, cols, seqlen_k):
-    """Value rows of one key tile in ``q``'s dtype. [BLOCK_N, BLOCK_DV]"""
+def _value_tile(q, kv, kt, cols, seqlen_k):
+    """Value rows of key tile ``kt`` (keys ``cols``) in ``q``'s dtype. [BLOCK_N, BLOCK_DV]"""
     offs_d = tl.arange(0, kv.dv_ok.shape[0])
-    return load_rows(kv.v_base, cols, offs_d, kv.stride_vn, kv.stride_vd, cols < seqlen_k, kv.dv_ok,
-                     False).to(q.dtype)
+    return load_tile(kv.v_base, kt * kv.offs_n.shape[0], cols, offs_d, kv.stride_vn, kv.stride_vd, cols < seqlen_k,
+                     kv.dv_ok, False).to(q.dtype)
 
 
 @triton.jit
@@ -263,7 +267,7 @@ def softmax_rows(q, kv, rw, tiles, mods, scale, BIAS_KIND: tl.constexpr, MASK, S
             word = word | (tl.max((s_max > float("-inf")).to(tl.int32), 0) << lane)
             tl.store(live_base + kt // 32, word)
             p, _ = _apply_dropout(p, p, rw, cols, HAS_DROPOUT)
-            v = _value_tile(q, kv, cols, rw.seqlen_k)
+            v = _value_tile(q, kv, kt, cols, rw.seqlen_k)
             acc = acc * corr[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m = m_new
         else:
@@ -329,7 +333,7 @@ def _value_pass(q, kv, rw, tiles, mods, vp, POW: tl.constexpr, BIAS_KIND: tl.con
                     u = _u_weights(z, t_use, p, POW)
                     u_sum += tl.sum(u, 1)
                 p, u = _apply_dropout(p, u, rw, cols, HAS_DROPOUT)
-                v = _value_tile(q, kv, cols, rw.seqlen_k)
+                v = _value_tile(q, kv, kt, cols, rw.seqlen_k)
                 if WITH_P:
                     acc += tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
                 if WITH_U:
@@ -396,7 +400,9 @@ def value_rows(q, kv, rw, tiles, mods, vr, POW: tl.constexpr, BIAS_KIND: tl.cons
     t_use = tau_saved + shift  # the backward forms the same threshold from the saved tau
     # weights rounded to 16 bits for the value product take the fast log2 (_threshold.weights); not in the training
     # forward, where it makes the general class spill (48-176 bytes under triton 3.6)
-    HALF_P: tl.constexpr = (kv.v_base.dtype.element_ty != tl.float32) and not NEED_OUT_U
+    V_DTYPE: tl.constexpr = (kv.v_base.dtype if isinstance(kv.v_base, tl.tensor_descriptor)
+                             else kv.v_base.dtype.element_ty)
+    HALF_P: tl.constexpr = (V_DTYPE != tl.float32) and not NEED_OUT_U
     # with two head-dim-256 accumulators the training forward spills inside its loops (docs/kernels.md): there the
     # value pass runs twice, out first, then out_u over the tiles still live (the same sums: dead tiles add zeros)
     SPLIT_U: tl.constexpr = NEED_OUT_U and kv.dv_ok.shape[0] > 128

@@ -183,29 +183,6 @@ def _check_args(do, q, k, v, out, out_u, tau, tau_lo, lsum, bias, cu_seqlens_q, 
 _TMA_KERNELS = ("dq",)
 
 
-def _tma_device(device) -> bool:
-    """Whether the kernels stream their tiles with TMA tensor descriptors on ``device``: CUDA with compute capability
-    9.0 or newer (Hopper's tensor memory accelerator)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
-
-
-def _tma_rows(t: torch.Tensor) -> bool:
-    """Whether TMA can stream row tiles of ``t`` ``(B, H, N, D)``: a contiguous last dim, a 16-byte aligned base and
-    16-byte multiples as the other strides and the row length (the descriptor's rules)."""
-    size = t.element_size()
-    return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and t.shape[-1] * size % 16 == 0
-            and all(st * size % 16 == 0 for st in t.stride()[:-1]))
-
-
-def _set_tma_allocator(device) -> None:
-    """Descriptors made in a kernel (``tl.make_tensor_descriptor``) live in a global scratch buffer Triton asks an
-    allocator for at launch: torch's caching allocator on ``device``, unless the caller set one of their own."""
-    from triton.runtime import _allocation
-
-    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
-        triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=device))
-
-
 def _live_args(live, like) -> dict:
     """``LIVE`` and its ``stride_live_b/h/m`` kernel arguments (``like`` and 0 without a bitmap)."""
     live = like if live is None else live.contiguous()
@@ -392,9 +369,9 @@ def launch_bwd(spec, seed, do, out, tau, lsum, *, out_u=None, tau_lo=None, live=
         buf.dv.zero_()
 
     # the dQ kernel's K / V tiles by TMA where the device and layout allow (_TMA_KERNELS)
-    use_tma = _tma_device(q.device) and all(_tma_rows(t) for t in (q, k, v, do))
-    if use_tma and not _args.interpreting():
-        _set_tma_allocator(q.device)
+    use_tma = _args.tma_device(q.device) and all(_args.tma_rows(t) for t in (q, k, v, do))
+    if use_tma:
+        _args.set_tma_allocator(q.device)
 
     def kernel_args(name):
         return _common_args(spec, seed, do, tau, tau_lo, buf.delta, buf.row_factors, live, live_tiles, config[name],

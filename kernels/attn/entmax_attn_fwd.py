@@ -38,7 +38,7 @@ import triton.language as tl
 from .. import _args
 from .._args import ALPHA_CLASSES, CLASS_POW, class_launches, resolve_alpha_class
 from .._args import alpha_class_of as alpha_class_of  # re-exported: the public place of the class rule
-from .._common import alpha_class_id, load_rows, slice_base, store_rows
+from .._common import alpha_class_id, load_rows, rows_source, slice_base, store_rows
 from .._masking import key_tile_range, max_first_tile, program_mods, seq_bounds
 from .._spec import kernel_spec
 from ._fwd_entmax import entmax_rows
@@ -107,7 +107,7 @@ def _entmax_attn_fwd_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BIAS_KIND: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_DROPOUT: tl.constexpr, NEED_OUT_U: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, STAGE: tl.constexpr = 0,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, STAGE: tl.constexpr = 0, USE_TMA: tl.constexpr = False,
 ):
     """One program per (query tile, q head ``h``, batch entry or sequence ``seq``); see the module doc.
 
@@ -136,8 +136,10 @@ def _entmax_attn_fwd_kernel(
     q_base = slice_base(Q, b, h, q_start, stride_qb, stride_qh, stride_qm)
     q = load_rows(q_base, rows, offs_d, stride_qm, stride_qd, row_ok, offs_d < HEAD_DIM, UPCAST)  # [BLOCK_M, BLOCK_D]
     # the program's run-time values, built once and handed down as tuples (kernels/attn/_fwd_rows.py)
-    kv = KeyTiles(slice_base(K, b, h_kv, k_start, stride_kb, stride_kh, stride_kn),
-                  slice_base(V, b, h_kv, k_start, stride_vb, stride_vh, stride_vn), stride_kn, stride_kd, stride_vn,
+    kv = KeyTiles(rows_source(K, b, h_kv, k_start, seqlen_k, stride_kb, stride_kh, stride_kn, HEAD_DIM, BLOCK_N,
+                              BLOCK_D, USE_TMA),
+                  rows_source(V, b, h_kv, k_start, seqlen_k, stride_vb, stride_vh, stride_vn, HEAD_DIM_V, BLOCK_N,
+                              BLOCK_DV, USE_TMA), stride_kn, stride_kd, stride_vn,
                   stride_vd, tl.arange(0, BLOCK_N), offs_d < HEAD_DIM, offs_dv < HEAD_DIM_V)
     rw = Rows(rows, seqlen_q, seqlen_k, q_start, k_start, total_k, bh, seed, dropout_p, inv_keep)
     mods = program_mods(MODS, b, seq, h, q_start, k_start, SCORE)
@@ -214,13 +216,31 @@ SPLIT_CLASSES = frozenset({"entmax15", "sparsemax"})
 # when causal under 3.9); other configs uncapped
 SPLIT_MAXNREG = {(64, 64, 4, 128): {2: 168, 3: 168}}
 
+# the launches that load their K / V tiles with TMA descriptors on sm_90 (``USE_TMA``, ``takes_tma``): every launch
+# of a BLOCK_D in FWD_TMA_BLOCK_D (the head dims built offline) but those in FWD_NO_TMA, by (ALPHA_CLASS, STAGE,
+# NEED_OUT_U, BLOCK_D), whose sm_90 builds spill more inside a loop with the descriptors than without under triton
+# 3.6 or 3.9 (spill accesses in loops, pointer loads -> descriptors) or model no fewer cycles per key tile
+# (docs/kernels.md, "TMA descriptors for K / V")
+FWD_TMA_BLOCK_D = frozenset({64, 128, 256})
+FWD_NO_TMA = frozenset({
+    (1, 2, False, 64), (1, 2, True, 64), (2, 2, False, 64), (2, 2, True, 64),  # value kernels: 8-14 more cycles
+    (2, 1, False, 128), (2, 1, True, 128),  # the 1.5-entmax threshold kernel at its 168-register cap: 3.6 0 -> 1
+    (1, 2, True, 128), (2, 2, True, 128),  # the training value kernels: 3.6 0 -> 2, 3.9 0 -> 6 / 7
+    (1, 0, False, 128),  # sparsemax, fused: 3.6 0 -> 1
+    (2, 0, True, 128),  # 1.5-entmax, fused training: 3.9 15 -> 19
+    (3, 0, True, 128), (3, 0, True, 256),  # general alpha, training: 3.6 41 -> 61 / 0 -> 5, 3.9 80 -> 102 / 0 -> 10
+    # general alpha split (not the default): threshold kernel 3.6 0 -> 1; value kernels 3.6 0 -> 15 (128), training
+    # 0 -> 30 (64), 3 -> 35 (128), 0 -> 1 (256), 3.9 23 -> 50 (128), 0 -> 3 (256)
+    (3, 1, False, 128), (3, 1, True, 128), (3, 2, False, 128), (3, 2, True, 64), (3, 2, True, 128), (3, 2, True, 256),
+})
+
 # on a GPU the kernel is autotuned per head dim, tile, alpha class, mask kind, causal flag and precision;
 # the interpreter runs one pinned config (autotuning several fails there)
 _entmax_attn_fwd_autotuned = triton.autotune(
     configs=_args.launch_configs(), prune_configs_by={"early_config_prune": _args.prune_to_pinned(
         lambda head_dim: _pick_config(head_dim, False)[2:])},
     key=["HEAD_DIM", "HEAD_DIM_V", "BLOCK_M", "BLOCK_N", "ALPHA_CLASS", "HEAD_FILTER", "BIAS_KIND", "MASK", "SCORE",
-         "IS_VARLEN", "HAS_DROPOUT", "NEED_OUT_U", "DOT_PRECISION"],
+         "IS_VARLEN", "HAS_DROPOUT", "NEED_OUT_U", "DOT_PRECISION", "USE_TMA"],
 )(_entmax_attn_fwd_kernel)
 
 
@@ -356,19 +376,34 @@ def launch_fwd(spec, seed: int = 0, *, tol: float | None = None, max_passes: int
     forced = _forced_options(num_warps, num_stages, spec.q.shape[-1])
     plan = _plan(spec, seed, tol, max_passes, need_out_u, block_m, block_n)
     split_classes = {ALPHA_CLASSES[c] for c in ("sparsemax", "entmax15", "general") if runs_split(c, split)}
+    # K / V tiles by TMA descriptors where the device and the layout allow, in the launches that gain (takes_tma)
+    tma = bool(plan.launches) and _args.tma_device(spec.q.device) and _args.tma_rows(spec.k) and _args.tma_rows(spec.v)
+    if tma:
+        _args.set_tma_allocator(spec.q.device)
     for args in plan.launches:
         if args["ALPHA_CLASS"] in split_classes:
             # the split forward: the threshold kernel, then the value kernel, with the pinned (or forced) config
             options = plan.options if forced is None else forced
             for stage in (1, 2):
-                _entmax_attn_fwd_kernel[plan.grid](**args, STAGE=stage, **_split_options(stage, args, options))
-        elif forced is not None:
-            _entmax_attn_fwd_kernel[plan.grid](**args, **forced)
-        elif _args.pinned_launch():
-            _entmax_attn_fwd_kernel[plan.grid](**args, **plan.options)
+                _entmax_attn_fwd_kernel[plan.grid](**args, STAGE=stage, USE_TMA=tma and takes_tma(args, stage),
+                                                   **_split_options(stage, args, options))
         else:
-            _entmax_attn_fwd_autotuned[plan.grid](**args)
+            args = dict(args, USE_TMA=tma and takes_tma(args, 0))
+            if forced is not None:
+                _entmax_attn_fwd_kernel[plan.grid](**args, **forced)
+            elif _args.pinned_launch():
+                _entmax_attn_fwd_kernel[plan.grid](**args, **plan.options)
+            else:
+                _entmax_attn_fwd_autotuned[plan.grid](**args)
     return plan.result
+
+
+def takes_tma(args: dict, stage: int) -> bool:
+    """Whether the launch of ``args`` (a ``_plan`` launch) at ``stage`` loads its K / V tiles with TMA descriptors on
+    sm_90: its ``BLOCK_D`` is in :data:`FWD_TMA_BLOCK_D` and its (alpha class, stage, training, ``BLOCK_D``) not in
+    :data:`FWD_NO_TMA`."""
+    return (args["BLOCK_D"] in FWD_TMA_BLOCK_D
+            and (args["ALPHA_CLASS"], stage, bool(args["NEED_OUT_U"]), args["BLOCK_D"]) not in FWD_NO_TMA)
 
 
 def runs_split(alpha_class: str, split: bool | None = None) -> bool:

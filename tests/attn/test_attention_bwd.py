@@ -567,6 +567,7 @@ def test_tma_descriptor_loads_match_pointer_loads(deterministic, kernel_device, 
     forced here) give the gradients of the masked pointer loads: zeros past each packed sequence's end and past the
     head dim (24 of a 32-wide block), GQA, causal, a head-broadcast mask (the d bias kernel's loop too). Every kernel
     takes the descriptors here (``_TMA_KERNELS`` limits them to the dQ kernel on a GPU)."""
+    from sparse_attn.kernels import _args
     from sparse_attn.kernels.attn import entmax_attn_bwd as bwd
 
     monkeypatch.setattr(bwd, "_TMA_KERNELS", ("dq", "dkdv", "dbias"))
@@ -574,10 +575,10 @@ def test_tma_descriptor_loads_match_pointer_loads(deterministic, kernel_device, 
     mask = torch.randn(1, 1, 40, 37, generator=torch.Generator().manual_seed(6))
     case = Case(device=kernel_device, Hq=2, Hk=1, D=24, alpha=[1.5, 1.0], cu_q=[0, 5, 5, 27, 36, 40],
                 cu_k=[0, 9, 12, 28, 37, 37], causal=True, mask=mask, mask_grad=True)
-    monkeypatch.setattr(bwd, "_tma_device", lambda device: False)
+    monkeypatch.setattr(_args, "tma_device", lambda device: False)
     plain = case.run(block_m=16, block_n=16, need_dbias=True, deterministic=deterministic)
-    monkeypatch.setattr(bwd, "_tma_device", lambda device: True)
-    assert all(bwd._tma_rows(t) for t in (case.q, case.k, case.v, case.do))
+    monkeypatch.setattr(_args, "tma_device", lambda device: True)
+    assert all(_args.tma_rows(t) for t in (case.q, case.k, case.v, case.do))
     tma = case.run(block_m=16, block_n=16, need_dbias=True, deterministic=deterministic)
     case.check(tma, names=("dq", "dk", "dv", "dalpha", "dbias"))
     if kernel_device == "cpu":  # the same loads: bitwise the same gradients (a GPU build may schedule them apart)

@@ -224,6 +224,53 @@ def test_forced_launch_config(kernel_device):
     assert (res.block_m, res.block_n) == (16, 32)
 
 
+@pytest.mark.parametrize("split", [False, True])
+def test_tma_descriptor_loads_match_pointer_loads(split, kernel_device, monkeypatch):
+    """K / V tiles through TMA tensor descriptors (on a GPU from sm_90 when the layout allows, in the launches
+    ``takes_tma`` picks; here every launch, forced) give the forward of the masked pointer loads: zeros past each
+    packed sequence's end (empty ones too) and past the head dim (24 of a 32-wide block), GQA, causal, every alpha
+    class, the fused kernel and the split forward's two stages, with the training output ``out_u``. Checked against
+    float64 and, under the interpreter, against the pointer loads: the same counts, bitmap and supports, floats to
+    float32 rounding (the interpreter multiplies the descriptor's transposed K tile in another order)."""
+    from sparse_attn.kernels import _args
+    from sparse_attn.kernels.attn import entmax_attn_fwd as fwd
+
+    monkeypatch.setattr(fwd, "FWD_TMA_BLOCK_D", frozenset({32}))
+    monkeypatch.setattr(fwd, "FWD_NO_TMA", frozenset())
+    case = dict(device=kernel_device, Hq=4, Hk=2, D=24, cu_q=[0, 5, 5, 27, 36, 40], cu_k=[0, 9, 12, 28, 37, 37],
+                causal=True, block_m=16, block_n=16, split=split, need_out_u=True)
+    monkeypatch.setattr(_args, "tma_device", lambda device: False)
+    plain, _, _ = _run_case(**case)
+    monkeypatch.setattr(_args, "tma_device", lambda device: True)
+    tma, _, _ = _run_case(**case)
+    assert tma.out_u is not None
+    if kernel_device == "cpu":  # the same values loaded (a GPU build may schedule them apart)
+        for name in plain._fields:
+            a, b = getattr(plain, name), getattr(tma, name)
+            if not isinstance(a, torch.Tensor):
+                assert a == b, name
+            elif a.is_floating_point():
+                torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5, equal_nan=True, msg=name)
+            else:
+                assert torch.equal(a, b), name
+
+
+def test_tma_rows_takes_only_layouts_a_descriptor_can_stream():
+    """``_args.tma_rows`` (the launchers' layout check before TMA descriptors): a contiguous last dim, 16-byte aligned
+    base, strides and row length, and rows that do not overlap; anything else keeps the pointer loads."""
+    from sparse_attn.kernels._args import tma_rows
+
+    x = torch.zeros(2, 3, 40, 64, dtype=torch.bfloat16)
+    assert tma_rows(x) and tma_rows(x.transpose(1, 2).contiguous().transpose(1, 2))  # (B, N, H, D) viewed as BHND
+    assert tma_rows(x[:, :, 8:])  # a later row: 8 * 128 bytes on
+    assert not tma_rows(x[:, :, :, 1:9])  # a base 2 bytes on, rows of 16 bytes
+    assert not tma_rows(x[..., :12])  # rows of 24 bytes
+    assert not tma_rows(x.transpose(2, 3))  # head dim not contiguous
+    assert not tma_rows(x[:, :, :1].expand(2, 3, 40, 64))  # one row broadcast along the sequence (stride 0)
+    assert not tma_rows(torch.zeros(2, 3, 40, 12, dtype=torch.float16))  # 24-byte rows
+    assert tma_rows(torch.zeros(2, 3, 40, 24, dtype=torch.float32))  # 96-byte rows
+
+
 @pytest.mark.parametrize("head_dim", [16, 64, 96, 128, 160, 256])
 def test_autotuners_try_the_pinned_config_first(head_dim):
     """On a GPU each attention autotuner keeps three of ``launch_configs()`` per launch: the pinned warps / stages of
