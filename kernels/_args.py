@@ -9,6 +9,8 @@ that reads these arguments.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import struct
 from typing import NamedTuple
@@ -101,6 +103,27 @@ def pinned_launch() -> bool:
     return interpreting() or os.environ.get("SPARSE_ATTN_PINNED", "0") == "1"
 
 
+def device_guard(device):
+    """The context a launch on ``device`` runs in: Triton launches on the current CUDA device, so a tensor on another
+    GPU (a model split over devices) makes its device current for the launch (as flash-attn's device guard does); a
+    no-op for CPU tensors (the interpreter)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def launches_on(tensor_of):
+    """Decorator of a launcher: run it under :func:`device_guard` of ``tensor_of(*args, **kwargs)``'s device."""
+
+    def wrap(launcher):
+        @functools.wraps(launcher)
+        def run(*args, **kwargs):
+            with device_guard(tensor_of(*args, **kwargs).device):
+                return launcher(*args, **kwargs)
+
+        return run
+
+    return wrap
+
+
 def tma_device(device) -> bool:
     """Whether the kernels may stream tiles with TMA tensor descriptors on ``device``: CUDA with compute capability
     9.0 or newer (Hopper's tensor memory accelerator), unless ``SPARSE_ATTN_TMA=0`` turns them off (every kernel then
@@ -118,14 +141,20 @@ def tma_rows(t: torch.Tensor) -> bool:
             and t.stride(-2) >= t.shape[-1] and all(st * size % 16 == 0 for st in t.stride()[:-1]))
 
 
-def set_tma_allocator(device) -> None:
+def set_tma_allocator() -> None:
     """Descriptors made in a kernel (``tl.make_tensor_descriptor``) live in a global scratch buffer Triton asks an
-    allocator for at launch: torch's caching allocator on ``device``, unless the caller set one of their own. Not
-    under the interpreter, which needs none."""
+    allocator for at launch: torch's caching allocator on the current CUDA device (the launch's: :func:`launches_on`),
+    unless the caller set one of their own. Not under the interpreter, which needs none."""
     from triton.runtime import _allocation
 
     if not interpreting() and isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
-        triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=device))
+        triton.set_allocator(_scratch_on_current_device)
+
+
+def _scratch_on_current_device(size: int, alignment: int, stream) -> torch.Tensor:
+    """Triton's global scratch of one launch: ``size`` bytes on the current CUDA device (torch's allocator aligns
+    blocks to 512 bytes, more than the ``alignment`` asked)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -487,6 +516,7 @@ def dropout_keep_mask(seed: int, batch_heads: int, n_rows: int, n_cols: int, dro
     out = torch.empty((batch_heads, n_rows, n_cols), dtype=torch.int8, device=device)
     block_m = 16
     grid = (triton.cdiv(n_rows, block_m), batch_heads)
-    dropout_mask_kernel[grid](OUT=out, seed=seed, dropout_p=dropout_p, n_rows=n_rows, n_cols=n_cols, BLOCK_M=block_m,
-                               BLOCK_N=32)
+    with device_guard(out.device):
+        dropout_mask_kernel[grid](OUT=out, seed=seed, dropout_p=dropout_p, n_rows=n_rows, n_cols=n_cols,
+                                  BLOCK_M=block_m, BLOCK_N=32)
     return out.bool()

@@ -327,6 +327,7 @@ def entmax_attn_bwd(
                       tiles=tiles)
 
 
+@_args.launches_on(lambda spec, *args, **kwargs: spec.q)
 def launch_bwd(spec, seed, do, out, tau, lsum, *, out_u=None, tau_lo=None, live=None, block_m=None, block_n=None,
                need_dalpha=False, need_dbias=False, deterministic=True, tiles=None):
     """:func:`entmax_attn_bwd` of an ``AttnSpec`` (``kernels/_spec.py``: the fused op's spec, or ``kernel_spec`` of the
@@ -371,7 +372,7 @@ def launch_bwd(spec, seed, do, out, tau, lsum, *, out_u=None, tau_lo=None, live=
     # the dQ kernel's K / V tiles by TMA where the device and layout allow (_TMA_KERNELS)
     use_tma = _args.tma_device(q.device) and all(_args.tma_rows(t) for t in (q, k, v, do))
     if use_tma:
-        _args.set_tma_allocator(q.device)
+        _args.set_tma_allocator()
 
     def kernel_args(name):
         return _common_args(spec, seed, do, tau, tau_lo, buf.delta, buf.row_factors, live, live_tiles, config[name],

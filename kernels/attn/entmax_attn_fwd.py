@@ -367,6 +367,7 @@ def entmax_attn_fwd(
                       block_n=block_n, num_warps=num_warps, num_stages=num_stages, split=split)
 
 
+@_args.launches_on(lambda spec, *args, **kwargs: spec.q)
 def launch_fwd(spec, seed: int = 0, *, tol: float | None = None, max_passes: int | None = None,
                need_out_u: bool = False, block_m: int | None = None, block_n: int | None = None,
                num_warps: int | None = None, num_stages: int | None = None,
@@ -379,7 +380,7 @@ def launch_fwd(spec, seed: int = 0, *, tol: float | None = None, max_passes: int
     # K / V tiles by TMA descriptors where the device and the layout allow, in the launches that gain (takes_tma)
     tma = bool(plan.launches) and _args.tma_device(spec.q.device) and _args.tma_rows(spec.k) and _args.tma_rows(spec.v)
     if tma:
-        _args.set_tma_allocator(spec.q.device)
+        _args.set_tma_allocator()
     for args in plan.launches:
         if args["ALPHA_CLASS"] in split_classes:
             # the split forward: the threshold kernel, then the value kernel, with the pinned (or forced) config

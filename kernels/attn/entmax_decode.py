@@ -515,6 +515,7 @@ def entmax_decode_fwd(
                          hint_step=hint_step, counters=counters, stats=stats, reuse_scratch=reuse_scratch)
 
 
+@_args.launches_on(lambda spec, *args, **kwargs: spec.q)
 def launch_decode(spec, *, tol: float | None = None, max_passes: int | None = None, block_n: int | None = None,
                   tau_hint: torch.Tensor | None = None, hint_step: float | None = None, counters: bool = True,
                   stats: bool = True, reuse_scratch: bool = True) -> EntmaxDecodeResult:

@@ -47,6 +47,8 @@ import triton.language as tl
 from sparse_attn.kernels._args import computed_alpha, interpreting
 from sparse_attn.kernels._common import LN2, LOG2E, expm1mx_series, log2_1p
 
+from .._args import launches_on
+
 __all__ = [
     "MODE_SOFTMAX",
     "MODE_SPARSEMAX",
@@ -335,6 +337,7 @@ def _alpha_rows(alpha, n_rows: int, device) -> tuple[torch.Tensor, int]:
     return torch.full((1,), float(alpha), dtype=torch.float32, device=device), 0
 
 
+@launches_on(lambda x, *args, **kwargs: x)
 def entmax_rows_fwd(x: torch.Tensor, alpha, mode: int, tol: float = 1e-6, max_iter: int = 64,
                     block: int | None = None) -> torch.Tensor:
     """alpha-entmax of every row of ``x``.
@@ -366,6 +369,7 @@ def entmax_rows_fwd(x: torch.Tensor, alpha, mode: int, tol: float = 1e-6, max_it
     return y
 
 
+@launches_on(lambda y, *args, **kwargs: y)
 def entmax_rows_bwd(y: torch.Tensor, dy: torch.Tensor, alpha, mode: int, need_dalpha: bool = False,
                     block: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gradients of alpha-entmax rows from the forward output.

@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .._args import launches_on
+
 
 def _check_rows(name: str, x: torch.Tensor, lengths: torch.Tensor) -> None:
     """``x`` a 2-d float32/float64 tensor, ``lengths`` an integer ``(R,)`` tensor on its device."""
@@ -123,6 +125,7 @@ def _tv_prox_kernel(X, Y, Lengths, Lam, stride_x, stride_y, IS_FP64: tl.constexp
                         u_max = -lam
 
 
+@launches_on(lambda x, *args, **kwargs: x)
 def tv_prox_rows(x: torch.Tensor, lengths: torch.Tensor, lam: float) -> torch.Tensor:
     """Prox of ``lam * sum_i |y_{i+1} - y_i|`` on the first ``lengths[r]`` entries of each row.
 
@@ -193,6 +196,7 @@ def _isotonic_kernel(V, Y, Means, Counts, Lengths, stride_v, stride_y, stride_s,
         b += 1
 
 
+@launches_on(lambda v, *args, **kwargs: v)
 def isotonic_nonincreasing_rows(v: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """Least-squares non-increasing fit of the first ``lengths[r]`` entries of each row of ``v``.
 
