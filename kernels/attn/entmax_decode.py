@@ -49,7 +49,6 @@ import triton
 import triton.language as tl
 
 from .. import _args
-from .._args import classes_present, resolve_alpha_class
 from .._common import LOG2E
 from .._masking import key_block_range, score_mod, sink_tile
 from .._spec import kernel_spec
@@ -531,8 +530,8 @@ def launch_decode(spec, *, tol: float | None = None, max_passes: int | None = No
     assert 16 <= head_dim <= 256 and 16 <= head_dim_v <= 256 and n_heads % max(n_kv_heads, 1) == 0
     kv_group = n_heads // max(n_kv_heads, 1)
     n_rows = kv_group * seqlen_q
-    alpha_class = resolve_alpha_class(alpha, spec.alpha_class)
-    classes = classes_present(alpha, alpha_class)
+    alpha_class = _args.resolve_alpha_class(alpha, spec.alpha_class)
+    classes = _args.classes_present(alpha, alpha_class)
     block_mask = _args.spec_block_mask(spec)
     window, blocks = None if spec.window_size is None else tuple(spec.window_size), _args.blocks_mode(block_mask, None)
     plan = _launch.static_plan(q.dtype, paged, head_dim, head_dim_v, n_rows, bool(spec.is_causal), window, spec.softcap,

@@ -229,28 +229,39 @@ def test_tma_descriptor_loads_match_pointer_loads(split, kernel_device, monkeypa
     """K / V tiles through TMA tensor descriptors (on a GPU from sm_90 when the layout allows, in the launches
     ``takes_tma`` picks; here every launch, forced) give the forward of the masked pointer loads: zeros past each
     packed sequence's end (empty ones too) and past the head dim (24 of a 32-wide block), GQA, causal, every alpha
-    class, the fused kernel and the split forward's two stages, with the training output ``out_u``. Checked against
-    float64 and, under the interpreter, against the pointer loads: the same counts, bitmap and supports, floats to
-    float32 rounding (the interpreter multiplies the descriptor's transposed K tile in another order)."""
+    class, the fused kernel and the split forward's two stages, with the training output ``out_u``, float16. Checked
+    against float64 and, under the interpreter, against the pointer loads: the same counts, bitmap and supports,
+    floats to float32 rounding, then their own dtype's (the interpreter multiplies the descriptor's transposed K tile
+    in another order).
+    Float32 inputs keep pointer loads."""
     from sparse_attn.kernels import _args
     from sparse_attn.kernels.attn import entmax_attn_fwd as fwd
 
     monkeypatch.setattr(fwd, "FWD_TMA_BLOCK_D", frozenset({32}))
     monkeypatch.setattr(fwd, "FWD_NO_TMA", frozenset())
+    taken = []
+    takes_tma = fwd.takes_tma
+    monkeypatch.setattr(fwd, "takes_tma", lambda args, stage: taken.append(takes_tma(args, stage)) or taken[-1])
     case = dict(device=kernel_device, Hq=4, Hk=2, D=24, cu_q=[0, 5, 5, 27, 36, 40], cu_k=[0, 9, 12, 28, 37, 37],
-                causal=True, block_m=16, block_n=16, split=split, need_out_u=True)
+                causal=True, block_m=16, block_n=16, split=split, need_out_u=True, dtype=torch.float16)
     monkeypatch.setattr(_args, "tma_device", lambda device: False)
     plain, _, _ = _run_case(**case)
+    assert not taken
     monkeypatch.setattr(_args, "tma_device", lambda device: True)
     tma, _, _ = _run_case(**case)
     assert tma.out_u is not None
+    assert len(taken) == (7 if split else 4) and all(taken)  # 4 classes; split: 3 of them in 2 stages
+    taken.clear()
+    _run_case(**dict(case, dtype=torch.float32))
+    assert not taken
     if kernel_device == "cpu":  # the same values loaded (a GPU build may schedule them apart)
         for name in plain._fields:
             a, b = getattr(plain, name), getattr(tma, name)
             if not isinstance(a, torch.Tensor):
                 assert a == b, name
             elif a.is_floating_point():
-                torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5, equal_nan=True, msg=name)
+                tol = max(1e-5, 2 * torch.finfo(a.dtype).eps)
+                torch.testing.assert_close(b, a, rtol=tol, atol=tol, equal_nan=True, msg=name)
             else:
                 assert torch.equal(a, b), name
 
