@@ -9,7 +9,6 @@ that reads these arguments.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 import struct
@@ -103,11 +102,38 @@ def pinned_launch() -> bool:
     return interpreting() or os.environ.get("SPARSE_ATTN_PINNED", "0") == "1"
 
 
-def device_guard(device):
+class _LaunchContext:
+    """:func:`device_guard`'s context: ``torch.cuda.device`` of a CUDA device, and Triton's scratch allocator for
+    the descriptors made in a kernel while the launches run (:func:`_install_scratch_allocator`)."""
+
+    __slots__ = ("device", "_cuda", "_token")
+
+    def __init__(self, device):
+        self.device, self._cuda, self._token = device, None, None
+
+    def __enter__(self):
+        if self.device.type == "cuda":
+            self._cuda = torch.cuda.device(self.device)
+            self._cuda.__enter__()
+            self._token = _install_scratch_allocator()
+        return self
+
+    def __exit__(self, *exc):
+        if self._token is not None:
+            _scratch_allocator_var().reset(self._token)
+            self._token = None
+        if self._cuda is not None:
+            self._cuda.__exit__(*exc)
+            self._cuda = None
+        return False
+
+
+def device_guard(device) -> _LaunchContext:
     """The context a launch on ``device`` runs in: Triton launches on the current CUDA device, so a tensor on another
-    GPU (a model split over devices) makes its device current for the launch (as flash-attn's device guard does); a
-    no-op for CPU tensors (the interpreter)."""
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    GPU (a model split over devices) makes its device current for the launch (as flash-attn's device guard does), and
+    kernels that make TMA descriptors get their global scratch from it (:func:`_install_scratch_allocator`, undone on
+    exit); a no-op for CPU tensors (the interpreter)."""
+    return _LaunchContext(device)
 
 
 def launches_on(tensor_of):
@@ -125,11 +151,12 @@ def launches_on(tensor_of):
 
 
 def tma_device(device) -> bool:
-    """Whether the kernels may stream tiles with TMA tensor descriptors on ``device``: CUDA with compute capability
-    9.0 or newer (Hopper's tensor memory accelerator), unless ``SPARSE_ATTN_TMA=0`` turns them off (every kernel then
-    takes its pointer loads: the same results)."""
+    """Whether the kernels may stream tiles with TMA tensor descriptors on ``device``: a CUDA device of compute
+    capability 9.x (Hopper's tensor memory accelerator; the builds measured are sm_90's, so later GPUs keep pointer
+    loads), unless ``SPARSE_ATTN_TMA=0`` turns them off (every kernel then takes its pointer loads: the same values
+    loaded, results within rounding)."""
     return (device.type == "cuda" and os.environ.get("SPARSE_ATTN_TMA", "1") != "0"
-            and torch.cuda.get_device_capability(device)[0] >= 9)
+            and torch.cuda.get_device_capability(device)[0] == 9)
 
 
 def tma_rows(t: torch.Tensor) -> bool:
@@ -141,20 +168,47 @@ def tma_rows(t: torch.Tensor) -> bool:
             and t.stride(-2) >= t.shape[-1] and all(st * size % 16 == 0 for st in t.stride()[:-1]))
 
 
-def set_tma_allocator() -> None:
-    """Descriptors made in a kernel (``tl.make_tensor_descriptor``) live in a global scratch buffer Triton asks an
-    allocator for at launch: torch's caching allocator on the current CUDA device (the launch's: :func:`launches_on`),
-    unless the caller set one of their own. Not under the interpreter, which needs none."""
+# bytes of Triton's global scratch per descriptor a program makes in a kernel (a CUtensorMap), and the scratch a
+# launch may take whatever its output's size
+TMA_DESCRIPTOR_BYTES = 128
+TMA_SCRATCH_FREE = 8 << 20
+
+
+def tma_scratch_fits(grid: tuple, descriptors: int, like: torch.Tensor) -> bool:
+    """Whether the scratch of ``descriptors`` TMA descriptors per program over ``grid`` (every program makes its own)
+    stays within :data:`TMA_SCRATCH_FREE` or the bytes of ``like`` (the launch's output): always for dense batches;
+    not for many packed sequences of very different lengths, whose grid spans every sequence at the longest one's
+    tiles (1000 sequences up to 32k keys, 32 heads: 4 GiB of scratch for 64-row tiles)."""
+    scratch = grid[0] * grid[1] * grid[2] * descriptors * TMA_DESCRIPTOR_BYTES
+    return scratch <= max(TMA_SCRATCH_FREE, like.numel() * like.element_size())
+
+
+def _scratch_allocator_var():
+    """Triton's context variable holding the scratch allocator (``triton.runtime._allocation._allocator``)."""
     from triton.runtime import _allocation
 
-    if not interpreting() and isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
-        triton.set_allocator(_scratch_on_current_device)
+    return _allocation._allocator
+
+
+def _install_scratch_allocator():
+    """Descriptors made in a kernel (``tl.make_tensor_descriptor``) live in a global scratch buffer Triton asks an
+    allocator for at launch. When the caller has set none, set :func:`_scratch_on_current_device` (the launch's
+    device) and return the token that puts the caller's state back; None when the caller's allocator stays, and under
+    the interpreter, which needs none."""
+    from triton.runtime import _allocation
+
+    var = _scratch_allocator_var()
+    if interpreting() or not isinstance(var.get(), _allocation.NullAllocator):
+        return None
+    return var.set(_scratch_on_current_device)
 
 
 def _scratch_on_current_device(size: int, alignment: int, stream) -> torch.Tensor:
-    """Triton's global scratch of one launch: ``size`` bytes on the current CUDA device (torch's allocator aligns
-    blocks to 512 bytes, more than the ``alignment`` asked)."""
-    return torch.empty(size, dtype=torch.int8, device="cuda")
+    """Triton's global scratch of one launch: ``size`` bytes on the current CUDA device, starting at a multiple of
+    ``alignment`` (a view into a block ``alignment`` bytes longer)."""
+    block = torch.empty(size + alignment, dtype=torch.int8, device="cuda")
+    start = -block.data_ptr() % alignment
+    return block[start:start + size]
 
 
 def dot_precision(dtype: torch.dtype) -> str:

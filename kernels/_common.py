@@ -81,7 +81,9 @@ def rows_source(X, b, h, start, seqlen, stride_b, stride_h, stride_n, HEAD_DIM: 
 def load_tile(src, row0, idx, offs_d, stride_n, stride_d, ok, d_ok, UPCAST: tl.constexpr):
     """Rows ``idx`` (``row0 ..``) of a :func:`rows_source` as ``[BLOCK, BLOCK_D]``, 0 outside ``ok``, ``d_ok``: a
     pointer's by :func:`load_rows`; a tensor descriptor's by one asynchronous TMA copy, no address or mask per element
-    (the source's type decides when the kernel is built)."""
+    (the source's type decides when the kernel is built). A descriptor's zeros are those outside its ``seqlen x
+    HEAD_DIM`` rows, so ``ok`` / ``d_ok`` must be exactly ``idx < seqlen`` / ``offs_d < HEAD_DIM``: a stricter mask
+    needs the pointer source."""
     if isinstance(src, tl.tensor_descriptor):
         x = src.load([row0, 0])
         if UPCAST:

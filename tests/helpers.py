@@ -7,6 +7,7 @@ of the same (dtype-rounded) inputs; the rule is :func:`assert_close_to_ref`.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -314,3 +315,28 @@ def host_reads_outside(monkeypatch, owner, name, fn) -> list[str]:
         fn()
     assert log.ops, "nothing was dispatched: the op log is not recording"
     return log.host_reads()
+
+
+@contextlib.contextmanager
+def count_tma_descriptors():
+    """Counts ``{"make": n, "load": n}`` of the TMA tensor descriptors the interpreted kernels make and load from
+    inside the block (the interpreter's builder; on a GPU nothing is counted)."""
+    from triton.runtime import interpreter
+
+    counts = {"make": 0, "load": 0}
+    builder = interpreter.InterpreterBuilder
+    make, load = builder.create_make_tensor_descriptor, builder.create_descriptor_load
+
+    def counted(name, fn):
+        def run(self, *args, **kwargs):
+            counts[name] += 1
+            return fn(self, *args, **kwargs)
+
+        return run
+
+    builder.create_make_tensor_descriptor = counted("make", make)
+    builder.create_descriptor_load = counted("load", load)
+    try:
+        yield counts
+    finally:
+        builder.create_make_tensor_descriptor, builder.create_descriptor_load = make, load

@@ -464,23 +464,26 @@ def test_headline_local_scores_reach_the_dead_tile_target():
 
 def test_isolated_tests_rerun_a_cuda_error_without_tma(tmp_path):
     """``isolated_tests.py`` runs each selected test in its own process and writes a row as each ends; a test that
-    failed with a CUDA error runs once more with ``SPARSE_ATTN_TMA=0`` (here it then passes: a TMA fault), a plain
-    assertion failure does not."""
+    failed with a CUDA error or timed out (a hung barrier) runs once more with ``SPARSE_ATTN_TMA=0`` (here it then
+    passes: a TMA fault), a plain assertion failure does not."""
     fake = tmp_path / "test_fake_gpu.py"
     fake.write_text(
         "import os\nimport pytest\n\n\n@pytest.mark.gpu\ndef test_tma_fault():\n"
         "    if os.environ.get('SPARSE_ATTN_TMA') != '0':\n"
         "        raise RuntimeError('CUDA error: an illegal memory access was encountered')\n\n\n"
-        "@pytest.mark.gpu\ndef test_wrong():\n    assert 1 == 2\n")
+        "@pytest.mark.gpu\ndef test_wrong():\n    assert 1 == 2\n\n\n"
+        "@pytest.mark.gpu\ndef test_hang():\n    import time\n"
+        "    time.sleep(0 if os.environ.get('SPARSE_ATTN_TMA') == '0' else 60)\n")
     out = tmp_path / "out"
     res = subprocess.run([sys.executable, str(GPU / "isolated_tests.py"), "--out", str(out), "--jobs", "1",
-                          "--no-launch-blocking", "--root", str(tmp_path), fake.name], cwd=tmp_path,
-                         capture_output=True, text=True, timeout=300)
+                          "--no-launch-blocking", "--per-test-s", "8", "--root", str(tmp_path), fake.name],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert res.returncode == 1, res.stdout[-2000:] + res.stderr[-2000:]
     rows = [line.split("\t") for line in (out / "summary.tsv").read_text().splitlines()[1:]]
     outcomes = {row[1].split("::")[-1]: row[2] for row in rows}
     assert outcomes == {"test_tma_fault": "FAILED", "test_tma_fault [SPARSE_ATTN_TMA=0]": "passed",
-                        "test_wrong": "FAILED"}, rows
+                        "test_wrong": "FAILED", "test_hang": "TIMEOUT", "test_hang [SPARSE_ATTN_TMA=0]": "passed"}, rows
     fault = next(row for row in rows if row[1].endswith("test_tma_fault"))
-    assert "illegal memory access" in fault[5]
-    assert "test_tma_fault [SPARSE_ATTN_TMA=0]" in (out / "logs" / f"{int(fault[0]) + 1000:03d}.log").read_text()
+    assert "illegal memory access" in fault[5] and fault[6] == f"{int(fault[0]):03d}.log"
+    assert "test_tma_fault [SPARSE_ATTN_TMA=0]" in (out / "logs" / f"{int(fault[0]):03d}-notma.log").read_text()
+    assert "3 run and 2 rerun without TMA" in (out / "summary.md").read_text()

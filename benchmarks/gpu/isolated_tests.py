@@ -12,8 +12,9 @@ fault from any other (``--no-tma-retry`` skips that).
     python benchmarks/gpu/isolated_tests.py --out DIR [--jobs 12] [--budget-s 420] [--per-test-s 240] [-m EXPR]
                                             [--first PATTERN ...] [--no-tma-retry] [--root DIR] [nodeid ...]
 
-DIR receives ``summary.tsv`` (nodeid, outcome, exit status, seconds), ``logs/<n>.log`` (pytest's -q --tb=short
-output of test n) and ``summary.md`` (counts, then the failed tests with their first error line).
+DIR receives ``summary.tsv`` (nodeid, outcome, exit status, seconds, first error, log), ``logs/<n>.log`` (pytest's
+-q --tb=short output of test n; ``<n>-notma.log`` its rerun without TMA) and ``summary.md`` (counts, then the failed
+tests with their first error line).
 """
 
 from __future__ import annotations
@@ -52,10 +53,11 @@ def interleave(ids: list[str], first: list[str]) -> list[str]:
     return order
 
 
-# a failure the GPU raised (not an assertion): worth a rerun without TMA descriptors; the rerun's log is number
-# n + RETRY_OFFSET
-CUDA_ERROR = re.compile(r"illegal memory access|CUDA error|misaligned address|out of resources|illegal instruction")
-RETRY_OFFSET = 1000
+# a failure the GPU raised (not an assertion): torch's "CUDA error: ...", Triton's "Triton Error [CUDA]: ..." (an
+# "unspecified launch failure" is what a bad tensor map or barrier gives), Triton's "out of resource: shared memory";
+# such a test, or one that timed out (a hung barrier), runs again without TMA descriptors (log ``NNN-notma.log``)
+CUDA_ERROR = re.compile(r"illegal memory access|CUDA error|Triton Error \[CUDA\]|unspecified launch failure|"
+                        r"misaligned address|out of resource|illegal instruction")
 
 
 def first_error(log: str) -> str:
@@ -93,10 +95,10 @@ def main() -> int:
     if not args.no_launch_blocking:
         env["CUDA_LAUNCH_BLOCKING"] = "1"
     summary = open(out / "summary.tsv", "w", buffering=1)
-    summary.write("n\tnodeid\toutcome\trc\tseconds\tfirst_error\n")
+    summary.write("n\tnodeid\toutcome\trc\tseconds\tfirst_error\tlog\n")
     lock = threading.Lock()
     queue = [(n, nodeid, {}) for n, nodeid in enumerate(ids)]
-    rows: list[tuple[int, str, str, int, float, str]] = []
+    rows: list[tuple[int, str, str, int, float, str, str]] = []
     procs: set[subprocess.Popen] = set()
 
     def worker():
@@ -106,7 +108,7 @@ def main() -> int:
                     return
                 n, nodeid, extra = queue.pop(0)
             t0 = time.monotonic()
-            log_path = out / "logs" / f"{n:03d}.log"
+            log_path = out / "logs" / (f"{n:03d}-notma.log" if extra else f"{n:03d}.log")
             label = nodeid + "".join(f" [{k}={v}]" for k, v in extra.items())
             with open(log_path, "w") as log:
                 log.write(f"# {label}\n")
@@ -130,10 +132,11 @@ def main() -> int:
             outcome = {0: "passed", 1: "FAILED", 5: "none-run", 124: "TIMEOUT"}.get(rc, f"ERROR{rc}")
             if rc == 0 and re.search(r"\bskipped\b", text) and not re.search(r"\bpassed\b", text):
                 outcome = "skipped"
-            row = (n, label, outcome, rc, round(time.monotonic() - t0, 1), first_error(text) if rc else "")
+            row = (n, label, outcome, rc, round(time.monotonic() - t0, 1), first_error(text) if rc else "",
+                   log_path.name)
             with lock:
-                if rc and not extra and not args.no_tma_retry and CUDA_ERROR.search(text):
-                    queue.insert(0, (n + RETRY_OFFSET, nodeid, {"SPARSE_ATTN_TMA": "0"}))
+                if rc and not extra and not args.no_tma_retry and (rc == 124 or CUDA_ERROR.search(text)):
+                    queue.insert(0, (n, nodeid, {"SPARSE_ATTN_TMA": "0"}))
                 rows.append(row)
                 summary.write("\t".join(map(str, row)) + "\n")
                 print(f"[{time.monotonic() - start:6.0f}s] {outcome:8s} {row[4]:6.1f}s {label}", flush=True)
@@ -147,14 +150,16 @@ def main() -> int:
     counts = defaultdict(int)
     for row in rows:
         counts[row[2]] += 1
-    not_run = [nodeid for _, nodeid, _ in queue]
+    not_run = [nodeid + "".join(f" [{k}={v}]" for k, v in extra.items()) for _, nodeid, extra in queue]
     with open(out / "summary.md", "w") as md:
-        md.write(f"{len(ids)} tests selected ({args.select!r}), {len(rows)} run in {time.monotonic() - start:.0f} s, "
+        retried = sum(1 for row in rows if "[SPARSE_ATTN_TMA=0]" in row[1])
+        md.write(f"{len(ids)} tests selected ({args.select!r}), {len(rows) - retried} run and {retried} rerun without "
+                 f"TMA in {time.monotonic() - start:.0f} s, "
                  f"{len(not_run)} not started (budget); "
                  + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) + "\n\n")
         for row in sorted(rows):
             if row[2] not in ("passed", "skipped"):
-                md.write(f"- `{row[1]}` {row[2]} ({row[4]} s, logs/{row[0]:03d}.log): {row[5]}\n")
+                md.write(f"- `{row[1]}` {row[2]} ({row[4]} s, logs/{row[6]}): {row[5]}\n")
         if not_run:
             md.write("\nNot started:\n" + "".join(f"- `{n}`\n" for n in not_run))
     print((out / "summary.md").read_text(), flush=True)

@@ -369,10 +369,11 @@ def launch_bwd(spec, seed, do, out, tau, lsum, *, out_u=None, tau_lo=None, live=
         buf.dk.zero_()
         buf.dv.zero_()
 
-    # the dQ kernel's K / V tiles by TMA where the device and layout allow (_TMA_KERNELS)
-    use_tma = _args.tma_device(q.device) and all(_args.tma_rows(t) for t in (q, k, v, do))
-    if use_tma:
-        _args.set_tma_allocator()
+    # the dQ kernel's K / V tiles by TMA where the device and layout allow (_TMA_KERNELS) and their scratch (two
+    # descriptors per program) is no larger than dQ
+    dq_grid = (plans["dq"].n_q_tiles, n_heads, plans["dq"].n_seq)
+    use_tma = (_args.tma_device(q.device) and all(_args.tma_rows(t) for t in (q, k, v, do))
+               and _args.tma_scratch_fits(dq_grid, 2, buf.dq))
 
     def kernel_args(name):
         return _common_args(spec, seed, do, tau, tau_lo, buf.delta, buf.row_factors, live, live_tiles, config[name],
@@ -390,7 +391,6 @@ def launch_bwd(spec, seed, do, out, tau, lsum, *, out_u=None, tau_lo=None, live=
         NEED_DALPHA=bool(need_dalpha), NEED_DBIAS=deterministic and buf.mode == "dense",
         NEED_DBIAS_ROWS=deterministic and buf.mode == "rows",
     )
-    dq_grid = (plans["dq"].n_q_tiles, n_heads, plans["dq"].n_seq)
     _launch("dq", dq_grid, dict(dq_args, PHASE=0 if deterministic else 1), alpha_class, forced.get("dq"))
     plan = plans["dkdv"]
     _launch("dkdv", (plan.n_k_tiles, k.shape[1], plan.n_seq), dict(

@@ -378,11 +378,11 @@ def launch_fwd(spec, seed: int = 0, *, tol: float | None = None, max_passes: int
     plan = _plan(spec, seed, tol, max_passes, need_out_u, block_m, block_n)
     split_classes = {ALPHA_CLASSES[c] for c in ("sparsemax", "entmax15", "general") if runs_split(c, split)}
     # K / V tiles by TMA descriptors where the device and the layout allow, in the launches that gain (takes_tma);
-    # 16-bit inputs only: the builds measured (float32 ones spill with pointer loads and with descriptors)
+    # 16-bit inputs only: the builds measured (float32 ones spill with pointer loads and with descriptors); their
+    # scratch (two descriptors per program) no larger than the output
     tma = (bool(plan.launches) and spec.k.element_size() == 2 and _args.tma_device(spec.q.device)
-           and _args.tma_rows(spec.k) and _args.tma_rows(spec.v))
-    if tma:
-        _args.set_tma_allocator()
+           and _args.tma_rows(spec.k) and _args.tma_rows(spec.v)
+           and _args.tma_scratch_fits(plan.grid, 2, plan.result.out))
     for args in plan.launches:
         if args["ALPHA_CLASS"] in split_classes:
             # the split forward: the threshold kernel, then the value kernel, with the pinned (or forced) config
@@ -403,9 +403,9 @@ def launch_fwd(spec, seed: int = 0, *, tol: float | None = None, max_passes: int
 
 def takes_tma(args: dict, stage: int) -> bool:
     """Whether the launch of ``args`` (a ``_plan`` launch) at ``stage`` loads its K / V tiles with TMA descriptors on
-    sm_90: its ``BLOCK_D`` is in :data:`FWD_TMA_BLOCK_D` and its (alpha class, stage, training, ``BLOCK_D``) not in
-    :data:`FWD_NO_TMA`."""
-    return (args["BLOCK_D"] in FWD_TMA_BLOCK_D
+    sm_90: its ``BLOCK_D`` and ``BLOCK_DV`` are in :data:`FWD_TMA_BLOCK_D` and its (alpha class, stage, training,
+    ``BLOCK_D``) not in :data:`FWD_NO_TMA`."""
+    return (args["BLOCK_D"] in FWD_TMA_BLOCK_D and args["BLOCK_DV"] in FWD_TMA_BLOCK_D
             and (args["ALPHA_CLASS"], stage, bool(args["NEED_OUT_U"]), args["BLOCK_D"]) not in FWD_NO_TMA)
 
 

@@ -7,7 +7,7 @@ the reference's threshold ``tau`` rounded to float32 and the matching renormaliz
 
 import pytest
 import torch
-from helpers import TOL, assert_close_to_ref, bf16_toward_zero
+from helpers import TOL, assert_close_to_ref, bf16_toward_zero, count_tma_descriptors
 
 from sparse_attn.attention import entmax_attention
 from sparse_attn.kernels._args import dropout_keep_mask
@@ -576,11 +576,14 @@ def test_tma_descriptor_loads_match_pointer_loads(deterministic, kernel_device, 
     case = Case(device=kernel_device, Hq=2, Hk=1, D=24, alpha=[1.5, 1.0], cu_q=[0, 5, 5, 27, 36, 40],
                 cu_k=[0, 9, 12, 28, 37, 37], causal=True, mask=mask, mask_grad=True)
     monkeypatch.setattr(_args, "tma_device", lambda device: False)
-    plain = case.run(block_m=16, block_n=16, need_dbias=True, deterministic=deterministic)
+    with count_tma_descriptors() as off:
+        plain = case.run(block_m=16, block_n=16, need_dbias=True, deterministic=deterministic)
     monkeypatch.setattr(_args, "tma_device", lambda device: True)
     assert all(_args.tma_rows(t) for t in (case.q, case.k, case.v, case.do))
-    tma = case.run(block_m=16, block_n=16, need_dbias=True, deterministic=deterministic)
+    with count_tma_descriptors() as on:
+        tma = case.run(block_m=16, block_n=16, need_dbias=True, deterministic=deterministic)
     case.check(tma, names=("dq", "dk", "dv", "dalpha", "dbias"))
     if kernel_device == "cpu":  # the same loads: bitwise the same gradients (a GPU build may schedule them apart)
+        assert off == {"make": 0, "load": 0} and on["make"] > 0 and on["load"] > 0, (off, on)
         for name, a, b in zip(("dq", "dk", "dv", "dalpha", "dbias"), plain, tma):
             assert torch.equal(a, b), name

@@ -15,7 +15,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from helpers import TOL
+from helpers import TOL, count_tma_descriptors
 
 from sparse_attn.kernels._args import dropout_keep_mask
 from sparse_attn.kernels._common import dropout_keep
@@ -224,37 +224,34 @@ def test_forced_launch_config(kernel_device):
     assert (res.block_m, res.block_n) == (16, 32)
 
 
-@pytest.mark.parametrize("split", [False, True])
-def test_tma_descriptor_loads_match_pointer_loads(split, kernel_device, monkeypatch):
+@pytest.mark.parametrize("split,layout", [(False, "bhnd"), (True, "bhnd"), (True, "bnhd")])
+def test_tma_descriptor_loads_match_pointer_loads(split, layout, kernel_device, monkeypatch):
     """K / V tiles through TMA tensor descriptors (on a GPU from sm_90 when the layout allows, in the launches
     ``takes_tma`` picks; here every launch, forced) give the forward of the masked pointer loads: zeros past each
     packed sequence's end (empty ones too) and past the head dim (24 of a 32-wide block), GQA, causal, every alpha
-    class, the fused kernel and the split forward's two stages, with the training output ``out_u``, float16. Checked
-    against float64 and, under the interpreter, against the pointer loads: the same counts, bitmap and supports,
-    floats to float32 rounding, then their own dtype's (the interpreter multiplies the descriptor's transposed K tile
-    in another order).
-    Float32 inputs keep pointer loads."""
+    class, the fused kernel and the split forward's two stages, with the training output ``out_u``, float16, a
+    ``(B, N, H, D)`` view too. Checked against float64 and, under the interpreter, against the pointer loads: the
+    same counts, bitmap and supports, floats to float32 rounding, then their own dtype's (the interpreter multiplies
+    the descriptor's transposed K tile in another order); there the descriptors are counted: made and loaded from
+    only with TMA, not at all for float32 inputs, which keep pointer loads."""
     from sparse_attn.kernels import _args
     from sparse_attn.kernels.attn import entmax_attn_fwd as fwd
 
     monkeypatch.setattr(fwd, "FWD_TMA_BLOCK_D", frozenset({32}))
     monkeypatch.setattr(fwd, "FWD_NO_TMA", frozenset())
-    taken = []
-    takes_tma = fwd.takes_tma
-    monkeypatch.setattr(fwd, "takes_tma", lambda args, stage: taken.append(takes_tma(args, stage)) or taken[-1])
     case = dict(device=kernel_device, Hq=4, Hk=2, D=24, cu_q=[0, 5, 5, 27, 36, 40], cu_k=[0, 9, 12, 28, 37, 37],
-                causal=True, block_m=16, block_n=16, split=split, need_out_u=True, dtype=torch.float16)
+                causal=True, block_m=16, block_n=16, split=split, need_out_u=True, dtype=torch.float16, layout=layout)
     monkeypatch.setattr(_args, "tma_device", lambda device: False)
-    plain, _, _ = _run_case(**case)
-    assert not taken
+    with count_tma_descriptors() as off:
+        plain, _, _ = _run_case(**case)
     monkeypatch.setattr(_args, "tma_device", lambda device: True)
-    tma, _, _ = _run_case(**case)
+    with count_tma_descriptors() as on:
+        tma, _, _ = _run_case(**case)
+    with count_tma_descriptors() as fp32:
+        _run_case(**dict(case, dtype=torch.float32))
     assert tma.out_u is not None
-    assert len(taken) == (7 if split else 4) and all(taken)  # 4 classes; split: 3 of them in 2 stages
-    taken.clear()
-    _run_case(**dict(case, dtype=torch.float32))
-    assert not taken
     if kernel_device == "cpu":  # the same values loaded (a GPU build may schedule them apart)
+        assert off == fp32 == {"make": 0, "load": 0} and on["make"] > 0 and on["load"] > 0, (off, on, fp32)
         for name in plain._fields:
             a, b = getattr(plain, name), getattr(tma, name)
             if not isinstance(a, torch.Tensor):
@@ -264,6 +261,50 @@ def test_tma_descriptor_loads_match_pointer_loads(split, kernel_device, monkeypa
                 torch.testing.assert_close(b, a, rtol=tol, atol=tol, equal_nan=True, msg=name)
             else:
                 assert torch.equal(a, b), name
+
+
+def test_tma_switch_scratch_and_allocator(monkeypatch):
+    """``SPARSE_ATTN_TMA=0`` turns TMA off before any CUDA query; the descriptors' scratch is bounded by the output's
+    size (``tma_scratch_fits``); the scratch allocator is set only while a launch runs and only when the caller set
+    none (a caller's own stays), and hands out ``alignment``-aligned views."""
+    import contextvars
+
+    import triton
+    from triton.runtime import _allocation
+
+    from sparse_attn.kernels import _args
+
+    monkeypatch.setenv("SPARSE_ATTN_TMA", "0")
+    assert not _args.tma_device(torch.device("cuda", 0))
+    assert not _args.tma_device(torch.device("cpu"))
+    free = _args.TMA_SCRATCH_FREE // (2 * _args.TMA_DESCRIPTOR_BYTES)  # programs of two descriptors in the free part
+    small = torch.empty(64, dtype=torch.bfloat16)
+    big = torch.empty(free, 256, dtype=torch.bfloat16)  # twice the free scratch: the scratch of (free, 2, 1) programs
+    assert _args.tma_scratch_fits((free, 1, 1), 2, small) and not _args.tma_scratch_fits((free + 1, 1, 1), 2, small)
+    assert _args.tma_scratch_fits((free, 2, 1), 2, big) and not _args.tma_scratch_fits((free, 2, 1), 2, small)
+    assert not _args.tma_scratch_fits((free + 1, 2, 1), 2, big)
+
+    monkeypatch.setattr(_args, "interpreting", lambda: False)
+
+    def scoped():
+        assert isinstance(_allocation._allocator.get(), _allocation.NullAllocator)
+        token = _args._install_scratch_allocator()
+        assert token is not None and _allocation._allocator.get() is _args._scratch_on_current_device
+        _args._scratch_allocator_var().reset(token)
+        assert isinstance(_allocation._allocator.get(), _allocation.NullAllocator)
+
+        def own(size, alignment, stream):
+            return torch.empty(size, dtype=torch.int8)
+
+        triton.set_allocator(own)
+        assert _args._install_scratch_allocator() is None and _allocation._allocator.get() is own
+
+    contextvars.copy_context().run(scoped)
+    real_empty = torch.empty
+    monkeypatch.setattr(_args.torch, "empty", lambda *a, **k: real_empty(*a, **dict(k, device="cpu")))
+    for size, alignment in ((256, 128), (1000, 64), (8, 256)):
+        buf = _args._scratch_on_current_device(size, alignment, None)
+        assert buf.numel() == size and buf.data_ptr() % alignment == 0
 
 
 def test_tma_rows_takes_only_layouts_a_descriptor_can_stream():
