@@ -206,6 +206,7 @@ def _install_scratch_allocator():
 def _scratch_on_current_device(size: int, alignment: int, stream) -> torch.Tensor:
     """Triton's global scratch of one launch: ``size`` bytes on the current CUDA device, starting at a multiple of
     ``alignment`` (a view into a block ``alignment`` bytes longer)."""
+    alignment = max(int(alignment), 1)
     block = torch.empty(size + alignment, dtype=torch.int8, device="cuda")
     start = -block.data_ptr() % alignment
     return block[start:start + size]

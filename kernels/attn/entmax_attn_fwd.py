@@ -217,10 +217,10 @@ SPLIT_CLASSES = frozenset({"entmax15", "sparsemax"})
 SPLIT_MAXNREG = {(64, 64, 4, 128): {2: 168, 3: 168}}
 
 # the launches that load their K / V tiles with TMA descriptors on sm_90 (``USE_TMA``, ``takes_tma``): every launch
-# of a BLOCK_D in FWD_TMA_BLOCK_D (the head dims built offline) but those in FWD_NO_TMA, by (ALPHA_CLASS, STAGE,
-# NEED_OUT_U, BLOCK_D), whose sm_90 builds spill more inside a loop with the descriptors than without under triton
-# 3.6 or 3.9 (spill accesses in loops, pointer loads -> descriptors) or model no fewer cycles per key tile
-# (docs/kernels.md, "TMA descriptors for K / V")
+# whose BLOCK_D and BLOCK_DV are in FWD_TMA_BLOCK_D (the head dims built offline) but those in FWD_NO_TMA, by
+# (ALPHA_CLASS, STAGE, NEED_OUT_U, BLOCK_D), whose sm_90 builds spill more inside a loop with the descriptors than
+# without under triton 3.6 or 3.9 (spill accesses in loops, pointer loads -> descriptors) or model no fewer cycles
+# per key tile (docs/kernels.md, "TMA descriptors for K / V")
 FWD_TMA_BLOCK_D = frozenset({64, 128, 256})
 FWD_NO_TMA = frozenset({
     (1, 2, False, 64), (1, 2, True, 64), (2, 2, False, 64), (2, 2, True, 64),  # value kernels: 8-14 more cycles
@@ -379,7 +379,7 @@ def launch_fwd(spec, seed: int = 0, *, tol: float | None = None, max_passes: int
     split_classes = {ALPHA_CLASSES[c] for c in ("sparsemax", "entmax15", "general") if runs_split(c, split)}
     # K / V tiles by TMA descriptors where the device and the layout allow, in the launches that gain (takes_tma);
     # 16-bit inputs only: the builds measured (float32 ones spill with pointer loads and with descriptors); their
-    # scratch (two descriptors per program) no larger than the output
+    # scratch (two descriptors per program) within 8 MiB or the output's size
     tma = (bool(plan.launches) and spec.k.element_size() == 2 and _args.tma_device(spec.q.device)
            and _args.tma_rows(spec.k) and _args.tma_rows(spec.v)
            and _args.tma_scratch_fits(plan.grid, 2, plan.result.out))
