@@ -194,11 +194,18 @@ def _install_scratch_allocator():
     """Descriptors made in a kernel (``tl.make_tensor_descriptor``) live in a global scratch buffer Triton asks an
     allocator for at launch. When the caller has set none, set :func:`_scratch_on_current_device` (the launch's
     device) and return the token that puts the caller's state back; None when the caller's allocator stays, and under
-    the interpreter, which needs none."""
-    from triton.runtime import _allocation
+    the interpreter, which needs none. A Triton without that private context variable gets the allocator through
+    ``triton.set_allocator`` for good (it cannot tell a caller's own)."""
+    if interpreting():
+        return None
+    try:
+        from triton.runtime import _allocation
 
-    var = _scratch_allocator_var()
-    if interpreting() or not isinstance(var.get(), _allocation.NullAllocator):
+        var, null = _scratch_allocator_var(), _allocation.NullAllocator
+    except (ImportError, AttributeError):
+        triton.set_allocator(_scratch_on_current_device)
+        return None
+    if not isinstance(var.get(), null):
         return None
     return var.set(_scratch_on_current_device)
 

@@ -266,7 +266,8 @@ def test_tma_descriptor_loads_match_pointer_loads(split, layout, kernel_device, 
 def test_tma_switch_scratch_and_allocator(monkeypatch):
     """``SPARSE_ATTN_TMA=0`` turns TMA off before any CUDA query; the descriptors' scratch is bounded by the output's
     size (``tma_scratch_fits``); the scratch allocator is set only while a launch runs and only when the caller set
-    none (a caller's own stays), and hands out ``alignment``-aligned views."""
+    none (a caller's own stays; a Triton without the private context variable gets it for good), and hands out
+    ``alignment``-aligned views."""
     import contextvars
 
     import triton
@@ -300,6 +301,14 @@ def test_tma_switch_scratch_and_allocator(monkeypatch):
         assert _args._install_scratch_allocator() is None and _allocation._allocator.get() is own
 
     contextvars.copy_context().run(scoped)
+
+    def missing():
+        raise AttributeError("no _allocator")
+
+    set_for_good = []
+    monkeypatch.setattr(_args, "_scratch_allocator_var", missing)  # a Triton without the private context variable
+    monkeypatch.setattr(triton, "set_allocator", set_for_good.append)
+    assert _args._install_scratch_allocator() is None and set_for_good == [_args._scratch_on_current_device]
     real_empty = torch.empty
     monkeypatch.setattr(_args.torch, "empty", lambda *a, **k: real_empty(*a, **dict(k, device="cpu")))
     for size, alignment in ((256, 128), (1000, 64), (8, 256), (16, 0)):
