@@ -6,18 +6,15 @@ hashes.
 Usage: ``python benchmarks/offline/build_hashes.py [--d 64 128 256] [--bwd-d 128] [--no-tma]``. One line per build:
 its name, ``sha`` (the first 10 hex digits of the SHA-1 of its SASS instructions, addresses left out), registers,
 spill bytes, spill loads / stores inside loops, SASS instructions, TMA loads (UTMALDG), cp.async copies (LDGSTS)
-and warpgroup MMAs (HGMMA); columns as in ``sm90_build.py``.
+warpgroup MMAs (HGMMA) and ``mma.sync`` (HMMA); columns as in ``sm90_build.py``, whose ``analyse`` computes the
+hash.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
-import re
-import subprocess
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import sm90_build  # noqa: E402
@@ -26,26 +23,12 @@ import torch  # noqa: E402
 import sparse_attn.kernels.attn.entmax_attn_fwd as fwd  # noqa: E402
 
 CLASSES = ("softmax", "entmax15", "sparsemax", "general")
-_analyse = sm90_build.analyse
-
-
-def analyse_with_hash(compiled) -> dict:
-    """``sm90_build.analyse`` plus ``sha``: a hash of the SASS instructions without their addresses."""
-    info = _analyse(compiled)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "k.cubin")
-        with open(path, "wb") as f:
-            f.write(compiled.asm["cubin"])
-        sass = subprocess.run([os.path.join(sm90_build.BIN, "cuobjdump"), "-sass", path], capture_output=True,
-                              text=True, check=True).stdout
-    ins = re.findall(r"/\*[0-9a-f]{4,}\*/\s+([^;]*;)", sass)
-    info["sha"] = hashlib.sha1("\n".join(ins).encode()).hexdigest()[:10]
-    return info
 
 
 def show(name: str, info: dict) -> None:
     print(f"{name:44s} sha={info['sha']} regs={info['regs']} spill={info['spill']} loop_ldst={info['loop_ldst']} "
-          f"sass={info['sass']} tma={info['tma']} ldgsts={info['ldgsts']} hgmma={info['hgmma']}", flush=True)
+          f"sass={info['sass']} tma={info['tma']} ldgsts={info['ldgsts']} hgmma={info['hgmma']} hmma={info['hmma']}",
+          flush=True)
 
 
 def forward_builds(head_dim: int, n: int):
@@ -63,20 +46,16 @@ def forward_builds(head_dim: int, n: int):
                 for _, args, kwargs in launches:
                     name = (f"fwd d{head_dim} {cls}{' train' if train else ''}"
                             + (f" split-stage{kwargs['STAGE']}" if split else ""))
-                    yield name, analyse_with_hash(sm90_build.compile_like_launch(kernel, args, kwargs))
+                    yield name, sm90_build.analyse(sm90_build.compile_like_launch(kernel, args, kwargs))
 
 
 def backward_builds(head_dim: int, n: int):
     """``(name, info)`` of the backward kernels of ``sm90_build.BWD_MATRIX`` for 1.5-entmax and general alpha."""
-    sm90_build.analyse = analyse_with_hash
-    try:
-        for cls in ("entmax15", "general"):
-            for need_dalpha, mask, kernels, det in sm90_build.BWD_MATRIX:
-                for info in sm90_build.bwd_cases(head_dim, need_dalpha=need_dalpha, mask=mask, kernels=kernels,
-                                                 alpha_class=cls, deterministic=det, n=n):
-                    yield f"bwd d{head_dim} {cls} {info['kernel']} da={need_dalpha} m={mask} det={det}", info
-    finally:
-        sm90_build.analyse = _analyse
+    for cls in ("entmax15", "general"):
+        for need_dalpha, mask, kernels, det in sm90_build.BWD_MATRIX:
+            for info in sm90_build.bwd_cases(head_dim, need_dalpha=need_dalpha, mask=mask, kernels=kernels,
+                                             alpha_class=cls, deterministic=det, n=n):
+                yield f"bwd d{head_dim} {cls} {info['kernel']} da={need_dalpha} m={mask} det={det}", info
 
 
 def main(argv=None) -> int:

@@ -18,6 +18,8 @@ rsqrt, rcp).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import hashlib
 import os
 import re
 import subprocess
@@ -62,12 +64,11 @@ def captured_launches(module, name: str, launcher, *args, **kwargs):
     kernel = getattr(module, name)
     cap = _Capture(kernel)
     setattr(module, name, cap)
-    saved = tma_switch(TMA)
     try:
-        launcher(*args, **kwargs)
+        with sm90_tma():
+            launcher(*args, **kwargs)
     finally:
         setattr(module, name, kernel)
-        tma_switch(saved)
     return kernel, cap.launches
 
 
@@ -94,12 +95,15 @@ def analyse(compiled) -> dict:
         m = re.search(name + r":(\d+)", res)
         return int(m.group(1)) if m else 0
     ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass)
+    # the build's identity: its SASS instructions without their addresses (``build_hashes.py``)
+    sha = hashlib.sha1("\n".join(re.findall(r"/\*[0-9a-f]{4,}\*/\s+([^;]*;)", sass)).encode()).hexdigest()[:10]
     count = lambda prefix: sum(1 for o in ops if o.startswith(prefix))  # noqa: E731
     return dict(regs=field("REG"), spill=field("STACK") + field("LOCAL"), stl=count("STL"),
                 loop_ldst=_spills_in_loops(sass),
                 smem=compiled.metadata.shared, sass=len(ops),
                 ldgsts=count("LDGSTS"), tma=count("UTMALDG"), ldg=count("LDG") - count("LDGSTS") - count("LDGDEPBAR"),
-                mma=count("HGMMA") + count("HMMA"), hgmma=count("HGMMA"), hmma=count("HMMA"), mufu=count("MUFU"))
+                mma=count("HGMMA") + count("HMMA"), hgmma=count("HGMMA"), hmma=count("HMMA"), mufu=count("MUFU"),
+                sha=sha)
 
 
 def _spills_in_loops(sass: str) -> int:
@@ -118,12 +122,16 @@ ALPHA_OF_CLASS = {"softmax": 1.0, "sparsemax": 2.0, "entmax15": 1.5, "general": 
 N_DEFAULT = 4096
 
 
-def tma_switch(on):
-    """Make the launchers decide TMA as on an sm_90 GPU (``on`` True: ``_args.tma_device`` says yes) or as without
-    (False), or put back a saved ``_args.tma_device`` (a function); returns the one it replaced."""
+@contextlib.contextmanager
+def sm90_tma(on: bool | None = None):
+    """Inside, the launchers decide TMA as on an sm_90 GPU (``on`` True: ``_args.tma_device`` says yes) or as without
+    (False); None: as :data:`TMA` says."""
     saved = _args.tma_device
-    _args.tma_device = on if callable(on) else (lambda device: on)
-    return saved
+    _args.tma_device = lambda device: TMA if on is None else on
+    try:
+        yield
+    finally:
+        _args.tma_device = saved
 
 
 def _problem(head_dim, n, dtype, varlen, heads=4):
@@ -196,13 +204,12 @@ def fwd_case(head_dim: int, alpha_class: str, causal: bool = True, dtype=torch.b
     elif tuned is not None:  # the autotuned kernel: record its launch, build it with the pinned config
         cap = _Capture(tuned)
         fwd._entmax_attn_fwd_autotuned = cap
-        saved = tma_switch(TMA)
         try:
-            fwd.entmax_attn_fwd(q, k, v, alpha, head_dim ** -0.5, bias=bias, is_causal=causal, cu_seqlens_q=cu,
-                                cu_seqlens_k=cu, dropout_p=0.1 if dropout else 0.0, **variants, **extra)
+            with sm90_tma():
+                fwd.entmax_attn_fwd(q, k, v, alpha, head_dim ** -0.5, bias=bias, is_causal=causal, cu_seqlens_q=cu,
+                                    cu_seqlens_k=cu, dropout_p=0.1 if dropout else 0.0, **variants, **extra)
         finally:
             fwd._entmax_attn_fwd_autotuned = tuned
-            tma_switch(saved)
         _, _, warps, stages = fwd._pick_config(head_dim, False) if config is None else (None, None, *config)
         kernel, launches = fwd._entmax_attn_fwd_kernel, [(g, a, {**kw, "num_warps": warps, "num_stages": stages})
                                                          for g, a, kw in cap.launches]
@@ -253,21 +260,21 @@ def bwd_cases(head_dim: int, need_dalpha: bool = True, mask: str | None = "block
     caps = {name: _Capture(kernel) for name, kernel in tuned.items()}
     for name, cap in caps.items():
         setattr(bwd, f"_entmax_attn_bwd_{name}_autotuned", cap)
-    tma_device = tma_switch(TMA if tma is None else tma)
+    options = dict(is_causal=causal, cu_seqlens_q=cu, cu_seqlens_k=cu, dropout_p=0.1 if dropout else 0.0, live=live,
+                   block_m=block_m, block_n=block_n, need_dalpha=need_dalpha, need_dbias=mask not in (None, "bool"),
+                   out_u=torch.empty_like(q), window_size=window_size, softcap=softcap,
+                   alibi_slopes=torch.empty(heads, dtype=torch.float32) if alibi else None,
+                   **({"sinks": torch.zeros(heads, dtype=torch.float32)} if sinks else {}),
+                   **({"block_mask": block_mask_arg(block_mask, plan.n_seq, heads, n)} if block_mask else {}),
+                   **({} if deterministic else {"deterministic": False}))
     try:
-        bwd.entmax_attn_bwd(torch.empty_like(q), q, k, v, torch.empty_like(q), stats, stats,
-                            torch.full((heads,), ALPHA_OF_CLASS[alpha_class]), head_dim ** -0.5, bias=bias,
-                            is_causal=causal, cu_seqlens_q=cu, cu_seqlens_k=cu, dropout_p=0.1 if dropout else 0.0,
-                            live=live, block_m=block_m, block_n=block_n, need_dalpha=need_dalpha,
-                            need_dbias=mask not in (None, "bool"), out_u=torch.empty_like(q), window_size=window_size,
-                            softcap=softcap, alibi_slopes=torch.empty(heads, dtype=torch.float32) if alibi else None,
-                            **({"sinks": torch.zeros(heads, dtype=torch.float32)} if sinks else {}),
-                            **({"block_mask": block_mask_arg(block_mask, plan.n_seq, heads, n)} if block_mask else {}),
-                            **({} if deterministic else {"deterministic": False}))
+        with sm90_tma(tma):
+            bwd.entmax_attn_bwd(torch.empty_like(q), q, k, v, torch.empty_like(q), stats, stats,
+                                torch.full((heads,), ALPHA_OF_CLASS[alpha_class]), head_dim ** -0.5, bias=bias,
+                                **options)
     finally:
         for name, kernel in tuned.items():
             setattr(bwd, f"_entmax_attn_bwd_{name}_autotuned", kernel)
-        tma_switch(tma_device)
     out = []
     for name, cap in caps.items():
         for _, args, kwargs in cap.launches if name in kernels else []:

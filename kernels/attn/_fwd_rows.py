@@ -101,11 +101,11 @@ def _score_tile(q, kv, rw, key, mods, z_scale, bias_scale, BIAS_KIND: tl.constex
 
 
 @triton.jit
-def _value_tile(q, kv, kt, cols, seqlen_k):
-    """Value rows of key tile ``kt`` (keys ``cols``) in ``q``'s dtype. [BLOCK_N, BLOCK_DV]"""
+def _value_tile(q, kv, key, seqlen_k):
+    """Value rows of the key tile ``key`` (a ``_masking.KeyTile``) in ``q``'s dtype. [BLOCK_N, BLOCK_DV]"""
     offs_d = tl.arange(0, kv.dv_ok.shape[0])
-    return load_tile(kv.v_base, kt * kv.offs_n.shape[0], cols, offs_d, kv.stride_vn, kv.stride_vd, cols < seqlen_k,
-                     kv.dv_ok, False).to(q.dtype)
+    return load_tile(kv.v_base, key.kt * kv.offs_n.shape[0], key.cols, offs_d, kv.stride_vn, kv.stride_vd,
+                     key.cols < seqlen_k, kv.dv_ok, False).to(q.dtype)
 
 
 @triton.jit
@@ -267,7 +267,7 @@ def softmax_rows(q, kv, rw, tiles, mods, scale, BIAS_KIND: tl.constexpr, MASK, S
             word = word | (tl.max((s_max > float("-inf")).to(tl.int32), 0) << lane)
             tl.store(live_base + kt // 32, word)
             p, _ = _apply_dropout(p, p, rw, cols, HAS_DROPOUT)
-            v = _value_tile(q, kv, kt, cols, rw.seqlen_k)
+            v = _value_tile(q, kv, key, rw.seqlen_k)
             acc = acc * corr[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m = m_new
         else:
@@ -333,7 +333,7 @@ def _value_pass(q, kv, rw, tiles, mods, vp, POW: tl.constexpr, BIAS_KIND: tl.con
                     u = _u_weights(z, t_use, p, POW)
                     u_sum += tl.sum(u, 1)
                 p, u = _apply_dropout(p, u, rw, cols, HAS_DROPOUT)
-                v = _value_tile(q, kv, kt, cols, rw.seqlen_k)
+                v = _value_tile(q, kv, key, rw.seqlen_k)
                 if WITH_P:
                     acc += tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
                 if WITH_U:
