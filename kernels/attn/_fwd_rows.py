@@ -335,10 +335,11 @@ def _value_pass(q, kv, rw, tiles, mods, vp, POW: tl.constexpr, BIAS_KIND: tl.con
                 key = walk_tile(bits, rank, i, wd, kv, rw, row_lo, MASK)
                 kt = key.kt
                 cols = key.cols
-                # full tiles skip the per-score mask but in the general class (its head-dim-128 inference build
-                # would spill 88 bytes in its loops under triton 3.6; docs/kernels.md, "Full tiles")
+                # full tiles skip the per-score mask but in the general class's training forward (its head-dim-128
+                # build would spill more inside its loops: 6 -> 8 accesses under triton 3.6, 6 -> 30 under 3.9;
+                # docs/kernels.md, "Full tiles" and "General alpha: cheaper weights")
                 z = _score_tile(q, kv, rw, key, mods, z_scale, am1, BIAS_KIND, MASK, SCORE, DOT_PRECISION, ref,
-                                POW != 0)
+                                POW != 0 or not WITH_U)
                 p, u = _weights_and_u(z, t_use, POW, beta, HALF_P, WITH_U)
                 if WITH_P:
                     # one max per score (not a compare, a select and a max): the row maxima decide
