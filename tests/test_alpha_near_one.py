@@ -13,6 +13,8 @@ import math
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from helpers import BF16, EXACT, F16, F32, F64, TOL, assert_close_to_ref, qkv
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -21,6 +23,7 @@ import sparse_attn
 from sparse_attn import EntmaxMultiheadAttention, entmax, entmax_attention, entmax_bisect_loss
 from sparse_attn.decode import entmax_decode
 from sparse_attn.kernels._args import alpha_class_of, computed_alpha
+from sparse_attn.kernels._common import LOG1P_SERIES_MAX, log2_1p
 
 pytestmark = pytest.mark.usefixtures("poison_uninitialized")
 
@@ -176,3 +179,36 @@ def test_continuity_with_softmax_in_float64():
         bound = eps * float((scores.amax(-1) - scores.amin(-1)).max()) ** 2 * float(v.abs().max())
         assert 0 < float((near - soft).abs().max()) <= bound
     assert sparse_attn.entmax(torch.zeros(3, dtype=F64), 1 + 1e-12).sum() == pytest.approx(1.0)
+
+
+@triton.jit
+def _log2_1p_kernel(V, OUT, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(OUT + offs, log2_1p(tl.load(V + offs)))
+
+
+def test_log2_1p_relative_accuracy_and_weights(kernel_device):
+    """``log2(1 + v)`` as the general-alpha weights take it (``kernels._common.log2_1p``): float32 relative precision
+    where the series runs (``|v| < LOG1P_SERIES_MAX``, no rounding of ``1 + v``), and weights ``(1 + v)**beta`` built
+    on it within ``6e-7`` of float64 for every ``beta`` down to alpha = 1 + 2**-23 (rounding ``1 + v`` first, as a
+    plain ``log2`` would, costs ``beta`` ulps: 0.5 at that alpha)."""
+    gen = torch.Generator().manual_seed(11)
+    n = 4096
+    mags = torch.logspace(-12, 0, n // 2, dtype=F64)[:-1]
+    v = torch.cat([-mags, mags[mags < 0.2], -torch.rand(n, generator=gen, dtype=F64)])
+    v = v[v > -1].to(F32)
+    size = triton.next_power_of_2(v.numel())
+    vp = torch.zeros(size, dtype=F32)
+    vp[: v.numel()] = v
+    out = torch.empty(size, dtype=F32)
+    vp, out = vp.to(kernel_device), out.to(kernel_device)
+    _log2_1p_kernel[(1,)](vp, out, N=size)
+    got = out[: v.numel()].cpu().double()
+    v64 = v.double()
+    exact = torch.log1p(v64) / math.log(2.0)
+    series = v64.abs() < LOG1P_SERIES_MAX.value
+    rel = ((got - exact).abs() / exact.abs().clamp_min(1e-300))[series]
+    assert float(rel.max()) <= 2 * torch.finfo(F32).eps, float(rel.max())
+    for beta in (1.0 / 0.99, 2.0, 4.0, 8.0, 16.0, 64.0, 1e3, 2.0**23):
+        w_err = (torch.exp2(beta * got) - torch.exp2(beta * exact)).abs()[v64 <= 0]
+        assert float(w_err.max()) <= 6e-7, (beta, float(w_err.max()))

@@ -141,3 +141,16 @@ def test_backward_smoke_finds_the_tile_loops(tmp_path):
         assert b["floor_ratio"] >= 1.0
         if b["cls"] == "softmax" and b["deterministic"]:
             assert b["ratio"] == pytest.approx(1.0)
+
+
+def test_training_forward_value_loop(tmp_path):
+    """``--train``: the training forward's value loop multiplies ``U V`` next to ``P V`` (the backward's ``out_u``),
+    three products per key tile, bound by no less than the tensor cores; the softmax class's one loop keeps its two
+    (it stores the unrounded output instead)."""
+    out = tmp_path / "train.json"
+    _run([_SCRIPT, "--smoke", "--train", "--json", str(out)])
+    builds = {b["cls"]: b for b in json.loads(out.read_text())["builds"]}
+    assert builds["softmax"]["loops"]["softmax"]["tensor_macs"] == 2 * 128 * 64 * 64
+    value = builds["entmax15"]["loops"]["value"]
+    assert value["tensor_macs"] == 3 * 128 * 64 * 64
+    assert value["cycles"] >= value["bounds"]["tensor"] > 0

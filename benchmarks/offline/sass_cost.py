@@ -59,10 +59,12 @@ The counts are exact for the SASS that was built; the cycles are a model. Usage 
 
     python benchmarks/offline/sass_cost.py [--d 64 128] [--classes softmax entmax15 sparsemax general]
         [--causal | --no-causal] [--cand-passes 1] [--dead 0.6 0.9] [--n N] [--markdown] [--json FILE]
-        [--mix] [--keep DIR] [--smoke] [--points K,P] [--config BLOCK_M BLOCK_N WARPS]
+        [--mix] [--keep DIR] [--smoke] [--points K,P] [--config BLOCK_M BLOCK_N WARPS] [--train]
 
-``--causal`` / ``--no-causal`` restrict to one setting (default both). ``--points K,P`` builds every entmax class
-with ``GRID_K = K`` grid points and ``CAND_P = P`` candidate points per candidate pass instead of the kernel's
+``--causal`` / ``--no-causal`` restrict to one setting (default both). ``--train``: the training forward (the
+value loop also multiplies ``U V`` for the backward's ``out_u``), of the fused kernel as the other builds (not at
+head dim 256, whose second value pass the loop finder does not take). ``--points K,P`` builds every entmax class with
+``GRID_K = K`` grid points and ``CAND_P = P`` candidate points per candidate pass instead of the kernel's
 ``FWD_POINTS`` (powers of two; the kernel takes them as constexprs). ``--smoke``: the softmax and 1.5-entmax
 classes at head dim 64, not causal (CI). ``--mix``: the instruction mix of each loop path, per warp, by class and
 by opcode, and the grid pass's per-point work (live path minus dead path, per score and grid point). ``--json``:
@@ -426,7 +428,8 @@ def find_pass_loops(ins: list, kind: str, block_m: int, block_n: int, head_dim: 
                     macs_qk += m * n_ * k * warps // SMSP
         want = block_m * block_n * head_dim
         lp.pv = macs_pv > 0
-        if macs_qk != want or macs_pv not in (0, want):
+        # (the training forward's value loop multiplies U V too: twice P V's work)
+        if macs_qk != want or macs_pv not in (0, want, 2 * want):
             fail(f"tile loop @{ins[blocks[lp.header].first].addr:#x}: HGMMA work {macs_qk} (QK^T) + {macs_pv} (PV) "
                  f"multiply-adds per iteration, not one {block_m}x{block_n} key tile at head dim {head_dim} "
                  f"({want} each)")
@@ -714,13 +717,14 @@ def compiled_by(case, *args, **kwargs):
     return result, kept
 
 
-def build(head_dim: int, alpha_class: str, causal: bool, n: int | None = None, config: tuple | None = None):
+def build(head_dim: int, alpha_class: str, causal: bool, n: int | None = None, config: tuple | None = None,
+          need_out_u: bool = False):
     """``(compiled, info)``: the forward of one class built as ``sm90_build.fwd_case`` builds it (bf16, no mask;
-    ``n`` keys, default ``default_n()``; ``config`` ``(block_m, block_n, num_warps)`` instead of the pinned one);
-    ``info`` is its analysis dict (regs, spills, block, warps, ...)."""
+    ``n`` keys, default ``default_n()``; ``config`` ``(block_m, block_n, num_warps)`` instead of the pinned one;
+    ``need_out_u``: the training forward); ``info`` is its analysis dict (regs, spills, block, warps, ...)."""
     cfg = {} if config is None else dict(block=config[:2], config=(config[2], 2))
     info, kept = compiled_by(sm90_build.fwd_case, head_dim, alpha_class, causal=causal,
-                             n=default_n() if n is None else n, **cfg)
+                             n=default_n() if n is None else n, need_out_u=need_out_u, **cfg)
     if not kept:
         raise RuntimeError("sm90_build.fwd_case compiled nothing")
     return kept[-1], info
@@ -1039,6 +1043,8 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true", help="softmax and 1.5-entmax, head dim 64, not causal (CI)")
     ap.add_argument("--config", type=int, nargs=3, default=None, metavar=("BLOCK_M", "BLOCK_N", "WARPS"),
                     help="build every class with these tiles and warps (2 stages) instead of the pinned config")
+    ap.add_argument("--train", action="store_true",
+                    help="the training forward (need_out_u: the value loop also multiplies U V) of the fused kernel")
     ap.add_argument("--bwd", action="store_true", help="the backward's tile loops instead of the forward's")
     ap.add_argument("--nondet", action="store_true",
                     help="with --bwd: also the backward with the atomic dQ (deterministic=False)")
@@ -1060,14 +1066,15 @@ def main(argv=None) -> int:
         return bwd_main(args, triton)
 
     t0 = time.time()
-    print(f"# sass_cost: triton {triton.__version__}, sm_90, bf16, n {args.n}; {rates_text()}" +
+    print(f"# sass_cost{' --train' if args.train else ''}: triton {triton.__version__}, sm_90, bf16, n {args.n}; "
+          f"{rates_text()}" +
           (f"; points GRID_K, CAND_P = {args.points}" if args.points else ""), flush=True)
     results = []
     for d in args.d:
         for causal in args.causal:
             for cls in classes:
                 t = time.time()
-                compiled, info = build(d, cls, causal, args.n, args.config)
+                compiled, info = build(d, cls, causal, args.n, args.config, need_out_u=args.train)
                 an = analyse_build(compiled, info, cls, d)
                 r = dict(d=d, causal=causal, cls=cls, info=info, an=an)
                 if args.keep:

@@ -18,7 +18,7 @@ import triton.language as tl
 
 from .._common import LN2, LOG2E, dropout_keep, load_tile, two_sum
 from .._masking import block_tile_live, key_tile, live_tile, mark_tile, score_mod, sink_tile, visit_tile, word_bits
-from ._threshold import FAST_BETA_MAX, weights
+from ._threshold import FAST_BETA_MAX, pow_weights, weights
 from ._threshold_tiles import (
     cand_sums,
 )
@@ -135,6 +135,24 @@ def _u_weights(z, t, p, POW: tl.constexpr):
         pos = r > 0.0
         u = tl.where(pos, p / tl.where(pos, r, 1.0), 0.0)
     return u
+
+
+@triton.jit
+def _weights_and_u(z, t, POW: tl.constexpr, beta, HALF_P: tl.constexpr, WITH_U: tl.constexpr):
+    """The value pass's weights ``p = [z - tau]_+^beta`` (``_threshold.weights``) and, with ``WITH_U``, ``U = [z -
+    tau]_+^(beta - 1)`` (else ``U = p``). [BLOCK_M, BLOCK_N] each
+
+    The general path with ``WITH_U`` takes both from one ``log2_1p`` (``_threshold.pow_weights``, the same ``p`` as
+    without ``U``) instead of dividing ``p`` by ``r`` (``_u_weights``).
+    """
+    if WITH_U and POW == 0:
+        p, u = pow_weights(z - t[:, None], beta)
+    else:
+        p = weights(z, t, POW, beta, HALF_P)
+        u = p
+        if WITH_U:
+            u = _u_weights(z, t, p, POW)
+    return p, u
 
 
 @triton.jit
@@ -317,20 +335,19 @@ def _value_pass(q, kv, rw, tiles, mods, vp, POW: tl.constexpr, BIAS_KIND: tl.con
                 key = walk_tile(bits, rank, i, wd, kv, rw, row_lo, MASK)
                 kt = key.kt
                 cols = key.cols
-                # full tiles skip the per-score mask but in the general class (its head-dim-128 inference build
-                # would spill 88 bytes in its loops under triton 3.6; docs/kernels.md, "Full tiles")
+                # full tiles skip the per-score mask but in the general class's training forward (its head-dim-128
+                # build would spill more inside its loops: 6 -> 8 accesses under triton 3.6, 6 -> 30 under 3.9;
+                # docs/kernels.md, "Full tiles" and "General alpha: cheaper weights")
                 z = _score_tile(q, kv, rw, key, mods, z_scale, am1, BIAS_KIND, MASK, SCORE, DOT_PRECISION, ref,
-                                POW != 0)
-                p = weights(z, t_use, POW, beta, HALF_P)
+                                POW != 0 or not WITH_U)
+                p, u = _weights_and_u(z, t_use, POW, beta, HALF_P, WITH_U)
                 if WITH_P:
                     # one max per score (not a compare, a select and a max): the row maxima decide
                     live = tl.max((tl.max(z, 1) > lo_kill).to(tl.int32), 0)
                     new_word = new_word | (live << (kt - wd * 32))
                     l_sum += tl.sum(p, 1)
                     nnz += tl.sum((p > 0.0).to(tl.int32), 1)
-                u = p
                 if WITH_U:
-                    u = _u_weights(z, t_use, p, POW)
                     u_sum += tl.sum(u, 1)
                 p, u = _apply_dropout(p, u, rw, cols, HAS_DROPOUT)
                 v = _value_tile(q, kv, key, rw.seqlen_k)

@@ -138,12 +138,22 @@ def weights(z, t, POW: tl.constexpr, beta, FAST: tl.constexpr = False):
         p = r * r
     else:
         w = z - t[:, None]
-        pos = w > -1.0
         if FAST:
-            p = tl.where(pos, tl.exp2(beta * fast_log2(tl.maximum(1.0 + w, 0.0))), 0.0)
+            p = tl.where(w > -1.0, tl.exp2(beta * fast_log2(tl.maximum(1.0 + w, 0.0))), 0.0)
         else:
-            p = tl.where(pos, tl.exp2(beta * log2_1p(tl.where(pos, w, 0.0))), 0.0)
+            p, _ = pow_weights(w, beta)
     return p
+
+
+@triton.jit
+def pow_weights(w, beta):
+    """``(r^beta, r^(beta - 1))`` with ``r = [1 + w]_+`` (the general class's weights and ``U``), both from one
+    ``log2_1p``: ``U = exp2((beta - 1) log2 r)``, ``p = U r``, as the backward forms them (docs/backward.md), so that a
+    value pass that also needs ``U`` (the training forward) computes bitwise the weights of one that does not.
+    """
+    pos = w > -1.0
+    u = tl.where(pos, tl.exp2((beta - 1.0) * log2_1p(tl.where(pos, w, 0.0))), 0.0)
+    return tl.where(pos, u * (1.0 + w), 0.0), u
 
 
 @triton.jit

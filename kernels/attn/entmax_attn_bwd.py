@@ -28,7 +28,8 @@ the liveness bits in registers (``_masking.bit_rank``, ``live_tile``), with no b
 pipelined (the dQ kernel's with TMA descriptors on sm_90); the per-score mask is computed on boundary tiles only
 (``_masking.tile_inside``). The alpha class is a compile-time constant as in the forward (``_args.ALPHA_CLASSES``;
 device alpha: one filtered launch per class): alpha = 1 uses ``exp2``, alpha = 1.5 and alpha = 2 use no
-transcendental function per score, other values one ``log2``, one ``exp2`` and one division.
+transcendental function per score, other values one ``log2(1 + w)`` (``_common.log2_1p``: a series, or one
+``lg2.approx``) and one ``exp2``.
 """
 
 from __future__ import annotations
