@@ -67,8 +67,9 @@ def _check_bounds(u: torch.Tensor, valid: torch.Tensor) -> None:
     """Raise unless bounds are >= 0 (not NaN) on valid entries and each non-empty row is feasible."""
     bad = valid & ~(u >= 0)
     if bool(bad.any()):
-        lo = float(torch.where(valid, u, torch.zeros_like(u)).nan_to_num(nan=-math.inf).min())
-        raise ValueError(f"u must be >= 0 (or +inf) on the valid entries, got a minimum of {lo}")
+        vals = torch.where(valid, u, torch.zeros_like(u))
+        got = "nan" if bool(vals.isnan().any()) else f"a minimum of {float(vals.min())}"
+        raise ValueError(f"u must be >= 0 (or +inf) on the valid entries, got {got}")
     total = torch.where(valid, u, torch.zeros_like(u)).sum(dim=1)
     nonempty = valid.any(dim=1)
     tol = _bound_tolerance(u)
