@@ -139,6 +139,16 @@ def test_gradcheck_alpha_per_row(values):
     assert torch.autograd.gradcheck(lambda a, b: entmax_bisect(a, b), (x, alpha))
 
 
+@pytest.mark.parametrize("values", [[1.0, 1.2, 1.5, 2.0], [0.6, 1.0 + 1e-3, 1.8, 3.0]])
+def test_gradgradcheck_alpha_per_row(values):
+    """Second order in both inputs: the backward's own dependence on alpha (U = p ** (2 - alpha)) is differentiated
+    too, not only its dependence through p."""
+    x = randn(1, 4, 6, seed=9).requires_grad_()
+    alpha = torch.tensor(values, dtype=torch.float64).view(1, 4, 1).requires_grad_()
+    assert torch.autograd.gradgradcheck(lambda a, b: entmax(a, b), (x, alpha), **TOL["gradcheck"])
+    assert torch.autograd.gradgradcheck(lambda a, b: entmax_bisect(a, b), (x, alpha), **TOL["gradcheck"])
+
+
 @pytest.mark.parametrize("value", [1.0, 1.37, 2.0])
 def test_gradcheck_alpha_scalar_tensor(value):
     x = randn(3, 8, seed=2).requires_grad_()
