@@ -286,8 +286,13 @@ def _max_seqlen(name: str, given, cu: Tensor, longest: int | None) -> int:
     return int(given)
 
 
+_UNBOUNDED_WINDOW = 2**62
+"""Window sides at least this wide are unbounded (no tensor has that many rows)."""
+
+
 def _check_window_size(window_size) -> tuple[int, int] | None:
-    """``window_size`` as ``(left, right)`` ints >= -1, or None for no window (also for ``(-1, -1)``)."""
+    """``window_size`` as ``(left, right)`` ints >= -1, or None for no window (also for ``(-1, -1)``). A side of
+    :data:`_UNBOUNDED_WINDOW` or more reaches past any sequence: it becomes ``-1`` (the mask arithmetic is int64)."""
     if window_size is None:
         return None
     ok = isinstance(window_size, (tuple, list)) and len(window_size) == 2 and all(
@@ -297,6 +302,7 @@ def _check_window_size(window_size) -> tuple[int, int] | None:
     left, right = (int(w) for w in window_size)
     if left < -1 or right < -1:
         raise ValueError(f"window_size must hold ints >= -1 (-1 = unbounded on that side), got {window_size!r}")
+    left, right = (-1 if w >= _UNBOUNDED_WINDOW else w for w in (left, right))
     return None if left == right == -1 else (left, right)
 
 

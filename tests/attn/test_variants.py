@@ -72,6 +72,12 @@ def test_window_minus_one_is_unbounded_and_causal_is_window_minus_one_zero():
            entmax_attention(q, k, v, enable_gqa=True, is_causal=True))
     _close(entmax_attention(q, k, v, enable_gqa=True, window_size=[2, 0]),
            entmax_attention(q, k, v, enable_gqa=True, window_size=(2, 0)))
+    # a side wider than any int64 index is unbounded too (it raised OverflowError in the mask arithmetic)
+    for huge in (2**63, 2**64):
+        _close(entmax_attention(q, k, v, enable_gqa=True, window_size=(huge, 0)),
+               entmax_attention(q, k, v, enable_gqa=True, is_causal=True))
+        _close(entmax_attention(q, k, v, enable_gqa=True, window_size=(1, huge)),
+               entmax_attention(q, k, v, enable_gqa=True, window_size=(1, -1)))
 
 
 @pytest.mark.parametrize("per_batch", [False, True])
