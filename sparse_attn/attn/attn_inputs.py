@@ -322,8 +322,15 @@ def _head_vector(name: str, t, q: Tensor, shapes: tuple, expected: str) -> Tenso
     return head_cast(t, q)
 
 
+_SMALLEST_CAP = 2.0**-64
+"""Soft caps below this act as it: every finite score is capped to within ``2**-64`` of 0 either way, below the
+resolution of the rows' thresholds in float32 and float64 (uniform weights), while the kernels' ``1 / cap`` (times
+alpha - 1) stays finite in float32 (smaller caps gave NaN at zero scores)."""
+
+
 def _check_softcap(softcap) -> float | None:
-    """``softcap`` as a positive float, or None when off (None or 0, flash-attn's default)."""
+    """``softcap`` as a positive float (at least :data:`_SMALLEST_CAP`), or None when off (None or 0, flash-attn's
+    default)."""
     if softcap is None:
         return None
     if isinstance(softcap, bool) or not isinstance(softcap, Real):
@@ -331,7 +338,7 @@ def _check_softcap(softcap) -> float | None:
     value = float(softcap)
     if not (0.0 <= value < float("inf")):
         raise ValueError(f"softcap must be None, 0 (off) or a finite positive number, got {softcap!r}")
-    return value if value > 0 else None
+    return max(value, _SMALLEST_CAP) if value > 0 else None
 
 
 def check_variants(q: Tensor, n_rows: int, window_size, alibi_slopes, sinks, softcap, rows_name: str = "batch"):
