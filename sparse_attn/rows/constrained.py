@@ -88,12 +88,9 @@ def _bound_tolerance(u: torch.Tensor) -> float:
 
 
 def _check_reached(found: torch.Tensor, u: torch.Tensor, valid: torch.Tensor, lost_mass: torch.Tensor) -> None:
-    """Raise if a row's bounds are below the spacing of ``z`` where they matter (csparsemax).
-
-    ``found`` is ``(R, 1)``: whether the breakpoints reach ``f = 1``. Only rows whose bounds sum to 1 within the
-    feasibility tolerance may legitimately end with every entry at its bound. ``lost_mass`` ``(R, 1)``: the bounds
-    of the entries at or above the threshold whose ``z - u`` rounds to ``z``, which ``f`` misses.
-    """
+    """Raise if a row's bounds are below the spacing of ``z`` where they matter (csparsemax): ``found`` ``(R, 1)``,
+    whether the breakpoints reach ``f = 1`` (only rows whose bounds sum to 1 within the feasibility tolerance may end
+    with every entry at its bound); ``lost_mass`` ``(R, 1)``, the bounds ``f`` misses (``z - u`` rounds to ``z``)."""
     total = torch.where(valid, u, torch.zeros_like(u)).sum(dim=1, keepdim=True)
     tol = _bound_tolerance(u)
     lost = (~found & (total > 1.0 + tol)) | (found & (lost_mass > tol))
@@ -227,14 +224,12 @@ def _csparsemax_rows(z: torch.Tensor, u: torch.Tensor, valid: torch.Tensor):
     k = reach.to(torch.int8).argmax(dim=1, keepdim=True).clamp(min=1)
     upper = bp_s.gather(1, k - 1)
     lower = bp_s.gather(1, k)
-    # f crosses 1 between the consecutive breakpoints lower < upper: an entry is free where its linear piece spans
-    # them, at its bound above them (compared with the breakpoints themselves, not a point between them, which
-    # rounds onto one of them when they are adjacent floats or far from 0)
+    # f crosses 1 between breakpoints lower < upper: free where an entry's linear piece spans them, at its bound
+    # above them (no point between them is needed: one rounds onto a breakpoint when they are adjacent floats)
     free = valid & (lo <= lower) & (hi >= upper) & found
     at_upper = valid & (lo >= upper) & ~free & found
     n_free = free.sum(dim=1, keepdim=True)
-    # tau relative to the top free entry: the free entries may lie far below the row max (the entries above at their
-    # bounds), where z - tau would lose the weights to the spacing of z
+    # tau relative to the top free entry, which may lie far below the row max (z - tau would lose the weights)
     top = torch.where(free, z, neg_inf).amax(dim=1, keepdim=True)
     z = z - torch.where(top == -math.inf, torch.zeros_like(top), top)
     u_up = torch.where(at_upper, u, torch.zeros_like(u))
