@@ -10,6 +10,7 @@ that reads these arguments.
 from __future__ import annotations
 
 import functools
+import math
 import os
 import struct
 from typing import NamedTuple
@@ -44,10 +45,10 @@ def computed_alpha(alpha: float, dtype: torch.dtype = torch.float32) -> float:
     alpha = float(alpha)
     if dtype == torch.float64:
         return alpha
-    try:
-        return struct.unpack("f", struct.pack("f", alpha))[0]  # on the host: no tensor, nothing read back
-    except OverflowError:  # beyond float32's range (no alpha of an attention call): nothing near 1 to decide
-        return alpha
+    held = struct.unpack("f", struct.pack("f", alpha))[0]  # on the host: no tensor, nothing read back
+    # beyond float32's range (no alpha of an attention call) it rounds to inf, which gave NaN rows: held as 2**100,
+    # where the map is argmax to float32 resolution and the solver's arithmetic stays finite
+    return held if math.isfinite(held) else 2.0**100
 
 
 def alpha_class_of(alpha_values) -> str:

@@ -180,7 +180,7 @@ BAD_INPUTS = [
      "mask must be a boolean"),
     (sa.csoftmax, dict(z=_X, u=torch.ones(3, 4, device="meta")), ValueError, "u must be on the device of z"),
     (sa.csoftmax, dict(z=_X, u=torch.full((3, 4), -1.0)), ValueError, "u must be >= 0"),
-    (sa.csoftmax, dict(z=_X, u=torch.full((3, 4), math.nan)), ValueError, "u must be >= 0"),
+    (sa.csoftmax, dict(z=_X, u=torch.full((3, 4), math.nan)), ValueError, "on the valid entries, got nan"),
     (sa.csoftmax, dict(z=_X, u=torch.full((3, 4), 0.1)), ValueError, "u must sum to at least 1"),
     (sa.csparsemax, dict(z=_X, u=torch.ones(3, 4), dim=2), ValueError, "dim must be in"),
     (sa.csparsemax, dict(z=_X, u=torch.ones(3, 4), dim=3), ValueError, "dim must be in"),

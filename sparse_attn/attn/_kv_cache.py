@@ -98,30 +98,34 @@ def _seqlens(cache_seqlens, q: Tensor, capacity: int, block_table, num_pages: in
     """``cache_seqlens`` as int32 ``(B,)`` on ``q``'s device, values checked when that is free (or asked for)."""
     batch = q.shape[0]
     if cache_seqlens is None:
-        return torch.full((batch,), capacity, dtype=torch.int32, device=q.device)
-    if isinstance(cache_seqlens, Integral) and not isinstance(cache_seqlens, bool):
+        seqlens = torch.full((batch,), capacity, dtype=torch.int32, device=q.device)
+    elif isinstance(cache_seqlens, Integral) and not isinstance(cache_seqlens, bool):
         if not 0 <= cache_seqlens <= capacity:
             raise ValueError(f"cache_seqlens must be in [0, {capacity}] (the cache's capacity), got {cache_seqlens}")
-        return torch.full((batch,), int(cache_seqlens), dtype=torch.int32, device=q.device)
-    if not isinstance(cache_seqlens, Tensor) or cache_seqlens.dtype not in (torch.int32, torch.int64):
-        got = f"a {cache_seqlens.dtype} tensor" if isinstance(cache_seqlens, Tensor) else type(cache_seqlens).__name__
-        raise TypeError(f"cache_seqlens must be None, an int or an int32 tensor of shape ({batch},), got {got}")
-    if cache_seqlens.shape != (batch,):
-        raise ValueError(f"cache_seqlens must have shape ({batch},) (one length per batch entry), "
-                         f"got {tuple(cache_seqlens.shape)}")
-    if cache_seqlens.device != q.device:
-        raise ValueError(f"cache_seqlens must be on the device of q ({q.device}), got {cache_seqlens.device}")
-    if values_checkable(cache_seqlens):
-        vals = cache_seqlens.tolist()
-        if any(not 0 <= s <= capacity for s in vals):
-            raise ValueError(f"cache_seqlens must lie in [0, {capacity}] (the cache's capacity), got {vals}")
-        if block_table is not None and values_checkable(block_table):
-            for b, s in enumerate(vals):
-                used = block_table[b, : -(-s // page_size)]
-                if used.numel() and not bool(((used >= 0) & (used < num_pages)).all()):
-                    raise ValueError(f"block_table[{b}] must index pages in [0, {num_pages}) for the "
-                                     f"{s} keys of sequence {b}, got {used.tolist()}")
-    return cache_seqlens.to(torch.int32)
+        seqlens = torch.full((batch,), int(cache_seqlens), dtype=torch.int32, device=q.device)
+    else:
+        if not isinstance(cache_seqlens, Tensor) or cache_seqlens.dtype not in (torch.int32, torch.int64):
+            got = f"a {cache_seqlens.dtype} tensor" if isinstance(cache_seqlens, Tensor) else \
+                type(cache_seqlens).__name__
+            raise TypeError(f"cache_seqlens must be None, an int or an int32 tensor of shape ({batch},), got {got}")
+        if cache_seqlens.shape != (batch,):
+            raise ValueError(f"cache_seqlens must have shape ({batch},) (one length per batch entry), "
+                             f"got {tuple(cache_seqlens.shape)}")
+        if cache_seqlens.device != q.device:
+            raise ValueError(f"cache_seqlens must be on the device of q ({q.device}), got {cache_seqlens.device}")
+        if values_checkable(cache_seqlens):
+            vals = cache_seqlens.tolist()
+            if any(not 0 <= s <= capacity for s in vals):
+                raise ValueError(f"cache_seqlens must lie in [0, {capacity}] (the cache's capacity), got {vals}")
+        seqlens = cache_seqlens.to(torch.int32)
+    if block_table is not None and values_checkable(seqlens, block_table):
+        # the pages a sequence's keys lie in, whatever form its length was given in (an int or None too)
+        for b, s in enumerate(seqlens.tolist()):
+            used = block_table[b, : -(-s // page_size)]
+            if used.numel() and not bool(((used >= 0) & (used < num_pages)).all()):
+                raise ValueError(f"block_table[{b}] must index pages in [0, {num_pages}) for the "
+                                 f"{s} keys of sequence {b}, got {used.tolist()}")
+    return seqlens
 
 
 def _max_seqlen(max_seqlen_k, seqlens: Tensor, capacity: int) -> int | None:

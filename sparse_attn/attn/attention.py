@@ -120,8 +120,8 @@ def entmax_attention(
             is outside [1, 2] or NaN gives NaN outputs.
         attn_mask: boolean (True = may attend) or additive float mask (e.g. ALiBi), broadcastable
             to ``(B, Hq, Nq, Nk)``; a float mask that requires grad gets a gradient. NaN or
-            ``+inf`` entries make their rows NaN on the reference; the fused path raises
-            ``ValueError`` for them (checked for CPU tensors, or with :func:`sparse_attn.set_checks`).
+            ``+inf`` entries make their rows NaN on every backend (no exception, no host read); ``-inf``
+            entries exclude their keys.
         is_causal: causal masking, bottom-right aligned when ``Nq != Nk`` (as flash-attn): query
             ``i`` sees key ``j`` iff ``j <= i + Nk - Nq``. May be combined with ``attn_mask``.
         scale: score scale, default ``1 / sqrt(D)``.

@@ -286,8 +286,13 @@ def _max_seqlen(name: str, given, cu: Tensor, longest: int | None) -> int:
     return int(given)
 
 
+_UNBOUNDED_WINDOW = 2**62
+"""Window sides at least this wide are unbounded (no tensor has that many rows)."""
+
+
 def _check_window_size(window_size) -> tuple[int, int] | None:
-    """``window_size`` as ``(left, right)`` ints >= -1, or None for no window (also for ``(-1, -1)``)."""
+    """``window_size`` as ``(left, right)`` ints >= -1, or None for no window (also for ``(-1, -1)``). A side of
+    :data:`_UNBOUNDED_WINDOW` or more reaches past any sequence: it becomes ``-1`` (the mask arithmetic is int64)."""
     if window_size is None:
         return None
     ok = isinstance(window_size, (tuple, list)) and len(window_size) == 2 and all(
@@ -297,6 +302,7 @@ def _check_window_size(window_size) -> tuple[int, int] | None:
     left, right = (int(w) for w in window_size)
     if left < -1 or right < -1:
         raise ValueError(f"window_size must hold ints >= -1 (-1 = unbounded on that side), got {window_size!r}")
+    left, right = (-1 if w >= _UNBOUNDED_WINDOW else w for w in (left, right))
     return None if left == right == -1 else (left, right)
 
 
@@ -316,8 +322,15 @@ def _head_vector(name: str, t, q: Tensor, shapes: tuple, expected: str) -> Tenso
     return head_cast(t, q)
 
 
+_SMALLEST_CAP = 2.0**-64
+"""Soft caps below this act as it: every finite score is capped to within ``2**-64`` of 0 either way, below the
+resolution of the rows' thresholds in float32 and float64 (uniform weights), while the kernels' ``1 / cap`` (times
+alpha - 1) stays finite in float32 (smaller caps gave NaN at zero scores)."""
+
+
 def _check_softcap(softcap) -> float | None:
-    """``softcap`` as a positive float, or None when off (None or 0, flash-attn's default)."""
+    """``softcap`` as a positive float (at least :data:`_SMALLEST_CAP`), or None when off (None or 0, flash-attn's
+    default)."""
     if softcap is None:
         return None
     if isinstance(softcap, bool) or not isinstance(softcap, Real):
@@ -325,7 +338,7 @@ def _check_softcap(softcap) -> float | None:
     value = float(softcap)
     if not (0.0 <= value < float("inf")):
         raise ValueError(f"softcap must be None, 0 (off) or a finite positive number, got {softcap!r}")
-    return value if value > 0 else None
+    return max(value, _SMALLEST_CAP) if value > 0 else None
 
 
 def check_variants(q: Tensor, n_rows: int, window_size, alibi_slopes, sinks, softcap, rows_name: str = "batch"):

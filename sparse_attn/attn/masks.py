@@ -372,9 +372,9 @@ def check_block_mask(name: str, block_mask, device, n_rows: int, n_heads: int, n
     if isinstance(size, Integral) and not isinstance(size, bool):
         size = (size, size)
     if not (isinstance(size, (tuple, list)) and len(size) == 2
-            and all(isinstance(s, Integral) and not isinstance(s, bool) and s > 0 for s in size)):
-        raise ValueError(f"{name}: block_size must be a positive int or a pair of positive ints (bq, bk), "
-                         f"got {size!r}")
+            and all(isinstance(s, Integral) and not isinstance(s, bool) and 0 < s < 2**31 for s in size)):
+        raise ValueError(f"{name}: block_size must be a positive int or a pair of positive ints (bq, bk), below "
+                         f"2**31, got {size!r}")
     bq, bk = (int(s) for s in size)
     if bits is not None:
         _check_bits(name, mask, bits, bq, bk)

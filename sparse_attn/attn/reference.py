@@ -101,11 +101,17 @@ def modify_scores(s: Tensor, inputs) -> Tensor:
 
 
 def _soft_cap(s: Tensor, softcap: float | None) -> Tensor:
-    """``softcap * tanh(s / softcap)`` on finite scores; non-finite ones (-inf masked, NaN, +inf) unchanged."""
+    """``softcap * tanh(s / softcap)`` on finite scores; non-finite ones (-inf masked, NaN, +inf) unchanged.
+
+    A cap of ``2**64`` or more is applied in float64: in float32 it may round to inf (``inf * tanh(0)``) and its
+    backward multiplies by it (overflow)."""
     if softcap is None:
         return s
     finite = torch.isfinite(s)
-    return torch.where(finite, softcap * torch.tanh(s.masked_fill(~finite, 0.0) / softcap), s)
+    x = s.masked_fill(~finite, 0.0)
+    capped = (softcap * torch.tanh(x.double() / softcap)).to(s.dtype) if softcap >= 2.0**64 else \
+        softcap * torch.tanh(x / softcap)
+    return torch.where(finite, capped, s)
 
 
 def _attend(q, k, v, alpha, bad_head, bias, keep, inputs, ct, dropout_mask, generator, with_stats):

@@ -67,8 +67,9 @@ def _check_bounds(u: torch.Tensor, valid: torch.Tensor) -> None:
     """Raise unless bounds are >= 0 (not NaN) on valid entries and each non-empty row is feasible."""
     bad = valid & ~(u >= 0)
     if bool(bad.any()):
-        lo = float(torch.where(valid, u, torch.zeros_like(u)).nan_to_num(nan=-math.inf).min())
-        raise ValueError(f"u must be >= 0 (or +inf) on the valid entries, got a minimum of {lo}")
+        vals = torch.where(valid, u, torch.zeros_like(u))
+        got = "nan" if bool(vals.isnan().any()) else f"a minimum of {float(vals.min())}"
+        raise ValueError(f"u must be >= 0 (or +inf) on the valid entries, got {got}")
     total = torch.where(valid, u, torch.zeros_like(u)).sum(dim=1)
     nonempty = valid.any(dim=1)
     tol = _bound_tolerance(u)
@@ -86,19 +87,19 @@ def _bound_tolerance(u: torch.Tensor) -> float:
     return _FEASIBILITY_ULPS * torch.finfo(u.dtype).eps * max(1, u.shape[1])
 
 
-def _check_reached(found: torch.Tensor, u: torch.Tensor, valid: torch.Tensor) -> None:
-    """Raise if a row with bounds summing to more than 1 found no threshold (csparsemax).
-
-    ``found`` is ``(R, 1)``. Only rows whose bounds sum to 1 within the feasibility
-    tolerance may legitimately end with every entry at its bound.
-    """
+def _check_reached(found: torch.Tensor, u: torch.Tensor, valid: torch.Tensor, lost_mass: torch.Tensor) -> None:
+    """Raise if a row's bounds are below the spacing of ``z`` where they matter (csparsemax): ``found`` ``(R, 1)``,
+    whether the breakpoints reach ``f = 1`` (only rows whose bounds sum to 1 within the feasibility tolerance may end
+    with every entry at its bound); ``lost_mass`` ``(R, 1)``, the bounds ``f`` misses (``z - u`` rounds to ``z``)."""
     total = torch.where(valid, u, torch.zeros_like(u)).sum(dim=1, keepdim=True)
-    lost = ~found & (total > 1.0 + _bound_tolerance(u))
+    tol = _bound_tolerance(u)
+    lost = (~found & (total > 1.0 + tol)) | (found & (lost_mass > tol))
     if bool(lost.any()):
         raise ValueError(
             f"csparsemax cannot resolve the bounds u in {u.dtype}: z - u rounds to z for the entries "
-            f"that must carry the mass (a row's bounds sum to {float(total[lost].max()):.6g} > 1, yet no "
-            "threshold reaches 1); u must not be below the spacing of z. Rescale z, raise u or use float64"
+            f"that must carry the mass (a row's bounds sum to {float(total[lost].max()):.6g} > 1, yet the "
+            "breakpoints miss the mass of bounds below the spacing of z); u must not be below the spacing of z. "
+            "Rescale z, raise u or use float64"
         )
 
 
@@ -198,9 +199,11 @@ def _csparsemax_rows(z: torch.Tensor, u: torch.Tensor, valid: torch.Tensor):
     """Constrained sparsemax of rows ``z`` (R, n) under bounds ``u``; returns (a, sets).
 
     ``z`` is shifted by its max over the valid entries first (the result is invariant), so
-    that ``z - u`` keeps the resolution of the bounds near the top of the row. A feasible
-    row whose breakpoints still cannot reach ``f = 1`` (bounds below the spacing of ``z``
-    in the working precision) raises ``ValueError`` instead of returning a wrong result.
+    that ``z - u`` keeps the resolution of the bounds near the top of the row, and by the max
+    of the free entries before ``tau`` is computed, so that weights carried by entries far
+    below the row max keep theirs. A feasible row whose breakpoints cannot reach ``f = 1``, or
+    miss the mass of a bound at or above the threshold (bounds below the spacing of ``z`` in
+    the working precision), raises ``ValueError`` instead of returning a wrong result.
     """
     neg_inf = torch.full_like(z, -math.inf)
     m = torch.where(valid, z, neg_inf).amax(dim=1, keepdim=True)
@@ -221,15 +224,21 @@ def _csparsemax_rows(z: torch.Tensor, u: torch.Tensor, valid: torch.Tensor):
     k = reach.to(torch.int8).argmax(dim=1, keepdim=True).clamp(min=1)
     upper = bp_s.gather(1, k - 1)
     lower = bp_s.gather(1, k)
-    probe = torch.where(torch.isfinite(lower), 0.5 * (lower + upper), upper - 1.0)
-    free = valid & (lo < probe) & (hi > probe) & found
-    at_upper = valid & (lo > probe) & found
+    # f crosses 1 between breakpoints lower < upper: free where an entry's linear piece spans them, at its bound
+    # above them (no point between them is needed: one rounds onto a breakpoint when they are adjacent floats)
+    free = valid & (lo <= lower) & (hi >= upper) & found
+    at_upper = valid & (lo >= upper) & ~free & found
     n_free = free.sum(dim=1, keepdim=True)
+    # tau relative to the top free entry, which may lie far below the row max (z - tau would lose the weights)
+    top = torch.where(free, z, neg_inf).amax(dim=1, keepdim=True)
+    z = z - torch.where(top == -math.inf, torch.zeros_like(top), top)
     u_up = torch.where(at_upper, u, torch.zeros_like(u))
     num = torch.where(free, z, torch.zeros_like(z)).sum(dim=1, keepdim=True) + u_up.sum(dim=1, keepdim=True) - 1.0
     tau = num / n_free.clamp(min=1).to(z.dtype)
     a = torch.minimum(torch.clamp(z - tau, min=0), u)
-    _check_reached(found, u, valid)
+    # bounds below the spacing of z (z - u == z) add nothing to f: their mass is lost where the threshold reaches them
+    lost_mass = torch.where(valid & (lo == hi) & (hi >= upper), u, torch.zeros_like(u)).sum(dim=1, keepdim=True)
+    _check_reached(found, u, valid, lost_mass)
     all_upper = valid & ~found
     a = torch.where(all_upper, u, torch.where(valid & found, a, torch.zeros_like(a)))
     sets = torch.where(free, _SET_FREE, torch.where(at_upper | (all_upper & (u > 0)), _SET_UPPER, _SET_NONE))

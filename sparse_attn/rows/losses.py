@@ -77,11 +77,13 @@ class _FenchelYoungFunction(torch.autograd.Function):
     """Loss rows ``(R,)`` in ``p``'s dtype from logits ``x`` (R, C), probabilities ``p`` and targets ``y`` (R, C).
 
     The gradient w.r.t. ``x`` is ``p - y`` in ``x``'s dtype; rows with ``y = p`` give loss 0
-    and gradient 0 exactly.
+    and gradient 0 exactly. A backward under ``create_graph`` recomputes ``p = mapping(x)`` (rows
+    ``keep`` only, None = all) with its graph, so that second-order gradients get the mapping's
+    Jacobian; a first-order backward reads the saved ``p - y`` only.
     """
 
     @staticmethod
-    def forward(ctx, x, p, y, alpha):
+    def forward(ctx, x, p, y, alpha, mapping, keep):
         cdt = p.dtype
         xc = x.detach().to(cdt)
         xmax = xc.amax(dim=-1, keepdim=True)
@@ -91,13 +93,24 @@ class _FenchelYoungFunction(torch.autograd.Function):
         loss = lin + _tsallis_entropy(p, alpha) - _tsallis_entropy(y, alpha)
         loss = torch.clamp(loss, min=0)
         ctx.x_dtype = x.dtype
-        ctx.save_for_backward(diff)
+        ctx.mapping = mapping
+        ctx.keep = keep
+        ctx.save_for_backward(x, diff)
         return loss
 
     @staticmethod
     def backward(ctx, grad):
-        (diff,) = ctx.saved_tensors
-        return (grad.to(diff.dtype).unsqueeze(-1) * diff).to(ctx.x_dtype), None, None, None
+        x, diff = ctx.saved_tensors
+        if torch.is_grad_enabled():
+            # create_graph: the same p, now with its graph (ignored rows read zeros: their NaN logits stay out)
+            xc = x.to(diff.dtype)
+            if ctx.keep is not None:
+                xc = torch.where(ctx.keep.unsqueeze(1), xc, torch.zeros_like(xc))
+            p = ctx.mapping(xc)
+            if ctx.keep is not None:
+                p = torch.where(ctx.keep.unsqueeze(1), p, torch.zeros_like(p))
+            diff = diff + (p - p.detach())
+        return (grad.to(diff.dtype).unsqueeze(-1) * diff).to(ctx.x_dtype), None, None, None, None, None
 
 
 def _check_proportions(y: torch.Tensor) -> None:
@@ -166,7 +179,7 @@ def _fy_loss(X, target, alpha, mapping, ignore_index, reduction):
         alpha_rows = alpha.detach().to(cdt).reshape(-1, 1).expand(n_rows, 1)
     else:
         alpha_rows = computed_alpha(alpha, cdt)
-    loss = _FenchelYoungFunction.apply(X, p, y, alpha_rows)
+    loss = _FenchelYoungFunction.apply(X, p, y, alpha_rows, mapping, keep)
     if keep is not None:
         loss = torch.where(keep, loss, torch.zeros_like(loss))
     if reduction == "none":

@@ -267,8 +267,9 @@ class _EntmaxRowsFunction(torch.autograd.Function):
         ctx.alpha_is_tensor = isinstance(alpha, torch.Tensor)
         ctx.alpha_float = None if ctx.alpha_is_tensor else float(alpha)
         if ctx.alpha_is_tensor:
-            ctx.alpha_dtype = alpha.dtype
-            ctx.save_for_backward(p, alpha_c)
+            # alpha itself, not a detached copy: a backward under create_graph differentiates its own use of alpha
+            # (U = p ** (2 - alpha), the alpha gradient's weights), besides the dependence through p
+            ctx.save_for_backward(p, alpha)
         else:
             ctx.save_for_backward(p)
         return p.to(x.dtype)
@@ -276,7 +277,8 @@ class _EntmaxRowsFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         if ctx.alpha_is_tensor:
-            p, alpha_c = ctx.saved_tensors
+            p, alpha = ctx.saved_tensors
+            alpha_c = alpha.to(p.dtype)
         else:
             (p,) = ctx.saved_tensors
             alpha_c = torch.full((p.shape[0], 1), ctx.alpha_float, dtype=p.dtype, device=p.device)
@@ -289,7 +291,7 @@ class _EntmaxRowsFunction(torch.autograd.Function):
         gx, delta = _rows_vjp(u, g)
         galpha = None
         if ctx.alpha_is_tensor and ctx.needs_input_grad[1]:
-            galpha = _alpha_grad_rows(p, u, e, g, delta).to(ctx.alpha_dtype)
+            galpha = _alpha_grad_rows(p, u, e, g, delta).to(alpha.dtype)
         return gx.to(grad.dtype), galpha, None, None, None, None
 
 

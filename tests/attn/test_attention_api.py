@@ -108,6 +108,8 @@ def test_reference_gradcheck_inputs_alpha_and_bias():
         return entmax_attention(q, k, v, alpha, attn_mask=bias, is_causal=True)
 
     assert torch.autograd.gradcheck(fn, (q, k, v, alpha, bias), **TOL["gradcheck"])
+    # second order too (README: double backward on the reference), alpha included
+    assert torch.autograd.gradgradcheck(lambda q, alpha: fn(q, k, v, alpha, bias), (q, alpha), **TOL["gradcheck"])
 
 
 def test_transposed_layout_is_accepted():

@@ -224,6 +224,18 @@ def test_fused_alibi_and_softcap_forward_and_backward(name, kernel_device):
     _check_per_head_alpha(q, k, v, alphas, (2, 1, 1, nk), opts, gen)
 
 
+@pytest.mark.parametrize("cap", [1e-40, 1e-300])
+def test_fused_softcap_below_float32_is_finite(cap, kernel_device):
+    """A cap too small for the kernels' ``1 / cap`` in float32 (a row of zero scores gave 0 * inf = NaN): every score
+    capped to about 0, uniform weights, as the reference gives."""
+    gen = torch.Generator().manual_seed(46)
+    q, k, v = _leaves([(1, 2, 5, 16), (1, 2, 7, 16), (1, 2, 7, 16)], gen, kernel_device)
+    with torch.no_grad():
+        q[:, :, 2] = 0.0
+    out, out64, grads, grads64 = _run_both(q, k, v, 1.5, softcap=cap)
+    _close_all(out, out64, grads, grads64, ["dq", "dk", "dv"])
+
+
 def test_fused_alibi_per_sequence_with_varlen(kernel_device):
     gen = torch.Generator().manual_seed(44)
     cu_q = torch.tensor([0, 20, 45], dtype=torch.int32, device=kernel_device)

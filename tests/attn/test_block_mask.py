@@ -215,6 +215,7 @@ def test_a_torch_block_mask_with_a_mask_mod_is_its_element_mask(kernel_device):
     (sa.BlockSparseMask(torch.ones(1, 1, 1, 1), (16, 16)), TypeError, "block_mask: the mask must be a boolean"),
     (sa.BlockSparseMask(torch.ones(1, 1, 1, 1, dtype=torch.bool), (0, 16)), ValueError, "block_size must be"),
     (sa.BlockSparseMask(torch.ones(1, 1, 1, 1, dtype=torch.bool), (16.0, 16)), ValueError, "block_size must be"),
+    (sa.BlockSparseMask(torch.ones(1, 1, 1, 1, dtype=torch.bool), (16, 2**64)), ValueError, "block_size must be"),
     (sa.BlockSparseMask(torch.ones(1, 1, 2, 1, dtype=torch.bool), (16, 16)), ValueError,
      r"block_mask: the mask must have shape \(batch or 1, heads or 1"),
     (sa.BlockSparseMask(torch.ones(3, 1, 1, 1, dtype=torch.bool), (16, 16)), ValueError, "the mask must have shape"),

@@ -72,6 +72,12 @@ def test_window_minus_one_is_unbounded_and_causal_is_window_minus_one_zero():
            entmax_attention(q, k, v, enable_gqa=True, is_causal=True))
     _close(entmax_attention(q, k, v, enable_gqa=True, window_size=[2, 0]),
            entmax_attention(q, k, v, enable_gqa=True, window_size=(2, 0)))
+    # a side wider than any int64 index is unbounded too (it raised OverflowError in the mask arithmetic)
+    for huge in (2**63, 2**64):
+        _close(entmax_attention(q, k, v, enable_gqa=True, window_size=(huge, 0)),
+               entmax_attention(q, k, v, enable_gqa=True, is_causal=True))
+        _close(entmax_attention(q, k, v, enable_gqa=True, window_size=(1, huge)),
+               entmax_attention(q, k, v, enable_gqa=True, window_size=(1, -1)))
 
 
 @pytest.mark.parametrize("per_batch", [False, True])
@@ -203,6 +209,28 @@ def test_softcap_zero_or_none_is_off_and_keeps_minus_inf_masking():
     q_inf[0, 0, 1, 0] = INF  # +inf score: a NaN row, even though tanh would cap it
     out = entmax_attention(q_inf, k, v, 1.5, softcap=1.0)
     assert torch.isnan(out[0, 0, 1]).all() and torch.isfinite(out[0, 0, [0, 2]]).all()
+
+
+@pytest.mark.parametrize("cap", [1e300, 4e38, 1e38, 1e-46, 1e-300])
+def test_softcap_at_the_ends_of_the_float_range(cap):
+    """Any finite cap (docs/design.md), float32 scores with a zero row: a cap beyond float32 (it rounded to inf: NaN
+    outputs) or near it (the backward overflowed) leaves the scores as they are; a cap below float32's smallest (it
+    rounded to 0: NaN at zero scores) sends every score to about 0, uniform weights. Outputs and gradients finite."""
+    q, k, v = _qkv(dtype=torch.float32, grad=True)
+    with torch.no_grad():
+        q[:, :, 2] = 0.0
+    out = entmax_attention(q, k, v, 1.5, softcap=cap, enable_gqa=True)
+    grads = _grads(out, (q, k, v))
+    assert torch.isfinite(out).all() and all(torch.isfinite(g).all() for g in grads)
+    if cap > 1:
+        want = entmax_attention(q, k, v, 1.5, enable_gqa=True)
+        tol = TOL["eps_attention_kernel"][torch.float32]
+        torch.testing.assert_close(out, want, atol=tol, rtol=0)
+        for g, r in zip(grads, _grads(want, (q, k, v))):
+            torch.testing.assert_close(g, r, atol=TOL["eps_attention_grad"][torch.float32], rtol=0)
+    else:
+        uniform = v.detach().mean(2, keepdim=True).repeat_interleave(2, 1).expand(out.shape)
+        torch.testing.assert_close(out, uniform, atol=TOL["eps_attention_kernel"][torch.float32], rtol=0)
 
 
 @pytest.mark.parametrize("causal", [False, True])

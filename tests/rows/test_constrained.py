@@ -169,6 +169,25 @@ def test_csparsemax_large_scores_against_float64():
         torch.testing.assert_close(a.to(F64), ref, atol=TOL["lowp_vs_f64"][F32], rtol=0)
     with pytest.raises(ValueError, match="cannot resolve the bounds"):
         csparsemax(torch.tensor([[0.0, -1e8, -2e8]]), torch.full((1, 3), 0.5))
+    # The top entries at their bounds and the mass carried by entries far below them (the row summed to 0.5: the
+    # threshold, at about -3e7 after the shift by the row max, rounded onto the free entry's score).
+    inf = math.inf
+    for dtype in (torch.float32, F64):
+        for z, u, expected in (([3e7, 0.0], [0.5, inf], [0.5, 0.5]), ([1e8, -1e8, 0.0, 5.0], [0.5, 1.0, 1.0, inf],
+                                                                         [0.5, 0.0, 0.0, 0.5])):
+            a = csparsemax(torch.tensor([z], dtype=dtype), torch.tensor([u], dtype=dtype))
+            torch.testing.assert_close(a.to(F64), torch.tensor([expected], dtype=F64), atol=TOL["lowp_vs_f64"][F32],
+                                       rtol=0)
+    # A row that reaches f = 1 (an unbounded entry below) with a bound below the spacing of z where the threshold
+    # lies: the breakpoints miss its mass, and it raises too.
+    for dtype, big in ((torch.float32, 1e8), (F64, 1e30)):
+        with pytest.raises(ValueError, match="cannot resolve the bounds"):
+            csparsemax(torch.tensor([[big, -big, 0.0, 0.0]], dtype=dtype),
+                       torch.tensor([[0.5, 1.0, 1.0, inf]], dtype=dtype))
+    # Bounds below the spacing that carry no mass within the tolerance still run (an exhausted fertility).
+    a = csparsemax(torch.tensor([[1e8, 0.0, 5.0]]), torch.tensor([[0.5, 1e-12, inf]]))
+    torch.testing.assert_close(a.to(F64), torch.tensor([[0.5, 0.0, 0.5]], dtype=F64), atol=TOL["lowp_vs_f64"][F32],
+                               rtol=0)
 
 
 # ---------------------------------------------------------------- gradients

@@ -43,6 +43,8 @@ def test_gradcheck_and_gradient_is_p_minus_target(name, kind):
     x = randn(5, 7, seed=1).requires_grad_()
     target = _labels(5, 7, seed=2) if kind == "labels" else _proportions(5, 7, seed=2)
     assert torch.autograd.gradcheck(lambda t: loss_fn(t, target), (x,))
+    # second order: the Hessian is the mapping's Jacobian (not zero)
+    assert torch.autograd.gradgradcheck(lambda t: loss_fn(t, target), (x,), **TOL["gradcheck"])
     (g,) = torch.autograd.grad(loss_fn(x, target).sum(), x)
     y = torch.nn.functional.one_hot(target, 7).double() if kind == "labels" else target
     torch.testing.assert_close(g, mapping(x.detach()) - y, atol=TOL["same_values"][F64], rtol=0)

@@ -9,6 +9,7 @@ from helpers import F64, TOL, assert_close_to_ref, randn, reference_entmax
 import sparse_attn.mappings as mappings
 import sparse_attn.rows._entmax_solver as entmax_solver
 import sparse_attn.rows._triton_rows as triton_rows
+from sparse_attn.losses import entmax_bisect_loss
 from sparse_attn.mappings import (
     Entmax,
     Entmax15,
@@ -139,6 +140,16 @@ def test_gradcheck_alpha_per_row(values):
     assert torch.autograd.gradcheck(lambda a, b: entmax_bisect(a, b), (x, alpha))
 
 
+@pytest.mark.parametrize("values", [[1.0, 1.2, 1.5, 2.0], [0.6, 1.0 + 1e-3, 1.8, 3.0]])
+def test_gradgradcheck_alpha_per_row(values):
+    """Second order in both inputs: the backward's own dependence on alpha (U = p ** (2 - alpha)) is differentiated
+    too, not only its dependence through p."""
+    x = randn(1, 4, 6, seed=9).requires_grad_()
+    alpha = torch.tensor(values, dtype=torch.float64).view(1, 4, 1).requires_grad_()
+    assert torch.autograd.gradgradcheck(lambda a, b: entmax(a, b), (x, alpha), **TOL["gradcheck"])
+    assert torch.autograd.gradgradcheck(lambda a, b: entmax_bisect(a, b), (x, alpha), **TOL["gradcheck"])
+
+
 @pytest.mark.parametrize("value", [1.0, 1.37, 2.0])
 def test_gradcheck_alpha_scalar_tensor(value):
     x = randn(3, 8, seed=2).requires_grad_()
@@ -244,6 +255,19 @@ def test_modules_and_learnable_alpha():
     mod(x).pow(2).sum().backward()
     assert alpha.grad is not None and bool(torch.isfinite(alpha.grad).all())
     torch.testing.assert_close(Entmax(alpha=1.5)(x), entmax15(x))
+
+
+def test_alpha_beyond_float32_is_argmax_in_float32():
+    """A Python alpha above float32's largest (held as float32, it rounded to inf: NaN rows) is held as that largest:
+    argmax, as float64 computes it, in the mappings and the losses."""
+    x = torch.tensor([[0.5, 1.0, 0.2, 0.999], [3.0, -1.0, 0.0, 2.0]])
+    onehot = torch.tensor([[0.0, 1.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]])
+    for alpha in (3.5e38, 1e300):
+        for fn in (entmax_bisect, entmax):
+            torch.testing.assert_close(fn(x, alpha), onehot, atol=0, rtol=0)  # why: argmax, exact
+            torch.testing.assert_close(fn(x.double(), alpha), onehot.double(), atol=0, rtol=0)  # why: argmax
+        loss = entmax_bisect_loss(x, torch.tensor([1, 3]), alpha=alpha)
+        assert torch.isfinite(loss).all()
 
 
 def test_empty_and_single_column():
