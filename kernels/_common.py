@@ -130,14 +130,15 @@ LOG1P_SERIES_MAX = tl.constexpr(0.125)
 
 
 @triton.jit
-def log2_1p(v):
+def log2_1p(v, SFU: tl.constexpr = True):
     """``log2(1 + v)`` for ``v > -1``, with float32 relative precision for small ``|v|``.
 
     For ``|v| < LOG1P_SERIES_MAX`` the series ``log2(e) (v - v^2/2 + ... - v^8/8)`` (7 FMAs, about 1e-7 relative, no
     rounding of ``1 + v``); above, ``fast_log2(1 + v)`` (one MUFU op, absolute error at most ``2**-22``). The weights
-    ``(1 + v)**beta`` built on it (``exp2(beta log2_1p(v))``) then have an absolute error below ``6e-7`` for every
-    ``beta >= 1`` (near alpha = 1 only the series' range carries weight; docs/backward.md, "``log1p`` form near
-    alpha = 1"), where rounding ``1 + v`` first would cost ``beta`` ulps per weight.
+    ``(1 + v)**beta`` built on it (``exp2(beta log2_1p(v))``) then have an absolute error below ``6e-7`` of the
+    largest weight for every ``beta >= 1`` (near alpha = 1 only the series' range carries weight; docs/backward.md,
+    "``log1p`` form near alpha = 1"), where rounding ``1 + v`` first would cost ``beta`` ulps per weight. ``SFU=False``
+    (the row kernels, whose float32 outputs are held to 1e-6 of float64): the accurate ``tl.log2`` above the series.
     """
     small = tl.abs(v) < LOG1P_SERIES_MAX
     x = tl.where(small, v, 0.0)
@@ -148,7 +149,12 @@ def log2_1p(v):
     c = c * x + LOG2E / 3.0
     c = c * x - LOG2E / 2.0
     c = c * x + LOG2E
-    return tl.where(small, c * x, fast_log2(tl.maximum(1.0 + v, 1e-30)))
+    u = tl.maximum(1.0 + v, 1e-30)
+    if SFU:
+        big = fast_log2(u)
+    else:
+        big = tl.log2(u)
+    return tl.where(small, c * x, big)
 
 
 @triton.jit

@@ -95,7 +95,7 @@ def _tsallis_pow(v, beta, POW: tl.constexpr):
         pw = pw1 * pw1
     else:
         vs = tl.where(live, v, 0.0)
-        pw = tl.where(live, tl.exp2(beta * log2_1p(vs)), 0.0)
+        pw = tl.where(live, tl.exp2(beta * log2_1p(vs, False)), 0.0)
         pw1 = tl.where(live, pw / tl.where(live, w, 1.0), 0.0)
     return pw, pw1
 
