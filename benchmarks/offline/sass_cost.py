@@ -863,11 +863,12 @@ def set_points(points: tuple) -> None:
 BWD_PRODUCTS = {"bwd_dq": 3, "bwd_dkdv": 4, "bwd_dkdv+dq": 5}
 
 
-def build_bwd(head_dim: int, alpha_class: str, causal: bool, n: int | None = None, deterministic: bool = True):
+def build_bwd(head_dim: int, alpha_class: str, causal: bool, n: int | None = None, deterministic: bool = True,
+              need_dalpha: bool = False):
     """``[(compiled, info)]``: the backward's dQ and dK/dV kernels of one class built as ``sm90_build.bwd_cases``
-    builds them (bf16, no mask, no d alpha; ``n`` keys), with their tile loops: the deterministic backward's dQ
-    kernel and dK/dV kernel, or (``deterministic=False``) the dK/dV kernel with the atomic dQ."""
-    infos, kept = compiled_by(sm90_build.bwd_cases, head_dim, need_dalpha=False, mask=None, causal=causal,
+    builds them (bf16, no mask, d alpha with ``need_dalpha``; ``n`` keys), with their tile loops: the deterministic
+    backward's dQ kernel and dK/dV kernel, or (``deterministic=False``) the dK/dV kernel with the atomic dQ."""
+    infos, kept = compiled_by(sm90_build.bwd_cases, head_dim, need_dalpha=need_dalpha, mask=None, causal=causal,
                               n=default_n() if n is None else n, kernels=("dq", "dkdv"), alpha_class=alpha_class,
                               deterministic=deterministic)
     return [(c, i) for c, i in zip(kept, infos) if i["kernel"] in BWD_PRODUCTS]
@@ -938,7 +939,8 @@ SCORES_UNIT = 64 * 64  # the backward's costs are per 64 x 64 scores: the kernel
 def bwd_main(args, triton) -> int:
     """``--bwd``: the backward's tile loops per class, head dim and causality (module docstring, "The backward")."""
     t0 = time.time()
-    print(f"# sass_cost --bwd: triton {triton.__version__}, sm_90, bf16, n {args.n}; {rates_text()}", flush=True)
+    print(f"# sass_cost --bwd{' --dalpha' if args.dalpha else ''}: triton {triton.__version__}, sm_90, bf16, "
+          f"n {args.n}; {rates_text()}", flush=True)
     classes = ["softmax"] + [c for c in args.classes if c != "softmax"]
     modes = [True] + ([False] if args.nondet else [])
     results = []
@@ -947,7 +949,7 @@ def bwd_main(args, triton) -> int:
             for cls in classes:
                 for det in modes:
                     per = {}
-                    for compiled, info in build_bwd(d, cls, causal, args.n, det):
+                    for compiled, info in build_bwd(d, cls, causal, args.n, det, args.dalpha):
                         an = analyse_bwd(compiled, info, d)
                         per[info["kernel"]] = dict(info=info, an=an)
                         if args.keep:
@@ -1046,6 +1048,8 @@ def main(argv=None) -> int:
     ap.add_argument("--train", action="store_true",
                     help="the training forward (need_out_u: the value loop also multiplies U V) of the fused kernel")
     ap.add_argument("--bwd", action="store_true", help="the backward's tile loops instead of the forward's")
+    ap.add_argument("--dalpha", action="store_true",
+                    help="with --bwd: every kernel with the gradient w.r.t. alpha (a learnable alpha), softmax too")
     ap.add_argument("--nondet", action="store_true",
                     help="with --bwd: also the backward with the atomic dQ (deterministic=False)")
     ap.add_argument("--points", type=points_arg, default=None, metavar="K,P",
