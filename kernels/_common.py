@@ -149,12 +149,12 @@ def log2_1p(v, SFU: tl.constexpr = True):
     c = c * x + LOG2E / 3.0
     c = c * x - LOG2E / 2.0
     c = c * x + LOG2E
-    u = tl.maximum(1.0 + v, 1e-30)
+    series = c * x
     if SFU:
-        big = fast_log2(u)
+        big = fast_log2(tl.maximum(1.0 + v, 1e-30))
     else:
-        big = tl.log2(u)
-    return tl.where(small, c * x, big)
+        big = tl.log2(tl.maximum(1.0 + v, 1e-30))
+    return tl.where(small, series, big)
 
 
 @triton.jit
