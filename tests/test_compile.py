@@ -159,23 +159,35 @@ def test_python_alpha_and_dropout_as_arguments_fullgraph():
             _check_fwd_bwd(fn, compiled, (*_qkv(h=2, h_kv=2, seed=11), alpha, 0.0))
 
 
-def test_dropout_dynamic_shapes_replays_mask_in_backward():
-    """dropout under dynamic=True: with v the identity the output is the dropped weights, so dv = out^T @ dout holds
-    only if the backward applies the forward's mask."""
+def _check_dropout_replayed(backend, device, sizes, dynamic):
+    """Compiled dropout: with v the identity the output is the dropped weights, so dv = out^T @ dout holds only if the
+    backward applies the forward's mask; a second call draws another mask."""
 
     def fn(q, k, v):
-        return entmax_attention(q, k, v, 1.5, dropout_p=0.4, backend="reference")
+        return entmax_attention(q, k, v, 1.5, dropout_p=0.4, backend=backend)
 
-    compiled = _compiled(fn, dynamic=True)
+    compiled = _compiled(fn, dynamic=dynamic)
     g = torch.Generator().manual_seed(12)
-    for n in (8, 12):
-        q, k = (torch.randn(1, 2, n, n, generator=g, requires_grad=True) for _ in range(2))
-        v = torch.eye(n).expand(1, 2, n, n).clone().requires_grad_()
-        d_out = torch.randn(1, 2, n, n, generator=g)
+    for n in sizes:
+        q, k = (torch.randn(1, 2, n, n, generator=g).to(device).requires_grad_() for _ in range(2))
+        v = torch.eye(n, device=device).expand(1, 2, n, n).clone().requires_grad_()
+        d_out = torch.randn(1, 2, n, n, generator=g).to(device)
         out = compiled(q, k, v)
         (out * d_out).sum().backward()
         assert (out == 0).any()
+        assert not torch.equal(compiled(q, k, v), out)
         torch.testing.assert_close(v.grad, out.detach().transpose(-1, -2) @ d_out, **TOL["same_model_f32"])
+
+
+def test_dropout_dynamic_shapes_replays_mask_in_backward():
+    """Reference dropout under dynamic=True (symbolic sizes reach the mask's draw)."""
+    _check_dropout_replayed("reference", "cpu", (8, 12), dynamic=True)
+
+
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_fused_dropout_fullgraph(kernel_device, dynamic):
+    """The fused forward's dropout seed, drawn in the graph, reaches the custom ops as a symbolic int."""
+    _check_dropout_replayed("triton", kernel_device, (16, 20), dynamic=dynamic)
 
 
 @pytest.mark.parametrize("alpha", [1.5, torch.tensor([1.2, 1.5, 1.8, 2.0])])
