@@ -43,6 +43,11 @@ def computed_alpha(alpha: float, dtype: torch.dtype = torch.float32) -> float:
     resolution wherever rounding makes alpha exactly 1.
     """
     alpha = float(alpha)
+    if torch.compiler.is_compiling():
+        # torch.compile makes a float argument symbolic (dynamic=True, or after a call with another value), which the
+        # host's decisions cannot read (struct.pack recursed without end): frexp makes dynamo specialize it, a guard
+        # on its value, so each alpha compiles its own graph as a constant alpha does
+        alpha = math.ldexp(*math.frexp(alpha))
     if dtype == torch.float64:
         return alpha
     held = struct.unpack("f", struct.pack("f", alpha))[0]  # on the host: no tensor, nothing read back

@@ -60,6 +60,12 @@ def check_dim(name: str, dim, ndim: int) -> int:
     return dim % ndim
 
 
+def _finite(value: float) -> bool:
+    """``math.isfinite`` by comparisons, which ``torch.compile(dynamic=True)`` also traces on a symbolic float (a
+    float argument or default of a compiled function)."""
+    return -math.inf < value < math.inf
+
+
 def check_positive_int(name: str, value, allow_none: bool = False) -> None:
     """Raise unless ``value`` is an int >= 1 (or ``None`` when ``allow_none``)."""
     if value is None and allow_none:
@@ -77,7 +83,7 @@ def check_real(name: str, value, low: float, low_open: bool, high: float = math.
         raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
     v = float(value)
     bad_low = v <= low if low_open else v < low
-    if not math.isfinite(v) or bad_low or v > high:
+    if not _finite(v) or bad_low or v > high:
         bracket = "(" if low_open else "["
         raise ValueError(f"{name} must be finite and in {bracket}{low}, {high}], got {v}")
     return v
@@ -178,7 +184,7 @@ def check_alpha(name: str, alpha, x: torch.Tensor, dim: int, low: float = 0.0,
             return math.nan, math.nan
         lo_val = float(alpha.detach().min())
         hi_val = float(alpha.detach().max())
-        bad = not (math.isfinite(lo_val) and math.isfinite(hi_val)) or lo_val <= low or hi_val > high
+        bad = not (_finite(lo_val) and _finite(hi_val)) or lo_val <= low or hi_val > high
         if bad:
             raise ValueError(
                 f"{name} must be finite and in ({low}, {high}], got values in [{lo_val}, {hi_val}]"
@@ -187,7 +193,7 @@ def check_alpha(name: str, alpha, x: torch.Tensor, dim: int, low: float = 0.0,
     if isinstance(alpha, bool) or not isinstance(alpha, Real):
         raise TypeError(f"{name} must be a float or a floating-point tensor, got {type(alpha).__name__}")
     a = float(alpha)
-    if not math.isfinite(a) or a <= low or a > high:
+    if not _finite(a) or a <= low or a > high:
         raise ValueError(f"{name} must be finite and in ({low}, {high}], got {a}")
     return a, a
 
@@ -240,7 +246,7 @@ def check_number(name: str, value, low: float, high: float, high_open: bool = Fa
     if isinstance(value, bool) or not isinstance(value, Real):
         raise TypeError(f"{name} must be a Python number, got {type(value).__name__}")
     value = float(value)
-    ok = math.isfinite(value) and low <= value and (value < high if high_open else value <= high)
+    ok = _finite(value) and low <= value and (value < high if high_open else value <= high)
     if not ok:
         raise ValueError(f"{name} must be finite and in [{low:g}, {high:g}{')' if high_open else ']'}, got {value}")
     return value

@@ -11,9 +11,9 @@ from sparse_attn.modules import EntmaxMultiheadAttention
 from sparse_attn.stats import record_head_stats
 
 
-def _compiled(fn, fullgraph=True):
+def _compiled(fn, fullgraph=True, dynamic=None):
     torch._dynamo.reset()
-    return torch.compile(fn, fullgraph=fullgraph, backend="aot_eager")
+    return torch.compile(fn, fullgraph=fullgraph, dynamic=dynamic, backend="aot_eager")
 
 
 def _check_fwd_bwd(fn, compiled, inputs):
@@ -130,6 +130,82 @@ def test_module_learnable_alpha_compiles_on_reference():
     (g,) = torch.autograd.grad(out.square().sum(), mod.alpha_logit)
     torch.testing.assert_close(out, ref, **TOL["same_model_f32"])
     torch.testing.assert_close(g, g_ref, **TOL["same_model_f32"])
+
+
+def test_functional_reference_dynamic_shapes_fullgraph():
+    """dynamic=True: symbolic sequence lengths reach the alpha shape check and the iterative solver's tolerance
+    (a per-head tensor alpha runs the solver) without graph breaks; one graph serves the later lengths."""
+    alpha = torch.tensor([1.3, 2.0], requires_grad=True)
+
+    def fn(q, k, v, alpha):
+        return entmax_attention(q, k, v, alpha, is_causal=True, backend="reference")
+
+    compiled = _compiled(fn, dynamic=True)
+    for n in (12, 17, 24):
+        q, k, v = _qkv(b=1, h=2, h_kv=2, n_q=n, n_k=n, d=8, seed=n)
+        _check_fwd_bwd(fn, compiled, (q, k, v, alpha))
+
+
+def test_python_alpha_and_dropout_as_arguments_fullgraph():
+    """Python floats passed to a compiled function become symbolic after a call with another value (and from the
+    start with dynamic=True): each alpha still gets its own graph, and a dropout_p argument traces."""
+
+    def fn(q, k, v, alpha, dropout_p):
+        return entmax_attention(q, k, v, alpha, dropout_p=dropout_p, is_causal=True, backend="reference")
+
+    for dynamic in (None, True):
+        compiled = _compiled(fn, dynamic=dynamic)
+        for alpha in (1.5, 1.7, 1.0, 2.0):
+            _check_fwd_bwd(fn, compiled, (*_qkv(h=2, h_kv=2, seed=11), alpha, 0.0))
+
+
+def _check_dropout_replayed(backend, device, sizes, dynamic):
+    """Compiled dropout: with v the identity the output is the dropped weights, so dv = out^T @ dout holds only if the
+    backward applies the forward's mask; a second call draws another mask."""
+
+    def fn(q, k, v):
+        return entmax_attention(q, k, v, 1.5, dropout_p=0.4, backend=backend)
+
+    compiled = _compiled(fn, dynamic=dynamic)
+    g = torch.Generator().manual_seed(12)
+    for n in sizes:
+        q, k = (torch.randn(1, 2, n, n, generator=g).to(device).requires_grad_() for _ in range(2))
+        v = torch.eye(n, device=device).expand(1, 2, n, n).clone().requires_grad_()
+        d_out = torch.randn(1, 2, n, n, generator=g).to(device)
+        out = compiled(q, k, v)
+        (out * d_out).sum().backward()
+        assert (out == 0).any()
+        assert not torch.equal(compiled(q, k, v), out)
+        torch.testing.assert_close(v.grad, out.detach().transpose(-1, -2) @ d_out, **TOL["same_model_f32"])
+
+
+def test_dropout_dynamic_shapes_replays_mask_in_backward():
+    """Reference dropout under dynamic=True (symbolic sizes reach the mask's draw)."""
+    _check_dropout_replayed("reference", "cpu", (8, 12), dynamic=True)
+
+
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_fused_dropout_fullgraph(kernel_device, dynamic):
+    """The fused forward's dropout seed, drawn in the graph, reaches the custom ops as a symbolic int."""
+    _check_dropout_replayed("triton", kernel_device, (16, 20), dynamic=dynamic)
+
+
+@pytest.mark.parametrize("alpha", [1.5, torch.tensor([1.2, 1.5, 1.8, 2.0])])
+def test_module_dynamic_shapes_fullgraph(alpha):
+    """A module's float attributes (a fixed alpha, dropout) are symbolic under dynamic=True."""
+    torch.manual_seed(13)
+    mod = EntmaxMultiheadAttention(32, 4, alpha=alpha, dropout=0.1, batch_first=True).eval()
+
+    def fn(x):
+        return mod(x, x, x, need_weights=False, is_causal=True)[0]
+
+    compiled = _compiled(fn, dynamic=True)
+    for n in (5, 9, 14):
+        _check_fwd_bwd(fn, compiled, (torch.randn(2, n, 32, requires_grad=True),))
+    mod.train()
+    x = torch.randn(2, 7, 32, requires_grad=True)
+    (grad,) = torch.autograd.grad(compiled(x).square().sum(), x)
+    assert torch.isfinite(grad).all()
 
 
 def test_functional_and_module_fullgraph_fused(kernel_device):

@@ -34,7 +34,7 @@ FWD_FIELDS = SPEC_FIELDS + ("seed",)
 """The forward op's arguments by name, in its positional order: the spec's fields (their schema types declared in
 ``kernels/_spec.py``, ``DECLS``), then the dropout seed."""
 _TENSOR_FIELDS = tuple(name for name, decl in DECLS.items() if decl.op_type.startswith("Tensor"))
-_SPEC_SCHEMA = op_schema({"seed": "int"})
+_SPEC_SCHEMA = op_schema({"seed": "SymInt"})  # SymInt: under torch.compile the seed is drawn in the graph
 _FWD_OUTPUTS = ("out", "tau", "tau_lo", "lsum", "nnz", "n_valid", "live", "n_passes", "tile_visits", "out_u")
 _BWD_EXTRA = ("do", "out", "out_u", "tau", "tau_lo", "lsum", "live", "need_dalpha", "need_dmask")
 """The backward op's arguments before the spec's (the forward's results it reads, and which gradients)."""

@@ -177,7 +177,8 @@ def check_head_alpha(name: str, alpha, n_heads: int) -> None:
     if isinstance(alpha, Tensor):
         if not alpha.is_floating_point():
             raise TypeError(f"{name} must be a float or a floating-point tensor, got a tensor of dtype {alpha.dtype}")
-        if alpha.dim() > 1 or alpha.numel() not in (1, n_heads):
+        n = alpha.numel()  # compared one by one: `in` misjudges sizes that torch.compile(dynamic=True) made symbolic
+        if alpha.dim() > 1 or (n != 1 and n != n_heads):
             raise ValueError(
                 f"{name} must be a float or a tensor of shape () or ({n_heads},) (one per head), "
                 f"got shape {tuple(alpha.shape)}"

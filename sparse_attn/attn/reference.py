@@ -149,7 +149,9 @@ def _attend(q, k, v, alpha, bad_head, bias, keep, inputs, ct, dropout_mask, gene
     if dropout_mask is not None:
         applied = p * dropout_mask.to(ct) / (1.0 - inputs.dropout_p)
     elif inputs.dropout_p > 0:
-        drop_keep = torch.rand(p.shape, generator=generator, device=p.device, dtype=torch.float32) >= inputs.dropout_p
+        # no generator=None: torch.rand refuses it with the symbolic sizes of torch.compile(dynamic=True)
+        rng = {} if generator is None else {"generator": generator}
+        drop_keep = torch.rand(p.shape, device=p.device, dtype=torch.float32, **rng) >= inputs.dropout_p
         applied = p * drop_keep.to(ct) / (1.0 - inputs.dropout_p)
     return torch.matmul(applied, v.to(ct)), p, applied, stats
 

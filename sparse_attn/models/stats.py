@@ -31,7 +31,8 @@ recorder's state is not global. Which modules are entmax attention layers is tol
 :func:`register_layer_type`, called by :mod:`sparse_attn.modules` and
 :mod:`sparse_attn.integrations.hf` when they are imported. Accumulators stay on the device
 until read. Recording also works in code compiled with ``torch.compile(fullgraph=True)``: the
-callback is traced (entering or leaving a recorder triggers a recompilation).
+callback is traced (entering or leaving a recorder triggers a recompilation). Under activation checkpointing
+(``torch.utils.checkpoint``) the forward the backward recomputes is not recorded again: one call per forward.
 """
 
 from __future__ import annotations
@@ -165,6 +166,8 @@ class _LayerSink:
         self.steps = []
 
     def __call__(self, nnz: Tensor, n_valid: Tensor, alpha: Tensor, weights: Tensor | None) -> None:
+        if not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1:
+            return  # a forward recomputed in the backward (activation checkpointing): its call was counted already
         with torch.no_grad():
             valid = n_valid > 0
             if self.query_mask is not None:

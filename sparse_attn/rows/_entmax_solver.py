@@ -49,6 +49,8 @@ def _newton_rows(x: torch.Tensor, alpha: torch.Tensor, max_iter: int, ensure_sum
         x = torch.where(e > 0, torch.maximum(x, -inv_e.clamp(min=0) - 1.0), x)
     ex = e * x
     tol = _solver_tol(x.dtype, x.shape[-1])
+    if compiling:  # a symbolic float under dynamic shapes, which while_loop's closures cannot capture: a 0-d tensor
+        tol = torch.full((), tol, dtype=x.dtype, device=x.device)
     lo = torch.zeros_like(e) if t0 is None else t0
     hi = -torch.expm1(-e * torch.log(n_valid)) * inv_e
     t = lo.clone()

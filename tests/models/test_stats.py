@@ -166,6 +166,25 @@ def test_density_history_per_call():
         plain.density_history()
 
 
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_activation_checkpointing_records_each_call_once(use_reentrant):
+    """A checkpointed layer's forward recomputed in the backward is not another call: one history entry per step and
+    the densities of the plain run."""
+    from torch.utils.checkpoint import checkpoint
+
+    model = TwoLayers()
+    batches = [_batch(1), _batch(2, n=3, l_q=4, s=5)]
+    with record_head_stats(model, history=True) as plain:
+        for x, mem, kpm in batches:
+            model(x.requires_grad_(), mem, kpm)[0].sum().backward()
+    with record_head_stats(model, history=True) as rec:
+        for x, mem, kpm in batches:
+            checkpoint(model, x.requires_grad_(), mem, kpm, use_reentrant=use_reentrant)[0].sum().backward()
+    assert [sink.calls for sink in rec._sinks] == [2, 2]
+    torch.testing.assert_close(rec.density_history(), plain.density_history(), atol=0, rtol=0)
+    torch.testing.assert_close(rec.density(), plain.density(), atol=0, rtol=0)
+
+
 def test_density_path_does_not_materialize(monkeypatch):
     model = TwoLayers()
 
