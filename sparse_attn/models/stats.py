@@ -147,6 +147,13 @@ def _query_rows(query_mask: Tensor, n_valid: Tensor) -> Tensor:
     return query_mask.to(n_valid.device)[:, None, :]
 
 
+def _in_backward() -> bool:
+    """Whether autograd's engine is running a backward on this thread (a private torch function: without it, a
+    recomputed forward is recorded again rather than the call failing)."""
+    task_id = getattr(torch._C, "_current_graph_task_id", None)
+    return task_id is not None and task_id() != -1
+
+
 class _LayerSink:
     """Accumulator one layer reports to (called by the layer's forward)."""
 
@@ -166,7 +173,7 @@ class _LayerSink:
         self.steps = []
 
     def __call__(self, nnz: Tensor, n_valid: Tensor, alpha: Tensor, weights: Tensor | None) -> None:
-        if not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1:
+        if not torch.compiler.is_compiling() and _in_backward():
             return  # a forward recomputed in the backward (activation checkpointing): its call was counted already
         with torch.no_grad():
             valid = n_valid > 0
