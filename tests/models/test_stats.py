@@ -5,7 +5,7 @@ import sys
 
 import pytest
 import torch
-from helpers import F64, TOL, host_reads_outside
+from helpers import EXACT, F64, TOL, host_reads_outside
 from torch import nn
 
 import sparse_attn.attention as attention_mod
@@ -181,8 +181,8 @@ def test_activation_checkpointing_records_each_call_once(use_reentrant):
         for x, mem, kpm in batches:
             checkpoint(model, x.requires_grad_(), mem, kpm, use_reentrant=use_reentrant)[0].sum().backward()
     assert [sink.calls for sink in rec._sinks] == [2, 2]
-    torch.testing.assert_close(rec.density_history(), plain.density_history(), atol=0, rtol=0)
-    torch.testing.assert_close(rec.density(), plain.density(), atol=0, rtol=0)
+    torch.testing.assert_close(rec.density_history(), plain.density_history(), **EXACT)
+    torch.testing.assert_close(rec.density(), plain.density(), **EXACT)
 
 
 def test_density_path_does_not_materialize(monkeypatch):
