@@ -119,31 +119,12 @@ def _apply_dropout(p, u, rw, cols, HAS_DROPOUT: tl.constexpr):
 
 
 @triton.jit
-def _u_weights(z, t, p, POW: tl.constexpr):
-    """``U = [z - tau]_+^(beta - 1)`` next to the value pass weights ``p = [z - tau]_+^beta`` at the thresholds ``t``
-    (``_threshold.weights``). [BLOCK_M, BLOCK_N]
-
-    The general path divides ``p`` by ``r = 1 + (z - t)``: exact near the threshold (Sterbenz), one rounding near
-    alpha = 1, and no second ``log2`` / ``exp2`` per score.
-    """
-    if POW == 1:
-        u = tl.where(z > t[:, None], 1.0, 0.0)
-    elif POW == 2:
-        u = tl.maximum(z - t[:, None], 0.0)
-    else:
-        r = 1.0 + (z - t[:, None])
-        pos = r > 0.0
-        u = tl.where(pos, p / tl.where(pos, r, 1.0), 0.0)
-    return u
-
-
-@triton.jit
 def _weights_and_u(z, t, POW: tl.constexpr, beta, HALF_P: tl.constexpr, WITH_U: tl.constexpr):
-    """The value pass's weights ``p = [z - tau]_+^beta`` (``_threshold.weights``) and, with ``WITH_U``, ``U = [z -
-    tau]_+^(beta - 1)`` (else ``U = p``). [BLOCK_M, BLOCK_N] each
+    """The value pass's weights ``p = [z - tau]_+^beta`` at the thresholds ``t`` (``_threshold.weights``) and, with
+    ``WITH_U``, ``U = [z - tau]_+^(beta - 1)`` (else ``U = p``). [BLOCK_M, BLOCK_N] each
 
-    The general path with ``WITH_U`` takes both from one ``log2_1p`` (``_threshold.pow_weights``, the same ``p`` as
-    without ``U``) instead of dividing ``p`` by ``r`` (``_u_weights``).
+    The general path with ``WITH_U`` takes both from one ``log2_1p`` (``_threshold.pow_weights``: the same ``p`` as
+    without ``U``, no division by ``r``).
     """
     if WITH_U and POW == 0:
         p, u = pow_weights(z - t[:, None], beta)
@@ -151,7 +132,10 @@ def _weights_and_u(z, t, POW: tl.constexpr, beta, HALF_P: tl.constexpr, WITH_U: 
         p = weights(z, t, POW, beta, HALF_P)
         u = p
         if WITH_U:
-            u = _u_weights(z, t, p, POW)
+            if POW == 1:
+                u = tl.where(z > t[:, None], 1.0, 0.0)
+            else:
+                u = tl.maximum(z - t[:, None], 0.0)
     return p, u
 
 
@@ -312,7 +296,7 @@ def _value_pass(q, kv, rw, tiles, mods, vp, POW: tl.constexpr, BIAS_KIND: tl.con
     visits)``; thresholds and scores relative to the rows' reference scores ``ref``):
     with ``WITH_P`` ``acc = sum_j p_ij v_j``,
     ``l_sum = sum_j p_ij``, ``nnz`` and the bitmap's words rewritten (tiles with no score above ``lo_kill`` die);
-    with ``WITH_U`` ``acc_u = sum_j U_ij v_j`` and ``u_sum = sum_j U_ij`` (``_u_weights``). Returns
+    with ``WITH_U`` ``acc_u = sum_j U_ij v_j`` and ``u_sum = sum_j U_ij`` (``_weights_and_u``). Returns
     ``(acc, l_sum, nnz, acc_u, u_sum, visits)`` (``visits`` counts on the key tiles loaded), the accumulators not asked
     for zero. ``HALF_P``: the weights are rounded to 16 bits for the value product, so ``_threshold.weights`` may take
     the fast log2."""
@@ -445,10 +429,10 @@ def value_rows(q, kv, rw, tiles, mods, vr, POW: tl.constexpr, BIAS_KIND: tl.cons
             HAS_DROPOUT, False, True, False, DOT_PRECISION)
     if SCORE.has_sinks:
         zs = _sink_scores(mods, am1, rw.rows.shape[0], kv.offs_n.shape[0]) - ref[:, None]
-        p_s = weights(zs, t_use, POW, beta)
+        p_s, u_s = _weights_and_u(zs, t_use, POW, beta, False, NEED_OUT_U)
         l_sum += tl.sum(p_s, 1)
         if NEED_OUT_U:
-            u_sum += tl.sum(_u_weights(zs, t_use, p_s, POW), 1)
+            u_sum += tl.sum(u_s, 1)
     n_passes += 1
     ok = valid & (l_sum > 0.0)
     l_safe = tl.where(ok, l_sum, 1.0)
