@@ -120,7 +120,11 @@ class AttnSpec:
     def swapped(self, **fields) -> AttnSpec:
         """A copy with ``fields`` replaced, without running ``__init__`` again: only for tensors that stand where
         tensors of the same type, shape, dtype, device and ``requires_grad`` stood (what the checks read), as the
-        cached gate of :func:`sparse_attn.entmax_decode` swaps in each step's tensors."""
+        cached gate of :func:`sparse_attn.entmax_decode` swaps in each step's tensors. Inside a ``torch.compile``
+        trace, a spec built by the constructor (Dynamo cannot trace writes into ``__dict__``; the traced graph runs
+        none of this)."""
+        if torch.compiler.is_compiling():
+            return AttnSpec(**{name: fields.get(name, getattr(self, name)) for name in FIELDS})
         spec = object.__new__(AttnSpec)
         spec.__dict__.update(self.__dict__)
         spec.__dict__.update(fields)
