@@ -39,6 +39,8 @@ from sparse_attn.kernels import _args  # noqa: E402
 from sparse_attn.kernels._args import tile_plan  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
+# the most shared memory one block may use on sm_90 (227 KiB; a launch above fails with "out of resource")
+SM90_SMEM_BYTES = 232448
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
 
@@ -210,7 +212,8 @@ def fwd_case(head_dim: int, alpha_class: str, causal: bool = True, dtype=torch.b
                                     cu_seqlens_k=cu, dropout_p=0.1 if dropout else 0.0, **variants, **extra)
         finally:
             fwd._entmax_attn_fwd_autotuned = tuned
-        _, _, warps, stages = fwd._pick_config(head_dim, False) if config is None else (None, None, *config)
+        _, _, warps, stages = (fwd._pick_config(head_dim, False, q.element_size()) if config is None
+                               else (None, None, *config))
         kernel, launches = fwd._entmax_attn_fwd_kernel, [(g, a, {**kw, "num_warps": warps, "num_stages": stages})
                                                          for g, a, kw in cap.launches]
     else:
@@ -342,7 +345,7 @@ def candidates(head_dims, classes, n: int = N_DEFAULT):
         for name in ("dq", "dkdv"):
             pinned = bwd._pick_config(d, False, True)[name][-2:]
             kept = _args.prune_to_pinned(bwd._pinned(name), by_args=True)(
-                _args.launch_configs(), {"HEAD_DIM": d, "NEED_DALPHA": True})
+                _args.launch_configs(), {"HEAD_DIM": d, "NEED_DALPHA": True, "Q": torch.empty(0, dtype=torch.bfloat16)})
             for cfg in kept:
                 for info in bwd_cases(d, need_dalpha=True, mask=None, causal=False, n=n, kernels=(name,),
                                       config=(cfg.num_warps, cfg.num_stages)):
@@ -355,13 +358,26 @@ def check() -> int:
     class with a boolean mask, a sliding window and soft-capping, the split forward's stages with the same features
     (sparsemax, 1.5-entmax at the head-dim-128 pin with its register cap); the three backward kernels with d alpha, a
     window, ALiBi, soft-capping, sinks and a mask gradient reduced by the d bias kernel."""
-    fwd_case(80, "general", mask="float", dropout=True, varlen=True, need_out_u=True, alibi=True, sinks=True)
-    fwd_case(64, "entmax15", mask="bool", causal=False, window_size=(255, 16), softcap=30.0)
-    fwd_case(80, "sparsemax", mask="float", dropout=True, varlen=True, need_out_u=True, alibi=True, sinks=True,
-             split=True)
-    fwd_case(128, "entmax15", mask="bool", window_size=(255, 16), softcap=30.0, split=True)
-    bwd_cases(80, need_dalpha=True, mask="blocks", dropout=True, window_size=(255, -1), softcap=30.0, alibi=True,
-              sinks=True)
+    infos = [
+        fwd_case(80, "general", mask="float", dropout=True, varlen=True, need_out_u=True, alibi=True, sinks=True),
+        fwd_case(64, "entmax15", mask="bool", causal=False, window_size=(255, 16), softcap=30.0),
+        fwd_case(80, "sparsemax", mask="float", dropout=True, varlen=True, need_out_u=True, alibi=True, sinks=True,
+                 split=True),
+        fwd_case(128, "entmax15", mask="bool", window_size=(255, 16), softcap=30.0, split=True),
+        *bwd_cases(80, need_dalpha=True, mask="blocks", dropout=True, window_size=(255, -1), softcap=30.0,
+                   alibi=True, sinks=True),
+        # float32 inputs, the largest shared memory of each kernel's pinned tiles (an H200 launch of the former
+        # ones failed: docs/backward.md "Float32 inputs")
+        fwd_case(256, "entmax15", dtype=torch.float32, n=1024),
+        *bwd_cases(256, need_dalpha=False, mask=None, dtype=torch.float32, n=1024, kernels=("dq",),
+                   alpha_class="entmax15"),
+        *bwd_cases(256, need_dalpha=True, mask="blocks", dtype=torch.float32, n=1024, kernels=("dkdv",),
+                   alpha_class="entmax15", deterministic=False),
+    ]
+    over = [f"{i['kernel']} d {i['d']} {i['alpha']}: {i['smem']} bytes" for i in infos if i["smem"] > SM90_SMEM_BYTES]
+    if over:
+        print(f"shared memory above sm_90's {SM90_SMEM_BYTES} bytes per block: " + "; ".join(over))
+        return 1
     print("built")
     return 0
 

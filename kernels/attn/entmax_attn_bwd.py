@@ -58,7 +58,7 @@ class BwdTiles(NamedTuple):
 
 
 def _pick_config(head_dim: int, interpret: bool, need_dalpha: bool = False, dense_dbias: bool = False,
-                 deterministic: bool = True, alpha_class: str = "mixed") -> dict:
+                 deterministic: bool = True, alpha_class: str = "mixed", elem_size: int = 2) -> dict:
     """``{kernel: BwdTiles}`` for ``"dq"``, ``"dkdv"``, ``"dbias"``: each backward kernel's own tiles and pinned
     launch config for this head dim and call. The tiles are powers of two, independent of the forward's (the
     bitmap's): a backward tile lies in one forward tile or is a union of whole ones (``_bwd_tiles._live_bits``).
@@ -71,10 +71,18 @@ def _pick_config(head_dim: int, interpret: bool, need_dalpha: bool = False, dens
     the dK/dV kernel, which then also adds dQ; that kernel takes narrower tiles, as does the atomic dQ's dK/dV kernel
     at head dim 128 for the general alpha class (``alpha_class``: the launch's, ``"mixed"`` for a filtered launch of
     every class). The interpreter runs its own small tiles, chosen to exercise both relations to the forward's 32 x 32
-    tiles."""
+    tiles.
+
+    Float32 inputs (``elem_size`` 4) take narrow tiles on one pipeline stage: the 16-bit tiles need 328-492 KiB of
+    shared memory at head dim 128 (sm_90 has 227 KiB; sm_90 builds, docs/backward.md "Float32 inputs"), these at most
+    224 KiB at every head dim, with or without d alpha, a mask gradient or determinism."""
     if interpret:
         return dict(dq=BwdTiles(64, 16, 4, 1), dkdv=BwdTiles(16, 64, 4, 1), dbias=BwdTiles(16, 64, 4, 1))
     head_dim_block = _args.head_dim_block(head_dim)
+    if elem_size > 2:
+        if head_dim_block <= 128:
+            return dict(dq=BwdTiles(64, 16, 4, 1), dkdv=BwdTiles(16, 32, 4, 1), dbias=BwdTiles(32, 16, 4, 1))
+        return dict(dq=BwdTiles(32, 32, 4, 1), dkdv=BwdTiles(16, 32, 4, 1), dbias=BwdTiles(32, 32, 4, 1))
     dq_dalpha, dq_dense = (need_dalpha, dense_dbias) if deterministic else (False, False)
     if head_dim_block <= 64:
         dq = BwdTiles(128, 32 if dq_dalpha or dq_dense else 64, 8, 2)
@@ -102,12 +110,14 @@ def _keys_as_m(head_dim: int, head_dim_v: int) -> bool:
 
 
 def _call_flags(args: dict) -> tuple:
-    """``(need_dalpha, dense_dbias, deterministic, alpha_class)`` of ``_pick_config`` from one kernel launch's
-    arguments: as far as they choose that kernel's tiles (the dQ kernel's sweep, or without determinism the dK/dV
-    kernel, accumulates the d alpha sums and stores the dense dS tiles; a filtered launch is ``"mixed"``)."""
+    """``(need_dalpha, dense_dbias, deterministic, alpha_class, elem_size)`` of ``_pick_config`` from one kernel
+    launch's arguments: as far as they choose that kernel's tiles (the dQ kernel's sweep, or without determinism the
+    dK/dV kernel, accumulates the d alpha sums and stores the dense dS tiles; a filtered launch is ``"mixed"``; the
+    inputs' element size)."""
     deterministic = args.get("PHASE", 0) == 0 and not args.get("NEED_DQ", False)
     alpha_class = "mixed" if args.get("HEAD_FILTER", True) else _args.CLASS_NAMES[args["ALPHA_CLASS"]]
-    return bool(args.get("NEED_DALPHA", False)), bool(args.get("NEED_DBIAS", False)), deterministic, alpha_class
+    return (bool(args.get("NEED_DALPHA", False)), bool(args.get("NEED_DBIAS", False)), deterministic, alpha_class,
+            args["Q"].element_size())
 
 
 def _pinned(kernel: str):
@@ -345,7 +355,8 @@ def launch_bwd(spec, seed, do, out, tau, lsum, *, out_u=None, tau_lo=None, live=
         return grads if sinks is None else (*grads, torch.zeros_like(sinks))
     dense = need_dbias and _args.dbias_mode(bias, (*q.shape[:3], k.shape[2])) == "dense"
     alpha_class = _args.resolve_alpha_class(alpha, spec.alpha_class)
-    config = _pick_config(q.shape[3], _args.interpreting(), bool(need_dalpha), dense, deterministic, alpha_class)
+    config = _pick_config(q.shape[3], _args.interpreting(), bool(need_dalpha), dense, deterministic, alpha_class,
+                          q.element_size())
     forced = {name: BwdTiles(*t) for name, t in (tiles or {}).items()}
     assert set(forced) <= set(config), f"tiles: expected kernels among {sorted(config)}, got {sorted(forced)}"
     assert all(b >= 16 and b & (b - 1) == 0 for t in forced.values() for b in t[:2]) and all(

@@ -332,19 +332,23 @@ def test_tma_rows_takes_only_layouts_a_descriptor_can_stream():
     assert tma_rows(torch.zeros(2, 3, 40, 24, dtype=torch.float32))  # 96-byte rows
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("head_dim", [16, 64, 96, 128, 160, 256])
-def test_autotuners_try_the_pinned_config_first(head_dim):
+def test_autotuners_try_the_pinned_config_first(head_dim, dtype):
     """On a GPU each attention autotuner keeps three of ``launch_configs()`` per launch: the pinned warps / stages of
-    the launch's head dim first (what ``SPARSE_ATTN_PINNED=1`` runs), one more stage, the other warp count."""
+    the launch's head dim and input dtype first (what ``SPARSE_ATTN_PINNED=1`` runs), one more stage, the other warp
+    count."""
     from sparse_attn.kernels.attn import entmax_attn_bwd as bwd
     from sparse_attn.kernels.attn import entmax_attn_fwd as fwd
 
-    pinned = {"fwd": fwd._pick_config(head_dim, False)[2:],
-              **{name: bwd._pick_config(head_dim, False)[name][2:] for name in ("dq", "dkdv", "dbias")}}
+    size = dtype.itemsize
+    pinned = {"fwd": fwd._pick_config(head_dim, False, size)[2:],
+              **{name: bwd._pick_config(head_dim, False, elem_size=size)[name][2:] for name in ("dq", "dkdv", "dbias")}}
     tuners = {"fwd": fwd._entmax_attn_fwd_autotuned, "dq": bwd._entmax_attn_bwd_dq_autotuned,
               "dkdv": bwd._entmax_attn_bwd_dkdv_autotuned, "dbias": bwd._entmax_attn_bwd_dbias_autotuned}
+    args = {"HEAD_DIM": head_dim, "Q": torch.empty(0, dtype=dtype)}
     for name, tuner in tuners.items():
-        kept = [(c.num_warps, c.num_stages) for c in tuner.early_config_prune(tuner.configs, {"HEAD_DIM": head_dim})]
+        kept = [(c.num_warps, c.num_stages) for c in tuner.early_config_prune(tuner.configs, args)]
         warps, stages = pinned[name]
         assert kept == [(warps, stages), (warps, stages + 1), (12 - warps, stages)], (name, kept)
 
