@@ -81,6 +81,13 @@ def _attention(device, dtype, shapes, alpha, *, grad=(), seed=0, q_mult=1.0, **k
     assert torch.equal(st.n_valid.cpu(), st64.n_valid.cpu())
     a = torch.as_tensor(alpha, dtype=F64).expand(shapes[0][1]).view(1, -1, 1).expand(st.nnz.shape)
     assert torch.equal(st.nnz.cpu()[a == 1], st.n_valid.cpu()[a == 1])  # softmax rows: every valid key
+    # a sparsemax row's gradient jumps where a key's score crosses tau, and the kernel stops refining tau within the
+    # dtype's tolerance (kernels/attn/_threshold.TOLERANCE): a key closer to tau than that may fall on the other side
+    # (an H200 run met one 4.5e-5 from tau: nnz 4 for 5, dq off by 3.1), where the float64 gradient is not the one
+    # to compare with. The inputs are drawn free of such keys, and this says so if one is met.
+    flips = (st.nnz.cpu() != st64.nnz.cpu()) & (a == 2)
+    assert not (grads and flips.any()), (f"{int(flips.sum())} sparsemax rows whose support differs from float64's (a "
+                                         "key within the kernel's tolerance of tau): draw other inputs")
     assert set(grads) == set(grad)
     for name, g64 in grads64.items():
         got, base32 = grads[name], grads32[name]
@@ -180,7 +187,7 @@ def test_grouped_query_attention(kernel_device):
     """8 query heads over 2 kv heads (dK, dV summed over each group), sparsemax, Nq != Nk."""
     nq, nk, d = _pick(kernel_device, (257, 300, 64), (37, 45, 16))
     _attention(kernel_device, _dtype(kernel_device), [(1, 8, nq, d), (1, 2, nk, d), (1, 2, nk, d)], 2.0,
-               grad=("q", "k", "v"), enable_gqa=True, is_causal=True, seed=9)
+               grad=("q", "k", "v"), enable_gqa=True, is_causal=True, seed=10)
 
 
 # ---------------------------------------------------------------- split-K decode
