@@ -465,7 +465,11 @@ def test_headline_local_scores_reach_the_dead_tile_target():
 def test_isolated_tests_rerun_a_cuda_error_without_tma(tmp_path):
     """``isolated_tests.py`` runs each selected test in its own process and writes a row as each ends; a test that
     failed with a CUDA error or timed out (a hung barrier) runs once more with ``SPARSE_ATTN_TMA=0`` (here it then
-    passes: a TMA fault), a plain assertion failure does not."""
+    passes: a TMA fault), a plain assertion failure does not, nor a test that timed out compiling (its stack dump,
+    written before the limit, shows Triton's compiler); each timeout's row says where its stack stood."""
+    slow = tmp_path / "site" / "triton" / "compiler" / "slow_build.py"
+    slow.parent.mkdir(parents=True)
+    slow.write_text("import time\n\n\ndef build():\n    time.sleep(60)\n")
     fake = tmp_path / "test_fake_gpu.py"
     fake.write_text(
         "import os\nimport pytest\n\n\n@pytest.mark.gpu\ndef test_tma_fault():\n"
@@ -473,7 +477,11 @@ def test_isolated_tests_rerun_a_cuda_error_without_tma(tmp_path):
         "        raise RuntimeError('CUDA error: an illegal memory access was encountered')\n\n\n"
         "@pytest.mark.gpu\ndef test_wrong():\n    assert 1 == 2\n\n\n"
         "@pytest.mark.gpu\ndef test_hang():\n    import time\n"
-        "    time.sleep(0 if os.environ.get('SPARSE_ATTN_TMA') == '0' else 60)\n")
+        "    time.sleep(0 if os.environ.get('SPARSE_ATTN_TMA') == '0' else 60)\n\n\n"
+        "@pytest.mark.gpu\ndef test_build():\n    import importlib.util\n"
+        f"    spec = importlib.util.spec_from_file_location('slow_build', {str(slow)!r})\n"
+        "    module = importlib.util.module_from_spec(spec)\n    spec.loader.exec_module(module)\n"
+        "    module.build()\n")
     out = tmp_path / "out"
     res = subprocess.run([sys.executable, str(GPU / "isolated_tests.py"), "--out", str(out), "--jobs", "1",
                           "--no-launch-blocking", "--per-test-s", "8", "--root", str(tmp_path), fake.name],
@@ -482,8 +490,12 @@ def test_isolated_tests_rerun_a_cuda_error_without_tma(tmp_path):
     rows = [line.split("\t") for line in (out / "summary.tsv").read_text().splitlines()[1:]]
     outcomes = {row[1].split("::")[-1]: row[2] for row in rows}
     assert outcomes == {"test_tma_fault": "FAILED", "test_tma_fault [SPARSE_ATTN_TMA=0]": "passed",
-                        "test_wrong": "FAILED", "test_hang": "TIMEOUT", "test_hang [SPARSE_ATTN_TMA=0]": "passed"}, rows
+                        "test_wrong": "FAILED", "test_hang": "TIMEOUT", "test_hang [SPARSE_ATTN_TMA=0]": "passed",
+                        "test_build": "TIMEOUT"}, rows
     fault = next(row for row in rows if row[1].endswith("test_tma_fault"))
     assert "illegal memory access" in fault[5] and fault[6] == f"{int(fault[0]):03d}.log"
     assert "test_tma_fault [SPARSE_ATTN_TMA=0]" in (out / "logs" / f"{int(fault[0]):03d}-notma.log").read_text()
-    assert "3 run and 2 rerun without TMA" in (out / "summary.md").read_text()
+    assert "4 run and 2 rerun without TMA" in (out / "summary.md").read_text()
+    first = {row[1].split("::")[-1]: row[5] for row in rows}
+    assert first["test_build"] == "timeout while compiling kernels (stack dump)", first
+    assert first["test_hang"].startswith("timeout in File") and "test_fake_gpu.py" in first["test_hang"], first

@@ -16,7 +16,8 @@
 #            in .triton-sm90/ (benchmarks/gpu/precompile.py) is installed into TRITON_CACHE_DIR first, and headline.log
 #            says how many kernels the warm-up loaded from it and how many it compiled
 #   tests:   pytest_gpu.log (the GPU, versions and commit first, then pytest's output with --durations=25)
-#   isolated: env.txt, isolated.log, summary.md, summary.tsv, logs/<n>.log (one per test; see isolated_tests.py)
+#   isolated: env.txt, isolated.log, summary.md, summary.tsv, logs.tgz (logs/<n>.log, one per test, packed: the
+#            device tool brings back a few files only; see isolated_tests.py)
 #   bench:   pytest_gpu.log, bench.log, results.md, results.csv and three plot_*.png (7 files)
 #   tune:    tune.log, tune.md, tune.csv
 #   profile: profile.md, profile.log; with ncu also ncu.log, ncu_details.csv, ncu_raw.csv, profile.ncu-rep
@@ -144,19 +145,25 @@ case "$MODE" in
     ;;
   isolated)
     export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
+    # one build per kernel, the pinned config (autotuning builds three: at 01466f6, with 14 tests at a time, 6 tests
+    # ran past 440 s in two calls and 31 of 119 did not finish; SPARSE_ATTN_PINNED=0 tests the autotuned launches)
+    export SPARSE_ATTN_PINNED=${SPARSE_ATTN_PINNED:-1}
     mkdir -p "$TRITON_CACHE_DIR"
     {
       nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
       "$PY" -c "import sys, torch, triton, numpy; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'numpy', numpy.__version__)"
       echo "commit: ${BENCH_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
       echo "command: python benchmarks/gpu/isolated_tests.py ${ISOLATED_ARGS:-}"
+      echo "SPARSE_ATTN_PINNED=$SPARSE_ATTN_PINNED"
       nproc
     } 2>&1 | tee "$OUT_DIR/env.txt"
     left=$(( TOTAL_S - (SECONDS - START) ))
     # shellcheck disable=SC2086
     timeout $(( left - 5 )) "$PY" benchmarks/gpu/isolated_tests.py --out "$OUT_DIR" --budget-s $(( left - 40 )) \
       ${ISOLATED_ARGS:-} 2>&1 | tee "$OUT_DIR/isolated.log"
-    exit "${PIPESTATUS[0]}"
+    status=${PIPESTATUS[0]}
+    tar czf "$OUT_DIR/logs.tgz" -C "$OUT_DIR" logs && rm -rf "$OUT_DIR/logs"
+    exit "$status"
     ;;
   profile)
     left=$(( TOTAL_S - (SECONDS - START) ))

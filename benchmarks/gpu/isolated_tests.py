@@ -60,12 +60,23 @@ CUDA_ERROR = re.compile(r"illegal memory access|CUDA error|Triton Error \[CUDA\]
                         r"misaligned address|out of resource|illegal instruction")
 
 
+# a timed-out test whose stack dump shows Triton or ptxas compiling ran out of time building kernels: no TMA rerun
+COMPILING = re.compile(r"triton/compiler/|triton/backends/nvidia/compiler\.py|ptxas")
+
+
 def first_error(log: str) -> str:
-    """The most telling line of a failed test's log: a CUDA error, else the first ``E   `` line."""
+    """The most telling line of a failed test's log: a CUDA error, else the first ``E   `` line, else (a timeout's
+    stack dump) whether it was compiling, else the innermost frame of the dump's first thread."""
     for pattern in (CUDA_ERROR, re.compile(r"^E\s+\S")):
         for line in log.splitlines():
             if pattern.search(line):
                 return line.strip()[:240]
+    if "Timeout (" in log:
+        if COMPILING.search(log):
+            return "timeout while compiling kernels (stack dump)"
+        dump = log.split("Timeout (", 1)[1].splitlines()
+        frames = [line.strip() for line in dump if line.strip().startswith("File ")]
+        return ("timeout in " + frames[0])[:240] if frames else "timeout (stack dump)"
     tail = [line for line in log.splitlines() if line.strip()]
     return tail[-1].strip()[:240] if tail else ""
 
@@ -110,16 +121,19 @@ def main() -> int:
             t0 = time.monotonic()
             log_path = out / "logs" / (f"{n:03d}-notma.log" if extra else f"{n:03d}.log")
             label = nodeid + "".join(f" [{k}={v}]" for k, v in extra.items())
+            limit = min(args.per_test_s, args.budget_s + 20 - (time.monotonic() - start))
             with open(log_path, "w") as log:
                 log.write(f"# {label}\n")
                 log.flush()
+                # a test still running 15 s before its limit writes every thread's stack into its log (pytest's
+                # faulthandler_timeout): compiling, waiting on the GPU or hung
                 proc = subprocess.Popen(
                     [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
-                     "-p", "no:randomly", "--tb=short", "-rfE", nodeid],
+                     "-p", "no:randomly", "--tb=short", "-rfE", "-o", f"faulthandler_timeout={max(int(limit) - 15, 5)}",
+                     nodeid],
                     cwd=args.root, env={**env, **extra}, stdout=log, stderr=subprocess.STDOUT)
                 with lock:
                     procs.add(proc)
-                limit = min(args.per_test_s, args.budget_s + 20 - (time.monotonic() - start))
                 try:
                     rc = proc.wait(timeout=max(limit, 1))
                 except subprocess.TimeoutExpired:
@@ -135,7 +149,8 @@ def main() -> int:
             row = (n, label, outcome, rc, round(time.monotonic() - t0, 1), first_error(text) if rc else "",
                    log_path.name)
             with lock:
-                if rc and not extra and not args.no_tma_retry and (rc == 124 or CUDA_ERROR.search(text)):
+                if rc and not extra and not args.no_tma_retry and (CUDA_ERROR.search(text) or (
+                        rc == 124 and not COMPILING.search(text))):
                     queue.insert(0, (n, nodeid, {"SPARSE_ATTN_TMA": "0"}))
                 rows.append(row)
                 summary.write("\t".join(map(str, row)) + "\n")
