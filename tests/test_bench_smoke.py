@@ -499,3 +499,9 @@ def test_isolated_tests_rerun_a_cuda_error_without_tma(tmp_path):
     first = {row[1].split("::")[-1]: row[5] for row in rows}
     assert first["test_build"] == "timeout while compiling kernels (stack dump)", first
     assert first["test_hang"].startswith("timeout in File") and "test_fake_gpu.py" in first["test_hang"], first
+    # a continuation leaves out what this run passed: only the failures and time-outs are selected again
+    isolated = _load(GPU / "isolated_tests.py", "isolated_tests")
+    assert isolated.passed_in([out / "summary.tsv"]) == set()
+    (out / "later.tsv").write_text("n\tnodeid\toutcome\n0\ttest_fake_gpu.py::test_wrong\tpassed\n"
+                                   "1\ttest_fake_gpu.py::test_hang [SPARSE_ATTN_TMA=0]\tpassed\n")
+    assert isolated.passed_in([out / "summary.tsv", out / "later.tsv"]) == {"test_fake_gpu.py::test_wrong"}

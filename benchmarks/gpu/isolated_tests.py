@@ -10,7 +10,11 @@ limit still names every test that finished. A test that fails with a CUDA error 
 fault from any other (``--no-tma-retry`` skips that).
 
     python benchmarks/gpu/isolated_tests.py --out DIR [--jobs 12] [--budget-s 420] [--per-test-s 240] [-m EXPR]
-                                            [--first PATTERN ...] [--no-tma-retry] [--root DIR] [nodeid ...]
+                                            [--first PATTERN ...] [--no-tma-retry] [--skip-passed-in TSV ...]
+                                            [--root DIR] [nodeid ...]
+
+``--skip-passed-in`` leaves out the tests an earlier run's ``summary.tsv`` files record as passed or skipped (a run
+that continues one its budget cut short, or reruns what failed).
 
 DIR receives ``summary.tsv`` (nodeid, outcome, exit status, seconds, first error, log), ``logs/<n>.log`` (pytest's
 -q --tb=short output of test n; ``<n>-notma.log`` its rerun without TMA) and ``summary.md`` (counts, then the failed
@@ -64,6 +68,18 @@ CUDA_ERROR = re.compile(r"illegal memory access|CUDA error|Triton Error \[CUDA\]
 COMPILING = re.compile(r"triton/compiler/|triton/backends/nvidia/compiler\.py|ptxas")
 
 
+def passed_in(summaries: list[Path]) -> set[str]:
+    """Node ids that the ``summary.tsv`` files of earlier runs record as passed or skipped (reruns without TMA
+    aside)."""
+    done = set()
+    for path in summaries:
+        for line in path.read_text().splitlines()[1:]:
+            cols = line.split("\t")
+            if len(cols) > 2 and cols[2] in ("passed", "skipped") and " [" not in cols[1]:
+                done.add(cols[1])
+    return done
+
+
 def first_error(log: str) -> str:
     """The most telling line of a failed test's log: a CUDA error, else the first ``E   `` line, else (a timeout's
     stack dump) whether it was compiling, else the innermost frame of the dump's first thread."""
@@ -92,6 +108,8 @@ def main() -> int:
     ap.add_argument("--no-launch-blocking", action="store_true")
     ap.add_argument("--no-tma-retry", action="store_true",
                     help="do not rerun a test that met a CUDA error with SPARSE_ATTN_TMA=0")
+    ap.add_argument("--skip-passed-in", nargs="*", type=Path, default=[],
+                    help="summary.tsv files of earlier runs: leave out the tests they record as passed or skipped")
     ap.add_argument("--root", type=Path, default=ROOT, help="run pytest from here (default: the repository)")
     ap.add_argument("nodeids", nargs="*")
     args = ap.parse_args()
@@ -99,7 +117,8 @@ def main() -> int:
     start = time.monotonic()
     out: Path = args.out
     (out / "logs").mkdir(parents=True, exist_ok=True)
-    ids = interleave(collect(args.select, args.nodeids, args.root), args.first)
+    done = passed_in(args.skip_passed_in)
+    ids = interleave([n for n in collect(args.select, args.nodeids, args.root) if n not in done], args.first)
     print(f"isolated_tests: {len(ids)} tests, {args.jobs} at a time, budget {args.budget_s:.0f} s", flush=True)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env['PYTHONPATH']}" if env.get("PYTHONPATH") else str(ROOT)
