@@ -422,6 +422,14 @@ def prepare_attention(
         max_seqlen_q, max_seqlen_k = q.shape[2], max_seqlen_k if kv_cache else k.shape[2]
     block_mask = check_block_mask("block_mask", block_mask, q.device, n_rows, q.shape[1], max_seqlen_q, max_seqlen_k,
                                   "nseq" if varlen else "batch")
+    if varlen and (max_seqlen_q > q.shape[2] or max_seqlen_k > k.shape[2]):
+        # no sequence is longer than the packed length: a larger bound (a model's context length, passed for every
+        # batch) would only size the kernels' grids past it (2**40 ran for minutes); a block mask built for that bound
+        # keeps the blocks the packed length reaches
+        max_seqlen_q, max_seqlen_k = min(max_seqlen_q, q.shape[2]), min(max_seqlen_k, k.shape[2])
+        if block_mask is not None:
+            (bq, bk), grid = block_mask.block_size, block_mask.mask
+            block_mask = block_mask._replace(mask=grid[:, :, :-(-max_seqlen_q // bq), :-(-max_seqlen_k // bk)])
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, Real)):
         raise TypeError(f"scale must be None or a Python number, got {type(scale).__name__}")
     if scale is not None and not abs(float(scale)) < float("inf"):

@@ -584,6 +584,19 @@ def test_max_seqlen_upper_bound_gives_the_same_result(kernel_device):
     kw = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, is_causal=True, backend="triton")
     torch.testing.assert_close(entmax_attention(q, k, v, **kw, max_seqlen_q=40, max_seqlen_k=13),
                                entmax_attention(q, k, v, **kw), **EXACT)
+    # past the packed length (20) a bound sizes nothing more: 2**40 once sized the kernels' grids by it
+    torch.testing.assert_close(entmax_attention(q, k, v, **kw, max_seqlen_q=2**40, max_seqlen_k=2**40),
+                               entmax_attention(q, k, v, **kw), **EXACT)
+    # a block mask built for such a bound keeps the blocks the packed length reaches
+    from sparse_attn import BlockSparseMask
+
+    grid = torch.rand(2, 2, 3, 3, generator=g) > 0.3
+    grid[..., 0] = True
+    big = BlockSparseMask(grid.to(kernel_device), 16)
+    small = BlockSparseMask(grid[:, :, :2, :2].to(kernel_device), 16)
+    torch.testing.assert_close(entmax_attention(q, k, v, **kw, max_seqlen_q=40, max_seqlen_k=40, block_mask=big),
+                               entmax_attention(q, k, v, **kw, max_seqlen_q=20, max_seqlen_k=20, block_mask=small),
+                               **EXACT)
 
 
 def test_custom_op_boundary_by_name():
