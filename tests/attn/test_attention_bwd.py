@@ -506,20 +506,23 @@ def test_bf16_delta_from_float32_out_u(data_seed, scale, kernel_device):
         assert_close_to_ref(got, ref64, [base, bf16_toward_zero(ref64)], eps=0.0, name=name)
 
 
+@pytest.mark.parametrize("elem_size", [2, 4])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("deterministic", [True, False])
-def test_gpu_pinned_tiles(head_dim, deterministic, kernel_device, monkeypatch):
-    """Forward and backward at the tiles the GPU pins for this head dim (the forward's ``_pick_config(head_dim,
-    False)``, which fix the bitmap, and the backward kernels' own, ``entmax_attn_bwd._pick_config``: 64 to 128 query
-    rows or keys, the dK/dV products by keys or, above head dim 128, by rows), with partial tiles at both ends, causal,
-    per-head alpha in three classes, with the atomic dQ too: the gradients match float64 as at the interpreter's
-    tiles."""
+def test_gpu_pinned_tiles(head_dim, deterministic, elem_size, kernel_device, monkeypatch):
+    """Forward and backward at the tiles the GPU pins for this head dim and inputs of ``elem_size`` bytes (the
+    forward's ``_pick_config(head_dim, False, elem_size)``, which fix the bitmap, and the backward kernels' own,
+    ``entmax_attn_bwd._pick_config``: for 16-bit inputs 64 to 128 query rows or keys, the dK/dV products by keys or,
+    above head dim 128, by rows; for float32 the narrow tiles that fit sm_90's shared memory), with partial tiles at
+    both ends, causal, per-head alpha in three classes, with the atomic dQ too: the gradients match float64 as at the
+    interpreter's tiles (float32 inputs here either way)."""
     from sparse_attn.kernels.attn import entmax_attn_bwd as bwd
     from sparse_attn.kernels.attn.entmax_attn_fwd import _pick_config
 
     gpu_tiles = bwd._pick_config
-    monkeypatch.setattr(bwd, "_pick_config", lambda d, interpret, *flags: gpu_tiles(d, False, *flags))
-    block_m, block_n, _, _ = _pick_config(head_dim, False)
+    monkeypatch.setattr(bwd, "_pick_config",
+                        lambda d, interpret, *flags: gpu_tiles(d, False, *flags[:4], elem_size=elem_size))
+    block_m, block_n, _, _ = _pick_config(head_dim, False, elem_size)
     case = Case(device=kernel_device, B=1, Hq=3, Hk=1, Nq=block_m + 7, Nk=2 * block_n + 5, D=head_dim,
                 alpha=[1.5, 1.25, 2.0], causal=True)
     case.check(case.run_after_forward(fwd_kw=dict(block_m=block_m, block_n=block_n), deterministic=deterministic))
