@@ -91,11 +91,66 @@ def flash_attn_method(module) -> Method:
     return Method("flash_attn", getattr(module, "__version__", "?"), "1", build)
 
 
-def adasplash_method(module, alpha: str) -> Method:
-    def build(inputs: Inputs):
-        return lambda: module.adasplash(inputs.q, inputs.k, inputs.v, alpha=float(alpha), is_causal=inputs.causal)
+ADASPLASH_HEAD_DIMS = (16, 32, 64, 128, 256)
+ADASPLASH_VARIANTS = ("v1", "v2")
 
-    return Method("adasplash", getattr(module, "__version__", "?"), alpha, build)
+
+def adasplash_limits(variant: str, alpha: str, causal: bool, seq_q: int, seq_k: int, head_dim: int) -> str:
+    """Why AdaSplash's ``variant`` cannot run a case, or ``""`` when it can (the checks of its 0.2.2 launchers).
+
+    ``v1`` is ``adasplash_v1(q, k, v, alpha, is_causal)``: one Python float alpha in (1, 2], causal or not; ``v2`` is
+    ``adasplash_v2(q, k, v)``: alpha 1.5, causal only, ``N >= 64``. Both: self-attention (``Nq = Nk``), ``N`` a power
+    of two (no ``varlen``), head dim in {16, 32, 64, 128, 256}, contiguous ``(B, H, N, D)``, scale ``1/sqrt(D)``.
+    """
+    if variant not in ADASPLASH_VARIANTS:
+        raise ValueError(f"variant must be one of {ADASPLASH_VARIANTS}, got {variant!r}")
+    try:
+        a = float(alpha)
+    except ValueError:
+        return f"AdaSplash takes one Python float alpha per call, not {alpha!r}"
+    if variant == "v2" and a != 1.5:
+        return f"AdaSplash-2 is alpha = 1.5 only (asked {alpha})"
+    if variant == "v2" and not causal:
+        return "AdaSplash-2 is causal only"
+    if not 1.0 < a <= 2.0:
+        return f"AdaSplash-1 takes alpha in (1, 2] (asked {alpha})"
+    if seq_q != seq_k:
+        return f"AdaSplash is self-attention only (Nq = Nk), got Nq {seq_q}, Nk {seq_k}"
+    if seq_q & (seq_q - 1):
+        return f"AdaSplash needs N a power of two without varlen, got {seq_q}"
+    if variant == "v2" and seq_q < 64:
+        return f"AdaSplash-2 needs N >= 64 (its 64 x 64 block mask), got {seq_q}"
+    if head_dim not in ADASPLASH_HEAD_DIMS:
+        return f"AdaSplash takes head dims {ADASPLASH_HEAD_DIMS}, got {head_dim}"
+    return ""
+
+
+def adasplash_version(module) -> str:
+    """The installed distribution's version (0.2.2 says ``__version__ = "0.2.0"``), else the module's."""
+    version = package_version("adasplash")
+    return version if version != "?" else str(getattr(module, "__version__", "?"))
+
+
+def adasplash_method(module, variant: str, alpha: str, missing: str = "") -> Method:
+    """AdaSplash's ``adasplash_v1`` or ``adasplash_v2`` called explicitly (its dispatcher ``adasplash`` picks one
+    silently), with its defaults (v1 ``niter=10``, v2 ``niter=1``) and its own autotuning. A case it cannot run, or a
+    module that did not import (``missing`` says why), gives a callable raising :class:`Unavailable` with the
+    reason, so the row says it."""
+    name = f"adasplash_{variant}"
+    backend = adasplash_version(module) if module is not None else "not importable"
+
+    def build(inputs: Inputs):
+        q, k, v = inputs.q, inputs.k, inputs.v
+        why = missing or adasplash_limits(variant, alpha, inputs.causal, q.shape[2], k.shape[2], q.shape[3])
+        if why:
+            def unavailable():
+                raise Unavailable(why)
+            return unavailable
+        if variant == "v1":
+            return lambda: module.adasplash_v1(q, k, v, alpha=float(alpha), is_causal=inputs.causal)
+        return lambda: module.adasplash_v2(q, k, v)
+
+    return Method(name, backend, alpha, build)
 
 
 def recipe_impl():
@@ -151,13 +206,17 @@ def methods_for(case: Case, args, providers: dict) -> list[Method]:
         if providers.get("flash_attn"):
             out.append(flash_attn_method(providers["flash_attn"]))
         if providers.get("adasplash"):
-            out += [adasplash_method(providers["adasplash"], alpha_label(a)) for a in args.alphas if a > 1]
+            out += [adasplash_method(providers["adasplash"], "v1", alpha_label(a)) for a in args.alphas if a > 1]
+            if 1.5 in args.alphas:
+                out.append(adasplash_method(providers["adasplash"], "v2", "1.5"))
         out += [recipe_method(alpha_label(a)) for a in args.recipe_alphas]
         return out
     if case.group == "sparsity":
         out = [sparse_attn_method(case.alpha)] + flash
         if providers.get("adasplash"):
-            out.append(adasplash_method(providers["adasplash"], case.alpha))
+            out.append(adasplash_method(providers["adasplash"], "v1", case.alpha))
+            if case.alpha == "1.5":
+                out.append(adasplash_method(providers["adasplash"], "v2", case.alpha))
         return out
     return [sparse_attn_method(MIXED), sparse_attn_method(LEARNABLE), sparse_attn_method("1.5")] + flash + [
         recipe_method(MIXED)]
