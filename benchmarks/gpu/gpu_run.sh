@@ -39,7 +39,10 @@
 #   CASE_ARGS       extra arguments for benchmarks/gpu/profile_case.py (e.g. "--config 128x64w8s2"; profile_ncu.sh)
 #   DECODE_ARGS     arguments for benchmarks/offline/decode.py --gpu (default "--dtype bf16")
 #   BENCH_COMMIT    commit to stamp when the copy has no .git (e.g. the output of git rev-parse HEAD)
-# Wheels found in .whl/ (entmax, adasplash; see benchmarks/README.md) are installed to /tmp first.
+# Wheels found in .whl/ (entmax, adasplash; see benchmarks/README.md) are installed to /tmp first (.whl/ is
+# ignored by git: a device call carries it only when named, carry: [".whl"]).
+# AdaSplash side by side (its causal alpha 1.5 sweep, benchmarks/README.md):
+#   MODE=headline SKIP_TESTS=1 TOTAL_S=420 WARM_JOBS=12 HEADLINE_ARGS="--groups adasplash" bash benchmarks/gpu/gpu_run.sh
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 START=$SECONDS

@@ -176,23 +176,27 @@ def offline_sm90(args) -> str:
 
 
 def replay(args, hargs) -> None:
-    """Every launch of the fused kernels that ``headline.py`` makes for ``hargs``, on CPU tensors."""
+    """Every launch of the fused kernels that ``headline.py`` makes for ``hargs``, on CPU tensors: one (case, method)
+    per distinct build (``headline.warm_pairs``; AdaSplash's kernels are not prebuilt: its launches go through
+    ``triton.autotune``, whose benchmarking needs a GPU, so they compile in the GPU run's warm-up)."""
     import headline
     from bench_methods import fused_forward_launcher
 
     fwd, missing = fused_forward_launcher()
     if missing:
         raise SystemExit(f"precompile: {missing}")
-    for case in headline.cases_of(hargs):
-        inputs = None
-        for method in headline.methods_of(case):
-            if method.method != "sparse_attn" or (args.methods and method.alpha not in args.methods):
-                continue
-            inputs = inputs or headline.inputs_of(case, "cpu")
-            if args.forward_only:
-                method.build(inputs)()
-            else:
-                headline.run_case_once(case, method, inputs, fwd)
+    cases = headline.cases_of(hargs)
+    inputs, last = None, None
+    for ci, mi in headline.warm_pairs(cases, peers=False):
+        case, method = cases[ci], headline.methods_of(cases[ci], peers=False)[mi]
+        if args.methods and method.alpha not in args.methods:
+            continue
+        if ci != last:
+            inputs, last = headline.inputs_of(case, "cpu"), ci
+        if args.forward_only:
+            method.build(inputs)()
+        else:
+            headline.run_case_once(case, method, inputs, fwd)
 
 
 def worker(args, hargs, index: int) -> int:
