@@ -16,8 +16,8 @@
 #            in .triton-sm90/ (benchmarks/gpu/precompile.py) is installed into TRITON_CACHE_DIR first, and headline.log
 #            says how many kernels the warm-up loaded from it and how many it compiled
 #   tests:   pytest_gpu.log (the GPU, versions and commit first, then pytest's output with --durations=25)
-#   isolated: env.txt, isolated.log, summary.md, summary.tsv, logs.tgz (logs/<n>.log, one per test, packed: the
-#            device tool brings back a few files only; see isolated_tests.py)
+#   isolated: env.txt, isolated.log, summary.md, summary.tsv, logs.tgz (logs/<n>.log, one per test, packed: a
+#            remote run's output folder may come back as a few files only; see isolated_tests.py)
 #   bench:   pytest_gpu.log, bench.log, results.md, results.csv and three plot_*.png (7 files)
 #   tune:    tune.log, tune.md, tune.csv
 #   profile: profile.md, profile.log; with ncu also ncu.log, ncu_details.csv, ncu_raw.csv, profile.ncu-rep
@@ -149,7 +149,7 @@ case "$MODE" in
   isolated)
     export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
     # one build per kernel, the pinned config (autotuning builds three: at 01466f6, with 14 tests at a time, 6 tests
-    # ran past 440 s in two calls and 31 of 119 did not finish; SPARSE_ATTN_PINNED=0 tests the autotuned launches)
+    # ran past 440 s in two runs and 37 of 119 did not finish; SPARSE_ATTN_PINNED=0 tests the autotuned launches)
     export SPARSE_ATTN_PINNED=${SPARSE_ATTN_PINNED:-1}
     mkdir -p "$TRITON_CACHE_DIR"
     {
