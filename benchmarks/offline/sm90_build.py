@@ -136,10 +136,12 @@ def sm90_tma(on: bool | None = None):
         _args.tma_device = saved
 
 
-def _problem(head_dim, n, dtype, varlen, heads=4):
-    """CPU tensors shaped like a real call (contiguous, 16-byte aligned), and varlen offsets."""
+def _problem(head_dim, n, dtype, varlen, heads=4, head_dim_v=None):
+    """CPU tensors shaped like a real call (contiguous, 16-byte aligned; ``v`` of ``head_dim_v``, default
+    ``head_dim``), and varlen offsets."""
     b = 1 if varlen else 2
-    q, k, v = (torch.empty(b, heads, n, head_dim, dtype=dtype) for _ in range(3))
+    q, k = (torch.empty(b, heads, n, head_dim, dtype=dtype) for _ in range(2))
+    v = torch.empty(b, heads, n, head_dim_v or head_dim, dtype=dtype)
     cu = torch.tensor([0, n // 3, n], dtype=torch.int32) if varlen else None
     return q, k, v, cu
 
@@ -166,7 +168,7 @@ def fwd_case(head_dim: int, alpha_class: str, causal: bool = True, dtype=torch.b
              mask: str | None = None, dropout: bool = False, varlen: bool = False, need_out_u: bool = False,
              window_size=None, softcap: float | None = None, alibi: bool = False, sinks: bool = False,
              config: tuple | None = None, block_mask: str | None = None, block: tuple | None = None,
-             split: bool = False):
+             split: bool = False, head_dim_v: int | None = None):
     """Build the forward for one configuration as the launcher launches it; returns the analysis dict.
 
     ``mask``: None, ``"float"`` (an additive ``(B, 1, Nq, Nk)`` bias) or ``"bool"`` (a keep mask);
@@ -175,9 +177,10 @@ def fwd_case(head_dim: int, alpha_class: str, causal: bool = True, dtype=torch.b
     ALiBi slopes, per-head sinks; ``config``: ``(num_warps, num_stages)`` instead of the pinned one (an autotune
     candidate); ``block_mask``: a kind of :data:`BLOCK_MASKS` or None; ``block``: ``(block_m, block_n)`` instead of
     the pinned tiles; ``split``: the split forward's two stages (``kernels/attn/_fwd_split.py``, both built; the dict
-    is the value kernel's), else the fused kernel, whatever the launcher's default for the class.
+    is the value kernel's), else the fused kernel, whatever the launcher's default for the class; ``head_dim_v``: the
+    value head dim (default ``head_dim``).
     """
-    q, k, v, cu = _problem(head_dim, n, dtype, varlen)
+    q, k, v, cu = _problem(head_dim, n, dtype, varlen, head_dim_v=head_dim_v)
     variants = dict(window_size=window_size, softcap=softcap,
                     alibi_slopes=torch.empty(q.shape[1], dtype=torch.float32) if alibi else None)
     if block_mask is not None:
@@ -212,7 +215,7 @@ def fwd_case(head_dim: int, alpha_class: str, causal: bool = True, dtype=torch.b
                                     cu_seqlens_k=cu, dropout_p=0.1 if dropout else 0.0, **variants, **extra)
         finally:
             fwd._entmax_attn_fwd_autotuned = tuned
-        _, _, warps, stages = (fwd._pick_config(head_dim, False, q.element_size()) if config is None
+        _, _, warps, stages = (fwd._pick_config(head_dim, False, q.element_size(), v.shape[3]) if config is None
                                else (None, None, *config))
         kernel, launches = fwd._entmax_attn_fwd_kernel, [(g, a, {**kw, "num_warps": warps, "num_stages": stages})
                                                          for g, a, kw in cap.launches]
@@ -369,6 +372,7 @@ def check() -> int:
         # float32 inputs, the largest shared memory of each kernel's pinned tiles (an H200 launch of the former
         # ones failed: docs/backward.md "Float32 inputs")
         fwd_case(256, "entmax15", dtype=torch.float32, n=1024),
+        fwd_case(128, "entmax15", dtype=torch.float32, n=1024, need_out_u=True, head_dim_v=256),
         *bwd_cases(256, need_dalpha=False, mask=None, dtype=torch.float32, n=1024, kernels=("dq",),
                    alpha_class="entmax15"),
         *bwd_cases(256, need_dalpha=True, mask="blocks", dtype=torch.float32, n=1024, kernels=("dkdv",),

@@ -238,31 +238,34 @@ FWD_NO_TMA = frozenset({
 # the interpreter runs one pinned config (autotuning several fails there)
 _entmax_attn_fwd_autotuned = triton.autotune(
     configs=_args.launch_configs(), prune_configs_by={"early_config_prune": _args.prune_to_pinned(
-        lambda args: _pick_config(args["HEAD_DIM"], False, args["Q"].element_size())[2:], by_args=True)},
+        lambda args: _pick_config(args["HEAD_DIM"], False, args["Q"].element_size(),
+                                  args.get("HEAD_DIM_V"))[2:], by_args=True)},
     key=["HEAD_DIM", "HEAD_DIM_V", "BLOCK_M", "BLOCK_N", "ALPHA_CLASS", "HEAD_FILTER", "BIAS_KIND", "MASK", "SCORE",
          "IS_VARLEN", "HAS_DROPOUT", "NEED_OUT_U", "DOT_PRECISION", "USE_TMA"],
 )(_entmax_attn_fwd_kernel)
 
 
-def _pick_config(head_dim: int, interpret: bool, elem_size: int = 2):
-    """``(block_m, block_n, num_warps, num_stages)``: one pinned config per head dim (and, above head dim 128, input
-    element size ``elem_size``).
+def _pick_config(head_dim: int, interpret: bool, elem_size: int = 2, head_dim_v: int | None = None):
+    """``(block_m, block_n, num_warps, num_stages)``: one pinned config per head dim (and, for float32 inputs, value
+    head dim: ``elem_size``, ``head_dim_v``, default ``head_dim``).
 
     GPU: up to head dim 64, 128 x 64 tiles on 8 warps; up to 128, 64 x 64 on 4 warps; above, 64 x 32 on 8 warps; two
     pipeline stages. Head dims 64 and 256 keep the configs of the offline sm_90 builds (the smallest tiles free of
     spills for every alpha class); head dim 128 takes the winner of an H200 sweep (1.12-1.40x the former 128 x 32 /
     8 warps at alpha 1.5 and 1.25, 1.47-1.62x at alpha 1, forward and forward + backward, causal or not; a few bytes
-    spilled): benchmarks/results/nvidia-h200/tune/ and docs/kernels.md. Float32 inputs above head dim 128 take one
-    stage: two need 272 KiB of shared memory, above sm_90's 227 KiB (an H200 launch failed so; one: 208 KiB).
+    spilled): benchmarks/results/nvidia-h200/tune/ and docs/kernels.md. Float32 inputs whose head dim or value head
+    dim is above 128 take one stage: two need 272-288 KiB of shared memory, above sm_90's 227 KiB (an H200 launch
+    failed so; sm_90 builds).
     """
     if interpret:
         return 32, 32, 4, 1
     head_dim_block = _args.head_dim_block(head_dim)
+    stages = 1 if elem_size > 2 and _args.head_dim_block(max(head_dim, head_dim_v or head_dim)) > 128 else 2
     if head_dim_block <= 64:
-        return 128, 64, 8, 2
+        return 128, 64, 8, stages
     if head_dim_block <= 128:
-        return 64, 64, 4, 2
-    return 64, 32, 8, 2 if elem_size <= 2 else 1
+        return 64, 64, 4, stages
+    return 64, 32, 8, stages
 
 
 def fwd_block_sizes(head_dim: int) -> tuple:
@@ -376,7 +379,7 @@ def launch_fwd(spec, seed: int = 0, *, tol: float | None = None, max_passes: int
                split: bool | None = None) -> EntmaxAttnFwdResult:
     """:func:`entmax_attn_fwd` of an ``AttnSpec`` (``kernels/_spec.py``: the fused op's spec, or ``kernel_spec`` of
     the launcher's keywords), with the dropout ``seed`` and the launch options of :func:`entmax_attn_fwd`."""
-    forced = _forced_options(num_warps, num_stages, spec.q.shape[-1], spec.q.element_size())
+    forced = _forced_options(num_warps, num_stages, spec.q.shape[-1], spec.q.element_size(), spec.v.shape[-1])
     plan = _plan(spec, seed, tol, max_passes, need_out_u, block_m, block_n)
     split_classes = {ALPHA_CLASSES[c] for c in ("sparsemax", "entmax15", "general") if runs_split(c, split)}
     # K / V tiles by TMA descriptors where the device and the layout allow, in the launches that gain (takes_tma);
@@ -432,9 +435,10 @@ def _split_options(stage: int, args: dict, options: dict) -> dict:
     return options
 
 
-def _forced_options(num_warps, num_stages, head_dim: int, elem_size: int = 2) -> dict | None:
-    """``num_warps`` / ``num_stages`` launch options of a forced config (the one not given pinned for ``head_dim`` and
-    the inputs' ``elem_size``), or
+def _forced_options(num_warps, num_stages, head_dim: int, elem_size: int = 2,
+                    head_dim_v: int | None = None) -> dict | None:
+    """``num_warps`` / ``num_stages`` launch options of a forced config (the one not given pinned for ``head_dim``,
+    the inputs' ``elem_size`` and ``head_dim_v``), or
     None when neither is given. Raises ``ValueError`` naming an argument out of range."""
     if num_warps is None and num_stages is None:
         return None
@@ -444,7 +448,7 @@ def _forced_options(num_warps, num_stages, head_dim: int, elem_size: int = 2) ->
             raise TypeError(f"{name}: expected {expected} or None, got {type(value).__name__} {value!r}")
         if value is not None and value not in allowed:
             raise ValueError(f"{name}: expected {expected} or None, got {value!r}")
-    _, _, warps, stages = _pick_config(head_dim, _args.interpreting(), elem_size)
+    _, _, warps, stages = _pick_config(head_dim, _args.interpreting(), elem_size, head_dim_v)
     return dict(num_warps=warps if num_warps is None else num_warps,
                 num_stages=stages if num_stages is None else num_stages)
 
@@ -461,7 +465,8 @@ def _plan(spec, seed, tol, max_passes, need_out_u, block_m, block_n) -> _Launch:
     q, k, v, cu_seqlens_q = spec.q, spec.k, spec.v, spec.cu_seqlens_q
     batch, n_heads, total_q, head_dim = q.shape
     assert 16 <= head_dim <= 256, f"q: head dim must be in [16, 256], got {head_dim}"
-    default_m, default_n, num_warps, num_stages = _pick_config(head_dim, _args.interpreting(), q.element_size())
+    default_m, default_n, num_warps, num_stages = _pick_config(head_dim, _args.interpreting(), q.element_size(),
+                                                               v.shape[3])
     plan = _args.tile_plan(q, k, cu_seqlens_q, spec.cu_seqlens_k, spec.max_seqlen_q, spec.max_seqlen_k,
                            default_m if block_m is None else block_m, default_n if block_n is None else block_n)
     n_seq, n_q_tiles = plan.n_seq, plan.n_q_tiles
