@@ -20,7 +20,7 @@ from helpers import EXACT, F64, TOL, assert_close_to_ref, cu_seqlens, host_reads
 import sparse_attn._validation as validation
 import sparse_attn.attn._attn_autograd as autograd_mod
 import sparse_attn.reference as reference_mod
-from sparse_attn import checks_enabled, set_checks
+from sparse_attn import BlockSparseMask, checks_enabled, set_checks
 from sparse_attn.attention import entmax_attention
 from sparse_attn.reference import causal_keep, entmax_attention_reference
 
@@ -588,8 +588,6 @@ def test_max_seqlen_upper_bound_gives_the_same_result(kernel_device):
     torch.testing.assert_close(entmax_attention(q, k, v, **kw, max_seqlen_q=2**40, max_seqlen_k=2**40),
                                entmax_attention(q, k, v, **kw), **EXACT)
     # a block mask built for such a bound keeps the blocks the packed length reaches
-    from sparse_attn import BlockSparseMask
-
     grid = torch.rand(2, 2, 3, 3, generator=g) > 0.3
     grid[..., 0] = True
     big = BlockSparseMask(grid.to(kernel_device), 16)
